@@ -1,0 +1,113 @@
+// SPDX-License-Identifier: Apache-2.0
+// Checkpoint: the tensors of a Hugging Face safetensors checkpoint, memory-mapped.
+//
+// A checkpoint directory holds either `model.safetensors` or shards listed by
+// `model.safetensors.index.json`. Every file is validated when opened (header
+// JSON, dtypes, offsets inside the file, no overlaps), so a truncated or
+// corrupt file gives a DataLoss status, never a crash. Tensors are returned as
+// borrowed views of the mapping: no copy. The Checkpoint owns the mappings;
+// tensors it returns must not outlive it. Read-only after open: thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flexpert/status.h"
+#include "flexpert/tensor.h"
+
+namespace flexpert {
+
+// One mapped .safetensors file.
+class SafetensorsFile {
+ public:
+  struct Entry {
+    DType dtype;
+    Shape shape;
+    uint64_t begin = 0;  // Byte offsets relative to the data section.
+    uint64_t end = 0;
+  };
+
+  static Result<std::unique_ptr<SafetensorsFile>> open(const std::string& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  const std::map<std::string, Entry>& entries() const { return entries_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // Tensors in a dtype flexpert does not compute in (I64, U8, F8_E4M3, ...): name ->
+  // dtype as written. They are validated like the others but are not in entries().
+  const std::map<std::string, std::string>& unsupported() const { return unsupported_; }
+  // A borrowed, read-only view of the named tensor, or NotFound (Unimplemented for
+  // an unsupported dtype).
+  Result<Tensor> get(const std::string& name) const;
+
+ private:
+  SafetensorsFile() = default;
+
+  std::string path_;
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  const uint8_t* data_ = nullptr;  // Start of the data section inside the mapping.
+  std::map<std::string, Entry> entries_;
+  std::map<std::string, std::string> metadata_;
+  std::map<std::string, std::string> unsupported_;
+};
+
+class Checkpoint {
+ public:
+  // Opens DIR/model.safetensors, or DIR/model.safetensors.index.json and its shards.
+  static Result<std::unique_ptr<Checkpoint>> open(const std::string& dir);
+
+  const std::string& dir() const { return dir_; }
+  bool contains(const std::string& name) const;
+  std::vector<std::string> names() const;
+  // A borrowed view of the tensor (NotFound names the tensor and directory).
+  Result<Tensor> get(const std::string& name) const;
+  // As get(), and InvalidArgument when the shape differs from `expected`.
+  Result<Tensor> get(const std::string& name, const Shape& expected) const;
+
+ private:
+  std::string dir_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, const SafetensorsFile*> index_;  // Tensor name -> its file.
+};
+
+// Writes a .safetensors file tensor by tensor, streaming: the data of each
+// tensor is produced by a callback into a bounded buffer, so files far larger
+// than memory can be written. Not thread-safe.
+class SafetensorsWriter {
+ public:
+  // Fills `dst` with `num_bytes` bytes of the tensor starting at byte `offset`.
+  // `offset` and `num_bytes` are multiples of the element size and `dst` is aligned
+  // to it, so a callback can write whole elements.
+  using Fill = std::function<void(uint64_t offset, void* dst, uint64_t num_bytes)>;
+
+  void add(std::string name, DType dtype, Shape shape, Fill fill);
+  void set_metadata(std::string key, std::string value);
+  // The size of the staging buffer (default 16 MiB); tests make it small.
+  void set_buffer_bytes(size_t num_bytes) { buffer_bytes_ = num_bytes; }
+  uint64_t total_bytes() const;  // Of the data section.
+  // Writes the file (as PATH.tmp, renamed to PATH when complete, so a reader never
+  // sees a partial file); `progress(bytes_done, bytes_total)` is called now and then.
+  // Duplicate or reserved names are an InvalidArgument.
+  Status write(const std::string& path,
+               const std::function<void(uint64_t, uint64_t)>& progress = nullptr) const;
+
+ private:
+  struct Pending {
+    std::string name;
+    DType dtype;
+    Shape shape;
+    Fill fill;
+  };
+  std::vector<Pending> tensors_;
+  std::map<std::string, std::string> metadata_;
+  size_t buffer_bytes_ = size_t{16} << 20;
+};
+
+}  // namespace flexpert

@@ -1,0 +1,76 @@
+// SPDX-License-Identifier: Apache-2.0
+// Sampling and a continuous-batching generation loop over one Model.
+//
+// Sampler draws the next token from logits: greedy (temperature 0), or
+// temperature with optional top-k / top-p, reproducible from a seed.
+// Generator runs requests to completion: up to max_sequences at once, new
+// requests join between steps, prompts are prefilled in chunks under a
+// per-step token budget, finished requests leave and free their KV slot.
+// Single-threaded driver (the Model parallelises inside); not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flexpert/model.h"
+#include "flexpert/status.h"
+
+namespace flexpert {
+
+struct SamplingParams {
+  float temperature = 0.0f;  // 0: greedy.
+  int top_k = 0;             // 0: no limit.
+  float top_p = 1.0f;
+  uint64_t seed = 0;
+  int max_tokens = 16;
+  std::vector<int32_t> stop_token_ids;  // Besides the model's EOS ids.
+  bool ignore_eos = false;
+
+  Status validate() const;
+};
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplingParams& params);
+  int32_t sample(const float* logits, int64_t vocab);
+
+ private:
+  SamplingParams params_;
+  std::mt19937_64 rng_;
+  std::vector<std::pair<float, int32_t>> candidates_;
+};
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams params;
+};
+
+struct GenerationResult {
+  std::vector<int32_t> tokens;
+  std::string finish_reason;  // "length" or "stop".
+};
+
+struct GeneratorOptions {
+  int max_tokens_per_step = 2048;  // Prefill chunking budget (decode tokens count too).
+  // Called after every step with (tokens in the step, seconds it took).
+  std::function<void(int64_t, double)> on_step;
+  // Called for each new token of request i.
+  std::function<void(size_t, int32_t)> on_token;
+};
+
+class Generator {
+ public:
+  Generator(Model& model, GeneratorOptions options = {});
+  // Runs all requests; results are in request order. Fails (InvalidArgument) before
+  // any step when a request is invalid.
+  Result<std::vector<GenerationResult>> run(const std::vector<GenerationRequest>& requests);
+
+ private:
+  Model& model_;
+  GeneratorOptions options_;
+};
+
+}  // namespace flexpert

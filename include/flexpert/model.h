@@ -1,0 +1,64 @@
+// SPDX-License-Identifier: Apache-2.0
+// Model: a Qwen3-MoE decoder on CPU with its KV cache.
+//
+// Loads a checkpoint directory (config.json + safetensors), keeps the mapped
+// file alive and borrows dense weights from it; expert weights are copied into
+// physical slots laid out by an ExpertPlacement. forward() runs one step for a
+// batch of sequences, each a chunk of new tokens at consecutive positions in a
+// KV-cache slot (a prefill chunk or one decode token). The KV cache is sized at
+// load for max_sequences x max_seq_len and never reallocated. One thread drives
+// a Model at a time (forward is not re-entrant); it parallelises internally
+// over the ThreadPool.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flexpert/model_config.h"
+#include "flexpert/placement.h"
+#include "flexpert/status.h"
+#include "flexpert/tensor.h"
+#include "flexpert/thread_pool.h"
+
+namespace flexpert {
+
+struct ModelOptions {
+  std::string placement = "identity";  // See ExpertPlacement::parse.
+  int max_sequences = 8;               // KV-cache slots.
+  int max_seq_len = 0;                 // Positions per slot; 0: min(config, 4096).
+  ThreadPool* pool = nullptr;          // nullptr: ThreadPool::global().
+  // Called as layers load: (layers done, layers total).
+  std::function<void(int, int)> progress;
+};
+
+// The new tokens of one sequence in a step.
+struct SequenceChunk {
+  int kv_slot = 0;         // Which KV-cache slot the sequence owns.
+  int start_pos = 0;       // Position of tokens[0]; earlier positions are cached.
+  std::vector<int32_t> tokens;
+};
+
+class Model {
+ public:
+  static Result<std::unique_ptr<Model>> load(const std::string& dir, const ModelOptions& options);
+  virtual ~Model() = default;
+
+  virtual const ModelConfig& config() const = 0;
+  virtual const ExpertPlacement& placement() const = 0;
+  virtual int max_sequences() const = 0;
+  virtual int max_seq_len() const = 0;
+
+  // Runs one step. `logits` receives [batch.size(), vocab] f32: the logits of the
+  // last token of each chunk. InvalidArgument for an out-of-range token id,
+  // slot or position; nothing is written to the cache then.
+  virtual Status forward(const std::vector<SequenceChunk>& batch, Tensor* logits) = 0;
+
+  // Rows computed per [layer][slot] since the last reset (EPLB load statistics).
+  virtual const std::vector<std::vector<int64_t>>& slot_counts() const = 0;
+  virtual void reset_slot_counts() = 0;
+};
+
+}  // namespace flexpert

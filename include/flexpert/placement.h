@@ -1,0 +1,57 @@
+// SPDX-License-Identifier: Apache-2.0
+// ExpertPlacement: which logical expert each physical slot of each MoE layer holds.
+//
+// The MoE layer executes slots, not experts. A logical expert has one or more
+// replicas (slots holding a copy of its weights); a routed token goes to one of
+// them, and which one never changes the result. Free slots hold kFreeSlot. This
+// table is what expert parallelism and load balancing rewrite. Value type;
+// const methods are thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flexpert/status.h"
+
+namespace flexpert {
+
+class ExpertPlacement {
+ public:
+  static constexpr int kFreeSlot = -1;
+
+  ExpertPlacement() = default;
+  // Slot s holds expert s for s < num_experts; the rest are free.
+  static ExpertPlacement identity(int num_layers, int num_experts, int num_slots);
+  // From explicit slot -> expert maps, one per layer (all of one length); validated.
+  static Result<ExpertPlacement> from_slot_maps(int num_experts,
+                                                std::vector<std::vector<int>> slot_to_expert);
+  // Parses a placement spec:
+  //   "identity"                 one slot per expert;
+  //   "replicate:R[:SEED]"       identity plus R replica slots per layer holding experts chosen
+  //                              by SEED, slots shuffled;
+  //   a path to a JSON file      {"layers": [[expert of slot 0, ...], ...]} (one list per layer,
+  //                              or a single list used for every layer; -1 marks a free slot).
+  static Result<ExpertPlacement> parse(const std::string& spec, int num_layers, int num_experts);
+
+  int num_layers() const { return static_cast<int>(slot_to_expert_.size()); }
+  int num_experts() const { return num_experts_; }
+  int num_slots() const { return num_slots_; }
+  int slot_expert(int layer, int slot) const { return slot_to_expert_[layer][slot]; }
+  const std::vector<int>& slot_map(int layer) const { return slot_to_expert_[layer]; }
+  // The slots holding `expert` in `layer`, ascending.
+  const std::vector<int>& replicas(int layer, int expert) const {
+    return expert_to_slots_[layer][expert];
+  }
+  std::string to_json() const;
+
+ private:
+  Status build_index();
+
+  int num_experts_ = 0;
+  int num_slots_ = 0;
+  std::vector<std::vector<int>> slot_to_expert_;               // [layer][slot]
+  std::vector<std::vector<std::vector<int>>> expert_to_slots_;  // [layer][expert] -> slots
+};
+
+}  // namespace flexpert

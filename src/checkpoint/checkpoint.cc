@@ -1,0 +1,118 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "flexpert/checkpoint.h"
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "file_util.h"
+
+namespace flexpert {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+constexpr const char* kSingleFile = "model.safetensors";
+constexpr const char* kIndexFile = "model.safetensors.index.json";
+
+bool is_regular_file(const std::string& path) {
+  std::error_code ec;
+  return fs::is_regular_file(path, ec);
+}
+
+// Shard names come from a file we did not write: keep them inside the directory.
+bool is_safe_shard_name(const std::string& shard) {
+  if (shard.empty() || shard.front() == '/') return false;
+  for (const auto& part : fs::path(shard)) {
+    if (part == "..") return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Checkpoint>> Checkpoint::open(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    return not_found("checkpoint directory " + dir + " does not exist or is not a directory");
+  }
+  auto ckpt = std::make_unique<Checkpoint>();
+  ckpt->dir_ = dir;
+  const std::string single_path = dir + "/" + kSingleFile;
+  const std::string index_path = dir + "/" + kIndexFile;
+
+  // The single file wins when both exist, as in Hugging Face transformers.
+  if (is_regular_file(single_path)) {
+    FLEX_ASSIGN_OR_RETURN(auto file, SafetensorsFile::open(single_path));
+    for (const auto& [name, entry] : file->entries()) ckpt->index_[name] = file.get();
+    for (const auto& [name, dtype] : file->unsupported()) ckpt->index_[name] = file.get();
+    ckpt->files_.push_back(std::move(file));
+    return ckpt;
+  }
+  if (!is_regular_file(index_path)) {
+    return not_found("no " + std::string(kSingleFile) + " or " + kIndexFile + " in " + dir);
+  }
+
+  FLEX_ASSIGN_OR_RETURN(std::string text, read_text_file(index_path));
+  json index;
+  try {
+    index = json::parse(text);
+  } catch (const json::exception& e) {
+    return data_loss(index_path + ": not valid JSON: " + e.what());
+  }
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
+    return data_loss(index_path + ": no \"weight_map\" object");
+  }
+  std::map<std::string, const SafetensorsFile*> shards;
+  for (const auto& [name, value] : index["weight_map"].items()) {
+    if (!value.is_string() || !is_safe_shard_name(value.get<std::string>())) {
+      return data_loss(index_path + ": tensor '" + name + "' maps to a bad shard name " +
+                       value.dump());
+    }
+    const std::string shard = value.get<std::string>();
+    auto it = shards.find(shard);
+    if (it == shards.end()) {
+      const std::string shard_path = dir + "/" + shard;
+      auto file = SafetensorsFile::open(shard_path);
+      if (!file.ok()) {
+        return file.status().annotate("shard " + shard + " listed in " + index_path);
+      }
+      it = shards.emplace(shard, file->get()).first;
+      ckpt->files_.push_back(std::move(file).value());
+    }
+    const SafetensorsFile* file = it->second;
+    if (!file->entries().contains(name) && !file->unsupported().contains(name)) {
+      return data_loss(index_path + " maps tensor '" + name + "' to " + file->path() +
+                       ", which does not contain it");
+    }
+    ckpt->index_[name] = file;
+  }
+  return ckpt;
+}
+
+bool Checkpoint::contains(const std::string& name) const { return index_.contains(name); }
+
+std::vector<std::string> Checkpoint::names() const {
+  std::vector<std::string> names;
+  names.reserve(index_.size());
+  for (const auto& [name, file] : index_) names.push_back(name);
+  return names;
+}
+
+Result<Tensor> Checkpoint::get(const std::string& name) const {
+  auto it = index_.find(name);
+  if (it == index_.end()) return not_found("no tensor '" + name + "' in checkpoint " + dir_);
+  return it->second->get(name);
+}
+
+Result<Tensor> Checkpoint::get(const std::string& name, const Shape& expected) const {
+  FLEX_ASSIGN_OR_RETURN(Tensor tensor, get(name));
+  if (tensor.shape() != expected) {
+    return invalid_argument("tensor '" + name + "' in checkpoint " + dir_ + " has shape " +
+                            shape_to_string(tensor.shape()) + ", expected " +
+                            shape_to_string(expected));
+  }
+  return tensor;
+}
+
+}  // namespace flexpert

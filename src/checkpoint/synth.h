@@ -1,0 +1,44 @@
+// SPDX-License-Identifier: Apache-2.0
+// Synthetic checkpoints: a config.json plus safetensors weights with the tensor
+// names and shapes of a real Hugging Face model and random, deterministic values,
+// so that the runtime can be run and benchmarked at full size without the weights.
+//
+// Values are a pure function of (seed, tensor name, element index): any chunk is
+// generated independently, in parallel on ThreadPool::global(), and two runs with
+// one seed write identical files. Norm weights are 1 + small noise, linear weights
+// have std 1/sqrt(fan_in), the router (mlp.gate) has std 2/sqrt(hidden) with its
+// first num_experts/8 rows doubled so that routing is decisive and skewed.
+// Blocking, file I/O only; safe to call from several threads on different out_dirs.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "flexpert/dtype.h"
+#include "flexpert/model_config.h"
+#include "flexpert/status.h"
+
+namespace flexpert {
+
+struct SynthOptions {
+  std::string preset;   // See synth_preset_config().
+  std::string out_dir;  // Created if missing.
+  int num_layers = -1;  // -1: the preset's.
+  DType dtype = DType::kBF16;
+  uint64_t seed = 0;
+  // Called with bytes of weights written so far and the total, from the calling thread.
+  std::function<void(uint64_t done, uint64_t total)> progress;
+  // Above this, the weights are split into model-0000i-of-0000n.safetensors shards
+  // plus model.safetensors.index.json (a tensor is never split across shards).
+  uint64_t max_shard_bytes = 4ull << 30;
+};
+
+// "tiny" (the shape of testdata/qwen3moe-tiny) or "qwen3-30b-a3b"; else InvalidArgument.
+Result<ModelConfig> synth_preset_config(const std::string& preset);
+
+// Writes OUT_DIR/config.json and the weights; replaces a previous synthetic
+// checkpoint of either layout in OUT_DIR.
+Status synthesize_checkpoint(const SynthOptions& options);
+
+}  // namespace flexpert

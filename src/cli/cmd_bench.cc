@@ -1,0 +1,160 @@
+// SPDX-License-Identifier: Apache-2.0
+// `flexpert bench generate`: prefill and decode throughput of one model at several batch sizes.
+//
+// Without --model it synthesises the preset once into --cache (reused on later
+// runs). Prefill: one step holding every sequence's whole prompt. Decode:
+// --gen-tokens steps of one token per sequence. Prints a table, writes JSON.
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "checkpoint/synth.h"
+#include "cli/commands.h"
+#include "cli/flags.h"
+#include "flexpert/model.h"
+#include "flexpert/thread_pool.h"
+#include "kernels/cpu_ops.h"
+
+namespace flexpert::cli {
+
+Result<DType> parse_weight_dtype(const std::string& name);
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+Result<std::string> ensure_model(const Flags& flags) {
+  if (flags.has("model")) return flags.str("model");
+  SynthOptions options;
+  options.preset = flags.str("preset");
+  FLEX_ASSIGN_OR_RETURN(int64_t layers, flags.integer("layers"));
+  options.num_layers = static_cast<int>(layers);
+  FLEX_ASSIGN_OR_RETURN(options.dtype, parse_weight_dtype(flags.str("dtype")));
+  options.out_dir = flags.str("cache") + "/" + options.preset + "-L" + std::to_string(layers) +
+                    "-" + flags.str("dtype");
+  struct stat st {};
+  if (stat((options.out_dir + "/config.json").c_str(), &st) == 0) return options.out_dir;
+  Progress progress("synthesising " + options.out_dir);
+  options.progress = [&](uint64_t done, uint64_t total) {
+    progress.update(done >> 20, total >> 20, " MiB");
+  };
+  Status s = synthesize_checkpoint(options);
+  progress.finish();
+  FLEX_RETURN_IF_ERROR(s);
+  return options.out_dir;
+}
+
+Status run_generate_bench(const Flags& flags) {
+  FLEX_ASSIGN_OR_RETURN(auto batches, flags.int_list("batches"));
+  FLEX_ASSIGN_OR_RETURN(int64_t prompt_len, flags.integer("prompt-len"));
+  FLEX_ASSIGN_OR_RETURN(int64_t gen_tokens, flags.integer("gen-tokens"));
+  if (prompt_len < 1 || gen_tokens < 1) return invalid_argument("lengths must be >= 1");
+  for (int64_t b : batches) {
+    if (b < 1) return invalid_argument("--batches items must be >= 1");
+  }
+  FLEX_ASSIGN_OR_RETURN(std::string dir, ensure_model(flags));
+  const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
+  ModelOptions options;
+  options.max_sequences = static_cast<int>(max_batch);
+  options.max_seq_len = static_cast<int>(prompt_len + gen_tokens + 1);
+  Progress progress("loading " + dir);
+  options.progress = [&](int done, int total) { progress.update(done, total, " layers"); };
+  FLEX_ASSIGN_OR_RETURN(auto model, Model::load(dir, options));
+  progress.finish();
+  const ModelConfig& c = model->config();
+
+  std::mt19937 rng(1);
+  nlohmann::json runs = nlohmann::json::array();
+  std::printf("%-6s %12s %12s %14s\n", "batch", "prefill tok/s", "decode tok/s", "decode ms/step");
+  Tensor logits;
+  for (int64_t b : batches) {
+    std::vector<SequenceChunk> batch(static_cast<size_t>(b));
+    for (int64_t i = 0; i < b; ++i) {
+      batch[i].kv_slot = static_cast<int>(i);
+      batch[i].start_pos = 0;
+      for (int64_t t = 0; t < prompt_len; ++t) {
+        batch[i].tokens.push_back(static_cast<int32_t>(rng() % c.vocab_size));
+      }
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    FLEX_RETURN_IF_ERROR(model->forward(batch, &logits));
+    const double prefill_s = seconds_since(t0);
+    t0 = std::chrono::steady_clock::now();
+    for (int64_t step = 0; step < gen_tokens; ++step) {
+      for (int64_t i = 0; i < b; ++i) {
+        const float* row = logits.data<float>() + i * c.vocab_size;
+        batch[i].start_pos = static_cast<int>(prompt_len + step);
+        batch[i].tokens = {static_cast<int32_t>(kernels::argmax(row, c.vocab_size))};
+      }
+      FLEX_RETURN_IF_ERROR(model->forward(batch, &logits));
+    }
+    const double decode_s = seconds_since(t0);
+    const double prefill_tps = static_cast<double>(b * prompt_len) / prefill_s;
+    const double decode_tps = static_cast<double>(b * gen_tokens) / decode_s;
+    const double step_ms = 1e3 * decode_s / static_cast<double>(gen_tokens);
+    std::printf("%-6lld %12.1f %12.1f %14.2f\n", static_cast<long long>(b), prefill_tps,
+                decode_tps, step_ms);
+    std::fflush(stdout);
+    runs.push_back({{"batch", b},
+                    {"prefill_tokens_per_s", prefill_tps},
+                    {"decode_tokens_per_s", decode_tps},
+                    {"decode_ms_per_step", step_ms},
+                    {"prefill_s", prefill_s},
+                    {"decode_s", decode_s}});
+  }
+  nlohmann::json out = {{"benchmark", "generate"},
+                        {"model", dir},
+                        {"layers", c.num_hidden_layers},
+                        {"hidden_size", c.hidden_size},
+                        {"num_experts", c.num_experts},
+                        {"top_k", c.num_experts_per_tok},
+                        {"prompt_len", prompt_len},
+                        {"gen_tokens", gen_tokens},
+                        {"threads", ThreadPool::global().num_threads()},
+                        {"hardware_threads", std::thread::hardware_concurrency()},
+                        {"runs", runs}};
+  if (flags.has("json")) {
+    std::ofstream f(flags.str("json"));
+    f << out.dump(2) << "\n";
+    if (!f) return invalid_argument("cannot write " + flags.str("json"));
+  }
+  return Status();
+}
+
+}  // namespace
+
+int cmd_bench(const Args& args) {
+  if (args.empty() || args[0] != "generate") {
+    std::fprintf(stderr, "usage: flexpert bench generate [flags]\n");
+    return 2;
+  }
+  Flags flags;
+  flags.value("model", "", "checkpoint directory (default: synthesise --preset)")
+      .value("preset", "qwen3-30b-a3b", "synth preset when --model is not given")
+      .value("layers", "2", "decoder layers of the synthesised model")
+      .value("dtype", "bf16", "weight dtype of the synthesised model")
+      .value("cache", "out/synth", "where synthesised models are kept")
+      .value("batches", "1,8,32", "batch sizes")
+      .value("prompt-len", "64", "prompt tokens per sequence")
+      .value("gen-tokens", "16", "decode steps")
+      .value("json", "", "write results to this file")
+      .boolean("help", "show this help");
+  const Args rest(args.begin() + 1, args.end());
+  if (Status s = flags.parse(rest); !s.ok()) return report_error("bench generate", s);
+  if (flags.flag("help")) {
+    std::printf("usage: flexpert bench generate [flags]\n%s", flags.help().c_str());
+    return 0;
+  }
+  if (Status s = run_generate_bench(flags); !s.ok()) return report_error("bench generate", s);
+  return 0;
+}
+
+}  // namespace flexpert::cli

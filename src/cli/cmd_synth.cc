@@ -1,0 +1,56 @@
+// SPDX-License-Identifier: Apache-2.0
+// `flexpert synth`: write a random-weight checkpoint with a real model's shapes.
+#include <cstdio>
+
+#include "checkpoint/synth.h"
+#include "cli/commands.h"
+#include "cli/flags.h"
+
+namespace flexpert::cli {
+
+Result<DType> parse_weight_dtype(const std::string& name) {
+  if (name == "bf16" || name == "bfloat16") return DType::kBF16;
+  if (name == "f32" || name == "float32") return DType::kF32;
+  if (name == "f16" || name == "float16") return DType::kF16;
+  return invalid_argument("--dtype must be bf16, f16 or f32, got '" + name + "'");
+}
+
+int cmd_synth(const Args& args) {
+  Flags flags;
+  flags.value("preset", "", "tiny | qwen3-30b-a3b")
+      .value("out", "", "output directory")
+      .value("layers", "-1", "number of decoder layers (default: the preset's)")
+      .value("dtype", "bf16", "weight dtype: bf16, f16, f32")
+      .value("seed", "0", "random seed")
+      .boolean("help", "show this help");
+  if (Status s = flags.parse(args); !s.ok()) return report_error("synth", s);
+  if (flags.flag("help")) {
+    std::printf("usage: flexpert synth [flags]\n%s", flags.help().c_str());
+    return 0;
+  }
+  auto run = [&]() -> Status {
+    if (!flags.has("preset")) return invalid_argument("--preset is required");
+    if (!flags.has("out")) return invalid_argument("--out DIR is required");
+    SynthOptions options;
+    options.preset = flags.str("preset");
+    options.out_dir = flags.str("out");
+    FLEX_ASSIGN_OR_RETURN(int64_t layers, flags.integer("layers"));
+    if (layers == 0 || layers < -1) return invalid_argument("--layers must be >= 1");
+    options.num_layers = static_cast<int>(layers);
+    FLEX_ASSIGN_OR_RETURN(options.dtype, parse_weight_dtype(flags.str("dtype")));
+    FLEX_ASSIGN_OR_RETURN(int64_t seed, flags.integer("seed"));
+    options.seed = static_cast<uint64_t>(seed);
+    Progress progress("writing " + options.out_dir);
+    options.progress = [&](uint64_t done, uint64_t total) {
+      progress.update(done >> 20, total >> 20, " MiB");
+    };
+    Status s = synthesize_checkpoint(options);
+    progress.finish();
+    return s;
+  };
+  if (Status s = run(); !s.ok()) return report_error("synth", s);
+  std::printf("wrote %s\n", flags.str("out").c_str());
+  return 0;
+}
+
+}  // namespace flexpert::cli

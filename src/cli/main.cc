@@ -1,0 +1,76 @@
+// SPDX-License-Identifier: Apache-2.0
+// flexpert: the command-line entry point.
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+
+#include "cli/commands.h"
+
+namespace flexpert::cli {
+
+int report_error(const std::string& command, const Status& status) {
+  std::fprintf(stderr, "flexpert %s: %s\n", command.c_str(), status.to_string().c_str());
+  const bool user_error = status.code() == StatusCode::kInvalidArgument ||
+                          status.code() == StatusCode::kNotFound;
+  return user_error ? 2 : 1;
+}
+
+namespace {
+
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+Progress::Progress(std::string label) : label_(std::move(label)), start_ms_(now_ms()) {}
+
+void Progress::update(uint64_t done, uint64_t total, const char* unit) {
+  const int64_t now = now_ms();
+  // Quick operations show nothing; long ones redraw at most every 200 ms.
+  if (now - start_ms_ < 300 && !drawn_) return;
+  if (done < total && last_ms_ >= 0 && now - last_ms_ < 200) return;
+  last_ms_ = now;
+  const double pct = total ? 100.0 * static_cast<double>(done) / static_cast<double>(total) : 100.0;
+  std::fprintf(stderr, "\r%s %5.1f%% (%llu/%llu%s)", label_.c_str(), pct,
+               static_cast<unsigned long long>(done), static_cast<unsigned long long>(total), unit);
+  std::fflush(stderr);
+  drawn_ = true;
+}
+
+void Progress::finish() {
+  if (drawn_) std::fputc('\n', stderr);
+  drawn_ = false;
+}
+
+}  // namespace flexpert::cli
+
+namespace {
+
+const char kUsage[] =
+    "usage: flexpert <command> [flags]\n"
+    "commands:\n"
+    "  generate  --model DIR --prompt-ids 1,2,3 [--max-tokens 16] [--json] ...\n"
+    "  synth     --preset tiny|qwen3-30b-a3b --out DIR [--layers N] [--dtype bf16|f32]\n"
+    "  bench generate [--model DIR | --preset P --layers N] [--batches 1,8,32] ...\n"
+    "Run `flexpert <command> --help` for the flags of a command.\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace flexpert::cli;
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string command = argv[1];
+  Args args(argv + 2, argv + argc);
+  if (command == "generate") return cmd_generate(args);
+  if (command == "synth") return cmd_synth(args);
+  if (command == "bench") return cmd_bench(args);
+  std::fprintf(stderr, "flexpert: unknown command '%s'\n%s", command.c_str(), kUsage);
+  return 2;
+}

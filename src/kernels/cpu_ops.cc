@@ -1,0 +1,197 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "cpu_ops.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "flexpert/logging.h"
+
+namespace flexpert::kernels {
+namespace {
+
+// OpenBLAS runs single-threaded inside flexpert: our pool owns the cores, and
+// concurrent BLAS calls from pool threads must not each spawn their own threads.
+void init_blas_once() {
+  static const bool done = [] {
+    openblas_set_num_threads(1);
+    return true;
+  }();
+  (void)done;
+}
+
+// Output columns per task: small enough that a converted weight panel (cols x k
+// floats) stays in L2, large enough to amortise the BLAS call.
+int64_t column_block(int64_t k) {
+  int64_t cols = (256 * 1024) / (k * 4);
+  cols = std::clamp<int64_t>(cols, 16, 512);
+  return cols / 16 * 16;
+}
+
+std::vector<float>& scratch(size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf;
+}
+
+}  // namespace
+
+void matmul_nt(const float* x, int64_t m, int64_t k, const Tensor& w, float* y, ThreadPool& pool) {
+  init_blas_once();
+  FLEX_CHECK(w.dim() == 2 && w.size(1) == k && w.is_contiguous())
+      << "weight " << shape_to_string(w.shape()) << " vs k=" << k;
+  const int64_t n = w.size(0);
+  if (m == 0 || n == 0) return;
+  const int64_t block = column_block(k);
+  const int64_t num_blocks = (n + block - 1) / block;
+  const size_t elem = dtype_size(w.dtype());
+  pool.parallel_for(num_blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * block;
+      const int64_t nc = std::min(block, n - n0);
+      const char* wsrc = static_cast<const char*>(w.raw()) + n0 * k * elem;
+      const float* wp;
+      if (w.dtype() == DType::kF32) {
+        wp = reinterpret_cast<const float*>(wsrc);
+      } else {
+        std::vector<float>& buf = scratch(static_cast<size_t>(nc * k));
+        convert_to_f32(w.dtype(), wsrc, buf.data(), static_cast<size_t>(nc * k));
+        wp = buf.data();
+      }
+      if (m == 1) {
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(nc), static_cast<int>(k), 1.0f,
+                    wp, static_cast<int>(k), x, 1, 0.0f, y + n0, 1);
+      } else {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
+                    static_cast<int>(nc), static_cast<int>(k), 1.0f, x, static_cast<int>(k), wp,
+                    static_cast<int>(k), 0.0f, y + n0, static_cast<int>(n));
+      }
+    }
+  });
+}
+
+void rms_norm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps,
+              float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    double ss = 0.0;
+    for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(dim) + eps));
+    float* o = out + r * dim;
+    for (int64_t i = 0; i < dim; ++i) o[i] = xr[i] * inv * weight[i];
+  }
+}
+
+void rope_rotate_half(float* x, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+                      const int32_t* positions, double theta) {
+  const int64_t half = head_dim / 2;
+  std::vector<float> cosv(half), sinv(half);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      const double inv_freq = std::pow(theta, -2.0 * static_cast<double>(i) / head_dim);
+      const double angle = static_cast<double>(positions[t]) * inv_freq;
+      cosv[i] = static_cast<float>(std::cos(angle));
+      sinv[i] = static_cast<float>(std::sin(angle));
+    }
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* v = x + (t * num_heads + h) * head_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i];
+        const float b = v[i + half];
+        v[i] = a * cosv[i] - b * sinv[i];
+        v[i + half] = b * cosv[i] + a * sinv[i];
+      }
+    }
+  }
+}
+
+void attention(const float* q, const float* k_cache, const float* v_cache, int64_t num_tokens,
+               int64_t first_pos, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+               float scale, float* out, ThreadPool& pool) {
+  const int64_t group = num_q_heads / num_kv_heads;
+  const int64_t kv_stride = num_kv_heads * head_dim;
+  pool.parallel_for(num_tokens * num_q_heads, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t idx = i0; idx < i1; ++idx) {
+      const int64_t t = idx / num_q_heads;
+      const int64_t h = idx % num_q_heads;
+      const int64_t kvh = h / group;
+      const int64_t len = first_pos + t + 1;
+      const float* qv = q + idx * head_dim;
+      std::vector<float>& p = scratch(static_cast<size_t>(len));
+      float max_score = -INFINITY;
+      for (int64_t j = 0; j < len; ++j) {
+        const float* kv = k_cache + j * kv_stride + kvh * head_dim;
+        float s = 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) s += qv[d] * kv[d];
+        p[j] = s * scale;
+        max_score = std::max(max_score, p[j]);
+      }
+      double sum = 0.0;
+      for (int64_t j = 0; j < len; ++j) {
+        p[j] = std::exp(p[j] - max_score);
+        sum += p[j];
+      }
+      const float inv = static_cast<float>(1.0 / sum);
+      float* o = out + idx * head_dim;
+      std::fill(o, o + head_dim, 0.f);
+      for (int64_t j = 0; j < len; ++j) {
+        const float pj = p[j] * inv;
+        const float* vv = v_cache + j * kv_stride + kvh * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] += pj * vv[d];
+      }
+    }
+  });
+}
+
+void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
+void router_topk(const float* logits, int64_t num_tokens, int64_t num_experts, int64_t k,
+                 bool norm_topk_prob, int32_t* ids, float* weights) {
+  std::vector<float> prob(num_experts);
+  std::vector<int32_t> order(num_experts);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const float* l = logits + t * num_experts;
+    const float mx = *std::max_element(l, l + num_experts);
+    double sum = 0.0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+      prob[e] = std::exp(l[e] - mx);
+      sum += prob[e];
+    }
+    for (int64_t e = 0; e < num_experts; ++e) prob[e] = static_cast<float>(prob[e] / sum);
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
+      return prob[a] > prob[b] || (prob[a] == prob[b] && a < b);
+    });
+    double top_sum = 0.0;
+    for (int64_t j = 0; j < k; ++j) top_sum += prob[order[j]];
+    for (int64_t j = 0; j < k; ++j) {
+      ids[t * k + j] = order[j];
+      weights[t * k + j] =
+          norm_topk_prob ? static_cast<float>(prob[order[j]] / top_sum) : prob[order[j]];
+    }
+  }
+}
+
+void embedding(const Tensor& table, const int32_t* ids, int64_t num_tokens, float* out) {
+  const int64_t dim = table.size(1);
+  const size_t row_bytes = static_cast<size_t>(dim) * dtype_size(table.dtype());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    FLEX_CHECK(ids[t] >= 0 && ids[t] < table.size(0)) << "token id " << ids[t];
+    const char* row = static_cast<const char*>(table.raw()) + ids[t] * row_bytes;
+    convert_to_f32(table.dtype(), row, out + t * dim, static_cast<size_t>(dim));
+  }
+}
+
+int64_t argmax(const float* x, int64_t n) {
+  return std::max_element(x, x + n) - x;
+}
+
+}  // namespace flexpert::kernels

@@ -1,0 +1,55 @@
+// SPDX-License-Identifier: Apache-2.0
+// CPU kernels for every op of the model, on f32 activations.
+//
+// Weights may be F32, BF16 or F16 (converted panel by panel inside matmul_nt;
+// never a full f32 copy). Functions taking a ThreadPool split their work over
+// it; called from inside a pool task they run inline on that thread. Outputs
+// never alias inputs unless a parameter says so. Thread-safe: no global state
+// beyond per-thread scratch.
+#pragma once
+
+#include <cstdint>
+
+#include "flexpert/tensor.h"
+#include "flexpert/thread_pool.h"
+
+namespace flexpert::kernels {
+
+// y[m, n] = x[m, k] @ w[n, k]^T. `w` is a contiguous 2-D tensor of any dtype.
+void matmul_nt(const float* x, int64_t m, int64_t k, const Tensor& w, float* y, ThreadPool& pool);
+
+// out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * weight. May run in place (out == x).
+void rms_norm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps,
+              float* out);
+
+// Rotary embedding in the "rotate half" layout of Hugging Face Llama/Qwen:
+// x[t, h, :] of head_dim D pairs element i with i + D/2, angle = pos[t] * theta^(-2i/D).
+// In place. Angles are computed in double precision.
+void rope_rotate_half(float* x, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+                      const int32_t* positions, double theta);
+
+// Causal attention of `num_tokens` new query tokens of one sequence against its KV cache.
+// q: [num_tokens, num_q_heads, D]; k_cache/v_cache: [>= first_pos + num_tokens, num_kv_heads, D]
+// (the new tokens' keys and values already written). Token i attends to positions
+// [0, first_pos + i]. out: [num_tokens, num_q_heads, D]. Grouped-query: q head h uses kv head
+// h / (num_q_heads / num_kv_heads).
+void attention(const float* q, const float* k_cache, const float* v_cache, int64_t num_tokens,
+               int64_t first_pos, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+               float scale, float* out, ThreadPool& pool);
+
+// out[i] = silu(gate[i]) * up[i] for n elements.
+void silu_mul(const float* gate, const float* up, int64_t n, float* out);
+
+// Router: softmax over `num_experts` logits per token (f32), then the top-k experts by
+// probability (ties: lower index first), optionally renormalised to sum to 1.
+// ids/weights: [num_tokens, k], in descending weight order.
+void router_topk(const float* logits, int64_t num_tokens, int64_t num_experts, int64_t k,
+                 bool norm_topk_prob, int32_t* ids, float* weights);
+
+// out[t, :] = table[ids[t], :] converted to f32. `table` is [vocab, dim] of any dtype.
+void embedding(const Tensor& table, const int32_t* ids, int64_t num_tokens, float* out);
+
+// Index of the largest value (lowest index on ties).
+int64_t argmax(const float* x, int64_t n);
+
+}  // namespace flexpert::kernels

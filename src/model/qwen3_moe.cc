@@ -1,0 +1,263 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "model/qwen3_moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "flexpert/logging.h"
+#include "kernels/cpu_ops.h"
+
+namespace flexpert {
+namespace {
+
+// Small vectors are kept as owned f32 copies: they are read on every row.
+Result<Tensor> load_f32(const Checkpoint& ckpt, const std::string& name, const Shape& shape) {
+  FLEX_ASSIGN_OR_RETURN(Tensor t, ckpt.get(name, shape));
+  return t.to(DType::kF32);
+}
+
+void ensure(Tensor* t, int64_t rows, int64_t cols) {
+  if (!t->owned() || t->size(0) < rows || t->size(1) != cols) {
+    *t = Tensor::empty(DType::kF32, {std::max<int64_t>(rows, 1), cols});
+  }
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Qwen3MoeModel>> Qwen3MoeModel::create(std::unique_ptr<Checkpoint> checkpoint,
+                                                             ModelConfig config,
+                                                             const ModelOptions& options) {
+  std::unique_ptr<Qwen3MoeModel> m(new Qwen3MoeModel());
+  m->checkpoint_ = std::move(checkpoint);
+  m->config_ = std::move(config);
+  m->pool_ = options.pool ? options.pool : &ThreadPool::global();
+  m->max_sequences_ = std::max(1, options.max_sequences);
+  m->max_seq_len_ = options.max_seq_len > 0
+                        ? options.max_seq_len
+                        : std::min(std::max(m->config_.max_position_embeddings, 1), 4096);
+  const ModelConfig& c = m->config_;
+  FLEX_ASSIGN_OR_RETURN(m->placement_,
+                        ExpertPlacement::parse(options.placement, c.num_hidden_layers,
+                                               std::max(c.num_experts, 1)));
+  const Checkpoint& ck = *m->checkpoint_;
+  FLEX_ASSIGN_OR_RETURN(m->embed_, ck.get("model.embed_tokens.weight", {c.vocab_size, c.hidden_size}));
+  if (c.tie_word_embeddings && !ck.contains("lm_head.weight")) {
+    m->lm_head_ = m->embed_.view();
+  } else {
+    FLEX_ASSIGN_OR_RETURN(m->lm_head_, ck.get("lm_head.weight", {c.vocab_size, c.hidden_size}));
+  }
+  FLEX_ASSIGN_OR_RETURN(m->final_norm_, load_f32(ck, "model.norm.weight", {c.hidden_size}));
+  m->layers_.resize(c.num_hidden_layers);
+  m->slot_counts_.assign(c.num_hidden_layers,
+                         std::vector<int64_t>(static_cast<size_t>(m->placement_.num_slots()), 0));
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    FLEX_RETURN_IF_ERROR(m->load_layer(l, &m->layers_[l]));
+    if (options.progress) options.progress(l + 1, c.num_hidden_layers);
+  }
+  return m;
+}
+
+Status Qwen3MoeModel::load_layer(int index, Layer* layer) {
+  const ModelConfig& c = config_;
+  const Checkpoint& ck = *checkpoint_;
+  const std::string p = "model.layers." + std::to_string(index) + ".";
+  const int64_t H = c.hidden_size, D = c.head_dim;
+  const int64_t q_dim = c.num_attention_heads * D, kv_dim = c.num_key_value_heads * D;
+  FLEX_ASSIGN_OR_RETURN(layer->input_norm, load_f32(ck, p + "input_layernorm.weight", {H}));
+  FLEX_ASSIGN_OR_RETURN(layer->post_norm, load_f32(ck, p + "post_attention_layernorm.weight", {H}));
+  FLEX_ASSIGN_OR_RETURN(layer->q_norm, load_f32(ck, p + "self_attn.q_norm.weight", {D}));
+  FLEX_ASSIGN_OR_RETURN(layer->k_norm, load_f32(ck, p + "self_attn.k_norm.weight", {D}));
+  FLEX_ASSIGN_OR_RETURN(layer->q_proj, ck.get(p + "self_attn.q_proj.weight", {q_dim, H}));
+  FLEX_ASSIGN_OR_RETURN(layer->k_proj, ck.get(p + "self_attn.k_proj.weight", {kv_dim, H}));
+  FLEX_ASSIGN_OR_RETURN(layer->v_proj, ck.get(p + "self_attn.v_proj.weight", {kv_dim, H}));
+  FLEX_ASSIGN_OR_RETURN(layer->o_proj, ck.get(p + "self_attn.o_proj.weight", {H, q_dim}));
+  if (c.attention_bias) return unimplemented("attention_bias=true is not supported");
+  layer->is_moe = c.is_moe_layer(index);
+  if (layer->is_moe) {
+    const int64_t E = c.num_experts, I = c.moe_intermediate_size;
+    FLEX_ASSIGN_OR_RETURN(layer->router, load_f32(ck, p + "mlp.gate.weight", {E, H}));
+    FLEX_ASSIGN_OR_RETURN(Tensor probe, ck.get(p + "mlp.experts.0.gate_proj.weight", {I, H}));
+    layer->experts = ExpertSlots(probe.dtype(), placement_.num_slots(), static_cast<int>(H),
+                                 static_cast<int>(I));
+    // Resolve every tensor first (errors name the tensor), then copy in parallel.
+    std::vector<Tensor> w(static_cast<size_t>(E) * 3);
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
+      FLEX_ASSIGN_OR_RETURN(w[e * 3 + 0], ck.get(ep + "gate_proj.weight", {I, H}));
+      FLEX_ASSIGN_OR_RETURN(w[e * 3 + 1], ck.get(ep + "up_proj.weight", {I, H}));
+      FLEX_ASSIGN_OR_RETURN(w[e * 3 + 2], ck.get(ep + "down_proj.weight", {H, I}));
+    }
+    const std::vector<int>& map = placement_.slot_map(index);
+    std::vector<Status> errors(map.size());
+    pool_->parallel_for(static_cast<int64_t>(map.size()), 1, [&](int64_t s0, int64_t s1) {
+      for (int64_t s = s0; s < s1; ++s) {
+        const int e = map[s];
+        if (e == ExpertPlacement::kFreeSlot) continue;
+        errors[s] = layer->experts.load(static_cast<int>(s), w[e * 3], w[e * 3 + 1], w[e * 3 + 2]);
+      }
+    });
+    for (const Status& s : errors) FLEX_RETURN_IF_ERROR(s.annotate(p + "experts"));
+  } else {
+    const int64_t I = c.intermediate_size;
+    FLEX_ASSIGN_OR_RETURN(layer->gate_proj, ck.get(p + "mlp.gate_proj.weight", {I, H}));
+    FLEX_ASSIGN_OR_RETURN(layer->up_proj, ck.get(p + "mlp.up_proj.weight", {I, H}));
+    FLEX_ASSIGN_OR_RETURN(layer->down_proj, ck.get(p + "mlp.down_proj.weight", {H, I}));
+  }
+  const Shape cache_shape = {max_sequences_, max_seq_len_, c.num_key_value_heads, D};
+  layer->k_cache = Tensor::zeros(DType::kF32, cache_shape);
+  layer->v_cache = Tensor::zeros(DType::kF32, cache_shape);
+  return Status();
+}
+
+void Qwen3MoeModel::reset_slot_counts() {
+  for (auto& v : slot_counts_) std::fill(v.begin(), v.end(), 0);
+}
+
+Status Qwen3MoeModel::validate(const std::vector<SequenceChunk>& batch) const {
+  std::vector<bool> used(static_cast<size_t>(max_sequences_), false);
+  for (const SequenceChunk& chunk : batch) {
+    if (chunk.kv_slot < 0 || chunk.kv_slot >= max_sequences_) {
+      return invalid_argument("kv slot " + std::to_string(chunk.kv_slot) + " out of range [0, " +
+                              std::to_string(max_sequences_) + ")");
+    }
+    if (used[chunk.kv_slot]) {
+      return invalid_argument("kv slot " + std::to_string(chunk.kv_slot) + " used twice in a step");
+    }
+    used[chunk.kv_slot] = true;
+    if (chunk.tokens.empty()) return invalid_argument("a sequence chunk has no tokens");
+    if (chunk.start_pos < 0 ||
+        chunk.start_pos + static_cast<int64_t>(chunk.tokens.size()) > max_seq_len_) {
+      return invalid_argument("positions " + std::to_string(chunk.start_pos) + ".." +
+                              std::to_string(chunk.start_pos + chunk.tokens.size()) +
+                              " exceed the context length " + std::to_string(max_seq_len_));
+    }
+    for (int32_t id : chunk.tokens) {
+      if (id < 0 || id >= config_.vocab_size) {
+        return invalid_argument("token id " + std::to_string(id) + " outside the vocabulary [0, " +
+                                std::to_string(config_.vocab_size) + ")");
+      }
+    }
+  }
+  return Status();
+}
+
+void Qwen3MoeModel::attention_block(Layer& layer, const std::vector<SequenceChunk>& batch,
+                                    int64_t num_tokens) {
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, D = c.head_dim;
+  const int64_t nq = c.num_attention_heads, nkv = c.num_key_value_heads;
+  float* h = h_.data<float>();
+  kernels::rms_norm(x_.data<float>(), layer.input_norm.data<float>(), num_tokens, H,
+                    static_cast<float>(c.rms_norm_eps), h);
+  kernels::matmul_nt(h, num_tokens, H, layer.q_proj, q_.data<float>(), *pool_);
+  kernels::matmul_nt(h, num_tokens, H, layer.k_proj, k_.data<float>(), *pool_);
+  kernels::matmul_nt(h, num_tokens, H, layer.v_proj, v_.data<float>(), *pool_);
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  kernels::rms_norm(q_.data<float>(), layer.q_norm.data<float>(), num_tokens * nq, D, eps,
+                    q_.data<float>());
+  kernels::rms_norm(k_.data<float>(), layer.k_norm.data<float>(), num_tokens * nkv, D, eps,
+                    k_.data<float>());
+  kernels::rope_rotate_half(q_.data<float>(), num_tokens, nq, D, positions_.data(), c.rope_theta);
+  kernels::rope_rotate_half(k_.data<float>(), num_tokens, nkv, D, positions_.data(), c.rope_theta);
+  const int64_t kv_row = nkv * D;
+  const int64_t slot_stride = static_cast<int64_t>(max_seq_len_) * kv_row;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  int64_t t0 = 0;
+  for (const SequenceChunk& chunk : batch) {
+    const int64_t n = static_cast<int64_t>(chunk.tokens.size());
+    float* kc = layer.k_cache.data<float>() + chunk.kv_slot * slot_stride;
+    float* vc = layer.v_cache.data<float>() + chunk.kv_slot * slot_stride;
+    std::memcpy(kc + chunk.start_pos * kv_row, k_.data<float>() + t0 * kv_row,
+                n * kv_row * sizeof(float));
+    std::memcpy(vc + chunk.start_pos * kv_row, v_.data<float>() + t0 * kv_row,
+                n * kv_row * sizeof(float));
+    kernels::attention(q_.data<float>() + t0 * nq * D, kc, vc, n, chunk.start_pos, nq, nkv, D,
+                       scale, attn_.data<float>() + t0 * nq * D, *pool_);
+    t0 += n;
+  }
+  kernels::matmul_nt(attn_.data<float>(), num_tokens, nq * D, layer.o_proj, h, *pool_);
+  float* x = x_.data<float>();
+  for (int64_t i = 0; i < num_tokens * H; ++i) x[i] += h[i];
+}
+
+void Qwen3MoeModel::mlp_block(int index, Layer& layer, int64_t num_tokens) {
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size;
+  float* h = h_.data<float>();
+  kernels::rms_norm(x_.data<float>(), layer.post_norm.data<float>(), num_tokens, H,
+                    static_cast<float>(c.rms_norm_eps), h);
+  float* out = mlp_out_.data<float>();
+  if (layer.is_moe) {
+    const RouterParams params{c.num_experts, c.num_experts_per_tok, c.norm_topk_prob};
+    replicas_scratch_.resize(c.num_experts);
+    for (int e = 0; e < c.num_experts; ++e) replicas_scratch_[e] = placement_.replicas(index, e);
+    moe_forward_local(h, num_tokens, layer.router, params, replicas_scratch_, layer.experts, out,
+                      &moe_ws_, slot_counts_[index].data(), *pool_);
+  } else {
+    const int64_t I = c.intermediate_size;
+    ensure(&gate_, num_tokens, I);
+    ensure(&up_, num_tokens, I);
+    kernels::matmul_nt(h, num_tokens, H, layer.gate_proj, gate_.data<float>(), *pool_);
+    kernels::matmul_nt(h, num_tokens, H, layer.up_proj, up_.data<float>(), *pool_);
+    kernels::silu_mul(gate_.data<float>(), up_.data<float>(), num_tokens * I, gate_.data<float>());
+    kernels::matmul_nt(gate_.data<float>(), num_tokens, I, layer.down_proj, out, *pool_);
+  }
+  float* x = x_.data<float>();
+  for (int64_t i = 0; i < num_tokens * H; ++i) x[i] += out[i];
+}
+
+Status Qwen3MoeModel::forward(const std::vector<SequenceChunk>& batch, Tensor* logits) {
+  FLEX_RETURN_IF_ERROR(validate(batch));
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, D = c.head_dim;
+  int64_t num_tokens = 0;
+  for (const SequenceChunk& chunk : batch) num_tokens += static_cast<int64_t>(chunk.tokens.size());
+  ensure(&x_, num_tokens, H);
+  ensure(&h_, num_tokens, H);
+  ensure(&mlp_out_, num_tokens, H);
+  ensure(&q_, num_tokens, c.num_attention_heads * D);
+  ensure(&attn_, num_tokens, c.num_attention_heads * D);
+  ensure(&k_, num_tokens, c.num_key_value_heads * D);
+  ensure(&v_, num_tokens, c.num_key_value_heads * D);
+  positions_.clear();
+  std::vector<int32_t> ids;
+  ids.reserve(static_cast<size_t>(num_tokens));
+  for (const SequenceChunk& chunk : batch) {
+    for (size_t i = 0; i < chunk.tokens.size(); ++i) {
+      positions_.push_back(chunk.start_pos + static_cast<int32_t>(i));
+      ids.push_back(chunk.tokens[i]);
+    }
+  }
+  kernels::embedding(embed_, ids.data(), num_tokens, x_.data<float>());
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    attention_block(layers_[l], batch, num_tokens);
+    mlp_block(l, layers_[l], num_tokens);
+  }
+  // Only the last token of each chunk needs logits.
+  const int64_t B = static_cast<int64_t>(batch.size());
+  Tensor last = Tensor::empty(DType::kF32, {std::max<int64_t>(B, 1), H});
+  int64_t t = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    t += static_cast<int64_t>(batch[b].tokens.size());
+    kernels::rms_norm(x_.data<float>() + (t - 1) * H, final_norm_.data<float>(), 1, H,
+                      static_cast<float>(c.rms_norm_eps), last.data<float>() + b * H);
+  }
+  if (!logits->owned() || logits->size(0) != B || logits->size(1) != c.vocab_size) {
+    *logits = Tensor::empty(DType::kF32, {B, c.vocab_size});
+  }
+  kernels::matmul_nt(last.data<float>(), B, H, lm_head_, logits->data<float>(), *pool_);
+  return Status();
+}
+
+Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
+  FLEX_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::load(dir));
+  FLEX_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::open(dir));
+  if (config.model_type == "qwen3_moe") {
+    FLEX_ASSIGN_OR_RETURN(auto model, Qwen3MoeModel::create(std::move(ckpt), std::move(config), options));
+    return std::unique_ptr<Model>(std::move(model));
+  }
+  return unimplemented("model_type '" + config.model_type + "' has no implementation");
+}
+
+}  // namespace flexpert

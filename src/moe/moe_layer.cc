@@ -1,0 +1,138 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "moe/moe_layer.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "flexpert/logging.h"
+#include "kernels/cpu_ops.h"
+
+namespace flexpert {
+namespace {
+
+// Rows per compute task: enough to reuse a weight panel, few enough to balance.
+constexpr int64_t kRowsPerTask = 64;
+
+void ensure_rows(Tensor* t, int64_t rows, int64_t hidden) {
+  if (!t->owned() || t->size(0) < rows || t->size(1) != hidden) {
+    *t = Tensor::empty(DType::kF32, {std::max<int64_t>(rows, 1), hidden});
+  }
+}
+
+}  // namespace
+
+void route(const float* x, int64_t num_tokens, int64_t hidden, const Tensor& router_weight,
+           const RouterParams& params, const std::vector<std::vector<int>>& replicas,
+           std::vector<float>* logits, Routing* routing, ThreadPool& pool) {
+  const int k = params.top_k;
+  logits->resize(static_cast<size_t>(num_tokens * params.num_experts));
+  kernels::matmul_nt(x, num_tokens, hidden, router_weight, logits->data(), pool);
+  routing->num_tokens = num_tokens;
+  routing->top_k = k;
+  routing->expert.resize(static_cast<size_t>(num_tokens * k));
+  routing->weight.resize(static_cast<size_t>(num_tokens * k));
+  routing->slot.resize(static_cast<size_t>(num_tokens * k));
+  kernels::router_topk(logits->data(), num_tokens, params.num_experts, k, params.norm_topk_prob,
+                       routing->expert.data(), routing->weight.data());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int j = 0; j < k; ++j) {
+      const auto& reps = replicas[routing->expert[t * k + j]];
+      FLEX_CHECK(!reps.empty()) << "expert " << routing->expert[t * k + j] << " has no replica";
+      routing->slot[t * k + j] = reps[static_cast<size_t>(t + j) % reps.size()];
+    }
+  }
+}
+
+void group_by_slot(const Routing& routing, int num_slots, SlotGroups* groups) {
+  const size_t pairs = routing.slot.size();
+  groups->offsets.assign(static_cast<size_t>(num_slots) + 1, 0);
+  for (int32_t s : routing.slot) {
+    FLEX_CHECK(s >= 0 && s < num_slots) << "slot " << s;
+    ++groups->offsets[s + 1];
+  }
+  for (int s = 0; s < num_slots; ++s) groups->offsets[s + 1] += groups->offsets[s];
+  groups->row_of_pair.resize(pairs);
+  groups->pair_of_row.resize(pairs);
+  std::vector<int64_t> cursor(groups->offsets.begin(), groups->offsets.end() - 1);
+  for (size_t p = 0; p < pairs; ++p) {
+    const int64_t row = cursor[routing.slot[p]]++;
+    groups->row_of_pair[p] = row;
+    groups->pair_of_row[row] = static_cast<int32_t>(p);
+  }
+}
+
+void compute_slots(const float* rows, const std::vector<int64_t>& offsets, const ExpertSlots& slots,
+                   float* out_rows, ThreadPool& pool) {
+  const int64_t hidden = slots.hidden();
+  const int64_t inter = slots.intermediate();
+  struct Task {
+    int slot;
+    int64_t begin, end;
+  };
+  std::vector<Task> tasks;
+  const int num_slots = static_cast<int>(offsets.size()) - 1;
+  FLEX_CHECK(num_slots <= slots.num_slots());
+  for (int s = 0; s < num_slots; ++s) {
+    for (int64_t r = offsets[s]; r < offsets[s + 1]; r += kRowsPerTask) {
+      tasks.push_back({s, r, std::min(offsets[s + 1], r + kRowsPerTask)});
+    }
+  }
+  auto run = [&](const Task& task, ThreadPool& inner) {
+    const int64_t n = task.end - task.begin;
+    std::vector<float> gate(static_cast<size_t>(n * inter)), up(gate.size());
+    const float* in = rows + task.begin * hidden;
+    kernels::matmul_nt(in, n, hidden, slots.gate(task.slot), gate.data(), inner);
+    kernels::matmul_nt(in, n, hidden, slots.up(task.slot), up.data(), inner);
+    kernels::silu_mul(gate.data(), up.data(), n * inter, gate.data());
+    kernels::matmul_nt(gate.data(), n, inter, slots.down(task.slot),
+                       out_rows + task.begin * hidden, inner);
+  };
+  // Few tasks (decode): parallelise inside each GEMM; many: one task per thread.
+  if (static_cast<int64_t>(tasks.size()) < pool.num_threads()) {
+    for (const Task& t : tasks) run(t, pool);
+  } else {
+    pool.parallel_for(static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) run(tasks[i], pool);
+    });
+  }
+}
+
+void combine(const Routing& routing, const SlotGroups& groups, const float* results,
+             int64_t hidden, float* out) {
+  const int k = routing.top_k;
+  for (int64_t t = 0; t < routing.num_tokens; ++t) {
+    float* o = out + t * hidden;
+    std::fill(o, o + hidden, 0.f);
+    for (int j = 0; j < k; ++j) {
+      const float w = routing.weight[t * k + j];
+      const float* r = results + groups.row_of_pair[t * k + j] * hidden;
+      for (int64_t h = 0; h < hidden; ++h) o[h] += w * r[h];
+    }
+  }
+}
+
+void moe_forward_local(const float* x, int64_t num_tokens, const Tensor& router_weight,
+                       const RouterParams& params, const std::vector<std::vector<int>>& replicas,
+                       const ExpertSlots& slots, float* out, MoeWorkspace* ws,
+                       int64_t* slot_counts, ThreadPool& pool) {
+  const int64_t hidden = slots.hidden();
+  route(x, num_tokens, hidden, router_weight, params, replicas, &ws->logits, &ws->routing, pool);
+  group_by_slot(ws->routing, slots.num_slots(), &ws->groups);
+  const int64_t pairs = num_tokens * params.top_k;
+  ensure_rows(&ws->rows, pairs, hidden);
+  ensure_rows(&ws->results, pairs, hidden);
+  float* rows = ws->rows.data<float>();
+  for (int64_t r = 0; r < pairs; ++r) {
+    const int64_t t = ws->groups.pair_of_row[r] / params.top_k;
+    std::memcpy(rows + r * hidden, x + t * hidden, hidden * sizeof(float));
+  }
+  compute_slots(rows, ws->groups.offsets, slots, ws->results.data<float>(), pool);
+  combine(ws->routing, ws->groups, ws->results.data<float>(), hidden, out);
+  if (slot_counts != nullptr) {
+    for (int s = 0; s < slots.num_slots(); ++s) {
+      slot_counts[s] += ws->groups.offsets[s + 1] - ws->groups.offsets[s];
+    }
+  }
+}
+
+}  // namespace flexpert
