@@ -22,13 +22,13 @@
 namespace flexpert {
 
 struct SynthOptions {
-  std::string preset;   // See synth_preset_config().
-  std::string out_dir;  // Created if missing.
+  std::string preset = "";   // See synth_preset_config().
+  std::string out_dir = "";  // Created if missing.
   int num_layers = -1;  // -1: the preset's.
   DType dtype = DType::kBF16;
   uint64_t seed = 0;
   // Called with bytes of weights written so far and the total, from the calling thread.
-  std::function<void(uint64_t done, uint64_t total)> progress;
+  std::function<void(uint64_t done, uint64_t total)> progress = nullptr;
   // Above this, the weights are split into model-0000i-of-0000n.safetensors shards
   // plus model.safetensors.index.json (a tensor is never split across shards).
   uint64_t max_shard_bytes = 4ull << 30;

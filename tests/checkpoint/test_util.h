@@ -51,8 +51,10 @@ inline std::string le64(uint64_t v) {
   return s;
 }
 
-// The bytes of a safetensors file with this header text and data section.
-inline std::string safetensors_bytes(const std::string& header, const std::string& data) {
+// The bytes of a safetensors file with this header text and data section. The header
+// is padded with spaces to 8 bytes, as real writers do, so F32 data stays aligned.
+inline std::string safetensors_bytes(std::string header, const std::string& data) {
+  header.append((8 - header.size() % 8) % 8, ' ');
   return le64(header.size()) + header + data;
 }
 

@@ -154,16 +154,23 @@ TEST_P(RouterTopkTest, MatchesFloat64Reference) {
   }
 }
 
+std::string router_name(const ::testing::TestParamInfo<RouterTopkTest::ParamType>& info) {
+  const auto [rc, norm] = info.param;
+  // Appended piecewise: GCC 12 warns falsely (-Wrestrict) on "literal" + std::string here.
+  std::string name = "e";
+  name += std::to_string(rc.num_experts);
+  name += "_k";
+  name += std::to_string(rc.k);
+  name += norm ? "_norm" : "_raw";
+  return name;
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Cases, RouterTopkTest,
     ::testing::Combine(::testing::Values(RouterCase{8, 2}, RouterCase{60, 4}, RouterCase{128, 8},
                                          RouterCase{16, 1}, RouterCase{5, 5}),
                        ::testing::Bool()),
-    [](const auto& info) {
-      const auto [rc, norm] = info.param;
-      return "e" + std::to_string(rc.num_experts) + "_k" + std::to_string(rc.k) +
-             (norm ? "_norm" : "_raw");
-    });
+    router_name);
 
 TEST(RouterTopkEdgeTest, ExactTiesPickLowerIndexFirst) {
   // Equal logits give bit-identical probabilities, so the order is fully specified.

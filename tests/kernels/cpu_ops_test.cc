@@ -326,17 +326,19 @@ TEST_P(AttentionTest, CausalGqaMatchesFloat64Reference) {
   EXPECT_TRUE(close_elementwise(out, ref, kTol));
 }
 
+std::string attention_name(const ::testing::TestParamInfo<AttentionTest::ParamType>& info) {
+  const auto [kv, d, first_pos, tokens, threads] = info.param;
+  return "kv" + std::to_string(kv) + "_d" + std::to_string(d) + "_pos" +
+         std::to_string(first_pos) + "_new" + std::to_string(tokens) + "_t" +
+         std::to_string(threads);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Cases, AttentionTest,
     ::testing::Combine(::testing::Values<int64_t>(1, 2, 4), ::testing::Values<int64_t>(16, 64),
                        ::testing::Values<int64_t>(0, 5, 37), ::testing::Values<int64_t>(1, 4),
                        ::testing::Values(1, 3)),
-    [](const auto& info) {
-      const auto [kv, d, first_pos, tokens, threads] = info.param;
-      return "kv" + std::to_string(kv) + "_d" + std::to_string(d) + "_pos" +
-             std::to_string(first_pos) + "_new" + std::to_string(tokens) + "_t" +
-             std::to_string(threads);
-    });
+    attention_name);
 
 // With a single visible position the softmax is 1 and the output is that position's value row.
 TEST(AttentionEdgeTest, FirstTokenCopiesItsValue) {
