@@ -143,7 +143,7 @@ TEST_P(WriterRoundtrip, ReadsBackWhatWasWritten) {
     EXPECT_EQ(view->dtype(), dtype);
     EXPECT_EQ(view->shape(), tensors[t].second);
     std::vector<float> got(view->numel());
-    convert_to_f32(dtype, view->raw(), got.data(), got.size());
+    if (!got.empty()) convert_to_f32(dtype, view->raw(), got.data(), got.size());
     for (int64_t i = 0; i < view->numel(); ++i) {
       float want = test_value(static_cast<int>(t), i);
       if (dtype == DType::kBF16) want = bf16_to_f32(f32_to_bf16(want));
