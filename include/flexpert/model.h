@@ -25,6 +25,9 @@
 
 namespace flexpert {
 
+class ExpertSlots;
+class MoeExecutor;
+
 struct ModelOptions {
   std::string placement = "identity";  // See ExpertPlacement::parse.
   int max_sequences = 8;               // KV-cache slots.
@@ -32,6 +35,18 @@ struct ModelOptions {
   ThreadPool* pool = nullptr;          // nullptr: ThreadPool::global().
   // Called as layers load: (layers done, layers total).
   std::function<void(int, int)> progress;
+
+  // Expert parallelism. This process stores global slots
+  // [first_slot, first_slot + num_local_slots) of every MoE layer (num_local_slots
+  // < 0: all of the placement's slots) and loads only the experts those hold.
+  int first_slot = 0;
+  int num_local_slots = -1;
+  // Where a layer's slot storage lives (e.g. a transport region peers can read);
+  // nullptr: the heap. Must return at least num_bytes, zeroed, alive as long as the model.
+  std::function<Result<void*>(int layer, size_t num_bytes)> allocate_slots;
+  // Runs routed rows through the experts (e.g. across ranks); nullptr: in process.
+  // Not owned; must outlive the model.
+  MoeExecutor* moe_executor = nullptr;
 };
 
 // The new tokens of one sequence in a step.
@@ -53,12 +68,21 @@ class Model {
 
   // Runs one step. `logits` receives [batch.size(), vocab] f32: the logits of the
   // last token of each chunk. InvalidArgument for an out-of-range token id,
-  // slot or position; nothing is written to the cache then.
+  // slot or position; nothing is written to the cache then. An empty batch still
+  // runs every layer (an expert-parallel rank without requests joins the exchange).
+  // Errors of the MoE executor (a dead peer, an epoch change) are returned as is;
+  // the KV cache of the batch's sequences is then undefined for this step.
   virtual Status forward(const std::vector<SequenceChunk>& batch, Tensor* logits) = 0;
 
   // Rows computed per [layer][slot] since the last reset (EPLB load statistics).
   virtual const std::vector<std::vector<int64_t>>& slot_counts() const = 0;
   virtual void reset_slot_counts() = 0;
+
+  // The slot storage of MoE layer `layer` held by this process (nullptr for dense layers).
+  virtual ExpertSlots* local_slots(int layer) = 0;
+  // Replaces the expert placement (same slot count); the caller has made sure that
+  // every slot it maps holds the right weights. Takes effect at the next forward().
+  virtual Status set_placement(ExpertPlacement placement) = 0;
 };
 
 }  // namespace flexpert

@@ -21,12 +21,17 @@ const json* find_field(const json& j, const char* key) {
   return it == j.end() || it->is_null() ? nullptr : &*it;
 }
 
-Status missing(const char* key) { return invalid_argument("missing field '" + std::string(key) + "'"); }
+Status missing(const char* key) {
+  return invalid_argument("missing field '" + std::string(key) + "'");
+}
 
 Status to_int(const json& v, const std::string& what, int* out) {
-  const bool fits = v.is_number_unsigned()  ? v.get<uint64_t>() <= INT_MAX
-                    : v.is_number_integer() ? v.get<int64_t>() >= INT_MIN && v.get<int64_t>() <= INT_MAX
-                                            : false;
+  bool fits = false;
+  if (v.is_number_unsigned()) {
+    fits = v.get<uint64_t>() <= INT_MAX;
+  } else if (v.is_number_integer()) {
+    fits = v.get<int64_t>() >= INT_MIN && v.get<int64_t>() <= INT_MAX;
+  }
   if (!fits) return invalid_argument(what + " must be an int, got " + v.dump());
   *out = v.get<int>();
   return Status();

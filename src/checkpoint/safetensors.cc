@@ -43,7 +43,8 @@ struct Range {
 
 class HeaderParser {
  public:
-  HeaderParser(const std::string& path, uint64_t data_bytes) : path_(path), data_bytes_(data_bytes) {}
+  HeaderParser(const std::string& path, uint64_t data_bytes)
+      : path_(path), data_bytes_(data_bytes) {}
 
   Status parse_entry(const std::string& name, const json& value, SafetensorsFile::Entry* entry,
                      std::string* foreign_dtype) {
@@ -164,7 +165,8 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
   for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | bytes[i];  // Little-endian.
   if (header_bytes > kMaxHeaderBytes) {
     return data_loss(path + ": header length " + std::to_string(header_bytes) +
-                     " is absurd (limit " + std::to_string(kMaxHeaderBytes) + "); not safetensors?");
+                     " is absurd (limit " + std::to_string(kMaxHeaderBytes) +
+                     "); not safetensors?");
   }
   if (header_bytes > file_bytes - 8) {
     return data_loss(path + ": header length " + std::to_string(header_bytes) + " exceeds the " +

@@ -81,8 +81,8 @@ uint64_t tensor_key(uint64_t seed, std::string_view name) {
 // Irwin-Hall with four 16-bit uniforms from one hash: mean 0, variance 1, bounded
 // by +-3.46. Close enough to normal for weights, and far cheaper than Box-Muller.
 inline float normalish(uint64_t h) {
-  const float sum = static_cast<float>((h & 0xffff) + ((h >> 16) & 0xffff) + ((h >> 32) & 0xffff) +
-                                       (h >> 48));
+  const float sum =
+      static_cast<float>((h & 0xffff) + ((h >> 16) & 0xffff) + ((h >> 32) & 0xffff) + (h >> 48));
   return (sum - 131070.0f) * (1.7320508f / 65536.0f);
 }
 
@@ -142,9 +142,12 @@ SafetensorsWriter::Fill make_fill(Distribution d, DType dtype) {
 
 const char* torch_dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "float32";
-    case DType::kBF16: return "bfloat16";
-    case DType::kF16: return "float16";
+    case DType::kF32:
+      return "float32";
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kF16:
+      return "float16";
   }
   return "?";
 }
@@ -228,7 +231,9 @@ Status synthesize_checkpoint(const SynthOptions& options) {
 
   std::error_code ec;
   fs::create_directories(options.out_dir, ec);
-  if (ec) return failed_precondition("synth: cannot create " + options.out_dir + ": " + ec.message());
+  if (ec) {
+    return failed_precondition("synth: cannot create " + options.out_dir + ": " + ec.message());
+  }
   const std::string dir = options.out_dir;
 
   const std::vector<TensorSpec> specs = qwen3_moe_tensors(config);
@@ -239,8 +244,8 @@ Status synthesize_checkpoint(const SynthOptions& options) {
     total += bytes.back();
   }
   const bool sharded = total > options.max_shard_bytes;
-  const auto shards = sharded ? plan_shards(bytes, options.max_shard_bytes)
-                              : std::vector<std::vector<size_t>>{{}};
+  const auto shards =
+      sharded ? plan_shards(bytes, options.max_shard_bytes) : std::vector<std::vector<size_t>>{{}};
   // Checkpoint::open prefers model.safetensors, so a stale one would shadow new shards.
   fs::remove(dir + (sharded ? "/model.safetensors" : "/model.safetensors.index.json"), ec);
 

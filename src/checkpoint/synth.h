@@ -24,7 +24,7 @@ namespace flexpert {
 struct SynthOptions {
   std::string preset = "";   // See synth_preset_config().
   std::string out_dir = "";  // Created if missing.
-  int num_layers = -1;  // -1: the preset's.
+  int num_layers = -1;       // -1: the preset's.
   DType dtype = DType::kBF16;
   uint64_t seed = 0;
   // Called with bytes of weights written so far and the total, from the calling thread.

@@ -4,9 +4,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <deque>
 
 #include "flexpert/logging.h"
+#include "flexpert/scheduler.h"
 #include "kernels/cpu_ops.h"
 
 namespace flexpert {
@@ -70,113 +70,37 @@ Generator::Generator(Model& model, GeneratorOptions options)
 
 Result<std::vector<GenerationResult>> Generator::run(const std::vector<GenerationRequest>& requests) {
   const ModelConfig& config = model_.config();
+  Scheduler scheduler(SchedulerLimits{config.vocab_size, model_.max_sequences(),
+                                      model_.max_seq_len(), options_.max_tokens_per_step,
+                                      config.eos_token_ids});
   for (size_t i = 0; i < requests.size(); ++i) {
-    const auto& r = requests[i];
-    const std::string which = "request " + std::to_string(i) + ": ";
-    if (r.prompt.empty()) return invalid_argument(which + "empty prompt");
-    for (int32_t id : r.prompt) {
-      if (id < 0 || id >= config.vocab_size) {
-        return invalid_argument(which + "token id " + std::to_string(id) +
-                                " outside the vocabulary [0, " + std::to_string(config.vocab_size) +
-                                ")");
-      }
-    }
-    FLEX_RETURN_IF_ERROR(r.params.validate().annotate(which));
-    if (static_cast<int64_t>(r.prompt.size()) + r.params.max_tokens > model_.max_seq_len()) {
-      return invalid_argument(which + "prompt (" + std::to_string(r.prompt.size()) +
-                              ") + max_tokens (" + std::to_string(r.params.max_tokens) +
-                              ") exceeds the context length " +
-                              std::to_string(model_.max_seq_len()));
-    }
+    FLEX_RETURN_IF_ERROR(scheduler.validate(requests[i].prompt, requests[i].params)
+                             .annotate("request " + std::to_string(i)));
   }
-
-  struct Active {
-    size_t request;
-    int kv_slot;
-    int prefilled = 0;  // Prompt tokens already in the cache.
-    Sampler sampler;
-  };
+  for (size_t i = 0; i < requests.size(); ++i) {
+    scheduler.add(i, requests[i].prompt, requests[i].params);
+  }
   std::vector<GenerationResult> results(requests.size());
-  std::deque<size_t> waiting;
-  for (size_t i = 0; i < requests.size(); ++i) waiting.push_back(i);
-  std::vector<int> free_slots;
-  for (int s = model_.max_sequences() - 1; s >= 0; --s) free_slots.push_back(s);
-  std::vector<Active> active;
-  std::vector<SequenceChunk> batch;
-  std::vector<size_t> batch_owner;  // Index into `active` of each chunk.
+  std::vector<TokenEvent> events;
   Tensor logits;
-
-  while (!waiting.empty() || !active.empty()) {
-    while (!waiting.empty() && !free_slots.empty()) {
-      const size_t r = waiting.front();
-      waiting.pop_front();
-      active.push_back(Active{r, free_slots.back(), 0, Sampler(requests[r].params)});
-      free_slots.pop_back();
-    }
-    // Decode tokens first (one each), then prefill chunks while the budget lasts.
-    batch.clear();
-    batch_owner.clear();
-    int64_t budget = options_.max_tokens_per_step;
-    for (size_t a = 0; a < active.size(); ++a) {
-      const auto& req = requests[active[a].request];
-      if (active[a].prefilled < static_cast<int>(req.prompt.size())) continue;
-      const auto& out = results[active[a].request].tokens;
-      batch.push_back({active[a].kv_slot,
-                       static_cast<int>(req.prompt.size() + out.size()) - 1,
-                       {out.back()}});
-      batch_owner.push_back(a);
-      --budget;
-    }
-    for (size_t a = 0; a < active.size() && budget > 0; ++a) {
-      const auto& prompt = requests[active[a].request].prompt;
-      const int done = active[a].prefilled;
-      if (done >= static_cast<int>(prompt.size())) continue;
-      const int64_t n = std::min<int64_t>(budget, static_cast<int64_t>(prompt.size()) - done);
-      batch.push_back({active[a].kv_slot, done,
-                       std::vector<int32_t>(prompt.begin() + done, prompt.begin() + done + n)});
-      batch_owner.push_back(a);
-      budget -= n;
-    }
+  while (!scheduler.idle()) {
+    const std::vector<SequenceChunk>& batch = scheduler.build_step();
+    int64_t step_tokens = 0;
+    for (const auto& chunk : batch) step_tokens += static_cast<int64_t>(chunk.tokens.size());
     const auto t0 = std::chrono::steady_clock::now();
     FLEX_RETURN_IF_ERROR(model_.forward(batch, &logits));
-    int64_t step_tokens = 0;
-    for (size_t b = 0; b < batch.size(); ++b) {
-      Active& act = active[batch_owner[b]];
-      const auto& req = requests[act.request];
-      step_tokens += static_cast<int64_t>(batch[b].tokens.size());
-      const bool was_prefill = act.prefilled < static_cast<int>(req.prompt.size());
-      if (was_prefill) {
-        act.prefilled += static_cast<int>(batch[b].tokens.size());
-        if (act.prefilled < static_cast<int>(req.prompt.size())) continue;  // More chunks to go.
-      }
-      const int32_t next = act.sampler.sample(logits.data<float>() + b * config.vocab_size,
-                                              config.vocab_size);
-      GenerationResult& res = results[act.request];
-      res.tokens.push_back(next);
-      if (options_.on_token) options_.on_token(act.request, next);
-      const auto& stops = req.params.stop_token_ids;
-      const auto& eos = config.eos_token_ids;
-      if (std::find(stops.begin(), stops.end(), next) != stops.end() ||
-          (!req.params.ignore_eos && std::find(eos.begin(), eos.end(), next) != eos.end())) {
-        res.finish_reason = "stop";
-      } else if (static_cast<int>(res.tokens.size()) >= req.params.max_tokens) {
-        res.finish_reason = "length";
-      }
-    }
+    events.clear();
+    scheduler.complete_step(logits, &events);
     if (options_.on_step) {
       options_.on_step(step_tokens, std::chrono::duration<double>(
                                         std::chrono::steady_clock::now() - t0).count());
     }
-    // Retire finished requests, keeping the order of the rest.
-    std::vector<Active> still;
-    for (Active& act : active) {
-      if (results[act.request].finish_reason.empty()) {
-        still.push_back(std::move(act));
-      } else {
-        free_slots.push_back(act.kv_slot);
-      }
+    for (const TokenEvent& ev : events) {
+      GenerationResult& res = results[ev.request_id];
+      res.tokens.push_back(ev.token);
+      if (ev.finished) res.finish_reason = ev.finish_reason;
+      if (options_.on_token) options_.on_token(ev.request_id, ev.token);
     }
-    active = std::move(still);
   }
   return results;
 }

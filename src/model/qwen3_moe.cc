@@ -48,17 +48,33 @@ Result<std::unique_ptr<Qwen3MoeModel>> Qwen3MoeModel::create(std::unique_ptr<Che
     FLEX_ASSIGN_OR_RETURN(m->lm_head_, ck.get("lm_head.weight", {c.vocab_size, c.hidden_size}));
   }
   FLEX_ASSIGN_OR_RETURN(m->final_norm_, load_f32(ck, "model.norm.weight", {c.hidden_size}));
+  m->first_slot_ = options.first_slot;
+  m->num_local_slots_ =
+      options.num_local_slots < 0 ? m->placement_.num_slots() : options.num_local_slots;
+  if (m->first_slot_ < 0 || m->first_slot_ + m->num_local_slots_ > m->placement_.num_slots()) {
+    return invalid_argument("local slots [" + std::to_string(m->first_slot_) + ", " +
+                            std::to_string(m->first_slot_ + m->num_local_slots_) +
+                            ") outside the placement's " +
+                            std::to_string(m->placement_.num_slots()) + " slots");
+  }
+  if (options.moe_executor != nullptr) {
+    m->executor_ = options.moe_executor;
+  } else {
+    m->own_executor_ = std::make_unique<LocalMoeExecutor>(*m->pool_);
+    m->executor_ = m->own_executor_.get();
+  }
+  m->rebuild_replicas();
   m->layers_.resize(c.num_hidden_layers);
   m->slot_counts_.assign(c.num_hidden_layers,
                          std::vector<int64_t>(static_cast<size_t>(m->placement_.num_slots()), 0));
   for (int l = 0; l < c.num_hidden_layers; ++l) {
-    FLEX_RETURN_IF_ERROR(m->load_layer(l, &m->layers_[l]));
+    FLEX_RETURN_IF_ERROR(m->load_layer(l, &m->layers_[l], options));
     if (options.progress) options.progress(l + 1, c.num_hidden_layers);
   }
   return m;
 }
 
-Status Qwen3MoeModel::load_layer(int index, Layer* layer) {
+Status Qwen3MoeModel::load_layer(int index, Layer* layer, const ModelOptions& options) {
   const ModelConfig& c = config_;
   const Checkpoint& ck = *checkpoint_;
   const std::string p = "model.layers." + std::to_string(index) + ".";
@@ -78,8 +94,16 @@ Status Qwen3MoeModel::load_layer(int index, Layer* layer) {
     const int64_t E = c.num_experts, I = c.moe_intermediate_size;
     FLEX_ASSIGN_OR_RETURN(layer->router, load_f32(ck, p + "mlp.gate.weight", {E, H}));
     FLEX_ASSIGN_OR_RETURN(Tensor probe, ck.get(p + "mlp.experts.0.gate_proj.weight", {I, H}));
-    layer->experts = ExpertSlots(probe.dtype(), placement_.num_slots(), static_cast<int>(H),
-                                 static_cast<int>(I));
+    if (options.allocate_slots) {
+      const size_t bytes = ExpertSlots::bytes_for(probe.dtype(), num_local_slots_,
+                                                  static_cast<int>(H), static_cast<int>(I));
+      FLEX_ASSIGN_OR_RETURN(void* storage, options.allocate_slots(index, bytes));
+      layer->experts = ExpertSlots(probe.dtype(), num_local_slots_, static_cast<int>(H),
+                                   static_cast<int>(I), storage);
+    } else {
+      layer->experts = ExpertSlots(probe.dtype(), num_local_slots_, static_cast<int>(H),
+                                   static_cast<int>(I));
+    }
     // Resolve every tensor first (errors name the tensor), then copy in parallel.
     std::vector<Tensor> w(static_cast<size_t>(E) * 3);
     for (int64_t e = 0; e < E; ++e) {
@@ -89,10 +113,10 @@ Status Qwen3MoeModel::load_layer(int index, Layer* layer) {
       FLEX_ASSIGN_OR_RETURN(w[e * 3 + 2], ck.get(ep + "down_proj.weight", {H, I}));
     }
     const std::vector<int>& map = placement_.slot_map(index);
-    std::vector<Status> errors(map.size());
-    pool_->parallel_for(static_cast<int64_t>(map.size()), 1, [&](int64_t s0, int64_t s1) {
+    std::vector<Status> errors(static_cast<size_t>(num_local_slots_));
+    pool_->parallel_for(num_local_slots_, 1, [&](int64_t s0, int64_t s1) {
       for (int64_t s = s0; s < s1; ++s) {
-        const int e = map[s];
+        const int e = map[first_slot_ + s];
         if (e == ExpertPlacement::kFreeSlot) continue;
         errors[s] = layer->experts.load(static_cast<int>(s), w[e * 3], w[e * 3 + 1], w[e * 3 + 2]);
       }
@@ -107,6 +131,28 @@ Status Qwen3MoeModel::load_layer(int index, Layer* layer) {
   const Shape cache_shape = {max_sequences_, max_seq_len_, c.num_key_value_heads, D};
   layer->k_cache = Tensor::zeros(DType::kF32, cache_shape);
   layer->v_cache = Tensor::zeros(DType::kF32, cache_shape);
+  return Status();
+}
+
+void Qwen3MoeModel::rebuild_replicas() {
+  replicas_.assign(placement_.num_layers(), {});
+  for (int l = 0; l < placement_.num_layers(); ++l) {
+    for (int e = 0; e < placement_.num_experts(); ++e) replicas_[l].push_back(placement_.replicas(l, e));
+  }
+}
+
+ExpertSlots* Qwen3MoeModel::local_slots(int layer) {
+  return layers_[layer].is_moe ? &layers_[layer].experts : nullptr;
+}
+
+Status Qwen3MoeModel::set_placement(ExpertPlacement placement) {
+  if (placement.num_slots() != placement_.num_slots() ||
+      placement.num_layers() != placement_.num_layers() ||
+      placement.num_experts() != placement_.num_experts()) {
+    return invalid_argument("new placement has a different shape");
+  }
+  placement_ = std::move(placement);
+  rebuild_replicas();
   return Status();
 }
 
@@ -181,7 +227,7 @@ void Qwen3MoeModel::attention_block(Layer& layer, const std::vector<SequenceChun
   for (int64_t i = 0; i < num_tokens * H; ++i) x[i] += h[i];
 }
 
-void Qwen3MoeModel::mlp_block(int index, Layer& layer, int64_t num_tokens) {
+Status Qwen3MoeModel::mlp_block(int index, Layer& layer, int64_t num_tokens) {
   const ModelConfig& c = config_;
   const int64_t H = c.hidden_size;
   float* h = h_.data<float>();
@@ -190,10 +236,10 @@ void Qwen3MoeModel::mlp_block(int index, Layer& layer, int64_t num_tokens) {
   float* out = mlp_out_.data<float>();
   if (layer.is_moe) {
     const RouterParams params{c.num_experts, c.num_experts_per_tok, c.norm_topk_prob};
-    replicas_scratch_.resize(c.num_experts);
-    for (int e = 0; e < c.num_experts; ++e) replicas_scratch_[e] = placement_.replicas(index, e);
-    moe_forward_local(h, num_tokens, layer.router, params, replicas_scratch_, layer.experts, out,
-                      &moe_ws_, slot_counts_[index].data(), *pool_);
+    route(h, num_tokens, H, layer.router, params, replicas_[index], &moe_ws_.logits,
+          &moe_ws_.routing, *pool_);
+    FLEX_RETURN_IF_ERROR(executor_->execute(index, h, moe_ws_.routing, layer.experts, first_slot_,
+                                            out, slot_counts_[index].data()));
   } else {
     const int64_t I = c.intermediate_size;
     ensure(&gate_, num_tokens, I);
@@ -205,6 +251,7 @@ void Qwen3MoeModel::mlp_block(int index, Layer& layer, int64_t num_tokens) {
   }
   float* x = x_.data<float>();
   for (int64_t i = 0; i < num_tokens * H; ++i) x[i] += out[i];
+  return Status();
 }
 
 Status Qwen3MoeModel::forward(const std::vector<SequenceChunk>& batch, Tensor* logits) {
@@ -232,7 +279,7 @@ Status Qwen3MoeModel::forward(const std::vector<SequenceChunk>& batch, Tensor* l
   kernels::embedding(embed_, ids.data(), num_tokens, x_.data<float>());
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     attention_block(layers_[l], batch, num_tokens);
-    mlp_block(l, layers_[l], num_tokens);
+    FLEX_RETURN_IF_ERROR(mlp_block(l, layers_[l], num_tokens));
   }
   // Only the last token of each chunk needs logits.
   const int64_t B = static_cast<int64_t>(batch.size());

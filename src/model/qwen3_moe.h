@@ -8,6 +8,7 @@
 #include "flexpert/checkpoint.h"
 #include "flexpert/model.h"
 #include "moe/expert_slots.h"
+#include "moe/moe_executor.h"
 #include "moe/moe_layer.h"
 
 namespace flexpert {
@@ -25,6 +26,8 @@ class Qwen3MoeModel final : public Model {
   Status forward(const std::vector<SequenceChunk>& batch, Tensor* logits) override;
   const std::vector<std::vector<int64_t>>& slot_counts() const override { return slot_counts_; }
   void reset_slot_counts() override;
+  ExpertSlots* local_slots(int layer) override;
+  Status set_placement(ExpertPlacement placement) override;
 
  private:
   struct Layer {
@@ -42,10 +45,11 @@ class Qwen3MoeModel final : public Model {
   };
 
   Qwen3MoeModel() = default;
-  Status load_layer(int index, Layer* layer);
+  Status load_layer(int index, Layer* layer, const ModelOptions& options);
   Status validate(const std::vector<SequenceChunk>& batch) const;
   void attention_block(Layer& layer, const std::vector<SequenceChunk>& batch, int64_t num_tokens);
-  void mlp_block(int index, Layer& layer, int64_t num_tokens);
+  Status mlp_block(int index, Layer& layer, int64_t num_tokens);
+  void rebuild_replicas();
 
   std::unique_ptr<Checkpoint> checkpoint_;  // Owns the mappings the weights borrow.
   ModelConfig config_;
@@ -58,7 +62,11 @@ class Qwen3MoeModel final : public Model {
   Tensor final_norm_;  // f32 [H]
   std::vector<Layer> layers_;
   std::vector<std::vector<int64_t>> slot_counts_;
-  std::vector<std::vector<int>> replicas_scratch_;
+  std::vector<std::vector<std::vector<int>>> replicas_;  // [layer][expert] -> global slots.
+  int first_slot_ = 0;
+  int num_local_slots_ = 0;
+  std::unique_ptr<MoeExecutor> own_executor_;  // When options give none.
+  MoeExecutor* executor_ = nullptr;
 
   // Step scratch, grown as needed.
   Tensor x_, h_, q_, k_, v_, attn_, mlp_out_, gate_, up_;

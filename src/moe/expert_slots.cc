@@ -13,6 +13,17 @@ ExpertSlots::ExpertSlots(DType dtype, int num_slots, int hidden, int intermediat
       intermediate_(intermediate),
       storage_(Tensor::zeros(dtype, {num_slots, 3 * static_cast<int64_t>(hidden) * intermediate})) {}
 
+ExpertSlots::ExpertSlots(DType dtype, int num_slots, int hidden, int intermediate, void* external)
+    : num_slots_(num_slots),
+      hidden_(hidden),
+      intermediate_(intermediate),
+      storage_(Tensor::borrow(external, dtype,
+                              {num_slots, 3 * static_cast<int64_t>(hidden) * intermediate})) {}
+
+size_t ExpertSlots::bytes_for(DType dtype, int num_slots, int hidden, int intermediate) {
+  return 3 * static_cast<size_t>(num_slots) * hidden * intermediate * dtype_size(dtype);
+}
+
 size_t ExpertSlots::slot_bytes() const {
   return 3 * static_cast<size_t>(hidden_) * intermediate_ * dtype_size(dtype());
 }

@@ -19,7 +19,11 @@ namespace flexpert {
 class ExpertSlots {
  public:
   ExpertSlots() = default;
+  // Heap storage, zeroed.
   ExpertSlots(DType dtype, int num_slots, int hidden, int intermediate);
+  // Storage borrowed from `external` (at least bytes_for() bytes, alive as long as this).
+  ExpertSlots(DType dtype, int num_slots, int hidden, int intermediate, void* external);
+  static size_t bytes_for(DType dtype, int num_slots, int hidden, int intermediate);
 
   DType dtype() const { return storage_.dtype(); }
   int num_slots() const { return num_slots_; }

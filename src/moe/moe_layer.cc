@@ -6,6 +6,7 @@
 
 #include "flexpert/logging.h"
 #include "kernels/cpu_ops.h"
+#include "moe/moe_executor.h"
 
 namespace flexpert {
 namespace {
@@ -111,28 +112,54 @@ void combine(const Routing& routing, const SlotGroups& groups, const float* resu
   }
 }
 
+void gather_rows(const float* x, int64_t hidden, const SlotGroups& groups, int top_k,
+                 float* rows) {
+  const int64_t pairs = static_cast<int64_t>(groups.pair_of_row.size());
+  for (int64_t r = 0; r < pairs; ++r) {
+    const int64_t t = groups.pair_of_row[r] / top_k;
+    std::memcpy(rows + r * hidden, x + t * hidden, hidden * sizeof(float));
+  }
+}
+
 void moe_forward_local(const float* x, int64_t num_tokens, const Tensor& router_weight,
                        const RouterParams& params, const std::vector<std::vector<int>>& replicas,
                        const ExpertSlots& slots, float* out, MoeWorkspace* ws,
                        int64_t* slot_counts, ThreadPool& pool) {
   const int64_t hidden = slots.hidden();
   route(x, num_tokens, hidden, router_weight, params, replicas, &ws->logits, &ws->routing, pool);
-  group_by_slot(ws->routing, slots.num_slots(), &ws->groups);
-  const int64_t pairs = num_tokens * params.top_k;
-  ensure_rows(&ws->rows, pairs, hidden);
-  ensure_rows(&ws->results, pairs, hidden);
-  float* rows = ws->rows.data<float>();
-  for (int64_t r = 0; r < pairs; ++r) {
-    const int64_t t = ws->groups.pair_of_row[r] / params.top_k;
-    std::memcpy(rows + r * hidden, x + t * hidden, hidden * sizeof(float));
-  }
-  compute_slots(rows, ws->groups.offsets, slots, ws->results.data<float>(), pool);
-  combine(ws->routing, ws->groups, ws->results.data<float>(), hidden, out);
-  if (slot_counts != nullptr) {
-    for (int s = 0; s < slots.num_slots(); ++s) {
-      slot_counts[s] += ws->groups.offsets[s + 1] - ws->groups.offsets[s];
+  Status s = LocalMoeExecutor(pool).execute(0, x, ws->routing, slots, 0, out, slot_counts);
+  FLEX_CHECK(s.ok()) << s.to_string();
+}
+
+Status LocalMoeExecutor::execute(int layer, const float* x, const Routing& routing,
+                                 const ExpertSlots& local_slots, int first_slot, float* out,
+                                 int64_t* slot_counts) {
+  const int64_t hidden = local_slots.hidden();
+  const int num_slots = local_slots.num_slots();
+  // Local slots only: shift global slot ids to the local range.
+  Routing& shifted = ws_.routing;
+  shifted = routing;
+  for (int32_t& s : shifted.slot) {
+    s -= first_slot;
+    if (s < 0 || s >= num_slots) {
+      return failed_precondition("slot " + std::to_string(s + first_slot) +
+                                 " is not held by this process");
     }
   }
+  group_by_slot(shifted, num_slots, &ws_.groups);
+  const int64_t pairs = routing.num_tokens * routing.top_k;
+  ensure_rows(&ws_.rows, pairs, hidden);
+  ensure_rows(&ws_.results, pairs, hidden);
+  gather_rows(x, hidden, ws_.groups, routing.top_k, ws_.rows.data<float>());
+  compute_slots(ws_.rows.data<float>(), ws_.groups.offsets, local_slots, ws_.results.data<float>(),
+                pool_);
+  combine(shifted, ws_.groups, ws_.results.data<float>(), hidden, out);
+  if (slot_counts != nullptr) {
+    for (int s = 0; s < num_slots; ++s) {
+      slot_counts[first_slot + s] += ws_.groups.offsets[s + 1] - ws_.groups.offsets[s];
+    }
+  }
+  return Status();
 }
 
 }  // namespace flexpert

@@ -61,6 +61,10 @@ void group_by_slot(const Routing& routing, int num_slots, SlotGroups* groups);
 void compute_slots(const float* rows, const std::vector<int64_t>& offsets, const ExpertSlots& slots,
                    float* out_rows, ThreadPool& pool);
 
+// rows[r] = x[token of the pair sorted at r].
+void gather_rows(const float* x, int64_t hidden, const SlotGroups& groups, int top_k,
+                 float* rows);
+
 void combine(const Routing& routing, const SlotGroups& groups, const float* results,
              int64_t hidden, float* out);
 

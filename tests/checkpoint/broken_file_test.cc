@@ -13,9 +13,8 @@ using testing::safetensors_bytes;
 using testing::TempDir;
 using testing::write_file;
 
-const std::string kTwoTensors =
-    R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-    R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})";
+const std::string kTwoTensors = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                                R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})";
 
 void expect_status(const Status& s, StatusCode code, const std::string& mention) {
   EXPECT_EQ(s.code(), code) << s.to_string();
@@ -54,7 +53,8 @@ TEST(BrokenFile, EachCaseIsDataLossNamingTheFile) {
        "shape"},
       {"missing offsets", safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2]}})", data),
        "data_offsets"},
-      {"one offset", safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0]}})", data),
+      {"one offset",
+       safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0]}})", data),
        "data_offsets"},
       {"negative dim",
        safetensors_bytes(R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", data),
@@ -88,8 +88,7 @@ TEST(BrokenFile, EachCaseIsDataLossNamingTheFile) {
                          R"("b":{"dtype":"U8","shape":[2],"data_offsets":[6,8]}})",
                          data),
        "overlap"},
-      {"metadata not an object", safetensors_bytes(R"({"__metadata__": 1})", data),
-       "__metadata__"},
+      {"metadata not an object", safetensors_bytes(R"({"__metadata__": 1})", data), "__metadata__"},
   };
   TempDir tmp;
   for (const BrokenCase& c : cases) {
@@ -115,16 +114,15 @@ TEST(BrokenFile, EveryTruncationIsDataLoss) {
 
 TEST(BrokenFile, MissingFileIsNotFound) {
   TempDir tmp;
-  expect_status(SafetensorsFile::open(tmp.file("nope.safetensors")).status(),
-                StatusCode::kNotFound, tmp.file("nope.safetensors"));
+  expect_status(SafetensorsFile::open(tmp.file("nope.safetensors")).status(), StatusCode::kNotFound,
+                tmp.file("nope.safetensors"));
 }
 
 TEST(BrokenFile, UnsupportedDtypeFailsOnlyInGet) {
-  const std::string header =
-      R"({"ids":{"dtype":"I64","shape":[1],"data_offsets":[0,8]},)"
-      R"("fp8":{"dtype":"F8_E4M3","shape":[4],"data_offsets":[8,12]},)"
-      R"("odd":{"dtype":"Q4_WEIRD","shape":[4],"data_offsets":[12,14]},)"
-      R"("w":{"dtype":"F32","shape":[2],"data_offsets":[16,24]}})";
+  const std::string header = R"({"ids":{"dtype":"I64","shape":[1],"data_offsets":[0,8]},)"
+                             R"("fp8":{"dtype":"F8_E4M3","shape":[4],"data_offsets":[8,12]},)"
+                             R"("odd":{"dtype":"Q4_WEIRD","shape":[4],"data_offsets":[12,14]},)"
+                             R"("w":{"dtype":"F32","shape":[2],"data_offsets":[16,24]}})";
   TempDir tmp;
   const std::string path = tmp.file("mixed.safetensors");
   write_file(path, safetensors_bytes(header, std::string(24, '\0')));
@@ -211,10 +209,10 @@ TEST_F(BrokenIndex, TensorAbsentFromItsShardIsDataLoss) {
 }
 
 TEST_F(BrokenIndex, MalformedIndexIsDataLoss) {
-  for (const char* index : {"{", "[]", R"({"metadata": {}})", R"({"weight_map": []})",
-                            R"({"weight_map": {"a": 3}})",
-                            R"({"weight_map": {"a": "../shard-1.safetensors"}})",
-                            R"({"weight_map": {"a": "/etc/passwd"}})"}) {
+  for (const char* index :
+       {"{", "[]", R"({"metadata": {}})", R"({"weight_map": []})", R"({"weight_map": {"a": 3}})",
+        R"({"weight_map": {"a": "../shard-1.safetensors"}})",
+        R"({"weight_map": {"a": "/etc/passwd"}})"}) {
     SCOPED_TRACE(index);
     expect_status(open_with_index(index), StatusCode::kDataLoss, "model.safetensors.index.json");
   }

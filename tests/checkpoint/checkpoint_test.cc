@@ -153,11 +153,10 @@ TEST_P(WriterRoundtrip, ReadsBackWhatWasWritten) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(DTypesAndBuffers, WriterRoundtrip,
-                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16,
-                                                              DType::kF16),
-                                            ::testing::Values(size_t{64}, size_t{100},
-                                                              size_t{16} << 20)));
+INSTANTIATE_TEST_SUITE_P(
+    DTypesAndBuffers, WriterRoundtrip,
+    ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
+                       ::testing::Values(size_t{64}, size_t{100}, size_t{16} << 20)));
 
 TEST(Writer, RejectsDuplicateAndReservedNames) {
   TempDir tmp;

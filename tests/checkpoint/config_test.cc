@@ -151,9 +151,9 @@ TEST(ModelConfig, UnknownModelType) {
 }
 
 TEST(ModelConfig, MissingRequiredFields) {
-  for (const char* key : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                          "num_attention_heads", "num_experts", "num_experts_per_tok",
-                          "moe_intermediate_size"}) {
+  for (const char* key :
+       {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_experts", "num_experts_per_tok", "moe_intermediate_size"}) {
     json j = qwen3_30b_json();
     j.erase(key);
     expect_invalid(j, "missing field '" + std::string(key) + "'");

@@ -115,8 +115,8 @@ TEST(Synth, TinyPresetMatchesTheRealFixtureLayout) {
 
 TEST(Synth, ValueDistributions) {
   TempDir tmp;
-  ASSERT_TRUE(synthesize_checkpoint({.preset = "tiny", .out_dir = tmp.path(),
-                                     .dtype = DType::kF32, .seed = 3})
+  ASSERT_TRUE(synthesize_checkpoint(
+                  {.preset = "tiny", .out_dir = tmp.path(), .dtype = DType::kF32, .seed = 3})
                   .ok());
   auto ckpt = Checkpoint::open(tmp.path());
   ASSERT_TRUE(ckpt.ok());
@@ -140,8 +140,8 @@ TEST(Synth, ValueDistributions) {
 TEST(Synth, DeterministicPerSeedAndDtype) {
   TempDir a, b, c, d;
   const auto write = [](const TempDir& dir, uint64_t seed, DType dtype) {
-    Status s = synthesize_checkpoint({.preset = "tiny", .out_dir = dir.path(), .num_layers = 1,
-                                      .dtype = dtype, .seed = seed});
+    Status s = synthesize_checkpoint(
+        {.preset = "tiny", .out_dir = dir.path(), .num_layers = 1, .dtype = dtype, .seed = seed});
     EXPECT_TRUE(s.ok()) << s.to_string();
     return testing::read_file(dir.file("model.safetensors"));
   };
@@ -165,8 +165,8 @@ TEST(Synth, DeterministicPerSeedAndDtype) {
 
 TEST(Synth, ShardsWithIndexWhenLarge) {
   TempDir whole, sharded;
-  SynthOptions opts{.preset = "tiny", .out_dir = whole.path(), .num_layers = 2,
-                    .dtype = DType::kF16, .seed = 5};
+  SynthOptions opts{
+      .preset = "tiny", .out_dir = whole.path(), .num_layers = 2, .dtype = DType::kF16, .seed = 5};
   ASSERT_TRUE(synthesize_checkpoint(opts).ok());
   opts.out_dir = sharded.path();
   opts.max_shard_bytes = 256 << 10;
@@ -181,7 +181,8 @@ TEST(Synth, ShardsWithIndexWhenLarge) {
   EXPECT_EQ(last_done, last_total);
   EXPECT_FALSE(std::filesystem::exists(sharded.file("model.safetensors")));
 
-  auto index = nlohmann::json::parse(testing::read_file(sharded.file("model.safetensors.index.json")));
+  auto index =
+      nlohmann::json::parse(testing::read_file(sharded.file("model.safetensors.index.json")));
   EXPECT_EQ(index["metadata"]["total_size"].get<uint64_t>(), last_total);
   std::set<std::string> shards;
   for (const auto& [name, shard] : index["weight_map"].items()) shards.insert(shard);
@@ -252,8 +253,9 @@ TEST(Synth, BadOptions) {
   TempDir tmp;
   EXPECT_EQ(synthesize_checkpoint({.preset = "gpt-5", .out_dir = tmp.path()}).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(synthesize_checkpoint({.preset = "tiny", .out_dir = tmp.path(), .num_layers = 0}).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      synthesize_checkpoint({.preset = "tiny", .out_dir = tmp.path(), .num_layers = 0}).code(),
+      StatusCode::kInvalidArgument);
   EXPECT_EQ(synthesize_checkpoint({.preset = "tiny", .out_dir = ""}).code(),
             StatusCode::kInvalidArgument);
   EXPECT_FALSE(std::filesystem::exists(tmp.file("config.json")));

@@ -1,0 +1,110 @@
+// SPDX-License-Identifier: Apache-2.0
+// Transport: the one interface every data-plane backend implements.
+//
+// A transport connects this rank to the peers of a group of at most max_ranks
+// ranks. It offers memory regions peers can read one-sidedly (expert weights for
+// the EPLB mover and scale-up), and collectives over an explicit Group (epoch +
+// member ranks): a small all-gather for step headers, a barrier, and exchange,
+// the all-to-all of token rows that EP dispatch and combine use.
+//
+// Contract shared by every backend (tests/transport/conformance_test.cc checks it):
+// - Every member calls the same collectives in the same order for a given epoch;
+//   collective k of epoch e on one rank pairs with collective k of epoch e on the
+//   others. Non-members are never waited on.
+// - Every wait has a timeout (options.timeout_ms): a dead or silent peer yields
+//   Unavailable (peer known dead) or DeadlineExceeded, never a hang. A peer found
+//   in a newer epoch yields Aborted: the caller redoes the step in that epoch.
+// - Buffers returned by a collective stay valid until this rank's next collective call.
+// - Regions are allocated once (capacity) and stay valid and at the same address until shutdown.
+// Thread safety: one thread drives collectives; read() may run concurrently on
+// another thread (the weight mover). shutdown() is explicit and collective-free.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flexpert/status.h"
+
+namespace flexpert {
+
+// The ranks taking part in a collective: the membership epoch and its members.
+struct Group {
+  uint64_t epoch = 0;
+  std::vector<int> ranks;  // Ascending; includes the calling rank.
+
+  bool contains(int rank) const;
+};
+
+struct TransportCapabilities {
+  bool one_sided_read = false;   // read() is supported.
+  bool device_memory = false;    // Regions and buffers live in GPU memory.
+  bool cross_host = false;       // Peers may live on other hosts.
+  size_t max_gather_bytes = 0;   // Largest all_gather contribution.
+  size_t max_exchange_bytes = 0; // Largest exchange payload to one peer.
+};
+
+struct TransportOptions {
+  std::string session;        // Unique per serving group: names shared resources.
+  int rank = 0;
+  uint64_t incarnation = 0;   // Bumped each time a rank id is reused.
+  int max_ranks = 1;
+  size_t max_gather_bytes = 4096;
+  size_t max_exchange_bytes = 1 << 20;
+  int timeout_ms = 10000;
+};
+
+// A block of memory this rank owns that peers may read(). Backend-allocated.
+struct Region {
+  int id = -1;
+  void* data = nullptr;
+  size_t num_bytes = 0;
+};
+
+// A contiguous byte range; what a collective sends or received.
+struct ByteSpan {
+  const void* data = nullptr;
+  size_t num_bytes = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual TransportCapabilities capabilities() const = 0;
+  virtual int rank() const = 0;
+  virtual int max_ranks() const = 0;
+  // What peers pass to connect() to reach this rank (e.g. a shm name prefix).
+  virtual std::string address() const = 0;
+
+  // Attaches to a peer (idempotent for the same address; a new address, i.e. a new
+  // incarnation of that rank id, replaces the old attachment).
+  virtual Status connect(int peer, const std::string& address) = 0;
+  // Detaches from a peer and releases what was mapped for it.
+  virtual Status disconnect(int peer) = 0;
+
+  // Allocates region `region_id` (unique per rank) of `num_bytes`, zeroed.
+  virtual Result<Region> allocate_region(int region_id, size_t num_bytes) = 0;
+  // Copies bytes [offset, offset + num_bytes) of a connected peer's region into dst.
+  virtual Status read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) = 0;
+
+  // Every member contributes `in`; returns one span per rank in [0, max_ranks)
+  // (empty for non-members), all of in.num_bytes.
+  virtual Result<std::vector<ByteSpan>> all_gather(const Group& group, ByteSpan in) = 0;
+  virtual Status barrier(const Group& group) = 0;
+  // send[r] goes to member r (empty for non-members and allowed to be empty for
+  // members); returns what each member sent to this rank, indexed by rank.
+  virtual Result<std::vector<ByteSpan>> exchange(const Group& group,
+                                                 const std::vector<ByteSpan>& send) = 0;
+
+  // Releases everything this rank created (segments, mappings). No peer is waited on.
+  virtual Status shutdown() = 0;
+};
+
+// Creates a backend by name: "shm" (POSIX shared memory, CPU, one host).
+Result<std::unique_ptr<Transport>> create_transport(const std::string& backend,
+                                                    const TransportOptions& options);
+
+}  // namespace flexpert
