@@ -26,6 +26,14 @@ class ExpertPlacement {
   // From explicit slot -> expert maps, one per layer (all of one length); validated.
   static Result<ExpertPlacement> from_slot_maps(int num_experts,
                                                 std::vector<std::vector<int>> slot_to_expert);
+  // Expert-parallel layout over max_ranks * slots_per_rank slots (slot s on rank
+  // s / slots_per_rank): experts dealt round-robin over `members`, then
+  // `extra_replicas` more replicas per layer (chosen by `seed`) on members that do
+  // not hold that expert yet; the slots of non-members stay free. InvalidArgument
+  // when the members' slots cannot hold them.
+  static Result<ExpertPlacement> spread(int num_layers, int num_experts, int max_ranks,
+                                        int slots_per_rank, const std::vector<int>& members,
+                                        int extra_replicas, uint64_t seed);
   // Parses a placement spec:
   //   "identity"                 one slot per expert;
   //   "replicate:R[:SEED]"       identity plus R replica slots per layer holding experts chosen
@@ -33,6 +41,9 @@ class ExpertPlacement {
   //   a path to a JSON file      {"layers": [[expert of slot 0, ...], ...]} (one list per layer,
   //                              or a single list used for every layer; -1 marks a free slot).
   static Result<ExpertPlacement> parse(const std::string& spec, int num_layers, int num_experts);
+
+  // The rank holding `slot` when each rank holds slots_per_rank consecutive slots.
+  static int rank_of(int slot, int slots_per_rank) { return slot / slots_per_rank; }
 
   int num_layers() const { return static_cast<int>(slot_to_expert_.size()); }
   int num_experts() const { return num_experts_; }

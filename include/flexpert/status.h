@@ -68,7 +68,9 @@ template <typename T>
 class [[nodiscard]] Result {
  public:
   Result(T value) : v_(std::move(value)) {}          // NOLINT: implicit by design.
-  Result(Status status) : v_(std::move(status)) {}   // NOLINT: implicit by design.
+  // An OK status carries no value: that is a bug of the caller, kept as an error.
+  Result(Status status)  // NOLINT: implicit by design.
+      : v_(status.ok() ? internal_error("Result built from an OK Status") : std::move(status)) {}
 
   bool ok() const { return std::holds_alternative<T>(v_); }
   const Status& status() const {

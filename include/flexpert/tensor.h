@@ -27,8 +27,9 @@ int64_t shape_numel(const Shape& shape);
 class Tensor {
  public:
   Tensor() = default;
-  Tensor(Tensor&&) noexcept = default;
-  Tensor& operator=(Tensor&&) noexcept = default;
+  // A moved-from tensor is empty (no data, shape []).
+  Tensor(Tensor&& other) noexcept { *this = std::move(other); }
+  Tensor& operator=(Tensor&& other) noexcept;
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
 

@@ -16,6 +16,8 @@ using Args = std::vector<std::string>;
 int cmd_generate(const Args& args);
 int cmd_synth(const Args& args);
 int cmd_bench(const Args& args);
+int cmd_serve(const Args& args);
+int cmd_worker(const Args& args);
 
 // Prints the status and returns its exit code (2 for InvalidArgument/NotFound, else 1).
 int report_error(const std::string& command, const Status& status);

@@ -55,7 +55,10 @@ const char kUsage[] =
     "commands:\n"
     "  generate  --model DIR --prompt-ids 1,2,3 [--max-tokens 16] [--json] ...\n"
     "  synth     --preset tiny|qwen3-30b-a3b --out DIR [--layers N] [--dtype bf16|f32]\n"
+    "  serve     --model DIR --ranks N [--max-ranks M] [--host H --port P] ...\n"
+    "  worker    --join HOST:PORT --rank R\n"
     "  bench generate [--model DIR | --preset P --layers N] [--batches 1,8,32] ...\n"
+    "  bench serve    --url URL --concurrency C --requests N [--prompt-len L --max-tokens T]\n"
     "Run `flexpert <command> --help` for the flags of a command.\n";
 
 }  // namespace
@@ -71,6 +74,8 @@ int main(int argc, char** argv) {
   if (command == "generate") return cmd_generate(args);
   if (command == "synth") return cmd_synth(args);
   if (command == "bench") return cmd_bench(args);
+  if (command == "serve") return cmd_serve(args);
+  if (command == "worker") return cmd_worker(args);
   std::fprintf(stderr, "flexpert: unknown command '%s'\n%s", command.c_str(), kUsage);
   return 2;
 }

@@ -36,6 +36,20 @@ int64_t shape_numel(const Shape& shape) {
   return n;
 }
 
+Tensor& Tensor::operator=(Tensor&& other) noexcept {
+  if (this != &other) {
+    dtype_ = other.dtype_;
+    shape_ = std::move(other.shape_);
+    strides_ = std::move(other.strides_);
+    data_ = other.data_;
+    buffer_ = std::move(other.buffer_);
+    other.shape_.clear();
+    other.strides_.clear();
+    other.data_ = nullptr;
+  }
+  return *this;
+}
+
 void Tensor::FreeDeleter::operator()(void* p) const { std::free(p); }
 
 Tensor Tensor::empty(DType dtype, Shape shape) {

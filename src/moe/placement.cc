@@ -2,10 +2,12 @@
 #include "flexpert/placement.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
+#include <string>
 
 namespace flexpert {
 
@@ -56,6 +58,43 @@ Status ExpertPlacement::build_index() {
   return Status();
 }
 
+Result<ExpertPlacement> ExpertPlacement::spread(int num_layers, int num_experts, int max_ranks,
+                                                int slots_per_rank,
+                                                const std::vector<int>& members,
+                                                int extra_replicas, uint64_t seed) {
+  const int n = static_cast<int>(members.size());
+  if (n == 0 || slots_per_rank <= 0 || extra_replicas < 0) {
+    return invalid_argument("spread placement needs members, slots and replicas >= 0");
+  }
+  if (static_cast<int64_t>(n) * slots_per_rank < num_experts + extra_replicas) {
+    return invalid_argument(std::to_string(n) + " ranks x " + std::to_string(slots_per_rank) +
+                            " slots cannot hold " + std::to_string(num_experts) + " experts + " +
+                            std::to_string(extra_replicas) + " replicas");
+  }
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<int>> maps(num_layers);
+  for (auto& map : maps) {
+    map.assign(static_cast<size_t>(max_ranks) * slots_per_rank, kFreeSlot);
+    std::vector<int> used(static_cast<size_t>(max_ranks), 0);
+    auto place = [&](int expert, int rank) {
+      map[static_cast<size_t>(rank) * slots_per_rank + used[rank]++] = expert;
+    };
+    for (int e = 0; e < num_experts; ++e) place(e, members[e % n]);
+    for (int r = 0; r < extra_replicas; ++r) {
+      const int expert = static_cast<int>(rng() % num_experts);
+      // The least-filled member that does not hold this expert yet.
+      int best = -1;
+      for (int m : members) {
+        bool holds = false;
+        for (int s = 0; s < used[m]; ++s) holds |= map[static_cast<size_t>(m) * slots_per_rank + s] == expert;
+        if (!holds && used[m] < slots_per_rank && (best < 0 || used[m] < used[best])) best = m;
+      }
+      if (best >= 0) place(expert, best);
+    }
+  }
+  return from_slot_maps(num_experts, std::move(maps));
+}
+
 Result<ExpertPlacement> ExpertPlacement::parse(const std::string& spec, int num_layers,
                                                int num_experts) {
   if (spec.empty() || spec == "identity") return identity(num_layers, num_experts, num_experts);
@@ -74,13 +113,17 @@ Result<ExpertPlacement> ExpertPlacement::parse(const std::string& spec, int num_
     }
     return from_slot_maps(num_experts, std::move(maps));
   }
-  std::ifstream in(spec);
-  if (!in) {
-    return invalid_argument("placement '" + spec +
-                            "' is neither identity, replicate:R[:SEED] nor a readable file");
-  }
   std::stringstream text;
-  text << in.rdbuf();
+  if (spec[0] == '{') {
+    text << spec;  // Inline JSON, as the front end hands it to workers.
+  } else {
+    std::ifstream in(spec);
+    if (!in) {
+      return invalid_argument("placement '" + spec +
+                              "' is neither identity, replicate:R[:SEED] nor a readable file");
+    }
+    text << in.rdbuf();
+  }
   std::vector<std::vector<int>> maps;
   try {
     auto j = nlohmann::json::parse(text.str());

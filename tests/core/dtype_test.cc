@@ -76,14 +76,16 @@ uint16_t ref_encode(const Format& fmt, float f) {
   uint32_t lo = 0, hi = fmt.inf_pattern;  // Invariant: value(lo) <= a < value(hi).
   while (hi - lo > 1) {
     const uint32_t mid = (lo + hi) / 2;
-    if (value_for_rounding(fmt, static_cast<uint16_t>(mid)) <= a) lo = mid; else hi = mid;
+    if (value_for_rounding(fmt, static_cast<uint16_t>(mid)) <= a) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
   }
   const double below = a - fmt.decode(static_cast<uint16_t>(lo));
   const double above = value_for_rounding(fmt, static_cast<uint16_t>(hi)) - a;
-  uint32_t pick;
-  if (below < above) pick = lo;
-  else if (above < below) pick = hi;
-  else pick = (lo % 2 == 0) ? lo : hi;
+  const uint32_t tie = (lo % 2 == 0) ? lo : hi;  // Ties go to the even pattern.
+  const uint32_t pick = below < above ? lo : above < below ? hi : tie;
   return static_cast<uint16_t>(sign | pick);
 }
 
@@ -132,8 +134,8 @@ TEST(BF16Test, DecodeAndRoundTripAllPatterns) {
 // and the floats just beside it to the nearer neighbour.
 TEST(BF16Test, AllMidpointsRoundToEven) {
   for (uint32_t p = 0; p < 0x7f80u; ++p) {
-    const double mid_d = (ref_bf16(static_cast<uint16_t>(p)) +
-                          value_for_rounding(kBF16, static_cast<uint16_t>(p + 1))) / 2;
+    const double next = value_for_rounding(kBF16, static_cast<uint16_t>(p + 1));
+    const double mid_d = (ref_bf16(static_cast<uint16_t>(p)) + next) / 2;
     const auto mid = static_cast<float>(mid_d);
     ASSERT_EQ(static_cast<double>(mid), mid_d) << "midpoint not exact at " << std::hex << p;
     const uint16_t even = static_cast<uint16_t>(p % 2 == 0 ? p : p + 1);
@@ -158,7 +160,7 @@ TEST(BF16Test, RandomFloatsGoToNearestNeighbour) {
 
 TEST(BF16Test, SpecialValues) {
   EXPECT_EQ(f32_to_bf16(1.0f), 0x3f80);
-  EXPECT_EQ(f32_to_bf16(1.0f + 0x1p-8f), 0x3f80);   // Tie, 0x3f80 is even.
+  EXPECT_EQ(f32_to_bf16(1.0f + 0x1p-8f), 0x3f80);      // Tie, 0x3f80 is even.
   EXPECT_EQ(f32_to_bf16(1.0f + 3 * 0x1p-8f), 0x3f82);  // Tie, 0x3f82 is even.
   EXPECT_EQ(f32_to_bf16(0.0f), 0x0000);
   EXPECT_EQ(f32_to_bf16(-0.0f), 0x8000);
@@ -196,8 +198,8 @@ TEST(F16Test, DecodeAndRoundTripAllPatterns) {
 
 TEST(F16Test, AllMidpointsRoundToEven) {
   for (uint32_t p = 0; p < 0x7c00u; ++p) {
-    const double mid_d = (ref_f16(static_cast<uint16_t>(p)) +
-                          value_for_rounding(kF16, static_cast<uint16_t>(p + 1))) / 2;
+    const double next = value_for_rounding(kF16, static_cast<uint16_t>(p + 1));
+    const double mid_d = (ref_f16(static_cast<uint16_t>(p)) + next) / 2;
     const auto mid = static_cast<float>(mid_d);
     ASSERT_EQ(static_cast<double>(mid), mid_d) << "midpoint not exact at " << std::hex << p;
     const uint16_t even = static_cast<uint16_t>(p % 2 == 0 ? p : p + 1);

@@ -146,8 +146,8 @@ TEST(TensorTest, ReshapeIsAnAlias) {
 }
 
 TEST(TensorTest, ToConvertsEveryPair) {
-  const std::vector<float> values = {0.f, -0.f, 1.f, -2.5f, 3.14159f, 65504.f, 1e5f, 1e-6f,
-                                     -1e-8f, 0.1f, 300.7f, -7.0e-5f};
+  const std::vector<float> values = {0.f,  -0.f,  1.f,    -2.5f, 3.14159f, 65504.f,
+                                     1e5f, 1e-6f, -1e-8f, 0.1f,  300.7f,   -7.0e-5f};
   const int64_t n = static_cast<int64_t>(values.size());
   Tensor f32 = Tensor::empty(DType::kF32, {3, n / 3});
   std::copy(values.begin(), values.end(), f32.data<float>());

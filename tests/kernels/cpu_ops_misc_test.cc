@@ -58,8 +58,8 @@ TEST(SiluMulTest, MatchesFloat64Reference) {
 
 // Softmax in double, experts sorted by probability descending (ties: lower index first).
 struct RefRoute {
-  std::vector<double> prob;     // By expert.
-  std::vector<int32_t> order;   // Experts, most probable first.
+  std::vector<double> prob;    // By expert.
+  std::vector<int32_t> order;  // Experts, most probable first.
 };
 
 RefRoute ref_route(const float* logits, int64_t num_experts) {
@@ -102,7 +102,8 @@ TEST_P(RouterTopkTest, MatchesFloat64Reference) {
   // Ordinary tokens, one very peaked (large logits), one offset by +1000 (overflows exp
   // without max subtraction) and one almost uniform (many near ties).
   const int64_t num_tokens = 9;
-  std::vector<float> logits = rng.normal_vector(static_cast<size_t>(num_tokens * num_experts), 1.5f);
+  std::vector<float> logits =
+      rng.normal_vector(static_cast<size_t>(num_tokens * num_experts), 1.5f);
   for (int64_t e = 0; e < num_experts; ++e) {
     logits[6 * num_experts + e] *= 20.f;
     logits[7 * num_experts + e] += 1000.f;
@@ -138,7 +139,8 @@ TEST_P(RouterTopkTest, MatchesFloat64Reference) {
           << "slot " << j << " id " << id << ": got " << got_w[j] << ", its probability is "
           << ref.prob[id] / denom;
       const bool separated_above = j == 0 || clearly_greater(sorted[j - 1], sorted[j]);
-      const bool separated_below = j + 1 >= num_experts || clearly_greater(sorted[j], sorted[j + 1]);
+      const bool separated_below =
+          j + 1 >= num_experts || clearly_greater(sorted[j], sorted[j + 1]);
       if (separated_above && separated_below) {
         EXPECT_EQ(id, ref.order[j]) << "slot " << j;
       }
@@ -165,12 +167,12 @@ std::string router_name(const ::testing::TestParamInfo<RouterTopkTest::ParamType
   return name;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Cases, RouterTopkTest,
-    ::testing::Combine(::testing::Values(RouterCase{8, 2}, RouterCase{60, 4}, RouterCase{128, 8},
-                                         RouterCase{16, 1}, RouterCase{5, 5}),
-                       ::testing::Bool()),
-    router_name);
+INSTANTIATE_TEST_SUITE_P(Cases, RouterTopkTest,
+                         ::testing::Combine(::testing::Values(RouterCase{8, 2}, RouterCase{60, 4},
+                                                              RouterCase{128, 8}, RouterCase{16, 1},
+                                                              RouterCase{5, 5}),
+                                            ::testing::Bool()),
+                         router_name);
 
 TEST(RouterTopkEdgeTest, ExactTiesPickLowerIndexFirst) {
   // Equal logits give bit-identical probabilities, so the order is fully specified.

@@ -133,7 +133,8 @@ std::vector<double> ref_rms_norm(const std::vector<float>& x, const std::vector<
   std::vector<double> out(x.size());
   for (int64_t r = 0; r < rows; ++r) {
     double sum_sq = 0.0;
-    for (int64_t i = 0; i < dim; ++i) sum_sq += static_cast<double>(x[r * dim + i]) * x[r * dim + i];
+    for (int64_t i = 0; i < dim; ++i)
+      sum_sq += static_cast<double>(x[r * dim + i]) * x[r * dim + i];
     const double inv_rms = 1.0 / std::sqrt(sum_sq / static_cast<double>(dim) + eps);
     for (int64_t i = 0; i < dim; ++i) out[r * dim + i] = x[r * dim + i] * inv_rms * weight[i];
   }
@@ -328,17 +329,17 @@ TEST_P(AttentionTest, CausalGqaMatchesFloat64Reference) {
 
 std::string attention_name(const ::testing::TestParamInfo<AttentionTest::ParamType>& info) {
   const auto [kv, d, first_pos, tokens, threads] = info.param;
-  return "kv" + std::to_string(kv) + "_d" + std::to_string(d) + "_pos" +
-         std::to_string(first_pos) + "_new" + std::to_string(tokens) + "_t" +
-         std::to_string(threads);
+  return "kv" + std::to_string(kv) + "_d" + std::to_string(d) + "_pos" + std::to_string(first_pos) +
+         "_new" + std::to_string(tokens) + "_t" + std::to_string(threads);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Cases, AttentionTest,
-    ::testing::Combine(::testing::Values<int64_t>(1, 2, 4), ::testing::Values<int64_t>(16, 64),
-                       ::testing::Values<int64_t>(0, 5, 37), ::testing::Values<int64_t>(1, 4),
-                       ::testing::Values(1, 3)),
-    attention_name);
+INSTANTIATE_TEST_SUITE_P(Cases, AttentionTest,
+                         ::testing::Combine(::testing::Values<int64_t>(1, 2, 4),
+                                            ::testing::Values<int64_t>(16, 64),
+                                            ::testing::Values<int64_t>(0, 5, 37),
+                                            ::testing::Values<int64_t>(1, 4),
+                                            ::testing::Values(1, 3)),
+                         attention_name);
 
 // With a single visible position the softmax is 1 and the output is that position's value row.
 TEST(AttentionEdgeTest, FirstTokenCopiesItsValue) {

@@ -28,8 +28,8 @@ class SeededRng {
 
   uint32_t seed() const { return seed_; }
   std::string trace() const {
-    return "seed=" + std::to_string(seed_) + " (rerun with FLEXPERT_TEST_SEED=" +
-           std::to_string(seed_) + ")";
+    return "seed=" + std::to_string(seed_) +
+           " (rerun with FLEXPERT_TEST_SEED=" + std::to_string(seed_) + ")";
   }
   std::mt19937& gen() { return gen_; }
 
@@ -126,9 +126,9 @@ inline ::testing::AssertionResult close_rel_l2(const std::vector<float>& got,
   }
   const double err = std::sqrt(diff2) / std::max(std::sqrt(ref2), 1e-300);
   if (err <= tol) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "relative L2 error " << err << " > " << tol
-                                       << "; worst at [" << worst << "]: got " << got[worst]
-                                       << ", want " << ref[worst];
+  return ::testing::AssertionFailure()
+         << "relative L2 error " << err << " > " << tol << "; worst at [" << worst << "]: got "
+         << got[worst] << ", want " << ref[worst];
 }
 
 // max_i |got_i - ref_i| / max(1, |ref_i|) <= tol.
@@ -136,8 +136,8 @@ inline ::testing::AssertionResult close_elementwise(const std::vector<float>& go
                                                     const std::vector<double>& ref, double tol) {
   if (got.size() != ref.size()) return ::testing::AssertionFailure() << "size mismatch";
   for (size_t i = 0; i < got.size(); ++i) {
-    const double err = std::fabs(static_cast<double>(got[i]) - ref[i]) /
-                       std::max(1.0, std::fabs(ref[i]));
+    const double err =
+        std::fabs(static_cast<double>(got[i]) - ref[i]) / std::max(1.0, std::fabs(ref[i]));
     if (!(err <= tol)) {  // Also catches NaN.
       return ::testing::AssertionFailure() << "at [" << i << "]: got " << got[i] << ", want "
                                            << ref[i] << " (error " << err << " > " << tol << ")";

@@ -1,0 +1,143 @@
+// SPDX-License-Identifier: Apache-2.0
+// `flexpert serve` (front end + workers behind HTTP) and `flexpert worker` (one rank).
+#include <signal.h>
+
+#include <cstdio>
+
+#include "cli/commands.h"
+#include "cli/flags.h"
+#include "flexpert/logging.h"
+#include "flexpert/worker.h"
+#include "serve/cluster_engine.h"
+#include "serve/http_server.h"
+#include "serve/local_engine.h"
+
+namespace flexpert::cli {
+namespace {
+
+Result<int> int_flag(const Flags& flags, const std::string& name, int64_t min_value) {
+  FLEX_ASSIGN_OR_RETURN(int64_t v, flags.integer(name));
+  if (v < min_value) {
+    return invalid_argument("--" + name + " must be >= " + std::to_string(min_value));
+  }
+  return static_cast<int>(v);
+}
+
+Status run_serve(const Flags& flags) {
+  if (!flags.has("model")) return invalid_argument("--model DIR is required");
+  // Block the stop signals in every thread; the main thread waits for them below.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  std::unique_ptr<ServingEngine> engine;
+  std::string description;
+  if (flags.flag("local")) {
+    LocalEngineOptions options;
+    FLEX_ASSIGN_OR_RETURN(options.max_sequences, int_flag(flags, "max-sequences", 1));
+    FLEX_ASSIGN_OR_RETURN(options.max_tokens_per_step, int_flag(flags, "max-tokens-per-step", 1));
+    options.placement = flags.str("placement").empty() ? "identity" : flags.str("placement");
+    FLEX_ASSIGN_OR_RETURN(auto local, LocalEngine::create(flags.str("model"), options));
+    engine = std::move(local);
+    description = "in-process engine";
+  } else {
+    ClusterOptions options;
+    options.model_dir = flags.str("model");
+    FLEX_ASSIGN_OR_RETURN(options.ranks, int_flag(flags, "ranks", 1));
+    FLEX_ASSIGN_OR_RETURN(options.max_ranks, int_flag(flags, "max-ranks", 0));
+    FLEX_ASSIGN_OR_RETURN(options.slots_per_rank, int_flag(flags, "slots-per-rank", 0));
+    FLEX_ASSIGN_OR_RETURN(options.max_sequences, int_flag(flags, "max-sequences", 1));
+    FLEX_ASSIGN_OR_RETURN(options.max_tokens_per_step, int_flag(flags, "max-tokens-per-step", 1));
+    FLEX_ASSIGN_OR_RETURN(options.max_seq_len, int_flag(flags, "max-seq-len", 0));
+    FLEX_ASSIGN_OR_RETURN(options.transport_timeout_ms, int_flag(flags, "transport-timeout-ms", 1));
+    FLEX_ASSIGN_OR_RETURN(options.threads_per_worker, int_flag(flags, "threads-per-worker", 0));
+    FLEX_ASSIGN_OR_RETURN(options.control_port, int_flag(flags, "control-port", 0));
+    options.placement = flags.str("placement");
+    options.spawn_workers = !flags.flag("no-spawn");
+    if (options.max_ranks > 0 && options.max_ranks < options.ranks) {
+      return invalid_argument("--max-ranks must be >= --ranks");
+    }
+    if (!options.spawn_workers) {
+      std::printf("waiting for %d workers: flexpert worker --join %s:%d --rank R\n", options.ranks,
+                  options.control_host.c_str(), options.control_port);
+      std::fflush(stdout);
+    }
+    FLEX_ASSIGN_OR_RETURN(auto cluster, ClusterEngine::start(options));
+    description = std::to_string(options.ranks) + " ranks, control " + cluster->control_endpoint();
+    engine = std::move(cluster);
+  }
+  HttpOptions http;
+  http.host = flags.str("host");
+  FLEX_ASSIGN_OR_RETURN(http.port, int_flag(flags, "port", 0));
+  http.admin_key = flags.str("admin-key");
+  http.model_name = flags.str("served-model-name");
+  HttpServer server(*engine, http);
+  FLEX_RETURN_IF_ERROR(server.start());
+  std::printf("serving on http://%s:%d (%s)\n", http.host.c_str(), server.port(),
+              description.c_str());
+  std::fflush(stdout);
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  FLEX_LOG(INFO) << "signal " << sig << ": stopping";
+  // In-flight requests get their final response before the listener closes.
+  Status s = engine->shutdown();
+  server.stop();
+  return s;
+}
+
+}  // namespace
+
+int cmd_serve(const Args& args) {
+  Flags flags;
+  flags.value("model", "", "checkpoint directory")
+      .value("ranks", "1", "worker processes (ranks) at start")
+      .value("max-ranks", "0", "capacity in ranks (default: --ranks)")
+      .value("slots-per-rank", "0", "expert slots per rank and layer (default: fit the experts)")
+      .value("placement", "", "replicate:R[:SEED] or a JSON slot map over max-ranks x slots")
+      .value("max-sequences", "32", "concurrent sequences per rank")
+      .value("max-tokens-per-step", "256", "token budget per rank and step")
+      .value("max-seq-len", "0", "context length (default: the model's, at most 4096)")
+      .value("threads-per-worker", "0", "compute threads per rank (default: cores / ranks)")
+      .value("transport-timeout-ms", "5000", "how long a rank waits for a peer")
+      .value("host", "127.0.0.1", "HTTP address")
+      .value("port", "8000", "HTTP port (0: any free port)")
+      .value("control-port", "0", "ZeroMQ control port (0: any free port)")
+      .value("admin-key", "", "bearer key required by admin endpoints")
+      .value("served-model-name", "flexpert", "the model name in responses")
+      .boolean("no-spawn", "do not start workers; wait for `flexpert worker --join`")
+      .boolean("local", "run the model in this process (no workers)")
+      .boolean("help", "show this help");
+  if (Status s = flags.parse(args); !s.ok()) return report_error("serve", s);
+  if (flags.flag("help")) {
+    std::printf("usage: flexpert serve --model DIR [flags]\n%s", flags.help().c_str());
+    return 0;
+  }
+  if (Status s = run_serve(flags); !s.ok()) return report_error("serve", s);
+  return 0;
+}
+
+int cmd_worker(const Args& args) {
+  Flags flags;
+  flags.value("join", "", "the front end's control address HOST:PORT")
+      .value("rank", "", "rank id to take")
+      .boolean("help", "show this help");
+  if (Status s = flags.parse(args); !s.ok()) return report_error("worker", s);
+  if (flags.flag("help")) {
+    std::printf("usage: flexpert worker --join HOST:PORT --rank R\n%s", flags.help().c_str());
+    return 0;
+  }
+  WorkerOptions options;
+  std::string join = flags.str("join");
+  if (join.empty()) return report_error("worker", invalid_argument("--join HOST:PORT is required"));
+  options.endpoint = join.rfind("tcp://", 0) == 0 ? join : "tcp://" + join;
+  auto rank = flags.integer("rank");
+  if (!rank.ok() || rank.value() < 0) {
+    return report_error("worker", invalid_argument("--rank must be an integer >= 0"));
+  }
+  options.rank = static_cast<int>(rank.value());
+  return run_worker(options);
+}
+
+}  // namespace flexpert::cli

@@ -1,0 +1,147 @@
+// SPDX-License-Identifier: Apache-2.0
+// The control-plane protocol between the front end and its workers.
+//
+// Transport: a ZeroMQ ROUTER (front end) and one DEALER per worker, whose
+// routing id is "<rank>.<incarnation>". Every message is two frames: the type
+// name, then a msgpack map of the struct's fields. The front end rejects
+// messages from an incarnation it no longer knows. Plain value types.
+//
+//   worker -> front end: Hello, Ready, TokenBatch, StepReport, WorkerError
+//   front end -> worker: WorkerConfig, EpochCommand, AddRequest, CancelRequest, Shutdown
+#pragma once
+
+#ifndef MSGPACK_NO_BOOST
+#define MSGPACK_NO_BOOST 1
+#endif
+#include <cstdint>
+#include <msgpack.hpp>
+#include <string>
+#include <vector>
+
+#include "flexpert/status.h"
+
+namespace flexpert::proto {
+
+struct Hello {
+  static constexpr const char* kType = "hello";
+  int rank = 0;
+  uint64_t incarnation = 0;
+  int pid = 0;
+  MSGPACK_DEFINE_MAP(rank, incarnation, pid);
+};
+
+// Everything a worker needs to build its model and transport.
+struct WorkerConfig {
+  static constexpr const char* kType = "config";
+  uint64_t incarnation = 0;  // Assigned by the front end; unique per rank id.
+  std::string session;
+  std::string model_dir;
+  int max_ranks = 1;
+  int slots_per_rank = 0;
+  std::string placement_json;  // ExpertPlacement::to_json() over max_ranks * slots_per_rank slots.
+  int max_sequences = 32;
+  int max_tokens_per_step = 256;
+  int max_seq_len = 0;
+  int timeout_ms = 10000;
+  int threads = 0;  // 0: the worker's default.
+  MSGPACK_DEFINE_MAP(incarnation, session, model_dir, max_ranks, slots_per_rank, placement_json, max_sequences,
+                     max_tokens_per_step, max_seq_len, timeout_ms, threads);
+};
+
+// A worker has loaded its model and created its transport.
+struct Ready {
+  static constexpr const char* kType = "ready";
+  int rank = 0;
+  uint64_t incarnation = 0;
+  std::string transport_address;
+  int vocab_size = 0;
+  int max_seq_len = 0;
+  MSGPACK_DEFINE_MAP(rank, incarnation, transport_address, vocab_size, max_seq_len);
+};
+
+// Membership: from the step whose header shows every member holding this
+// command, the members step together in `epoch`.
+struct EpochCommand {
+  static constexpr const char* kType = "epoch";
+  uint64_t epoch = 0;
+  std::vector<int> members;
+  std::vector<std::string> addresses;  // [max_ranks]; "" for non-members.
+  MSGPACK_DEFINE_MAP(epoch, members, addresses);
+};
+
+struct AddRequest {
+  static constexpr const char* kType = "add";
+  uint64_t id = 0;
+  std::vector<int32_t> prompt;
+  float temperature = 0;
+  int top_k = 0;
+  float top_p = 1;
+  uint64_t seed = 0;
+  int max_tokens = 16;
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
+  MSGPACK_DEFINE_MAP(id, prompt, temperature, top_k, top_p, seed, max_tokens, stop_token_ids,
+                     ignore_eos);
+};
+
+struct CancelRequest {
+  static constexpr const char* kType = "cancel";
+  uint64_t id = 0;
+  MSGPACK_DEFINE_MAP(id);
+};
+
+// New tokens of one step: parallel arrays.
+struct TokenBatch {
+  static constexpr const char* kType = "tokens";
+  std::vector<uint64_t> ids;
+  std::vector<int32_t> tokens;
+  std::vector<std::string> finish_reasons;  // "" while running.
+  MSGPACK_DEFINE_MAP(ids, tokens, finish_reasons);
+};
+
+// Sent a few times a second: doubles as the heartbeat.
+struct StepReport {
+  static constexpr const char* kType = "report";
+  uint64_t epoch = 0;
+  uint64_t steps = 0;
+  double step_ms = 0;      // Mean over busy steps since the last report.
+  int running = 0;
+  int waiting = 0;
+  MSGPACK_DEFINE_MAP(epoch, steps, step_ms, running, waiting);
+};
+
+struct WorkerError {
+  static constexpr const char* kType = "error";
+  uint64_t epoch = 0;
+  int code = 0;  // StatusCode.
+  std::string message;
+  MSGPACK_DEFINE_MAP(epoch, code, message);
+};
+
+struct Shutdown {
+  static constexpr const char* kType = "shutdown";
+  int reason = 0;
+  MSGPACK_DEFINE_MAP(reason);
+};
+
+template <typename T>
+std::string encode(const T& msg) {
+  msgpack::sbuffer buf;
+  msgpack::pack(buf, msg);
+  return std::string(buf.data(), buf.size());
+}
+
+// DataLoss when the body does not hold a T.
+template <typename T>
+Result<T> decode(const std::string& body) {
+  try {
+    msgpack::object_handle oh = msgpack::unpack(body.data(), body.size());
+    T msg;
+    oh.get().convert(msg);
+    return msg;
+  } catch (const std::exception& e) {
+    return data_loss(std::string("malformed '") + T::kType + "' message: " + e.what());
+  }
+}
+
+}  // namespace flexpert::proto

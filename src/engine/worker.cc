@@ -1,0 +1,343 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "flexpert/worker.h"
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include <atomic>
+#include <chrono>
+#include <random>
+
+#include "cluster/protocol.h"
+#include "cluster/zmq_socket.h"
+#include "flexpert/logging.h"
+#include "flexpert/model.h"
+#include "flexpert/scheduler.h"
+#include "flexpert/thread_pool.h"
+#include "moe/ep_executor.h"
+#include "transport/transport.h"
+
+namespace flexpert {
+namespace {
+
+std::atomic<bool> g_terminate{false};
+
+void on_terminate(int) { g_terminate.store(true); }
+
+// The per-step header every member contributes to the all-gather.
+struct StepHeader {
+  uint32_t num_tokens = 0;
+  uint32_t stopping = 0;      // 1: this rank was told to shut down.
+  uint64_t acked_epoch = 0;   // Highest epoch command this rank holds.
+};
+
+SamplingParams params_of(const proto::AddRequest& r) {
+  SamplingParams p;
+  p.temperature = r.temperature;
+  p.top_k = r.top_k;
+  p.top_p = r.top_p;
+  p.seed = r.seed;
+  p.max_tokens = r.max_tokens;
+  p.stop_token_ids = r.stop_token_ids;
+  p.ignore_eos = r.ignore_eos;
+  return p;
+}
+
+template <typename T>
+Status send_msg(ZmqSocket& socket, const T& msg) {
+  return socket.send({T::kType, proto::encode(msg)});
+}
+
+class Worker {
+ public:
+  explicit Worker(const WorkerOptions& options)
+      : options_(options), control_(ctx_, ZMQ_DEALER) {}
+
+  int run();
+
+ private:
+  Status connect_and_configure();
+  Status load();
+  Status apply_epoch(const proto::EpochCommand& cmd);
+  // Handles control messages for up to timeout_ms (0: only what is queued).
+  Status poll_control(int timeout_ms);
+  Status handle(const std::vector<std::string>& parts);
+  Status step();
+  void report(bool force);
+
+  WorkerOptions options_;
+  ZmqContext ctx_;
+  ZmqSocket control_;
+  proto::WorkerConfig config_;
+  ModelConfig model_config_;
+  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<EpMoeExecutor> executor_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<Scheduler> scheduler_;
+  Group group_;
+  bool has_pending_ = false;
+  proto::EpochCommand pending_;
+  bool stopping_ = false;
+  bool halted_ = false;
+  bool idle_ = true;
+  Tensor logits_;
+  std::vector<TokenEvent> events_;
+  uint64_t steps_ = 0;
+  double busy_ms_ = 0;
+  uint64_t busy_steps_ = 0;
+  std::chrono::steady_clock::time_point last_report_{};
+};
+
+Status Worker::connect_and_configure() {
+  std::mt19937_64 rng(std::random_device{}());
+  FLEX_RETURN_IF_ERROR(control_.set_routing_id("r" + std::to_string(options_.rank) + "-" +
+                                               std::to_string(getpid()) + "-" +
+                                               std::to_string(rng() % 1000000)));
+  FLEX_RETURN_IF_ERROR(control_.connect(options_.endpoint));
+  proto::Hello hello;
+  hello.rank = options_.rank;
+  hello.pid = getpid();
+  FLEX_RETURN_IF_ERROR(send_msg(control_, hello));
+  FLEX_ASSIGN_OR_RETURN(auto parts, control_.recv(options_.connect_timeout_ms));
+  if (parts.size() != 2 || parts[0] != proto::WorkerConfig::kType) {
+    if (parts.size() == 2 && parts[0] == proto::WorkerError::kType) {
+      FLEX_ASSIGN_OR_RETURN(auto err, proto::decode<proto::WorkerError>(parts[1]));
+      return failed_precondition("front end refused rank " + std::to_string(options_.rank) +
+                                 ": " + err.message);
+    }
+    return data_loss("expected a configuration from the front end");
+  }
+  FLEX_ASSIGN_OR_RETURN(config_, proto::decode<proto::WorkerConfig>(parts[1]));
+  return Status();
+}
+
+Status Worker::load() {
+  FLEX_ASSIGN_OR_RETURN(model_config_, ModelConfig::load(config_.model_dir));
+  TransportOptions topts;
+  topts.session = config_.session;
+  topts.rank = options_.rank;
+  topts.incarnation = config_.incarnation;
+  topts.max_ranks = config_.max_ranks;
+  topts.max_gather_bytes = sizeof(StepHeader);
+  topts.max_exchange_bytes = EpMoeExecutor::max_exchange_bytes(
+      config_.max_tokens_per_step, model_config_.num_experts_per_tok, model_config_.hidden_size);
+  topts.timeout_ms = config_.timeout_ms;
+  FLEX_ASSIGN_OR_RETURN(transport_, create_transport("shm", topts));
+  ThreadPool& pool = ThreadPool::global();
+  executor_ = std::make_unique<EpMoeExecutor>(*transport_, config_.slots_per_rank, pool);
+
+  ModelOptions mopts;
+  mopts.placement = config_.placement_json;
+  mopts.max_sequences = config_.max_sequences;
+  mopts.max_seq_len = config_.max_seq_len;
+  mopts.first_slot = options_.rank * config_.slots_per_rank;
+  mopts.num_local_slots = config_.slots_per_rank;
+  mopts.allocate_slots = [this](int layer, size_t bytes) -> Result<void*> {
+    FLEX_ASSIGN_OR_RETURN(Region region, transport_->allocate_region(layer, bytes));
+    return region.data;
+  };
+  mopts.moe_executor = executor_.get();
+  FLEX_ASSIGN_OR_RETURN(model_, Model::load(config_.model_dir, mopts));
+  scheduler_ = std::make_unique<Scheduler>(SchedulerLimits{
+      model_config_.vocab_size, model_->max_sequences(), model_->max_seq_len(),
+      config_.max_tokens_per_step, model_config_.eos_token_ids});
+  proto::Ready ready;
+  ready.rank = options_.rank;
+  ready.incarnation = config_.incarnation;
+  ready.transport_address = transport_->address();
+  ready.vocab_size = model_config_.vocab_size;
+  ready.max_seq_len = model_->max_seq_len();
+  return send_msg(control_, ready);
+}
+
+Status Worker::apply_epoch(const proto::EpochCommand& cmd) {
+  for (int r : cmd.members) {
+    if (r == options_.rank) continue;
+    if (r < 0 || r >= static_cast<int>(cmd.addresses.size()) || cmd.addresses[r].empty()) {
+      return invalid_argument("epoch " + std::to_string(cmd.epoch) + " has no address for rank " +
+                              std::to_string(r));
+    }
+    FLEX_RETURN_IF_ERROR(transport_->connect(r, cmd.addresses[r]));
+  }
+  for (int r : group_.ranks) {
+    if (r != options_.rank && !Group{cmd.epoch, cmd.members}.contains(r)) {
+      (void)transport_->disconnect(r);  // A departed peer: nothing left to read from it.
+    }
+  }
+  group_ = Group{cmd.epoch, cmd.members};
+  executor_->set_group(group_);
+  halted_ = false;
+  FLEX_LOG(INFO) << "rank " << options_.rank << " in epoch " << cmd.epoch << " with "
+                 << cmd.members.size() << " members";
+  return Status();
+}
+
+Status Worker::handle(const std::vector<std::string>& parts) {
+  if (parts.size() != 2) return data_loss("control message with " + std::to_string(parts.size()) + " frames");
+  const std::string& type = parts[0];
+  if (type == proto::AddRequest::kType) {
+    FLEX_ASSIGN_OR_RETURN(auto req, proto::decode<proto::AddRequest>(parts[1]));
+    SamplingParams params = params_of(req);
+    Status valid = scheduler_->validate(req.prompt, params);
+    if (!valid.ok()) {
+      // The front end validates first; this only guards against a mismatch.
+      proto::TokenBatch batch;
+      batch.ids.push_back(req.id);
+      batch.tokens.push_back(-1);
+      batch.finish_reasons.push_back("error: " + valid.message());
+      return send_msg(control_, batch);
+    }
+    scheduler_->add(req.id, std::move(req.prompt), std::move(params));
+  } else if (type == proto::CancelRequest::kType) {
+    FLEX_ASSIGN_OR_RETURN(auto req, proto::decode<proto::CancelRequest>(parts[1]));
+    scheduler_->cancel(req.id);
+  } else if (type == proto::EpochCommand::kType) {
+    FLEX_ASSIGN_OR_RETURN(auto cmd, proto::decode<proto::EpochCommand>(parts[1]));
+    if (cmd.epoch <= group_.epoch) return Status();  // Stale.
+    if (halted_ || group_.ranks.empty()) {
+      // Not stepping with anyone: switch now. (A halted rank's peers are halted too.)
+      return apply_epoch(cmd);
+    }
+    pending_ = std::move(cmd);
+    has_pending_ = true;
+  } else if (type == proto::Shutdown::kType) {
+    stopping_ = true;
+  } else {
+    FLEX_LOG(WARN) << "rank " << options_.rank << " ignores control message '" << type << "'";
+  }
+  return Status();
+}
+
+Status Worker::poll_control(int timeout_ms) {
+  for (;;) {
+    auto parts = control_.recv(timeout_ms);
+    if (!parts.ok()) {
+      if (parts.status().code() == StatusCode::kDeadlineExceeded) return Status();
+      return parts.status();
+    }
+    FLEX_RETURN_IF_ERROR(handle(parts.value()));
+    timeout_ms = 0;  // Drain what else is queued, then go.
+  }
+}
+
+void Worker::report(bool force) {
+  const auto now = std::chrono::steady_clock::now();
+  if (!force && now - last_report_ < std::chrono::milliseconds(200)) return;
+  last_report_ = now;
+  proto::StepReport r;
+  r.epoch = group_.epoch;
+  r.steps = steps_;
+  r.step_ms = busy_steps_ ? busy_ms_ / static_cast<double>(busy_steps_) : 0.0;
+  r.running = static_cast<int>(scheduler_->num_running());
+  r.waiting = static_cast<int>(scheduler_->num_waiting());
+  busy_ms_ = 0;
+  busy_steps_ = 0;
+  (void)send_msg(control_, r);
+}
+
+Status Worker::step() {
+  const std::vector<SequenceChunk>& batch = scheduler_->build_step();
+  StepHeader header;
+  for (const auto& chunk : batch) header.num_tokens += static_cast<uint32_t>(chunk.tokens.size());
+  header.stopping = stopping_ ? 1 : 0;
+  header.acked_epoch = has_pending_ ? pending_.epoch : group_.epoch;
+  FLEX_ASSIGN_OR_RETURN(std::vector<ByteSpan> headers,
+                        transport_->all_gather(group_, {&header, sizeof(header)}));
+  uint64_t total_tokens = 0;
+  bool any_stopping = false;
+  bool all_acked = has_pending_;
+  for (int r : group_.ranks) {
+    StepHeader h;
+    std::memcpy(&h, headers[r].data, sizeof(h));
+    total_tokens += h.num_tokens;
+    any_stopping |= h.stopping != 0;
+    if (has_pending_ && h.acked_epoch < pending_.epoch) all_acked = false;
+  }
+  if (any_stopping) {
+    stopping_ = true;
+    return Status();
+  }
+  idle_ = total_tokens == 0;
+  if (!idle_) {
+    const auto t0 = std::chrono::steady_clock::now();
+    FLEX_RETURN_IF_ERROR(model_->forward(batch, &logits_));
+    events_.clear();
+    scheduler_->complete_step(logits_, &events_);
+    busy_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    ++busy_steps_;
+    ++steps_;
+    if (!events_.empty()) {
+      proto::TokenBatch out;
+      for (const TokenEvent& ev : events_) {
+        out.ids.push_back(ev.request_id);
+        out.tokens.push_back(ev.token);
+        out.finish_reasons.push_back(ev.finished ? ev.finish_reason : "");
+      }
+      FLEX_RETURN_IF_ERROR(send_msg(control_, out));
+    }
+  }
+  // Every member saw the same headers: all switch at this boundary, or none.
+  if (all_acked) {
+    has_pending_ = false;
+    FLEX_RETURN_IF_ERROR(apply_epoch(pending_));
+  }
+  return Status();
+}
+
+int Worker::run() {
+  if (Status s = connect_and_configure(); !s.ok()) {
+    FLEX_LOG(ERROR) << "rank " << options_.rank << ": " << s.to_string();
+    return 1;
+  }
+  if (Status s = load(); !s.ok()) {
+    FLEX_LOG(ERROR) << "rank " << options_.rank << " failed to load: " << s.to_string();
+    proto::WorkerError err{0, static_cast<int>(s.code()), s.message()};
+    (void)send_msg(control_, err);
+    return 1;
+  }
+  while (!g_terminate.load()) {
+    // Idle or halted ranks wait on the control socket; busy ones only drain it.
+    const int wait_ms = halted_ || group_.ranks.empty() ? 50 : (idle_ ? 2 : 0);
+    if (Status s = poll_control(wait_ms); !s.ok()) {
+      FLEX_LOG(ERROR) << "rank " << options_.rank << " lost the front end: " << s.to_string();
+      break;
+    }
+    if (halted_ || group_.ranks.empty()) {
+      if (stopping_) break;
+      report(false);
+      continue;
+    }
+    Status s = step();
+    if (stopping_) break;
+    if (!s.ok()) {
+      // A dead or silent peer, or an epoch change we were not part of: report and
+      // wait for the front end's decision (a new epoch or a shutdown).
+      FLEX_LOG(WARN) << "rank " << options_.rank << " step failed in epoch " << group_.epoch << ": "
+                     << s.to_string();
+      halted_ = true;
+      proto::WorkerError err{group_.epoch, static_cast<int>(s.code()), s.message()};
+      (void)send_msg(control_, err);
+    }
+    report(false);
+  }
+  report(true);
+  if (transport_) (void)transport_->shutdown();
+  return 0;
+}
+
+}  // namespace
+
+int run_worker(const WorkerOptions& options) {
+  // A worker spawned by the front end dies with it (no orphans).
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  struct sigaction sa {};
+  sa.sa_handler = on_terminate;
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+  Worker worker(options);
+  return worker.run();
+}
+
+}  // namespace flexpert

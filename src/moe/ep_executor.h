@@ -1,0 +1,53 @@
+// SPDX-License-Identifier: Apache-2.0
+// EpMoeExecutor: expert-parallel MoE over a Transport.
+//
+// Global slot s lives on rank s / slots_per_rank. Each rank sends every routed
+// (token, k) row to the rank holding its chosen replica (dispatch), computes the
+// rows it received grouped by local slot, sends the results back in the order
+// received (combine), and sums them per token in k order with the router
+// weights. Rows for this rank's own slots never touch the transport. Every
+// member runs both exchanges on every MoE layer, with or without tokens.
+// Driven by the model's thread; set_group() between steps.
+#pragma once
+
+#include <vector>
+
+#include "moe/moe_executor.h"
+#include "transport/transport.h"
+
+namespace flexpert {
+
+class EpMoeExecutor final : public MoeExecutor {
+ public:
+  EpMoeExecutor(Transport& transport, int slots_per_rank, ThreadPool& pool);
+
+  // The members and epoch the next execute() calls exchange with.
+  void set_group(Group group) { group_ = std::move(group); }
+  const Group& group() const { return group_; }
+
+  // Bytes one rank may send another in one exchange for `max_tokens` tokens per
+  // rank and step: the capacity a transport must be created with.
+  static size_t max_exchange_bytes(int64_t max_tokens, int top_k, int64_t hidden);
+
+  Status execute(int layer, const float* x, const Routing& routing, const ExpertSlots& local_slots,
+                 int first_slot, float* out, int64_t* slot_counts) override;
+
+ private:
+  Transport& transport_;
+  const int slots_per_rank_;
+  ThreadPool& pool_;
+  Group group_;
+
+  // Scratch, reused across calls.
+  std::vector<std::vector<int32_t>> pairs_to_;   // [rank] pair indices sent there, in order.
+  std::vector<std::vector<char>> send_;          // [rank] dispatch / combine payloads.
+  std::vector<int32_t> recv_slot_;               // Local slot of each received row.
+  std::vector<const float*> recv_row_;           // Where each received row lives.
+  std::vector<int> recv_first_;                  // [rank] index of its first received row.
+  std::vector<int> recv_count_;                  // [rank]
+  Routing local_routing_;                        // Received rows as pairs for grouping.
+  SlotGroups groups_;
+  Tensor rows_, results_;
+};
+
+}  // namespace flexpert

@@ -1,0 +1,676 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "serve/cluster_engine.h"
+
+#include <dirent.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "cluster/protocol.h"
+#include "cluster/zmq_socket.h"
+#include "flexpert/logging.h"
+#include "flexpert/model_config.h"
+#include "flexpert/placement.h"
+#include "flexpert/scheduler.h"
+
+namespace flexpert {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+enum class RankState { kEmpty, kStarting, kReady, kServing, kDead, kStopped };
+
+const char* state_name(RankState s) {
+  switch (s) {
+    case RankState::kEmpty: return "empty";
+    case RankState::kStarting: return "starting";
+    case RankState::kReady: return "ready";
+    case RankState::kServing: return "serving";
+    case RankState::kDead: return "dead";
+    case RankState::kStopped: return "stopped";
+  }
+  return "?";
+}
+
+struct RankInfo {
+  RankState state = RankState::kEmpty;
+  pid_t pid = 0;
+  bool spawned = false;
+  std::string routing_id;
+  uint64_t incarnation = 0;
+  std::string address;
+  int in_flight = 0;
+  int running = 0;
+  int waiting = 0;
+  double step_ms = 0;
+  uint64_t steps = 0;
+  Clock::time_point last_seen{};
+  std::string last_error;
+};
+
+struct RequestInfo {
+  int rank = -1;
+  CompletionCallback callback;
+};
+
+std::string self_exe() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "flexpert";
+}
+
+}  // namespace
+
+class ClusterEngine::Impl {
+ public:
+  explicit Impl(ClusterOptions options) : options_(std::move(options)), router_(ctx_, ZMQ_ROUTER),
+        wake_rx_(ctx_, ZMQ_PAIR), wake_tx_(ctx_, ZMQ_PAIR) {}
+
+  Status start();
+  Status shutdown();
+
+  ClusterOptions options_;
+  ModelConfig model_config_;
+  int max_seq_len_ = 0;
+  int slots_per_rank_ = 0;
+  std::string session_;
+  ExpertPlacement placement_;
+  std::string endpoint_;
+
+  ZmqContext ctx_;
+  ZmqSocket router_;   // Owned by the control thread after start().
+  ZmqSocket wake_rx_;  // Control thread side.
+  ZmqSocket wake_tx_;  // Guarded by mutex_.
+  std::thread control_;
+  std::atomic<bool> stop_{false};
+
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  // Guarded by mutex_:
+  std::vector<RankInfo> ranks_;
+  std::map<uint64_t, RequestInfo> requests_;
+  std::deque<std::pair<int, std::vector<std::string>>> outbox_;  // (rank, [type, body])
+  uint64_t next_request_id_ = 1;
+  uint64_t epoch_ = 0;
+  std::vector<int> members_;
+  std::string phase_ = "starting";
+  Status start_error_;
+  bool accepting_ = false;
+
+  // Control thread.
+  void control_loop();
+  void handle(const std::string& routing_id, const std::string& type, const std::string& body,
+              std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls);
+  void check_workers(std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls);
+  void on_rank_lost(int rank, const std::string& why,
+                    std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls);
+  void commit_epoch(std::vector<int> members);
+  void flush_outbox();
+
+  // Any thread, with mutex_ held.
+  template <typename T>
+  void post(int rank, const T& msg) {
+    outbox_.push_back({rank, {T::kType, proto::encode(msg)}});
+  }
+  void wake();
+  Status spawn(int rank);
+  int rank_of_routing_id(const std::string& id) const;
+};
+
+Status ClusterEngine::Impl::spawn(int rank) {
+  const std::string binary = options_.worker_binary.empty() ? self_exe() : options_.worker_binary;
+  const std::string rank_str = std::to_string(rank);
+  int threads = options_.threads_per_worker;
+  if (threads <= 0) {
+    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / options_.ranks);
+  }
+  const std::string threads_env = "FLEXPERT_THREADS=" + std::to_string(threads);
+  const pid_t pid = fork();
+  if (pid < 0) return unavailable("fork failed for rank " + rank_str);
+  if (pid == 0) {
+    setpgid(0, 0);  // Terminal signals go to the front end, which stops the group in order.
+    putenv(const_cast<char*>(threads_env.c_str()));
+    execl(binary.c_str(), binary.c_str(), "worker", "--join", endpoint_.c_str(), "--rank",
+          rank_str.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  ranks_[rank].pid = pid;
+  ranks_[rank].spawned = true;
+  ranks_[rank].state = RankState::kStarting;
+  ranks_[rank].last_seen = Clock::now();
+  return Status();
+}
+
+Status ClusterEngine::Impl::start() {
+  FLEX_ASSIGN_OR_RETURN(model_config_, ModelConfig::load(options_.model_dir));
+  if (options_.ranks < 1) return invalid_argument("--ranks must be >= 1");
+  if (options_.max_ranks == 0) options_.max_ranks = options_.ranks;
+  if (options_.max_ranks < options_.ranks) return invalid_argument("--max-ranks must be >= --ranks");
+  const int E = std::max(1, model_config_.num_experts);
+  std::vector<int> members;
+  for (int r = 0; r < options_.ranks; ++r) members.push_back(r);
+  int extra = 0;
+  uint64_t seed = 0;
+  const std::string& spec = options_.placement;
+  if (spec.rfind("replicate:", 0) == 0) {
+    unsigned s = 0;
+    if (std::sscanf(spec.c_str(), "replicate:%d:%u", &extra, &s) < 1 || extra < 0) {
+      return invalid_argument("bad --placement '" + spec + "' (want replicate:R[:SEED])");
+    }
+    seed = s;
+  }
+  if (spec.empty() || spec == "identity" || spec.rfind("replicate:", 0) == 0) {
+    slots_per_rank_ = options_.slots_per_rank > 0
+                          ? options_.slots_per_rank
+                          : (E + extra + options_.ranks - 1) / options_.ranks;
+    FLEX_ASSIGN_OR_RETURN(placement_, ExpertPlacement::spread(
+                                          model_config_.num_hidden_layers, E, options_.max_ranks,
+                                          slots_per_rank_, members, extra, seed));
+  } else {
+    FLEX_ASSIGN_OR_RETURN(placement_, ExpertPlacement::parse(spec, model_config_.num_hidden_layers, E));
+    if (placement_.num_slots() % options_.max_ranks != 0) {
+      return invalid_argument("placement has " + std::to_string(placement_.num_slots()) +
+                              " slots, not a multiple of --max-ranks " +
+                              std::to_string(options_.max_ranks));
+    }
+    slots_per_rank_ = placement_.num_slots() / options_.max_ranks;
+  }
+  max_seq_len_ = options_.max_seq_len > 0 ? options_.max_seq_len
+                                         : std::min(model_config_.max_position_embeddings, 4096);
+  session_ = std::to_string(getpid()) + "-" +
+             std::to_string(Clock::now().time_since_epoch().count() % 1000000007);
+  FLEX_RETURN_IF_ERROR(router_.bind("tcp://" + options_.control_host + ":" +
+                                    (options_.control_port ? std::to_string(options_.control_port)
+                                                           : std::string("*"))));
+  FLEX_ASSIGN_OR_RETURN(endpoint_, router_.last_endpoint());
+  const std::string wake = "inproc://wake-" + session_;
+  FLEX_RETURN_IF_ERROR(wake_rx_.bind(wake));
+  FLEX_RETURN_IF_ERROR(wake_tx_.connect(wake));
+  ranks_.assign(static_cast<size_t>(options_.max_ranks), RankInfo{});
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (options_.spawn_workers) {
+      for (int r : members) FLEX_RETURN_IF_ERROR(spawn(r));
+    }
+  }
+  FLEX_LOG(INFO) << "control plane at " << endpoint_ << "; waiting for " << options_.ranks
+                 << " ranks (" << slots_per_rank_ << " expert slots each)";
+  control_ = std::thread([this] { control_loop(); });
+  std::unique_lock<std::mutex> lock(mutex_);
+  const bool done = cv_.wait_for(lock, std::chrono::milliseconds(options_.start_timeout_ms), [&] {
+    return epoch_ > 0 || !start_error_.ok();
+  });
+  if (!start_error_.ok()) return start_error_;
+  if (!done) return deadline_exceeded("ranks did not become ready within " +
+                                      std::to_string(options_.start_timeout_ms) + " ms");
+  accepting_ = true;
+  return Status();
+}
+
+int ClusterEngine::Impl::rank_of_routing_id(const std::string& id) const {
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    if (ranks_[r].routing_id == id) return static_cast<int>(r);
+  }
+  return -1;
+}
+
+void ClusterEngine::Impl::wake() { (void)wake_tx_.send({"w"}); }
+
+void ClusterEngine::Impl::commit_epoch(std::vector<int> members) {
+  proto::EpochCommand cmd;
+  cmd.epoch = ++epoch_;
+  cmd.members = members;
+  cmd.addresses.assign(ranks_.size(), "");
+  for (int r : members) cmd.addresses[r] = ranks_[r].address;
+  for (int r : members) {
+    post(r, cmd);
+    ranks_[r].state = RankState::kServing;
+  }
+  members_ = std::move(members);
+  FLEX_LOG(INFO) << "epoch " << epoch_ << ": " << members_.size() << " serving ranks";
+}
+
+void ClusterEngine::Impl::flush_outbox() {
+  std::deque<std::pair<int, std::vector<std::string>>> out;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    out.swap(outbox_);
+  }
+  for (auto& [rank, parts] : out) {
+    std::string id;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      id = ranks_[rank].routing_id;
+    }
+    if (id.empty()) continue;
+    parts.insert(parts.begin(), id);
+    Status s = router_.send(parts);
+    if (!s.ok()) FLEX_LOG(WARN) << "send to rank " << rank << ": " << s.to_string();
+  }
+}
+
+void ClusterEngine::Impl::on_rank_lost(
+    int rank, const std::string& why,
+    std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls) {
+  RankInfo& info = ranks_[rank];
+  if (info.state == RankState::kDead || info.state == RankState::kStopped) return;
+  const bool was_member = std::find(members_.begin(), members_.end(), rank) != members_.end();
+  info.state = RankState::kDead;
+  info.last_error = why;
+  FLEX_LOG(WARN) << "rank " << rank << " lost: " << why;
+  for (auto it = requests_.begin(); it != requests_.end();) {
+    if (it->second.rank == rank) {
+      CompletionEvent ev;
+      ev.finished = true;
+      ev.finish_reason = "error";
+      ev.error = unavailable("rank " + std::to_string(rank) + " died: " + why);
+      calls->push_back({it->second.callback, ev});
+      it = requests_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  info.in_flight = 0;
+  if (!was_member || stop_.load()) return;
+  // The survivors continue in a new epoch if every expert still has a replica on them.
+  std::vector<int> survivors;
+  for (int r : members_) {
+    if (r != rank && ranks_[r].state == RankState::kServing) survivors.push_back(r);
+  }
+  bool covered = !survivors.empty();
+  for (int l = 0; covered && l < placement_.num_layers(); ++l) {
+    if (!model_config_.is_moe_layer(l)) continue;
+    for (int e = 0; covered && e < placement_.num_experts(); ++e) {
+      bool any = false;
+      for (int s : placement_.replicas(l, e)) {
+        any |= std::find(survivors.begin(), survivors.end(), s / slots_per_rank_) != survivors.end();
+      }
+      covered = any;
+    }
+  }
+  if (covered) {
+    // Route around the lost rank: drop its slots from the placement.
+    std::vector<std::vector<int>> maps;
+    for (int l = 0; l < placement_.num_layers(); ++l) {
+      std::vector<int> map = placement_.slot_map(l);
+      for (int s = rank * slots_per_rank_; s < (rank + 1) * slots_per_rank_; ++s) {
+        map[s] = ExpertPlacement::kFreeSlot;
+      }
+      maps.push_back(std::move(map));
+    }
+    auto next = ExpertPlacement::from_slot_maps(placement_.num_experts(), std::move(maps));
+    if (next.ok()) {
+      placement_ = std::move(next).value();
+      commit_epoch(survivors);
+      phase_ = "serving";
+      return;
+    }
+  }
+  // Some expert has no replica left: the group cannot step. Fail what is in flight.
+  phase_ = "degraded";
+  for (auto& [id, req] : requests_) {
+    CompletionEvent ev;
+    ev.finished = true;
+    ev.finish_reason = "error";
+    ev.error = unavailable("rank " + std::to_string(rank) +
+                           " died and held the only replica of some experts");
+    calls->push_back({req.callback, ev});
+  }
+  requests_.clear();
+  for (int r : members_) ranks_[r].in_flight = 0;
+}
+
+void ClusterEngine::Impl::handle(const std::string& routing_id, const std::string& type,
+                                 const std::string& body,
+                                 std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (type == proto::Hello::kType) {
+    auto hello = proto::decode<proto::Hello>(body);
+    if (!hello.ok()) return;
+    const int r = hello->rank;
+    const bool ok = r >= 0 && r < static_cast<int>(ranks_.size()) &&
+                    (ranks_[r].state == RankState::kEmpty ||
+                     (ranks_[r].state == RankState::kStarting && ranks_[r].routing_id.empty() &&
+                      (!ranks_[r].spawned || ranks_[r].pid == hello->pid)));
+    if (!ok || epoch_ > 0) {  // Joining a running group comes with elastic membership.
+      proto::WorkerError err{epoch_, static_cast<int>(StatusCode::kFailedPrecondition),
+                             "rank " + std::to_string(r) + " is not open for joining"};
+      (void)router_.send({routing_id, proto::WorkerError::kType, proto::encode(err)});
+      return;
+    }
+    RankInfo& info = ranks_[r];
+    info.routing_id = routing_id;
+    info.pid = hello->pid;
+    info.incarnation += 1;
+    info.state = RankState::kStarting;
+    info.last_seen = Clock::now();
+    proto::WorkerConfig cfg;
+    cfg.incarnation = info.incarnation;
+    cfg.session = session_;
+    cfg.model_dir = options_.model_dir;
+    cfg.max_ranks = options_.max_ranks;
+    cfg.slots_per_rank = slots_per_rank_;
+    cfg.placement_json = placement_.to_json();
+    cfg.max_sequences = options_.max_sequences;
+    cfg.max_tokens_per_step = options_.max_tokens_per_step;
+    cfg.max_seq_len = max_seq_len_;
+    cfg.timeout_ms = options_.transport_timeout_ms;
+    post(r, cfg);
+    return;
+  }
+  const int rank = rank_of_routing_id(routing_id);
+  if (rank < 0) {
+    FLEX_LOG(DEBUG) << "dropping '" << type << "' from an unknown or old incarnation";
+    return;
+  }
+  RankInfo& info = ranks_[rank];
+  info.last_seen = Clock::now();
+  if (type == proto::Ready::kType) {
+    auto ready = proto::decode<proto::Ready>(body);
+    if (!ready.ok() || ready->incarnation != info.incarnation) return;
+    info.address = ready->transport_address;
+    info.state = RankState::kReady;
+    if (epoch_ == 0) {
+      std::vector<int> ready_ranks;
+      for (size_t r = 0; r < ranks_.size(); ++r) {
+        if (ranks_[r].state == RankState::kReady) ready_ranks.push_back(static_cast<int>(r));
+      }
+      if (static_cast<int>(ready_ranks.size()) == options_.ranks) {
+        commit_epoch(ready_ranks);
+        phase_ = "serving";
+        cv_.notify_all();
+      }
+    }
+  } else if (type == proto::TokenBatch::kType) {
+    auto batch = proto::decode<proto::TokenBatch>(body);
+    if (!batch.ok()) return;
+    for (size_t i = 0; i < batch->ids.size(); ++i) {
+      auto it = requests_.find(batch->ids[i]);
+      if (it == requests_.end()) continue;  // Cancelled.
+      CompletionEvent ev;
+      const std::string& reason = batch->finish_reasons[i];
+      if (batch->tokens[i] >= 0) ev.tokens.push_back(batch->tokens[i]);
+      if (!reason.empty()) {
+        ev.finished = true;
+        if (reason.rfind("error: ", 0) == 0) {
+          ev.finish_reason = "error";
+          ev.error = invalid_argument(reason.substr(7));
+        } else {
+          ev.finish_reason = reason;
+        }
+      }
+      calls->push_back({it->second.callback, ev});
+      if (ev.finished) {
+        ranks_[it->second.rank].in_flight -= 1;
+        requests_.erase(it);
+      }
+    }
+  } else if (type == proto::StepReport::kType) {
+    auto rep = proto::decode<proto::StepReport>(body);
+    if (!rep.ok()) return;
+    info.running = rep->running;
+    info.waiting = rep->waiting;
+    info.steps = rep->steps;
+    if (rep->step_ms > 0) info.step_ms = rep->step_ms;
+  } else if (type == proto::WorkerError::kType) {
+    auto err = proto::decode<proto::WorkerError>(body);
+    if (!err.ok()) return;
+    info.last_error = err->message;
+    FLEX_LOG(WARN) << "rank " << rank << " reports: " << err->message;
+    if (epoch_ == 0 && info.state == RankState::kStarting) {
+      start_error_ = unavailable("rank " + std::to_string(rank) + " failed to start: " + err->message);
+      cv_.notify_all();
+    }
+  }
+}
+
+void ClusterEngine::Impl::check_workers(
+    std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto now = Clock::now();
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    RankInfo& info = ranks_[r];
+    if (info.spawned && info.pid > 0) {
+      int wstatus = 0;
+      if (waitpid(info.pid, &wstatus, WNOHANG) == info.pid) {
+        info.pid = 0;
+        const std::string why = WIFSIGNALED(wstatus)
+                                    ? "killed by signal " + std::to_string(WTERMSIG(wstatus))
+                                    : "exited with code " + std::to_string(WEXITSTATUS(wstatus));
+        if (epoch_ == 0 && start_error_.ok()) {
+          start_error_ = unavailable("rank " + std::to_string(r) + " " + why +
+                                     (info.last_error.empty() ? "" : ": " + info.last_error));
+          cv_.notify_all();
+        }
+        on_rank_lost(static_cast<int>(r), why, calls);
+        continue;
+      }
+    }
+    if (info.state == RankState::kServing &&
+        now - info.last_seen > std::chrono::milliseconds(options_.heartbeat_timeout_ms)) {
+      on_rank_lost(static_cast<int>(r), "no heartbeat for " +
+                                            std::to_string(options_.heartbeat_timeout_ms) + " ms",
+                   calls);
+    }
+  }
+}
+
+void ClusterEngine::Impl::control_loop() {
+  std::vector<std::pair<CompletionCallback, CompletionEvent>> calls;
+  auto last_check = Clock::now();
+  while (!stop_.load()) {
+    flush_outbox();
+    auto ready = zmq_poll_readable({&router_, &wake_rx_}, 20);
+    if (!ready.ok()) break;
+    for (int i : ready.value()) {
+      if (i == 1) {
+        while (wake_rx_.recv(0).ok()) {
+        }
+        continue;
+      }
+      for (;;) {
+        auto parts = router_.recv(0);
+        if (!parts.ok()) break;
+        if (parts->size() == 3) handle((*parts)[0], (*parts)[1], (*parts)[2], &calls);
+      }
+    }
+    if (Clock::now() - last_check > std::chrono::milliseconds(20)) {
+      check_workers(&calls);
+      last_check = Clock::now();
+    }
+    for (auto& [cb, ev] : calls) cb(ev);  // Outside the lock: callbacks may call back in.
+    calls.clear();
+  }
+  flush_outbox();
+}
+
+Status ClusterEngine::Impl::shutdown() {
+  std::vector<std::pair<CompletionCallback, CompletionEvent>> calls;
+  std::vector<pid_t> children;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (phase_ == "stopped") return Status();
+    accepting_ = false;
+    phase_ = "stopping";
+    for (auto& [id, req] : requests_) {
+      CompletionEvent ev;
+      ev.finished = true;
+      ev.finish_reason = "abort";
+      calls.push_back({req.callback, ev});
+    }
+    requests_.clear();
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      if (!ranks_[r].routing_id.empty() && ranks_[r].state != RankState::kDead) {
+        post(static_cast<int>(r), proto::Shutdown{});
+      }
+      if (ranks_[r].spawned && ranks_[r].pid > 0) children.push_back(ranks_[r].pid);
+    }
+    wake();
+  }
+  for (auto& [cb, ev] : calls) cb(ev);
+  // Workers stop together at their next step boundary; give them a moment, then insist.
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  for (pid_t pid : children) {
+    while (waitpid(pid, nullptr, WNOHANG) == 0) {
+      if (Clock::now() > deadline) {
+        kill(pid, SIGKILL);
+        waitpid(pid, nullptr, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  stop_.store(true);
+  if (control_.joinable()) control_.join();
+  // Backstop: segments of workers that could not clean up (killed) are removed here.
+  const std::string prefix = "flexpert-" + session_ + "-";
+  if (DIR* dir = opendir("/dev/shm")) {
+    while (dirent* e = readdir(dir)) {
+      if (std::string(e->d_name).rfind(prefix, 0) == 0) shm_unlink(("/" + std::string(e->d_name)).c_str());
+    }
+    closedir(dir);
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& info : ranks_) {
+    if (info.state != RankState::kDead) info.state = RankState::kStopped;
+  }
+  phase_ = "stopped";
+  return Status();
+}
+
+// --- ClusterEngine -----------------------------------------------------------
+
+ClusterEngine::ClusterEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+ClusterEngine::~ClusterEngine() { (void)shutdown(); }
+
+Result<std::unique_ptr<ClusterEngine>> ClusterEngine::start(const ClusterOptions& options) {
+  auto impl = std::make_unique<Impl>(options);
+  Status s = impl->start();
+  std::unique_ptr<ClusterEngine> engine(new ClusterEngine(std::move(impl)));
+  if (!s.ok()) {
+    (void)engine->shutdown();
+    return s;
+  }
+  return engine;
+}
+
+std::string ClusterEngine::control_endpoint() const { return impl_->endpoint_; }
+
+int ClusterEngine::vocab_size() const { return impl_->model_config_.vocab_size; }
+
+int ClusterEngine::max_context() const { return impl_->max_seq_len_; }
+
+Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCallback on_event) {
+  Impl& m = *impl_;
+  // The same checks the workers' schedulers make, before anything is queued.
+  Scheduler probe(SchedulerLimits{m.model_config_.vocab_size, 1, m.max_seq_len_, 1, {}});
+  FLEX_RETURN_IF_ERROR(probe.validate(request.prompt, request.params));
+  std::lock_guard<std::mutex> lock(m.mutex_);
+  if (!m.accepting_) return unavailable("the server is shutting down");
+  int best = -1;
+  for (int r : m.members_) {
+    if (m.ranks_[r].state != RankState::kServing) continue;
+    if (best < 0 || m.ranks_[r].in_flight < m.ranks_[best].in_flight) best = r;
+  }
+  if (best < 0) return unavailable("no serving rank (phase " + m.phase_ + ")");
+  const uint64_t id = m.next_request_id_++;
+  m.requests_[id] = RequestInfo{best, std::move(on_event)};
+  m.ranks_[best].in_flight += 1;
+  m.post(best, proto::AddRequest{id, std::move(request.prompt), request.params.temperature,
+                                 request.params.top_k, request.params.top_p, request.params.seed,
+                                 request.params.max_tokens, request.params.stop_token_ids,
+                                 request.params.ignore_eos});
+  m.wake();
+  return id;
+}
+
+void ClusterEngine::cancel(uint64_t request_id) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mutex_);
+  auto it = m.requests_.find(request_id);
+  if (it == m.requests_.end()) return;
+  const int rank = it->second.rank;
+  m.ranks_[rank].in_flight -= 1;
+  m.requests_.erase(it);
+  m.post(rank, proto::CancelRequest{request_id});
+  m.wake();
+}
+
+bool ClusterEngine::healthy() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  return impl_->phase_ == "serving";
+}
+
+nlohmann::json ClusterEngine::status() const {
+  const Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mutex_);
+  nlohmann::json ranks = nlohmann::json::array();
+  for (size_t r = 0; r < m.ranks_.size(); ++r) {
+    const RankInfo& info = m.ranks_[r];
+    if (info.state == RankState::kEmpty) continue;
+    nlohmann::json j = {{"rank", r},
+                        {"state", state_name(info.state)},
+                        {"pid", info.pid},
+                        {"incarnation", info.incarnation},
+                        {"in_flight", info.in_flight},
+                        {"running", info.running},
+                        {"waiting", info.waiting},
+                        {"step_ms", info.step_ms},
+                        {"steps", info.steps}};
+    if (!info.last_error.empty()) j["last_error"] = info.last_error;
+    ranks.push_back(std::move(j));
+  }
+  return {{"mode", "cluster"},
+          {"phase", m.phase_},
+          {"epoch", m.epoch_},
+          {"members", m.members_},
+          {"max_ranks", m.options_.max_ranks},
+          {"slots_per_rank", m.slots_per_rank_},
+          {"in_flight", m.requests_.size()},
+          {"ranks", ranks}};
+}
+
+std::string ClusterEngine::metrics_text() const {
+  const Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mutex_);
+  std::string out =
+      "# HELP flexpert_epoch Current membership epoch.\n# TYPE flexpert_epoch gauge\n"
+      "flexpert_epoch " + std::to_string(m.epoch_) + "\n"
+      "# HELP flexpert_rank_up 1 when the rank is a serving member.\n# TYPE flexpert_rank_up gauge\n";
+  for (size_t r = 0; r < m.ranks_.size(); ++r) {
+    if (m.ranks_[r].state == RankState::kEmpty) continue;
+    out += "flexpert_rank_up{rank=\"" + std::to_string(r) + "\"} " +
+           (m.ranks_[r].state == RankState::kServing ? "1" : "0") + "\n";
+  }
+  out += "# HELP flexpert_rank_step_seconds Mean busy step time per rank.\n"
+         "# TYPE flexpert_rank_step_seconds gauge\n";
+  for (size_t r = 0; r < m.ranks_.size(); ++r) {
+    if (m.ranks_[r].state == RankState::kEmpty) continue;
+    out += "flexpert_rank_step_seconds{rank=\"" + std::to_string(r) + "\"} " +
+           std::to_string(m.ranks_[r].step_ms / 1e3) + "\n";
+  }
+  out += "# HELP flexpert_rank_in_flight Requests placed on each rank.\n"
+         "# TYPE flexpert_rank_in_flight gauge\n";
+  for (size_t r = 0; r < m.ranks_.size(); ++r) {
+    if (m.ranks_[r].state == RankState::kEmpty) continue;
+    out += "flexpert_rank_in_flight{rank=\"" + std::to_string(r) + "\"} " +
+           std::to_string(m.ranks_[r].in_flight) + "\n";
+  }
+  return out;
+}
+
+Status ClusterEngine::shutdown() { return impl_->shutdown(); }
+
+}  // namespace flexpert

@@ -1,0 +1,64 @@
+// SPDX-License-Identifier: Apache-2.0
+// ClusterEngine: the front end's side of a serving group of worker processes.
+//
+// It owns membership (which ranks are members, in which epoch), spawns workers
+// (or accepts hand-started ones through `flexpert worker --join`), places each
+// request on the least-loaded serving rank, relays its tokens to the caller,
+// and watches workers (process exit, heartbeats, their error reports). A
+// control thread owns the ZeroMQ ROUTER socket; public methods are thread-safe
+// and hand commands to it through a queue.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "serve/serving_engine.h"
+
+namespace flexpert {
+
+struct ClusterOptions {
+  std::string model_dir;
+  int ranks = 1;
+  int max_ranks = 0;             // 0: ranks.
+  int slots_per_rank = 0;        // 0: enough for the experts and replicas on `ranks` ranks.
+  std::string placement;         // "", "replicate:R[:SEED]", or a JSON file over all slots.
+  int max_sequences = 32;        // Per rank.
+  int max_tokens_per_step = 256; // Per rank; sizes the exchange buffers.
+  int max_seq_len = 0;           // 0: the model's, capped at 4096.
+  int transport_timeout_ms = 5000;
+  int heartbeat_timeout_ms = 10000;
+  bool spawn_workers = true;     // false: wait for `flexpert worker --join`.
+  std::string worker_binary;     // Default: this executable.
+  int threads_per_worker = 0;    // 0: cores / ranks (at least 1).
+  std::string control_host = "127.0.0.1";
+  int control_port = 0;          // 0: any free port.
+  int start_timeout_ms = 120000; // For every rank to be ready.
+};
+
+class ClusterEngine : public ServingEngine {
+ public:
+  // Starts the control plane and the workers; returns once the first epoch has
+  // committed (every rank loaded and stepping), or the error that prevented it.
+  static Result<std::unique_ptr<ClusterEngine>> start(const ClusterOptions& options);
+  ~ClusterEngine() override;
+
+  // tcp://HOST:PORT that `flexpert worker --join` connects to.
+  std::string control_endpoint() const;
+
+  int vocab_size() const override;
+  int max_context() const override;
+  Result<uint64_t> submit(CompletionRequest request, CompletionCallback on_event) override;
+  void cancel(uint64_t request_id) override;
+  bool healthy() const override;
+  nlohmann::json status() const override;
+  std::string metrics_text() const override;
+  Status shutdown() override;
+
+  class Impl;
+
+ private:
+  explicit ClusterEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace flexpert

@@ -1,0 +1,259 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "serve/completion_api.h"
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+
+namespace flexpert {
+namespace {
+
+using nlohmann::json;
+
+// Each getter leaves `*out` alone when the field is absent or null (OpenAI clients
+// send explicit nulls for "unset"), and fails naming the field on a wrong type.
+struct FieldReader {
+  const json& body;
+  std::string* error_param;
+
+  Status fail(const char* field, const std::string& message) {
+    *error_param = field;
+    return invalid_argument(message);
+  }
+  const json* get(const char* field) {
+    auto it = body.find(field);
+    return it == body.end() || it->is_null() ? nullptr : &*it;
+  }
+  Status integer(const char* field, int64_t* out) {
+    const json* v = get(field);
+    if (v == nullptr) return Status();
+    if (v->is_number_unsigned()) {
+      const uint64_t u = v->get<uint64_t>();
+      *out = u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())
+                 ? std::numeric_limits<int64_t>::max()
+                 : static_cast<int64_t>(u);
+      return Status();
+    }
+    if (!v->is_number_integer()) return fail(field, std::string(field) + " must be an integer");
+    *out = v->get<int64_t>();
+    return Status();
+  }
+  Status number(const char* field, double* out) {
+    const json* v = get(field);
+    if (v == nullptr) return Status();
+    if (!v->is_number()) return fail(field, std::string(field) + " must be a number");
+    *out = v->get<double>();
+    return Status();
+  }
+  Status boolean(const char* field, bool* out) {
+    const json* v = get(field);
+    if (v == nullptr) return Status();
+    if (!v->is_boolean()) return fail(field, std::string(field) + " must be true or false");
+    *out = v->get<bool>();
+    return Status();
+  }
+  // A list of token ids in [0, vocab_size); `what` names it in messages.
+  Status token_ids(const char* field, const json& list, int vocab_size,
+                   std::vector<int32_t>* out) {
+    for (const json& id : list) {
+      if (!id.is_number_integer()) {
+        return fail(field, std::string(field) + " must contain only integer token ids, got " +
+                               id.dump(-1, ' ', false, json::error_handler_t::replace));
+      }
+      // Compare as 64-bit (or unsigned) first so that huge values cannot wrap into range.
+      const bool in_range = id.is_number_unsigned()
+                                ? id.get<uint64_t>() < static_cast<uint64_t>(vocab_size)
+                                : id.get<int64_t>() >= 0 && id.get<int64_t>() < vocab_size;
+      if (!in_range) {
+        return fail(field, std::string(field) + " contains token id " +
+                               id.dump(-1, ' ', false, json::error_handler_t::replace) +
+                               " outside the vocabulary [0, " + std::to_string(vocab_size) + ")");
+      }
+      out->push_back(static_cast<int32_t>(id.get<int64_t>()));
+    }
+    return Status();
+  }
+};
+
+}  // namespace
+
+Status parse_completion_request(const std::string& body, int vocab_size, int max_context,
+                                ParsedCompletion* out, std::string* error_param) {
+  error_param->clear();
+  const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return invalid_argument("the request body is not valid JSON");
+  if (!j.is_object()) return invalid_argument("the request body must be a JSON object");
+  FieldReader r{j, error_param};
+  *out = ParsedCompletion();
+  SamplingParams& p = out->request.params;
+
+  // prompt: [ids] or [[ids]] (the batched form, with exactly one prompt).
+  const json* prompt = r.get("prompt");
+  if (prompt == nullptr) return r.fail("prompt", "prompt is required");
+  if (prompt->is_string() ||
+      (prompt->is_array() && !prompt->empty() && (*prompt)[0].is_string())) {
+    return r.fail("prompt", "prompt must be token ids: this server has no tokenizer");
+  }
+  if (!prompt->is_array()) return r.fail("prompt", "prompt must be an array of token ids");
+  const json* ids = prompt;
+  if (!prompt->empty() && (*prompt)[0].is_array()) {
+    if (prompt->size() != 1) {
+      return r.fail("prompt", "prompt as a list of lists must hold exactly one prompt");
+    }
+    ids = &(*prompt)[0];
+  }
+  if (ids->empty()) return r.fail("prompt", "prompt must not be empty");
+  FLEX_RETURN_IF_ERROR(r.token_ids("prompt", *ids, vocab_size, &out->request.prompt));
+
+  int64_t max_tokens = 16;
+  FLEX_RETURN_IF_ERROR(r.integer("max_tokens", &max_tokens));
+  if (max_tokens < 1) return r.fail("max_tokens", "max_tokens must be >= 1");
+  const int64_t prompt_len = static_cast<int64_t>(out->request.prompt.size());
+  if (max_tokens > max_context - prompt_len) {  // Not a sum: max_tokens may be near INT64_MAX.
+    return r.fail("max_tokens", "prompt (" + std::to_string(prompt_len) + " tokens) + max_tokens (" +
+                                    std::to_string(max_tokens) + ") exceeds the context length " +
+                                    std::to_string(max_context));
+  }
+  p.max_tokens = static_cast<int>(max_tokens);
+
+  double temperature = 1.0;  // OpenAI's default; send 0 for greedy.
+  FLEX_RETURN_IF_ERROR(r.number("temperature", &temperature));
+  // Bounded so that the float conversion below stays defined.
+  if (!(temperature >= 0.0 && temperature <= 1e6)) {
+    return r.fail("temperature", "temperature must be a number in [0, 1e6]");
+  }
+  p.temperature = static_cast<float>(temperature);
+
+  double top_p = 1.0;
+  FLEX_RETURN_IF_ERROR(r.number("top_p", &top_p));
+  if (!(top_p > 0.0 && top_p <= 1.0)) return r.fail("top_p", "top_p must be in (0, 1]");
+  p.top_p = static_cast<float>(top_p);
+
+  int64_t top_k = 0;  // vLLM spells "off" as -1; we also take 0.
+  FLEX_RETURN_IF_ERROR(r.integer("top_k", &top_k));
+  if (top_k < -1) return r.fail("top_k", "top_k must be >= 1, or 0 / -1 for no limit");
+  p.top_k = top_k <= 0 ? 0 : static_cast<int>(std::min<int64_t>(top_k, vocab_size));
+
+  if (const json* seed = r.get("seed")) {
+    if (!seed->is_number_integer()) return r.fail("seed", "seed must be an integer");
+    // Negative seeds are fine: only the bits matter.
+    p.seed = seed->is_number_unsigned() ? seed->get<uint64_t>()
+                                        : static_cast<uint64_t>(seed->get<int64_t>());
+    out->has_seed = true;
+  }
+
+  FLEX_RETURN_IF_ERROR(r.boolean("stream", &out->stream));
+  FLEX_RETURN_IF_ERROR(r.boolean("ignore_eos", &p.ignore_eos));
+  if (const json* opts = r.get("stream_options")) {
+    if (!opts->is_object()) return r.fail("stream_options", "stream_options must be an object");
+    FieldReader o{*opts, error_param};
+    FLEX_RETURN_IF_ERROR(o.boolean("include_usage", &out->include_usage));
+  }
+  if (const json* stops = r.get("stop_token_ids")) {
+    if (!stops->is_array()) {
+      return r.fail("stop_token_ids", "stop_token_ids must be an array of token ids");
+    }
+    FLEX_RETURN_IF_ERROR(r.token_ids("stop_token_ids", *stops, vocab_size, &p.stop_token_ids));
+  }
+
+  // Options we cannot honour are refused rather than silently ignored.
+  int64_t n = 1;
+  FLEX_RETURN_IF_ERROR(r.integer("n", &n));
+  if (n != 1) return r.fail("n", "only n = 1 is supported");
+  if (const json* stop = r.get("stop"); stop != nullptr && !(stop->is_array() && stop->empty())) {
+    return r.fail("stop", "stop strings need a tokenizer; use stop_token_ids");
+  }
+  bool echo = false;
+  FLEX_RETURN_IF_ERROR(r.boolean("echo", &echo));
+  if (echo) return r.fail("echo", "echo is not supported");
+  if (r.get("logprobs") != nullptr) return r.fail("logprobs", "logprobs is not supported");
+  return Status();
+}
+
+nlohmann::json usage_json(size_t prompt_tokens, size_t completion_tokens) {
+  return {{"prompt_tokens", prompt_tokens},
+          {"completion_tokens", completion_tokens},
+          {"total_tokens", prompt_tokens + completion_tokens}};
+}
+
+nlohmann::json completion_response(const CompletionHeader& header,
+                                   const std::vector<int32_t>& tokens,
+                                   const std::string& finish_reason, size_t prompt_tokens) {
+  json choice = {{"index", 0},
+                 {"text", ""},
+                 {"token_ids", tokens},
+                 {"logprobs", nullptr},
+                 {"finish_reason", finish_reason}};
+  return {{"id", header.id},
+          {"object", "text_completion"},
+          {"created", header.created},
+          {"model", header.model},
+          {"choices", json::array({choice})},
+          {"usage", usage_json(prompt_tokens, tokens.size())}};
+}
+
+nlohmann::json completion_chunk(const CompletionHeader& header,
+                                const std::vector<int32_t>& tokens,
+                                const std::optional<std::string>& finish_reason,
+                                const Status& error) {
+  json choice = {{"index", 0},
+                 {"text", ""},
+                 {"token_ids", tokens},
+                 {"logprobs", nullptr},
+                 {"finish_reason", finish_reason ? json(*finish_reason) : json(nullptr)}};
+  json chunk = {{"id", header.id},
+                {"object", "text_completion"},
+                {"created", header.created},
+                {"model", header.model},
+                {"choices", json::array({choice})}};
+  if (!error.ok()) chunk["error"] = status_error_json(error)["error"];
+  return chunk;
+}
+
+nlohmann::json error_json(const std::string& message, const std::string& type,
+                          const std::string& param, const std::string& code) {
+  return {{"error",
+           {{"message", message},
+            {"type", type},
+            {"param", param.empty() ? json(nullptr) : json(param)},
+            {"code", code.empty() ? json(nullptr) : json(code)}}}};
+}
+
+nlohmann::json status_error_json(const Status& status) {
+  if (status.code() == StatusCode::kInvalidArgument) {
+    return error_json(status.message(), "invalid_request_error");
+  }
+  return error_json(status.message(), "server_error",
+                    "", std::string(status_code_name(status.code())));
+}
+
+int http_status_for(const Status& status) {
+  switch (status.code()) {
+    case StatusCode::kOk:
+      return 200;
+    case StatusCode::kInvalidArgument:
+      return 400;
+    case StatusCode::kNotFound:
+      return 404;
+    case StatusCode::kUnavailable:
+      return 503;
+    case StatusCode::kResourceExhausted:
+      return 429;
+    default:
+      return 500;
+  }
+}
+
+std::string dump_json(const nlohmann::json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+int64_t unix_seconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string sse_event(const std::string& data) { return "data: " + data + "\n\n"; }
+
+}  // namespace flexpert

@@ -1,0 +1,289 @@
+// SPDX-License-Identifier: Apache-2.0
+// HttpServer: lifecycle, routing, error bodies and the small GET routes.
+// The completions route is in http_completions.cc.
+#include "serve/http_server.h"
+
+#include <httplib.h>
+#include <sys/socket.h>
+
+#include <chrono>
+#include <random>
+#include <thread>
+
+#include "flexpert/logging.h"
+#include "serve/completion_api.h"
+
+namespace flexpert {
+namespace {
+
+using nlohmann::json;
+
+constexpr int kListenBacklog = 512;
+// How long stop() waits for requests to get their final answer out.
+constexpr auto kStopGrace = std::chrono::seconds(2);
+
+// NOTE: httplib listens with a backlog of 5 (a compile-time constant of the
+// Debian library). A burst of concurrent clients then overflows the accept queue
+// and their SYNs are retried after a second, which shows up as 1 s latency
+// outliers. Linux lets listen() on a listening socket raise the backlog.
+class ListenServer : public httplib::Server {
+ public:
+  void raise_backlog(int backlog) { (void)::listen(svr_sock_, backlog); }
+};
+
+void send_json(httplib::Response& res, int status, const json& body) {
+  res.status = status;
+  res.set_content(dump_json(body), "application/json");
+}
+
+// Exact-match regex for a literal route path (httplib routes by std::regex).
+std::string literal_pattern(const std::string& path) {
+  std::string out;
+  for (char c : path) {
+    if (std::string_view("\\^$.|?*+()[]{}").find(c) != std::string_view::npos) out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+// Compares without an early exit, so that response timing does not reveal a key prefix.
+bool same_secret(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  const size_t n = std::max(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i) {
+    diff |= static_cast<unsigned char>((i < a.size() ? a[i] : 0) ^ (i < b.size() ? b[i] : 0));
+  }
+  return diff == 0;
+}
+
+}  // namespace
+
+HttpServer::HttpServer(ServingEngine& engine, HttpOptions options)
+    : engine_(engine),
+      options_(std::move(options)),
+      seed_base_((static_cast<uint64_t>(std::random_device()()) << 32) ^ std::random_device()()),
+      generated_tokens_(metrics_.counter("flexpert_generated_tokens_total",
+                                         "Completion tokens sent to clients.")),
+      prompt_tokens_(metrics_.counter("flexpert_prompt_tokens_total",
+                                      "Prompt tokens of accepted requests.")),
+      in_flight_(metrics_.gauge("flexpert_requests_in_flight",
+                                "Accepted completion requests not yet answered.")),
+      ttft_seconds_(metrics_.histogram("flexpert_time_to_first_token_seconds",
+                                       "From request arrival to its first token.",
+                                       metrics::latency_buckets_seconds())),
+      itl_seconds_(metrics_.histogram("flexpert_inter_token_latency_seconds",
+                                      "Between consecutive tokens of one request.",
+                                      metrics::latency_buckets_seconds())),
+      duration_seconds_(metrics_.histogram("flexpert_request_duration_seconds",
+                                           "From request arrival to its last byte.",
+                                           metrics::latency_buckets_seconds())) {
+  requests_counter("ok");  // Creates the family, so that it renders first and before any request.
+  add_route("POST", "/v1/completions", [this](const httplib::Request& req,
+                                              httplib::Response& res) {
+    handle_completions(req, res);
+  });
+  add_route("GET", "/health", [this](const auto&, auto& res) { handle_health(res); });
+  add_route("GET", "/v1/status", [this](const auto&, auto& res) { handle_status(res); });
+  add_route("GET", "/v1/models", [this](const auto&, auto& res) { handle_models(res); });
+  add_route("GET", "/metrics", [this](const auto&, auto& res) { handle_metrics(res); });
+}
+
+HttpServer::~HttpServer() { stop(); }
+
+metrics::Counter& HttpServer::requests_counter(const std::string& outcome) {
+  return metrics_.counter("flexpert_requests_total",
+                          "Completion requests by outcome: ok, abort (engine shut down), "
+                          "cancelled (client went away), error, invalid, unavailable.",
+                          {{"status", outcome}});
+}
+
+void HttpServer::add_route(const std::string& method, const std::string& path, Handler handler) {
+  FLEX_CHECK(!server_) << "routes must be added before start()";
+  routes_[path][method] = std::move(handler);
+}
+
+void HttpServer::add_post_route(const std::string& path, AdminHandler handler) {
+  add_route("POST", path, [this, handler = std::move(handler)](const httplib::Request& req,
+                                                               httplib::Response& res) {
+    handle_admin(handler, req, res);
+  });
+}
+
+Status HttpServer::start() {
+  FLEX_CHECK(!server_) << "start() called twice";
+  auto server = std::make_unique<ListenServer>();
+  const size_t num_threads = static_cast<size_t>(std::max(1, options_.num_threads));
+  server->new_task_queue = [num_threads] { return new httplib::ThreadPool(num_threads); };
+  server->set_payload_max_length(options_.max_body_bytes);
+  server->set_keep_alive_timeout(options_.keep_alive_timeout_s);
+  server->set_keep_alive_max_count(10000);
+  server->set_tcp_nodelay(true);  // Stream events are small writes: no Nagle delay.
+  // NOTE: httplib's default sets SO_REUSEPORT, which lets a second server bind the
+  // same port and silently take half the traffic. SO_REUSEADDR alone still allows
+  // a quick restart but makes a busy port an error.
+  server->set_socket_options([](socket_t sock) {
+    int yes = 1;
+    (void)::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+
+  for (const auto& [path, methods] : routes_) {
+    for (const auto& [method, handler] : methods) {
+      // Every handler catches here: nothing thrown may reach httplib's worker loop.
+      httplib::Server::Handler guarded = [this, &h = handler](const httplib::Request& req,
+                                                              httplib::Response& res) {
+        try {
+          h(req, res);
+        } catch (const std::exception& e) {
+          FLEX_LOG(ERROR) << req.method << " " << req.path << ": " << e.what();
+          send_json(res, 500, error_json(std::string("internal error: ") + e.what(),
+                                         "server_error", "", "INTERNAL"));
+        } catch (...) {
+          send_json(res, 500, error_json("internal error", "server_error", "", "INTERNAL"));
+        }
+      };
+      const std::string pattern = literal_pattern(path);
+      if (method == "GET") server->Get(pattern, guarded);
+      if (method == "POST") server->Post(pattern, guarded);
+    }
+  }
+  // Responses httplib makes itself (no route, body too large, unparsable request)
+  // have no body yet; ours always do. Give the former a JSON error body.
+  server->set_error_handler(httplib::Server::HandlerWithResponse(
+      [this](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+    try {
+      std::string message = "HTTP " + std::to_string(res.status);
+      std::string type = "invalid_request_error";
+      if (res.status == 404) {
+        auto route = routes_.find(req.path);
+        if (route == routes_.end()) {
+          message = "no route for " + req.method + " " + req.path;
+          type = "not_found_error";
+        } else {  // httplib says 404 when only the method is wrong.
+          std::string allow;
+          for (const auto& [method, h] : route->second) allow += (allow.empty() ? "" : ", ") + method;
+          res.status = 405;
+          res.set_header("Allow", allow);
+          message = "method " + req.method + " is not allowed on " + req.path + " (allowed: " +
+                    allow + ")";
+        }
+      } else if (res.status == 413) {
+        message = "the request body exceeds " + std::to_string(options_.max_body_bytes) + " bytes";
+      } else if (res.status == 400) {
+        message = "malformed HTTP request";
+      }
+      res.set_content(dump_json(error_json(message, type)), "application/json");
+      return httplib::Server::HandlerResponse::Handled;
+    } catch (...) {
+      return httplib::Server::HandlerResponse::Unhandled;
+    }
+  }));
+  server->set_exception_handler([](const httplib::Request&, httplib::Response& res,
+                                   std::exception_ptr) {
+    send_json(res, 500, error_json("internal error", "server_error", "", "INTERNAL"));
+  });
+
+  const std::string where = options_.host + ":" + std::to_string(options_.port);
+  int port = options_.port;
+  if (port == 0) {
+    port = server->bind_to_any_port(options_.host);
+    if (port < 0) return unavailable("cannot bind an ephemeral port on " + options_.host);
+  } else if (!server->bind_to_port(options_.host, port)) {
+    return unavailable("cannot bind " + where + " (in use, or not a local address)");
+  }
+  server->raise_backlog(kListenBacklog);
+
+  auto listen_returned = std::make_shared<std::atomic<bool>>(false);  // Shared with the thread.
+  ListenServer* raw = server.get();
+  server_ = std::move(server);
+  listen_thread_ = std::thread([raw, listen_returned] {
+    raw->listen_after_bind();
+    *listen_returned = true;
+  });
+  // stop() only works once the accept loop runs, so start() returns only then.
+  while (!raw->is_running() && !*listen_returned) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (!raw->is_running()) {
+    listen_thread_.join();
+    server_.reset();
+    return unavailable("the HTTP accept loop on " + where + " failed to start");
+  }
+  port_ = port;
+  FLEX_LOG(INFO) << "serving on http://" << options_.host << ":" << port_;
+  return Status();
+}
+
+void HttpServer::stop() {
+  if (!server_) return;
+  // Handlers waiting for the engine give up within a poll interval. Let them send
+  // their final response or event first: once the listener closes, httplib stops
+  // calling stream providers and a stream would just end without [DONE].
+  stopping_ = true;
+  const auto deadline = std::chrono::steady_clock::now() + kStopGrace;
+  while (num_open_exchanges_.load() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  server_->stop();
+  if (listen_thread_.joinable()) listen_thread_.join();  // Joins httplib's workers too.
+  server_.reset();
+}
+
+void HttpServer::handle_health(httplib::Response& res) {
+  if (engine_.healthy() && !stopping_) {
+    send_json(res, 200, {{"status", "ok"}});
+  } else {
+    send_json(res, 503, {{"status", "degraded"}, {"detail", engine_.status()}});
+  }
+}
+
+void HttpServer::handle_status(httplib::Response& res) {
+  json status = engine_.status();
+  // Clients such as `bench serve` need the limits whatever the engine reports.
+  if (status.is_object()) {
+    if (!status.contains("vocab_size")) status["vocab_size"] = engine_.vocab_size();
+    if (!status.contains("max_context")) status["max_context"] = engine_.max_context();
+    if (!status.contains("model")) status["model"] = options_.model_name;
+  }
+  send_json(res, 200, status);
+}
+
+void HttpServer::handle_models(httplib::Response& res) {
+  json model = {{"id", options_.model_name},
+                {"object", "model"},
+                {"created", unix_seconds()},
+                {"owned_by", "flexpert"},
+                {"max_model_len", engine_.max_context()}};
+  send_json(res, 200, {{"object", "list"}, {"data", json::array({model})}});
+}
+
+void HttpServer::handle_metrics(httplib::Response& res) {
+  res.status = 200;
+  res.set_content(metrics_.render() + engine_.metrics_text(), "text/plain; version=0.0.4");
+}
+
+void HttpServer::handle_admin(const AdminHandler& handler, const httplib::Request& req,
+                              httplib::Response& res) {
+  if (!options_.admin_key.empty() &&
+      !same_secret(req.get_header_value("Authorization"), "Bearer " + options_.admin_key)) {
+    res.set_header("WWW-Authenticate", "Bearer");
+    send_json(res, 401, error_json("missing or wrong admin key", "authentication_error"));
+    return;
+  }
+  json body = nullptr;
+  if (!req.body.empty()) {
+    body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+    if (body.is_discarded()) {
+      send_json(res, 400, error_json("the request body is not valid JSON", "invalid_request_error"));
+      return;
+    }
+  }
+  Result<json> result = handler(body);
+  if (!result.ok()) {
+    send_json(res, http_status_for(result.status()), status_error_json(result.status()));
+    return;
+  }
+  send_json(res, 200, result.value());
+}
+
+}  // namespace flexpert

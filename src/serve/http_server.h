@@ -1,0 +1,118 @@
+// SPDX-License-Identifier: Apache-2.0
+// HttpServer: the OpenAI-style HTTP front end over a ServingEngine.
+//
+// Routes: POST /v1/completions (a JSON response, or server-sent events with
+// "stream": true), GET /v1/models, GET /health, GET /v1/status, GET /metrics
+// (Prometheus text), and admin POST routes added with add_post_route(). Every
+// error is a JSON body {"error": {...}}; exceptions from httplib or JSON handling
+// are caught at the handler edge and never reach the server loop.
+//
+// start() binds and serves on threads of its own: one per open connection, so a
+// streaming request holds its thread until it ends (HttpOptions::num_threads caps
+// concurrent connections). stop() closes the listener, ends requests still waiting
+// for the engine (503, or a final error event; cancelled in the engine) and joins.
+// For a graceful stop shut the engine down first: requests then end normally with
+// finish_reason "abort". add_post_route(), start() and stop() belong to one
+// controlling thread; everything else is thread-safe.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+
+#include "flexpert/status.h"
+#include "serve/metrics.h"
+#include "serve/serving_engine.h"
+
+namespace httplib {
+class Server;
+struct Request;
+struct Response;
+class DataSink;
+}  // namespace httplib
+
+namespace flexpert {
+
+struct HttpOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;                      // 0: an ephemeral port; see HttpServer::port().
+  std::string model_name = "flexpert";  // Reported as "model" in responses and /v1/models.
+  std::string admin_key;                // Empty: admin routes need no Authorization header.
+  size_t max_body_bytes = 1 << 20;      // Larger request bodies get 413.
+  int num_threads = 64;                 // Connection threads (concurrent connections).
+  int keep_alive_timeout_s = 5;         // Idle keep-alive connections close after this.
+};
+
+class HttpServer {
+ public:
+  // An admin route: gets the JSON body (null when empty) and returns the response
+  // body, or a Status mapped to an HTTP code (400 InvalidArgument, 503 Unavailable...).
+  using AdminHandler = std::function<Result<nlohmann::json>(const nlohmann::json& body)>;
+
+  HttpServer(ServingEngine& engine, HttpOptions options);
+  ~HttpServer();  // stop().
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  // Adds POST `path` guarded by `Authorization: Bearer <admin_key>` (401 otherwise,
+  // when a key is set). Call before start().
+  void add_post_route(const std::string& path, AdminHandler handler);
+
+  // Binds host:port and starts serving. Unavailable when the address cannot be bound.
+  Status start();
+  int port() const { return port_; }  // The bound port once start() succeeded.
+  void stop();                        // Idempotent; blocks until handlers returned.
+
+  // The server's registry, rendered first on /metrics; callers may add their own.
+  metrics::Registry& metrics() { return metrics_; }
+
+ private:
+  using Handler = std::function<void(const httplib::Request&, httplib::Response&)>;
+  struct Exchange;  // One completion request's state (http_completions.cc).
+
+  void add_route(const std::string& method, const std::string& path, Handler handler);
+  void dispatch(const httplib::Request& req, httplib::Response& res);
+  void handle_health(httplib::Response& res);
+  void handle_status(httplib::Response& res);
+  void handle_models(httplib::Response& res);
+  void handle_metrics(httplib::Response& res);
+  void handle_admin(const AdminHandler& handler, const httplib::Request& req,
+                    httplib::Response& res);
+
+  // http_completions.cc
+  void handle_completions(const httplib::Request& req, httplib::Response& res);
+  void respond_when_finished(Exchange& ex, httplib::Response& res);
+  bool stream_step(Exchange& ex, httplib::DataSink& sink);
+  void observe_tokens(Exchange& ex);            // Moves new latencies into histograms.
+  void finish_exchange(Exchange& ex, const std::string& outcome);
+  metrics::Counter& requests_counter(const std::string& outcome);
+  uint64_t next_seed();
+
+  ServingEngine& engine_;
+  const HttpOptions options_;
+  std::unique_ptr<httplib::Server> server_;
+  std::thread listen_thread_;
+  int port_ = -1;
+  std::atomic<bool> stopping_{false};
+  std::atomic<int> num_open_exchanges_{0};  // Accepted completions not yet answered.
+  // path -> method -> handler. Filled before start(), read-only afterwards.
+  std::map<std::string, std::map<std::string, Handler>> routes_;
+  const uint64_t seed_base_;
+  std::atomic<uint64_t> seed_counter_{0};
+
+  metrics::Registry metrics_;
+  metrics::Counter& generated_tokens_;
+  metrics::Counter& prompt_tokens_;
+  metrics::Gauge& in_flight_;
+  metrics::Histogram& ttft_seconds_;
+  metrics::Histogram& itl_seconds_;
+  metrics::Histogram& duration_seconds_;
+};
+
+}  // namespace flexpert

@@ -1,0 +1,177 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "transport/shm/shm_segment.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+
+namespace flexpert::shm {
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<uint32_t>) == 4,
+              "futex words must be plain 32-bit words");
+
+void ScopedFd::reset() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+Status errno_status(int err, const std::string& what) {
+  std::string message = what + ": " + std::strerror(err);
+  switch (err) {
+    case ENOENT:
+      return not_found(std::move(message));
+    case ENOSPC:
+    case ENOMEM:
+    case EMFILE:
+    case ENFILE:
+    case EDQUOT:
+      return resource_exhausted(std::move(message));
+    case EEXIST:
+      return failed_precondition(std::move(message));
+    case EINVAL:
+    case ENAMETOOLONG:
+      return invalid_argument(std::move(message));
+    default:
+      return unavailable(std::move(message));
+  }
+}
+
+Result<std::unique_ptr<ShmMapping>> ShmMapping::create(const std::string& name,
+                                                       size_t num_bytes, bool populate) {
+  if (num_bytes == 0) return invalid_argument("shm segment " + name + ": size 0");
+  ScopedFd fd(::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600));
+  if (!fd.valid()) return errno_status(errno, "shm_open(create) " + name);
+  // From here on the name exists: any failure must remove it again.
+  auto fail = [&](Status status) {
+    ::shm_unlink(name.c_str());
+    return status;
+  };
+  // posix_fallocate also sets the size; on tmpfs it allocates the pages now.
+  if (int err = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(num_bytes)); err != 0) {
+    return fail(errno_status(err, "posix_fallocate " + name + " (" + std::to_string(num_bytes) +
+                                      " bytes of /dev/shm)"));
+  }
+  void* data = ::mmap(nullptr, num_bytes, PROT_READ | PROT_WRITE,
+                      MAP_SHARED | (populate ? MAP_POPULATE : 0), fd.get(), 0);
+  if (data == MAP_FAILED) return fail(errno_status(errno, "mmap " + name));
+  return std::unique_ptr<ShmMapping>(
+      new ShmMapping(name, static_cast<std::byte*>(data), num_bytes, /*owner=*/true));
+}
+
+Result<std::unique_ptr<ShmMapping>> ShmMapping::open(const std::string& name, bool writable,
+                                                     bool populate) {
+  ScopedFd fd(::shm_open(name.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC, 0));
+  if (!fd.valid()) return errno_status(errno, "shm_open " + name);
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return errno_status(errno, "fstat " + name);
+  if (st.st_size <= 0) return not_found("shm segment " + name + " is empty (still being created?)");
+  const auto num_bytes = static_cast<size_t>(st.st_size);
+  void* data = ::mmap(nullptr, num_bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ,
+                      MAP_SHARED | (populate ? MAP_POPULATE : 0), fd.get(), 0);
+  if (data == MAP_FAILED) return errno_status(errno, "mmap " + name);
+  return std::unique_ptr<ShmMapping>(
+      new ShmMapping(name, static_cast<std::byte*>(data), num_bytes, /*owner=*/false));
+}
+
+ShmMapping::~ShmMapping() {
+  if (owner_) (void)unlink();
+  ::munmap(data_, num_bytes_);
+}
+
+Status ShmMapping::unlink() {
+  if (!owner_) return Status();
+  owner_ = false;
+  // ENOENT: someone (a supervisor cleaning up the session) removed it already; fine.
+  if (::shm_unlink(name_.c_str()) != 0 && errno != ENOENT) {
+    return errno_status(errno, "shm_unlink " + name_);
+  }
+  return Status();
+}
+
+void futex_wait_shared(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ns) {
+  if (timeout_ns <= 0) return;
+  timespec ts{static_cast<time_t>(timeout_ns / 1'000'000'000),
+              static_cast<long>(timeout_ns % 1'000'000'000)};
+  // EAGAIN (value changed), EINTR and ETIMEDOUT all mean "look again"; the caller loops.
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake_shared(std::atomic<uint32_t>* word) {
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr,
+            0);
+}
+
+namespace {
+
+// Fields of /proc/<pid>/stat after the command name (which may contain spaces and ')').
+bool read_proc_stat(int pid, char* state, uint64_t* start_time) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!in || !std::getline(in, line)) return false;
+  const size_t paren = line.rfind(')');
+  if (paren == std::string::npos) return false;
+  std::istringstream fields(line.substr(paren + 1));
+  std::vector<std::string> rest;  // rest[0] is field 3 (state).
+  std::string field;
+  while (rest.size() < 20 && fields >> field) rest.push_back(field);
+  if (rest.size() < 20) return false;
+  *state = rest[0].empty() ? '?' : rest[0][0];
+  *start_time = std::strtoull(rest[19].c_str(), nullptr, 10);  // Field 22.
+  return true;
+}
+
+}  // namespace
+
+uint64_t process_start_time(int pid) {
+  char state = 0;
+  uint64_t start_time = 0;
+  return read_proc_stat(pid, &state, &start_time) ? start_time : 0;
+}
+
+ProcessWatch ProcessWatch::watch(int pid, uint64_t start_time) {
+  ProcessWatch w;
+  if (pid <= 0 || start_time == 0) return w;
+#ifdef SYS_pidfd_open
+  // Open first, then check the start time: if they match, the fd is that very process.
+  w.pidfd_ = ScopedFd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
+#endif
+  if (process_start_time(pid) != start_time) return ProcessWatch();
+  w.pid_ = pid;
+  w.start_time_ = start_time;
+  return w;
+}
+
+bool ProcessWatch::exited() const {
+  if (pid_ <= 0) return false;
+  if (pidfd_.valid()) {
+    pollfd p{pidfd_.get(), POLLIN, 0};
+    return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLHUP)) != 0;
+  }
+  if (::kill(pid_, 0) != 0 && errno == ESRCH) return true;
+  char state = 0;
+  uint64_t start_time = 0;
+  if (!read_proc_stat(pid_, &state, &start_time)) return true;
+  return state == 'Z' || state == 'X' || start_time != start_time_;
+}
+
+int64_t now_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
+}  // namespace flexpert::shm

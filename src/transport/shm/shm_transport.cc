@@ -1,0 +1,364 @@
+// SPDX-License-Identifier: Apache-2.0
+// ShmTransport: setup, peers, regions and teardown. The collectives are in shm_collectives.cc.
+#include "transport/shm/shm_transport.h"
+
+#include <dirent.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "flexpert/logging.h"
+
+namespace flexpert {
+
+using shm::ShmMapping;
+
+namespace {
+
+int64_t env_us(const char* name, int64_t fallback_us) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return fallback_us;
+  char* end = nullptr;
+  const long long parsed = std::strtoll(value, &end, 10);
+  return (end != nullptr && *end == '\0' && parsed >= 0) ? parsed : fallback_us;
+}
+
+// An existing control segment at our address is stale when its owner is gone (a crashed
+// predecessor with the same session, rank and incarnation) or shut down.
+Status check_stale(const std::string& name) {
+  auto existing = ShmMapping::open(name, /*writable=*/false, /*populate=*/false);
+  if (!existing.ok()) return Status();  // Vanished meanwhile: just retry the create.
+  const auto& m = *existing.value();
+  if (m.num_bytes() < sizeof(shm::SegmentHeader)) {
+    return failed_precondition("shm segment " + name + " exists and is not a flexpert segment");
+  }
+  const auto* h = reinterpret_cast<const shm::SegmentHeader*>(m.data());
+  if (h->magic.load(std::memory_order_acquire) != shm::kMagic) {
+    return failed_precondition("shm segment " + name +
+                               " exists and is not (yet) a flexpert segment: remove it");
+  }
+  const shm::ProcessWatch watch = shm::ProcessWatch::watch(h->pid, h->pid_start_time);
+  const bool gone = !watch.watching() || watch.exited() || h->closed.load() != 0;
+  if (!gone) {
+    return failed_precondition("shm segment " + name + " is in use by live pid " +
+                               std::to_string(h->pid) +
+                               " (two ranks with the same session, rank and incarnation?)");
+  }
+  FLEX_LOG(WARN) << "removing stale " << name << " of exited pid " << h->pid;
+  ::shm_unlink(name.c_str());
+  return Status();
+}
+
+// Creates `name`; when it exists, `on_exists` decides whether it may be replaced.
+template <typename OnExists>
+Result<std::unique_ptr<ShmMapping>> create_segment(const std::string& name, size_t num_bytes,
+                                                   bool populate, OnExists on_exists) {
+  auto created = ShmMapping::create(name, num_bytes, populate);
+  if (created.ok() || created.status().code() != StatusCode::kFailedPrecondition) return created;
+  FLEX_RETURN_IF_ERROR(on_exists(name));
+  return ShmMapping::create(name, num_bytes, populate);
+}
+
+}  // namespace
+
+ShmTransport::ShmTransport(TransportOptions options, shm::Layout layout, std::string address)
+    : options_(std::move(options)),
+      layout_(layout),
+      address_(std::move(address)),
+      spin_ns_(env_us("FLEXPERT_SHM_SPIN_US", 5) * 1000),
+      yield_ns_(env_us("FLEXPERT_SHM_YIELD_US", 20) * 1000) {}
+
+Result<std::unique_ptr<ShmTransport>> ShmTransport::create(const TransportOptions& options) {
+  FLEX_RETURN_IF_ERROR(shm::validate_session(options.session));
+  if (options.rank < 0 || options.rank >= options.max_ranks) {
+    return invalid_argument("rank " + std::to_string(options.rank) + " not in [0, max_ranks=" +
+                            std::to_string(options.max_ranks) + ")");
+  }
+  if (options.timeout_ms <= 0) {
+    return invalid_argument("timeout_ms must be > 0, got " + std::to_string(options.timeout_ms));
+  }
+  FLEX_ASSIGN_OR_RETURN(shm::Layout layout,
+                        shm::Layout::compute(options.max_ranks, options.max_gather_bytes,
+                                             options.max_exchange_bytes));
+  std::string address =
+      shm::control_segment_name(options.session, options.rank, options.incarnation);
+  FLEX_ASSIGN_OR_RETURN(std::unique_ptr<ShmMapping> mapping,
+                        create_segment(address, layout.total_bytes, /*populate=*/true,
+                                       check_stale));
+
+  std::unique_ptr<ShmTransport> t(new ShmTransport(options, layout, address));
+  std::byte* base = mapping->data();
+  auto* h = new (base) shm::SegmentHeader();
+  h->version = shm::kLayoutVersion;
+  h->pid = static_cast<int32_t>(::getpid());
+  h->pid_start_time = shm::process_start_time(h->pid);
+  h->rank = options.rank;
+  h->max_ranks = options.max_ranks;
+  h->incarnation = options.incarnation;
+  h->max_gather_bytes = options.max_gather_bytes;
+  h->max_exchange_bytes = options.max_exchange_bytes;
+  h->segment_bytes = layout.total_bytes;
+  for (int src = 0; src < options.max_ranks; ++src) {
+    for (int parity = 0; parity < 2; ++parity) {
+      new (layout.mailbox(base, false, src, parity)) shm::MailboxHeader();
+      new (layout.mailbox(base, true, src, parity)) shm::MailboxHeader();
+    }
+  }
+  h->magic.store(shm::kMagic, std::memory_order_release);  // Peers may attach from now on.
+
+  t->control_ = std::move(mapping);
+  t->header_ = h;
+  t->base_ = base;
+  auto self = std::make_shared<Peer>();
+  self->rank = options.rank;
+  self->address = address;
+  self->control = t->control_;
+  self->header = h;
+  self->pid = h->pid;
+  t->peers_.assign(options.max_ranks, nullptr);
+  t->peers_[options.rank] = std::move(self);
+  return t;
+}
+
+ShmTransport::~ShmTransport() { close_and_release(); }
+
+TransportCapabilities ShmTransport::capabilities() const {
+  TransportCapabilities c;
+  c.one_sided_read = true;
+  c.device_memory = false;
+  c.cross_host = false;
+  c.max_gather_bytes = options_.max_gather_bytes;
+  c.max_exchange_bytes = options_.max_exchange_bytes;
+  return c;
+}
+
+Result<std::shared_ptr<ShmTransport::Peer>> ShmTransport::attach(int peer,
+                                                                 const std::string& address) {
+  if (address.rfind("/flexpert-", 0) != 0 || address.find('/', 1) != std::string::npos ||
+      address.size() > 240) {
+    return invalid_argument("'" + address + "' is not a shm transport address");
+  }
+  auto mapping = ShmMapping::open(address, /*writable=*/true, /*populate=*/true);
+  if (!mapping.ok()) {
+    if (mapping.status().code() == StatusCode::kNotFound) {
+      return unavailable("rank " + std::to_string(peer) + ": no shm segment " + address +
+                         " (not started yet, or gone)");
+    }
+    return mapping.status().annotate("connecting to rank " + std::to_string(peer));
+  }
+  std::shared_ptr<ShmMapping> control = std::move(mapping).value();
+  auto bad = [&](const std::string& why) {
+    return invalid_argument("rank " + std::to_string(peer) + " at " + address + ": " + why);
+  };
+  if (control->num_bytes() < sizeof(shm::SegmentHeader)) return bad("segment too small");
+  auto* h = reinterpret_cast<shm::SegmentHeader*>(control->data());
+  if (h->magic.load(std::memory_order_acquire) != shm::kMagic) {
+    return bad("not a flexpert shm segment");
+  }
+  if (h->version != shm::kLayoutVersion) {
+    return bad("layout version " + std::to_string(h->version) + ", this build speaks " +
+               std::to_string(shm::kLayoutVersion));
+  }
+  if (h->rank != peer) return bad("the segment belongs to rank " + std::to_string(h->rank));
+  if (h->max_ranks != options_.max_ranks ||
+      h->max_gather_bytes != options_.max_gather_bytes ||
+      h->max_exchange_bytes != options_.max_exchange_bytes) {
+    return bad("options differ: peer has max_ranks=" + std::to_string(h->max_ranks) +
+               " max_gather_bytes=" + std::to_string(h->max_gather_bytes) +
+               " max_exchange_bytes=" + std::to_string(h->max_exchange_bytes) +
+               ", this rank " + std::to_string(options_.max_ranks) + "/" +
+               std::to_string(options_.max_gather_bytes) + "/" +
+               std::to_string(options_.max_exchange_bytes));
+  }
+  if (h->segment_bytes != layout_.total_bytes || control->num_bytes() != layout_.total_bytes) {
+    return bad("segment size " + std::to_string(control->num_bytes()) + ", expected " +
+               std::to_string(layout_.total_bytes));
+  }
+  if (h->closed.load(std::memory_order_acquire) != 0) {
+    return unavailable("rank " + std::to_string(peer) + " (pid " + std::to_string(h->pid) +
+                       ") has shut down");
+  }
+  auto p = std::make_shared<Peer>();
+  p->rank = peer;
+  p->address = address;
+  p->control = std::move(control);
+  p->header = h;
+  p->pid = h->pid;
+  p->watch = shm::ProcessWatch::watch(h->pid, h->pid_start_time);
+  if (!p->watch.watching()) {
+    FLEX_LOG(WARN) << "rank " << peer << ": pid " << h->pid
+                   << " not visible from here (other PID namespace?): its death is noticed by "
+                      "timeouts only";
+  }
+  return p;
+}
+
+Status ShmTransport::connect(int peer, const std::string& address) {
+  if (shut_down_) return failed_precondition("connect after shutdown");
+  if (peer < 0 || peer >= options_.max_ranks) {
+    return invalid_argument("connect: rank " + std::to_string(peer) + " not in [0, " +
+                            std::to_string(options_.max_ranks) + ")");
+  }
+  if (peer == options_.rank) {
+    return address == address_
+               ? Status()
+               : invalid_argument("connect: '" + address + "' is not this rank's address " +
+                                  address_);
+  }
+  if (peers_[peer] != nullptr && peers_[peer]->address == address) return Status();
+  FLEX_ASSIGN_OR_RETURN(std::shared_ptr<Peer> p, attach(peer, address));
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  peers_[peer] = std::move(p);  // Replaces (and unmaps) an older incarnation's attachment.
+  return Status();
+}
+
+Status ShmTransport::disconnect(int peer) {
+  if (peer < 0 || peer >= options_.max_ranks || peer == options_.rank) {
+    return invalid_argument("disconnect: bad peer rank " + std::to_string(peer));
+  }
+  std::shared_ptr<Peer> dropped;  // Unmapped outside the lock (or by a read() in flight).
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  if (!peers_.empty()) dropped = std::move(peers_[peer]);
+  return Status();
+}
+
+Result<Region> ShmTransport::allocate_region(int region_id, size_t num_bytes) {
+  if (shut_down_) return failed_precondition("allocate_region after shutdown");
+  if (region_id < 0) return invalid_argument("region id must be >= 0");
+  if (num_bytes == 0) return invalid_argument("region " + std::to_string(region_id) + ": 0 bytes");
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    if (own_regions_.count(region_id) != 0) {
+      return invalid_argument("region " + std::to_string(region_id) + " already allocated");
+    }
+  }
+  // We own our address (its control segment was created exclusively), so an existing region
+  // segment under it is a leftover of a dead predecessor with this very address.
+  FLEX_ASSIGN_OR_RETURN(std::unique_ptr<ShmMapping> mapping,
+                        create_segment(shm::region_segment_name(address_, region_id), num_bytes,
+                                       /*populate=*/false, [](const std::string& name) {
+                                         ::shm_unlink(name.c_str());
+                                         return Status();
+                                       }));
+  Region region{region_id, mapping->data(), num_bytes};
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  own_regions_[region_id] = std::move(mapping);
+  return region;
+}
+
+Status ShmTransport::read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) {
+  if (peer < 0 || peer >= options_.max_ranks) {
+    return invalid_argument("read: rank " + std::to_string(peer) + " not in [0, " +
+                            std::to_string(options_.max_ranks) + ")");
+  }
+  if (dst == nullptr && num_bytes > 0) return invalid_argument("read: null destination");
+  const std::string what =
+      "read of rank " + std::to_string(peer) + " region " + std::to_string(region_id);
+  std::shared_ptr<const ShmMapping> region;  // Keeps the mapping alive while we copy.
+  std::shared_ptr<Peer> p;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    if (shut_down_) return failed_precondition(what + " after shutdown");
+    if (peer == options_.rank) {
+      auto it = own_regions_.find(region_id);
+      if (it == own_regions_.end()) return not_found(what + ": not allocated");
+      region = it->second;
+    } else {
+      p = peers_[peer];
+      if (p == nullptr) return unavailable(what + ": rank not connected");
+    }
+  }
+  if (p != nullptr) {
+    if (p->header->closed.load(std::memory_order_acquire) != 0) {
+      return unavailable(what + ": rank " + std::to_string(peer) + " has shut down");
+    }
+    std::lock_guard<std::mutex> lock(p->regions_mu);
+    auto it = p->regions.find(region_id);
+    if (it == p->regions.end()) {
+      auto opened = ShmMapping::open(shm::region_segment_name(p->address, region_id),
+                                     /*writable=*/false, /*populate=*/false);
+      if (!opened.ok()) {
+        return opened.status().code() == StatusCode::kNotFound
+                   ? not_found(what + ": no such region")
+                   : opened.status().annotate(what);
+      }
+      it = p->regions.emplace(region_id, std::move(opened).value()).first;
+    }
+    region = it->second;
+  }
+  if (offset > region->num_bytes() || num_bytes > region->num_bytes() - offset) {
+    return invalid_argument(what + ": bytes [" + std::to_string(offset) + ", +" +
+                            std::to_string(num_bytes) + ") outside its " +
+                            std::to_string(region->num_bytes()) + " bytes");
+  }
+  if (num_bytes > 0) std::memcpy(dst, region->data() + offset, num_bytes);
+  return Status();
+}
+
+void ShmTransport::ring_all_peers() {
+  for (const auto& p : peers_) {
+    if (p != nullptr && p->rank != options_.rank) shm::ring_doorbell(p->header);
+  }
+}
+
+void ShmTransport::close_and_release() {
+  if (shut_down_ || header_ == nullptr) return;
+  // Peers waiting on us notice at once instead of at their deadline.
+  header_->closed.store(1, std::memory_order_release);
+  ring_all_peers();
+  std::vector<std::shared_ptr<Peer>> peers;
+  std::unordered_map<int, std::shared_ptr<ShmMapping>> regions;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    shut_down_ = true;
+    peers.swap(peers_);
+    regions.swap(own_regions_);
+  }
+  for (auto& [id, region] : regions) {
+    if (Status s = region->unlink(); !s.ok()) FLEX_LOG(WARN) << s.to_string();
+  }
+  if (Status s = control_->unlink(); !s.ok()) FLEX_LOG(WARN) << s.to_string();
+  held_.clear();
+  header_ = nullptr;
+  base_ = nullptr;
+  control_.reset();
+  // `peers` and `regions` unmap here, or when the last read() in flight drops its reference.
+}
+
+Status ShmTransport::shutdown() {
+  if (shut_down_) return Status();
+  // Unlink errors are reported (they would leak /dev/shm), but teardown always completes.
+  Status first_error;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    for (auto& [id, region] : own_regions_) {
+      Status s = region->unlink();
+      if (first_error.ok() && !s.ok()) first_error = s;
+    }
+  }
+  if (Status s = control_->unlink(); first_error.ok() && !s.ok()) first_error = s;
+  close_and_release();
+  return first_error;
+}
+
+Result<int> remove_shm_session(const std::string& session) {
+  FLEX_RETURN_IF_ERROR(shm::validate_session(session));
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return shm::errno_status(errno, "opendir /dev/shm");
+  std::vector<std::string> names;
+  while (const dirent* entry = ::readdir(dir)) {
+    if (shm::is_session_segment(entry->d_name, session)) names.emplace_back(entry->d_name);
+  }
+  ::closedir(dir);
+  int removed = 0;
+  for (const std::string& name : names) {
+    if (::shm_unlink(("/" + name).c_str()) == 0) ++removed;
+  }
+  return removed;
+}
+
+}  // namespace flexpert

@@ -1,0 +1,132 @@
+// SPDX-License-Identifier: Apache-2.0
+// ShmTransport: the Transport backend for ranks that are processes of one host.
+//
+// Each rank creates one control segment "/flexpert-<session>-r<rank>-i<incarnation>" (its
+// address) holding, for every possible source rank, double-buffered mailboxes for all_gather
+// (max_gather_bytes each) and exchange (max_exchange_bytes each); see shm_layout.h. A
+// collective writes this rank's payload straight into each member's mailbox (one memcpy),
+// then waits for its own mailboxes: the returned spans point into them (zero copy).
+// Regions are separate segments "<address>-g<id>", mapped read-only by peers on first read().
+//
+// Waiting spins a few µs, yields, then sleeps on a futex in slices of a few ms; between slices
+// it checks each awaited peer for exit (pidfd), shutdown and newer epochs, and the deadline.
+// Ranks must share a PID namespace for exit detection; otherwise only timeouts notice.
+//
+// Thread safety: connect, disconnect, allocate_region, the collectives and shutdown are called
+// by one driving thread; read() and the const accessors may run on any thread concurrently.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "transport/shm/shm_layout.h"
+#include "transport/shm/shm_segment.h"
+#include "transport/transport.h"
+
+namespace flexpert {
+
+class ShmTransport final : public Transport {
+ public:
+  static Result<std::unique_ptr<ShmTransport>> create(const TransportOptions& options);
+  // Unmaps and unlinks what is left and marks this rank closed; never waits on peers.
+  ~ShmTransport() override;
+
+  TransportCapabilities capabilities() const override;
+  int rank() const override { return options_.rank; }
+  int max_ranks() const override { return options_.max_ranks; }
+  std::string address() const override { return address_; }
+
+  Status connect(int peer, const std::string& address) override;
+  Status disconnect(int peer) override;
+
+  Result<Region> allocate_region(int region_id, size_t num_bytes) override;
+  Status read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) override;
+
+  Result<std::vector<ByteSpan>> all_gather(const Group& group, ByteSpan in) override;
+  Status barrier(const Group& group) override;
+  Result<std::vector<ByteSpan>> exchange(const Group& group,
+                                         const std::vector<ByteSpan>& send) override;
+
+  Status shutdown() override;
+
+ private:
+  // A mapped control segment (a peer's, or this rank's own) and the regions read from it.
+  // Shared: peers_ holds one reference, and read() on another thread holds one while it copies.
+  struct Peer {
+    int rank = -1;
+    std::string address;
+    std::shared_ptr<shm::ShmMapping> control;  // Also owned by self_ for this rank's own.
+    shm::SegmentHeader* header = nullptr;
+    shm::ProcessWatch watch;
+    int32_t pid = 0;
+    std::mutex regions_mu;
+    // GUARDED_BY(regions_mu). Mappings are shared with read() calls in flight.
+    std::unordered_map<int, std::shared_ptr<const shm::ShmMapping>> regions;
+  };
+
+  // One member's message this rank waits for.
+  struct Awaited {
+    int rank;
+    shm::MailboxHeader* mailbox;  // In this rank's segment.
+    const Peer* peer;
+  };
+
+  ShmTransport(TransportOptions options, shm::Layout layout, std::string address);
+
+  Result<std::shared_ptr<Peer>> attach(int peer, const std::string& address);
+  std::shared_ptr<Peer> peer_for_read(int peer);
+
+  // The collectives in one: `sends[r * stride]` is this rank's payload for member r
+  // (stride 0: the same payload for all, as all_gather). Fills out[r] for every member.
+  Status run_collective(shm::OpKind kind, const Group& group, const ByteSpan* sends,
+                        size_t stride, std::vector<ByteSpan>* out);
+  Status validate_group(const Group& group, const char* op) const;
+  Status enter_epoch(uint64_t epoch, const char* op);
+  void release_held();
+  Status send_to(const Peer& peer, shm::OpKind kind, ByteSpan payload, int64_t deadline_ns);
+  Status wait_for(std::vector<Awaited>& pending, shm::OpKind kind, ByteSpan mine,
+                  int64_t start_ns, std::vector<ByteSpan>* out);
+  // 1: claimed; 0: not there yet; -1: error in *status.
+  int try_take(const Awaited& awaited, shm::OpKind kind, ByteSpan mine, std::vector<ByteSpan>* out,
+               Status* status);
+  Status check_peer(const Peer& peer, shm::OpKind kind, bool check_pid) const;
+  std::string op_label(shm::OpKind kind) const;
+  void ring_all_peers();
+  void close_and_release();
+
+  const TransportOptions options_;
+  const shm::Layout layout_;
+  const std::string address_;
+  int64_t spin_ns_;   // Busy-wait budget before yielding (FLEXPERT_SHM_SPIN_US).
+  int64_t yield_ns_;  // Then sched_yield() for this long before sleeping on the futex.
+
+  std::shared_ptr<shm::ShmMapping> control_;  // This rank's segment. Shared with self_.
+  shm::SegmentHeader* header_ = nullptr;
+  std::byte* base_ = nullptr;
+  bool shut_down_ = false;
+
+  // Written by the driving thread under peers_mu_; read without the lock by the driving
+  // thread (the only writer) and under it by read(). Indexed by rank; null = not connected.
+  mutable std::mutex peers_mu_;
+  std::vector<std::shared_ptr<Peer>> peers_;
+
+  // Regions this rank allocated. GUARDED_BY(peers_mu_); shared with read() calls in flight.
+  std::unordered_map<int, std::shared_ptr<shm::ShmMapping>> own_regions_;
+
+  // Collective state, driving thread only.
+  bool has_epoch_ = false;
+  uint64_t epoch_ = 0;
+  uint64_t op_idx_ = 0;                       // Index of the next op within epoch_.
+  uint64_t cur_op_ = 0;                       // Index of the op in progress (for messages).
+  std::vector<shm::MailboxHeader*> held_;     // Claimed by the last collective.
+  std::vector<Awaited> pending_;              // Scratch, reused.
+};
+
+// Removes every /dev/shm segment of `session` (control and regions, any rank or incarnation):
+// for a supervisor cleaning up after ranks that died without shutdown(). Returns how many.
+Result<int> remove_shm_session(const std::string& session);
+
+}  // namespace flexpert

@@ -1,0 +1,156 @@
+// SPDX-License-Identifier: Apache-2.0
+// Request parsing and response shapes of the completions API, without a server.
+#include "serve/completion_api.h"
+
+#include <gtest/gtest.h>
+
+namespace flexpert {
+namespace {
+
+using nlohmann::json;
+
+constexpr int kVocab = 100;
+constexpr int kContext = 64;
+
+struct Parsed {
+  Status status;
+  std::string param;
+  ParsedCompletion out;
+};
+
+Parsed parse(const std::string& body) {
+  Parsed p;
+  p.status = parse_completion_request(body, kVocab, kContext, &p.out, &p.param);
+  return p;
+}
+
+TEST(CompletionApiTest, DefaultsFollowOpenAI) {
+  Parsed p = parse(R"({"prompt": [1, 2, 3], "model": "whatever", "user": "x"})");
+  ASSERT_TRUE(p.status.ok()) << p.status.to_string();
+  const SamplingParams& s = p.out.request.params;
+  EXPECT_EQ(p.out.request.prompt, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(s.max_tokens, 16);
+  EXPECT_EQ(s.temperature, 1.0f);
+  EXPECT_EQ(s.top_p, 1.0f);
+  EXPECT_EQ(s.top_k, 0);
+  EXPECT_FALSE(s.ignore_eos);
+  EXPECT_FALSE(p.out.has_seed);
+  EXPECT_FALSE(p.out.stream);
+}
+
+TEST(CompletionApiTest, ReadsEveryField) {
+  Parsed p = parse(R"({"prompt": [[5, 6]], "max_tokens": 8, "temperature": 0, "top_p": 0.5,
+                       "top_k": 3, "seed": -1, "stream": true, "stop_token_ids": [9],
+                       "ignore_eos": true, "stream_options": {"include_usage": true},
+                       "n": 1, "stop": null, "logprobs": null, "echo": false})");
+  ASSERT_TRUE(p.status.ok()) << p.status.to_string();
+  const SamplingParams& s = p.out.request.params;
+  EXPECT_EQ(p.out.request.prompt, (std::vector<int32_t>{5, 6}));
+  EXPECT_EQ(s.max_tokens, 8);
+  EXPECT_EQ(s.temperature, 0.0f);
+  EXPECT_EQ(s.top_p, 0.5f);
+  EXPECT_EQ(s.top_k, 3);
+  EXPECT_TRUE(p.out.has_seed);
+  EXPECT_EQ(s.seed, ~uint64_t{0});
+  EXPECT_TRUE(p.out.stream);
+  EXPECT_TRUE(p.out.include_usage);
+  EXPECT_EQ(s.stop_token_ids, (std::vector<int32_t>{9}));
+  EXPECT_TRUE(s.ignore_eos);
+}
+
+TEST(CompletionApiTest, NullMeansDefaultAndTopKMinusOneIsOff) {
+  Parsed p = parse(R"({"prompt": [1], "max_tokens": null, "temperature": null, "top_k": -1})");
+  ASSERT_TRUE(p.status.ok()) << p.status.to_string();
+  EXPECT_EQ(p.out.request.params.max_tokens, 16);
+  EXPECT_EQ(p.out.request.params.top_k, 0);
+}
+
+TEST(CompletionApiTest, RejectsBadRequestsNamingTheField) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"not json", ""},
+      {"[1, 2]", ""},
+      {"{}", "prompt"},
+      {R"({"prompt": null})", "prompt"},
+      {R"({"prompt": []})", "prompt"},
+      {R"({"prompt": [[]]})", "prompt"},
+      {R"({"prompt": "hello"})", "prompt"},
+      {R"({"prompt": ["a"]})", "prompt"},
+      {R"({"prompt": [1, 2.5]})", "prompt"},
+      {R"({"prompt": [1, true]})", "prompt"},
+      {R"({"prompt": [[1], [2]]})", "prompt"},
+      {R"({"prompt": [100]})", "prompt"},
+      {R"({"prompt": [-1]})", "prompt"},
+      {R"({"prompt": [18446744073709551615]})", "prompt"},
+      {R"({"prompt": [4294967297]})", "prompt"},
+      {R"({"prompt": 5})", "prompt"},
+      {R"({"prompt": [1], "max_tokens": 0})", "max_tokens"},
+      {R"({"prompt": [1], "max_tokens": "5"})", "max_tokens"},
+      {R"({"prompt": [1], "max_tokens": 64})", "max_tokens"},
+      {R"({"prompt": [1], "max_tokens": 18446744073709551615})", "max_tokens"},
+      {R"({"prompt": [1], "temperature": -0.1})", "temperature"},
+      {R"({"prompt": [1], "temperature": "hot"})", "temperature"},
+      {R"({"prompt": [1], "temperature": 1e300})", "temperature"},
+      {R"({"prompt": [1], "top_p": 0})", "top_p"},
+      {R"({"prompt": [1], "top_p": 1.5})", "top_p"},
+      {R"({"prompt": [1], "top_k": -2})", "top_k"},
+      {R"({"prompt": [1], "top_k": 1.5})", "top_k"},
+      {R"({"prompt": [1], "seed": "x"})", "seed"},
+      {R"({"prompt": [1], "stream": "yes"})", "stream"},
+      {R"({"prompt": [1], "ignore_eos": 1})", "ignore_eos"},
+      {R"({"prompt": [1], "stop_token_ids": 3})", "stop_token_ids"},
+      {R"({"prompt": [1], "stop_token_ids": [100]})", "stop_token_ids"},
+      {R"({"prompt": [1], "stream_options": 1})", "stream_options"},
+      {R"({"prompt": [1], "n": 2})", "n"},
+      {R"({"prompt": [1], "stop": ["\n"]})", "stop"},
+      {R"({"prompt": [1], "echo": true})", "echo"},
+      {R"({"prompt": [1], "logprobs": 2})", "logprobs"},
+  };
+  for (const auto& [body, param] : cases) {
+    Parsed p = parse(body);
+    EXPECT_EQ(p.status.code(), StatusCode::kInvalidArgument) << body;
+    EXPECT_EQ(p.param, param) << body << ": " << p.status.message();
+    EXPECT_FALSE(p.status.message().empty()) << body;
+  }
+}
+
+TEST(CompletionApiTest, ContextLimitCountsPromptAndMaxTokens) {
+  EXPECT_TRUE(parse(R"({"prompt": [1, 2, 3, 4], "max_tokens": 60})").status.ok());
+  Parsed p = parse(R"({"prompt": [1, 2, 3, 4], "max_tokens": 61})");
+  EXPECT_EQ(p.param, "max_tokens");
+  EXPECT_NE(p.status.message().find("context length 64"), std::string::npos);
+}
+
+TEST(CompletionApiTest, ResponseShapes) {
+  const CompletionHeader h{"cmpl-7", 1700000000, "tiny"};
+  const json r = completion_response(h, {4, 5}, "length", 3);
+  EXPECT_EQ(r["id"], "cmpl-7");
+  EXPECT_EQ(r["object"], "text_completion");
+  EXPECT_EQ(r["created"], 1700000000);
+  EXPECT_EQ(r["model"], "tiny");
+  EXPECT_EQ(r["choices"][0]["token_ids"], json({4, 5}));
+  EXPECT_EQ(r["choices"][0]["text"], "");
+  EXPECT_EQ(r["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(r["usage"], json({{"prompt_tokens", 3}, {"completion_tokens", 2},
+                              {"total_tokens", 5}}));
+
+  const json c = completion_chunk(h, {9}, std::nullopt);
+  EXPECT_TRUE(c["choices"][0]["finish_reason"].is_null());
+  EXPECT_FALSE(c.contains("error"));
+  const json e = completion_chunk(h, {}, "error", unavailable("rank 2 died"));
+  EXPECT_EQ(e["choices"][0]["finish_reason"], "error");
+  EXPECT_EQ(e["error"]["message"], "rank 2 died");
+  EXPECT_EQ(e["error"]["code"], "UNAVAILABLE");
+
+  const json err = error_json("bad", "invalid_request_error", "prompt");
+  EXPECT_EQ(err, json::parse(R"({"error": {"message": "bad", "type": "invalid_request_error",
+                                           "param": "prompt", "code": null}})"));
+  EXPECT_EQ(http_status_for(invalid_argument("x")), 400);
+  EXPECT_EQ(http_status_for(unavailable("x")), 503);
+  EXPECT_EQ(http_status_for(internal_error("x")), 500);
+  EXPECT_EQ(sse_event("[DONE]"), "data: [DONE]\n\n");
+  // Invalid UTF-8 (say, echoed from a request) must not throw.
+  EXPECT_NO_THROW(dump_json(error_json("bad \xff byte", "x")));
+}
+
+}  // namespace
+}  // namespace flexpert

@@ -1,0 +1,224 @@
+// SPDX-License-Identifier: Apache-2.0
+// `flexpert serve` as users run it: a front end process with N worker processes,
+// spoken to over HTTP by a real client. Checks the Hugging Face reference tokens
+// through 1-4 ranks (also with replicated experts and 32 requests in flight), a
+// worker killed with SIGKILL, and a clean stop (no process, no shm segment left).
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+
+namespace {
+
+const std::string kModel = std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny";
+
+struct Reference {
+  std::vector<std::vector<int>> prompts, greedy;
+};
+
+Reference load_reference() {
+  std::ifstream in(kModel + "/reference.json");
+  auto j = nlohmann::json::parse(in);
+  Reference ref;
+  for (const auto& p : j["prompts"]) {
+    ref.prompts.push_back(p["input_ids"].get<std::vector<int>>());
+    ref.greedy.push_back(p["greedy"].get<std::vector<int>>());
+  }
+  return ref;
+}
+
+// A `flexpert serve` child process and a client for it.
+class Server {
+ public:
+  explicit Server(const std::vector<std::string>& extra_args) {
+    int out[2];
+    EXPECT_EQ(pipe(out), 0);
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      close(out[0]);
+      std::vector<std::string> args = {FLEXPERT_BINARY, "serve", "--model", kModel, "--port", "0",
+                                       "--transport-timeout-ms", "2000"};
+      args.insert(args.end(), extra_args.begin(), extra_args.end());
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(FLEXPERT_BINARY, argv.data());
+      _exit(127);
+    }
+    close(out[1]);
+    // The first stdout line names the address: "serving on http://127.0.0.1:PORT (...)".
+    FILE* f = fdopen(out[0], "r");
+    char line[512] = {0};
+    while (fgets(line, sizeof(line), f) != nullptr) {
+      int port = 0;
+      if (std::sscanf(line, "serving on http://127.0.0.1:%d", &port) == 1) {
+        port_ = port;
+        break;
+      }
+    }
+    stdout_ = f;
+    client_ = std::make_unique<httplib::Client>("127.0.0.1", port_);
+    client_->set_read_timeout(60, 0);
+  }
+
+  ~Server() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (stdout_) fclose(stdout_);
+  }
+
+  bool up() const { return port_ > 0; }
+  httplib::Client& client() { return *client_; }
+  pid_t pid() const { return pid_; }
+
+  nlohmann::json get_json(const std::string& path) {
+    auto res = client_->Get(path.c_str());
+    if (!res) return nullptr;
+    return nlohmann::json::parse(res->body, nullptr, false);
+  }
+
+  // Greedy completion; returns the token ids or an empty list on failure.
+  std::vector<int> complete(const std::vector<int>& prompt, int max_tokens) {
+    nlohmann::json body = {{"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0}};
+    httplib::Client c("127.0.0.1", port_);
+    c.set_read_timeout(60, 0);
+    auto res = c.Post("/v1/completions", body.dump(), "application/json");
+    if (!res || res->status != 200) return {};
+    return nlohmann::json::parse(res->body)["choices"][0]["token_ids"].get<std::vector<int>>();
+  }
+
+  // SIGTERM and wait; returns the exit status.
+  int stop() {
+    kill(pid_, SIGTERM);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return status;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0;
+  FILE* stdout_ = nullptr;
+  std::unique_ptr<httplib::Client> client_;
+};
+
+std::vector<std::string> shm_segments(pid_t front_end) {
+  std::vector<std::string> out;
+  const std::string prefix = "flexpert-" + std::to_string(front_end) + "-";
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) == 0) out.push_back(name);
+  }
+  return out;
+}
+
+bool process_alive(int pid) { return pid > 0 && kill(pid, 0) == 0; }
+
+void check_reference(Server& server, const Reference& ref, int copies) {
+  // copies x every prompt, all in flight at once.
+  const size_t n = ref.prompts.size() * static_cast<size_t>(copies);
+  std::vector<std::vector<int>> got(n);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < n; ++i) {
+    threads.emplace_back([&, i] {
+      got[i] = server.complete(ref.prompts[i % ref.prompts.size()], 16);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < n; ++i) EXPECT_EQ(got[i], ref.greedy[i % ref.prompts.size()]) << "request " << i;
+}
+
+class ServeRanksTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(ServeRanksTest, ReferenceTokensThroughHttp) {
+  const int ranks = GetParam();
+  Server server({"--ranks", std::to_string(ranks), "--threads-per-worker", "1"});
+  ASSERT_TRUE(server.up());
+  const Reference ref = load_reference();
+  check_reference(server, ref, 1);
+  check_reference(server, ref, 8);  // 32 requests in flight.
+  auto status = server.get_json("/v1/status");
+  ASSERT_TRUE(status.is_object());
+  EXPECT_EQ(status["members"].size(), static_cast<size_t>(ranks));
+  EXPECT_EQ(status["epoch"], 1);
+  EXPECT_EQ(server.stop(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ServeRanksTest, ::testing::Values(1, 2, 3, 4));
+
+TEST(ServeTest, ReplicatedExpertsAcrossRanks) {
+  // 16 experts + 16 replicas over 4 ranks: hot and cold replicas on different ranks.
+  Server server({"--ranks", "4", "--placement", "replicate:16:5", "--threads-per-worker", "1"});
+  ASSERT_TRUE(server.up());
+  auto status = server.get_json("/v1/status");
+  EXPECT_EQ(status["slots_per_rank"], 8);
+  check_reference(server, load_reference(), 8);
+  EXPECT_EQ(server.stop(), 0);
+}
+
+TEST(ServeTest, KilledWorkerLeavesFrontEndServing) {
+  Server server({"--ranks", "3", "--threads-per-worker", "1"});
+  ASSERT_TRUE(server.up());
+  auto status = server.get_json("/v1/status");
+  const int victim = status["ranks"][1]["pid"];
+  ASSERT_TRUE(process_alive(victim));
+  kill(victim, SIGKILL);
+  // The front end notices within its check interval.
+  nlohmann::json rank1;
+  for (int i = 0; i < 200; ++i) {
+    status = server.get_json("/v1/status");
+    rank1 = status["ranks"][1];
+    if (rank1["state"] == "dead") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(rank1["state"], "dead");
+  auto health = server.client().Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_TRUE(health->status == 200 || health->status == 503) << health->status;
+  // Requests get an answer (an error naming the lost rank, not a hang).
+  nlohmann::json body = {{"prompt", {1, 2, 3}}, {"max_tokens", 4}, {"temperature", 0}};
+  auto res = server.client().Post("/v1/completions", body.dump(), "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_TRUE(res->status == 200 || res->status >= 500) << res->status << " " << res->body;
+  const pid_t front = server.pid();
+  EXPECT_EQ(server.stop(), 0);
+  EXPECT_TRUE(shm_segments(front).empty());
+}
+
+TEST(ServeTest, StopLeavesNoProcessOrSegment) {
+  Server server({"--ranks", "2", "--threads-per-worker", "1"});
+  ASSERT_TRUE(server.up());
+  auto status = server.get_json("/v1/status");
+  std::vector<int> pids;
+  for (const auto& r : status["ranks"]) pids.push_back(r["pid"]);
+  const pid_t front = server.pid();
+  EXPECT_FALSE(shm_segments(front).empty());
+  // A long request in flight when the stop comes still gets a final response.
+  std::thread slow([&] {
+    nlohmann::json body = {{"prompt", {1, 2, 3}}, {"max_tokens", 900}, {"temperature", 0}};
+    httplib::Client c("127.0.0.1", server.client().port());
+    c.set_read_timeout(60, 0);
+    auto res = c.Post("/v1/completions", body.dump(), "application/json");
+    EXPECT_TRUE(res) << "no final response";
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(server.stop(), 0);
+  slow.join();
+  for (int pid : pids) EXPECT_FALSE(process_alive(pid)) << "worker " << pid << " survived";
+  EXPECT_TRUE(shm_segments(front).empty());
+}
+
+}  // namespace

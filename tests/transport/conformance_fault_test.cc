@@ -1,0 +1,226 @@
+// SPDX-License-Identifier: Apache-2.0
+// Transport conformance, failure path: a rank killed mid-exchange, a silent rank, a rank in
+// a newer epoch, a rank that shuts down, a rank that comes back as a new incarnation, and
+// injected faults. The contract: an error with the right code within the timeout (plus a
+// scheduling margin), never a hang, and the group can continue in a new epoch.
+#include <signal.h>
+
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include "conformance_harness.h"
+
+namespace flexpert::conformance {
+namespace {
+
+// Slack on a loaded 2-core machine (sanitizers included) on top of the transport timeout.
+constexpr double kMarginMs = 1500;
+
+// A transport error comes back as is (its code matters here); a content error as Internal.
+Status all_gather_checked(RankContext& ctx, const Group& g, uint64_t seed_base, uint64_t op) {
+  Buffer in = ctx.buffer(pattern(seed_of(seed_base, op, ctx.rank), 24));
+  auto result = ctx.t().all_gather(g, in.span());
+  if (!result.ok()) return result.status();
+  const std::vector<ByteSpan>& got = *result;
+  for (int r : g.ranks) {
+    CT_REQUIRE_OK(ctx.expect_bytes(got[r], seed_of(seed_base, op, r), 24,
+                                   cat("epoch ", g.epoch, " op ", op, " from rank ", r)));
+  }
+  return Status();
+}
+
+class FaultConformanceTest : public ConformanceTest {};
+
+// The last rank is SIGKILLed by the parent while all ranks exchange 64 KiB per pair in a
+// loop: every survivor gets Unavailable (or DeadlineExceeded) soon after the death.
+TEST_P(FaultConformanceTest, PeerKilledMidExchange) {
+  ClusterSpec s = spec(1000);
+  s.options.max_exchange_bytes = 64 << 10;
+  const int victim = num_ranks() - 1;
+  bool killed = false;
+  s.parent_step = [&](ParentView& view) {
+    // values[1]: rounds done by rank 0; values[2]: when the victim was killed.
+    if (killed || view.shared->values[1].load() < 200) return;
+    view.shared->values[2].store(mono_now_ns());
+    ::kill(view.pids[victim], SIGKILL);
+    killed = true;
+  };
+  const RunResult result = run_cluster(backend(), s, [victim](RankContext& ctx) -> Status {
+    std::vector<uint8_t> bytes = pattern(seed_of(ctx.rank, 5), ctx.options.max_exchange_bytes);
+    Buffer payload = ctx.buffer(bytes);
+    std::vector<ByteSpan> send(static_cast<size_t>(ctx.options.max_ranks));
+    for (int r = 0; r < ctx.num_ranks; ++r) send[r] = payload.span();
+    for (uint64_t round = 0; round < 10'000'000; ++round) {
+      auto got = ctx.t().exchange(ctx.group(1), send);
+      if (got.ok()) {
+        if (ctx.rank == 0) ctx.shared->values[1].fetch_add(1);
+        continue;
+      }
+      const int64_t killed_at = ctx.shared->values[2].load();
+      CT_REQUIRE(ctx.rank != victim, "the victim failed first: ", got.status().to_string());
+      CT_REQUIRE(killed_at > 0, "failed before the kill: ", got.status().to_string());
+      const double after_ms = ms_since(killed_at);
+      const StatusCode code = got.status().code();
+      CT_REQUIRE(code == StatusCode::kUnavailable || code == StatusCode::kDeadlineExceeded,
+                 got.status().to_string());
+      CT_REQUIRE(after_ms < ctx.options.timeout_ms + kMarginMs, "noticed after ", after_ms,
+                 " ms");
+      std::fprintf(stderr, "[rank %d] %.1f ms after the kill: %s\n", ctx.rank, after_ms,
+                   got.status().to_string().c_str());
+      return Status();
+    }
+    return internal_error("the exchange loop ended without an error");
+  });
+  EXPECT_FALSE(result.timed_out) << "hang";
+  for (int r = 0; r < num_ranks(); ++r) {
+    if (r == victim) {
+      EXPECT_TRUE(WIFSIGNALED(result.wait_status[r]) && WTERMSIG(result.wait_status[r]) == SIGKILL)
+          << describe_wait_status(result.wait_status[r]);
+    } else {
+      EXPECT_TRUE(exited_ok(result.wait_status[r]))
+          << "rank " << r << ": " << describe_wait_status(result.wait_status[r]);
+    }
+  }
+  // The victim could not clean up; the survivors did. A supervisor removes the rest.
+  for (const std::string& name : leftover_segments(result.session)) {
+    EXPECT_NE(name.find("-r" + std::to_string(victim) + "-"), std::string::npos) << name;
+  }
+  cleanup_session(backend(), result.session);
+  EXPECT_TRUE(leftover_segments(result.session).empty());
+}
+
+// The last rank stays alive but stops calling: the others get DeadlineExceeded naming it,
+// after about timeout_ms.
+TEST_P(FaultConformanceTest, SilentPeerTimesOut) {
+  run_ok(spec(600), [](RankContext& ctx) -> Status {
+    const int silent = ctx.num_ranks - 1;
+    for (uint64_t op = 0; op < 20; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(1), 1, op));
+    if (ctx.rank == silent) return ctx.await_value(0, ctx.num_ranks - 1);
+    const int64_t start = mono_now_ns();
+    const Status st = ctx.t().barrier(ctx.group(1));
+    const double waited_ms = ms_since(start);
+    ctx.shared->values[0].fetch_add(1);
+    CT_REQUIRE(st.code() == StatusCode::kDeadlineExceeded, st.to_string());
+    CT_REQUIRE(st.message().find("rank " + std::to_string(silent)) != std::string::npos,
+               "does not name the silent rank: ", st.to_string());
+    CT_REQUIRE(waited_ms >= ctx.options.timeout_ms - 5 &&
+                   waited_ms < ctx.options.timeout_ms + kMarginMs,
+               "waited ", waited_ms, " ms");
+    return Status();
+  });
+}
+
+// The last rank moves to epoch 2 while the others still run epoch 1: they get Aborted
+// quickly (not at the timeout), redo the step in epoch 2, and everyone continues.
+TEST_P(FaultConformanceTest, PeerInNewerEpochAborts) {
+  run_ok(spec(5000), [](RankContext& ctx) -> Status {
+    const int ahead = ctx.num_ranks - 1;
+    for (uint64_t op = 0; op < 20; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(1), 2, op));
+    if (ctx.rank != ahead) {
+      const int64_t start = mono_now_ns();
+      const Status st = all_gather_checked(ctx, ctx.group(1), 2, 20);
+      CT_REQUIRE(st.code() == StatusCode::kAborted, st.to_string());
+      CT_REQUIRE(ms_since(start) < 1000, "Aborted only after ", ms_since(start), " ms");
+    }
+    for (uint64_t op = 0; op < 20; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(2), 3, op));
+    return Status();
+  });
+}
+
+// A rank that shuts down is reported as Unavailable at once, not at the timeout.
+TEST_P(FaultConformanceTest, PeerShutdownIsUnavailable) {
+  run_ok(spec(5000), [](RankContext& ctx) -> Status {
+    const int leaving = ctx.num_ranks - 1;
+    for (uint64_t op = 0; op < 10; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(1), 4, op));
+    if (ctx.rank == leaving) {
+      CT_REQUIRE_OK(ctx.t().shutdown());
+      CT_REQUIRE_OK(ctx.t().shutdown());  // Idempotent.
+      CT_REQUIRE(ctx.t().barrier(ctx.group(1)).code() == StatusCode::kFailedPrecondition);
+      return ctx.await_value(0, ctx.num_ranks - 1);
+    }
+    const int64_t start = mono_now_ns();
+    const Status st = ctx.t().barrier(ctx.group(1));
+    ctx.shared->values[0].fetch_add(1);
+    CT_REQUIRE(st.code() == StatusCode::kUnavailable, st.to_string());
+    CT_REQUIRE(ms_since(start) < 1000, "noticed after ", ms_since(start), " ms");
+    return Status();
+  });
+}
+
+// Rank 1 leaves and comes back as incarnation 1 (a new address); the others connect() to
+// it, which replaces the old attachment, and all continue in a newer epoch.
+TEST_P(FaultConformanceTest, RankRejoinsAsNewIncarnation) {
+  run_ok(spec(5000), [](RankContext& ctx) -> Status {
+    for (uint64_t op = 0; op < 10; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(1), 5, op));
+    if (ctx.rank == 1) {
+      const std::string old_address = ctx.t().address();
+      CT_REQUIRE_OK(ctx.t().shutdown());
+      ctx.transport.reset();
+      ctx.options.incarnation = 1;
+      CT_ASSIGN(ctx.transport, create_transport(ctx.backend, ctx.options));
+      CT_REQUIRE(ctx.t().address() != old_address);
+      ctx.publish_address(2);
+      CT_REQUIRE_OK(ctx.connect_all(1));
+    } else {
+      const std::string old_address(ctx.shared->addresses[1]);
+      CT_ASSIGN(std::string address, ctx.await_address(1, 2));
+      CT_REQUIRE(address != old_address);
+      CT_REQUIRE_OK(ctx.t().connect(1, address));
+      CT_REQUIRE_OK(ctx.t().connect(1, address));  // Idempotent.
+    }
+    for (uint64_t op = 0; op < 20; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(2), 6, op));
+    return Status();
+  });
+}
+
+// The FaultInjectingTransport on every rank; rank 0 gets the faults. A fault that runs the
+// inner collective leaves the group in step; one that skips it makes rank 0 silent, and the
+// group recovers in a new epoch. A delay on rank 0 slows everyone's collective.
+TEST_P(FaultConformanceTest, InjectedFaultsAndDelays) {
+  ClusterSpec s = spec(800);
+  s.inject_faults = true;
+  run_ok(s, [](RankContext& ctx) -> Status {
+    CT_REQUIRE(ctx.faults != nullptr);
+    const Group g1 = ctx.group(1);
+    if (ctx.rank == 0) {
+      ctx.faults->fail_collective(5, unavailable("injected"), /*run_inner=*/true);
+      ctx.faults->fail_collective(12, Status(StatusCode::kAborted, "injected"));
+    }
+    for (uint64_t op = 0; op < 12; ++op) {
+      const Status st = all_gather_checked(ctx, g1, 7, op);
+      if (ctx.rank == 0 && op == 5) {
+        CT_REQUIRE(st.code() == StatusCode::kUnavailable && st.message() == "injected",
+                   st.to_string());
+      } else {
+        CT_REQUIRE_OK(st);
+      }
+    }
+    const int64_t start = mono_now_ns();
+    const Status st = ctx.t().barrier(g1);
+    if (ctx.rank == 0) {
+      CT_REQUIRE(st.code() == StatusCode::kAborted && ms_since(start) < 500, st.to_string());
+      CT_REQUIRE_OK(ctx.await_value(0, ctx.num_ranks - 1));  // Let the others time out.
+      CT_REQUIRE(ctx.faults->num_collectives() == 13);
+    } else {
+      CT_REQUIRE(st.code() == StatusCode::kDeadlineExceeded, st.to_string());
+      CT_REQUIRE(ms_since(start) < ctx.options.timeout_ms + kMarginMs);
+      ctx.shared->values[0].fetch_add(1);
+    }
+    const Group g2 = ctx.group(2);
+    for (uint64_t op = 0; op < 10; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, g2, 8, op));
+    if (ctx.rank == 0) ctx.faults->set_collective_delay_ms(30);
+    const int64_t delayed_start = mono_now_ns();
+    for (uint64_t op = 10; op < 13; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, g2, 8, op));
+    // 3 x 30 ms on rank 0, minus the skew between the ranks' starts.
+    CT_REQUIRE(ms_since(delayed_start) >= 60, "3 delayed ops took ", ms_since(delayed_start));
+    if (ctx.rank == 0) ctx.faults->clear_faults();
+    for (uint64_t op = 13; op < 20; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, g2, 8, op));
+    return Status();
+  });
+}
+
+CT_INSTANTIATE(FaultConformanceTest);
+
+}  // namespace
+}  // namespace flexpert::conformance
