@@ -157,12 +157,11 @@ Status run_rank(const Config& cfg, int n, int rank, const std::string& session, 
 
 // Runs one configuration; false when a rank failed.
 bool run_ranks(const Config& cfg, int n, std::vector<Result_>* results) {
-  void* mem = ::mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE,
-                     MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  void* mem =
+      ::mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (mem == MAP_FAILED) return false;
   auto* shared = new (mem) Shared();
-  const std::string session =
-      "bench" + std::to_string(::getpid()) + "n" + std::to_string(n);
+  const std::string session = "bench" + std::to_string(::getpid()) + "n" + std::to_string(n);
   std::fflush(nullptr);
   std::vector<pid_t> pids;
   for (int r = 0; r < n; ++r) {
@@ -229,7 +228,8 @@ int main(int argc, char** argv) {
     } else if (arg == "--json") {
       cfg.json_path = value();
     } else {
-      std::fprintf(stderr, "usage: %s [--backend shm] [--ranks 2,4] [--gather-sizes a,b] "
+      std::fprintf(stderr,
+                   "usage: %s [--backend shm] [--ranks 2,4] [--gather-sizes a,b] "
                    "[--exchange-sizes a,b] [--gather-iters N] [--exchange-mb N] [--json PATH]\n",
                    argv[0]);
       return 2;
@@ -255,8 +255,8 @@ int main(int argc, char** argv) {
   }
   const long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
   std::printf("backend %s, %ld CPUs online\n\n", cfg.backend.c_str(), cpus);
-  std::printf("%-10s %5s %12s %8s %12s %14s %14s %12s\n", "op", "ranks", "bytes", "iters",
-              "us/op", "GB/s/rank", "GB/s total", "memcpy GB/s");
+  std::printf("%-10s %5s %12s %8s %12s %14s %14s %12s\n", "op", "ranks", "bytes", "iters", "us/op",
+              "GB/s/rank", "GB/s total", "memcpy GB/s");
   std::ostringstream json;
   json << "{\"backend\": \"" << cfg.backend << "\", \"cpus\": " << cpus << ", \"results\": [";
   bool first = true;
@@ -265,15 +265,15 @@ int main(int argc, char** argv) {
         r.is_exchange ? static_cast<double>(r.bytes) * (r.ranks - 1) / (r.us_per_op * 1e3) : 0;
     const double mc = r.is_exchange ? memcpy_gbps(r.bytes) : 0;
     if (r.is_exchange) {
-      std::printf("%-10s %5d %12zu %8d %12.2f %14.2f %14.2f %12.2f\n", "exchange", r.ranks,
-                  r.bytes, r.iters, r.us_per_op, per_rank, per_rank * r.ranks, mc);
+      std::printf("%-10s %5d %12zu %8d %12.2f %14.2f %14.2f %12.2f\n", "exchange", r.ranks, r.bytes,
+                  r.iters, r.us_per_op, per_rank, per_rank * r.ranks, mc);
     } else {
       std::printf("%-10s %5d %12zu %8d %12.2f %14s %14s %12s\n", "all_gather", r.ranks, r.bytes,
                   r.iters, r.us_per_op, "-", "-", "-");
     }
     json << (first ? "" : ", ") << "{\"op\": \"" << (r.is_exchange ? "exchange" : "all_gather")
-         << "\", \"ranks\": " << r.ranks << ", \"bytes\": " << r.bytes
-         << ", \"iters\": " << r.iters << ", \"us_per_op\": " << r.us_per_op;
+         << "\", \"ranks\": " << r.ranks << ", \"bytes\": " << r.bytes << ", \"iters\": " << r.iters
+         << ", \"us_per_op\": " << r.us_per_op;
     if (r.is_exchange) {
       json << ", \"gbps_per_rank\": " << per_rank << ", \"gbps_total\": " << per_rank * r.ranks
            << ", \"memcpy_gbps\": " << mc;

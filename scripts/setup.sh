@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PACKAGES=(build-essential cmake ccache libopenblas-dev nlohmann-json3-dev libgtest-dev clang-format)
+PACKAGES=(build-essential cmake ccache pkg-config libopenblas-dev nlohmann-json3-dev libgtest-dev
+          clang-format libzmq3-dev libmsgpack-cxx-dev libcpp-httplib-dev curl)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -42,15 +42,14 @@ struct LogVoidify {
 #define FLEX_LOG_LEVEL_WARN ::flexpert::LogLevel::kWarn
 #define FLEX_LOG_LEVEL_ERROR ::flexpert::LogLevel::kError
 
-#define FLEX_LOG(level)                                                 \
-  (FLEX_LOG_LEVEL_##level < ::flexpert::log_threshold())                \
-      ? (void)0                                                         \
-      : ::flexpert::LogVoidify() &                                      \
+#define FLEX_LOG(level)                                  \
+  (FLEX_LOG_LEVEL_##level < ::flexpert::log_threshold()) \
+      ? (void)0                                          \
+      : ::flexpert::LogVoidify() &                       \
             ::flexpert::LogMessage(FLEX_LOG_LEVEL_##level, __FILE__, __LINE__).stream()
 
-#define FLEX_CHECK(cond)                                                                \
-  (cond) ? (void)0                                                                      \
-         : ::flexpert::LogVoidify() &                                                   \
-               ::flexpert::LogMessage(::flexpert::LogLevel::kFatal, __FILE__, __LINE__) \
-                       .stream()                                                        \
+#define FLEX_CHECK(cond)                                                                         \
+  (cond) ? (void)0                                                                               \
+         : ::flexpert::LogVoidify() &                                                            \
+               ::flexpert::LogMessage(::flexpert::LogLevel::kFatal, __FILE__, __LINE__).stream() \
                    << "Check failed: " #cond " "

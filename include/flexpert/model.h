@@ -51,8 +51,8 @@ struct ModelOptions {
 
 // The new tokens of one sequence in a step.
 struct SequenceChunk {
-  int kv_slot = 0;         // Which KV-cache slot the sequence owns.
-  int start_pos = 0;       // Position of tokens[0]; earlier positions are cached.
+  int kv_slot = 0;    // Which KV-cache slot the sequence owns.
+  int start_pos = 0;  // Position of tokens[0]; earlier positions are cached.
   std::vector<int32_t> tokens;
 };
 

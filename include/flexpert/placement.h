@@ -61,7 +61,7 @@ class ExpertPlacement {
 
   int num_experts_ = 0;
   int num_slots_ = 0;
-  std::vector<std::vector<int>> slot_to_expert_;               // [layer][slot]
+  std::vector<std::vector<int>> slot_to_expert_;                // [layer][slot]
   std::vector<std::vector<std::vector<int>>> expert_to_slots_;  // [layer][expert] -> slots
 };
 

@@ -67,7 +67,7 @@ Status internal_error(std::string message);
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}          // NOLINT: implicit by design.
+  Result(T value) : v_(std::move(value)) {}  // NOLINT: implicit by design.
   // An OK status carries no value: that is a bug of the caller, kept as an error.
   Result(Status status)  // NOLINT: implicit by design.
       : v_(status.ok() ? internal_error("Result built from an OK Status") : std::move(status)) {}
@@ -94,10 +94,10 @@ class [[nodiscard]] Result {
 #define FLEX_CONCAT_(a, b) FLEX_CONCAT_INNER_(a, b)
 
 // Returns the Status of `expr` from the enclosing function when it is not OK.
-#define FLEX_RETURN_IF_ERROR(expr)                  \
-  do {                                              \
-    ::flexpert::Status flex_status_ = (expr);       \
-    if (!flex_status_.ok()) return flex_status_;    \
+#define FLEX_RETURN_IF_ERROR(expr)               \
+  do {                                           \
+    ::flexpert::Status flex_status_ = (expr);    \
+    if (!flex_status_.ok()) return flex_status_; \
   } while (0)
 
 // `FLEX_ASSIGN_OR_RETURN(auto x, make_x());` binds the value or returns the error.

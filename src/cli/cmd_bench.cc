@@ -100,8 +100,8 @@ Status run_generate_bench(const Flags& flags) {
     const double prefill_tps = static_cast<double>(b * prompt_len) / prefill_s;
     const double decode_tps = static_cast<double>(b * gen_tokens) / decode_s;
     const double step_ms = 1e3 * decode_s / static_cast<double>(gen_tokens);
-    std::printf("%-6lld %12.1f %12.1f %14.2f\n", static_cast<long long>(b), prefill_tps,
-                decode_tps, step_ms);
+    std::printf("%-6lld %12.1f %12.1f %14.2f\n", static_cast<long long>(b), prefill_tps, decode_tps,
+                step_ms);
     std::fflush(stdout);
     runs.push_back({{"batch", b},
                     {"prefill_tokens_per_s", prefill_tps},

@@ -101,7 +101,8 @@ int cmd_generate(const Args& args) {
       .value("top-p", "1", "nucleus sampling mass")
       .value("seed", "0", "sampling seed")
       .value("stop-token-ids", "", "extra stop ids, comma-separated")
-      .value("placement", "identity", "expert placement: identity, replicate:R[:SEED], or a JSON file")
+      .value("placement", "identity",
+             "expert placement: identity, replicate:R[:SEED], or a JSON file")
       .boolean("ignore-eos", "do not stop at the model's EOS ids")
       .boolean("json", "print one JSON object")
       .boolean("help", "show this help");

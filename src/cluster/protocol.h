@@ -44,8 +44,8 @@ struct WorkerConfig {
   int max_seq_len = 0;
   int timeout_ms = 10000;
   int threads = 0;  // 0: the worker's default.
-  MSGPACK_DEFINE_MAP(incarnation, session, model_dir, max_ranks, slots_per_rank, placement_json, max_sequences,
-                     max_tokens_per_step, max_seq_len, timeout_ms, threads);
+  MSGPACK_DEFINE_MAP(incarnation, session, model_dir, max_ranks, slots_per_rank, placement_json,
+                     max_sequences, max_tokens_per_step, max_seq_len, timeout_ms, threads);
 };
 
 // A worker has loaded its model and created its transport.
@@ -104,7 +104,7 @@ struct StepReport {
   static constexpr const char* kType = "report";
   uint64_t epoch = 0;
   uint64_t steps = 0;
-  double step_ms = 0;      // Mean over busy steps since the last report.
+  double step_ms = 0;  // Mean over busy steps since the last report.
   int running = 0;
   int waiting = 0;
   MSGPACK_DEFINE_MAP(epoch, steps, step_ms, running, waiting);

@@ -12,9 +12,9 @@
   do {                                                                                      \
     if ((call) < 0) {                                                                       \
       const int flex_errno_ = zmq_errno();                                                  \
-      return Status(flex_errno_ == EAGAIN ? StatusCode::kDeadlineExceeded                   \
-                                          : StatusCode::kUnavailable,                       \
-                    std::string(#call) + ": " + zmq_strerror(flex_errno_));                 \
+      return Status(                                                                        \
+          flex_errno_ == EAGAIN ? StatusCode::kDeadlineExceeded : StatusCode::kUnavailable, \
+          std::string(#call) + ": " + zmq_strerror(flex_errno_));                           \
     }                                                                                       \
   } while (0)
 

@@ -9,18 +9,25 @@ size_t dtype_size(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
 
 std::string_view dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "F32";
-    case DType::kBF16: return "BF16";
-    case DType::kF16: return "F16";
+    case DType::kF32:
+      return "F32";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kF16:
+      return "F16";
   }
   return "?";
 }
 
 bool parse_dtype(std::string_view name, DType* dtype) {
-  if (name == "F32") *dtype = DType::kF32;
-  else if (name == "BF16") *dtype = DType::kBF16;
-  else if (name == "F16") *dtype = DType::kF16;
-  else return false;
+  if (name == "F32")
+    *dtype = DType::kF32;
+  else if (name == "BF16")
+    *dtype = DType::kBF16;
+  else if (name == "F16")
+    *dtype = DType::kF16;
+  else
+    return false;
   return true;
 }
 
@@ -52,9 +59,9 @@ uint16_t f32_to_f16(float f) {
   std::memcpy(&bits, &f, 4);
   const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
   const uint32_t abs = bits & 0x7fffffffu;
-  if (abs > 0x7f800000u) return sign | 0x7e00u;          // NaN.
-  if (abs >= 0x477ff000u) return sign | 0x7c00u;         // Overflow (incl. inf) -> inf.
-  if (abs < 0x38800000u) {                               // Below the smallest normal.
+  if (abs > 0x7f800000u) return sign | 0x7e00u;   // NaN.
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // Overflow (incl. inf) -> inf.
+  if (abs < 0x38800000u) {                        // Below the smallest normal.
     // Subnormal or zero: round(|f| * 2^24) with ties to even.
     float a;
     std::memcpy(&a, &abs, 4);

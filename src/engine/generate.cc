@@ -68,7 +68,8 @@ int32_t Sampler::sample(const float* logits, int64_t vocab) {
 Generator::Generator(Model& model, GeneratorOptions options)
     : model_(model), options_(std::move(options)) {}
 
-Result<std::vector<GenerationResult>> Generator::run(const std::vector<GenerationRequest>& requests) {
+Result<std::vector<GenerationResult>> Generator::run(
+    const std::vector<GenerationRequest>& requests) {
   const ModelConfig& config = model_.config();
   Scheduler scheduler(SchedulerLimits{config.vocab_size, model_.max_sequences(),
                                       model_.max_seq_len(), options_.max_tokens_per_step,
@@ -92,8 +93,9 @@ Result<std::vector<GenerationResult>> Generator::run(const std::vector<Generatio
     events.clear();
     scheduler.complete_step(logits, &events);
     if (options_.on_step) {
-      options_.on_step(step_tokens, std::chrono::duration<double>(
-                                        std::chrono::steady_clock::now() - t0).count());
+      options_.on_step(
+          step_tokens,
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
     for (const TokenEvent& ev : events) {
       GenerationResult& res = results[ev.request_id];

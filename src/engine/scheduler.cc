@@ -76,8 +76,8 @@ const std::vector<SequenceChunk>& Scheduler::build_step() {
   for (size_t i = 0; i < running_.size(); ++i) {
     const Sequence& s = running_[i];
     if (s.prefilled < static_cast<int>(s.prompt.size())) continue;
-    batch_.push_back({s.kv_slot, static_cast<int>(s.prompt.size() + s.output.size()) - 1,
-                      {s.output.back()}});
+    batch_.push_back(
+        {s.kv_slot, static_cast<int>(s.prompt.size() + s.output.size()) - 1, {s.output.back()}});
     batch_owner_.push_back(i);
     --budget;
   }

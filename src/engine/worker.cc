@@ -29,8 +29,8 @@ void on_terminate(int) { g_terminate.store(true); }
 // The per-step header every member contributes to the all-gather.
 struct StepHeader {
   uint32_t num_tokens = 0;
-  uint32_t stopping = 0;      // 1: this rank was told to shut down.
-  uint64_t acked_epoch = 0;   // Highest epoch command this rank holds.
+  uint32_t stopping = 0;     // 1: this rank was told to shut down.
+  uint64_t acked_epoch = 0;  // Highest epoch command this rank holds.
 };
 
 SamplingParams params_of(const proto::AddRequest& r) {
@@ -52,8 +52,7 @@ Status send_msg(ZmqSocket& socket, const T& msg) {
 
 class Worker {
  public:
-  explicit Worker(const WorkerOptions& options)
-      : options_(options), control_(ctx_, ZMQ_DEALER) {}
+  explicit Worker(const WorkerOptions& options) : options_(options), control_(ctx_, ZMQ_DEALER) {}
 
   int run();
 
@@ -104,8 +103,8 @@ Status Worker::connect_and_configure() {
   if (parts.size() != 2 || parts[0] != proto::WorkerConfig::kType) {
     if (parts.size() == 2 && parts[0] == proto::WorkerError::kType) {
       FLEX_ASSIGN_OR_RETURN(auto err, proto::decode<proto::WorkerError>(parts[1]));
-      return failed_precondition("front end refused rank " + std::to_string(options_.rank) +
-                                 ": " + err.message);
+      return failed_precondition("front end refused rank " + std::to_string(options_.rank) + ": " +
+                                 err.message);
     }
     return data_loss("expected a configuration from the front end");
   }
@@ -140,9 +139,9 @@ Status Worker::load() {
   };
   mopts.moe_executor = executor_.get();
   FLEX_ASSIGN_OR_RETURN(model_, Model::load(config_.model_dir, mopts));
-  scheduler_ = std::make_unique<Scheduler>(SchedulerLimits{
-      model_config_.vocab_size, model_->max_sequences(), model_->max_seq_len(),
-      config_.max_tokens_per_step, model_config_.eos_token_ids});
+  scheduler_ = std::make_unique<Scheduler>(
+      SchedulerLimits{model_config_.vocab_size, model_->max_sequences(), model_->max_seq_len(),
+                      config_.max_tokens_per_step, model_config_.eos_token_ids});
   proto::Ready ready;
   ready.rank = options_.rank;
   ready.incarnation = config_.incarnation;
@@ -175,7 +174,8 @@ Status Worker::apply_epoch(const proto::EpochCommand& cmd) {
 }
 
 Status Worker::handle(const std::vector<std::string>& parts) {
-  if (parts.size() != 2) return data_loss("control message with " + std::to_string(parts.size()) + " frames");
+  if (parts.size() != 2)
+    return data_loss("control message with " + std::to_string(parts.size()) + " frames");
   const std::string& type = parts[0];
   if (type == proto::AddRequest::kType) {
     FLEX_ASSIGN_OR_RETURN(auto req, proto::decode<proto::AddRequest>(parts[1]));
@@ -265,7 +265,8 @@ Status Worker::step() {
     FLEX_RETURN_IF_ERROR(model_->forward(batch, &logits_));
     events_.clear();
     scheduler_->complete_step(logits_, &events_);
-    busy_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    busy_ms_ +=
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     ++busy_steps_;
     ++steps_;
     if (!events_.empty()) {
@@ -336,6 +337,11 @@ int run_worker(const WorkerOptions& options) {
   sa.sa_handler = on_terminate;
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
+  sigset_t stop_signals;  // A blocked mask may be inherited from whoever started us.
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_UNBLOCK, &stop_signals, nullptr);
   Worker worker(options);
   return worker.run();
 }

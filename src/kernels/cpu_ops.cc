@@ -190,8 +190,6 @@ void embedding(const Tensor& table, const int32_t* ids, int64_t num_tokens, floa
   }
 }
 
-int64_t argmax(const float* x, int64_t n) {
-  return std::max_element(x, x + n) - x;
-}
+int64_t argmax(const float* x, int64_t n) { return std::max_element(x, x + n) - x; }
 
 }  // namespace flexpert::kernels

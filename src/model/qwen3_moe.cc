@@ -37,11 +37,12 @@ Result<std::unique_ptr<Qwen3MoeModel>> Qwen3MoeModel::create(std::unique_ptr<Che
                         ? options.max_seq_len
                         : std::min(std::max(m->config_.max_position_embeddings, 1), 4096);
   const ModelConfig& c = m->config_;
-  FLEX_ASSIGN_OR_RETURN(m->placement_,
-                        ExpertPlacement::parse(options.placement, c.num_hidden_layers,
-                                               std::max(c.num_experts, 1)));
+  FLEX_ASSIGN_OR_RETURN(
+      m->placement_,
+      ExpertPlacement::parse(options.placement, c.num_hidden_layers, std::max(c.num_experts, 1)));
   const Checkpoint& ck = *m->checkpoint_;
-  FLEX_ASSIGN_OR_RETURN(m->embed_, ck.get("model.embed_tokens.weight", {c.vocab_size, c.hidden_size}));
+  FLEX_ASSIGN_OR_RETURN(m->embed_,
+                        ck.get("model.embed_tokens.weight", {c.vocab_size, c.hidden_size}));
   if (c.tie_word_embeddings && !ck.contains("lm_head.weight")) {
     m->lm_head_ = m->embed_.view();
   } else {
@@ -101,8 +102,8 @@ Status Qwen3MoeModel::load_layer(int index, Layer* layer, const ModelOptions& op
       layer->experts = ExpertSlots(probe.dtype(), num_local_slots_, static_cast<int>(H),
                                    static_cast<int>(I), storage);
     } else {
-      layer->experts = ExpertSlots(probe.dtype(), num_local_slots_, static_cast<int>(H),
-                                   static_cast<int>(I));
+      layer->experts =
+          ExpertSlots(probe.dtype(), num_local_slots_, static_cast<int>(H), static_cast<int>(I));
     }
     // Resolve every tensor first (errors name the tensor), then copy in parallel.
     std::vector<Tensor> w(static_cast<size_t>(E) * 3);
@@ -137,7 +138,8 @@ Status Qwen3MoeModel::load_layer(int index, Layer* layer, const ModelOptions& op
 void Qwen3MoeModel::rebuild_replicas() {
   replicas_.assign(placement_.num_layers(), {});
   for (int l = 0; l < placement_.num_layers(); ++l) {
-    for (int e = 0; e < placement_.num_experts(); ++e) replicas_[l].push_back(placement_.replicas(l, e));
+    for (int e = 0; e < placement_.num_experts(); ++e)
+      replicas_[l].push_back(placement_.replicas(l, e));
   }
 }
 
@@ -301,7 +303,8 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   FLEX_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::load(dir));
   FLEX_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::open(dir));
   if (config.model_type == "qwen3_moe") {
-    FLEX_ASSIGN_OR_RETURN(auto model, Qwen3MoeModel::create(std::move(ckpt), std::move(config), options));
+    FLEX_ASSIGN_OR_RETURN(auto model,
+                          Qwen3MoeModel::create(std::move(ckpt), std::move(config), options));
     return std::unique_ptr<Model>(std::move(model));
   }
   return unimplemented("model_type '" + config.model_type + "' has no implementation");

@@ -31,16 +31,16 @@ class Qwen3MoeModel final : public Model {
 
  private:
   struct Layer {
-    Tensor input_norm;  // f32 [H]
-    Tensor post_norm;   // f32 [H]
-    Tensor q_norm;      // f32 [D]
-    Tensor k_norm;      // f32 [D]
+    Tensor input_norm;                      // f32 [H]
+    Tensor post_norm;                       // f32 [H]
+    Tensor q_norm;                          // f32 [D]
+    Tensor k_norm;                          // f32 [D]
     Tensor q_proj, k_proj, v_proj, o_proj;  // Borrowed from the checkpoint.
     bool is_moe = false;
     Tensor router;  // f32 [E, H]
     ExpertSlots experts;
     Tensor gate_proj, up_proj, down_proj;  // Dense MLP layers.
-    Tensor k_cache;  // f32 [max_sequences, max_seq_len, kv_heads, D]
+    Tensor k_cache;                        // f32 [max_sequences, max_seq_len, kv_heads, D]
     Tensor v_cache;
   };
 
@@ -57,8 +57,8 @@ class Qwen3MoeModel final : public Model {
   ThreadPool* pool_ = nullptr;
   int max_sequences_ = 0;
   int max_seq_len_ = 0;
-  Tensor embed_;     // Borrowed [V, H]
-  Tensor lm_head_;   // Borrowed [V, H]
+  Tensor embed_;       // Borrowed [V, H]
+  Tensor lm_head_;     // Borrowed [V, H]
   Tensor final_norm_;  // f32 [H]
   std::vector<Layer> layers_;
   std::vector<std::vector<int64_t>> slot_counts_;

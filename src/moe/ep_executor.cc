@@ -90,7 +90,8 @@ Status EpMoeExecutor::execute(int layer, const float* x, const Routing& routing,
       }
     } else {
       const ByteSpan& span = recv[r];
-      if (span.num_bytes < sizeof(uint32_t)) return data_loss("short dispatch from rank " + std::to_string(r));
+      if (span.num_bytes < sizeof(uint32_t))
+        return data_loss("short dispatch from rank " + std::to_string(r));
       uint32_t count;
       std::memcpy(&count, span.data, sizeof(count));
       if (span.num_bytes != dispatch_bytes(count, H)) {
@@ -98,8 +99,8 @@ Status EpMoeExecutor::execute(int layer, const float* x, const Routing& routing,
                          std::to_string(span.num_bytes) + " bytes for " + std::to_string(count) +
                          " rows");
       }
-      const auto* slots = reinterpret_cast<const int32_t*>(static_cast<const char*>(span.data) +
-                                                           sizeof(uint32_t));
+      const auto* slots =
+          reinterpret_cast<const int32_t*>(static_cast<const char*>(span.data) + sizeof(uint32_t));
       const auto* rows = reinterpret_cast<const float*>(slots + count);
       for (uint32_t i = 0; i < count; ++i) {
         if (slots[i] < 0 || slots[i] >= local_slots.num_slots()) {

@@ -39,13 +39,13 @@ class EpMoeExecutor final : public MoeExecutor {
   Group group_;
 
   // Scratch, reused across calls.
-  std::vector<std::vector<int32_t>> pairs_to_;   // [rank] pair indices sent there, in order.
-  std::vector<std::vector<char>> send_;          // [rank] dispatch / combine payloads.
-  std::vector<int32_t> recv_slot_;               // Local slot of each received row.
-  std::vector<const float*> recv_row_;           // Where each received row lives.
-  std::vector<int> recv_first_;                  // [rank] index of its first received row.
-  std::vector<int> recv_count_;                  // [rank]
-  Routing local_routing_;                        // Received rows as pairs for grouping.
+  std::vector<std::vector<int32_t>> pairs_to_;  // [rank] pair indices sent there, in order.
+  std::vector<std::vector<char>> send_;         // [rank] dispatch / combine payloads.
+  std::vector<int32_t> recv_slot_;              // Local slot of each received row.
+  std::vector<const float*> recv_row_;          // Where each received row lives.
+  std::vector<int> recv_first_;                 // [rank] index of its first received row.
+  std::vector<int> recv_count_;                 // [rank]
+  Routing local_routing_;                       // Received rows as pairs for grouping.
   SlotGroups groups_;
   Tensor rows_, results_;
 };

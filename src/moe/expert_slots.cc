@@ -11,7 +11,8 @@ ExpertSlots::ExpertSlots(DType dtype, int num_slots, int hidden, int intermediat
     : num_slots_(num_slots),
       hidden_(hidden),
       intermediate_(intermediate),
-      storage_(Tensor::zeros(dtype, {num_slots, 3 * static_cast<int64_t>(hidden) * intermediate})) {}
+      storage_(Tensor::zeros(dtype, {num_slots, 3 * static_cast<int64_t>(hidden) * intermediate})) {
+}
 
 ExpertSlots::ExpertSlots(DType dtype, int num_slots, int hidden, int intermediate, void* external)
     : num_slots_(num_slots),

@@ -85,8 +85,8 @@ void compute_slots(const float* rows, const std::vector<int64_t>& offsets, const
     kernels::matmul_nt(in, n, hidden, slots.gate(task.slot), gate.data(), inner);
     kernels::matmul_nt(in, n, hidden, slots.up(task.slot), up.data(), inner);
     kernels::silu_mul(gate.data(), up.data(), n * inter, gate.data());
-    kernels::matmul_nt(gate.data(), n, inter, slots.down(task.slot),
-                       out_rows + task.begin * hidden, inner);
+    kernels::matmul_nt(gate.data(), n, inter, slots.down(task.slot), out_rows + task.begin * hidden,
+                       inner);
   };
   // Few tasks (decode): parallelise inside each GEMM; many: one task per thread.
   if (static_cast<int64_t>(tasks.size()) < pool.num_threads()) {
@@ -98,8 +98,8 @@ void compute_slots(const float* rows, const std::vector<int64_t>& offsets, const
   }
 }
 
-void combine(const Routing& routing, const SlotGroups& groups, const float* results,
-             int64_t hidden, float* out) {
+void combine(const Routing& routing, const SlotGroups& groups, const float* results, int64_t hidden,
+             float* out) {
   const int k = routing.top_k;
   for (int64_t t = 0; t < routing.num_tokens; ++t) {
     float* o = out + t * hidden;
@@ -112,8 +112,7 @@ void combine(const Routing& routing, const SlotGroups& groups, const float* resu
   }
 }
 
-void gather_rows(const float* x, int64_t hidden, const SlotGroups& groups, int top_k,
-                 float* rows) {
+void gather_rows(const float* x, int64_t hidden, const SlotGroups& groups, int top_k, float* rows) {
   const int64_t pairs = static_cast<int64_t>(groups.pair_of_row.size());
   for (int64_t r = 0; r < pairs; ++r) {
     const int64_t t = groups.pair_of_row[r] / top_k;
@@ -123,8 +122,8 @@ void gather_rows(const float* x, int64_t hidden, const SlotGroups& groups, int t
 
 void moe_forward_local(const float* x, int64_t num_tokens, const Tensor& router_weight,
                        const RouterParams& params, const std::vector<std::vector<int>>& replicas,
-                       const ExpertSlots& slots, float* out, MoeWorkspace* ws,
-                       int64_t* slot_counts, ThreadPool& pool) {
+                       const ExpertSlots& slots, float* out, MoeWorkspace* ws, int64_t* slot_counts,
+                       ThreadPool& pool) {
   const int64_t hidden = slots.hidden();
   route(x, num_tokens, hidden, router_weight, params, replicas, &ws->logits, &ws->routing, pool);
   Status s = LocalMoeExecutor(pool).execute(0, x, ws->routing, slots, 0, out, slot_counts);

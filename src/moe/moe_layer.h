@@ -35,7 +35,7 @@ struct Routing {
 
 // Rows grouped by slot: rows [offsets[s], offsets[s + 1]) go to slot s.
 struct SlotGroups {
-  std::vector<int64_t> offsets;     // [num_slots + 1]
+  std::vector<int64_t> offsets;      // [num_slots + 1]
   std::vector<int64_t> row_of_pair;  // [T * K] position of pair (t, k) among the sorted rows.
   std::vector<int32_t> pair_of_row;  // [T * K] inverse: which (t * K + k) each sorted row is.
 };
@@ -62,17 +62,16 @@ void compute_slots(const float* rows, const std::vector<int64_t>& offsets, const
                    float* out_rows, ThreadPool& pool);
 
 // rows[r] = x[token of the pair sorted at r].
-void gather_rows(const float* x, int64_t hidden, const SlotGroups& groups, int top_k,
-                 float* rows);
+void gather_rows(const float* x, int64_t hidden, const SlotGroups& groups, int top_k, float* rows);
 
-void combine(const Routing& routing, const SlotGroups& groups, const float* results,
-             int64_t hidden, float* out);
+void combine(const Routing& routing, const SlotGroups& groups, const float* results, int64_t hidden,
+             float* out);
 
 // The whole block in one process; `slot_counts` (if given, [num_slots]) accumulates
 // the number of rows each slot computed: the load statistics EPLB reads.
 void moe_forward_local(const float* x, int64_t num_tokens, const Tensor& router_weight,
                        const RouterParams& params, const std::vector<std::vector<int>>& replicas,
-                       const ExpertSlots& slots, float* out, MoeWorkspace* ws,
-                       int64_t* slot_counts, ThreadPool& pool);
+                       const ExpertSlots& slots, float* out, MoeWorkspace* ws, int64_t* slot_counts,
+                       ThreadPool& pool);
 
 }  // namespace flexpert

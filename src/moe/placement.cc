@@ -50,8 +50,8 @@ Status ExpertPlacement::build_index() {
     }
     for (int e = 0; e < num_experts_; ++e) {
       if (expert_to_slots_[l][e].empty()) {
-        return invalid_argument("placement layer " + std::to_string(l) + " has no replica of expert " +
-                                std::to_string(e));
+        return invalid_argument("placement layer " + std::to_string(l) +
+                                " has no replica of expert " + std::to_string(e));
       }
     }
   }
@@ -59,8 +59,7 @@ Status ExpertPlacement::build_index() {
 }
 
 Result<ExpertPlacement> ExpertPlacement::spread(int num_layers, int num_experts, int max_ranks,
-                                                int slots_per_rank,
-                                                const std::vector<int>& members,
+                                                int slots_per_rank, const std::vector<int>& members,
                                                 int extra_replicas, uint64_t seed) {
   const int n = static_cast<int>(members.size());
   if (n == 0 || slots_per_rank <= 0 || extra_replicas < 0) {
@@ -86,7 +85,8 @@ Result<ExpertPlacement> ExpertPlacement::spread(int num_layers, int num_experts,
       int best = -1;
       for (int m : members) {
         bool holds = false;
-        for (int s = 0; s < used[m]; ++s) holds |= map[static_cast<size_t>(m) * slots_per_rank + s] == expert;
+        for (int s = 0; s < used[m]; ++s)
+          holds |= map[static_cast<size_t>(m) * slots_per_rank + s] == expert;
         if (!holds && used[m] < slots_per_rank && (best < 0 || used[m] < used[best])) best = m;
       }
       if (best >= 0) place(expert, best);

@@ -25,10 +25,10 @@ struct BenchServeOptions {
   int num_requests = 64;
   int prompt_len = 32;
   int max_tokens = 32;
-  int vocab_size = 0;         // Prompt ids are drawn from [0, vocab_size); 0: ask GET
-                              // /v1/status, or 1000 when it does not say.
-  uint64_t seed = 0;          // Prompts are a function of (seed, request index).
-  bool stream = true;         // false: TTFT is the whole request, no ITL.
+  int vocab_size = 0;  // Prompt ids are drawn from [0, vocab_size); 0: ask GET
+                       // /v1/status, or 1000 when it does not say.
+  uint64_t seed = 0;   // Prompts are a function of (seed, request index).
+  bool stream = true;  // false: TTFT is the whole request, no ITL.
   int request_timeout_s = 600;
 };
 

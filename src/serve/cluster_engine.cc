@@ -29,16 +29,24 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-enum class RankState { kEmpty, kStarting, kReady, kServing, kDead, kStopped };
+enum class RankState { kEmpty, kStarting, kReady, kServing, kHalted, kDead, kStopped };
 
 const char* state_name(RankState s) {
   switch (s) {
-    case RankState::kEmpty: return "empty";
-    case RankState::kStarting: return "starting";
-    case RankState::kReady: return "ready";
-    case RankState::kServing: return "serving";
-    case RankState::kDead: return "dead";
-    case RankState::kStopped: return "stopped";
+    case RankState::kEmpty:
+      return "empty";
+    case RankState::kStarting:
+      return "starting";
+    case RankState::kReady:
+      return "ready";
+    case RankState::kServing:
+      return "serving";
+    case RankState::kHalted:
+      return "halted";
+    case RankState::kDead:
+      return "dead";
+    case RankState::kStopped:
+      return "stopped";
   }
   return "?";
 }
@@ -74,8 +82,11 @@ std::string self_exe() {
 
 class ClusterEngine::Impl {
  public:
-  explicit Impl(ClusterOptions options) : options_(std::move(options)), router_(ctx_, ZMQ_ROUTER),
-        wake_rx_(ctx_, ZMQ_PAIR), wake_tx_(ctx_, ZMQ_PAIR) {}
+  explicit Impl(ClusterOptions options)
+      : options_(std::move(options)),
+        router_(ctx_, ZMQ_ROUTER),
+        wake_rx_(ctx_, ZMQ_PAIR),
+        wake_tx_(ctx_, ZMQ_PAIR) {}
 
   Status start();
   Status shutdown();
@@ -140,6 +151,10 @@ Status ClusterEngine::Impl::spawn(int rank) {
   if (pid < 0) return unavailable("fork failed for rank " + rank_str);
   if (pid == 0) {
     setpgid(0, 0);  // Terminal signals go to the front end, which stops the group in order.
+    // The front end blocks its stop signals for sigwait(); the mask survives exec.
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
     putenv(const_cast<char*>(threads_env.c_str()));
     execl(binary.c_str(), binary.c_str(), "worker", "--join", endpoint_.c_str(), "--rank",
           rank_str.c_str(), static_cast<char*>(nullptr));
@@ -156,7 +171,8 @@ Status ClusterEngine::Impl::start() {
   FLEX_ASSIGN_OR_RETURN(model_config_, ModelConfig::load(options_.model_dir));
   if (options_.ranks < 1) return invalid_argument("--ranks must be >= 1");
   if (options_.max_ranks == 0) options_.max_ranks = options_.ranks;
-  if (options_.max_ranks < options_.ranks) return invalid_argument("--max-ranks must be >= --ranks");
+  if (options_.max_ranks < options_.ranks)
+    return invalid_argument("--max-ranks must be >= --ranks");
   const int E = std::max(1, model_config_.num_experts);
   std::vector<int> members;
   for (int r = 0; r < options_.ranks; ++r) members.push_back(r);
@@ -174,11 +190,12 @@ Status ClusterEngine::Impl::start() {
     slots_per_rank_ = options_.slots_per_rank > 0
                           ? options_.slots_per_rank
                           : (E + extra + options_.ranks - 1) / options_.ranks;
-    FLEX_ASSIGN_OR_RETURN(placement_, ExpertPlacement::spread(
-                                          model_config_.num_hidden_layers, E, options_.max_ranks,
-                                          slots_per_rank_, members, extra, seed));
+    FLEX_ASSIGN_OR_RETURN(
+        placement_, ExpertPlacement::spread(model_config_.num_hidden_layers, E, options_.max_ranks,
+                                            slots_per_rank_, members, extra, seed));
   } else {
-    FLEX_ASSIGN_OR_RETURN(placement_, ExpertPlacement::parse(spec, model_config_.num_hidden_layers, E));
+    FLEX_ASSIGN_OR_RETURN(placement_,
+                          ExpertPlacement::parse(spec, model_config_.num_hidden_layers, E));
     if (placement_.num_slots() % options_.max_ranks != 0) {
       return invalid_argument("placement has " + std::to_string(placement_.num_slots()) +
                               " slots, not a multiple of --max-ranks " +
@@ -187,12 +204,12 @@ Status ClusterEngine::Impl::start() {
     slots_per_rank_ = placement_.num_slots() / options_.max_ranks;
   }
   max_seq_len_ = options_.max_seq_len > 0 ? options_.max_seq_len
-                                         : std::min(model_config_.max_position_embeddings, 4096);
+                                          : std::min(model_config_.max_position_embeddings, 4096);
   session_ = std::to_string(getpid()) + "-" +
              std::to_string(Clock::now().time_since_epoch().count() % 1000000007);
-  FLEX_RETURN_IF_ERROR(router_.bind("tcp://" + options_.control_host + ":" +
-                                    (options_.control_port ? std::to_string(options_.control_port)
-                                                           : std::string("*"))));
+  FLEX_RETURN_IF_ERROR(router_.bind(
+      "tcp://" + options_.control_host + ":" +
+      (options_.control_port ? std::to_string(options_.control_port) : std::string("*"))));
   FLEX_ASSIGN_OR_RETURN(endpoint_, router_.last_endpoint());
   const std::string wake = "inproc://wake-" + session_;
   FLEX_RETURN_IF_ERROR(wake_rx_.bind(wake));
@@ -208,12 +225,12 @@ Status ClusterEngine::Impl::start() {
                  << " ranks (" << slots_per_rank_ << " expert slots each)";
   control_ = std::thread([this] { control_loop(); });
   std::unique_lock<std::mutex> lock(mutex_);
-  const bool done = cv_.wait_for(lock, std::chrono::milliseconds(options_.start_timeout_ms), [&] {
-    return epoch_ > 0 || !start_error_.ok();
-  });
+  const bool done = cv_.wait_for(lock, std::chrono::milliseconds(options_.start_timeout_ms),
+                                 [&] { return epoch_ > 0 || !start_error_.ok(); });
   if (!start_error_.ok()) return start_error_;
-  if (!done) return deadline_exceeded("ranks did not become ready within " +
-                                      std::to_string(options_.start_timeout_ms) + " ms");
+  if (!done)
+    return deadline_exceeded("ranks did not become ready within " +
+                             std::to_string(options_.start_timeout_ms) + " ms");
   accepting_ = true;
   return Status();
 }
@@ -294,7 +311,8 @@ void ClusterEngine::Impl::on_rank_lost(
     for (int e = 0; covered && e < placement_.num_experts(); ++e) {
       bool any = false;
       for (int s : placement_.replicas(l, e)) {
-        any |= std::find(survivors.begin(), survivors.end(), s / slots_per_rank_) != survivors.end();
+        any |=
+            std::find(survivors.begin(), survivors.end(), s / slots_per_rank_) != survivors.end();
       }
       covered = any;
     }
@@ -319,6 +337,7 @@ void ClusterEngine::Impl::on_rank_lost(
   }
   // Some expert has no replica left: the group cannot step. Fail what is in flight.
   phase_ = "degraded";
+  for (int r : survivors) ranks_[r].state = RankState::kHalted;
   for (auto& [id, req] : requests_) {
     CompletionEvent ev;
     ev.finished = true;
@@ -331,9 +350,9 @@ void ClusterEngine::Impl::on_rank_lost(
   for (int r : members_) ranks_[r].in_flight = 0;
 }
 
-void ClusterEngine::Impl::handle(const std::string& routing_id, const std::string& type,
-                                 const std::string& body,
-                                 std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls) {
+void ClusterEngine::Impl::handle(
+    const std::string& routing_id, const std::string& type, const std::string& body,
+    std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (type == proto::Hello::kType) {
     auto hello = proto::decode<proto::Hello>(body);
@@ -429,7 +448,8 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     info.last_error = err->message;
     FLEX_LOG(WARN) << "rank " << rank << " reports: " << err->message;
     if (epoch_ == 0 && info.state == RankState::kStarting) {
-      start_error_ = unavailable("rank " + std::to_string(rank) + " failed to start: " + err->message);
+      start_error_ =
+          unavailable("rank " + std::to_string(rank) + " failed to start: " + err->message);
       cv_.notify_all();
     }
   }
@@ -459,8 +479,8 @@ void ClusterEngine::Impl::check_workers(
     }
     if (info.state == RankState::kServing &&
         now - info.last_seen > std::chrono::milliseconds(options_.heartbeat_timeout_ms)) {
-      on_rank_lost(static_cast<int>(r), "no heartbeat for " +
-                                            std::to_string(options_.heartbeat_timeout_ms) + " ms",
+      on_rank_lost(static_cast<int>(r),
+                   "no heartbeat for " + std::to_string(options_.heartbeat_timeout_ms) + " ms",
                    calls);
     }
   }
@@ -537,7 +557,8 @@ Status ClusterEngine::Impl::shutdown() {
   const std::string prefix = "flexpert-" + session_ + "-";
   if (DIR* dir = opendir("/dev/shm")) {
     while (dirent* e = readdir(dir)) {
-      if (std::string(e->d_name).rfind(prefix, 0) == 0) shm_unlink(("/" + std::string(e->d_name)).c_str());
+      if (std::string(e->d_name).rfind(prefix, 0) == 0)
+        shm_unlink(("/" + std::string(e->d_name)).c_str());
     }
     closedir(dir);
   }
@@ -579,6 +600,7 @@ Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCall
   FLEX_RETURN_IF_ERROR(probe.validate(request.prompt, request.params));
   std::lock_guard<std::mutex> lock(m.mutex_);
   if (!m.accepting_) return unavailable("the server is shutting down");
+  if (m.phase_ != "serving") return unavailable("no serving epoch (phase " + m.phase_ + ")");
   int best = -1;
   for (int r : m.members_) {
     if (m.ranks_[r].state != RankState::kServing) continue;
@@ -647,22 +669,27 @@ std::string ClusterEngine::metrics_text() const {
   std::lock_guard<std::mutex> lock(m.mutex_);
   std::string out =
       "# HELP flexpert_epoch Current membership epoch.\n# TYPE flexpert_epoch gauge\n"
-      "flexpert_epoch " + std::to_string(m.epoch_) + "\n"
-      "# HELP flexpert_rank_up 1 when the rank is a serving member.\n# TYPE flexpert_rank_up gauge\n";
+      "flexpert_epoch " +
+      std::to_string(m.epoch_) +
+      "\n"
+      "# HELP flexpert_rank_up 1 when the rank is a serving member.\n# TYPE flexpert_rank_up "
+      "gauge\n";
   for (size_t r = 0; r < m.ranks_.size(); ++r) {
     if (m.ranks_[r].state == RankState::kEmpty) continue;
     out += "flexpert_rank_up{rank=\"" + std::to_string(r) + "\"} " +
            (m.ranks_[r].state == RankState::kServing ? "1" : "0") + "\n";
   }
-  out += "# HELP flexpert_rank_step_seconds Mean busy step time per rank.\n"
-         "# TYPE flexpert_rank_step_seconds gauge\n";
+  out +=
+      "# HELP flexpert_rank_step_seconds Mean busy step time per rank.\n"
+      "# TYPE flexpert_rank_step_seconds gauge\n";
   for (size_t r = 0; r < m.ranks_.size(); ++r) {
     if (m.ranks_[r].state == RankState::kEmpty) continue;
     out += "flexpert_rank_step_seconds{rank=\"" + std::to_string(r) + "\"} " +
            std::to_string(m.ranks_[r].step_ms / 1e3) + "\n";
   }
-  out += "# HELP flexpert_rank_in_flight Requests placed on each rank.\n"
-         "# TYPE flexpert_rank_in_flight gauge\n";
+  out +=
+      "# HELP flexpert_rank_in_flight Requests placed on each rank.\n"
+      "# TYPE flexpert_rank_in_flight gauge\n";
   for (size_t r = 0; r < m.ranks_.size(); ++r) {
     if (m.ranks_[r].state == RankState::kEmpty) continue;
     out += "flexpert_rank_in_flight{rank=\"" + std::to_string(r) + "\"} " +

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "serve/completion_api.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -53,8 +54,7 @@ struct FieldReader {
     return Status();
   }
   // A list of token ids in [0, vocab_size); `what` names it in messages.
-  Status token_ids(const char* field, const json& list, int vocab_size,
-                   std::vector<int32_t>* out) {
+  Status token_ids(const char* field, const json& list, int vocab_size, std::vector<int32_t>* out) {
     for (const json& id : list) {
       if (!id.is_number_integer()) {
         return fail(field, std::string(field) + " must contain only integer token ids, got " +
@@ -90,8 +90,7 @@ Status parse_completion_request(const std::string& body, int vocab_size, int max
   // prompt: [ids] or [[ids]] (the batched form, with exactly one prompt).
   const json* prompt = r.get("prompt");
   if (prompt == nullptr) return r.fail("prompt", "prompt is required");
-  if (prompt->is_string() ||
-      (prompt->is_array() && !prompt->empty() && (*prompt)[0].is_string())) {
+  if (prompt->is_string() || (prompt->is_array() && !prompt->empty() && (*prompt)[0].is_string())) {
     return r.fail("prompt", "prompt must be token ids: this server has no tokenizer");
   }
   if (!prompt->is_array()) return r.fail("prompt", "prompt must be an array of token ids");
@@ -110,9 +109,9 @@ Status parse_completion_request(const std::string& body, int vocab_size, int max
   if (max_tokens < 1) return r.fail("max_tokens", "max_tokens must be >= 1");
   const int64_t prompt_len = static_cast<int64_t>(out->request.prompt.size());
   if (max_tokens > max_context - prompt_len) {  // Not a sum: max_tokens may be near INT64_MAX.
-    return r.fail("max_tokens", "prompt (" + std::to_string(prompt_len) + " tokens) + max_tokens (" +
-                                    std::to_string(max_tokens) + ") exceeds the context length " +
-                                    std::to_string(max_context));
+    return r.fail("max_tokens", "prompt (" + std::to_string(prompt_len) +
+                                    " tokens) + max_tokens (" + std::to_string(max_tokens) +
+                                    ") exceeds the context length " + std::to_string(max_context));
   }
   p.max_tokens = static_cast<int>(max_tokens);
 
@@ -192,8 +191,7 @@ nlohmann::json completion_response(const CompletionHeader& header,
           {"usage", usage_json(prompt_tokens, tokens.size())}};
 }
 
-nlohmann::json completion_chunk(const CompletionHeader& header,
-                                const std::vector<int32_t>& tokens,
+nlohmann::json completion_chunk(const CompletionHeader& header, const std::vector<int32_t>& tokens,
                                 const std::optional<std::string>& finish_reason,
                                 const Status& error) {
   json choice = {{"index", 0},
@@ -223,8 +221,8 @@ nlohmann::json status_error_json(const Status& status) {
   if (status.code() == StatusCode::kInvalidArgument) {
     return error_json(status.message(), "invalid_request_error");
   }
-  return error_json(status.message(), "server_error",
-                    "", std::string(status_code_name(status.code())));
+  return error_json(status.message(), "server_error", "",
+                    std::string(status_code_name(status.code())));
 }
 
 int http_status_for(const Status& status) {

@@ -21,7 +21,7 @@ namespace flexpert {
 
 struct ParsedCompletion {
   CompletionRequest request;
-  bool has_seed = false;       // False: the caller picks a seed.
+  bool has_seed = false;  // False: the caller picks a seed.
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage: a final usage chunk.
 };
@@ -48,8 +48,7 @@ nlohmann::json completion_response(const CompletionHeader& header,
 
 // One stream event body: the new tokens, and the finish reason on the last (null
 // before). `error`, when not OK, is attached as an "error" object.
-nlohmann::json completion_chunk(const CompletionHeader& header,
-                                const std::vector<int32_t>& tokens,
+nlohmann::json completion_chunk(const CompletionHeader& header, const std::vector<int32_t>& tokens,
                                 const std::optional<std::string>& finish_reason,
                                 const Status& error = Status());
 

@@ -49,17 +49,17 @@ struct HttpServer::Exchange {
   // Set on the HTTP thread after submit(); the callback never reads them.
   uint64_t request_id = 0;
   CompletionHeader header;
-  std::string outcome;        // Set when the final response or event went out.
+  std::string outcome;        // Set once the final response or event is decided.
   size_t tokens_counted = 0;  // Tokens already added to flexpert_generated_tokens_total.
   bool ttft_observed = false;
 
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<int32_t> tokens;  // GUARDED_BY(mu): all tokens (JSON), unsent ones (stream).
-  size_t num_tokens = 0;        // GUARDED_BY(mu)
-  bool finished = false;        // GUARDED_BY(mu)
-  std::string finish_reason;    // GUARDED_BY(mu)
-  Status error;                 // GUARDED_BY(mu)
+  std::vector<int32_t> tokens;        // GUARDED_BY(mu): all tokens (JSON), unsent ones (stream).
+  size_t num_tokens = 0;              // GUARDED_BY(mu)
+  bool finished = false;              // GUARDED_BY(mu)
+  std::string finish_reason;          // GUARDED_BY(mu)
+  Status error;                       // GUARDED_BY(mu)
   std::optional<double> ttft_s;       // GUARDED_BY(mu)
   std::vector<double> pending_itl_s;  // GUARDED_BY(mu): not yet in the histogram.
   Clock::time_point last_token;       // GUARDED_BY(mu)
@@ -100,6 +100,16 @@ uint64_t HttpServer::next_seed() {
 void HttpServer::handle_completions(const httplib::Request& req, httplib::Response& res) {
   auto ex = std::make_shared<Exchange>();  // Shared with the engine callback.
   ex->start = Clock::now();
+  // Counted open before stopping_ is read, so that stop() either sees this request
+  // and waits for its answer, or this request sees stopping_.
+  ++num_open_exchanges_;
+  struct OpenGuard {
+    std::atomic<int>& count;
+    bool accepted = false;
+    ~OpenGuard() {
+      if (!accepted) --count;  // Not accepted: nothing to wait for.
+    }
+  } open{num_open_exchanges_};
   if (stopping_) {
     requests_counter("unavailable").inc();
     send_json(res, 503, shutting_down_json());
@@ -133,7 +143,7 @@ void HttpServer::handle_completions(const httplib::Request& req, httplib::Respon
   ex->header = {"cmpl-" + std::to_string(id.value()), unix_seconds(), options_.model_name};
   prompt_tokens_.inc(static_cast<double>(ex->prompt_tokens));
   in_flight_.add(1);
-  ++num_open_exchanges_;
+  open.accepted = true;  // finish_exchange() closes it.
 
   if (!parsed.stream) {
     respond_when_finished(*ex, res);
@@ -185,8 +195,9 @@ void HttpServer::respond_when_finished(Exchange& ex, httplib::Response& res) {
 
   if (!error.ok() || reason == "error") {
     const Status cause = error.ok() ? internal_error("the engine failed the request") : error;
-    send_json(res, 500, error_json(cause.message(), "server_error", "",
-                                   std::string(status_code_name(cause.code()))));
+    send_json(res, 500,
+              error_json(cause.message(), "server_error", "",
+                         std::string(status_code_name(cause.code()))));
     finish_exchange(ex, "error");
     return;
   }

@@ -6,8 +6,10 @@
 #include <httplib.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <chrono>
 #include <random>
+#include <string_view>
 #include <thread>
 
 #include "flexpert/logging.h"
@@ -64,8 +66,8 @@ HttpServer::HttpServer(ServingEngine& engine, HttpOptions options)
       seed_base_((static_cast<uint64_t>(std::random_device()()) << 32) ^ std::random_device()()),
       generated_tokens_(metrics_.counter("flexpert_generated_tokens_total",
                                          "Completion tokens sent to clients.")),
-      prompt_tokens_(metrics_.counter("flexpert_prompt_tokens_total",
-                                      "Prompt tokens of accepted requests.")),
+      prompt_tokens_(
+          metrics_.counter("flexpert_prompt_tokens_total", "Prompt tokens of accepted requests.")),
       in_flight_(metrics_.gauge("flexpert_requests_in_flight",
                                 "Accepted completion requests not yet answered.")),
       ttft_seconds_(metrics_.histogram("flexpert_time_to_first_token_seconds",
@@ -78,8 +80,7 @@ HttpServer::HttpServer(ServingEngine& engine, HttpOptions options)
                                            "From request arrival to its last byte.",
                                            metrics::latency_buckets_seconds())) {
   requests_counter("ok");  // Creates the family, so that it renders first and before any request.
-  add_route("POST", "/v1/completions", [this](const httplib::Request& req,
-                                              httplib::Response& res) {
+  add_route("POST", "/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
     handle_completions(req, res);
   });
   add_route("GET", "/health", [this](const auto&, auto& res) { handle_health(res); });
@@ -103,10 +104,11 @@ void HttpServer::add_route(const std::string& method, const std::string& path, H
 }
 
 void HttpServer::add_post_route(const std::string& path, AdminHandler handler) {
-  add_route("POST", path, [this, handler = std::move(handler)](const httplib::Request& req,
-                                                               httplib::Response& res) {
-    handle_admin(handler, req, res);
-  });
+  add_route(
+      "POST", path,
+      [this, handler = std::move(handler)](const httplib::Request& req, httplib::Response& res) {
+        handle_admin(handler, req, res);
+      });
 }
 
 Status HttpServer::start() {
@@ -135,8 +137,9 @@ Status HttpServer::start() {
           h(req, res);
         } catch (const std::exception& e) {
           FLEX_LOG(ERROR) << req.method << " " << req.path << ": " << e.what();
-          send_json(res, 500, error_json(std::string("internal error: ") + e.what(),
-                                         "server_error", "", "INTERNAL"));
+          send_json(res, 500,
+                    error_json(std::string("internal error: ") + e.what(), "server_error", "",
+                               "INTERNAL"));
         } catch (...) {
           send_json(res, 500, error_json("internal error", "server_error", "", "INTERNAL"));
         }
@@ -146,42 +149,15 @@ Status HttpServer::start() {
       if (method == "POST") server->Post(pattern, guarded);
     }
   }
-  // Responses httplib makes itself (no route, body too large, unparsable request)
-  // have no body yet; ours always do. Give the former a JSON error body.
   server->set_error_handler(httplib::Server::HandlerWithResponse(
       [this](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    try {
-      std::string message = "HTTP " + std::to_string(res.status);
-      std::string type = "invalid_request_error";
-      if (res.status == 404) {
-        auto route = routes_.find(req.path);
-        if (route == routes_.end()) {
-          message = "no route for " + req.method + " " + req.path;
-          type = "not_found_error";
-        } else {  // httplib says 404 when only the method is wrong.
-          std::string allow;
-          for (const auto& [method, h] : route->second) allow += (allow.empty() ? "" : ", ") + method;
-          res.status = 405;
-          res.set_header("Allow", allow);
-          message = "method " + req.method + " is not allowed on " + req.path + " (allowed: " +
-                    allow + ")";
-        }
-      } else if (res.status == 413) {
-        message = "the request body exceeds " + std::to_string(options_.max_body_bytes) + " bytes";
-      } else if (res.status == 400) {
-        message = "malformed HTTP request";
-      }
-      res.set_content(dump_json(error_json(message, type)), "application/json");
-      return httplib::Server::HandlerResponse::Handled;
-    } catch (...) {
-      return httplib::Server::HandlerResponse::Unhandled;
-    }
-  }));
-  server->set_exception_handler([](const httplib::Request&, httplib::Response& res,
-                                   std::exception_ptr) {
-    send_json(res, 500, error_json("internal error", "server_error", "", "INTERNAL"));
-  });
+        return fill_error_body(req, res) ? httplib::Server::HandlerResponse::Handled
+                                         : httplib::Server::HandlerResponse::Unhandled;
+      }));
+  server->set_exception_handler(
+      [](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
+        send_json(res, 500, error_json("internal error", "server_error", "", "INTERNAL"));
+      });
 
   const std::string where = options_.host + ":" + std::to_string(options_.port);
   int port = options_.port;
@@ -212,6 +188,38 @@ Status HttpServer::start() {
   port_ = port;
   FLEX_LOG(INFO) << "serving on http://" << options_.host << ":" << port_;
   return Status();
+}
+
+bool HttpServer::fill_error_body(const httplib::Request& req, httplib::Response& res) {
+  // Responses httplib makes itself (no route, body too large, unparsable request)
+  // have no body yet; ours always do.
+  if (!res.body.empty()) return false;
+  try {
+    std::string message = "HTTP " + std::to_string(res.status);
+    std::string type = "invalid_request_error";
+    if (res.status == 404) {
+      auto route = routes_.find(req.path);
+      if (route == routes_.end()) {
+        message = "no route for " + req.method + " " + req.path;
+        type = "not_found_error";
+      } else {  // httplib says 404 when only the method is wrong.
+        std::string allow;
+        for (const auto& [method, h] : route->second) allow += (allow.empty() ? "" : ", ") + method;
+        res.status = 405;
+        res.set_header("Allow", allow);
+        message =
+            "method " + req.method + " is not allowed on " + req.path + " (allowed: " + allow + ")";
+      }
+    } else if (res.status == 413) {
+      message = "the request body exceeds " + std::to_string(options_.max_body_bytes) + " bytes";
+    } else if (res.status == 400) {
+      message = "malformed HTTP request";
+    }
+    send_json(res, res.status, error_json(message, type));
+    return true;
+  } catch (...) {
+    return false;  // httplib sends its own (empty) error response.
+  }
 }
 
 void HttpServer::stop() {
@@ -274,7 +282,8 @@ void HttpServer::handle_admin(const AdminHandler& handler, const httplib::Reques
   if (!req.body.empty()) {
     body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
     if (body.is_discarded()) {
-      send_json(res, 400, error_json("the request body is not valid JSON", "invalid_request_error"));
+      send_json(res, 400,
+                error_json("the request body is not valid JSON", "invalid_request_error"));
       return;
     }
   }

@@ -77,7 +77,8 @@ class HttpServer {
   struct Exchange;  // One completion request's state (http_completions.cc).
 
   void add_route(const std::string& method, const std::string& path, Handler handler);
-  void dispatch(const httplib::Request& req, httplib::Response& res);
+  // The JSON error body for a response httplib made itself; false when it has a body.
+  bool fill_error_body(const httplib::Request& req, httplib::Response& res);
   void handle_health(httplib::Response& res);
   void handle_status(httplib::Response& res);
   void handle_models(httplib::Response& res);
@@ -89,7 +90,7 @@ class HttpServer {
   void handle_completions(const httplib::Request& req, httplib::Response& res);
   void respond_when_finished(Exchange& ex, httplib::Response& res);
   bool stream_step(Exchange& ex, httplib::DataSink& sink);
-  void observe_tokens(Exchange& ex);            // Moves new latencies into histograms.
+  void observe_tokens(Exchange& ex);  // Moves new latencies into histograms.
   void finish_exchange(Exchange& ex, const std::string& outcome);
   metrics::Counter& requests_counter(const std::string& outcome);
   uint64_t next_seed();

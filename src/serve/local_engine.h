@@ -33,10 +33,10 @@
 namespace flexpert {
 
 struct LocalEngineOptions {
-  int max_sequences = 32;           // KV-cache slots: requests decoded together.
-  int max_tokens_per_step = 2048;   // Prefill chunking budget per step.
+  int max_sequences = 32;          // KV-cache slots: requests decoded together.
+  int max_tokens_per_step = 2048;  // Prefill chunking budget per step.
   std::string placement = "identity";
-  int max_seq_len = 0;              // Positions per sequence; 0: min(config, 4096).
+  int max_seq_len = 0;  // Positions per sequence; 0: min(config, 4096).
 };
 
 class LocalEngine : public ServingEngine {
@@ -76,17 +76,17 @@ class LocalEngine : public ServingEngine {
   // Only ever used for validate(), which is const and reads fixed limits: safe from
   // any thread, unlike scheduler_.
   const Scheduler validator_;
-  Scheduler scheduler_;  // Engine thread only.
+  Scheduler scheduler_;                                         // Engine thread only.
   std::unordered_map<uint64_t, CompletionCallback> callbacks_;  // Engine thread only.
   Tensor logits_;                                               // Engine thread only.
   std::vector<TokenEvent> events_;                              // Engine thread only.
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;
-  std::vector<Submission> inbox_;      // GUARDED_BY(mu_)
-  std::vector<uint64_t> cancels_;      // GUARDED_BY(mu_)
-  bool stopping_ = false;              // GUARDED_BY(mu_)
-  uint64_t next_id_ = 1;               // GUARDED_BY(mu_)
+  std::vector<Submission> inbox_;  // GUARDED_BY(mu_)
+  std::vector<uint64_t> cancels_;  // GUARDED_BY(mu_)
+  bool stopping_ = false;          // GUARDED_BY(mu_)
+  uint64_t next_id_ = 1;           // GUARDED_BY(mu_)
 
   // Held while callbacks run, so that after cancel() returns no callback of that
   // request is running or will run.
@@ -100,7 +100,7 @@ class LocalEngine : public ServingEngine {
   std::atomic<bool> running_{true};
   std::atomic<int64_t> num_running_{0};
   std::atomic<int64_t> num_waiting_{0};
-  std::atomic<double> step_ms_{0.0};  // Moving average over recent steps.
+  std::atomic<double> step_ms_{0.0};   // Moving average over recent steps.
   mutable metrics::Registry metrics_;  // Thread-safe; metrics_text() samples gauges into it.
   metrics::Counter& steps_total_;
   metrics::Counter& step_tokens_total_;

@@ -112,8 +112,7 @@ Registry::Family& Registry::family(const std::string& name, const std::string& h
   return *families_.back();
 }
 
-Counter& Registry::counter(const std::string& name, const std::string& help,
-                           const Labels& labels) {
+Counter& Registry::counter(const std::string& name, const std::string& help, const Labels& labels) {
   std::lock_guard<std::mutex> lock(mu_);
   auto& slot = family(name, help, Type::kCounter, {}).counters[label_key(labels)];
   if (!slot) slot = std::make_unique<Counter>();

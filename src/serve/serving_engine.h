@@ -28,7 +28,7 @@ struct CompletionRequest {
 struct CompletionEvent {
   std::vector<int32_t> tokens;  // New tokens since the previous event.
   bool finished = false;
-  std::string finish_reason;    // "stop", "length", or "error" (then `error` says why).
+  std::string finish_reason;  // "stop", "length", "abort" (shutdown) or "error" (see `error`).
   Status error;
 };
 

@@ -81,8 +81,7 @@ Status FaultInjectingTransport::read(int peer, int region_id, size_t offset, voi
   return inner_->read(peer, region_id, offset, dst, num_bytes);
 }
 
-Result<std::vector<ByteSpan>> FaultInjectingTransport::all_gather(const Group& group,
-                                                                  ByteSpan in) {
+Result<std::vector<ByteSpan>> FaultInjectingTransport::all_gather(const Group& group, ByteSpan in) {
   Decision d = before_collective("all_gather");
   if (!d.inject) return inner_->all_gather(group, in);
   if (d.fault.run_inner) (void)inner_->all_gather(group, in);
@@ -96,8 +95,8 @@ Status FaultInjectingTransport::barrier(const Group& group) {
   return d.fault.status;
 }
 
-Result<std::vector<ByteSpan>> FaultInjectingTransport::exchange(
-    const Group& group, const std::vector<ByteSpan>& send) {
+Result<std::vector<ByteSpan>> FaultInjectingTransport::exchange(const Group& group,
+                                                                const std::vector<ByteSpan>& send) {
   Decision d = before_collective("exchange");
   if (!d.inject) return inner_->exchange(group, send);
   if (d.fault.run_inner) (void)inner_->exchange(group, send);

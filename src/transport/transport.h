@@ -39,17 +39,17 @@ struct Group {
 };
 
 struct TransportCapabilities {
-  bool one_sided_read = false;   // read() is supported.
-  bool device_memory = false;    // Regions and buffers live in GPU memory.
-  bool cross_host = false;       // Peers may live on other hosts.
-  size_t max_gather_bytes = 0;   // Largest all_gather contribution.
-  size_t max_exchange_bytes = 0; // Largest exchange payload to one peer.
+  bool one_sided_read = false;    // read() is supported.
+  bool device_memory = false;     // Regions and buffers live in GPU memory.
+  bool cross_host = false;        // Peers may live on other hosts.
+  size_t max_gather_bytes = 0;    // Largest all_gather contribution.
+  size_t max_exchange_bytes = 0;  // Largest exchange payload to one peer.
 };
 
 struct TransportOptions {
-  std::string session;        // Unique per serving group: names shared resources.
+  std::string session;  // Unique per serving group: names shared resources.
   int rank = 0;
-  uint64_t incarnation = 0;   // Bumped each time a rank id is reused.
+  uint64_t incarnation = 0;  // Bumped each time a rank id is reused.
   int max_ranks = 1;
   size_t max_gather_bytes = 4096;
   size_t max_exchange_bytes = 1 << 20;

@@ -23,8 +23,8 @@ TEST(SamplerTest, GreedyIsArgmax) {
   for (int trial = 0; trial < 20; ++trial) {
     auto logits = random_logits(rng, 50);
     Sampler s(SamplingParams{});
-    const int32_t want = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
-                                              logits.begin());
+    const int32_t want =
+        static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
     EXPECT_EQ(s.sample(logits.data(), 50), want);
   }
 }
@@ -73,7 +73,8 @@ TEST(SamplerTest, SameSeedSameDraws) {
   p.top_p = 0.9f;
   p.seed = rng();
   Sampler a(p), b(p);
-  for (int i = 0; i < 100; ++i) EXPECT_EQ(a.sample(logits.data(), 100), b.sample(logits.data(), 100));
+  for (int i = 0; i < 100; ++i)
+    EXPECT_EQ(a.sample(logits.data(), 100), b.sample(logits.data(), 100));
 }
 
 TEST(SamplerTest, ValidatesParameters) {
@@ -125,7 +126,8 @@ TEST_F(GeneratorTest, QueuedRequestsMatchSoloRuns) {
     auto solo = gen.run({requests[i]});
     ASSERT_TRUE(solo.ok());
     EXPECT_EQ(together.value()[i].tokens, solo.value()[0].tokens) << i;
-    EXPECT_EQ(together.value()[i].tokens.size(), static_cast<size_t>(requests[i].params.max_tokens));
+    EXPECT_EQ(together.value()[i].tokens.size(),
+              static_cast<size_t>(requests[i].params.max_tokens));
     EXPECT_EQ(together.value()[i].finish_reason, "length");
   }
 }

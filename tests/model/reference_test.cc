@@ -5,8 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -48,7 +48,8 @@ double rel_l2(const float* got, const std::vector<double>& want) {
   return std::sqrt(num / den);
 }
 
-std::unique_ptr<Model> load(const std::string& dir, const std::string& placement, int max_seqs = 8) {
+std::unique_ptr<Model> load(const std::string& dir, const std::string& placement,
+                            int max_seqs = 8) {
   ModelOptions options;
   options.placement = placement;
   options.max_sequences = max_seqs;
@@ -155,9 +156,8 @@ TEST(ReferenceTest, Bf16WeightsLoadAndRun) {
     keep.push_back(t.value().to(DType::kBF16));
     const Tensor& bf = keep.back();
     const char* data = static_cast<const char*>(bf.raw());  // Stable across keep's growth.
-    writer.add(name, DType::kBF16, bf.shape(), [data](uint64_t off, void* dst, uint64_t n) {
-      std::memcpy(dst, data + off, n);
-    });
+    writer.add(name, DType::kBF16, bf.shape(),
+               [data](uint64_t off, void* dst, uint64_t n) { std::memcpy(dst, data + off, n); });
   }
   ASSERT_TRUE(writer.write(dir + "/model.safetensors").ok());
   auto model = load(dir, "replicate:4:7");

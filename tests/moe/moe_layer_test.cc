@@ -32,8 +32,9 @@ Experts random_experts(std::mt19937& rng, int num_experts, int hidden, int inter
 }
 
 // Naive float64 MoE: softmax, top-k, renormalise, SwiGLU experts, weighted sum.
-std::vector<double> reference(const std::vector<float>& x, int tokens, const std::vector<float>& router,
-                              const Experts& ex, int k, bool norm) {
+std::vector<double> reference(const std::vector<float>& x, int tokens,
+                              const std::vector<float>& router, const Experts& ex, int k,
+                              bool norm) {
   const int H = ex.hidden, I = ex.inter, E = ex.num_experts;
   std::vector<double> out(static_cast<size_t>(tokens) * H, 0.0);
   for (int t = 0; t < tokens; ++t) {
@@ -100,7 +101,8 @@ TEST(MoeLayerTest, MatchesReferenceForRandomPlacements) {
         if (map[s] < 0) continue;
         const int e = map[s];
         ASSERT_TRUE(slots
-                        .load(static_cast<int>(s), Tensor::borrow(ex.gate[e].data(), DType::kF32, {I, H}),
+                        .load(static_cast<int>(s),
+                              Tensor::borrow(ex.gate[e].data(), DType::kF32, {I, H}),
                               Tensor::borrow(ex.up[e].data(), DType::kF32, {I, H}),
                               Tensor::borrow(ex.down[e].data(), DType::kF32, {H, I}))
                         .ok());

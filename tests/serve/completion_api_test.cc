@@ -130,8 +130,8 @@ TEST(CompletionApiTest, ResponseShapes) {
   EXPECT_EQ(r["choices"][0]["token_ids"], json({4, 5}));
   EXPECT_EQ(r["choices"][0]["text"], "");
   EXPECT_EQ(r["choices"][0]["finish_reason"], "length");
-  EXPECT_EQ(r["usage"], json({{"prompt_tokens", 3}, {"completion_tokens", 2},
-                              {"total_tokens", 5}}));
+  EXPECT_EQ(r["usage"],
+            json({{"prompt_tokens", 3}, {"completion_tokens", 2}, {"total_tokens", 5}}));
 
   const json c = completion_chunk(h, {9}, std::nullopt);
   EXPECT_TRUE(c["choices"][0]["finish_reason"].is_null());

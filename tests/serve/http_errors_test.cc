@@ -114,8 +114,7 @@ TEST_F(HttpErrorsTest, AdminRoutesCheckTheKey) {
   ASSERT_TRUE(ok);
   EXPECT_EQ(ok->status, 200);
   EXPECT_EQ(json::parse(ok->body)["got"]["x"], 1);
-  EXPECT_EQ(client_->Post("/admin/echo", right, R"({"fail": 1})", "application/json")->status,
-            400);
+  EXPECT_EQ(client_->Post("/admin/echo", right, R"({"fail": 1})", "application/json")->status, 400);
   EXPECT_EQ(client_->Post("/admin/echo", right, "{bad", "application/json")->status, 400);
   EXPECT_EQ(client_->Get("/admin/echo", right)->status, 405);
 }
@@ -154,6 +153,15 @@ TEST_F(HttpErrorsTest, StopEndsRequestsTheEngineNeverFinishes) {
   EXPECT_EQ(streamed.chunks.back()["choices"][0]["finish_reason"], "abort");
   EXPECT_TRUE(streamed.chunks.back().contains("error"));
   EXPECT_EQ(engine_.num_cancelled, 2);
+}
+
+TEST_F(HttpErrorsTest, StopIsPromptWithIdleKeepAliveConnections) {
+  start();
+  ASSERT_EQ(get(*client_, "/health").status, 200);  // Leaves the connection open.
+  const auto t0 = std::chrono::steady_clock::now();
+  server_->stop();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+  EXPECT_EQ(get(*client_, "/health").status, 0);  // Nobody listens any more.
 }
 
 TEST_F(HttpErrorsTest, StartFailsOnABusyPort) {

@@ -136,7 +136,7 @@ TEST_F(HttpTest, BadRequestsGetJsonErrorsAndTheServerKeepsServing) {
       {R"({"max_tokens": 3})", "prompt"},
       {R"({"prompt": [1, 2.5]})", "prompt"},
       {R"({"prompt": ["a", "b"]})", "prompt"},
-      {R"({"prompt": [512]})", "prompt"},  // vocab_size is 512.
+      {R"({"prompt": [512]})", "prompt"},                        // vocab_size is 512.
       {R"({"prompt": [1], "max_tokens": 1024})", "max_tokens"},  // Context is 1024.
       {R"({"prompt": [1], "max_tokens": -1})", "max_tokens"},
       {R"({"prompt": [1], "temperature": -1})", "temperature"},
@@ -241,8 +241,7 @@ TEST_F(HttpTest, MetricsCountRequestsAndTokens) {
   EXPECT_EQ(delta("flexpert_inter_token_latency_seconds_count"), 30);
   EXPECT_EQ(delta("flexpert_request_duration_seconds_count"), 2);
   EXPECT_GT(metric_value(after, "flexpert_engine_steps_total{rank=\"0\"}"), 0);
-  EXPECT_NE(after.find("# TYPE flexpert_time_to_first_token_seconds histogram"),
-            std::string::npos);
+  EXPECT_NE(after.find("# TYPE flexpert_time_to_first_token_seconds histogram"), std::string::npos);
 
   // Histogram buckets are cumulative: monotone in `le`, ending at _count.
   for (const std::string name :
@@ -268,8 +267,8 @@ TEST_F(HttpTest, ClientDisconnectMidStreamCancelsTheRequest) {
   const std::string before = metrics_text();
   {
     auto c = client();
-    json body = {{"prompt", {1, 2, 3}}, {"max_tokens", 1000}, {"temperature", 0},
-                 {"ignore_eos", true}};
+    json body = {
+        {"prompt", {1, 2, 3}}, {"max_tokens", 1000}, {"temperature", 0}, {"ignore_eos", true}};
     StreamReply s = stream(*c, body, /*stop_after_chunks=*/2);
     EXPECT_FALSE(s.done);
   }
@@ -308,8 +307,8 @@ TEST(HttpShutdownTest, EngineShutdownGivesInFlightRequestsAFinalResponse) {
   for (int i = 0; i < kClients; ++i) {
     threads.emplace_back([&, i] {
       auto c = make_client(server.port());
-      const json body = {{"prompt", {5, 6, 7, i}}, {"max_tokens", 1000}, {"temperature", 0},
-                         {"ignore_eos", true}};
+      const json body = {
+          {"prompt", {5, 6, 7, i}}, {"max_tokens", 1000}, {"temperature", 0}, {"ignore_eos", true}};
       if (i % 2 == 0) {
         HttpReply r = post(*c, "/v1/completions", body);
         status[i] = r.status;

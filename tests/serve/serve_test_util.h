@@ -37,8 +37,8 @@ inline std::vector<RefPrompt> load_reference() {
   const json j = json::parse(in);
   std::vector<RefPrompt> out;
   for (const auto& p : j["prompts"]) {
-    out.push_back({p["input_ids"].get<std::vector<int32_t>>(),
-                   p["greedy"].get<std::vector<int32_t>>()});
+    out.push_back(
+        {p["input_ids"].get<std::vector<int32_t>>(), p["greedy"].get<std::vector<int32_t>>()});
   }
   return out;
 }
@@ -47,6 +47,7 @@ inline std::unique_ptr<httplib::Client> make_client(int port) {
   auto client = std::make_unique<httplib::Client>("127.0.0.1", port);
   client->set_read_timeout(60);
   client->set_write_timeout(60);
+  client->set_tcp_nodelay(true);
   return client;
 }
 
@@ -82,8 +83,8 @@ struct StreamReply {
   std::string content_type;
   std::vector<json> chunks;  // Every JSON event, in order.
   std::vector<int32_t> tokens;
-  bool done = false;         // [DONE] seen.
-  bool done_last = false;    // ... and nothing after it.
+  bool done = false;       // [DONE] seen.
+  bool done_last = false;  // ... and nothing after it.
   std::string raw;
 };
 
@@ -136,12 +137,12 @@ inline StreamReply stream(httplib::Client& c, json body, int stop_after_chunks =
 class FakeEngine : public ServingEngine {
  public:
   enum class Mode {
-    kEcho,         // Returns the prompt as tokens, then "length".
-    kFailMidway,   // Two tokens, then finish_reason "error": "rank 2 died".
-    kHang,         // Never finishes (until cancelled or shut down).
+    kEcho,        // Returns the prompt as tokens, then "length".
+    kFailMidway,  // Two tokens, then finish_reason "error": "rank 2 died".
+    kHang,        // Never finishes (until cancelled or shut down).
   };
   Mode mode = Mode::kEcho;
-  Status submit_status;        // Non-OK: submit() returns it.
+  Status submit_status;  // Non-OK: submit() returns it.
   std::atomic<bool> is_healthy{true};
   bool throw_in_status = false;
   std::atomic<int> num_cancelled{0};

@@ -39,7 +39,8 @@ TEST(CliTest, GenerateMatchesReference) {
   for (const auto& p : ref) {
     std::string ids;
     for (int id : p["input_ids"]) ids += (ids.empty() ? "" : ",") + std::to_string(id);
-    CliRun r = run("generate --model " + kModel + " --prompt-ids " + ids + " --max-tokens 16 --json");
+    CliRun r =
+        run("generate --model " + kModel + " --prompt-ids " + ids + " --max-tokens 16 --json");
     ASSERT_EQ(r.exit_code, 0) << r.out;
     auto j = nlohmann::json::parse(r.out);
     EXPECT_EQ(j["choices"][0]["token_ids"], p["greedy"]);
@@ -83,7 +84,8 @@ TEST(CliTest, SynthThenGenerate) {
   EXPECT_EQ(j["choices"][0]["token_ids"].size(), 5u);
   // The same seed writes the same model: the same tokens again.
   std::filesystem::remove_all(dir);
-  ASSERT_EQ(run("synth --preset tiny --out " + dir + " --layers 2 --dtype bf16 --seed 3").exit_code, 0);
+  ASSERT_EQ(run("synth --preset tiny --out " + dir + " --layers 2 --dtype bf16 --seed 3").exit_code,
+            0);
   CliRun g2 = run("generate --model " + dir + " --prompt-ids 1,2,3 --max-tokens 5 --json");
   EXPECT_EQ(nlohmann::json::parse(g2.out)["choices"], j["choices"]);
   std::filesystem::remove_all(dir);
@@ -95,7 +97,7 @@ TEST(CliTest, BenchGenerateWritesJson) {
   const std::string json = dir + "/bench.json";
   std::filesystem::create_directories(dir);
   CliRun r = run("bench generate --preset tiny --layers 2 --cache " + dir +
-              " --batches 1,3 --prompt-len 8 --gen-tokens 4 --json " + json);
+                 " --batches 1,3 --prompt-len 8 --gen-tokens 4 --json " + json);
   ASSERT_EQ(r.exit_code, 0) << r.out;
   std::ifstream in(json);
   auto j = nlohmann::json::parse(in);

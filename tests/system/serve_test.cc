@@ -46,8 +46,9 @@ class Server {
     if (pid_ == 0) {
       dup2(out[1], STDOUT_FILENO);
       close(out[0]);
-      std::vector<std::string> args = {FLEXPERT_BINARY, "serve", "--model", kModel, "--port", "0",
-                                       "--transport-timeout-ms", "2000"};
+      std::vector<std::string> args = {
+          FLEXPERT_BINARY,          "serve", "--model", kModel, "--port", "0",
+          "--transport-timeout-ms", "2000"};
       args.insert(args.end(), extra_args.begin(), extra_args.end());
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
@@ -82,6 +83,7 @@ class Server {
   bool up() const { return port_ > 0; }
   httplib::Client& client() { return *client_; }
   pid_t pid() const { return pid_; }
+  int port() const { return port_; }
 
   nlohmann::json get_json(const std::string& path) {
     auto res = client_->Get(path.c_str());
@@ -133,12 +135,12 @@ void check_reference(Server& server, const Reference& ref, int copies) {
   std::vector<std::vector<int>> got(n);
   std::vector<std::thread> threads;
   for (size_t i = 0; i < n; ++i) {
-    threads.emplace_back([&, i] {
-      got[i] = server.complete(ref.prompts[i % ref.prompts.size()], 16);
-    });
+    threads.emplace_back(
+        [&, i] { got[i] = server.complete(ref.prompts[i % ref.prompts.size()], 16); });
   }
   for (auto& t : threads) t.join();
-  for (size_t i = 0; i < n; ++i) EXPECT_EQ(got[i], ref.greedy[i % ref.prompts.size()]) << "request " << i;
+  for (size_t i = 0; i < n; ++i)
+    EXPECT_EQ(got[i], ref.greedy[i % ref.prompts.size()]) << "request " << i;
 }
 
 class ServeRanksTest : public ::testing::TestWithParam<int> {};
@@ -209,7 +211,7 @@ TEST(ServeTest, StopLeavesNoProcessOrSegment) {
   // A long request in flight when the stop comes still gets a final response.
   std::thread slow([&] {
     nlohmann::json body = {{"prompt", {1, 2, 3}}, {"max_tokens", 900}, {"temperature", 0}};
-    httplib::Client c("127.0.0.1", server.client().port());
+    httplib::Client c("127.0.0.1", server.port());
     c.set_read_timeout(60, 0);
     auto res = c.Post("/v1/completions", body.dump(), "application/json");
     EXPECT_TRUE(res) << "no final response";

@@ -64,8 +64,7 @@ TEST_P(FaultConformanceTest, PeerKilledMidExchange) {
       const StatusCode code = got.status().code();
       CT_REQUIRE(code == StatusCode::kUnavailable || code == StatusCode::kDeadlineExceeded,
                  got.status().to_string());
-      CT_REQUIRE(after_ms < ctx.options.timeout_ms + kMarginMs, "noticed after ", after_ms,
-                 " ms");
+      CT_REQUIRE(after_ms < ctx.options.timeout_ms + kMarginMs, "noticed after ", after_ms, " ms");
       std::fprintf(stderr, "[rank %d] %.1f ms after the kill: %s\n", ctx.rank, after_ms,
                    got.status().to_string().c_str());
       return Status();
@@ -95,7 +94,8 @@ TEST_P(FaultConformanceTest, PeerKilledMidExchange) {
 TEST_P(FaultConformanceTest, SilentPeerTimesOut) {
   run_ok(spec(600), [](RankContext& ctx) -> Status {
     const int silent = ctx.num_ranks - 1;
-    for (uint64_t op = 0; op < 20; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(1), 1, op));
+    for (uint64_t op = 0; op < 20; ++op)
+      CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(1), 1, op));
     if (ctx.rank == silent) return ctx.await_value(0, ctx.num_ranks - 1);
     const int64_t start = mono_now_ns();
     const Status st = ctx.t().barrier(ctx.group(1));
@@ -104,9 +104,9 @@ TEST_P(FaultConformanceTest, SilentPeerTimesOut) {
     CT_REQUIRE(st.code() == StatusCode::kDeadlineExceeded, st.to_string());
     CT_REQUIRE(st.message().find("rank " + std::to_string(silent)) != std::string::npos,
                "does not name the silent rank: ", st.to_string());
-    CT_REQUIRE(waited_ms >= ctx.options.timeout_ms - 5 &&
-                   waited_ms < ctx.options.timeout_ms + kMarginMs,
-               "waited ", waited_ms, " ms");
+    CT_REQUIRE(
+        waited_ms >= ctx.options.timeout_ms - 5 && waited_ms < ctx.options.timeout_ms + kMarginMs,
+        "waited ", waited_ms, " ms");
     return Status();
   });
 }
@@ -116,14 +116,16 @@ TEST_P(FaultConformanceTest, SilentPeerTimesOut) {
 TEST_P(FaultConformanceTest, PeerInNewerEpochAborts) {
   run_ok(spec(5000), [](RankContext& ctx) -> Status {
     const int ahead = ctx.num_ranks - 1;
-    for (uint64_t op = 0; op < 20; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(1), 2, op));
+    for (uint64_t op = 0; op < 20; ++op)
+      CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(1), 2, op));
     if (ctx.rank != ahead) {
       const int64_t start = mono_now_ns();
       const Status st = all_gather_checked(ctx, ctx.group(1), 2, 20);
       CT_REQUIRE(st.code() == StatusCode::kAborted, st.to_string());
       CT_REQUIRE(ms_since(start) < 1000, "Aborted only after ", ms_since(start), " ms");
     }
-    for (uint64_t op = 0; op < 20; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(2), 3, op));
+    for (uint64_t op = 0; op < 20; ++op)
+      CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(2), 3, op));
     return Status();
   });
 }
@@ -132,7 +134,8 @@ TEST_P(FaultConformanceTest, PeerInNewerEpochAborts) {
 TEST_P(FaultConformanceTest, PeerShutdownIsUnavailable) {
   run_ok(spec(5000), [](RankContext& ctx) -> Status {
     const int leaving = ctx.num_ranks - 1;
-    for (uint64_t op = 0; op < 10; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(1), 4, op));
+    for (uint64_t op = 0; op < 10; ++op)
+      CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(1), 4, op));
     if (ctx.rank == leaving) {
       CT_REQUIRE_OK(ctx.t().shutdown());
       CT_REQUIRE_OK(ctx.t().shutdown());  // Idempotent.
@@ -152,7 +155,8 @@ TEST_P(FaultConformanceTest, PeerShutdownIsUnavailable) {
 // it, which replaces the old attachment, and all continue in a newer epoch.
 TEST_P(FaultConformanceTest, RankRejoinsAsNewIncarnation) {
   run_ok(spec(5000), [](RankContext& ctx) -> Status {
-    for (uint64_t op = 0; op < 10; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(1), 5, op));
+    for (uint64_t op = 0; op < 10; ++op)
+      CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(1), 5, op));
     if (ctx.rank == 1) {
       const std::string old_address = ctx.t().address();
       CT_REQUIRE_OK(ctx.t().shutdown());
@@ -169,7 +173,8 @@ TEST_P(FaultConformanceTest, RankRejoinsAsNewIncarnation) {
       CT_REQUIRE_OK(ctx.t().connect(1, address));
       CT_REQUIRE_OK(ctx.t().connect(1, address));  // Idempotent.
     }
-    for (uint64_t op = 0; op < 20; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(2), 6, op));
+    for (uint64_t op = 0; op < 20; ++op)
+      CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(2), 6, op));
     return Status();
   });
 }

@@ -49,29 +49,27 @@ const Status& as_status(const Result<T>& r) {
 #define CT_CONCAT_INNER_(a, b) a##b
 #define CT_CONCAT_(a, b) CT_CONCAT_INNER_(a, b)
 // In a scenario: fail this rank (return an error naming file:line) unless `cond` holds.
-#define CT_REQUIRE(cond, ...)                                                                 \
-  do {                                                                                        \
-    if (!(cond)) {                                                                            \
-      return ::flexpert::conformance::failure(__FILE__, __LINE__, #cond,                      \
-                                              ::flexpert::conformance::cat(__VA_ARGS__));     \
-    }                                                                                         \
+#define CT_REQUIRE(cond, ...)                                                             \
+  do {                                                                                    \
+    if (!(cond)) {                                                                        \
+      return ::flexpert::conformance::failure(__FILE__, __LINE__, #cond,                  \
+                                              ::flexpert::conformance::cat(__VA_ARGS__)); \
+    }                                                                                     \
   } while (0)
-#define CT_REQUIRE_OK(expr)                                                                   \
-  do {                                                                                        \
-    const auto& ct_value_ = (expr);                                                           \
-    const ::flexpert::Status& ct_status_ = ::flexpert::conformance::as_status(ct_value_);     \
-    if (!ct_status_.ok()) {                                                                   \
-      return ::flexpert::conformance::failure(__FILE__, __LINE__, #expr,                      \
-                                              ct_status_.to_string());                        \
-    }                                                                                         \
+#define CT_REQUIRE_OK(expr)                                                                       \
+  do {                                                                                            \
+    const auto& ct_value_ = (expr);                                                               \
+    const ::flexpert::Status& ct_status_ = ::flexpert::conformance::as_status(ct_value_);         \
+    if (!ct_status_.ok()) {                                                                       \
+      return ::flexpert::conformance::failure(__FILE__, __LINE__, #expr, ct_status_.to_string()); \
+    }                                                                                             \
   } while (0)
 #define CT_ASSIGN(lhs, expr) CT_ASSIGN_IMPL_(CT_CONCAT_(ct_result_, __LINE__), lhs, expr)
-#define CT_ASSIGN_IMPL_(tmp, lhs, expr)                                                       \
-  auto tmp = (expr);                                                                          \
-  if (!tmp.ok()) {                                                                            \
-    return ::flexpert::conformance::failure(__FILE__, __LINE__, #expr,                        \
-                                            tmp.status().to_string());                        \
-  }                                                                                           \
+#define CT_ASSIGN_IMPL_(tmp, lhs, expr)                                                           \
+  auto tmp = (expr);                                                                              \
+  if (!tmp.ok()) {                                                                                \
+    return ::flexpert::conformance::failure(__FILE__, __LINE__, #expr, tmp.status().to_string()); \
+  }                                                                                               \
   lhs = std::move(tmp).value()
 
 // Memory the backend's collectives and regions use: host for shm, device for GPU backends.
@@ -158,8 +156,8 @@ struct ParentView {
 
 struct ClusterSpec {
   int num_ranks = 2;
-  TransportOptions options;  // rank is set per child; an empty session gets a fresh one.
-  int deadline_ms = 30000;   // For the whole run: then every rank is SIGKILLed.
+  TransportOptions options;    // rank is set per child; an empty session gets a fresh one.
+  int deadline_ms = 30000;     // For the whole run: then every rank is SIGKILLed.
   bool inject_faults = false;  // Wrap each rank's transport in a FaultInjectingTransport.
   std::function<void(ParentView&)> parent_step;  // Called about every 0.5 ms in the parent.
 };
@@ -195,12 +193,12 @@ class ConformanceTest : public ::testing::TestWithParam<std::tuple<std::string, 
 
 std::string param_name(const ::testing::TestParamInfo<std::tuple<std::string, int>>& info);
 
-#define CT_INSTANTIATE(suite)                                                              \
-  INSTANTIATE_TEST_SUITE_P(Backends, suite,                                                \
-                           ::testing::Combine(::testing::ValuesIn(                          \
-                                                  ::flexpert::conformance::conformance_backends()), \
-                                              ::testing::Values(2, 3, 4)),                  \
-                           ::flexpert::conformance::param_name)
+#define CT_INSTANTIATE(suite)                                                                  \
+  INSTANTIATE_TEST_SUITE_P(                                                                    \
+      Backends, suite,                                                                         \
+      ::testing::Combine(::testing::ValuesIn(::flexpert::conformance::conformance_backends()), \
+                         ::testing::Values(2, 3, 4)),                                          \
+      ::flexpert::conformance::param_name)
 
 // ms elapsed since `start_ns` (CLOCK_MONOTONIC, comparable across the ranks' processes).
 double ms_since(int64_t start_ns);

@@ -30,9 +30,12 @@ Status expect_only_members(const std::vector<ByteSpan>& got, const RankContext& 
 size_t exchange_size(uint64_t round, int src, int dst, size_t capacity) {
   const uint64_t h = seed_of(round, src, dst, 11);
   switch (h % 5) {
-    case 0: return 0;
-    case 1: return capacity;
-    default: return (h >> 8) % (capacity + 1);
+    case 0:
+      return 0;
+    case 1:
+      return capacity;
+    default:
+      return (h >> 8) % (capacity + 1);
   }
 }
 
@@ -86,8 +89,8 @@ TEST_P(CollectiveConformanceTest, AllGatherThousandsOfOpsBackToBack) {
       if (op % 97 == 0) sleep_us(1000);
       CT_REQUIRE_OK(expect_only_members(got, ctx, g.ranks));
       for (int r : g.ranks) {
-        CT_REQUIRE_OK(ctx.expect_bytes(got[r], seed_of(1, op, r), n,
-                                       cat("op ", op, " from rank ", r)));
+        CT_REQUIRE_OK(
+            ctx.expect_bytes(got[r], seed_of(1, op, r), n, cat("op ", op, " from rank ", r)));
       }
     }
     return Status();
@@ -236,8 +239,8 @@ TEST_P(CollectiveConformanceTest, ReadPeerRegionsAlsoFromASecondThread) {
                                    const_cast<void*>(dst.span().data), n));
         host = ctx.download(dst.span());
         CT_REQUIRE(std::equal(host.begin(), host.end(), want[peer][which].begin() + offset),
-                   "read of rank ", peer, " region ", regions[which].first, " [", offset, ", +",
-                   n, ") differs");
+                   "read of rank ", peer, " region ", regions[which].first, " [", offset, ", +", n,
+                   ") differs");
       }
       return Status();
     };
@@ -330,8 +333,7 @@ TEST_P(CollectiveConformanceTest, InvalidCallsFailCleanlyAndConsumeNothing) {
                StatusCode::kFailedPrecondition);
     std::vector<int> unsorted = g.ranks;
     std::reverse(unsorted.begin(), unsorted.end());
-    CT_REQUIRE(code_of(t.barrier(RankContext::group(3, unsorted))) ==
-               StatusCode::kInvalidArgument);
+    CT_REQUIRE(code_of(t.barrier(RankContext::group(3, unsorted))) == StatusCode::kInvalidArgument);
     std::vector<int> with_stranger = g.ranks;
     with_stranger.push_back(n);  // Never connected.
     CT_REQUIRE(code_of(t.barrier(RankContext::group(3, with_stranger))) ==

@@ -67,8 +67,10 @@ Status ShmTransport::validate_group(const Group& group, const char* op) const {
   int prev = -1;
   for (int r : group.ranks) {
     if (r <= prev || r >= options_.max_ranks) {
-      return invalid_argument(std::string(op) + ": group ranks must be ascending, unique and in "
-                              "[0, " + std::to_string(options_.max_ranks) + "), got rank " +
+      return invalid_argument(std::string(op) +
+                              ": group ranks must be ascending, unique and in "
+                              "[0, " +
+                              std::to_string(options_.max_ranks) + "), got rank " +
                               std::to_string(r));
     }
     prev = r;
@@ -120,8 +122,8 @@ Status ShmTransport::run_collective(OpKind kind, const Group& group, const ByteS
   size_t next_member = 0;
   for (int r = 0; r < (stride == 0 ? 1 : options_.max_ranks); ++r) {
     const ByteSpan& s = sends[static_cast<size_t>(r) * stride];
-    const bool member = stride == 0 || (next_member < group.ranks.size() &&
-                                        group.ranks[next_member] == r);
+    const bool member =
+        stride == 0 || (next_member < group.ranks.size() && group.ranks[next_member] == r);
     if (stride != 0 && member) ++next_member;
     if (s.num_bytes > capacity) {
       return invalid_argument(std::string(op) + ": " + std::to_string(s.num_bytes) +
@@ -146,9 +148,14 @@ Status ShmTransport::run_collective(OpKind kind, const Group& group, const ByteS
   cur_op_ = op_idx_++;
   header_->ops_started.store(op_idx_, std::memory_order_release);
 
+  // Send to the members after us first, wrapping around, so that the ranks do not all copy
+  // into rank 0's segment at the same time.
   const int me = options_.rank;
-  for (int r : group.ranks) {
-    if (r == me) continue;
+  const size_t num_members = group.ranks.size();
+  const size_t my_idx = static_cast<size_t>(
+      std::lower_bound(group.ranks.begin(), group.ranks.end(), me) - group.ranks.begin());
+  for (size_t i = 1; i < num_members; ++i) {
+    const int r = group.ranks[(my_idx + i) % num_members];
     FLEX_RETURN_IF_ERROR(
         send_to(*peers_[r], kind, sends[static_cast<size_t>(r) * stride], deadline_ns));
   }
@@ -168,10 +175,9 @@ Status ShmTransport::run_collective(OpKind kind, const Group& group, const ByteS
   return wait_for(pending_, kind, mine, start_ns, spans);
 }
 
-Status ShmTransport::send_to(const Peer& peer, OpKind kind, ByteSpan payload,
-                             int64_t deadline_ns) {
-  MailboxHeader* mb = layout_.mailbox(peer.control->data(), kind == OpKind::kExchange,
-                                      options_.rank, cur_op_);
+Status ShmTransport::send_to(const Peer& peer, OpKind kind, ByteSpan payload, int64_t deadline_ns) {
+  MailboxHeader* mb =
+      layout_.mailbox(peer.control->data(), kind == OpKind::kExchange, options_.rank, cur_op_);
   uint32_t cur = mb->state.load(std::memory_order_acquire);
   int64_t backoff_ns = 20'000;
   for (;;) {
@@ -181,8 +187,7 @@ Status ShmTransport::send_to(const Peer& peer, OpKind kind, ByteSpan payload,
     if (!busy) {
       // Acquire: the reader's payload reads (before its release of Held) precede our writes.
       if (mb->state.compare_exchange_weak(cur, shm::pack_state(cur_op_, MailboxState::kWriting),
-                                          std::memory_order_acquire,
-                                          std::memory_order_acquire)) {
+                                          std::memory_order_acquire, std::memory_order_acquire)) {
         break;
       }
       continue;
@@ -211,8 +216,8 @@ Status ShmTransport::send_to(const Peer& peer, OpKind kind, ByteSpan payload,
   return Status();
 }
 
-int ShmTransport::try_take(const Awaited& a, OpKind kind, ByteSpan mine,
-                           std::vector<ByteSpan>* out, Status* status) {
+int ShmTransport::try_take(const Awaited& a, OpKind kind, ByteSpan mine, std::vector<ByteSpan>* out,
+                           Status* status) {
   MailboxHeader* mb = a.mailbox;
   // seq_cst loads: they pair with the `sleeping` store before a futex wait (ring_doorbell).
   uint32_t cur = mb->state.load(std::memory_order_seq_cst);
@@ -226,18 +231,19 @@ int ShmTransport::try_take(const Awaited& a, OpKind kind, ByteSpan mine,
         return 0;  // Changed under us; look again.
       }
       // Held: the writer cannot touch it now. Re-read the epoch: between our two looks the
-      // mailbox may have been rewritten by a newer epoch with the same op bits.
+      // mailbox may have been rewritten by a newer epoch with the same op bits. The full op
+      // index rules out a message 2^30 ops old with the same low bits.
       epoch = mb->epoch.load(std::memory_order_relaxed);
-      if (epoch == epoch_) {
+      if (epoch == epoch_ && mb->op_idx.load(std::memory_order_relaxed) == cur_op_) {
         held_.push_back(mb);
         const auto got_kind = static_cast<OpKind>(mb->kind.load(std::memory_order_relaxed));
         const uint64_t num_bytes = mb->num_bytes.load(std::memory_order_relaxed);
-        const size_t capacity = kind == OpKind::kExchange ? options_.max_exchange_bytes
-                                                          : options_.max_gather_bytes;
+        const size_t capacity =
+            kind == OpKind::kExchange ? options_.max_exchange_bytes : options_.max_gather_bytes;
         if (got_kind != kind) {
-          *status = failed_precondition(
-              "collectives out of step: rank " + std::to_string(a.rank) + " ran " +
-              shm::op_kind_name(got_kind) + " as this rank ran " + op_label(kind));
+          *status = failed_precondition("collectives out of step: rank " + std::to_string(a.rank) +
+                                        " ran " + shm::op_kind_name(got_kind) +
+                                        " as this rank ran " + op_label(kind));
           return -1;
         }
         if (num_bytes > capacity) {
@@ -336,7 +342,8 @@ Status ShmTransport::wait_for(std::vector<Awaited>& pending, OpKind kind, ByteSp
     if (pending.empty()) return Status();
     if (now >= deadline_ns) {
       std::string ranks;
-      for (const Awaited& a : pending) ranks += (ranks.empty() ? "" : ", ") + std::to_string(a.rank);
+      for (const Awaited& a : pending)
+        ranks += (ranks.empty() ? "" : ", ") + std::to_string(a.rank);
       return deadline_exceeded(op_label(kind) + " timed out after " +
                                std::to_string(options_.timeout_ms) + " ms; no message from rank" +
                                (pending.size() > 1 ? "s " : " ") + ranks);

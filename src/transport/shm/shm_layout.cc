@@ -27,16 +27,19 @@ bool consume_number(std::string_view& s, char prefix) {
 
 const char* op_kind_name(OpKind kind) {
   switch (kind) {
-    case OpKind::kNone: return "none";
-    case OpKind::kAllGather: return "all_gather";
-    case OpKind::kBarrier: return "barrier";
-    case OpKind::kExchange: return "exchange";
+    case OpKind::kNone:
+      return "none";
+    case OpKind::kAllGather:
+      return "all_gather";
+    case OpKind::kBarrier:
+      return "barrier";
+    case OpKind::kExchange:
+      return "exchange";
   }
   return "unknown";
 }
 
-Result<Layout> Layout::compute(int max_ranks, size_t max_gather_bytes,
-                               size_t max_exchange_bytes) {
+Result<Layout> Layout::compute(int max_ranks, size_t max_gather_bytes, size_t max_exchange_bytes) {
   if (max_ranks < 1 || max_ranks > kMaxRanksLimit) {
     return invalid_argument("max_ranks " + std::to_string(max_ranks) + " not in [1, " +
                             std::to_string(kMaxRanksLimit) + "]");

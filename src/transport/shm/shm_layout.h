@@ -85,21 +85,20 @@ struct Layout {
   int max_ranks = 0;
   size_t max_gather_bytes = 0;
   size_t max_exchange_bytes = 0;
-  size_t gather_stride = 0;    // One mailbox: header + payload, cache-line rounded.
+  size_t gather_stride = 0;  // One mailbox: header + payload, cache-line rounded.
   size_t exchange_stride = 0;
   size_t gather_offset = 0;
   size_t exchange_offset = 0;
   size_t total_bytes = 0;
 
   // InvalidArgument for zero ranks, absurd sizes or a total that overflows.
-  static Result<Layout> compute(int max_ranks, size_t max_gather_bytes,
-                                size_t max_exchange_bytes);
+  static Result<Layout> compute(int max_ranks, size_t max_gather_bytes, size_t max_exchange_bytes);
 
   MailboxHeader* mailbox(std::byte* base, bool exchange, int src_rank, uint64_t op_idx) const {
     const size_t stride = exchange ? exchange_stride : gather_stride;
     const size_t slot = static_cast<size_t>(src_rank) * 2 + (op_idx & 1);
-    return reinterpret_cast<MailboxHeader*>(
-        base + (exchange ? exchange_offset : gather_offset) + slot * stride);
+    return reinterpret_cast<MailboxHeader*>(base + (exchange ? exchange_offset : gather_offset) +
+                                            slot * stride);
   }
 };
 

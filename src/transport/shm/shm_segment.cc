@@ -18,7 +18,6 @@
 #include <sstream>
 #include <vector>
 
-
 namespace flexpert::shm {
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<uint32_t>) == 4,
@@ -50,8 +49,8 @@ Status errno_status(int err, const std::string& what) {
   }
 }
 
-Result<std::unique_ptr<ShmMapping>> ShmMapping::create(const std::string& name,
-                                                       size_t num_bytes, bool populate) {
+Result<std::unique_ptr<ShmMapping>> ShmMapping::create(const std::string& name, size_t num_bytes,
+                                                       bool populate) {
   if (num_bytes == 0) return invalid_argument("shm segment " + name + ": size 0");
   ScopedFd fd(::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600));
   if (!fd.valid()) return errno_status(errno, "shm_open(create) " + name);
@@ -62,8 +61,8 @@ Result<std::unique_ptr<ShmMapping>> ShmMapping::create(const std::string& name,
   };
   // posix_fallocate also sets the size; on tmpfs it allocates the pages now.
   if (int err = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(num_bytes)); err != 0) {
-    return fail(errno_status(err, "posix_fallocate " + name + " (" + std::to_string(num_bytes) +
-                                      " bytes of /dev/shm)"));
+    return fail(errno_status(
+        err, "posix_fallocate " + name + " (" + std::to_string(num_bytes) + " bytes of /dev/shm)"));
   }
   void* data = ::mmap(nullptr, num_bytes, PROT_READ | PROT_WRITE,
                       MAP_SHARED | (populate ? MAP_POPULATE : 0), fd.get(), 0);
@@ -111,8 +110,7 @@ void futex_wait_shared(std::atomic<uint32_t>* word, uint32_t expected, int64_t t
 }
 
 void futex_wake_shared(std::atomic<uint32_t>* word) {
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr,
-            0);
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
 namespace {

@@ -75,8 +75,8 @@ ShmTransport::ShmTransport(TransportOptions options, shm::Layout layout, std::st
 Result<std::unique_ptr<ShmTransport>> ShmTransport::create(const TransportOptions& options) {
   FLEX_RETURN_IF_ERROR(shm::validate_session(options.session));
   if (options.rank < 0 || options.rank >= options.max_ranks) {
-    return invalid_argument("rank " + std::to_string(options.rank) + " not in [0, max_ranks=" +
-                            std::to_string(options.max_ranks) + ")");
+    return invalid_argument("rank " + std::to_string(options.rank) +
+                            " not in [0, max_ranks=" + std::to_string(options.max_ranks) + ")");
   }
   if (options.timeout_ms <= 0) {
     return invalid_argument("timeout_ms must be > 0, got " + std::to_string(options.timeout_ms));
@@ -86,9 +86,9 @@ Result<std::unique_ptr<ShmTransport>> ShmTransport::create(const TransportOption
                                              options.max_exchange_bytes));
   std::string address =
       shm::control_segment_name(options.session, options.rank, options.incarnation);
-  FLEX_ASSIGN_OR_RETURN(std::unique_ptr<ShmMapping> mapping,
-                        create_segment(address, layout.total_bytes, /*populate=*/true,
-                                       check_stale));
+  FLEX_ASSIGN_OR_RETURN(
+      std::unique_ptr<ShmMapping> mapping,
+      create_segment(address, layout.total_bytes, /*populate=*/true, check_stale));
 
   std::unique_ptr<ShmTransport> t(new ShmTransport(options, layout, address));
   std::byte* base = mapping->data();
@@ -164,13 +164,12 @@ Result<std::shared_ptr<ShmTransport::Peer>> ShmTransport::attach(int peer,
                std::to_string(shm::kLayoutVersion));
   }
   if (h->rank != peer) return bad("the segment belongs to rank " + std::to_string(h->rank));
-  if (h->max_ranks != options_.max_ranks ||
-      h->max_gather_bytes != options_.max_gather_bytes ||
+  if (h->max_ranks != options_.max_ranks || h->max_gather_bytes != options_.max_gather_bytes ||
       h->max_exchange_bytes != options_.max_exchange_bytes) {
     return bad("options differ: peer has max_ranks=" + std::to_string(h->max_ranks) +
                " max_gather_bytes=" + std::to_string(h->max_gather_bytes) +
-               " max_exchange_bytes=" + std::to_string(h->max_exchange_bytes) +
-               ", this rank " + std::to_string(options_.max_ranks) + "/" +
+               " max_exchange_bytes=" + std::to_string(h->max_exchange_bytes) + ", this rank " +
+               std::to_string(options_.max_ranks) + "/" +
                std::to_string(options_.max_gather_bytes) + "/" +
                std::to_string(options_.max_exchange_bytes));
   }
@@ -204,10 +203,9 @@ Status ShmTransport::connect(int peer, const std::string& address) {
                             std::to_string(options_.max_ranks) + ")");
   }
   if (peer == options_.rank) {
-    return address == address_
-               ? Status()
-               : invalid_argument("connect: '" + address + "' is not this rank's address " +
-                                  address_);
+    return address == address_ ? Status()
+                               : invalid_argument("connect: '" + address +
+                                                  "' is not this rank's address " + address_);
   }
   if (peers_[peer] != nullptr && peers_[peer]->address == address) return Status();
   FLEX_ASSIGN_OR_RETURN(std::shared_ptr<Peer> p, attach(peer, address));

@@ -8,9 +8,13 @@
 // then waits for its own mailboxes: the returned spans point into them (zero copy).
 // Regions are separate segments "<address>-g<id>", mapped read-only by peers on first read().
 //
-// Waiting spins a few µs, yields, then sleeps on a futex in slices of a few ms; between slices
-// it checks each awaited peer for exit (pidfd), shutdown and newer epochs, and the deadline.
-// Ranks must share a PID namespace for exit detection; otherwise only timeouts notice.
+// Waiting spins 5 µs, yields for 20 µs (FLEXPERT_SHM_SPIN_US / FLEXPERT_SHM_YIELD_US), then
+// sleeps on a futex in 2 ms slices; it checks each awaited peer for shutdown and newer epochs
+// on every look and for exit (pidfd) once per slice, and gives up at timeout_ms. Ranks must
+// share a PID namespace for exit detection; otherwise only shutdown flags and timeouts notice.
+// An op index counts the collectives this rank ran in the current epoch: every member of a
+// group must run the same collectives in that epoch (one member set per epoch). An op that
+// failed after its input was validated still used its index: recover in a new epoch.
 //
 // Thread safety: connect, disconnect, allocate_region, the collectives and shutdown are called
 // by one driving thread; read() and the const accessors may run on any thread concurrently.
@@ -81,14 +85,14 @@ class ShmTransport final : public Transport {
 
   // The collectives in one: `sends[r * stride]` is this rank's payload for member r
   // (stride 0: the same payload for all, as all_gather). Fills out[r] for every member.
-  Status run_collective(shm::OpKind kind, const Group& group, const ByteSpan* sends,
-                        size_t stride, std::vector<ByteSpan>* out);
+  Status run_collective(shm::OpKind kind, const Group& group, const ByteSpan* sends, size_t stride,
+                        std::vector<ByteSpan>* out);
   Status validate_group(const Group& group, const char* op) const;
   Status enter_epoch(uint64_t epoch, const char* op);
   void release_held();
   Status send_to(const Peer& peer, shm::OpKind kind, ByteSpan payload, int64_t deadline_ns);
-  Status wait_for(std::vector<Awaited>& pending, shm::OpKind kind, ByteSpan mine,
-                  int64_t start_ns, std::vector<ByteSpan>* out);
+  Status wait_for(std::vector<Awaited>& pending, shm::OpKind kind, ByteSpan mine, int64_t start_ns,
+                  std::vector<ByteSpan>* out);
   // 1: claimed; 0: not there yet; -1: error in *status.
   int try_take(const Awaited& awaited, shm::OpKind kind, ByteSpan mine, std::vector<ByteSpan>* out,
                Status* status);
@@ -119,10 +123,10 @@ class ShmTransport final : public Transport {
   // Collective state, driving thread only.
   bool has_epoch_ = false;
   uint64_t epoch_ = 0;
-  uint64_t op_idx_ = 0;                       // Index of the next op within epoch_.
-  uint64_t cur_op_ = 0;                       // Index of the op in progress (for messages).
-  std::vector<shm::MailboxHeader*> held_;     // Claimed by the last collective.
-  std::vector<Awaited> pending_;              // Scratch, reused.
+  uint64_t op_idx_ = 0;                    // Index of the next op within epoch_.
+  uint64_t cur_op_ = 0;                    // Index of the op in progress (for messages).
+  std::vector<shm::MailboxHeader*> held_;  // Claimed by the last collective.
+  std::vector<Awaited> pending_;           // Scratch, reused.
 };
 
 // Removes every /dev/shm segment of `session` (control and regions, any rank or incarnation):
