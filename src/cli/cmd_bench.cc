@@ -20,6 +20,7 @@
 #include "flexpert/model.h"
 #include "flexpert/thread_pool.h"
 #include "kernels/cpu_ops.h"
+#include "serve/bench_serve.h"
 
 namespace flexpert::cli {
 
@@ -131,9 +132,60 @@ Status run_generate_bench(const Flags& flags) {
 
 }  // namespace
 
+Status run_serve_bench(const Flags& flags) {
+  BenchServeOptions options;
+  options.url = flags.str("url");
+  FLEX_ASSIGN_OR_RETURN(int64_t concurrency, flags.integer("concurrency"));
+  FLEX_ASSIGN_OR_RETURN(int64_t requests, flags.integer("requests"));
+  FLEX_ASSIGN_OR_RETURN(int64_t prompt_len, flags.integer("prompt-len"));
+  FLEX_ASSIGN_OR_RETURN(int64_t max_tokens, flags.integer("max-tokens"));
+  FLEX_ASSIGN_OR_RETURN(int64_t seed, flags.integer("seed"));
+  options.concurrency = static_cast<int>(concurrency);
+  options.num_requests = static_cast<int>(requests);
+  options.prompt_len = static_cast<int>(prompt_len);
+  options.max_tokens = static_cast<int>(max_tokens);
+  options.seed = static_cast<uint64_t>(seed);
+  options.stream = !flags.flag("no-stream");
+  Progress progress("requests");
+  FLEX_ASSIGN_OR_RETURN(nlohmann::json result, bench_serve(options, [&](int done, int total) {
+                          progress.update(static_cast<uint64_t>(done),
+                                          static_cast<uint64_t>(total));
+                        }));
+  progress.finish();
+  std::printf("%s", format_bench_table(result).c_str());
+  if (flags.has("json")) {
+    std::ofstream f(flags.str("json"));
+    f << result.dump(2) << "\n";
+    if (!f) return invalid_argument("cannot write " + flags.str("json"));
+  }
+  return Status();
+}
+
+int cmd_bench_serve(const Args& args) {
+  Flags flags;
+  flags.value("url", "http://127.0.0.1:8000", "server to load")
+      .value("concurrency", "8", "requests in flight")
+      .value("requests", "64", "requests in total")
+      .value("prompt-len", "32", "prompt tokens per request (random ids)")
+      .value("max-tokens", "32", "tokens generated per request (greedy, EOS ignored)")
+      .value("seed", "0", "prompt seed")
+      .value("json", "", "write results to this file")
+      .boolean("no-stream", "measure whole requests instead of streamed tokens")
+      .boolean("help", "show this help");
+  if (Status s = flags.parse(args); !s.ok()) return report_error("bench serve", s);
+  if (flags.flag("help")) {
+    std::printf("usage: flexpert bench serve [flags]\n%s", flags.help().c_str());
+    return 0;
+  }
+  if (Status s = run_serve_bench(flags); !s.ok()) return report_error("bench serve", s);
+  return 0;
+}
+
 int cmd_bench(const Args& args) {
+  if (!args.empty() && args[0] == "serve")
+    return cmd_bench_serve(Args(args.begin() + 1, args.end()));
   if (args.empty() || args[0] != "generate") {
-    std::fprintf(stderr, "usage: flexpert bench generate [flags]\n");
+    std::fprintf(stderr, "usage: flexpert bench generate|serve [flags]\n");
     return 2;
   }
   Flags flags;

@@ -1,0 +1,98 @@
+// SPDX-License-Identifier: Apache-2.0
+// Internal to the planner: one layer's replicas as a set of experts per member rank, with the
+// rank loads kept current, and the packing procedures that work on it: replica counts, greedy
+// packing from nothing (LPT) and a local search that lowers the max rank load.
+//
+// Ranks here are member indices (0 .. number of members - 1), not rank ids. An expert's load is
+// split evenly over its replicas. Plain value types, single-threaded.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace flexpert::eplb::detail {
+
+// A part of a layer that replicas never leave: member ranks [rank_begin, rank_end) and the
+// logical experts that live there. Global policy: one domain; hierarchical: one per host.
+struct Domain {
+  int rank_begin = 0;
+  int rank_end = 0;
+  std::vector<int> experts;  // ascending
+  int num_ranks() const { return rank_end - rank_begin; }
+};
+
+class LayerState {
+ public:
+  // `load` ([expert]) must outlive the state.
+  LayerState(const std::vector<double>& load, int num_ranks, int slots_per_rank);
+
+  int num_ranks() const { return num_ranks_; }
+  int slots_per_rank() const { return slots_; }
+  int size(int rank) const { return size_[rank]; }
+  const int* items(int rank) const { return &items_[static_cast<size_t>(rank) * slots_]; }
+  double rank_load(int rank) const { return rank_load_[rank]; }
+  double weight(int expert) const { return (*load_)[expert]; }
+  int count(int expert) const { return static_cast<int>(holders_[expert].size()); }
+  // Load of one replica (the whole load when the expert has none).
+  double per_replica(int expert) const {
+    const int c = count(expert);
+    return c > 0 ? weight(expert) / c : weight(expert);
+  }
+  bool holds(int rank, int expert) const {
+    return has_[static_cast<size_t>(expert) * num_ranks_ + rank] != 0;
+  }
+  const std::vector<int>& holders(int expert) const { return holders_[expert]; }
+
+  // Both keep every rank load exact (recomputed for each rank holding `expert`).
+  void add(int rank, int expert);     // rank must have a free slot and not hold expert
+  void remove(int rank, int expert);  // rank must hold expert
+
+  double max_load(const Domain& domain) const;
+  // Experts held by each member rank, ascending.
+  std::vector<std::vector<int>> rank_sets() const;
+
+ private:
+  void refresh(int expert);
+
+  const std::vector<double>* load_;
+  int num_ranks_;
+  int slots_;
+  std::vector<int> items_;  // [rank * slots_ + k], k < size_[rank]
+  std::vector<int> size_;
+  std::vector<double> rank_load_;
+  std::vector<uint8_t> has_;  // [expert * num_ranks_ + rank]
+  std::vector<std::vector<int>> holders_;
+};
+
+// Replica counts for domain.experts (same order): min_replicas each, then one more at a time to
+// the expert with the highest load per replica (ties: lowest id), at most one per rank of the
+// domain, until num_slots replicas exist or no expert can take one more.
+std::vector<int> greedy_counts(const std::vector<double>& load, const Domain& domain,
+                               int num_slots, int min_replicas);
+
+// Places counts[i] replicas of domain.experts[i] onto the (empty) domain ranks of `state`:
+// largest load per replica first, each onto the least loaded rank with a free slot that does
+// not hold that expert yet. Requires sum(counts) <= free slots and counts[i] <= domain ranks.
+void pack_lpt(LayerState& state, const Domain& domain, const std::vector<int>& counts);
+
+// Gives every expert of the domain at least min_replicas replicas, each new one where it
+// raises the max load least (a free slot, or a slot of an expert with spare replicas). False
+// when some expert cannot get one without a longer chain of changes.
+bool ensure_min_replicas(LayerState& state, const Domain& domain, int min_replicas);
+
+struct SearchOptions {
+  double target = 0;            // stop once the domain's max rank load is <= target
+  bool minimise_moves = true;   // among actions reaching target, prefer the fewest slot writes
+  int min_replicas = 1;         // never drop an expert below this
+  int max_iterations = 0;       // safety bound
+  int num_candidate_ranks = 16; // coldest ranks tried as partners of the hottest
+};
+
+// Lowers the domain's max rank load step by step: each step changes the hottest rank by the
+// best of moving one of its replicas to a free slot, swapping one with a colder rank's, giving
+// one of its experts an extra replica (in a free slot or in place of a replica of an expert
+// that has spare ones) or dropping a spare replica. Stops at the target, or when no step lowers
+// the max. Returns whether the max load is <= target.
+bool improve(LayerState& state, const Domain& domain, const SearchOptions& options);
+
+}  // namespace flexpert::eplb::detail

@@ -1,0 +1,82 @@
+// SPDX-License-Identifier: Apache-2.0
+// Expert placement planner (EPLB): from measured load per layer and logical expert, decides
+// which logical expert each physical slot holds, giving hot experts extra replicas and
+// balancing the load of member ranks while moving as few expert weights as possible.
+//
+// plan() is a pure function: no I/O, no threads, no globals; the same input always gives the
+// same output, so it is safe to call from any thread. Cost: a few ms per plan at
+// DeepSeek-V3 shapes (61 layers x 256 experts x 256 ranks), see docs/benchmarks.md.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "flexpert/status.h"
+
+namespace flexpert::eplb {
+
+// kGlobal: replicas of any expert may go to any member rank.
+// kHierarchical: the experts of one group (DeepSeek "expert group") and all their replicas stay
+//   on one host; groups are packed onto hosts, then replicas onto the host's ranks. Applicable
+//   when num_experts % num_groups == 0, num_groups % num_hosts == 0 and the members split into
+//   num_hosts equal hosts that can each hold their experts.
+// kAuto: per layer, whichever applicable policy balances best; among those within `tolerance`
+//   of the best, the one the current placement already follows (no moves just to switch), else
+//   hierarchical (it keeps group-limited routing inside hosts).
+enum class Policy { kAuto, kGlobal, kHierarchical };
+
+std::string_view policy_name(Policy policy);  // "auto", "global", "hierarchical"
+Result<Policy> parse_policy(std::string_view name);
+
+struct PlanInput {
+  int num_experts = 0;     // logical experts per layer
+  int slots_per_rank = 0;  // slot s of the global slot space lives on rank s / slots_per_rank
+  std::vector<int> ranks;  // member rank ids, strictly ascending, each < max_ranks
+  int max_ranks = 0;       // global slot space = max_ranks * slots_per_rank per layer
+  int num_hosts = 1;       // members split into num_hosts contiguous equal groups
+  int num_groups = 1;      // logical experts split into num_groups contiguous groups
+  std::vector<std::vector<double>> load;  // [layer][logical_expert], finite, >= 0
+  // [layer][max_ranks * slots_per_rank]: logical expert or -1 (free); empty = no placement yet.
+  // Experts on slots of non-member ranks count as lost.
+  std::vector<std::vector<int>> current;
+  Policy policy = Policy::kAuto;
+  int min_replicas = 1;  // every expert keeps at least max(1, min_replicas) replicas
+  // A current placement whose max rank load is within this fraction of the best this planner
+  // finds from scratch is kept as is; otherwise it is repaired until it is, with the fewest
+  // moves the planner finds. 0 always targets the best balance.
+  double tolerance = 0.002;
+};
+
+struct PlanOutput {
+  std::vector<std::vector<int>> placement;  // same shape as `current`: [layer][slot]
+  std::vector<double> balancedness;         // per layer: mean / max member rank load
+  std::vector<Policy> used;                 // per layer: kGlobal or kHierarchical
+  int64_t moved_slots = 0;                  // count_moves(current, placement)
+};
+
+// Plans every layer. Guarantees, for each layer:
+//  - every logical expert has >= max(1, min_replicas) replicas, all on member ranks;
+//  - no rank holds two replicas of one expert; slots of non-member ranks are -1;
+//  - an expert that stays on a rank keeps its slot index; new experts take slots that were free
+//    first, then slots whose expert leaves;
+//  - unchanged loads give zero moves: a plan applied to its own output returns it unchanged.
+// Any number of ranks works (no divisibility needed): slots beyond num_experts go to extra
+// replicas of the experts with the highest load per replica; a slot may stay free when nothing
+// is gained by filling it (it then needs no weights). InvalidArgument for malformed input, for
+// fewer member slots than num_experts * min_replicas, for min_replicas above the number of
+// members, and for kHierarchical when not applicable (the message says why).
+Result<PlanOutput> plan(const PlanInput& input);
+
+// mean / max of the member ranks' loads, where an expert's load is split evenly over the
+// replicas it has on member ranks; 1 when every rank load is 0.
+double balancedness(const std::vector<double>& load_row, const std::vector<int>& placement_row,
+                    const std::vector<int>& ranks, int slots_per_rank);
+
+// Slots that receive an expert they did not hold: to[s] != -1 && to[s] != from[s]. An empty
+// `from` (or a shorter row) counts as free slots.
+int64_t count_moves(const std::vector<int>& from_row, const std::vector<int>& to_row);
+int64_t count_moves(const std::vector<std::vector<int>>& from,
+                    const std::vector<std::vector<int>>& to);
+
+}  // namespace flexpert::eplb
