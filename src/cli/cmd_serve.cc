@@ -60,9 +60,11 @@ Status run_serve(const Flags& flags) {
       return invalid_argument("--max-ranks must be >= --ranks");
     }
     if (!options.spawn_workers) {
-      std::printf("waiting for %d workers: flexpert worker --join %s:%d --rank R\n", options.ranks,
-                  options.control_host.c_str(), options.control_port);
-      std::fflush(stdout);
+      options.on_listening = [&options](const std::string& endpoint) {
+        std::printf("waiting for %d workers: flexpert worker --join %s --rank R\n", options.ranks,
+                    endpoint.substr(6).c_str());  // Without "tcp://".
+        std::fflush(stdout);
+      };
     }
     FLEX_ASSIGN_OR_RETURN(auto cluster, ClusterEngine::start(options));
     description = std::to_string(options.ranks) + " ranks, control " + cluster->control_endpoint();

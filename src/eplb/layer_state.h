@@ -7,6 +7,7 @@
 // split evenly over its replicas. Plain value types, single-threaded.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 

@@ -211,6 +211,7 @@ Status ClusterEngine::Impl::start() {
       "tcp://" + options_.control_host + ":" +
       (options_.control_port ? std::to_string(options_.control_port) : std::string("*"))));
   FLEX_ASSIGN_OR_RETURN(endpoint_, router_.last_endpoint());
+  if (options_.on_listening) options_.on_listening(endpoint_);
   const std::string wake = "inproc://wake-" + session_;
   FLEX_RETURN_IF_ERROR(wake_rx_.bind(wake));
   FLEX_RETURN_IF_ERROR(wake_tx_.connect(wake));

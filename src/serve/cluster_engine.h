@@ -9,6 +9,7 @@
 // and hand commands to it through a queue.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -33,6 +34,8 @@ struct ClusterOptions {
   std::string control_host = "127.0.0.1";
   int control_port = 0;           // 0: any free port.
   int start_timeout_ms = 120000;  // For every rank to be ready.
+  // Called once the control socket is bound, with its endpoint (tcp://HOST:PORT).
+  std::function<void(const std::string&)> on_listening;
 };
 
 class ClusterEngine : public ServingEngine {

@@ -65,6 +65,12 @@ TEST(CliTest, BadInputExitsWithTwoAndAMessage) {
       {"generate --model " + kModel + " --prompt-ids 1 --placement replicate:q", "placement"},
       {"synth --preset nope --out /tmp/x", "preset"},
       {"bench generate --batches 0", "batches"},
+      {"serve --model /no/such/dir --port 0", "/no/such/dir"},
+      {"serve --model " + kModel + " --ranks 0 --port 0", "--ranks"},
+      {"serve --model " + kModel + " --ranks 2 --max-ranks 1 --port 0", "--max-ranks"},
+      {"serve --model " + kModel + " --placement replicate:x --port 0", "placement"},
+      {"worker --rank 0", "--join"},
+      {"bench serve --concurrency x", "integer"},
   };
   for (const auto& [args, needle] : cases) {
     CliRun r = run(args);

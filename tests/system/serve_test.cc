@@ -39,7 +39,8 @@ Reference load_reference() {
 // A `flexpert serve` child process and a client for it.
 class Server {
  public:
-  explicit Server(const std::vector<std::string>& extra_args) {
+  explicit Server(const std::vector<std::string>& extra_args, std::vector<int> hand_started = {})
+      : hand_started_(std::move(hand_started)) {
     int out[2];
     EXPECT_EQ(pipe(out), 0);
     pid_ = fork();
@@ -62,6 +63,12 @@ class Server {
     char line[512] = {0};
     while (fgets(line, sizeof(line), f) != nullptr) {
       int port = 0;
+      // With --no-spawn the front end first says where workers join; start them.
+      char join[128];
+      if (std::sscanf(line, "waiting for %*d workers: flexpert worker --join %127s", join) == 1) {
+        for (int rank : hand_started_) workers_.push_back(start_worker(join, rank));
+        continue;
+      }
       if (std::sscanf(line, "serving on http://127.0.0.1:%d", &port) == 1) {
         port_ = port;
         break;
@@ -76,6 +83,10 @@ class Server {
     if (pid_ > 0) {
       kill(pid_, SIGKILL);
       waitpid(pid_, nullptr, 0);
+    }
+    for (pid_t w : workers_) {
+      kill(w, SIGKILL);
+      waitpid(w, nullptr, 0);
     }
     if (stdout_) fclose(stdout_);
   }
@@ -101,16 +112,35 @@ class Server {
     return nlohmann::json::parse(res->body)["choices"][0]["token_ids"].get<std::vector<int>>();
   }
 
-  // SIGTERM and wait; returns the exit status.
+  // SIGTERM and wait; returns the exit status. Hand-started workers must exit too.
   int stop() {
     kill(pid_, SIGTERM);
     int status = 0;
     waitpid(pid_, &status, 0);
     pid_ = -1;
+    for (pid_t w : workers_) {
+      int ws = 0;
+      waitpid(w, &ws, 0);
+      EXPECT_TRUE(WIFEXITED(ws) && WEXITSTATUS(ws) == 0) << "worker " << w << " status " << ws;
+    }
+    workers_.clear();
     return status;
   }
 
+  static pid_t start_worker(const std::string& join, int rank) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const std::string r = std::to_string(rank);
+      execl(FLEXPERT_BINARY, FLEXPERT_BINARY, "worker", "--join", join.c_str(), "--rank", r.c_str(),
+            static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    return pid;
+  }
+
  private:
+  std::vector<int> hand_started_;
+  std::vector<pid_t> workers_;
   pid_t pid_ = -1;
   int port_ = 0;
   FILE* stdout_ = nullptr;
@@ -168,6 +198,16 @@ TEST(ServeTest, ReplicatedExpertsAcrossRanks) {
   auto status = server.get_json("/v1/status");
   EXPECT_EQ(status["slots_per_rank"], 8);
   check_reference(server, load_reference(), 8);
+  EXPECT_EQ(server.stop(), 0);
+}
+
+TEST(ServeTest, HandStartedWorkersJoin) {
+  // `flexpert worker --join HOST:PORT --rank R`, the path other hosts will use.
+  Server server({"--ranks", "2", "--no-spawn"}, {0, 1});
+  ASSERT_TRUE(server.up());
+  check_reference(server, load_reference(), 2);
+  auto status = server.get_json("/v1/status");
+  EXPECT_EQ(status["members"].size(), 2u);
   EXPECT_EQ(server.stop(), 0);
 }
 

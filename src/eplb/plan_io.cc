@@ -1,0 +1,196 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "eplb/plan_io.h"
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <numeric>
+
+#include "eplb/deepseek_eplb.h"
+
+namespace flexpert::eplb {
+namespace {
+
+using nlohmann::json;
+
+Result<int> positive_int(const json& c, const std::string& where, const char* key, bool required,
+                         int fallback) {
+  if (!c.contains(key)) {
+    if (required) return invalid_argument(where + ": missing \"" + key + "\"");
+    return fallback;
+  }
+  const json& v = c[key];
+  if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > (1 << 30)) {
+    return invalid_argument(where + ": \"" + key + "\" must be a positive integer");
+  }
+  return static_cast<int>(v.get<int64_t>());
+}
+
+Result<PlanCase> parse_case(const json& c, size_t index) {
+  std::string where = "case " + std::to_string(index);
+  if (!c.is_object()) return invalid_argument(where + ": not an object");
+  if (!c.contains("name") || !c["name"].is_string()) {
+    return invalid_argument(where + ": \"name\" must be a string");
+  }
+  PlanCase pc;
+  pc.name = c["name"].get<std::string>();
+  where += " ('" + pc.name + "')";
+
+  if (!c.contains("weight") || !c["weight"].is_array() || c["weight"].empty()) {
+    return invalid_argument(where + ": \"weight\" must be a non-empty [layers][experts] array");
+  }
+  for (const json& row : c["weight"]) {
+    if (!row.is_array() || row.empty()) {
+      return invalid_argument(where + ": every \"weight\" row must be a non-empty array");
+    }
+    std::vector<double> r;
+    r.reserve(row.size());
+    for (const json& v : row) {
+      if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0) {
+        return invalid_argument(where + ": weights must be finite numbers >= 0");
+      }
+      r.push_back(v.get<double>());
+    }
+    if (!pc.weight.empty() && r.size() != pc.weight[0].size()) {
+      return invalid_argument(where + ": \"weight\" rows differ in length");
+    }
+    pc.weight.push_back(std::move(r));
+  }
+  FLEX_ASSIGN_OR_RETURN(pc.num_replicas, positive_int(c, where, "num_replicas", true, 0));
+  FLEX_ASSIGN_OR_RETURN(pc.num_gpus, positive_int(c, where, "num_gpus", true, 0));
+  FLEX_ASSIGN_OR_RETURN(pc.num_groups, positive_int(c, where, "num_groups", false, 1));
+  FLEX_ASSIGN_OR_RETURN(pc.num_nodes, positive_int(c, where, "num_nodes", false, 1));
+  if (pc.num_replicas % pc.num_gpus != 0) {
+    return invalid_argument(where + ": num_replicas must be a multiple of num_gpus");
+  }
+  const int num_experts = static_cast<int>(pc.weight[0].size());
+  if (pc.num_replicas < num_experts) {
+    return invalid_argument(where + ": num_replicas is smaller than the number of experts");
+  }
+  if (c.contains("prev_num_gpus") && !c.contains("prev_phy2log")) {
+    return invalid_argument(where + ": \"prev_num_gpus\" without \"prev_phy2log\"");
+  }
+  FLEX_ASSIGN_OR_RETURN(pc.prev_num_gpus,
+                        positive_int(c, where, "prev_num_gpus", false, pc.num_gpus));
+  if (c.contains("prev_phy2log")) {
+    const json& prev = c["prev_phy2log"];
+    if (!prev.is_array() || prev.size() != pc.weight.size()) {
+      return invalid_argument(where + ": \"prev_phy2log\" must have one row per layer");
+    }
+    for (const json& row : prev) {
+      if (!row.is_array() || row.empty() || row.size() % pc.prev_num_gpus != 0 ||
+          (!pc.prev_phy2log.empty() && row.size() != pc.prev_phy2log[0].size())) {
+        return invalid_argument(where +
+                                ": \"prev_phy2log\" rows must have one length, a multiple of "
+                                "prev_num_gpus");
+      }
+      std::vector<int> r;
+      for (const json& v : row) {
+        if (!v.is_number_integer() || v.get<int64_t>() < -1 || v.get<int64_t>() >= num_experts) {
+          return invalid_argument(where + ": \"prev_phy2log\" entries must be experts or -1");
+        }
+        r.push_back(static_cast<int>(v.get<int64_t>()));
+      }
+      pc.prev_phy2log.push_back(std::move(r));
+    }
+  }
+  return pc;
+}
+
+}  // namespace
+
+Result<Planner> parse_planner(std::string_view name) {
+  if (name == "flexpert") return Planner::kFlexpert;
+  if (name == "deepseek") return Planner::kDeepSeek;
+  return invalid_argument("planner must be flexpert or deepseek, got '" + std::string(name) + "'");
+}
+
+Result<std::vector<PlanCase>> parse_cases(std::string_view json_text) {
+  json doc = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded()) return invalid_argument("input is not valid JSON");
+  if (!doc.is_object() || !doc.contains("cases") || !doc["cases"].is_array()) {
+    return invalid_argument("input must be an object with a \"cases\" array");
+  }
+  std::vector<PlanCase> cases;
+  for (size_t i = 0; i < doc["cases"].size(); ++i) {
+    FLEX_ASSIGN_OR_RETURN(PlanCase c, parse_case(doc["cases"][i], i));
+    cases.push_back(std::move(c));
+  }
+  return cases;
+}
+
+std::vector<std::vector<int>> map_previous(const PlanCase& c) {
+  std::vector<std::vector<int>> current;
+  if (c.prev_phy2log.empty()) return current;
+  const int slots = c.num_replicas / c.num_gpus;
+  const int prev_gpus = c.prev_num_gpus > 0 ? c.prev_num_gpus : c.num_gpus;
+  for (const auto& prev : c.prev_phy2log) {
+    const int prev_slots = static_cast<int>(prev.size()) / prev_gpus;
+    std::vector<int> row(c.num_replicas, -1);
+    for (int g = 0; g < std::min(prev_gpus, c.num_gpus); ++g) {
+      for (int k = 0; k < std::min(slots, prev_slots); ++k) {
+        row[g * slots + k] = prev[g * prev_slots + k];
+      }
+    }
+    current.push_back(std::move(row));
+  }
+  return current;
+}
+
+Result<CaseResult> run_case(const PlanCase& c, const RunOptions& options) {
+  CaseResult r;
+  r.name = c.name;
+  const std::vector<std::vector<int>> current = map_previous(c);
+  const int slots = c.num_replicas / c.num_gpus;
+  std::vector<int> ranks(c.num_gpus);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  if (options.planner == Planner::kDeepSeek) {
+    FLEX_ASSIGN_OR_RETURN(DeepSeekPlan p, deepseek_rebalance(c.weight, c.num_replicas,
+                                                             c.num_groups, c.num_nodes,
+                                                             c.num_gpus));
+    r.phy2log = std::move(p.phy2log);
+    r.policy.assign(r.phy2log.size(), p.hierarchical ? "hierarchical" : "global");
+  } else {
+    PlanInput in;
+    in.num_experts = static_cast<int>(c.weight[0].size());
+    in.slots_per_rank = slots;
+    in.ranks = ranks;
+    in.max_ranks = c.num_gpus;
+    in.num_hosts = c.num_nodes;
+    in.num_groups = c.num_groups;
+    in.load = c.weight;
+    in.current = current;
+    in.policy = options.policy;
+    in.min_replicas = options.min_replicas;
+    in.tolerance = options.tolerance;
+    auto out = plan(in);
+    if (!out.ok()) return out.status().annotate("case '" + c.name + "'");
+    r.phy2log = std::move(out->placement);
+    for (Policy p : out->used) r.policy.emplace_back(policy_name(p));
+  }
+  for (size_t l = 0; l < r.phy2log.size(); ++l) {
+    r.balancedness.push_back(balancedness(c.weight[l], r.phy2log[l], ranks, slots));
+  }
+  r.moved_slots = count_moves(current, r.phy2log);
+  return r;
+}
+
+std::string results_to_json(const std::vector<CaseResult>& results) {
+  // One phy2log row per line: readable, and diff-friendly between planners.
+  std::string out = "{\"cases\": [";
+  for (size_t i = 0; i < results.size(); ++i) {
+    const CaseResult& r = results[i];
+    out += i ? ",\n" : "\n";
+    out += " {\"name\": " + json(r.name).dump() + ", \"time_s\": " + json(r.time_s).dump() +
+           ", \"moved_slots\": " + std::to_string(r.moved_slots) +
+           ",\n  \"balancedness\": " + json(r.balancedness).dump() +
+           ",\n  \"policy\": " + json(r.policy).dump() + ",\n  \"phy2log\": [";
+    for (size_t l = 0; l < r.phy2log.size(); ++l) {
+      out += (l ? ",\n   " : "\n   ") + json(r.phy2log[l]).dump();
+    }
+    out += "]}";
+  }
+  out += "\n]}\n";
+  return out;
+}
+
+}  // namespace flexpert::eplb

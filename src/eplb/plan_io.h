@@ -1,0 +1,66 @@
+// SPDX-License-Identifier: Apache-2.0
+// The file interface of DeepSeek's open EPLB, so plans of both planners can be compared:
+//   in:  {"cases": [{"name", "weight": [layers][logical experts], "num_replicas", "num_groups",
+//                    "num_nodes", "num_gpus", "prev_phy2log"?: [layers][prev slots],
+//                    "prev_num_gpus"?}]}
+//   out: {"cases": [{"name", "phy2log": [layers][num_replicas], "time_s", "balancedness":
+//                    [layers], "moved_slots", "policy": [layers]}]}
+// Slot s lives on GPU s / (num_replicas / num_gpus); -1 in a flexpert phy2log marks a free slot
+// (a slot the plan gains nothing by filling). JSON text in and out: the caller does the file
+// I/O and owns the clock (time_s). Pure functions otherwise; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "eplb/planner.h"
+#include "flexpert/status.h"
+
+namespace flexpert::eplb {
+
+enum class Planner { kFlexpert, kDeepSeek };
+Result<Planner> parse_planner(std::string_view name);  // "flexpert" | "deepseek"
+
+struct PlanCase {
+  std::string name;
+  std::vector<std::vector<double>> weight;  // [layer][logical expert]
+  int num_replicas = 0;
+  int num_groups = 1;  // optional in the file, default 1
+  int num_nodes = 1;   // optional in the file, default 1
+  int num_gpus = 0;
+  std::vector<std::vector<int>> prev_phy2log;  // empty: no previous plan
+  int prev_num_gpus = 0;                       // GPUs of prev_phy2log; defaults to num_gpus
+};
+
+struct CaseResult {
+  std::string name;
+  std::vector<std::vector<int>> phy2log;
+  std::vector<double> balancedness;  // per layer, mean / max GPU load
+  int64_t moved_slots = 0;           // against the (mapped) previous plan; all slots if none
+  std::vector<std::string> policy;   // per layer: "global" or "hierarchical"
+  double time_s = 0;                 // set by the caller
+};
+
+struct RunOptions {
+  Planner planner = Planner::kFlexpert;
+  Policy policy = Policy::kAuto;  // flexpert only
+  int min_replicas = 1;           // flexpert only
+  double tolerance = PlanInput().tolerance;
+};
+
+// InvalidArgument naming the case and field for anything malformed.
+Result<std::vector<PlanCase>> parse_cases(std::string_view json_text);
+
+// The previous plan as a current placement of num_gpus x (num_replicas / num_gpus) slots. A GPU
+// present in both keeps its experts in the same slot indices (slots beyond the new slots per
+// GPU are dropped); GPUs >= num_gpus are gone (scale-down removes the highest ranks) and their
+// experts must be placed anew; new GPUs start empty. Empty when the case has no previous plan.
+std::vector<std::vector<int>> map_previous(const PlanCase& c);
+
+Result<CaseResult> run_case(const PlanCase& c, const RunOptions& options);
+
+std::string results_to_json(const std::vector<CaseResult>& results);
+
+}  // namespace flexpert::eplb
