@@ -6,8 +6,9 @@
 // name, then a msgpack map of the struct's fields. The front end rejects
 // messages from an incarnation it no longer knows. Plain value types.
 //
-//   worker -> front end: Hello, Ready, TokenBatch, StepReport, WorkerError
-//   front end -> worker: WorkerConfig, EpochCommand, AddRequest, CancelRequest, Shutdown
+//   worker -> front end: Hello, Ready, TokenBatch, StepReport, WorkerError, PullDone, MapApplied
+//   front end -> worker: WorkerConfig, EpochCommand, AddRequest, CancelRequest, Shutdown,
+//                        PullCommand, MapCommand
 #pragma once
 
 #ifndef MSGPACK_NO_BOOST
@@ -104,10 +105,53 @@ struct StepReport {
   static constexpr const char* kType = "report";
   uint64_t epoch = 0;
   uint64_t steps = 0;
-  double step_ms = 0;  // Mean over busy steps since the last report.
+  double step_ms = 0;      // Mean over busy steps since the last report.
+  double max_step_ms = 0;  // Longest busy step since the last report.
   int running = 0;
   int waiting = 0;
-  MSGPACK_DEFINE_MAP(epoch, steps, step_ms, running, waiting);
+  uint64_t map_version = 0;  // Expert map in use.
+  // Rows computed per [layer][local slot] since the last report (EPLB load).
+  std::vector<int64_t> slot_counts;
+  MSGPACK_DEFINE_MAP(epoch, steps, step_ms, max_step_ms, running, waiting, map_version,
+                     slot_counts);
+};
+
+// Copy experts into free local slots: dst_slots[i] <- (src_ranks[i], src_slots[i]),
+// local slot indices on both sides, layer `layer`. Runs beside serving (one-sided
+// transport reads); answered by PullDone.
+struct PullCommand {
+  static constexpr const char* kType = "pull";
+  uint64_t id = 0;
+  int layer = 0;
+  std::vector<int> dst_slots;
+  std::vector<int> src_ranks;
+  std::vector<int> src_slots;
+  MSGPACK_DEFINE_MAP(id, layer, dst_slots, src_ranks, src_slots);
+};
+
+struct PullDone {
+  static constexpr const char* kType = "pulled";
+  uint64_t id = 0;
+  uint64_t num_bytes = 0;
+  double seconds = 0;
+  int code = 0;  // StatusCode; 0 = OK.
+  std::string message;
+  MSGPACK_DEFINE_MAP(id, num_bytes, seconds, code, message);
+};
+
+// A new expert placement (all layers, all slots). Members switch at the step
+// boundary whose header shows every member holding it, then answer MapApplied.
+struct MapCommand {
+  static constexpr const char* kType = "map";
+  uint64_t version = 0;
+  std::string placement_json;
+  MSGPACK_DEFINE_MAP(version, placement_json);
+};
+
+struct MapApplied {
+  static constexpr const char* kType = "mapped";
+  uint64_t version = 0;
+  MSGPACK_DEFINE_MAP(version);
 };
 
 struct WorkerError {

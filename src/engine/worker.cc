@@ -8,7 +8,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
 #include <random>
+#include <thread>
 
 #include "cluster/protocol.h"
 #include "cluster/zmq_socket.h"
@@ -17,6 +21,7 @@
 #include "flexpert/scheduler.h"
 #include "flexpert/thread_pool.h"
 #include "moe/ep_executor.h"
+#include "moe/expert_slots.h"
 #include "transport/transport.h"
 
 namespace flexpert {
@@ -31,6 +36,7 @@ struct StepHeader {
   uint32_t num_tokens = 0;
   uint32_t stopping = 0;     // 1: this rank was told to shut down.
   uint64_t acked_epoch = 0;  // Highest epoch command this rank holds.
+  uint64_t acked_map = 0;    // Highest expert-map version this rank holds.
 };
 
 SamplingParams params_of(const proto::AddRequest& r) {
@@ -65,6 +71,10 @@ class Worker {
   Status handle(const std::vector<std::string>& parts);
   Status step();
   void report(bool force);
+  // The weight mover: a thread that copies experts into free slots beside serving.
+  void mover_loop();
+  proto::PullDone pull(const proto::PullCommand& cmd);
+  void send_pull_results();
 
   WorkerOptions options_;
   ZmqContext ctx_;
@@ -85,8 +95,30 @@ class Worker {
   std::vector<TokenEvent> events_;
   uint64_t steps_ = 0;
   double busy_ms_ = 0;
+  double max_step_ms_ = 0;
   uint64_t busy_steps_ = 0;
   std::chrono::steady_clock::time_point last_report_{};
+  // Expert map switching (same agreement rule as epochs).
+  uint64_t map_version_ = 0;
+  bool has_pending_map_ = false;
+  proto::MapCommand pending_map_;
+  // Mover thread and its queues, guarded by mover_mutex_.
+  std::thread mover_;
+  std::mutex mover_mutex_;
+  std::condition_variable mover_cv_;
+  std::deque<proto::PullCommand> pulls_;
+  std::deque<proto::PullDone> pulled_;
+  bool mover_stop_ = false;
+
+ public:
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mover_mutex_);
+      mover_stop_ = true;
+    }
+    mover_cv_.notify_all();
+    if (mover_.joinable()) mover_.join();
+  }
 };
 
 Status Worker::connect_and_configure() {
@@ -202,6 +234,18 @@ Status Worker::handle(const std::vector<std::string>& parts) {
     }
     pending_ = std::move(cmd);
     has_pending_ = true;
+  } else if (type == proto::PullCommand::kType) {
+    FLEX_ASSIGN_OR_RETURN(auto cmd, proto::decode<proto::PullCommand>(parts[1]));
+    {
+      std::lock_guard<std::mutex> lock(mover_mutex_);
+      pulls_.push_back(std::move(cmd));
+    }
+    mover_cv_.notify_one();
+  } else if (type == proto::MapCommand::kType) {
+    FLEX_ASSIGN_OR_RETURN(auto cmd, proto::decode<proto::MapCommand>(parts[1]));
+    if (cmd.version <= map_version_) return Status();
+    pending_map_ = std::move(cmd);
+    has_pending_map_ = true;
   } else if (type == proto::Shutdown::kType) {
     stopping_ = true;
   } else {
@@ -230,9 +274,18 @@ void Worker::report(bool force) {
   r.epoch = group_.epoch;
   r.steps = steps_;
   r.step_ms = busy_steps_ ? busy_ms_ / static_cast<double>(busy_steps_) : 0.0;
+  r.max_step_ms = max_step_ms_;
   r.running = static_cast<int>(scheduler_->num_running());
   r.waiting = static_cast<int>(scheduler_->num_waiting());
+  r.map_version = map_version_;
+  const auto& counts = model_->slot_counts();
+  const int first = options_.rank * config_.slots_per_rank;
+  for (const auto& layer : counts) {
+    for (int i = 0; i < config_.slots_per_rank; ++i) r.slot_counts.push_back(layer[first + i]);
+  }
+  model_->reset_slot_counts();
   busy_ms_ = 0;
+  max_step_ms_ = 0;
   busy_steps_ = 0;
   (void)send_msg(control_, r);
 }
@@ -243,17 +296,20 @@ Status Worker::step() {
   for (const auto& chunk : batch) header.num_tokens += static_cast<uint32_t>(chunk.tokens.size());
   header.stopping = stopping_ ? 1 : 0;
   header.acked_epoch = has_pending_ ? pending_.epoch : group_.epoch;
+  header.acked_map = has_pending_map_ ? pending_map_.version : map_version_;
   FLEX_ASSIGN_OR_RETURN(std::vector<ByteSpan> headers,
                         transport_->all_gather(group_, {&header, sizeof(header)}));
   uint64_t total_tokens = 0;
   bool any_stopping = false;
   bool all_acked = has_pending_;
+  bool map_acked = has_pending_map_;
   for (int r : group_.ranks) {
     StepHeader h;
     std::memcpy(&h, headers[r].data, sizeof(h));
     total_tokens += h.num_tokens;
     any_stopping |= h.stopping != 0;
     if (has_pending_ && h.acked_epoch < pending_.epoch) all_acked = false;
+    if (has_pending_map_ && h.acked_map < pending_map_.version) map_acked = false;
   }
   if (any_stopping) {
     stopping_ = true;
@@ -280,11 +336,78 @@ Status Worker::step() {
     }
   }
   // Every member saw the same headers: all switch at this boundary, or none.
+  if (map_acked) {
+    has_pending_map_ = false;
+    FLEX_ASSIGN_OR_RETURN(ExpertPlacement next,
+                          ExpertPlacement::parse(pending_map_.placement_json,
+                                                 model_config_.num_hidden_layers,
+                                                 std::max(1, model_config_.num_experts)));
+    FLEX_RETURN_IF_ERROR(model_->set_placement(std::move(next)));
+    map_version_ = pending_map_.version;
+    FLEX_RETURN_IF_ERROR(send_msg(control_, proto::MapApplied{map_version_}));
+  }
   if (all_acked) {
     has_pending_ = false;
     FLEX_RETURN_IF_ERROR(apply_epoch(pending_));
   }
   return Status();
+}
+
+proto::PullDone Worker::pull(const proto::PullCommand& cmd) {
+  proto::PullDone done;
+  done.id = cmd.id;
+  const auto t0 = std::chrono::steady_clock::now();
+  ExpertSlots* slots = model_->local_slots(cmd.layer);
+  Status s;
+  if (slots == nullptr || cmd.dst_slots.size() != cmd.src_ranks.size() ||
+      cmd.dst_slots.size() != cmd.src_slots.size()) {
+    s = invalid_argument("bad pull command for layer " + std::to_string(cmd.layer));
+  }
+  for (size_t i = 0; s.ok() && i < cmd.dst_slots.size(); ++i) {
+    const int dst = cmd.dst_slots[i];
+    if (dst < 0 || dst >= slots->num_slots() || cmd.src_slots[i] < 0 ||
+        cmd.src_slots[i] >= slots->num_slots()) {
+      s = invalid_argument("pull slot out of range");
+      break;
+    }
+    const size_t bytes = slots->slot_bytes();
+    // Regions are per layer; a slot's weights are one contiguous block in it.
+    if (cmd.src_ranks[i] == options_.rank) {
+      std::memcpy(slots->slot_data(dst), slots->slot_data(cmd.src_slots[i]), bytes);
+    } else {
+      s = transport_->read(cmd.src_ranks[i], cmd.layer, cmd.src_slots[i] * bytes,
+                           slots->slot_data(dst), bytes);
+    }
+    if (s.ok()) done.num_bytes += bytes;
+  }
+  done.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  done.code = static_cast<int>(s.code());
+  done.message = s.ok() ? "" : s.message();
+  return done;
+}
+
+void Worker::mover_loop() {
+  std::unique_lock<std::mutex> lock(mover_mutex_);
+  for (;;) {
+    mover_cv_.wait(lock, [&] { return mover_stop_ || !pulls_.empty(); });
+    if (mover_stop_) return;
+    proto::PullCommand cmd = std::move(pulls_.front());
+    pulls_.pop_front();
+    lock.unlock();
+    proto::PullDone done = pull(cmd);  // Destination slots are free in the current map.
+    lock.lock();
+    pulled_.push_back(std::move(done));
+  }
+}
+
+void Worker::send_pull_results() {
+  std::deque<proto::PullDone> done;
+  {
+    std::lock_guard<std::mutex> lock(mover_mutex_);
+    done.swap(pulled_);
+  }
+  for (const auto& d : done) (void)send_msg(control_, d);
 }
 
 int Worker::run() {
@@ -298,7 +421,9 @@ int Worker::run() {
     (void)send_msg(control_, err);
     return 1;
   }
+  mover_ = std::thread([this] { mover_loop(); });
   while (!g_terminate.load()) {
+    send_pull_results();
     // Idle or halted ranks wait on the control socket; busy ones only drain it.
     const int wait_ms = halted_ || group_.ranks.empty() ? 50 : (idle_ ? 2 : 0);
     if (Status s = poll_control(wait_ms); !s.ok()) {

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "serve/cluster_engine.h"
+#include "serve/cluster_engine_impl.h"
 
 #include <dirent.h>
 #include <signal.h>
@@ -27,9 +28,13 @@
 namespace flexpert {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+std::string self_exe() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "flexpert";
+}
 
-enum class RankState { kEmpty, kStarting, kReady, kServing, kHalted, kDead, kStopped };
+}  // namespace
 
 const char* state_name(RankState s) {
   switch (s) {
@@ -50,94 +55,6 @@ const char* state_name(RankState s) {
   }
   return "?";
 }
-
-struct RankInfo {
-  RankState state = RankState::kEmpty;
-  pid_t pid = 0;
-  bool spawned = false;
-  std::string routing_id;
-  uint64_t incarnation = 0;
-  std::string address;
-  int in_flight = 0;
-  int running = 0;
-  int waiting = 0;
-  double step_ms = 0;
-  uint64_t steps = 0;
-  Clock::time_point last_seen{};
-  std::string last_error;
-};
-
-struct RequestInfo {
-  int rank = -1;
-  CompletionCallback callback;
-};
-
-std::string self_exe() {
-  char buf[4096];
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "flexpert";
-}
-
-}  // namespace
-
-class ClusterEngine::Impl {
- public:
-  explicit Impl(ClusterOptions options)
-      : options_(std::move(options)),
-        router_(ctx_, ZMQ_ROUTER),
-        wake_rx_(ctx_, ZMQ_PAIR),
-        wake_tx_(ctx_, ZMQ_PAIR) {}
-
-  Status start();
-  Status shutdown();
-
-  ClusterOptions options_;
-  ModelConfig model_config_;
-  int max_seq_len_ = 0;
-  int slots_per_rank_ = 0;
-  std::string session_;
-  ExpertPlacement placement_;
-  std::string endpoint_;
-
-  ZmqContext ctx_;
-  ZmqSocket router_;   // Owned by the control thread after start().
-  ZmqSocket wake_rx_;  // Control thread side.
-  ZmqSocket wake_tx_;  // Guarded by mutex_.
-  std::thread control_;
-  std::atomic<bool> stop_{false};
-
-  mutable std::mutex mutex_;
-  std::condition_variable cv_;
-  // Guarded by mutex_:
-  std::vector<RankInfo> ranks_;
-  std::map<uint64_t, RequestInfo> requests_;
-  std::deque<std::pair<int, std::vector<std::string>>> outbox_;  // (rank, [type, body])
-  uint64_t next_request_id_ = 1;
-  uint64_t epoch_ = 0;
-  std::vector<int> members_;
-  std::string phase_ = "starting";
-  Status start_error_;
-  bool accepting_ = false;
-
-  // Control thread.
-  void control_loop();
-  void handle(const std::string& routing_id, const std::string& type, const std::string& body,
-              std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls);
-  void check_workers(std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls);
-  void on_rank_lost(int rank, const std::string& why,
-                    std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls);
-  void commit_epoch(std::vector<int> members);
-  void flush_outbox();
-
-  // Any thread, with mutex_ held.
-  template <typename T>
-  void post(int rank, const T& msg) {
-    outbox_.push_back({rank, {T::kType, proto::encode(msg)}});
-  }
-  void wake();
-  Status spawn(int rank);
-  int rank_of_routing_id(const std::string& id) const;
-};
 
 Status ClusterEngine::Impl::spawn(int rank) {
   const std::string binary = options_.worker_binary.empty() ? self_exe() : options_.worker_binary;
