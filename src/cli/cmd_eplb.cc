@@ -18,8 +18,10 @@ namespace {
 const char kEplbUsage[] =
     "usage: flexpert eplb plan --input cases.json --output plans.json [flags]\n"
     "  input:  {\"cases\": [{\"name\", \"weight\": [layers][experts], \"num_replicas\",\n"
-    "           \"num_groups\", \"num_nodes\", \"num_gpus\", \"prev_phy2log\"?, \"prev_num_gpus\"?}]}\n"
-    "  output: {\"cases\": [{\"name\", \"phy2log\", \"time_s\", \"balancedness\", \"moved_slots\",\n"
+    "           \"num_groups\", \"num_nodes\", \"num_gpus\", \"prev_phy2log\"?, "
+    "\"prev_num_gpus\"?}]}\n"
+    "  output: {\"cases\": [{\"name\", \"phy2log\", \"time_s\", \"balancedness\", "
+    "\"moved_slots\",\n"
     "           \"policy\"}]}  (--output - writes to stdout)\n";
 
 Result<std::string> read_file(const std::string& path) {
@@ -50,8 +52,7 @@ int cmd_eplb(const std::vector<std::string>& args) {
     return args.empty() ? 2 : 0;
   }
   if (args[0] != "plan") {
-    std::fprintf(stderr, "flexpert eplb: unknown subcommand '%s'\n%s", args[0].c_str(),
-                 kEplbUsage);
+    std::fprintf(stderr, "flexpert eplb: unknown subcommand '%s'\n%s", args[0].c_str(), kEplbUsage);
     return 2;
   }
   Flags flags;
@@ -90,17 +91,16 @@ int cmd_eplb(const std::vector<std::string>& args) {
     if (!cases.ok()) return cases.status().annotate(flags.str("input"));
     std::vector<eplb::CaseResult> results;
     FILE* table = to_stdout ? stderr : stdout;
-    std::fprintf(table, "%-24s %6s %9s %10s %11s %10s\n", "case", "layers", "replicas",
-                 "balance", "moved", "time_ms");
+    std::fprintf(table, "%-24s %6s %9s %10s %11s %10s\n", "case", "layers", "replicas", "balance",
+                 "moved", "time_ms");
     for (const eplb::PlanCase& c : *cases) {
       const auto start = std::chrono::steady_clock::now();
       FLEX_ASSIGN_OR_RETURN(eplb::CaseResult r, eplb::run_case(c, options));
       r.time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       double mean = 0;
       for (double b : r.balancedness) mean += b / static_cast<double>(r.balancedness.size());
-      std::fprintf(table, "%-24s %6zu %9d %10.4f %11lld %10.2f\n", r.name.c_str(),
-                   r.phy2log.size(), c.num_replicas, mean,
-                   static_cast<long long>(r.moved_slots), r.time_s * 1e3);
+      std::fprintf(table, "%-24s %6zu %9d %10.4f %11lld %10.2f\n", r.name.c_str(), r.phy2log.size(),
+                   c.num_replicas, mean, static_cast<long long>(r.moved_slots), r.time_s * 1e3);
       results.push_back(std::move(r));
     }
     return write_file(flags.str("output"), eplb::results_to_json(results));

@@ -23,6 +23,8 @@ Result<int> int_flag(const Flags& flags, const std::string& name, int64_t min_va
   return static_cast<int>(v);
 }
 
+ClusterEngine* cluster_ = nullptr;  // Set when serving a group (not --local).
+
 Status run_serve(const Flags& flags) {
   if (!flags.has("model")) return invalid_argument("--model DIR is required");
   // Block the stop signals in every thread; the main thread waits for them below.
@@ -56,6 +58,19 @@ Status run_serve(const Flags& flags) {
     FLEX_ASSIGN_OR_RETURN(options.control_port, int_flag(flags, "control-port", 0));
     options.placement = flags.str("placement");
     options.spawn_workers = !flags.flag("no-spawn");
+    options.eplb = flags.flag("eplb");
+    FLEX_ASSIGN_OR_RETURN(options.eplb_window_s, flags.number("eplb-window-s"));
+    FLEX_ASSIGN_OR_RETURN(options.eplb_interval_s, flags.number("eplb-interval-s"));
+    FLEX_ASSIGN_OR_RETURN(options.eplb_spare_slots, int_flag(flags, "eplb-spare-slots", 0));
+    FLEX_ASSIGN_OR_RETURN(options.min_replicas, int_flag(flags, "min-replicas", 1));
+    options.eplb_policy = flags.str("eplb-policy");
+    if (options.eplb_policy != "auto" && options.eplb_policy != "global" &&
+        options.eplb_policy != "hierarchical") {
+      return invalid_argument("--eplb-policy must be auto, global or hierarchical");
+    }
+    if (!(options.eplb_window_s > 0) || !(options.eplb_interval_s > 0)) {
+      return invalid_argument("--eplb-window-s and --eplb-interval-s must be > 0");
+    }
     if (options.max_ranks > 0 && options.max_ranks < options.ranks) {
       return invalid_argument("--max-ranks must be >= --ranks");
     }
@@ -68,6 +83,7 @@ Status run_serve(const Flags& flags) {
     }
     FLEX_ASSIGN_OR_RETURN(auto cluster, ClusterEngine::start(options));
     description = std::to_string(options.ranks) + " ranks, control " + cluster->control_endpoint();
+    cluster_ = cluster.get();
     engine = std::move(cluster);
   }
   HttpOptions http;
@@ -76,6 +92,13 @@ Status run_serve(const Flags& flags) {
   http.admin_key = flags.str("admin-key");
   http.model_name = flags.str("served-model-name");
   HttpServer server(*engine, http);
+  if (cluster_ != nullptr) {
+    ClusterEngine* cluster = cluster_;
+    server.add_get_route("/v1/eplb",
+                         [cluster]() -> Result<nlohmann::json> { return cluster->eplb_status(); });
+    server.add_post_route("/v1/eplb/rebalance",
+                          [cluster](const nlohmann::json&) { return cluster->rebalance(); });
+  }
   FLEX_RETURN_IF_ERROR(server.start());
   std::printf("serving on http://%s:%d (%s)\n", http.host.c_str(), server.port(),
               description.c_str());
@@ -108,6 +131,12 @@ int cmd_serve(const Args& args) {
       .value("control-port", "0", "ZeroMQ control port (0: any free port)")
       .value("admin-key", "", "bearer key required by admin endpoints")
       .value("served-model-name", "flexpert", "the model name in responses")
+      .value("eplb-window-s", "30", "EPLB load window (seconds)")
+      .value("eplb-interval-s", "60", "seconds between automatic rebalances (with --eplb)")
+      .value("eplb-spare-slots", "1", "free expert slots per rank for replicas and moves")
+      .value("eplb-policy", "auto", "placement policy: auto, global, hierarchical")
+      .value("min-replicas", "1", "replicas every expert keeps")
+      .boolean("eplb", "rebalance experts automatically every --eplb-interval-s")
       .boolean("no-spawn", "do not start workers; wait for `flexpert worker --join`")
       .boolean("local", "run the model in this process (no workers)")
       .boolean("help", "show this help");

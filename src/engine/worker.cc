@@ -338,10 +338,10 @@ Status Worker::step() {
   // Every member saw the same headers: all switch at this boundary, or none.
   if (map_acked) {
     has_pending_map_ = false;
-    FLEX_ASSIGN_OR_RETURN(ExpertPlacement next,
-                          ExpertPlacement::parse(pending_map_.placement_json,
-                                                 model_config_.num_hidden_layers,
-                                                 std::max(1, model_config_.num_experts)));
+    FLEX_ASSIGN_OR_RETURN(
+        ExpertPlacement next,
+        ExpertPlacement::parse(pending_map_.placement_json, model_config_.num_hidden_layers,
+                               std::max(1, model_config_.num_experts)));
     FLEX_RETURN_IF_ERROR(model_->set_placement(std::move(next)));
     map_version_ = pending_map_.version;
     FLEX_RETURN_IF_ERROR(send_msg(control_, proto::MapApplied{map_version_}));
@@ -380,8 +380,7 @@ proto::PullDone Worker::pull(const proto::PullCommand& cmd) {
     }
     if (s.ok()) done.num_bytes += bytes;
   }
-  done.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  done.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   done.code = static_cast<int>(s.code());
   done.message = s.ok() ? "" : s.message();
   return done;

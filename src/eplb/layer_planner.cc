@@ -5,6 +5,7 @@
 #include "eplb/layer_planner.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
 #include <optional>
 #include <tuple>
@@ -15,8 +16,8 @@ namespace flexpert::eplb::detail {
 namespace {
 
 constexpr double kRelEps = 1e-12;
-constexpr int kScratchCandidateRanks = 32;
-constexpr int kRepairCandidateRanks = 16;
+static int kScratchCandidateRanks = getenv("KS") ? atoi(getenv("KS")) : 32;
+static int kRepairCandidateRanks = getenv("KR") ? atoi(getenv("KR")) : 16;
 
 struct Candidate {
   std::vector<std::vector<int>> sets;
@@ -168,9 +169,7 @@ std::optional<std::vector<std::vector<int>>> repair(const LayerShape& shape,
                                                     const std::vector<Domain>& domains,
                                                     double target) {
   LayerState state(load, shape.num_ranks, shape.slots_per_rank);
-  for (int r = 0; r < shape.num_ranks; ++r) {
-    for (int e : current[r]) state.add(r, e);
-  }
+  state.add_all(current);
   const int m = std::max(1, shape.min_replicas);
   for (const Domain& d : domains) {
     if (!ensure_min_replicas(state, d, m)) return std::nullopt;
@@ -197,59 +196,78 @@ std::vector<std::vector<int>> relabel(const LayerShape& shape,
   for (int r = 0; r < n; ++r) {
     for (int e : current[r]) holders[e].push_back(r);
   }
-  std::vector<int> overlap(static_cast<size_t>(n) * n, 0);  // [fresh rank][current rank]
+  // overlap[i * n + j]: experts fresh rank i shares with current rank j (at most slots_per_rank);
+  // touched[i]: the j with a non-zero overlap, in discovery order.
+  std::vector<int> overlap(static_cast<size_t>(n) * n, 0);
+  std::vector<std::vector<int>> touched(n);
   for (int i = 0; i < n; ++i) {
     for (int e : fresh[i]) {
-      for (int j : holders[e]) ++overlap[static_cast<size_t>(i) * n + j];
+      for (int j : holders[e]) {
+        if (overlap[static_cast<size_t>(i) * n + j]++ == 0) touched[i].push_back(j);
+      }
     }
   }
-  // Greedy matching of rows to columns by descending weight; ties to the lowest (row, col);
-  // rows left over take the columns left over in order.
-  auto match = [](const std::vector<int>& rows, const std::vector<int>& cols, auto weight) {
-    std::vector<std::tuple<int, int, int>> pairs;  // (-weight, row idx, col idx)
-    for (size_t a = 0; a < rows.size(); ++a) {
-      for (size_t b = 0; b < cols.size(); ++b) {
-        const int w = weight(rows[a], cols[b]);
-        if (w > 0) pairs.emplace_back(-w, static_cast<int>(a), static_cast<int>(b));
+  const int num_blocks = n / ranks_per_block;
+  std::vector<int> block_to(num_blocks, 0);
+  if (num_blocks > 1) {
+    std::vector<int> block_overlap(static_cast<size_t>(num_blocks) * num_blocks, 0);
+    for (int i = 0; i < n; ++i) {
+      for (int j : touched[i]) {
+        block_overlap[static_cast<size_t>(i / ranks_per_block) * num_blocks +
+                      j / ranks_per_block] += overlap[static_cast<size_t>(i) * n + j];
+      }
+    }
+    std::vector<std::tuple<int, int, int>> pairs;  // (-overlap, fresh block, current block)
+    for (int a = 0; a < num_blocks; ++a) {
+      for (int b = 0; b < num_blocks; ++b) {
+        if (const int w = block_overlap[static_cast<size_t>(a) * num_blocks + b]; w > 0) {
+          pairs.emplace_back(-w, a, b);
+        }
       }
     }
     std::sort(pairs.begin(), pairs.end());
-    std::vector<int> to(rows.size(), -1);
-    std::vector<uint8_t> taken(cols.size(), 0);
+    std::fill(block_to.begin(), block_to.end(), -1);
+    std::vector<uint8_t> taken(num_blocks, 0);
     for (const auto& [w, a, b] : pairs) {
-      if (to[a] < 0 && !taken[b]) to[a] = b, taken[b] = 1;
+      if (block_to[a] < 0 && !taken[b]) block_to[a] = b, taken[b] = 1;
     }
-    size_t next = 0;
-    for (int& t : to) {
-      if (t >= 0) continue;
+    int next = 0;
+    for (int& b : block_to) {
+      if (b >= 0) continue;
       while (taken[next]) ++next;
-      t = static_cast<int>(next);
+      b = next;
       taken[next] = 1;
     }
-    std::vector<int> result(rows.size());
-    for (size_t a = 0; a < rows.size(); ++a) result[a] = cols[to[a]];
-    return result;
-  };
-  const int num_blocks = n / ranks_per_block;
-  std::vector<int> blocks(num_blocks);
-  std::iota(blocks.begin(), blocks.end(), 0);
-  const std::vector<int> block_to = match(blocks, blocks, [&](int a, int b) {
-    int sum = 0;
-    for (int i = a * ranks_per_block; i < (a + 1) * ranks_per_block; ++i) {
-      for (int j = b * ranks_per_block; j < (b + 1) * ranks_per_block; ++j) {
-        sum += overlap[static_cast<size_t>(i) * n + j];
+  }
+  // Inside each pair of blocks: pairs by descending overlap (a bucket per value), ties in
+  // discovery order; fresh ranks left over take the current ranks left over in order.
+  std::vector<std::vector<int>> out(n);
+  std::vector<std::vector<std::pair<int, int>>> buckets(shape.slots_per_rank + 1);
+  std::vector<int> to(n, -1);
+  std::vector<uint8_t> taken(n, 0);
+  for (int a = 0; a < num_blocks; ++a) {
+    const int rows = a * ranks_per_block, cols = block_to[a] * ranks_per_block;
+    for (auto& bucket : buckets) bucket.clear();
+    for (int i = rows; i < rows + ranks_per_block; ++i) {
+      for (int j : touched[i]) {
+        if (j >= cols && j < cols + ranks_per_block) {
+          buckets[overlap[static_cast<size_t>(i) * n + j]].emplace_back(i, j);
+        }
       }
     }
-    return sum;
-  });
-  std::vector<std::vector<int>> out(n);
-  for (int a = 0; a < num_blocks; ++a) {
-    std::vector<int> rows(ranks_per_block), cols(ranks_per_block);
-    std::iota(rows.begin(), rows.end(), a * ranks_per_block);
-    std::iota(cols.begin(), cols.end(), block_to[a] * ranks_per_block);
-    const std::vector<int> to =
-        match(rows, cols, [&](int i, int j) { return overlap[static_cast<size_t>(i) * n + j]; });
-    for (int k = 0; k < ranks_per_block; ++k) out[to[k]] = fresh[rows[k]];
+    for (int w = shape.slots_per_rank; w > 0; --w) {
+      for (const auto& [i, j] : buckets[w]) {
+        if (to[i] < 0 && !taken[j]) to[i] = j, taken[j] = 1;
+      }
+    }
+    int next = cols;
+    for (int i = rows; i < rows + ranks_per_block; ++i) {
+      if (to[i] >= 0) continue;
+      while (taken[next]) ++next;
+      to[i] = next;
+      taken[next] = 1;
+    }
+    for (int i = rows; i < rows + ranks_per_block; ++i) out[to[i]] = fresh[i];
   }
   return out;
 }

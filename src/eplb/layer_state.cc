@@ -16,41 +16,79 @@ LayerState::LayerState(const std::vector<double>& load, int num_ranks, int slots
       items_(static_cast<size_t>(num_ranks) * slots_per_rank, -1),
       size_(num_ranks, 0),
       rank_load_(num_ranks, 0.0),
+      per_(load),
       has_(load.size() * num_ranks, 0),
       holders_(load.size()) {}
 
-void LayerState::refresh(int expert) {
-  for (int rank : holders_[expert]) {
-    double sum = 0;
-    const int* it = items(rank);
-    for (int k = 0; k < size_[rank]; ++k) sum += per_replica(it[k]);
-    rank_load_[rank] = sum;
-  }
-}
-
-void LayerState::add(int rank, int expert) {
+void LayerState::place(int rank, int expert) {
   FLEX_CHECK(size_[rank] < slots_ && !holds(rank, expert)) << "rank " << rank << " expert " << expert;
   items_[static_cast<size_t>(rank) * slots_ + size_[rank]++] = expert;
   has_[static_cast<size_t>(expert) * num_ranks_ + rank] = 1;
   holders_[expert].push_back(rank);
-  refresh(expert);
 }
 
-void LayerState::remove(int rank, int expert) {
+void LayerState::unplace(int rank, int expert) {
   FLEX_CHECK(holds(rank, expert)) << "rank " << rank << " expert " << expert;
   int* it = &items_[static_cast<size_t>(rank) * slots_];
-  // Keep the order of the others: rank loads are sums in item order, and plans must not
-  // depend on how a state was reached more than necessary.
-  std::copy(std::find(it, it + size_[rank], expert) + 1, it + size_[rank],
-            std::find(it, it + size_[rank], expert));
+  int* pos = std::find(it, it + size_[rank], expert);
+  std::copy(pos + 1, it + size_[rank], pos);  // keeps the others' order
   --size_[rank];
   has_[static_cast<size_t>(expert) * num_ranks_ + rank] = 0;
   auto& h = holders_[expert];
   h.erase(std::find(h.begin(), h.end(), rank));
-  refresh(expert);
-  double sum = 0;
-  for (int k = 0; k < size_[rank]; ++k) sum += per_replica(it[k]);
-  rank_load_[rank] = sum;
+}
+
+// NOTE: loads are updated by differences, not re-summed: a search step must cost O(replicas of
+// the experts it touches), and plans compare loads with a relative slack far above the rounding
+// error this accumulates.
+void LayerState::set_count_changed(int expert) {
+  const int c = count(expert);
+  per_[expert] = c > 0 ? weight(expert) / c : weight(expert);
+}
+
+void LayerState::add(int rank, int expert) {
+  const double before = per_[expert];
+  place(rank, expert);
+  set_count_changed(expert);
+  const double delta = per_[expert] - before;
+  for (int g : holders_[expert]) rank_load_[g] += g == rank ? per_[expert] : delta;
+}
+
+void LayerState::remove(int rank, int expert) {
+  const double before = per_[expert];
+  unplace(rank, expert);
+  set_count_changed(expert);
+  rank_load_[rank] -= before;
+  const double delta = per_[expert] - before;
+  for (int g : holders_[expert]) rank_load_[g] += delta;
+}
+
+void LayerState::move(int from, int to, int expert) {
+  unplace(from, expert);
+  place(to, expert);
+  rank_load_[from] -= per_[expert];
+  rank_load_[to] += per_[expert];
+}
+
+void LayerState::swap(int a, int x, int b, int y) {
+  unplace(a, x);
+  unplace(b, y);
+  place(a, y);
+  place(b, x);
+  rank_load_[a] += per_[y] - per_[x];
+  rank_load_[b] += per_[x] - per_[y];
+}
+
+void LayerState::add_all(const std::vector<std::vector<int>>& sets) {
+  for (size_t r = 0; r < sets.size(); ++r) {
+    for (int e : sets[r]) place(static_cast<int>(r), e);
+  }
+  for (size_t e = 0; e < holders_.size(); ++e) set_count_changed(static_cast<int>(e));
+  for (int r = 0; r < num_ranks_; ++r) {
+    double sum = 0;
+    for (int k = 0; k < size_[r]; ++k) sum += per_[items(r)[k]];
+    rank_load_[r] = sum;
+  }
 }
 
 double LayerState::max_load(const Domain& domain) const {
@@ -172,9 +210,11 @@ void pack_lpt(LayerState& state, const Domain& domain, const std::vector<int>& c
     }
     for (const Key& k : skipped) open.push(k);
   }
+  std::vector<std::vector<int>> sets(state.num_ranks());
   for (int r = 0; r < num_ranks; ++r) {
-    for (int i : held[r]) state.add(domain.rank_begin + r, domain.experts[i]);
+    for (int i : held[r]) sets[domain.rank_begin + r].push_back(domain.experts[i]);
   }
+  state.add_all(sets);
 }
 
 bool ensure_min_replicas(LayerState& state, const Domain& domain, int min_replicas) {

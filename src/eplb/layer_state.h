@@ -35,25 +35,32 @@ class LayerState {
   double weight(int expert) const { return (*load_)[expert]; }
   int count(int expert) const { return static_cast<int>(holders_[expert].size()); }
   // Load of one replica (the whole load when the expert has none).
-  double per_replica(int expert) const {
-    const int c = count(expert);
-    return c > 0 ? weight(expert) / c : weight(expert);
-  }
+  double per_replica(int expert) const { return per_[expert]; }
   bool holds(int rank, int expert) const {
     return has_[static_cast<size_t>(expert) * num_ranks_ + rank] != 0;
   }
   const std::vector<int>& holders(int expert) const { return holders_[expert]; }
+  size_t num_experts() const { return holders_.size(); }
 
-  // Both keep every rank load exact (recomputed for each rank holding `expert`).
+  // One replica more or less: the load of every rank holding `expert` follows (O(replicas)).
   void add(int rank, int expert);     // rank must have a free slot and not hold expert
   void remove(int rank, int expert);  // rank must hold expert
+  // A replica changes rank; replica counts, so other ranks, stay as they are (O(slots)).
+  void move(int from, int to, int expert);
+  // x on rank a and y on rank b trade places (O(slots)).
+  void swap(int a, int x, int b, int y);
+  // Adds sets[r] to each rank r (free slots, no duplicates), then computes every rank load
+  // once: for building a whole layer, where add() would update hot experts' ranks many times.
+  void add_all(const std::vector<std::vector<int>>& sets);
 
   double max_load(const Domain& domain) const;
   // Experts held by each member rank, ascending.
   std::vector<std::vector<int>> rank_sets() const;
 
  private:
-  void refresh(int expert);
+  void place(int rank, int expert);
+  void unplace(int rank, int expert);
+  void set_count_changed(int expert);
 
   const std::vector<double>* load_;
   int num_ranks_;
@@ -61,6 +68,7 @@ class LayerState {
   std::vector<int> items_;  // [rank * slots_ + k], k < size_[rank]
   std::vector<int> size_;
   std::vector<double> rank_load_;
+  std::vector<double> per_;   // [expert]: load / replicas (the whole load without replicas)
   std::vector<uint8_t> has_;  // [expert * num_ranks_ + rank]
   std::vector<std::vector<int>> holders_;
 };

@@ -2,6 +2,7 @@
 // The local search of the planner (declared in layer_state.h): repeatedly relieve the hottest
 // rank of a domain with the best single step.
 #include <algorithm>
+#include <array>
 #include <limits>
 
 #include "eplb/layer_state.h"
@@ -54,6 +55,41 @@ class Chooser {
   Step best_;
 };
 
+// The highest loads among each expert's holders, computed at most once per step and expert:
+// evaluating a step must not walk the dozens of replicas of a hot expert again and again.
+class HolderPeaks {
+ public:
+  explicit HolderPeaks(size_t num_experts) : stamp_(num_experts, -1), top_(num_experts) {}
+  void next_step() { ++step_; }
+  // Highest load among the ranks holding `expert` other than a and b; -inf when none.
+  double max_except(const LayerState& state, int expert, int a, int b) {
+    auto& top = top_[expert];
+    if (stamp_[expert] != step_) {
+      stamp_[expert] = step_;
+      top.fill({-kInf, -1});
+      for (int g : state.holders(expert)) {
+        Entry e{state.rank_load(g), g};
+        for (Entry& t : top) {
+          if (e.load > t.load) std::swap(e, t);
+        }
+      }
+    }
+    for (const Entry& t : top) {
+      if (t.rank != a && t.rank != b) return t.load;  // rank -1 carries -inf
+    }
+    return -kInf;
+  }
+
+ private:
+  struct Entry {
+    double load;
+    int rank;
+  };
+  std::vector<int> stamp_;
+  std::vector<std::array<Entry, 3>> top_;
+  int step_ = 0;
+};
+
 int hottest(const LayerState& state, const Domain& domain) {
   int h = domain.rank_begin;
   for (int r = domain.rank_begin + 1; r < domain.rank_end; ++r) {
@@ -65,14 +101,10 @@ int hottest(const LayerState& state, const Domain& domain) {
 void apply(LayerState& state, int h, const Step& s) {
   switch (s.kind) {
     case Step::kMove:
-      state.remove(h, s.x);
-      state.add(s.to, s.x);
+      state.move(h, s.to, s.x);
       break;
     case Step::kSwap:
-      state.remove(h, s.x);
-      state.remove(s.to, s.y);
-      state.add(h, s.y);
-      state.add(s.to, s.x);
+      state.swap(h, s.x, s.to, s.y);
       break;
     case Step::kReplicate:
       if (s.y >= 0) state.remove(s.to, s.y);
@@ -93,7 +125,9 @@ bool improve(LayerState& state, const Domain& domain, const SearchOptions& optio
   const int m = std::max(1, options.min_replicas);
   std::vector<int> cold;
   cold.reserve(domain.num_ranks());
+  HolderPeaks peaks(state.num_experts());
   for (int iteration = 0;; ++iteration) {
+    peaks.next_step();
     const int h = hottest(state, domain);
     const double lh = state.rank_load(h);
     if (lh <= options.target * (1 + kRelEps)) return true;
@@ -121,11 +155,8 @@ bool improve(LayerState& state, const Domain& domain, const SearchOptions& optio
       // Drop a spare replica of x: free for the mover (a slot becoming free receives nothing).
       if (cx > m) {
         const double dx_less = state.weight(x) / (cx - 1) - px;
-        Step s{Step::kDrop, x, -1, -1, lh - px, 0};
-        for (int g : state.holders(x)) {
-          if (g != h) s.peak = std::max(s.peak, state.rank_load(g) + dx_less);
-        }
-        chooser.offer(s);
+        chooser.offer({Step::kDrop, x, -1, -1,
+                       std::max(lh - px, peaks.max_except(state, x, h, h) + dx_less), 0});
       }
       for (int r : cold) {
         if (state.holds(r, x)) continue;
@@ -145,16 +176,13 @@ bool improve(LayerState& state, const Domain& domain, const SearchOptions& optio
           const int cy = state.count(y);
           if (cy <= m) continue;
           // One more replica of x in place of one of y: every replica of x gets lighter, every
-          // other replica of y heavier.
+          // other replica of y heavier. NOTE: a rank holding both x and y is scored without the
+          // relief from x (an upper bound), so the hot path stays O(1) per candidate.
           const double dy = state.weight(y) / (cy - 1) - py;
-          Step s{Step::kReplicate, x, y, r,
-                 std::max(lh + dx + (h_has_y ? dy : 0.0), lr - py + px_more), 1};
-          if (!(s.peak < lh)) continue;
-          for (int g : state.holders(y)) {
-            if (g == r || g == h) continue;
-            s.peak = std::max(s.peak, state.rank_load(g) + dy + (state.holds(g, x) ? dx : 0.0));
-          }
-          chooser.offer(s);
+          const double peak = std::max(lh + dx + (h_has_y ? dy : 0.0), lr - py + px_more);
+          if (!(peak < lh)) continue;
+          chooser.offer({Step::kReplicate, x, y, r,
+                         std::max(peak, peaks.max_except(state, y, r, h) + dy), 1});
         }
       }
     }

@@ -106,7 +106,8 @@ Status ClusterEngine::Impl::start() {
   if (spec.empty() || spec == "identity" || spec.rfind("replicate:", 0) == 0) {
     slots_per_rank_ = options_.slots_per_rank > 0
                           ? options_.slots_per_rank
-                          : (E + extra + options_.ranks - 1) / options_.ranks;
+                          : (E + extra + options_.ranks - 1) / options_.ranks +
+                                std::max(0, options_.eplb_spare_slots);
     FLEX_ASSIGN_OR_RETURN(
         placement_, ExpertPlacement::spread(model_config_.num_hidden_layers, E, options_.max_ranks,
                                             slots_per_rank_, members, extra, seed));
@@ -150,6 +151,7 @@ Status ClusterEngine::Impl::start() {
     return deadline_exceeded("ranks did not become ready within " +
                              std::to_string(options_.start_timeout_ms) + " ms");
   accepting_ = true;
+  if (options_.eplb) eplb_thread_ = std::thread([this] { eplb_loop(); });
   return Status();
 }
 
@@ -360,6 +362,23 @@ void ClusterEngine::Impl::handle(
     info.waiting = rep->waiting;
     info.steps = rep->steps;
     if (rep->step_ms > 0) info.step_ms = rep->step_ms;
+    info.max_step_ms = rep->max_step_ms;
+    if (rebalancing_) rebalance_max_step_ms_ = std::max(rebalance_max_step_ms_, rep->max_step_ms);
+    if (rep->map_version > info.map_version) {
+      info.map_version = rep->map_version;
+      cv_.notify_all();
+    }
+    record_load(rank, rep->slot_counts);
+  } else if (type == proto::PullDone::kType) {
+    auto done = proto::decode<proto::PullDone>(body);
+    if (!done.ok()) return;
+    pulls_done_[done->id] = done.value();
+    cv_.notify_all();
+  } else if (type == proto::MapApplied::kType) {
+    auto applied = proto::decode<proto::MapApplied>(body);
+    if (!applied.ok()) return;
+    info.map_version = std::max(info.map_version, applied->version);
+    cv_.notify_all();
   } else if (type == proto::WorkerError::kType) {
     auto err = proto::decode<proto::WorkerError>(body);
     if (!err.ok()) return;
@@ -469,7 +488,13 @@ Status ClusterEngine::Impl::shutdown() {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   }
-  stop_.store(true);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_.store(true);
+  }
+  eplb_cv_.notify_all();
+  cv_.notify_all();
+  if (eplb_thread_.joinable()) eplb_thread_.join();
   if (control_.joinable()) control_.join();
   // Backstop: segments of workers that could not clean up (killed) are removed here.
   const std::string prefix = "flexpert-" + session_ + "-";
@@ -613,7 +638,7 @@ std::string ClusterEngine::metrics_text() const {
     out += "flexpert_rank_in_flight{rank=\"" + std::to_string(r) + "\"} " +
            std::to_string(m.ranks_[r].in_flight) + "\n";
   }
-  return out;
+  return out + m.eplb_metrics();
 }
 
 Status ClusterEngine::shutdown() { return impl_->shutdown(); }

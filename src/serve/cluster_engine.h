@@ -36,6 +36,16 @@ struct ClusterOptions {
   int start_timeout_ms = 120000;  // For every rank to be ready.
   // Called once the control socket is bound, with its endpoint (tcp://HOST:PORT).
   std::function<void(const std::string&)> on_listening;
+
+  // Expert load balancing. Load is counted per slot in every forward pass and
+  // aggregated here over a sliding window; a rebalance plans a new placement and
+  // moves weights into free slots while serving, layer by layer.
+  bool eplb = false;                 // Rebalance every eplb_interval_s on its own.
+  double eplb_window_s = 30;         // Load window.
+  double eplb_interval_s = 60;       // Between automatic rebalances.
+  int eplb_spare_slots = 1;          // Free slots per rank beyond what the experts need.
+  std::string eplb_policy = "auto";  // auto | global | hierarchical
+  int min_replicas = 1;
 };
 
 class ClusterEngine : public ServingEngine {
@@ -56,6 +66,12 @@ class ClusterEngine : public ServingEngine {
   nlohmann::json status() const override;
   std::string metrics_text() const override;
   Status shutdown() override;
+
+  // Plans a placement from the load window and moves it in now (blocks until done).
+  // FailedPrecondition while another rebalance runs; returns its report.
+  Result<nlohmann::json> rebalance();
+  // GET /v1/eplb: placement, window load, balancedness, the last rebalance.
+  nlohmann::json eplb_status() const;
 
   class Impl;
 

@@ -11,8 +11,8 @@
 #include <mutex>
 #include <thread>
 
-#include "cluster/protocol.h"
 #include <zmq.h>
+#include "cluster/protocol.h"
 
 #include "cluster/zmq_socket.h"
 #include "flexpert/model_config.h"
@@ -39,6 +39,8 @@ struct RankInfo {
   int waiting = 0;
   double step_ms = 0;
   uint64_t steps = 0;
+  uint64_t map_version = 0;  // Expert map the rank last reported.
+  double max_step_ms = 0;
   Clock::time_point last_seen{};
   std::string last_error;
 };
@@ -86,6 +88,33 @@ class ClusterEngine::Impl {
   std::string phase_ = "starting";
   Status start_error_;
   bool accepting_ = false;
+
+  // EPLB (cluster_eplb.cc), guarded by mutex_.
+  struct LoadBucket {
+    Clock::time_point start;
+    std::vector<std::vector<double>> load;  // [layer][logical expert]
+  };
+  std::deque<LoadBucket> load_window_;
+  std::vector<std::vector<double>> slot_tokens_total_;  // [layer][slot], since start.
+  bool rebalancing_ = false;
+  uint64_t map_version_ = 0;
+  uint64_t next_pull_id_ = 1;
+  std::map<uint64_t, proto::PullDone> pulls_done_;
+  double rebalance_max_step_ms_ = 0;  // Longest step any rank reported during a rebalance.
+  nlohmann::json last_rebalance_;
+  uint64_t num_rebalances_ = 0;
+  uint64_t moved_bytes_total_ = 0;
+  std::thread eplb_thread_;
+  std::condition_variable eplb_cv_;
+
+  void record_load(int rank, const std::vector<int64_t>& slot_counts);
+  std::vector<std::vector<double>> window_load() const;
+  Result<nlohmann::json> rebalance(const std::string& trigger);
+  Status move_layer(int layer, const std::vector<int>& target, uint64_t* bytes, int* pulls);
+  Status commit_map(ExpertPlacement next);
+  void eplb_loop();
+  nlohmann::json eplb_status() const;
+  std::string eplb_metrics() const;
 
   // Control thread.
   void control_loop();

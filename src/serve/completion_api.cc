@@ -237,6 +237,9 @@ int http_status_for(const Status& status) {
       return 503;
     case StatusCode::kResourceExhausted:
       return 429;
+    case StatusCode::kFailedPrecondition:  // E.g. a reconfiguration already in progress.
+    case StatusCode::kAborted:
+      return 409;
     default:
       return 500;
   }

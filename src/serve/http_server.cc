@@ -111,6 +111,19 @@ void HttpServer::add_post_route(const std::string& path, AdminHandler handler) {
       });
 }
 
+void HttpServer::add_get_route(const std::string& path,
+                               std::function<Result<nlohmann::json>()> handler) {
+  add_route(
+      "GET", path, [handler = std::move(handler)](const httplib::Request&, httplib::Response& res) {
+        Result<json> result = handler();
+        if (!result.ok()) {
+          send_json(res, http_status_for(result.status()), status_error_json(result.status()));
+        } else {
+          send_json(res, 200, result.value());
+        }
+      });
+}
+
 Status HttpServer::start() {
   FLEX_CHECK(!server_) << "start() called twice";
   auto server = std::make_unique<ListenServer>();

@@ -63,6 +63,8 @@ class HttpServer {
   // Adds POST `path` guarded by `Authorization: Bearer <admin_key>` (401 otherwise,
   // when a key is set). Call before start().
   void add_post_route(const std::string& path, AdminHandler handler);
+  // Adds GET `path` answering handler() as JSON (no admin key: read-only). Before start().
+  void add_get_route(const std::string& path, std::function<Result<nlohmann::json>()> handler);
 
   // Binds host:port and starts serving. Unavailable when the address cannot be bound.
   Status start();

@@ -1,0 +1,343 @@
+// SPDX-License-Identifier: Apache-2.0
+// ClusterEngine's expert load balancing: the load window, the rebalance driver
+// (plan -> per layer: pull experts into free slots, switch the map, free the
+// slots the plan empties) and its status.
+//
+// Safety argument (DEVELOPERS.md intent 3): a slot is written only while no map
+// of any member points at it (it is free in the committed map), and a slot is
+// freed only after every pull that reads it finished; a map points at a slot only
+// after its bytes landed. Map switches happen at a step boundary all members
+// agree on (worker.cc), so a step never mixes two maps.
+#include <algorithm>
+#include <numeric>
+
+#include "eplb/planner.h"
+#include "flexpert/logging.h"
+#include "serve/cluster_engine_impl.h"
+
+namespace flexpert {
+namespace {
+
+constexpr auto kBucket = std::chrono::seconds(1);
+constexpr auto kAckTimeout = std::chrono::seconds(30);
+
+}  // namespace
+
+void ClusterEngine::Impl::record_load(int rank, const std::vector<int64_t>& slot_counts) {
+  const int L = placement_.num_layers();
+  const size_t S = static_cast<size_t>(slots_per_rank_);
+  if (slot_counts.size() != L * S) return;
+  const auto now = Clock::now();
+  if (load_window_.empty() || now - load_window_.back().start >= kBucket) {
+    load_window_.push_back(LoadBucket{
+        now,
+        std::vector<std::vector<double>>(L, std::vector<double>(placement_.num_experts(), 0))});
+    const auto horizon = std::chrono::duration<double>(options_.eplb_window_s);
+    while (!load_window_.empty() && now - load_window_.front().start > horizon) {
+      load_window_.pop_front();
+    }
+  }
+  if (slot_tokens_total_.empty()) {
+    slot_tokens_total_.assign(L,
+                              std::vector<double>(static_cast<size_t>(placement_.num_slots()), 0));
+  }
+  auto& bucket = load_window_.back().load;
+  for (int l = 0; l < L; ++l) {
+    for (size_t i = 0; i < S; ++i) {
+      const int64_t n = slot_counts[l * S + i];
+      if (n == 0) continue;
+      const int slot = rank * slots_per_rank_ + static_cast<int>(i);
+      slot_tokens_total_[l][slot] += static_cast<double>(n);
+      const int expert = placement_.slot_expert(l, slot);
+      if (expert >= 0) bucket[l][expert] += static_cast<double>(n);
+    }
+  }
+}
+
+std::vector<std::vector<double>> ClusterEngine::Impl::window_load() const {
+  std::vector<std::vector<double>> sum(placement_.num_layers(),
+                                       std::vector<double>(placement_.num_experts(), 0));
+  for (const auto& b : load_window_) {
+    for (size_t l = 0; l < sum.size(); ++l) {
+      for (size_t e = 0; e < sum[l].size(); ++e) sum[l][e] += b.load[l][e];
+    }
+  }
+  return sum;
+}
+
+Status ClusterEngine::Impl::commit_map(ExpertPlacement next) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const uint64_t version = ++map_version_;
+  proto::MapCommand cmd{version, next.to_json()};
+  for (int r : members_) post(r, cmd);
+  // Requests and load attribution follow the new map from here on.
+  placement_ = std::move(next);
+  wake();
+  const bool ok = cv_.wait_for(lock, kAckTimeout, [&] {
+    for (int r : members_) {
+      if (ranks_[r].state == RankState::kServing && ranks_[r].map_version < version) return false;
+    }
+    return true;
+  });
+  if (!ok)
+    return deadline_exceeded("expert map " + std::to_string(version) + " not applied in time");
+  return Status();
+}
+
+Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target, uint64_t* bytes,
+                                       int* pulls) {
+  const int S = slots_per_rank_;
+  for (int round = 0; round < 8; ++round) {
+    std::vector<int> current;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      current = placement_.slot_map(layer);
+    }
+    if (current == target) return Status();
+    // 1. Fill free slots the plan wants filled, pulling from a slot holding the expert.
+    std::map<int, proto::PullCommand> by_rank;
+    std::vector<int> filled = current;
+    for (size_t s = 0; s < target.size(); ++s) {
+      if (current[s] != ExpertPlacement::kFreeSlot || target[s] == ExpertPlacement::kFreeSlot)
+        continue;
+      const int dst_rank = static_cast<int>(s) / S;
+      int src = -1;
+      for (size_t t = 0; t < current.size(); ++t) {
+        if (current[t] != target[s]) continue;
+        if (src < 0 || static_cast<int>(t) / S == dst_rank) src = static_cast<int>(t);
+      }
+      if (src < 0) continue;  // Not held anywhere: it arrives in a later round.
+      auto& cmd = by_rank[dst_rank];
+      cmd.layer = layer;
+      cmd.dst_slots.push_back(static_cast<int>(s) % S);
+      cmd.src_ranks.push_back(src / S);
+      cmd.src_slots.push_back(src % S);
+      filled[s] = target[s];
+    }
+    bool progressed = false;
+    if (!by_rank.empty()) {
+      std::vector<uint64_t> ids;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (auto& [rank, cmd] : by_rank) {
+          cmd.id = next_pull_id_++;
+          ids.push_back(cmd.id);
+          post(rank, cmd);
+        }
+        wake();
+      }
+      std::unique_lock<std::mutex> lock(mutex_);
+      const bool done = cv_.wait_for(lock, kAckTimeout, [&] {
+        for (uint64_t id : ids) {
+          if (!pulls_done_.count(id)) return false;
+        }
+        return true;
+      });
+      if (!done)
+        return deadline_exceeded("expert pulls of layer " + std::to_string(layer) + " timed out");
+      for (uint64_t id : ids) {
+        const proto::PullDone d = pulls_done_[id];
+        pulls_done_.erase(id);
+        if (d.code != 0) return Status(static_cast<StatusCode>(d.code), "pull: " + d.message);
+        *bytes += d.num_bytes;
+        *pulls += 1;
+      }
+      lock.unlock();
+      // 2. Point the map at the landed weights.
+      std::vector<std::vector<int>> maps;
+      {
+        std::lock_guard<std::mutex> l(mutex_);
+        for (int i = 0; i < placement_.num_layers(); ++i) maps.push_back(placement_.slot_map(i));
+      }
+      maps[layer] = filled;
+      FLEX_ASSIGN_OR_RETURN(ExpertPlacement next, ExpertPlacement::from_slot_maps(
+                                                      placement_.num_experts(), std::move(maps)));
+      FLEX_RETURN_IF_ERROR(commit_map(std::move(next)));
+      progressed = true;
+    }
+    // 3. Free the slots whose expert the plan moves elsewhere, keeping one replica.
+    std::vector<int> freed = filled;
+    std::vector<int> count(static_cast<size_t>(placement_.num_experts()), 0);
+    for (int e : freed) {
+      if (e >= 0) ++count[e];
+    }
+    bool any_freed = false;
+    for (size_t s = 0; s < freed.size(); ++s) {
+      const int e = freed[s];
+      if (e < 0 || e == target[s] || count[e] <= 1) continue;
+      freed[s] = ExpertPlacement::kFreeSlot;
+      --count[e];
+      any_freed = true;
+    }
+    if (any_freed) {
+      std::vector<std::vector<int>> maps;
+      {
+        std::lock_guard<std::mutex> l(mutex_);
+        for (int i = 0; i < placement_.num_layers(); ++i) maps.push_back(placement_.slot_map(i));
+      }
+      maps[layer] = freed;
+      FLEX_ASSIGN_OR_RETURN(ExpertPlacement next, ExpertPlacement::from_slot_maps(
+                                                      placement_.num_experts(), std::move(maps)));
+      FLEX_RETURN_IF_ERROR(commit_map(std::move(next)));
+      progressed = true;
+    }
+    if (!progressed) {
+      return resource_exhausted("layer " + std::to_string(layer) +
+                                ": no free slot to stage the plan (add spare slots)");
+    }
+  }
+  return Status();
+}
+
+Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger) {
+  eplb::PlanInput input;
+  double step_ms_before = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (rebalancing_) return failed_precondition("a rebalance is already in progress");
+    if (phase_ != "serving") return unavailable("no serving epoch (phase " + phase_ + ")");
+    rebalancing_ = true;
+    rebalance_max_step_ms_ = 0;
+    input.num_experts = placement_.num_experts();
+    input.slots_per_rank = slots_per_rank_;
+    input.ranks = members_;
+    input.max_ranks = options_.max_ranks;
+    input.load = window_load();
+    for (int l = 0; l < placement_.num_layers(); ++l)
+      input.current.push_back(placement_.slot_map(l));
+    input.min_replicas = options_.min_replicas;
+    int n = 0;
+    for (int r : members_) {
+      if (ranks_[r].step_ms > 0) {
+        step_ms_before += ranks_[r].step_ms;
+        ++n;
+      }
+    }
+    if (n) step_ms_before /= n;
+  }
+  auto finish = [&](Status s, nlohmann::json report) -> Result<nlohmann::json> {
+    std::lock_guard<std::mutex> lock(mutex_);
+    rebalancing_ = false;
+    report["trigger"] = trigger;
+    report["status"] = s.ok() ? "ok" : s.to_string();
+    report["max_step_ms_during"] = rebalance_max_step_ms_;
+    report["mean_step_ms_before"] = step_ms_before;
+    last_rebalance_ = report;
+    if (!s.ok()) return s;
+    ++num_rebalances_;
+    return report;
+  };
+  const auto t0 = Clock::now();
+  auto policy = eplb::parse_policy(options_.eplb_policy);
+  if (!policy.ok()) return finish(policy.status(), {});
+  input.policy = policy.value();
+  // Dense layers have no experts: plan them with zero load (they keep their map).
+  auto plan = eplb::plan(input);
+  if (!plan.ok()) return finish(plan.status(), {});
+  const double plan_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  uint64_t bytes = 0;
+  int pulls = 0;
+  Status s;
+  for (int l = 0; s.ok() && l < static_cast<int>(input.current.size()); ++l) {
+    if (!model_config_.is_moe_layer(l)) continue;
+    s = move_layer(l, plan->placement[l], &bytes, &pulls);
+  }
+  nlohmann::json report = {{"planned_moved_slots", plan->moved_slots},
+                           {"moved_bytes", bytes},
+                           {"pull_commands", pulls},
+                           {"plan_s", plan_s},
+                           {"duration_s", std::chrono::duration<double>(Clock::now() - t0).count()},
+                           {"balancedness_planned", plan->balancedness}};
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    moved_bytes_total_ += bytes;
+  }
+  FLEX_LOG(INFO) << "rebalance (" << trigger << "): " << plan->moved_slots << " slots, " << bytes
+                 << " bytes in " << report["duration_s"].get<double>() << " s"
+                 << (s.ok() ? "" : ": " + s.to_string());
+  return finish(s, report);
+}
+
+void ClusterEngine::Impl::eplb_loop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stop_.load()) {
+    eplb_cv_.wait_for(lock, std::chrono::duration<double>(options_.eplb_interval_s),
+                      [&] { return stop_.load(); });
+    if (stop_.load()) break;
+    double total = 0;
+    for (const auto& row : window_load()) total += std::accumulate(row.begin(), row.end(), 0.0);
+    if (total == 0 || phase_ != "serving") continue;
+    lock.unlock();
+    auto r = rebalance("periodic");
+    if (!r.ok()) FLEX_LOG(WARN) << "periodic rebalance: " << r.status().to_string();
+    lock.lock();
+  }
+}
+
+nlohmann::json ClusterEngine::Impl::eplb_status() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto load = window_load();
+  nlohmann::json layers = nlohmann::json::array();
+  for (int l = 0; l < placement_.num_layers(); ++l) {
+    if (!model_config_.is_moe_layer(l)) continue;
+    layers.push_back({{"layer", l},
+                      {"slot_to_expert", placement_.slot_map(l)},
+                      {"window_load", load[l]},
+                      {"balancedness", eplb::balancedness(load[l], placement_.slot_map(l), members_,
+                                                          slots_per_rank_)}});
+  }
+  return {{"enabled", options_.eplb},
+          {"window_s", options_.eplb_window_s},
+          {"interval_s", options_.eplb_interval_s},
+          {"policy", options_.eplb_policy},
+          {"slots_per_rank", slots_per_rank_},
+          {"map_version", map_version_},
+          {"in_progress", rebalancing_},
+          {"rebalances", num_rebalances_},
+          {"moved_bytes_total", moved_bytes_total_},
+          {"layers", layers},
+          {"last_rebalance", last_rebalance_}};
+}
+
+std::string ClusterEngine::Impl::eplb_metrics() const {
+  // Caller holds mutex_.
+  std::string out =
+      "# HELP flexpert_eplb_rebalances_total Completed rebalances.\n"
+      "# TYPE flexpert_eplb_rebalances_total counter\n"
+      "flexpert_eplb_rebalances_total " +
+      std::to_string(num_rebalances_) +
+      "\n"
+      "# HELP flexpert_eplb_moved_bytes_total Expert weight bytes moved between slots.\n"
+      "# TYPE flexpert_eplb_moved_bytes_total counter\n"
+      "flexpert_eplb_moved_bytes_total " +
+      std::to_string(moved_bytes_total_) +
+      "\n"
+      "# HELP flexpert_eplb_balancedness Mean over max rank load in the window, per layer.\n"
+      "# TYPE flexpert_eplb_balancedness gauge\n";
+  const auto load = window_load();
+  for (int l = 0; l < placement_.num_layers(); ++l) {
+    if (!model_config_.is_moe_layer(l)) continue;
+    out += "flexpert_eplb_balancedness{layer=\"" + std::to_string(l) + "\"} " +
+           std::to_string(
+               eplb::balancedness(load[l], placement_.slot_map(l), members_, slots_per_rank_)) +
+           "\n";
+  }
+  out +=
+      "# HELP flexpert_slot_tokens_total Rows computed per layer and physical slot.\n"
+      "# TYPE flexpert_slot_tokens_total counter\n";
+  for (size_t l = 0; l < slot_tokens_total_.size(); ++l) {
+    for (size_t s = 0; s < slot_tokens_total_[l].size(); ++s) {
+      if (slot_tokens_total_[l][s] == 0) continue;
+      out += "flexpert_slot_tokens_total{layer=\"" + std::to_string(l) + "\",slot=\"" +
+             std::to_string(s) + "\"} " +
+             std::to_string(static_cast<int64_t>(slot_tokens_total_[l][s])) + "\n";
+    }
+  }
+  return out;
+}
+
+Result<nlohmann::json> ClusterEngine::rebalance() { return impl_->rebalance("request"); }
+
+nlohmann::json ClusterEngine::eplb_status() const { return impl_->eplb_status(); }
+
+}  // namespace flexpert
