@@ -40,6 +40,7 @@ struct Options {
   std::vector<int> spare = {1, 2, 3};
   int windows = 6, layers = 61, experts = 256, groups = 8, ranks_per_host = 8;
   double zipf_min = 0.6, zipf_max = 1.2, sigma = 0.15, swap_prob = 0.05;
+  double tolerance = flexpert::eplb::PlanInput().tolerance;
   unsigned seed = 1;
   std::string json;
 };
@@ -68,6 +69,7 @@ bool parse(int argc, char** argv, Options& o) {
     else if (a == "--zipf-max") o.zipf_max = std::atof(v.c_str());
     else if (a == "--sigma") o.sigma = std::atof(v.c_str());
     else if (a == "--swap-prob") o.swap_prob = std::atof(v.c_str());
+    else if (a == "--tolerance") o.tolerance = std::atof(v.c_str());
     else if (a == "--seed") o.seed = static_cast<unsigned>(std::atoi(v.c_str()));
     else if (a == "--json") o.json = v;
     else return false;
@@ -164,6 +166,7 @@ Row run(const Options& o, const std::vector<Matrix>& loads, int num_ranks, int s
       in.num_groups = o.groups;
       in.load = loads[t];
       in.current = prev;
+      in.tolerance = o.tolerance;
       auto p = flexpert::eplb::plan(in);
       if (!p.ok()) std::fprintf(stderr, "flexpert: %s\n", p.status().to_string().c_str()), std::exit(1);
       next = std::move(p->placement);

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+
 #include <numeric>
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -16,12 +18,26 @@ namespace flexpert::eplb::detail {
 namespace {
 
 constexpr double kRelEps = 1e-12;
-static int kScratchCandidateRanks = getenv("KS") ? atoi(getenv("KS")) : 32;
-static int kRepairCandidateRanks = getenv("KR") ? atoi(getenv("KR")) : 16;
+// Search effort, in (replica, replica) pairs tried per step: the coldest ranks tried as partners
+// are about kPairsPerStep / slots_per_rank^2 (at least 8).
+static int kPairsPerStep = getenv("KP") ? atoi(getenv("KP")) : 256;
+// From scratch: balancing sweeps, then steps on the hottest rank for a quarter of the ranks,
+// with at most kScratchFullScans looks at every rank. Enough to pass the greedy packing by
+// 1-8 % of balance; the last fraction of a percent costs several times more (measured).
+static int kPairPasses = getenv("PP") ? atoi(getenv("PP")) : 4;
+static int64_t kScratchPairs = getenv("SP") ? atoi(getenv("SP")) : 32768;
+// Renumbering the plan from scratch keeps about half of the experts in place under drift: worth
+// computing only when the repair failed or rewrites more than this share of the layer.
+constexpr int kRelabelAbovePercent = 40;
+
+int candidate_ranks(const LayerShape& shape) {
+  return std::max(8, kPairsPerStep / (shape.slots_per_rank * shape.slots_per_rank));
+}
 
 struct Candidate {
   std::vector<std::vector<int>> sets;
-  double max_load = 0;
+  double max_load = 0;     // after the search
+  double greedy_load = 0;  // of the greedy packing it started from (DeepSeek's kind of plan)
 };
 
 int max_iterations(const LayerShape& shape) {
@@ -103,6 +119,7 @@ Candidate from_scratch(const LayerShape& shape, const std::vector<double>& load,
   for (const Domain& d : domains) {
     const int m = std::max(1, shape.min_replicas);
     pack_lpt(state, d, greedy_counts(load, d, d.num_ranks() * shape.slots_per_rank, m));
+    c.greedy_load = std::max(c.greedy_load, state.max_load(d));
     double total = 0;
     for (int e : d.experts) total += load[e];
     SearchOptions options;
@@ -110,7 +127,9 @@ Candidate from_scratch(const LayerShape& shape, const std::vector<double>& load,
     options.minimise_moves = false;
     options.min_replicas = m;
     options.max_iterations = max_iterations(shape);
-    options.num_candidate_ranks = kScratchCandidateRanks;
+    options.num_candidate_ranks = candidate_ranks(shape);
+    options.max_pairs = kScratchPairs;
+    balance_pairs(state, d, kPairPasses);
     (void)improve(state, d, options);
     c.max_load = std::max(c.max_load, state.max_load(d));
   }
@@ -162,12 +181,13 @@ std::optional<std::vector<int>> current_host_of_group(const LayerShape& shape,
 }
 
 // The current placement, completed to min_replicas and relieved rank by rank until its max load
-// is <= target, preferring the steps that write the fewest slots.
+// is <= target, preferring the steps that write the fewest slots. Also accepted: a placement no
+// single step improves whose max load is <= fallback_limit. None otherwise.
 std::optional<std::vector<std::vector<int>>> repair(const LayerShape& shape,
                                                     const std::vector<double>& load,
                                                     const std::vector<std::vector<int>>& current,
                                                     const std::vector<Domain>& domains,
-                                                    double target) {
+                                                    double target, double fallback_limit) {
   LayerState state(load, shape.num_ranks, shape.slots_per_rank);
   state.add_all(current);
   const int m = std::max(1, shape.min_replicas);
@@ -178,8 +198,15 @@ std::optional<std::vector<std::vector<int>>> repair(const LayerShape& shape,
     options.minimise_moves = true;
     options.min_replicas = m;
     options.max_iterations = max_iterations(shape);
-    options.num_candidate_ranks = kRepairCandidateRanks;
-    if (!improve(state, d, options)) return std::nullopt;
+    options.num_candidate_ranks = candidate_ranks(shape);
+    // Unlimited, so that "stuck" means no step helps at all: a plan returned stuck is then
+    // stuck again when planned anew, which keeps unchanged loads at zero moves.
+    options.max_pairs = std::numeric_limits<int64_t>::max();
+    const SearchEnd end = improve(state, d, options);
+    if (end == SearchEnd::kOutOfSteps ||
+        (end == SearchEnd::kStuck && state.max_load(d) > fallback_limit * (1 + kRelEps))) {
+      return std::nullopt;
+    }
   }
   return state.rank_sets();
 }
@@ -192,83 +219,111 @@ std::vector<std::vector<int>> relabel(const LayerShape& shape,
                                       const std::vector<std::vector<int>>& current,
                                       int ranks_per_block) {
   const int n = shape.num_ranks;
-  std::vector<std::vector<int>> holders(shape.num_experts);
+  // Current holders of each expert, flattened: holder_list[holder_begin[e] .. holder_begin[e+1]).
+  std::vector<int> holder_begin(shape.num_experts + 1, 0), holder_list;
   for (int r = 0; r < n; ++r) {
-    for (int e : current[r]) holders[e].push_back(r);
+    for (int e : current[r]) ++holder_begin[e + 1];
   }
-  // overlap[i * n + j]: experts fresh rank i shares with current rank j (at most slots_per_rank);
-  // touched[i]: the j with a non-zero overlap, in discovery order.
-  std::vector<int> overlap(static_cast<size_t>(n) * n, 0);
-  std::vector<std::vector<int>> touched(n);
-  for (int i = 0; i < n; ++i) {
-    for (int e : fresh[i]) {
-      for (int j : holders[e]) {
-        if (overlap[static_cast<size_t>(i) * n + j]++ == 0) touched[i].push_back(j);
-      }
+  for (int e = 0; e < shape.num_experts; ++e) holder_begin[e + 1] += holder_begin[e];
+  holder_list.resize(holder_begin.back());
+  {
+    std::vector<int> fill(holder_begin.begin(), holder_begin.end() - 1);
+    for (int r = 0; r < n; ++r) {
+      for (int e : current[r]) holder_list[fill[e]++] = r;
     }
   }
+  // Non-zero overlaps (experts fresh rank i shares with current rank j, at most slots_per_rank),
+  // row by row in discovery order.
+  struct Pair {
+    int i, j, w;
+  };
+  std::vector<Pair> pairs;
+  std::vector<int> count(n, 0), touched;
+  for (int i = 0; i < n; ++i) {
+    touched.clear();
+    for (int e : fresh[i]) {
+      for (int k = holder_begin[e]; k < holder_begin[e + 1]; ++k) {
+        if (count[holder_list[k]]++ == 0) touched.push_back(holder_list[k]);
+      }
+    }
+    for (int j : touched) {
+      pairs.push_back({i, j, count[j]});
+      count[j] = 0;
+    }
+  }
+  // Greedy matching by descending weight, ties in discovery order; rows left over take the
+  // columns left over in ascending order.
+  auto match = [](int num_rows, int num_cols, const Pair* begin, const Pair* end, int max_w,
+                  auto row_of, auto col_of) {
+    std::vector<std::vector<std::pair<int, int>>> buckets(max_w + 1);
+    for (const Pair* p = begin; p != end; ++p) {
+      const int a = row_of(p->i), b = col_of(p->j);
+      if (a >= 0 && b >= 0) buckets[std::min(p->w, max_w)].emplace_back(a, b);
+    }
+    std::vector<int> to(num_rows, -1);
+    std::vector<uint8_t> taken(num_cols, 0);
+    for (int w = max_w; w > 0; --w) {
+      for (const auto& [a, b] : buckets[w]) {
+        if (to[a] < 0 && !taken[b]) to[a] = b, taken[b] = 1;
+      }
+    }
+    int next = 0;
+    for (int& t : to) {
+      if (t >= 0) continue;
+      while (taken[next]) ++next;
+      t = next;
+      taken[next] = 1;
+    }
+    return to;
+  };
   const int num_blocks = n / ranks_per_block;
   std::vector<int> block_to(num_blocks, 0);
   if (num_blocks > 1) {
-    std::vector<int> block_overlap(static_cast<size_t>(num_blocks) * num_blocks, 0);
-    for (int i = 0; i < n; ++i) {
-      for (int j : touched[i]) {
-        block_overlap[static_cast<size_t>(i / ranks_per_block) * num_blocks +
-                      j / ranks_per_block] += overlap[static_cast<size_t>(i) * n + j];
-      }
+    // Block weights: summed overlaps of their ranks.
+    std::vector<int> w(static_cast<size_t>(num_blocks) * num_blocks, 0);
+    for (const Pair& p : pairs) {
+      w[static_cast<size_t>(p.i / ranks_per_block) * num_blocks + p.j / ranks_per_block] += p.w;
     }
-    std::vector<std::tuple<int, int, int>> pairs;  // (-overlap, fresh block, current block)
+    std::vector<Pair> block_pairs;
+    int max_w = 0;
     for (int a = 0; a < num_blocks; ++a) {
       for (int b = 0; b < num_blocks; ++b) {
-        if (const int w = block_overlap[static_cast<size_t>(a) * num_blocks + b]; w > 0) {
-          pairs.emplace_back(-w, a, b);
-        }
+        const int v = w[static_cast<size_t>(a) * num_blocks + b];
+        if (v > 0) block_pairs.push_back({a, b, v});
+        max_w = std::max(max_w, v);
       }
     }
-    std::sort(pairs.begin(), pairs.end());
-    std::fill(block_to.begin(), block_to.end(), -1);
-    std::vector<uint8_t> taken(num_blocks, 0);
-    for (const auto& [w, a, b] : pairs) {
-      if (block_to[a] < 0 && !taken[b]) block_to[a] = b, taken[b] = 1;
+    std::stable_sort(block_pairs.begin(), block_pairs.end(),
+                     [](const Pair& x, const Pair& y) { return x.w > y.w; });
+    // Weights can be large: rank them, so the buckets stay few.
+    int rank_w = static_cast<int>(block_pairs.size());
+    for (size_t k = 0; k < block_pairs.size(); ++k) {
+      if (k > 0 && block_pairs[k].w != block_pairs[k - 1].w) --rank_w;
+      block_pairs[k].w = rank_w;
     }
-    int next = 0;
-    for (int& b : block_to) {
-      if (b >= 0) continue;
-      while (taken[next]) ++next;
-      b = next;
-      taken[next] = 1;
-    }
+    block_to = match(num_blocks, num_blocks, block_pairs.data(),
+                     block_pairs.data() + block_pairs.size(),
+                     static_cast<int>(block_pairs.size()), [](int a) { return a; },
+                     [](int b) { return b; });
   }
-  // Inside each pair of blocks: pairs by descending overlap (a bucket per value), ties in
-  // discovery order; fresh ranks left over take the current ranks left over in order.
-  std::vector<std::vector<int>> out(n);
-  std::vector<std::vector<std::pair<int, int>>> buckets(shape.slots_per_rank + 1);
-  std::vector<int> to(n, -1);
-  std::vector<uint8_t> taken(n, 0);
+  // Ranks inside each pair of matched blocks; `pairs` is ordered by fresh rank, so a block's
+  // rows are one range of it.
+  std::vector<int> to(n);
+  const Pair* first = pairs.data();
+  const Pair* const last = pairs.data() + pairs.size();
   for (int a = 0; a < num_blocks; ++a) {
     const int rows = a * ranks_per_block, cols = block_to[a] * ranks_per_block;
-    for (auto& bucket : buckets) bucket.clear();
-    for (int i = rows; i < rows + ranks_per_block; ++i) {
-      for (int j : touched[i]) {
-        if (j >= cols && j < cols + ranks_per_block) {
-          buckets[overlap[static_cast<size_t>(i) * n + j]].emplace_back(i, j);
-        }
-      }
-    }
-    for (int w = shape.slots_per_rank; w > 0; --w) {
-      for (const auto& [i, j] : buckets[w]) {
-        if (to[i] < 0 && !taken[j]) to[i] = j, taken[j] = 1;
-      }
-    }
-    int next = cols;
-    for (int i = rows; i < rows + ranks_per_block; ++i) {
-      if (to[i] >= 0) continue;
-      while (taken[next]) ++next;
-      to[i] = next;
-      taken[next] = 1;
-    }
-    for (int i = rows; i < rows + ranks_per_block; ++i) out[to[i]] = fresh[i];
+    const Pair* stop = first;
+    while (stop != last && stop->i < rows + ranks_per_block) ++stop;
+    const std::vector<int> local = match(
+        ranks_per_block, ranks_per_block, first, stop, shape.slots_per_rank,
+        [&](int i) { return i - rows; },
+        [&](int j) { return j / ranks_per_block == block_to[a] ? j - cols : -1; });
+    first = stop;
+    for (int k = 0; k < ranks_per_block; ++k) to[rows + k] = cols + local[k];
   }
+  std::vector<std::vector<int>> out(n);
+  for (int i = 0; i < n; ++i) out[to[i]] = fresh[i];
   return out;
 }
 
@@ -295,7 +350,16 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
   if (try_global) global = from_scratch(shape, load, global_domains(shape));
   if (try_hier) {
     hier_host_of = pack_groups(shape, load);
-    hier = from_scratch(shape, load, host_domains(shape, hier_host_of));
+    // A host's load spread over its ranks bounds its plan: skip planning what cannot come
+    // within tolerance of the global plan.
+    const std::vector<double> gl = group_loads(shape, load);
+    std::vector<double> host_load(shape.num_hosts, 0.0);
+    for (int g = 0; g < shape.num_groups; ++g) host_load[hier_host_of[g]] += gl[g];
+    const double bound = *std::max_element(host_load.begin(), host_load.end()) /
+                         (shape.num_ranks / shape.num_hosts);
+    if (!global || bound <= global->max_load * (1 + shape.tolerance) * (1 + kRelEps)) {
+      hier = from_scratch(shape, load, host_domains(shape, hier_host_of));
+    }
   }
   const double best = std::min(global ? global->max_load : hier->max_load,
                                hier ? hier->max_load : global->max_load);
@@ -316,6 +380,10 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
     used = Policy::kHierarchical;
   }
   const Candidate& fresh = used == Policy::kHierarchical ? *hier : *global;
+  // A repair that gets stuck short of the target is still taken when it is no worse than the
+  // greedy packing from scratch (what DeepSeek's balancer would return): the alternative is
+  // the plan from scratch, renumbered, which rewrites about half of the layer.
+  const double fallback_limit = std::max(target, fresh.greedy_load);
   LayerResult result;
   result.used = used;
   if (!has_current) {
@@ -325,11 +393,21 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
 
   std::optional<std::vector<std::vector<int>>> repaired;
   if (used == Policy::kGlobal) {
-    repaired = repair(shape, load, current, global_domains(shape), target);
+    repaired = repair(shape, load, current, global_domains(shape), target, fallback_limit);
   } else if (current_host_of) {
-    repaired = repair(shape, load, current, host_domains(shape, *current_host_of), target);
+    repaired = repair(shape, load, current, host_domains(shape, *current_host_of), target,
+                      fallback_limit);
   }
   if (repaired && set_moves(current, *repaired) == 0) {
+    result.rank_sets = std::move(*repaired);
+    return result;
+  }
+  // Renumbering the plan from scratch keeps about half of the experts in place under drift
+  // (most when loads barely changed, but then the repair writes little): worth computing only
+  // when the repair failed or rewrites a large part of the layer.
+  if (repaired && set_moves(current, *repaired) * 100 <=
+                      static_cast<int64_t>(kRelabelAbovePercent) * shape.num_ranks *
+                          shape.slots_per_rank) {
     result.rank_sets = std::move(*repaired);
     return result;
   }

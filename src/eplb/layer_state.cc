@@ -3,11 +3,56 @@
 
 #include <algorithm>
 #include <limits>
-#include <queue>
+#include <cmath>
 
 #include "flexpert/logging.h"
 
 namespace flexpert::eplb::detail {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// A tournament tree over n keys: the index with the smallest key (ties: the lowest index) in
+// O(1), a key change in O(log n). Cheaper than a binary heap of pairs for the few hundred
+// ranks or experts a layer has, and without stale entries. Nodes carry the winner's key, so a
+// level costs one dependent load, not two.
+class MinTree {
+ public:
+  explicit MinTree(const std::vector<double>& keys) : leaves_(1) {
+    const int n = static_cast<int>(keys.size());
+    while (leaves_ < n) leaves_ *= 2;
+    key_.assign(2 * static_cast<size_t>(leaves_), kInf);
+    idx_.assign(2 * static_cast<size_t>(leaves_), 0);
+    for (int i = 0; i < leaves_; ++i) {
+      idx_[leaves_ + i] = i;
+      if (i < n) key_[leaves_ + i] = keys[i];
+    }
+    for (int v = leaves_ - 1; v >= 1; --v) pull(v);
+  }
+  int top() const { return idx_[1]; }
+  double top_key() const { return key_[1]; }
+  void set(int i, double key) {
+    key_[leaves_ + i] = key;
+    for (int v = (leaves_ + i) / 2; v >= 1; v /= 2) pull(v);
+  }
+
+ private:
+  // NOTE: written as selects of loaded values so that it compiles without branches: which
+  // child wins is unpredictable, and a mispredicted branch per level dominated the packing.
+  void pull(int v) {
+    const double left = key_[2 * v], right = key_[2 * v + 1];
+    const int left_idx = idx_[2 * v], right_idx = idx_[2 * v + 1];
+    const bool take_right = right < left;  // the left (lower index) wins ties
+    key_[v] = take_right ? right : left;
+    idx_[v] = take_right ? right_idx : left_idx;
+  }
+
+  int leaves_;
+  std::vector<double> key_;  // [node]
+  std::vector<int> idx_;     // [node]: the winning leaf
+};
+
+}  // namespace
 
 LayerState::LayerState(const std::vector<double>& load, int num_ranks, int slots_per_rank)
     : load_(&load),
@@ -16,15 +61,21 @@ LayerState::LayerState(const std::vector<double>& load, int num_ranks, int slots
       items_(static_cast<size_t>(num_ranks) * slots_per_rank, -1),
       size_(num_ranks, 0),
       rank_load_(num_ranks, 0.0),
+      count_(load.size(), 0),
       per_(load),
+      more_(load.size()),
+      fewer_(load.size()),
       has_(load.size() * num_ranks, 0),
-      holders_(load.size()) {}
+      holders_(load.size()) {
+  for (size_t e = 0; e < load.size(); ++e) set_count_changed(static_cast<int>(e));
+}
 
 void LayerState::place(int rank, int expert) {
   FLEX_CHECK(size_[rank] < slots_ && !holds(rank, expert)) << "rank " << rank << " expert " << expert;
   items_[static_cast<size_t>(rank) * slots_ + size_[rank]++] = expert;
   has_[static_cast<size_t>(expert) * num_ranks_ + rank] = 1;
   holders_[expert].push_back(rank);
+  ++count_[expert];
 }
 
 void LayerState::unplace(int rank, int expert) {
@@ -36,6 +87,7 @@ void LayerState::unplace(int rank, int expert) {
   has_[static_cast<size_t>(expert) * num_ranks_ + rank] = 0;
   auto& h = holders_[expert];
   h.erase(std::find(h.begin(), h.end(), rank));
+  --count_[expert];
 }
 
 // NOTE: loads are updated by differences, not re-summed: a search step must cost O(replicas of
@@ -43,7 +95,10 @@ void LayerState::unplace(int rank, int expert) {
 // error this accumulates.
 void LayerState::set_count_changed(int expert) {
   const int c = count(expert);
-  per_[expert] = c > 0 ? weight(expert) / c : weight(expert);
+  const double w = weight(expert);
+  per_[expert] = c > 0 ? w / c : w;
+  more_[expert] = w / (c + 1);
+  fewer_[expert] = c > 1 ? w / (c - 1) : std::numeric_limits<double>::infinity();
 }
 
 void LayerState::add(int rank, int expert) {
@@ -109,24 +164,36 @@ std::vector<std::vector<int>> LayerState::rank_sets() const {
 std::vector<int> greedy_counts(const std::vector<double>& load, const Domain& domain,
                                int num_slots, int min_replicas) {
   const int n = static_cast<int>(domain.experts.size());
+  const int cap = domain.num_ranks();
   std::vector<int> counts(n, min_replicas);
-  int64_t left = num_slots - static_cast<int64_t>(n) * min_replicas;
-  // Max-heap on load per replica; ties to the lowest id (DeepSeek and TensorRT-LLM alike).
-  auto worse = [&](int a, int b) {
-    const double pa = load[domain.experts[a]] / counts[a];
-    const double pb = load[domain.experts[b]] / counts[b];
-    return pa != pb ? pa < pb : domain.experts[a] > domain.experts[b];
-  };
-  std::priority_queue<int, std::vector<int>, decltype(worse)> heap(worse);
-  for (int i = 0; i < n; ++i) {
-    if (counts[i] < domain.num_ranks()) heap.push(i);
+  // Replicas the greedy surely gives. Its last pick has a load per replica lambda with
+  // num_slots <= n min_replicas + W / lambda (W: the total load), so lambda < lambda0 =
+  // W / (num_slots - n min_replicas): every replica with a load >= lambda0 is among its picks,
+  // and starting from those picks the same set, faster.
+  const int64_t extra = num_slots - static_cast<int64_t>(n) * min_replicas;
+  if (extra > 0) {
+    double total = 0;
+    for (int e : domain.experts) total += load[e];
+    const double lambda0 = total / static_cast<double>(extra) * (1 + 1e-9);
+    for (int i = 0; i < n && lambda0 > 0; ++i) {
+      const double sure = std::floor(load[domain.experts[i]] / lambda0);
+      counts[i] = static_cast<int>(std::clamp<double>(sure, min_replicas, cap));
+    }
   }
-  while (left > 0 && !heap.empty()) {
-    const int i = heap.top();
-    heap.pop();
+  int64_t left = num_slots;
+  for (int c : counts) left -= c;
+  // The next replica to the highest load per replica; ties to the lowest id (DeepSeek and
+  // TensorRT-LLM alike). Keys are negated: the tree finds minima.
+  std::vector<double> keys(n, kInf);
+  for (int i = 0; i < n; ++i) {
+    if (counts[i] < cap) keys[i] = -load[domain.experts[i]] / counts[i];
+  }
+  MinTree tree(keys);
+  while (left > 0 && tree.top_key() < kInf) {
+    const int i = tree.top();
     ++counts[i];
     --left;
-    if (counts[i] < domain.num_ranks()) heap.push(i);
+    tree.set(i, counts[i] < cap ? -load[domain.experts[i]] / counts[i] : kInf);
   }
   return counts;
 }
@@ -135,84 +202,94 @@ void pack_lpt(LayerState& state, const Domain& domain, const std::vector<int>& c
   const int num_ranks = domain.num_ranks();
   const int slots = state.slots_per_rank();
   const int n = static_cast<int>(domain.experts.size());
-  struct Item {
-    double per;
-    int idx;  // into domain.experts
-  };
-  std::vector<Item> list;
+  std::vector<double> per(n);
+  std::vector<int> list;  // domain expert index per replica, heaviest replicas first
   for (int i = 0; i < n; ++i) {
-    const double per = state.weight(domain.experts[i]) / counts[i];
-    for (int k = 0; k < counts[i]; ++k) list.push_back({per, i});
+    per[i] = state.weight(domain.experts[i]) / counts[i];
+    list.insert(list.end(), counts[i], i);
   }
-  std::stable_sort(list.begin(), list.end(),
-                   [](const Item& a, const Item& b) { return a.per > b.per; });
-  // Local bookkeeping with final per-replica loads; the state is filled at the end.
+  std::stable_sort(list.begin(), list.end(), [&](int a, int b) { return per[a] > per[b]; });
+  // Local bookkeeping with the final per-replica loads; the state is filled at the end.
   std::vector<double> load(num_ranks, 0.0);
-  std::vector<std::vector<int>> held(num_ranks);  // domain expert indices
+  std::vector<int> held(static_cast<size_t>(num_ranks) * slots);  // [rank * slots + k]
+  std::vector<int> size(num_ranks, 0);
   std::vector<uint8_t> has(static_cast<size_t>(n) * num_ranks, 0);
-  auto per_of = [&](int i) { return state.weight(domain.experts[i]) / counts[i]; };
+  auto has_at = [&](int i, int r) -> uint8_t& { return has[static_cast<size_t>(i) * num_ranks + r]; };
   auto place = [&](int r, int i) {
-    held[r].push_back(i);
-    has[static_cast<size_t>(i) * num_ranks + r] = 1;
-    load[r] += per_of(i);
+    held[static_cast<size_t>(r) * slots + size[r]++] = i;
+    has_at(i, r) = 1;
+    load[r] += per[i];
   };
-  using Key = std::pair<double, int>;
-  std::priority_queue<Key, std::vector<Key>, std::greater<Key>> open;  // least loaded first
-  for (int r = 0; r < num_ranks; ++r) {
-    if (slots > 0) open.push({0.0, r});
-  }
-  std::vector<Key> skipped;
-  for (const Item& item : list) {
-    skipped.clear();
-    int chosen = -1;
-    while (!open.empty()) {
-      const Key top = open.top();
-      open.pop();
-      if (!has[static_cast<size_t>(item.idx) * num_ranks + top.second]) {
-        chosen = top.second;
-        break;
-      }
-      skipped.push_back(top);
+  // Rounds: the ranks with room sorted by load once, then the next replicas, heaviest first,
+  // each to the least loaded of them that did not get one this round and lacks its expert.
+  // That is the greedy (LPT) order while replicas of a round are alike, at one sort per round
+  // instead of a priority update per replica.
+  std::vector<int> order, avail;
+  std::vector<uint8_t> used;
+  for (int r = 0; r < num_ranks; ++r) order.push_back(r);
+  size_t li = 0;
+  for (bool first_round = true; li < list.size(); first_round = false) {
+    if (!first_round) {
+      std::sort(order.begin(), order.end(), [&](int a, int b) {
+        return load[a] != load[b] ? load[a] < load[b] : a < b;
+      });
     }
-    if (chosen < 0) {
-      // Every rank with a free slot holds this expert already. Take the least loaded of them,
-      // r, and a full rank q without the expert; q has an item x that r lacks (r holds at most
-      // slots - 1 items, one of them this expert, q holds `slots` others): x moves to r and the
-      // expert takes its place on q.
-      FLEX_CHECK(!skipped.empty()) << "more replicas than slots";
-      const int r = skipped.front().second;
-      skipped.erase(skipped.begin());
-      int best_q = -1, best_k = -1;
-      double best_peak = std::numeric_limits<double>::infinity();
-      for (int q = 0; q < num_ranks; ++q) {
-        if (static_cast<int>(held[q].size()) < slots ||
-            has[static_cast<size_t>(item.idx) * num_ranks + q]) {
-          continue;
-        }
-        for (int k = 0; k < slots; ++k) {
-          const int x = held[q][k];
-          if (has[static_cast<size_t>(x) * num_ranks + r]) continue;
-          const double peak = std::max(load[r] + per_of(x), load[q] - per_of(x) + item.per);
-          if (peak < best_peak) best_peak = peak, best_q = q, best_k = k;
-        }
-      }
-      FLEX_CHECK(best_q >= 0) << "no valid swap while packing";
-      const int x = held[best_q][best_k];
-      held[best_q].erase(held[best_q].begin() + best_k);
-      has[static_cast<size_t>(x) * num_ranks + best_q] = 0;
-      load[best_q] -= per_of(x);
-      place(r, x);
-      place(best_q, item.idx);
-      if (static_cast<int>(held[r].size()) < slots) open.push({load[r], r});
-    } else {
-      place(chosen, item.idx);
-      if (static_cast<int>(held[chosen].size()) < slots) open.push({load[chosen], chosen});
+    avail.clear();
+    for (int r : order) {
+      if (size[r] < slots) avail.push_back(r);
     }
-    for (const Key& k : skipped) open.push(k);
+    FLEX_CHECK(!avail.empty()) << "more replicas than slots";
+    used.assign(avail.size(), 0);
+    size_t start = 0;
+    while (li < list.size() && start < avail.size()) {
+      int i = list[li];
+      size_t p = start;
+      while (p < avail.size() && (used[p] || has_at(i, avail[p]))) ++p;
+      if (p == avail.size()) {
+        bool other = false;  // a rank with room lacking the expert, used this round
+        for (int r : avail) other = other || !has_at(i, r);
+        if (other) break;    // next round
+        // Every rank with room holds this expert already. Take the least loaded of them, r,
+        // and a full rank q without the expert; q has an item x that r lacks (r holds at
+        // most slots - 1 items, one of them this expert, q holds `slots` others): x moves to
+        // r and the expert takes its place on q.
+        int r = -1;
+        for (size_t k = 0; k < avail.size(); ++k) {
+          if (!used[k] && (r < 0 || load[avail[k]] < load[r])) r = avail[k];
+        }
+        if (r < 0) break;
+        int best_q = -1, best_k = -1;
+        double best_peak = kInf;
+        for (int q = 0; q < num_ranks; ++q) {
+          if (size[q] < slots || has_at(i, q)) continue;
+          for (int k = 0; k < slots; ++k) {
+            const int x = held[static_cast<size_t>(q) * slots + k];
+            if (has_at(x, r)) continue;
+            const double peak = std::max(load[r] + per[x], load[q] - per[x] + per[i]);
+            if (peak < best_peak) best_peak = peak, best_q = q, best_k = k;
+          }
+        }
+        FLEX_CHECK(best_q >= 0) << "no valid swap while packing";
+        int& slot = held[static_cast<size_t>(best_q) * slots + best_k];
+        const int x = slot;
+        has_at(x, best_q) = 0;
+        has_at(i, best_q) = 1;
+        load[best_q] += per[i] - per[x];
+        slot = i;
+        i = x;
+        p = static_cast<size_t>(std::find(avail.begin(), avail.end(), r) - avail.begin());
+      }
+      place(avail[p], i);
+      used[p] = 1;
+      ++li;
+      while (start < avail.size() && used[start]) ++start;
+    }
   }
   std::vector<std::vector<int>> sets(state.num_ranks());
   for (int r = 0; r < num_ranks; ++r) {
-    for (int i : held[r]) sets[domain.rank_begin + r].push_back(domain.experts[i]);
+    for (int k = 0; k < size[r]; ++k) {
+      sets[domain.rank_begin + r].push_back(domain.experts[held[static_cast<size_t>(r) * slots + k]]);
+    }
   }
   state.add_all(sets);
 }

@@ -33,11 +33,18 @@ class LayerState {
   const int* items(int rank) const { return &items_[static_cast<size_t>(rank) * slots_]; }
   double rank_load(int rank) const { return rank_load_[rank]; }
   double weight(int expert) const { return (*load_)[expert]; }
-  int count(int expert) const { return static_cast<int>(holders_[expert].size()); }
+  int count(int expert) const { return count_[expert]; }
   // Load of one replica (the whole load when the expert has none).
   double per_replica(int expert) const { return per_[expert]; }
+  // Load of one replica if the expert had one replica more / one fewer (+inf: it has <= 1).
+  double per_if_more(int expert) const { return more_[expert]; }
+  double per_if_fewer(int expert) const { return fewer_[expert]; }
   bool holds(int rank, int expert) const {
     return has_[static_cast<size_t>(expert) * num_ranks_ + rank] != 0;
+  }
+  // holds_row(expert)[rank] == holds(rank, expert).
+  const uint8_t* holds_row(int expert) const {
+    return &has_[static_cast<size_t>(expert) * num_ranks_];
   }
   const std::vector<int>& holders(int expert) const { return holders_[expert]; }
   size_t num_experts() const { return holders_.size(); }
@@ -68,7 +75,10 @@ class LayerState {
   std::vector<int> items_;  // [rank * slots_ + k], k < size_[rank]
   std::vector<int> size_;
   std::vector<double> rank_load_;
-  std::vector<double> per_;   // [expert]: load / replicas (the whole load without replicas)
+  std::vector<int> count_;     // [expert]: replicas
+  std::vector<double> per_;    // [expert]: load / replicas (the whole load without replicas)
+  std::vector<double> more_;   // [expert]: load / (replicas + 1)
+  std::vector<double> fewer_;  // [expert]: load / (replicas - 1)
   std::vector<uint8_t> has_;  // [expert * num_ranks_ + rank]
   std::vector<std::vector<int>> holders_;
 };
@@ -93,15 +103,29 @@ struct SearchOptions {
   double target = 0;            // stop once the domain's max rank load is <= target
   bool minimise_moves = true;   // among actions reaching target, prefer the fewest slot writes
   int min_replicas = 1;         // never drop an expert below this
-  int max_iterations = 0;       // safety bound
+  int max_iterations = 0;       // steps at most
   int num_candidate_ranks = 16; // coldest ranks tried as partners of the hottest
+  // Work bound: (replica of the hottest rank, replica of a partner) pairs scored, in all. When
+  // the coldest ranks do not help the hottest one, every rank is tried (if the bound allows).
+  int64_t max_pairs = 0;
+};
+
+enum class SearchEnd {
+  kReached,     // the domain's max rank load is <= target
+  kStuck,       // no step lowers the hottest rank (with every rank tried, if allowed)
+  kOutOfSteps,  // max_iterations or max_pairs spent
 };
 
 // Lowers the domain's max rank load step by step: each step changes the hottest rank by the
 // best of moving one of its replicas to a free slot, swapping one with a colder rank's, giving
 // one of its experts an extra replica (in a free slot or in place of a replica of an expert
-// that has spare ones) or dropping a spare replica. Stops at the target, or when no step lowers
-// the max. Returns whether the max load is <= target.
-bool improve(LayerState& state, const Domain& domain, const SearchOptions& options);
+// that has spare ones) or dropping a spare replica.
+SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& options);
+
+// Up to `passes` sweeps that pair the i-th hottest rank of the domain with the i-th coldest
+// and even each pair out by the best single swap or move between them (replica counts stay).
+// Cheap (ranks x slots^2 per pass) and it flattens a greedy packing quickly; improve() then
+// works on the few ranks that remain high.
+void balance_pairs(LayerState& state, const Domain& domain, int passes);
 
 }  // namespace flexpert::eplb::detail

@@ -25,59 +25,73 @@ struct Step {
   int cost = 0;        // slots that receive weights
 };
 
+// Keeps the best step offered. Only steps that end below the current max (`bound`) count.
+// With minimise_moves, a step reaching the target beats one that does not, and among those
+// reaching it the one with fewer slot writes wins; otherwise (and then) the lower peak; the first
+// offered wins ties, so the enumeration order makes the result deterministic.
 class Chooser {
  public:
-  Chooser(const SearchOptions& options, double bound) : options_(options), bound_(bound) {}
+  Chooser(const SearchOptions& options, double bound)
+      : minimise_moves_(options.minimise_moves),
+        reach_(options.target * (1 + kRelEps)),
+        bound_(bound) {}
 
-  // Keeps the better of the best so far and `s`. Only steps that end below the current max
-  // (`bound_`) count. With minimise_moves, a step reaching the target beats one that does not,
-  // and among those reaching it the one with fewer slot writes wins.
-  void offer(const Step& s) {
-    if (!(s.peak < bound_)) return;
-    if (best_.kind == Step::kNone || better(s, best_)) best_ = s;
+  void offer(Step::Kind kind, int x, int y, int to, double peak, int cost) {
+    if (!(peak < bound_)) return;
+    const int tier = minimise_moves_ && peak <= reach_ ? cost : kNotReached;
+    if (best_.kind != Step::kNone &&
+        (tier > best_tier_ || (tier == best_tier_ && !(peak < best_.peak)))) {
+      return;
+    }
+    best_ = Step{kind, x, y, to, peak, cost};
+    best_tier_ = tier;
   }
   const Step& best() const { return best_; }
-
- private:
-  bool reaches(const Step& s) const { return s.peak <= options_.target * (1 + kRelEps); }
-  bool better(const Step& a, const Step& b) const {
-    if (options_.minimise_moves) {
-      const bool ra = reaches(a), rb = reaches(b);
-      if (ra != rb) return ra;
-      if (ra && a.cost != b.cost) return a.cost < b.cost;
-    }
-    if (a.peak != b.peak) return a.peak < b.peak;
-    return a.cost < b.cost;
+  // False when a step with this peak (or any higher one) and cost cannot be chosen.
+  bool could_take(double peak, int cost) const {
+    if (!(peak < bound_)) return false;
+    if (best_.kind == Step::kNone) return true;
+    const int tier = minimise_moves_ && peak <= reach_ ? cost : kNotReached;
+    return tier < best_tier_ || (tier == best_tier_ && peak < best_.peak);
   }
 
-  const SearchOptions& options_;
+ private:
+  static constexpr int kNotReached = 1 << 20;
+  bool minimise_moves_;
+  double reach_;
   double bound_;
   Step best_;
+  int best_tier_ = kNotReached;
 };
 
-// The highest loads among each expert's holders, computed at most once per step and expert:
-// evaluating a step must not walk the dozens of replicas of a hot expert again and again.
+// The three highest loads among each expert's holders, kept current as steps change rank loads:
+// scoring a step that evicts a replica must not walk the dozens of replicas of a hot expert.
 class HolderPeaks {
  public:
-  explicit HolderPeaks(size_t num_experts) : stamp_(num_experts, -1), top_(num_experts) {}
-  void next_step() { ++step_; }
+  HolderPeaks(const LayerState& state, const Domain& domain)
+      : state_(state), top_(state.num_experts()) {
+    for (int e : domain.experts) refresh(e);
+  }
   // Highest load among the ranks holding `expert` other than a and b; -inf when none.
-  double max_except(const LayerState& state, int expert, int a, int b) {
-    auto& top = top_[expert];
-    if (stamp_[expert] != step_) {
-      stamp_[expert] = step_;
-      top.fill({-kInf, -1});
-      for (int g : state.holders(expert)) {
-        Entry e{state.rank_load(g), g};
-        for (Entry& t : top) {
-          if (e.load > t.load) std::swap(e, t);
-        }
-      }
-    }
-    for (const Entry& t : top) {
+  double max_except(int expert, int a, int b) const {
+    for (const Entry& t : top_[expert]) {
       if (t.rank != a && t.rank != b) return t.load;  // rank -1 carries -inf
     }
     return -kInf;
+  }
+  // The load of `rank` changed: every expert it holds may have a new top.
+  void rank_changed(int rank) {
+    for (int k = 0; k < state_.size(rank); ++k) refresh(state_.items(rank)[k]);
+  }
+  void refresh(int expert) {
+    auto& top = top_[expert];
+    top.fill({-kInf, -1});
+    for (int g : state_.holders(expert)) {
+      Entry e{state_.rank_load(g), g};
+      for (Entry& t : top) {
+        if (e.load > t.load) std::swap(e, t);
+      }
+    }
   }
 
  private:
@@ -85,17 +99,41 @@ class HolderPeaks {
     double load;
     int rank;
   };
-  std::vector<int> stamp_;
+  const LayerState& state_;
   std::vector<std::array<Entry, 3>> top_;
-  int step_ = 0;
 };
 
-int hottest(const LayerState& state, const Domain& domain) {
-  int h = domain.rank_begin;
-  for (int r = domain.rank_begin + 1; r < domain.rank_end; ++r) {
-    if (state.rank_load(r) > state.rank_load(h)) h = r;
+// Keeps the domain's ranks sorted by (load, rank): nearly sorted after a step, so insertion
+// sort costs O(ranks) instead of a full sort.
+void sort_by_load(const LayerState& state, std::vector<int>& order) {
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
+    const double la = state.rank_load(a), lb = state.rank_load(b);
+    return la != lb ? la < lb : a < b;
+  });
+}
+
+// Moves `rank`, whose load changed, to its place in `order` (sorted otherwise).
+void reposition(const LayerState& state, std::vector<int>& order, int rank) {
+  auto less = [&](int a, int b) {
+    const double la = state.rank_load(a), lb = state.rank_load(b);
+    return la != lb ? la < lb : a < b;
+  };
+  auto it = std::find(order.begin(), order.end(), rank);
+  order.erase(it);
+  order.insert(std::lower_bound(order.begin(), order.end(), rank, less), rank);
+}
+
+void resort(const LayerState& state, std::vector<int>& order) {
+  auto less = [&](int a, int b) {
+    const double la = state.rank_load(a), lb = state.rank_load(b);
+    return la != lb ? la < lb : a < b;
+  };
+  for (size_t i = 1; i < order.size(); ++i) {
+    const int v = order[i];
+    size_t j = i;
+    for (; j > 0 && less(v, order[j - 1]); --j) order[j] = order[j - 1];
+    order[j] = v;
   }
-  return h;
 }
 
 void apply(LayerState& state, int h, const Step& s) {
@@ -120,74 +158,170 @@ void apply(LayerState& state, int h, const Step& s) {
 
 }  // namespace
 
-bool improve(LayerState& state, const Domain& domain, const SearchOptions& options) {
+SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& options) {
   const int slots = state.slots_per_rank();
   const int m = std::max(1, options.min_replicas);
-  std::vector<int> cold;
-  cold.reserve(domain.num_ranks());
-  HolderPeaks peaks(state.num_experts());
-  for (int iteration = 0;; ++iteration) {
-    peaks.next_step();
-    const int h = hottest(state, domain);
-    const double lh = state.rank_load(h);
-    if (lh <= options.target * (1 + kRelEps)) return true;
-    if (iteration >= options.max_iterations || domain.num_ranks() < 1) return false;
-
-    cold.clear();
-    for (int r = domain.rank_begin; r < domain.rank_end; ++r) {
-      if (r != h) cold.push_back(r);
+  std::vector<int> order(domain.num_ranks());
+  for (int r = domain.rank_begin; r < domain.rank_end; ++r) order[r - domain.rank_begin] = r;
+  sort_by_load(state, order);
+  HolderPeaks peaks(state, domain);
+  const size_t num_cold = std::min<size_t>(order.size() - 1, options.num_candidate_ranks);
+  // The replicas of the partner ranks, as flat arrays (the inner loops run over them for every
+  // replica of the hottest rank; keep them free of branches and indirections).
+  struct Candidates {
+    std::vector<int> rank, expert;
+    std::vector<double> py;          // load per replica
+    std::vector<double> rest;        // the partner's load without this replica
+    std::vector<double> h_dy;        // what evicting it adds to the hottest rank (if it holds it)
+    std::vector<double> evict_peak;  // highest other holder after evicting it; +inf: not evictable
+    std::vector<uint8_t> on_h;       // the hottest rank holds this expert too
+    std::vector<int> free_ranks;     // partners with a free slot
+    void clear() {
+      rank.clear(), expert.clear(), py.clear(), rest.clear(), h_dy.clear(), evict_peak.clear();
+      on_h.clear(), free_ranks.clear();
     }
-    const size_t k = std::min<size_t>(cold.size(), options.num_candidate_ranks);
-    std::partial_sort(cold.begin(), cold.begin() + k, cold.end(), [&](int a, int b) {
-      const double la = state.rank_load(a), lb = state.rank_load(b);
-      return la != lb ? la < lb : a < b;
-    });
-    cold.resize(k);
-
-    Chooser chooser(options, lh * (1 - kRelEps));
+  } cand;
+  int64_t pairs = 0;  // scored so far
+  // Offers the best steps that relieve the hottest rank h with one of the num_partners coldest.
+  auto evaluate = [&](int h, double lh, size_t num_partners, Chooser& chooser) {
+    cand.clear();
+    for (size_t ci = 0; ci < num_partners; ++ci) {
+      const int r = order[ci];
+      const double lr = state.rank_load(r);
+      if (state.size(r) < slots) cand.free_ranks.push_back(r);
+      for (int k = 0; k < state.size(r); ++k) {
+        const int y = state.items(r)[k];
+        const double py = state.per_replica(y);
+        const bool on_h = state.holds(h, y);
+        const double dy = state.per_if_fewer(y) - py;  // +inf when it has one replica
+        cand.rank.push_back(r);
+        cand.expert.push_back(y);
+        cand.py.push_back(py);
+        cand.rest.push_back(lr - py);
+        cand.on_h.push_back(on_h);
+        cand.h_dy.push_back(on_h ? dy : 0.0);
+        cand.evict_peak.push_back(state.count(y) > m ? peaks.max_except(y, r, h) + dy : kInf);
+      }
+    }
+    const int n = static_cast<int>(cand.rank.size());
+    pairs += static_cast<int64_t>(n) * state.size(h);
     const int* h_items = state.items(h);
     for (int hi = 0; hi < state.size(h); ++hi) {
       const int x = h_items[hi];
+      const uint8_t* x_on = state.holds_row(x);
       const double px = state.per_replica(x);
-      const int cx = state.count(x);
-      const double px_more = state.weight(x) / (cx + 1);  // per replica with one more
+      const double px_more = state.per_if_more(x);
       const double dx = px_more - px;
       // Drop a spare replica of x: free for the mover (a slot becoming free receives nothing).
-      if (cx > m) {
-        const double dx_less = state.weight(x) / (cx - 1) - px;
-        chooser.offer({Step::kDrop, x, -1, -1,
-                       std::max(lh - px, peaks.max_except(state, x, h, h) + dx_less), 0});
+      if (state.count(x) > m) {
+        chooser.offer(Step::kDrop, x, -1, -1,
+                      std::max(lh - px, peaks.max_except(x, h, h) +
+                                            (state.per_if_fewer(x) - px)),
+                      0);
       }
-      for (int r : cold) {
-        if (state.holds(r, x)) continue;
+      for (int r : cand.free_ranks) {
+        if (x_on[r]) continue;
         const double lr = state.rank_load(r);
-        if (state.size(r) < slots) {
-          chooser.offer({Step::kMove, x, -1, r, std::max(lh - px, lr + px), 1});
-          chooser.offer({Step::kReplicate, x, -1, r, std::max(lh + dx, lr + px_more), 1});
-        }
-        const int* r_items = state.items(r);
-        for (int ri = 0; ri < state.size(r); ++ri) {
-          const int y = r_items[ri];
-          const double py = state.per_replica(y);
-          const bool h_has_y = state.holds(h, y);
-          if (!h_has_y && py < px) {
-            chooser.offer({Step::kSwap, x, y, r, std::max(lh - px + py, lr - py + px), 2});
-          }
-          const int cy = state.count(y);
-          if (cy <= m) continue;
-          // One more replica of x in place of one of y: every replica of x gets lighter, every
-          // other replica of y heavier. NOTE: a rank holding both x and y is scored without the
-          // relief from x (an upper bound), so the hot path stays O(1) per candidate.
-          const double dy = state.weight(y) / (cy - 1) - py;
-          const double peak = std::max(lh + dx + (h_has_y ? dy : 0.0), lr - py + px_more);
-          if (!(peak < lh)) continue;
-          chooser.offer({Step::kReplicate, x, y, r,
-                         std::max(peak, peaks.max_except(state, y, r, h) + dy), 1});
-        }
+        chooser.offer(Step::kMove, x, -1, r, std::max(lh - px, lr + px), 1);
+        chooser.offer(Step::kReplicate, x, -1, r, std::max(lh + dx, lr + px_more), 1);
+      }
+      // Swap x for a lighter replica y; or give x one more replica in place of y: every
+      // replica of x gets lighter, every other replica of y heavier. NOTE: a rank holding both
+      // x and y is scored without the relief from x (an upper bound), which keeps this O(1).
+      double swap_peak = kInf, evict_peak = kInf;
+      int swap_j = -1, evict_j = -1;
+      for (int j = 0; j < n; ++j) {
+        if (x_on[cand.rank[j]]) continue;
+        const double s = std::max(lh - px + cand.py[j], cand.rest[j] + px);
+        if (cand.py[j] < px && !cand.on_h[j] && s < swap_peak) swap_peak = s, swap_j = j;
+        const double e =
+            std::max(std::max(lh + dx + cand.h_dy[j], cand.rest[j] + px_more), cand.evict_peak[j]);
+        if (e < evict_peak) evict_peak = e, evict_j = j;
+      }
+      if (swap_j >= 0) {
+        chooser.offer(Step::kSwap, x, cand.expert[swap_j], cand.rank[swap_j], swap_peak, 2);
+      }
+      if (evict_j >= 0) {
+        chooser.offer(Step::kReplicate, x, cand.expert[evict_j], cand.rank[evict_j], evict_peak,
+                      1);
       }
     }
-    if (chooser.best().kind == Step::kNone) return false;
-    apply(state, h, chooser.best());
+  };
+  for (int iteration = 0;; ++iteration) {
+    const int h = order.back();
+    const double lh = state.rank_load(h);
+    if (lh <= options.target * (1 + kRelEps)) return SearchEnd::kReached;
+    if (iteration >= options.max_iterations || pairs >= options.max_pairs) {
+      return SearchEnd::kOutOfSteps;
+    }
+    Chooser chooser(options, lh * (1 - kRelEps));
+    // The coldest ranks first; only when none of them helps, every rank (stuck is expensive:
+    // it makes the caller fall back to a plan with many more moves).
+    evaluate(h, lh, num_cold, chooser);
+    if (chooser.best().kind == Step::kNone && num_cold < order.size() - 1) {
+      if (pairs >= options.max_pairs) return SearchEnd::kOutOfSteps;
+      evaluate(h, lh, order.size() - 1, chooser);
+    }
+    if (chooser.best().kind == Step::kNone) return SearchEnd::kStuck;
+    const Step& step = chooser.best();
+    apply(state, h, step);
+    // Ranks whose load changed: both ends of a move or swap; with a replica more or fewer, also
+    // every rank holding the experts whose count changed.
+    peaks.rank_changed(h);
+    if (step.to >= 0) peaks.rank_changed(step.to);
+    if (step.kind == Step::kReplicate || step.kind == Step::kDrop) {
+      for (int g : state.holders(step.x)) peaks.rank_changed(g);
+      if (step.y >= 0) {
+        for (int g : state.holders(step.y)) peaks.rank_changed(g);
+      }
+    }
+    if (step.kind == Step::kDrop) peaks.refresh(step.x);
+    if (step.kind == Step::kMove || step.kind == Step::kSwap) {
+      reposition(state, order, h);
+      reposition(state, order, step.to);
+    } else {
+      resort(state, order);
+    }
+  }
+}
+
+void balance_pairs(LayerState& state, const Domain& domain, int passes) {
+  std::vector<int> order(domain.num_ranks());
+  for (int r = domain.rank_begin; r < domain.rank_end; ++r) order[r - domain.rank_begin] = r;
+  const int slots = state.slots_per_rank();
+  for (int pass = 0; pass < passes; ++pass) {
+    sort_by_load(state, order);
+    bool changed = false;
+    const size_t n = order.size();
+    for (size_t i = 0; i < n / 2; ++i) {
+      const int a = order[n - 1 - i], b = order[i];  // the i-th hottest and the i-th coldest
+      const double la = state.rank_load(a), lb = state.rank_load(b);
+      double best = la * (1 - kRelEps);
+      int best_x = -1, best_y = -1;
+      for (int xi = 0; xi < state.size(a); ++xi) {
+        const int x = state.items(a)[xi];
+        if (state.holds(b, x)) continue;
+        const double px = state.per_replica(x);
+        if (state.size(b) < slots && std::max(la - px, lb + px) < best) {
+          best = std::max(la - px, lb + px), best_x = x, best_y = -1;
+        }
+        for (int yi = 0; yi < state.size(b); ++yi) {
+          const int y = state.items(b)[yi];
+          const double py = state.per_replica(y);
+          if (py >= px || state.holds(a, y)) continue;
+          const double peak = std::max(la - px + py, lb - py + px);
+          if (peak < best) best = peak, best_x = x, best_y = y;
+        }
+      }
+      if (best_x < 0) continue;
+      if (best_y < 0) {
+        state.move(a, b, best_x);
+      } else {
+        state.swap(a, best_x, b, best_y);
+      }
+      changed = true;
+    }
+    if (!changed) break;
   }
 }
 

@@ -87,7 +87,7 @@ Status ClusterEngine::Impl::commit_map(ExpertPlacement next) {
 Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target, uint64_t* bytes,
                                        int* pulls) {
   const int S = slots_per_rank_;
-  for (int round = 0; round < 8; ++round) {
+  for (int round = 0; round < 64; ++round) {
     std::vector<int> current;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -97,6 +97,14 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
     // 1. Fill free slots the plan wants filled, pulling from a slot holding the expert.
     std::map<int, proto::PullCommand> by_rank;
     std::vector<int> filled = current;
+    auto add_pull = [&](int dst, int src, int expert) {
+      auto& cmd = by_rank[dst / S];
+      cmd.layer = layer;
+      cmd.dst_slots.push_back(dst % S);
+      cmd.src_ranks.push_back(src / S);
+      cmd.src_slots.push_back(src % S);
+      filled[dst] = expert;
+    };
     for (size_t s = 0; s < target.size(); ++s) {
       if (current[s] != ExpertPlacement::kFreeSlot || target[s] == ExpertPlacement::kFreeSlot)
         continue;
@@ -107,12 +115,36 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
         if (src < 0 || static_cast<int>(t) / S == dst_rank) src = static_cast<int>(t);
       }
       if (src < 0) continue;  // Not held anywhere: it arrives in a later round.
-      auto& cmd = by_rank[dst_rank];
-      cmd.layer = layer;
-      cmd.dst_slots.push_back(static_cast<int>(s) % S);
-      cmd.src_ranks.push_back(src / S);
-      cmd.src_slots.push_back(src % S);
-      filled[s] = target[s];
+      add_pull(static_cast<int>(s), src, target[s]);
+    }
+    // No wanted fill possible: every slot to change holds the last replica of an
+    // expert that must move. Stage such experts in free slots (the spare slots),
+    // which lets the next round free their old slots.
+    if (by_rank.empty()) {
+      std::vector<int> count(static_cast<size_t>(placement_.num_experts()), 0);
+      for (int e : current) {
+        if (e >= 0) ++count[e];
+      }
+      for (size_t s = 0; s < current.size(); ++s) {
+        const int e = current[s];
+        if (e < 0 || e == target[s] || count[e] > 1) continue;
+        // Prefer a rank that does not hold the expert; a second copy on the same
+        // rank is wasteful but valid, and only lasts until the next round.
+        int free_slot = -1;
+        for (int pass = 0; pass < 2 && free_slot < 0; ++pass) {
+          for (size_t f = 0; f < filled.size() && free_slot < 0; ++f) {
+            if (filled[f] != ExpertPlacement::kFreeSlot) continue;
+            bool rank_holds = false;
+            for (int i = 0; i < S; ++i) {
+              rank_holds |= filled[(f / S) * S + static_cast<size_t>(i)] == e;
+            }
+            if (!rank_holds || pass == 1) free_slot = static_cast<int>(f);
+          }
+        }
+        if (free_slot < 0) break;
+        add_pull(free_slot, static_cast<int>(s), e);
+        ++count[e];
+      }
     }
     bool progressed = false;
     if (!by_rank.empty()) {
@@ -168,6 +200,18 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
       freed[s] = ExpertPlacement::kFreeSlot;
       --count[e];
       any_freed = true;
+    }
+    if (!progressed && !any_freed &&
+        std::find(freed.begin(), freed.end(), ExpertPlacement::kFreeSlot) == freed.end()) {
+      // Every slot is taken and every misplaced expert is its last replica: give up
+      // one replica of an expert that has several, so the next round can stage.
+      for (size_t s = 0; s < freed.size() && !any_freed; ++s) {
+        const int e = freed[s];
+        if (e >= 0 && count[e] > 1) {
+          freed[s] = ExpertPlacement::kFreeSlot;
+          any_freed = true;
+        }
+      }
     }
     if (any_freed) {
       std::vector<std::vector<int>> maps;
