@@ -5,10 +5,8 @@
 #include "eplb/layer_planner.h"
 
 #include <algorithm>
-#include <cstdlib>
-
-#include <numeric>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <tuple>
 
@@ -18,14 +16,15 @@ namespace flexpert::eplb::detail {
 namespace {
 
 constexpr double kRelEps = 1e-12;
-// Search effort, in (replica, replica) pairs tried per step: the coldest ranks tried as partners
-// are about kPairsPerStep / slots_per_rank^2 (at least 8).
-static int kPairsPerStep = getenv("KP") ? atoi(getenv("KP")) : 256;
-// From scratch: balancing sweeps, then steps on the hottest rank for a quarter of the ranks,
-// with at most kScratchFullScans looks at every rank. Enough to pass the greedy packing by
-// 1-8 % of balance; the last fraction of a percent costs several times more (measured).
-static int kPairPasses = getenv("PP") ? atoi(getenv("PP")) : 4;
-static int64_t kScratchPairs = getenv("SP") ? atoi(getenv("SP")) : 32768;
+// Search effort. Per step, about kPairsPerStep (replica, replica) pairs: the coldest
+// kPairsPerStep / slots_per_rank^2 ranks (at least 8) are tried as partners of the hottest.
+// From scratch: kPairPasses balancing sweeps, then steps on the hottest rank until
+// kScratchPairs pairs are scored. That passes the greedy packing by 0.5-3 % of balance at
+// DeepSeek-V3 shapes; searching until stuck gains a few tenths of a percent more at several
+// times the cost (measured with bench/eplb_bench.cc; plans must stay well under 1 ms a layer).
+constexpr int kPairsPerStep = 128;
+constexpr int kPairPasses = 2;
+constexpr int64_t kScratchPairs = 8192;
 // Renumbering the plan from scratch keeps about half of the experts in place under drift: worth
 // computing only when the repair failed or rewrites more than this share of the layer.
 constexpr int kRelabelAbovePercent = 40;
@@ -380,10 +379,12 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
     used = Policy::kHierarchical;
   }
   const Candidate& fresh = used == Policy::kHierarchical ? *hier : *global;
-  // A repair that gets stuck short of the target is still taken when it is no worse than the
-  // greedy packing from scratch (what DeepSeek's balancer would return): the alternative is
-  // the plan from scratch, renumbered, which rewrites about half of the layer.
-  const double fallback_limit = std::max(target, fresh.greedy_load);
+  // The repair aims at the target, and never lower than the greedy packing from scratch (the
+  // kind of plan DeepSeek's balancer returns). One that gets stuck short of the target is still
+  // taken when it is no worse than that greedy packing: the alternative, the plan from scratch
+  // renumbered, rewrites about half of the layer.
+  const double repair_target = std::min(target, fresh.greedy_load);
+  const double fallback_limit = fresh.greedy_load;
   LayerResult result;
   result.used = used;
   if (!has_current) {
@@ -393,10 +394,10 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
 
   std::optional<std::vector<std::vector<int>>> repaired;
   if (used == Policy::kGlobal) {
-    repaired = repair(shape, load, current, global_domains(shape), target, fallback_limit);
+    repaired = repair(shape, load, current, global_domains(shape), repair_target, fallback_limit);
   } else if (current_host_of) {
-    repaired = repair(shape, load, current, host_domains(shape, *current_host_of), target,
-                      fallback_limit);
+    repaired = repair(shape, load, current, host_domains(shape, *current_host_of),
+                      repair_target, fallback_limit);
   }
   if (repaired && set_moves(current, *repaired) == 0) {
     result.rank_sets = std::move(*repaired);

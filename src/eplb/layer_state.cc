@@ -220,70 +220,55 @@ void pack_lpt(LayerState& state, const Domain& domain, const std::vector<int>& c
     has_at(i, r) = 1;
     load[r] += per[i];
   };
-  // Rounds: the ranks with room sorted by load once, then the next replicas, heaviest first,
-  // each to the least loaded of them that did not get one this round and lacks its expert.
-  // That is the greedy (LPT) order while replicas of a round are alike, at one sort per round
-  // instead of a priority update per replica.
-  std::vector<int> order, avail;
-  std::vector<uint8_t> used;
-  for (int r = 0; r < num_ranks; ++r) order.push_back(r);
+  // The heaviest replica goes to the least loaded rank with room that lacks its expert. While
+  // the ranks are still empty (and the replicas carry load) that is simply the next rank.
   size_t li = 0;
-  for (bool first_round = true; li < list.size(); first_round = false) {
-    if (!first_round) {
-      std::sort(order.begin(), order.end(), [&](int a, int b) {
-        return load[a] != load[b] ? load[a] < load[b] : a < b;
-      });
+  for (; li < list.size() && static_cast<int>(li) < num_ranks && per[list[li]] > 0; ++li) {
+    place(static_cast<int>(li), list[li]);
+  }
+  std::vector<double> keys(num_ranks);
+  for (int r = 0; r < num_ranks; ++r) keys[r] = size[r] < slots ? load[r] : kInf;
+  MinTree open(keys);  // ranks with room, by load
+  std::vector<int> skipped;
+  for (; li < list.size(); ++li) {
+    int i = list[li];
+    skipped.clear();
+    while (open.top_key() < kInf && has_at(i, open.top())) {
+      skipped.push_back(open.top());
+      open.set(open.top(), kInf);
     }
-    avail.clear();
-    for (int r : order) {
-      if (size[r] < slots) avail.push_back(r);
-    }
-    FLEX_CHECK(!avail.empty()) << "more replicas than slots";
-    used.assign(avail.size(), 0);
-    size_t start = 0;
-    while (li < list.size() && start < avail.size()) {
-      int i = list[li];
-      size_t p = start;
-      while (p < avail.size() && (used[p] || has_at(i, avail[p]))) ++p;
-      if (p == avail.size()) {
-        bool other = false;  // a rank with room lacking the expert, used this round
-        for (int r : avail) other = other || !has_at(i, r);
-        if (other) break;    // next round
-        // Every rank with room holds this expert already. Take the least loaded of them, r,
-        // and a full rank q without the expert; q has an item x that r lacks (r holds at
-        // most slots - 1 items, one of them this expert, q holds `slots` others): x moves to
-        // r and the expert takes its place on q.
-        int r = -1;
-        for (size_t k = 0; k < avail.size(); ++k) {
-          if (!used[k] && (r < 0 || load[avail[k]] < load[r])) r = avail[k];
+    int chosen = open.top_key() < kInf ? open.top() : -1;
+    if (chosen < 0) {
+      // Every rank with room holds this expert already. Take the least loaded of them, r, and
+      // a full rank q without the expert; q has an item x that r lacks (r holds at most
+      // slots - 1 items, one of them this expert, q holds `slots` others): x moves to r and the
+      // expert takes its place on q.
+      FLEX_CHECK(!skipped.empty()) << "more replicas than slots";
+      const int r = skipped.front();
+      int best_q = -1, best_k = -1;
+      double best_peak = kInf;
+      for (int q = 0; q < num_ranks; ++q) {
+        if (size[q] < slots || has_at(i, q)) continue;
+        for (int k = 0; k < slots; ++k) {
+          const int x = held[static_cast<size_t>(q) * slots + k];
+          if (has_at(x, r)) continue;
+          const double peak = std::max(load[r] + per[x], load[q] - per[x] + per[i]);
+          if (peak < best_peak) best_peak = peak, best_q = q, best_k = k;
         }
-        if (r < 0) break;
-        int best_q = -1, best_k = -1;
-        double best_peak = kInf;
-        for (int q = 0; q < num_ranks; ++q) {
-          if (size[q] < slots || has_at(i, q)) continue;
-          for (int k = 0; k < slots; ++k) {
-            const int x = held[static_cast<size_t>(q) * slots + k];
-            if (has_at(x, r)) continue;
-            const double peak = std::max(load[r] + per[x], load[q] - per[x] + per[i]);
-            if (peak < best_peak) best_peak = peak, best_q = q, best_k = k;
-          }
-        }
-        FLEX_CHECK(best_q >= 0) << "no valid swap while packing";
-        int& slot = held[static_cast<size_t>(best_q) * slots + best_k];
-        const int x = slot;
-        has_at(x, best_q) = 0;
-        has_at(i, best_q) = 1;
-        load[best_q] += per[i] - per[x];
-        slot = i;
-        i = x;
-        p = static_cast<size_t>(std::find(avail.begin(), avail.end(), r) - avail.begin());
       }
-      place(avail[p], i);
-      used[p] = 1;
-      ++li;
-      while (start < avail.size() && used[start]) ++start;
+      FLEX_CHECK(best_q >= 0) << "no valid swap while packing";
+      int& slot = held[static_cast<size_t>(best_q) * slots + best_k];
+      const int x = slot;
+      has_at(x, best_q) = 0;
+      has_at(i, best_q) = 1;
+      load[best_q] += per[i] - per[x];
+      slot = i;
+      chosen = r;
+      i = x;
     }
+    place(chosen, i);
+    for (int r : skipped) open.set(r, load[r]);
+    open.set(chosen, size[chosen] < slots ? load[chosen] : kInf);
   }
   std::vector<std::vector<int>> sets(state.num_ranks());
   for (int r = 0; r < num_ranks; ++r) {

@@ -47,13 +47,6 @@ class Chooser {
     best_tier_ = tier;
   }
   const Step& best() const { return best_; }
-  // False when a step with this peak (or any higher one) and cost cannot be chosen.
-  bool could_take(double peak, int cost) const {
-    if (!(peak < bound_)) return false;
-    if (best_.kind == Step::kNone) return true;
-    const int tier = minimise_moves_ && peak <= reach_ ? cost : kNotReached;
-    return tier < best_tier_ || (tier == best_tier_ && peak < best_.peak);
-  }
 
  private:
   static constexpr int kNotReached = 1 << 20;
@@ -64,25 +57,32 @@ class Chooser {
   int best_tier_ = kNotReached;
 };
 
-// The three highest loads among each expert's holders, kept current as steps change rank loads:
-// scoring a step that evicts a replica must not walk the dozens of replicas of a hot expert.
+// The three highest loads among each expert's holders, recomputed only when asked for after a
+// step changed the load of one of its ranks: scoring a step that evicts a replica must not walk
+// the dozens of replicas of a hot expert every time.
 class HolderPeaks {
  public:
-  HolderPeaks(const LayerState& state, const Domain& domain)
-      : state_(state), top_(state.num_experts()) {
-    for (int e : domain.experts) refresh(e);
-  }
+  explicit HolderPeaks(const LayerState& state)
+      : state_(state), top_(state.num_experts()), stale_(state.num_experts(), 1) {}
   // Highest load among the ranks holding `expert` other than a and b; -inf when none.
-  double max_except(int expert, int a, int b) const {
+  double max_except(int expert, int a, int b) {
+    if (stale_[expert]) refresh(expert);
     for (const Entry& t : top_[expert]) {
       if (t.rank != a && t.rank != b) return t.load;  // rank -1 carries -inf
     }
     return -kInf;
   }
-  // The load of `rank` changed: every expert it holds may have a new top.
+  // The load of `rank` changed: the experts it holds may have a new top.
   void rank_changed(int rank) {
-    for (int k = 0; k < state_.size(rank); ++k) refresh(state_.items(rank)[k]);
+    for (int k = 0; k < state_.size(rank); ++k) stale_[state_.items(rank)[k]] = 1;
   }
+  void expert_changed(int expert) { stale_[expert] = 1; }
+
+ private:
+  struct Entry {
+    double load;
+    int rank;
+  };
   void refresh(int expert) {
     auto& top = top_[expert];
     top.fill({-kInf, -1});
@@ -92,48 +92,54 @@ class HolderPeaks {
         if (e.load > t.load) std::swap(e, t);
       }
     }
+    stale_[expert] = 0;
   }
 
- private:
-  struct Entry {
-    double load;
-    int rank;
-  };
   const LayerState& state_;
   std::vector<std::array<Entry, 3>> top_;
+  std::vector<uint8_t> stale_;
 };
 
-// Keeps the domain's ranks sorted by (load, rank): nearly sorted after a step, so insertion
-// sort costs O(ranks) instead of a full sort.
-void sort_by_load(const LayerState& state, std::vector<int>& order) {
-  std::sort(order.begin(), order.end(), [&](int a, int b) {
+// Orders ranks by (load, rank).
+struct LoadLess {
+  const LayerState& state;
+  bool operator()(int a, int b) const {
     const double la = state.rank_load(a), lb = state.rank_load(b);
     return la != lb ? la < lb : a < b;
-  });
+  }
+};
+
+void sort_by_load(const LayerState& state, std::vector<int>& order) {
+  std::sort(order.begin(), order.end(), LoadLess{state});
 }
 
 // Moves `rank`, whose load changed, to its place in `order` (sorted otherwise).
 void reposition(const LayerState& state, std::vector<int>& order, int rank) {
-  auto less = [&](int a, int b) {
-    const double la = state.rank_load(a), lb = state.rank_load(b);
-    return la != lb ? la < lb : a < b;
-  };
-  auto it = std::find(order.begin(), order.end(), rank);
-  order.erase(it);
-  order.insert(std::lower_bound(order.begin(), order.end(), rank, less), rank);
+  order.erase(std::find(order.begin(), order.end(), rank));
+  order.insert(std::lower_bound(order.begin(), order.end(), rank, LoadLess{state}), rank);
 }
 
+// Re-sorts `order` after a few loads changed: insertion sort, O(ranks) when nearly sorted.
 void resort(const LayerState& state, std::vector<int>& order) {
-  auto less = [&](int a, int b) {
-    const double la = state.rank_load(a), lb = state.rank_load(b);
-    return la != lb ? la < lb : a < b;
-  };
+  const LoadLess less{state};
   for (size_t i = 1; i < order.size(); ++i) {
     const int v = order[i];
     size_t j = i;
     for (; j > 0 && less(v, order[j - 1]); --j) order[j] = order[j - 1];
     order[j] = v;
   }
+}
+
+// The hottest rank: among those within kRelEps of the max load, the lowest rank. NOTE: not just
+// the last of `order`: loads reached by different sequences of steps differ in their last bits,
+// and planning a plan again must pick the same rank to find it as stuck as before.
+int hottest(const LayerState& state, const std::vector<int>& order) {
+  const double top = state.rank_load(order.back());
+  int h = order.back();
+  for (size_t i = order.size(); i-- > 0 && state.rank_load(order[i]) >= top * (1 - kRelEps);) {
+    h = std::min(h, order[i]);
+  }
+  return h;
 }
 
 void apply(LayerState& state, int h, const Step& s) {
@@ -164,7 +170,7 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
   std::vector<int> order(domain.num_ranks());
   for (int r = domain.rank_begin; r < domain.rank_end; ++r) order[r - domain.rank_begin] = r;
   sort_by_load(state, order);
-  HolderPeaks peaks(state, domain);
+  HolderPeaks peaks(state);
   const size_t num_cold = std::min<size_t>(order.size() - 1, options.num_candidate_ranks);
   // The replicas of the partner ranks, as flat arrays (the inner loops run over them for every
   // replica of the hottest rank; keep them free of branches and indirections).
@@ -176,31 +182,40 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
     std::vector<double> evict_peak;  // highest other holder after evicting it; +inf: not evictable
     std::vector<uint8_t> on_h;       // the hottest rank holds this expert too
     std::vector<int> free_ranks;     // partners with a free slot
-    void clear() {
-      rank.clear(), expert.clear(), py.clear(), rest.clear(), h_dy.clear(), evict_peak.clear();
-      on_h.clear(), free_ranks.clear();
+    void clear() { free_ranks.clear(); }
+    void resize(size_t n) {
+      rank.resize(n), expert.resize(n), py.resize(n), rest.resize(n), h_dy.resize(n);
+      evict_peak.resize(n), on_h.resize(n);
     }
   } cand;
+  std::vector<int> partners;
   int64_t pairs = 0;  // scored so far
   // Offers the best steps that relieve the hottest rank h with one of the num_partners coldest.
   auto evaluate = [&](int h, double lh, size_t num_partners, Chooser& chooser) {
     cand.clear();
-    for (size_t ci = 0; ci < num_partners; ++ci) {
-      const int r = order[ci];
+    partners.clear();
+    for (size_t ci = 0; ci < order.size() && partners.size() < num_partners; ++ci) {
+      if (order[ci] != h) partners.push_back(order[ci]);
+    }
+    size_t total = 0;
+    for (int r : partners) total += state.size(r);
+    cand.resize(total);
+    size_t j = 0;
+    for (int r : partners) {
       const double lr = state.rank_load(r);
       if (state.size(r) < slots) cand.free_ranks.push_back(r);
-      for (int k = 0; k < state.size(r); ++k) {
+      for (int k = 0; k < state.size(r); ++k, ++j) {
         const int y = state.items(r)[k];
         const double py = state.per_replica(y);
         const bool on_h = state.holds(h, y);
         const double dy = state.per_if_fewer(y) - py;  // +inf when it has one replica
-        cand.rank.push_back(r);
-        cand.expert.push_back(y);
-        cand.py.push_back(py);
-        cand.rest.push_back(lr - py);
-        cand.on_h.push_back(on_h);
-        cand.h_dy.push_back(on_h ? dy : 0.0);
-        cand.evict_peak.push_back(state.count(y) > m ? peaks.max_except(y, r, h) + dy : kInf);
+        cand.rank[j] = r;
+        cand.expert[j] = y;
+        cand.py[j] = py;
+        cand.rest[j] = lr - py;
+        cand.on_h[j] = on_h;
+        cand.h_dy[j] = on_h ? dy : 0.0;
+        cand.evict_peak[j] = state.count(y) > m ? peaks.max_except(y, r, h) + dy : kInf;
       }
     }
     const int n = static_cast<int>(cand.rank.size());
@@ -248,7 +263,7 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
     }
   };
   for (int iteration = 0;; ++iteration) {
-    const int h = order.back();
+    const int h = hottest(state, order);
     const double lh = state.rank_load(h);
     if (lh <= options.target * (1 + kRelEps)) return SearchEnd::kReached;
     if (iteration >= options.max_iterations || pairs >= options.max_pairs) {
@@ -266,7 +281,7 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
     const Step& step = chooser.best();
     apply(state, h, step);
     // Ranks whose load changed: both ends of a move or swap; with a replica more or fewer, also
-    // every rank holding the experts whose count changed.
+    // every rank holding the experts whose count changed. Experts that left a rank, too.
     peaks.rank_changed(h);
     if (step.to >= 0) peaks.rank_changed(step.to);
     if (step.kind == Step::kReplicate || step.kind == Step::kDrop) {
@@ -275,7 +290,8 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
         for (int g : state.holders(step.y)) peaks.rank_changed(g);
       }
     }
-    if (step.kind == Step::kDrop) peaks.refresh(step.x);
+    peaks.expert_changed(step.x);
+    if (step.y >= 0) peaks.expert_changed(step.y);
     if (step.kind == Step::kMove || step.kind == Step::kSwap) {
       reposition(state, order, h);
       reposition(state, order, step.to);

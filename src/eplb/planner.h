@@ -45,7 +45,7 @@ struct PlanInput {
   // A current placement whose max rank load is within this fraction of the best this planner
   // finds from scratch is kept as is; otherwise it is repaired until it is, with the fewest
   // moves the planner finds. 0 always targets the best balance.
-  double tolerance = 0.002;
+  double tolerance = 0.005;
 };
 
 struct PlanOutput {

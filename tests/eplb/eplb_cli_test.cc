@@ -1,0 +1,114 @@
+// SPDX-License-Identifier: Apache-2.0
+// `flexpert eplb plan` as a user runs it: files in and out, both planners, exit code 2 and a
+// message for bad input.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+struct CliRun {
+  int exit_code;
+  std::string out;  // stdout and stderr together.
+};
+
+CliRun run(const std::string& args) {
+  const std::string cmd = std::string(FLEXPERT_BINARY) + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  CliRun r{-1, ""};
+  if (pipe == nullptr) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
+  const int status = pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+class EplbCliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("flexpert_eplb_cli_" + std::to_string(::getpid()));
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string write(const std::string& name, const std::string& text) {
+    const fs::path p = dir_ / name;
+    std::ofstream(p) << text;
+    return p.string();
+  }
+  fs::path dir_;
+};
+
+const char kCases[] = R"({"cases": [
+  {"name": "readme", "weight": [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+                                [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]],
+   "num_replicas": 16, "num_groups": 4, "num_nodes": 2, "num_gpus": 8},
+  {"name": "shrink", "weight": [[5, 1, 1, 1, 1, 1]], "num_replicas": 9, "num_groups": 1,
+   "num_nodes": 1, "num_gpus": 3, "prev_phy2log": [[0, 1, 2, 3, 4, 5, 0, 0]], "prev_num_gpus": 4}
+]})";
+
+TEST_F(EplbCliTest, PlansWithBothPlanners) {
+  const std::string input = write("cases.json", kCases);
+  const std::string output = (dir_ / "plans.json").string();
+  CliRun r = run("eplb plan --input " + input + " --output " + output);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("readme"), std::string::npos);  // the summary table
+  std::ifstream in(output);
+  const json plans = json::parse(in);
+  ASSERT_EQ(plans["cases"].size(), 2u);
+  EXPECT_EQ(plans["cases"][0]["name"], "readme");
+  EXPECT_EQ(plans["cases"][0]["phy2log"].size(), 2u);
+  EXPECT_EQ(plans["cases"][0]["phy2log"][0].size(), 16u);
+  EXPECT_EQ(plans["cases"][1]["phy2log"][0].size(), 9u);
+  EXPECT_GE(plans["cases"][0]["time_s"].get<double>(), 0.0);
+
+  r = run("eplb plan --planner deepseek --input " + input + " --output -");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const json ds = json::parse(r.out.substr(r.out.find("{\"cases\"")));
+  EXPECT_EQ(ds["cases"][0]["phy2log"][0],
+            json::parse("[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1]"));
+  EXPECT_EQ(ds["cases"][0]["policy"][0], "hierarchical");
+
+  r = run("eplb plan --policy global --input " + input + " --output " + output);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+}
+
+TEST_F(EplbCliTest, BadInputExitsWithTwoAndAMessage) {
+  const std::string good = write("good.json", kCases);
+  const std::string bad = write("bad.json", R"({"cases": [{"name": "x"}]})");
+  const std::string out = (dir_ / "o.json").string();
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"eplb", "usage"},
+      {"eplb frobnicate", "unknown subcommand"},
+      {"eplb plan --output " + out, "--input"},
+      {"eplb plan --input " + good, "--output"},
+      {"eplb plan --input /nonexistent/cases.json --output " + out, "cannot read"},
+      {"eplb plan --input " + bad + " --output " + out, "\"weight\""},
+      {"eplb plan --input " + good + " --output " + out + " --planner magic", "planner"},
+      {"eplb plan --input " + good + " --output " + out + " --policy best", "policy"},
+      {"eplb plan --input " + good + " --output " + out + " --tolerance -1", "tolerance"},
+      {"eplb plan --input " + good + " --output " + out + " --min-replicas 0", "min-replicas"},
+      {"eplb plan --input " + good + " --output " + out + " --bogus 1", "unknown flag"},
+  };
+  for (const auto& [args, expected] : cases) {
+    CliRun r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(expected), std::string::npos) << args << "\n" << r.out;
+  }
+  CliRun help = run("eplb plan --help");
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_NE(help.out.find("--planner"), std::string::npos);
+}
+
+}  // namespace
