@@ -57,6 +57,7 @@ const char kUsage[] =
     "  synth     --preset tiny|qwen3-30b-a3b --out DIR [--layers N] [--dtype bf16|f32]\n"
     "  serve     --model DIR --ranks N [--max-ranks M] [--host H --port P] ...\n"
     "  worker    --join HOST:PORT --rank R\n"
+    "  eplb plan --input cases.json --output plans.json [--planner flexpert|deepseek]\n"
     "  bench generate [--model DIR | --preset P --layers N] [--batches 1,8,32] ...\n"
     "  bench serve    --url URL --concurrency C --requests N [--prompt-len L --max-tokens T]\n"
     "Run `flexpert <command> --help` for the flags of a command.\n";
@@ -76,6 +77,7 @@ int main(int argc, char** argv) {
   if (command == "bench") return cmd_bench(args);
   if (command == "serve") return cmd_serve(args);
   if (command == "worker") return cmd_worker(args);
+  if (command == "eplb") return cmd_eplb(args);
   std::fprintf(stderr, "flexpert: unknown command '%s'\n%s", command.c_str(), kUsage);
   return 2;
 }

@@ -190,6 +190,7 @@ std::optional<std::vector<std::vector<int>>> repair(const LayerShape& shape,
   LayerState state(load, shape.num_ranks, shape.slots_per_rank);
   state.add_all(current);
   const int m = std::max(1, shape.min_replicas);
+  bool reached = true;
   for (const Domain& d : domains) {
     if (!ensure_min_replicas(state, d, m)) return std::nullopt;
     SearchOptions options;
@@ -206,6 +207,12 @@ std::optional<std::vector<std::vector<int>>> repair(const LayerShape& shape,
         (end == SearchEnd::kStuck && state.max_load(d) > fallback_limit * (1 + kRelEps))) {
       return std::nullopt;
     }
+    reached = reached && end == SearchEnd::kReached;
+  }
+  // Steps taken early may be unneeded once the target is met. (Not on a plan accepted stuck:
+  // planned again, it must be found stuck again, and these changes could unblock a step.)
+  if (reached) {
+    for (const Domain& d : domains) take_back_moves(state, d, current, target);
   }
   return state.rank_sets();
 }
@@ -392,12 +399,15 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
     return result;
   }
 
-  std::optional<std::vector<std::vector<int>>> repaired;
+  std::optional<std::vector<Domain>> domains;
   if (used == Policy::kGlobal) {
-    repaired = repair(shape, load, current, global_domains(shape), repair_target, fallback_limit);
+    domains = global_domains(shape);
   } else if (current_host_of) {
-    repaired = repair(shape, load, current, host_domains(shape, *current_host_of),
-                      repair_target, fallback_limit);
+    domains = host_domains(shape, *current_host_of);
+  }
+  std::optional<std::vector<std::vector<int>>> repaired;
+  if (domains) {
+    repaired = repair(shape, load, current, *domains, repair_target, fallback_limit);
   }
   if (repaired && set_moves(current, *repaired) == 0) {
     result.rank_sets = std::move(*repaired);
@@ -415,6 +425,15 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
   const int ranks_per_block =
       used == Policy::kHierarchical ? shape.num_ranks / shape.num_hosts : shape.num_ranks;
   std::vector<std::vector<int>> renumbered = relabel(shape, fresh.sets, current, ranks_per_block);
+  {
+    // Then back to where they were, for the experts that can go back within the target.
+    LayerState state(load, shape.num_ranks, shape.slots_per_rank);
+    state.add_all(renumbered);
+    for (int begin = 0; begin < shape.num_ranks; begin += ranks_per_block) {
+      take_back_moves(state, Domain{begin, begin + ranks_per_block, {}}, current, repair_target);
+    }
+    renumbered = state.rank_sets();
+  }
   if (repaired && set_moves(current, *repaired) <= set_moves(current, renumbered)) {
     result.rank_sets = std::move(*repaired);
   } else {

@@ -128,4 +128,11 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
 // works on the few ranks that remain high.
 void balance_pairs(LayerState& state, const Domain& domain, int passes);
 
+// Takes back moves of a plan against `current` ([member rank] -> experts there now, ascending)
+// without any rank of the domain going above `cap`: an expert that left rank r returns to it
+// by trading places with a replica that arrived on r (or into a free slot of r), when its
+// replica elsewhere is itself one that arrived. Each step writes at least one slot fewer.
+void take_back_moves(LayerState& state, const Domain& domain,
+                     const std::vector<std::vector<int>>& current, double cap);
+
 }  // namespace flexpert::eplb::detail

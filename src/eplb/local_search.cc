@@ -113,10 +113,13 @@ void sort_by_load(const LayerState& state, std::vector<int>& order) {
   std::sort(order.begin(), order.end(), LoadLess{state});
 }
 
-// Moves `rank`, whose load changed, to its place in `order` (sorted otherwise).
-void reposition(const LayerState& state, std::vector<int>& order, int rank) {
-  order.erase(std::find(order.begin(), order.end(), rank));
-  order.insert(std::lower_bound(order.begin(), order.end(), rank, LoadLess{state}), rank);
+// Moves ranks a and b, whose loads changed, to their places in `order` (sorted otherwise).
+void reposition(const LayerState& state, std::vector<int>& order, int a, int b) {
+  order.erase(std::find(order.begin(), order.end(), a));
+  order.erase(std::find(order.begin(), order.end(), b));
+  for (int r : {a, b}) {
+    order.insert(std::lower_bound(order.begin(), order.end(), r, LoadLess{state}), r);
+  }
 }
 
 // Re-sorts `order` after a few loads changed: insertion sort, O(ranks) when nearly sorted.
@@ -293,10 +296,50 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
     peaks.expert_changed(step.x);
     if (step.y >= 0) peaks.expert_changed(step.y);
     if (step.kind == Step::kMove || step.kind == Step::kSwap) {
-      reposition(state, order, h);
-      reposition(state, order, step.to);
+      reposition(state, order, h, step.to);
     } else {
       resort(state, order);
+    }
+  }
+}
+
+void take_back_moves(LayerState& state, const Domain& domain,
+                     const std::vector<std::vector<int>>& current, double cap) {
+  const int num_ranks = state.num_ranks();
+  const int slots = state.slots_per_rank();
+  std::vector<uint8_t> was(state.num_experts() * static_cast<size_t>(num_ranks), 0);
+  auto was_on = [&](int e, int r) -> uint8_t& { return was[static_cast<size_t>(e) * num_ranks + r]; };
+  for (int r = domain.rank_begin; r < domain.rank_end; ++r) {
+    for (int e : current[r]) was_on(e, r) = 1;
+  }
+  const double limit = cap * (1 + kRelEps);
+  for (int r = domain.rank_begin; r < domain.rank_end; ++r) {
+    for (int e : current[r]) {  // e was on r
+      if (state.holds(r, e)) continue;
+      // A replica of e that arrived somewhere else: bring it back to r.
+      int from = -1;
+      for (int q : state.holders(e)) {
+        if (q >= domain.rank_begin && q < domain.rank_end && !was_on(e, q)) {
+          from = q;
+          break;
+        }
+      }
+      if (from < 0) continue;
+      const double pe = state.per_replica(e);
+      if (state.size(r) < slots && state.rank_load(r) + pe <= limit) {
+        state.move(from, r, e);
+        continue;
+      }
+      // Or trade places with a replica y that arrived on r.
+      for (int k = 0; k < state.size(r); ++k) {
+        const int y = state.items(r)[k];
+        if (was_on(y, r) || state.holds(from, y)) continue;
+        const double py = state.per_replica(y);
+        if (state.rank_load(r) - py + pe <= limit && state.rank_load(from) - pe + py <= limit) {
+          state.swap(r, y, from, e);
+          break;
+        }
+      }
     }
   }
 }

@@ -141,17 +141,28 @@ TEST(PlannerTest, UnchangedLoadsGiveZeroMovesAtDeepSeekShapes) {
 
 TEST(PlannerTest, SmallDriftMovesFewExperts) {
   const int num_ranks = 64, slots = 6;
-  PlanInput in = basic_input(256, num_ranks, slots, zipf_loads(8, 256, 1.0, 3));
+  const Matrix load = zipf_loads(8, 256, 1.0, 3);
+  PlanInput in = basic_input(256, num_ranks, slots, load);
   auto first = plan(in);
   ASSERT_TRUE(first.ok());
-  in.current = first->placement;
-  in.load = drift(in.load, 0.03, 4);
-  auto second = plan(in);
-  ASSERT_TRUE(second.ok());
-  expect_valid(in, *second);
-  const int64_t total = static_cast<int64_t>(in.load.size()) * num_ranks * slots;
-  EXPECT_LT(second->moved_slots, total / 10) << "moved " << second->moved_slots << " of " << total;
-  EXPECT_GE(mean(second->balancedness), 0.97);
+  auto ds_first = deepseek_rebalance(load, num_ranks * slots, 8, 8, num_ranks);
+  ASSERT_TRUE(ds_first.ok());
+  const int64_t total = static_cast<int64_t>(load.size()) * num_ranks * slots;
+  // Loads multiplied by exp(sigma N(0,1)): the rank loads drift by about sigma / 2.
+  for (auto [sigma, max_share] : {std::pair{0.01, 0.10}, std::pair{0.03, 0.20}}) {
+    SCOPED_TRACE("sigma " + std::to_string(sigma));
+    in.current = first->placement;
+    in.load = drift(load, sigma, 4);
+    auto second = plan(in);
+    ASSERT_TRUE(second.ok());
+    expect_valid(in, *second);
+    EXPECT_LT(second->moved_slots, max_share * total) << second->moved_slots << " of " << total;
+    EXPECT_GE(mean(second->balancedness), 0.99);
+    // DeepSeek's balancer plans from nothing: most slots change.
+    auto ds_second = deepseek_rebalance(in.load, num_ranks * slots, 8, 8, num_ranks);
+    ASSERT_TRUE(ds_second.ok());
+    EXPECT_LT(second->moved_slots * 4, count_moves(ds_first->phy2log, ds_second->phy2log));
+  }
 }
 
 TEST(PlannerTest, BalanceAtLeastDeepSeeksOnZipfLoads) {
@@ -187,7 +198,8 @@ TEST(PlannerTest, BalanceAtLeastDeepSeeksOnZipfLoads) {
       for (size_t l = 0; l < load.size(); ++l) {
         ds2_balance.push_back(balancedness(in.load[l], ds2->phy2log[l], in.ranks, s.slots));
       }
-      EXPECT_GE(mean(replanned->balancedness), mean(ds2_balance));
+      // A replan stops within `tolerance` of the best plan it knows: it keeps moves down.
+      EXPECT_GE(mean(replanned->balancedness), mean(ds2_balance) * (1 - in.tolerance));
       EXPECT_LE(replanned->moved_slots, count_moves(ds->phy2log, ds2->phy2log) / 2);
     }
   }
