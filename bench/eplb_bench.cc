@@ -1,26 +1,32 @@
 // SPDX-License-Identifier: Apache-2.0
 // eplb_bench: flexpert's placement planner against the port of DeepSeek's open EPLB on
-// synthetic skewed loads at DeepSeek-V3 shapes, replanning over a sequence of windows.
+// synthetic skewed loads at DeepSeek-V3 shapes, replanning over a sequence of load windows.
 //
 //   eplb_bench [--ranks 32,64,144,256] [--spare 1,2,3] [--windows 6] [--layers 61]
 //              [--experts 256] [--groups 8] [--ranks-per-host 8] [--zipf-min 0.6]
-//              [--zipf-max 1.2] [--sigma 0.15] [--swap-prob 0.05] [--seed 1] [--json out.json]
+//              [--zipf-max 1.2] [--sigma 0.15] [--swap-prob 0.05] [--tolerance 0.005]
+//              [--seed 1] [--json out.json]
 //
 // Loads: per layer a Zipf law (exponent drawn in [zipf-min, zipf-max]) over the experts in a
-// random order, scaled to 16384 tokens x top-8; between windows every load is multiplied by
-// exp(sigma * N(0,1)) and, with probability swap-prob per layer, a top-16 expert swaps its load
-// with a random expert; counts are rounded to tokens. Slots per rank: ceil(experts / ranks) +
-// spare; hosts of ranks-per-host ranks. Window w is planned with plan w-1 as the current
-// placement. Reported per (ranks, slots, planner): balancedness (mean / max rank load, mean over
-// layers and windows) on the planned window and on the next one, slots that receive an expert
-// per replan (windows 1..), plan time for all layers, the share of layers planned
-// hierarchically, and (DeepSeek) replicas placed on a rank that already holds that expert.
+// random order, scaled to 16384 tokens x top-8; from one window to the next every load is
+// multiplied by exp(sigma * N(0,1)) and, with probability swap-prob per layer, a top-16 expert
+// trades its load with a random expert; counts are rounded to tokens. Slots per rank:
+// ceil(experts / ranks) + spare; hosts of ranks-per-host ranks; `groups` expert groups.
+// Window w is planned with the plan of window w-1 as the current placement (window 0 from
+// nothing). Reported per (ranks, slots per rank, planner), means over layers and windows:
+// balancedness (mean / max rank load) on the planned window and on the next one; slots that
+// receive an expert per replan (windows 1..), also as a share of all slots; wall-clock time of a
+// plan (all layers), mean and max; layers planned hierarchically; replicas placed on a rank that
+// already holds their expert (wasted slots). "targets" checks the goals for flexpert:
+// balance >= DeepSeek's, moves <= half of DeepSeek's, every plan < 50 ms.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -54,27 +60,36 @@ std::vector<int> int_list(const std::string& s) {
 }
 
 bool parse(int argc, char** argv, Options& o) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (i + 1 >= argc) return false;
-    const std::string v = argv[++i];
-    if (a == "--ranks") o.ranks = int_list(v);
-    else if (a == "--spare") o.spare = int_list(v);
-    else if (a == "--windows") o.windows = std::atoi(v.c_str());
-    else if (a == "--layers") o.layers = std::atoi(v.c_str());
-    else if (a == "--experts") o.experts = std::atoi(v.c_str());
-    else if (a == "--groups") o.groups = std::atoi(v.c_str());
-    else if (a == "--ranks-per-host") o.ranks_per_host = std::atoi(v.c_str());
-    else if (a == "--zipf-min") o.zipf_min = std::atof(v.c_str());
-    else if (a == "--zipf-max") o.zipf_max = std::atof(v.c_str());
-    else if (a == "--sigma") o.sigma = std::atof(v.c_str());
-    else if (a == "--swap-prob") o.swap_prob = std::atof(v.c_str());
-    else if (a == "--tolerance") o.tolerance = std::atof(v.c_str());
-    else if (a == "--seed") o.seed = static_cast<unsigned>(std::atoi(v.c_str()));
-    else if (a == "--json") o.json = v;
-    else return false;
+  auto to_int = [](int& out) {
+    return [&out](const std::string& v) { out = std::atoi(v.c_str()); };
+  };
+  auto to_double = [](double& out) {
+    return [&out](const std::string& v) { out = std::atof(v.c_str()); };
+  };
+  const std::map<std::string, std::function<void(const std::string&)>> flags = {
+      {"--ranks", [&](const std::string& v) { o.ranks = int_list(v); }},
+      {"--spare", [&](const std::string& v) { o.spare = int_list(v); }},
+      {"--windows", to_int(o.windows)},
+      {"--layers", to_int(o.layers)},
+      {"--experts", to_int(o.experts)},
+      {"--groups", to_int(o.groups)},
+      {"--ranks-per-host", to_int(o.ranks_per_host)},
+      {"--zipf-min", to_double(o.zipf_min)},
+      {"--zipf-max", to_double(o.zipf_max)},
+      {"--sigma", to_double(o.sigma)},
+      {"--swap-prob", to_double(o.swap_prob)},
+      {"--tolerance", to_double(o.tolerance)},
+      {"--seed",
+       [&](const std::string& v) { o.seed = static_cast<unsigned>(std::atoi(v.c_str())); }},
+      {"--json", [&](const std::string& v) { o.json = v; }},
+  };
+  for (int i = 1; i + 1 < argc; i += 2) {
+    auto it = flags.find(argv[i]);
+    if (it == flags.end()) return false;
+    it->second(argv[i + 1]);
   }
-  return o.windows >= 2 && o.layers >= 1 && o.experts >= 1;
+  return argc % 2 == 1 && o.windows >= 2 && o.layers >= 1 && o.experts >= 1 && o.groups >= 1 &&
+         o.ranks_per_host >= 1 && !o.ranks.empty() && !o.spare.empty();
 }
 
 // windows + 1 load matrices (the last one only scores the last plan).
@@ -83,6 +98,7 @@ std::vector<Matrix> make_loads(const Options& o) {
   std::normal_distribution<double> normal(0.0, 1.0);
   std::uniform_real_distribution<double> uniform(0.0, 1.0);
   const double tokens = 16384.0 * 8;
+  const int top = std::min(16, o.experts);
   Matrix w(o.layers, std::vector<double>(o.experts));
   for (auto& row : w) {
     const double s = o.zipf_min + (o.zipf_max - o.zipf_min) * uniform(rng);
@@ -99,11 +115,10 @@ std::vector<Matrix> make_loads(const Options& o) {
         if (uniform(rng) < o.swap_prob) {
           std::vector<int> idx(o.experts);
           std::iota(idx.begin(), idx.end(), 0);
-          std::partial_sort(idx.begin(), idx.begin() + std::min(16, o.experts), idx.end(),
+          std::partial_sort(idx.begin(), idx.begin() + top, idx.end(),
                             [&](int a, int b) { return row[a] > row[b]; });
-          const int hot = idx[rng() % std::min(16, o.experts)];
-          const int other = static_cast<int>(rng() % o.experts);
-          std::swap(row[hot], row[other]);
+          const int hot = idx[rng() % top];
+          std::swap(row[hot], row[rng() % o.experts]);
         }
       }
     }
@@ -136,6 +151,11 @@ int64_t colocated_replicas(const Placement& p, int slots) {
   return n;
 }
 
+[[noreturn]] void fail(const char* planner, const flexpert::Status& s) {
+  std::fprintf(stderr, "eplb_bench: %s: %s\n", planner, s.to_string().c_str());
+  std::exit(1);
+}
+
 Row run(const Options& o, const std::vector<Matrix>& loads, int num_ranks, int spare,
         bool deepseek) {
   Row row;
@@ -145,15 +165,16 @@ Row run(const Options& o, const std::vector<Matrix>& loads, int num_ranks, int s
   std::vector<int> ranks(num_ranks);
   std::iota(ranks.begin(), ranks.end(), 0);
   const int hosts = std::max(1, num_ranks / o.ranks_per_host);
+  const double plans = o.windows, cells = static_cast<double>(o.layers) * o.windows;
   Placement prev;
   int64_t hier_layers = 0;
   for (int t = 0; t < o.windows; ++t) {
     Placement next;
     const auto start = std::chrono::steady_clock::now();
     if (deepseek) {
-      auto p = flexpert::eplb::deepseek_rebalance(loads[t], num_ranks * row.slots, o.groups,
-                                                  hosts, num_ranks);
-      if (!p.ok()) std::fprintf(stderr, "deepseek: %s\n", p.status().to_string().c_str()), std::exit(1);
+      auto p = flexpert::eplb::deepseek_rebalance(loads[t], num_ranks * row.slots, o.groups, hosts,
+                                                  num_ranks);
+      if (!p.ok()) fail("deepseek", p.status());
       next = std::move(p->phy2log);
       hier_layers += p->hierarchical ? o.layers : 0;
     } else {
@@ -168,27 +189,36 @@ Row run(const Options& o, const std::vector<Matrix>& loads, int num_ranks, int s
       in.current = prev;
       in.tolerance = o.tolerance;
       auto p = flexpert::eplb::plan(in);
-      if (!p.ok()) std::fprintf(stderr, "flexpert: %s\n", p.status().to_string().c_str()), std::exit(1);
+      if (!p.ok()) fail("flexpert", p.status());
       next = std::move(p->placement);
-      for (auto u : p->used) hier_layers += u == flexpert::eplb::Policy::kHierarchical;
+      for (auto used : p->used) hier_layers += used == flexpert::eplb::Policy::kHierarchical;
     }
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    row.ms_mean += ms / o.windows;
+    row.ms_mean += ms / plans;
     row.ms_max = std::max(row.ms_max, ms);
     for (int l = 0; l < o.layers; ++l) {
-      const double denom = static_cast<double>(o.layers) * o.windows;
-      row.balance_now += flexpert::eplb::balancedness(loads[t][l], next[l], ranks, row.slots) / denom;
-      row.balance_next +=
-          flexpert::eplb::balancedness(loads[t + 1][l], next[l], ranks, row.slots) / denom;
+      using flexpert::eplb::balancedness;
+      row.balance_now += balancedness(loads[t][l], next[l], ranks, row.slots) / cells;
+      row.balance_next += balancedness(loads[t + 1][l], next[l], ranks, row.slots) / cells;
     }
-    if (t > 0) row.moved += static_cast<double>(flexpert::eplb::count_moves(prev, next)) / (o.windows - 1);
-    row.colocated += static_cast<double>(colocated_replicas(next, row.slots)) / o.windows;
+    if (t > 0) {
+      row.moved += static_cast<double>(flexpert::eplb::count_moves(prev, next)) / (plans - 1);
+    }
+    row.colocated += static_cast<double>(colocated_replicas(next, row.slots)) / plans;
     prev = std::move(next);
   }
   row.moved_pct = 100.0 * row.moved / (static_cast<double>(o.layers) * num_ranks * row.slots);
-  row.hier_pct = 100.0 * static_cast<double>(hier_layers) / (static_cast<double>(o.layers) * o.windows);
+  row.hier_pct = 100.0 * static_cast<double>(hier_layers) / cells;
   return row;
+}
+
+std::string targets(const Row& ours, const Row& ds) {
+  std::string missed;
+  if (ours.balance_now < ds.balance_now) missed += " balance";
+  if (ours.moved > ds.moved / 2) missed += " moves";
+  if (ours.ms_max >= 50) missed += " time";
+  return missed.empty() ? "met" : "missed:" + missed;
 }
 
 }  // namespace
@@ -201,26 +231,32 @@ int main(int argc, char** argv) {
   }
   const std::vector<Matrix> loads = make_loads(o);
   std::vector<Row> rows;
-  std::printf("| ranks | slots/rank | planner | balance (planned) | balance (next window) | "
-              "moved slots/replan | moved %% | plan ms mean | plan ms max | hierarchical %% | "
-              "co-located |\n");
-  std::printf("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::printf(
+      "| ranks | slots/rank | planner | balance (planned) | balance (next window) | moved "
+      "slots/replan | moved %% | plan ms mean | plan ms max | hierarchical %% | co-located | "
+      "targets |\n");
+  std::printf("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
   for (int r : o.ranks) {
     for (int s : o.spare) {
-      for (bool deepseek : {true, false}) {
-        const Row x = run(o, loads, r, s, deepseek);
-        std::printf("| %d | %d | %s | %.4f | %.4f | %.0f | %.1f | %.1f | %.1f | %.0f | %.0f |\n",
-                    x.ranks, x.slots, x.planner.c_str(), x.balance_now, x.balance_next, x.moved,
-                    x.moved_pct, x.ms_mean, x.ms_max, x.hier_pct, x.colocated);
-        std::fflush(stdout);
-        rows.push_back(x);
+      const Row ds = run(o, loads, r, s, true);
+      const Row ours = run(o, loads, r, s, false);
+      for (const Row* x : {&ds, &ours}) {
+        std::printf(
+            "| %d | %d | %s | %.4f | %.4f | %.0f | %.1f | %.1f | %.1f | %.0f | %.0f | %s |\n",
+            x->ranks, x->slots, x->planner.c_str(), x->balance_now, x->balance_next, x->moved,
+            x->moved_pct, x->ms_mean, x->ms_max, x->hier_pct, x->colocated,
+            x == &ours ? targets(ours, ds).c_str() : "");
       }
+      std::fflush(stdout);
+      rows.push_back(ds);
+      rows.push_back(ours);
     }
   }
   if (!o.json.empty()) {
     std::ofstream out(o.json);
     out << "{\"layers\": " << o.layers << ", \"experts\": " << o.experts
-        << ", \"windows\": " << o.windows << ", \"rows\": [\n";
+        << ", \"windows\": " << o.windows << ", \"tolerance\": " << o.tolerance
+        << ", \"rows\": [\n";
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& x = rows[i];
       out << (i ? ",\n" : "") << "  {\"ranks\": " << x.ranks << ", \"slots_per_rank\": " << x.slots
@@ -232,7 +268,7 @@ int main(int argc, char** argv) {
     }
     out << "\n]}\n";
     if (!out) {
-      std::fprintf(stderr, "cannot write %s\n", o.json.c_str());
+      std::fprintf(stderr, "eplb_bench: cannot write %s\n", o.json.c_str());
       return 1;
     }
   }

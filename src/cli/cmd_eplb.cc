@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
-#include <iterator>
 #include <sstream>
 
 #include "cli/commands.h"
@@ -23,6 +22,12 @@ const char kEplbUsage[] =
     "  output: {\"cases\": [{\"name\", \"phy2log\", \"time_s\", \"balancedness\", "
     "\"moved_slots\",\n"
     "           \"policy\"}]}  (--output - writes to stdout)\n";
+
+std::string format_number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
 
 Result<std::string> read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -60,7 +65,7 @@ int cmd_eplb(const std::vector<std::string>& args) {
       .value("output", "", "plans JSON file, or - for stdout")
       .value("planner", "flexpert", "flexpert | deepseek (the port of deepseek-ai/EPLB)")
       .value("policy", "auto", "flexpert planner: auto | global | hierarchical")
-      .value("tolerance", std::to_string(eplb::PlanInput().tolerance),
+      .value("tolerance", format_number(eplb::PlanInput().tolerance),
              "flexpert planner: keep/repair a previous plan within this fraction of the best "
              "max GPU load")
       .value("min-replicas", "1", "flexpert planner: replicas every expert keeps at least")

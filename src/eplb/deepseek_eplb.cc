@@ -9,8 +9,8 @@ namespace flexpert::eplb {
 namespace {
 
 struct Packing {
-  std::vector<int> pack;     // item -> pack
-  std::vector<int> rank;     // item -> position inside its pack
+  std::vector<int> pack;  // item -> pack
+  std::vector<int> rank;  // item -> position inside its pack
 };
 
 // n items into num_packs packs of exactly n / num_packs items: heaviest first, each into the
@@ -25,8 +25,7 @@ Packing balanced_packing(const std::vector<float>& weight, int num_packs) {
   }
   std::vector<int> order(n);
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int a, int b) { return weight[a] > weight[b]; });
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return weight[a] > weight[b]; });
   std::vector<float> pack_weight(num_packs, 0.0f);
   std::vector<int> pack_items(num_packs, 0);
   for (int item : order) {
@@ -97,7 +96,8 @@ std::vector<int> rebalance_layer(const std::vector<double>& weight64, int num_ph
   for (int node = 0; node < num_nodes; ++node) {
     // Step 2: replicas within the node.
     std::vector<float> node_weight(log_per_node);
-    for (int j = 0; j < log_per_node; ++j) node_weight[j] = weight[mlog2log[node * log_per_node + j]];
+    for (int j = 0; j < log_per_node; ++j)
+      node_weight[j] = weight[mlog2log[node * log_per_node + j]];
     const Replication rep = replicate_experts(node_weight, phy_per_node);
     // Step 3: the node's replicas onto its GPUs.
     std::vector<float> phy_weight(phy_per_node);
@@ -146,7 +146,8 @@ Result<DeepSeekPlan> deepseek_rebalance(const std::vector<std::vector<double>>& 
     if (num_gpus % num_nodes != 0) {
       return invalid_argument("hierarchical: num_gpus not a multiple of num_nodes");
     }
-    plan.phy2log.push_back(rebalance_layer(weight[l], num_replicas, num_groups, num_nodes, num_gpus));
+    plan.phy2log.push_back(
+        rebalance_layer(weight[l], num_replicas, num_groups, num_nodes, num_gpus));
     std::vector<int> cnt(num_log, 0);
     for (int e : plan.phy2log.back()) ++cnt[e];
     plan.logcnt.push_back(std::move(cnt));

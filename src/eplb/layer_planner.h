@@ -30,6 +30,14 @@ struct LayerResult {
 LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vector<double>& load,
                        const std::vector<std::vector<int>>& current);
 
+// `fresh` ([member rank] -> experts) with its ranks renumbered to share as many experts with
+// `current` as a greedy maximum-overlap matching finds; blocks of ranks_per_block ranks (hosts,
+// for hierarchical plans) are matched first and stay whole.
+std::vector<std::vector<int>> relabel(const LayerShape& shape,
+                                      const std::vector<std::vector<int>>& fresh,
+                                      const std::vector<std::vector<int>>& current,
+                                      int ranks_per_block);
+
 // Slots that receive an expert: sum over ranks of |next[r] \ current[r]| (sets ascending).
 int64_t set_moves(const std::vector<std::vector<int>>& current,
                   const std::vector<std::vector<int>>& next);

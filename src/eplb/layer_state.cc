@@ -2,8 +2,8 @@
 #include "eplb/layer_state.h"
 
 #include <algorithm>
-#include <limits>
 #include <cmath>
+#include <limits>
 
 #include "flexpert/logging.h"
 
@@ -71,7 +71,8 @@ LayerState::LayerState(const std::vector<double>& load, int num_ranks, int slots
 }
 
 void LayerState::place(int rank, int expert) {
-  FLEX_CHECK(size_[rank] < slots_ && !holds(rank, expert)) << "rank " << rank << " expert " << expert;
+  FLEX_CHECK(size_[rank] < slots_ && !holds(rank, expert))
+      << "rank " << rank << " expert " << expert;
   items_[static_cast<size_t>(rank) * slots_ + size_[rank]++] = expert;
   has_[static_cast<size_t>(expert) * num_ranks_ + rank] = 1;
   holders_[expert].push_back(rank);
@@ -90,9 +91,6 @@ void LayerState::unplace(int rank, int expert) {
   --count_[expert];
 }
 
-// NOTE: loads are updated by differences, not re-summed: a search step must cost O(replicas of
-// the experts it touches), and plans compare loads with a relative slack far above the rounding
-// error this accumulates.
 void LayerState::set_count_changed(int expert) {
   const int c = count(expert);
   const double w = weight(expert);
@@ -101,6 +99,9 @@ void LayerState::set_count_changed(int expert) {
   fewer_[expert] = c > 1 ? w / (c - 1) : std::numeric_limits<double>::infinity();
 }
 
+// NOTE: loads are updated by differences, not re-summed: a search step must cost O(replicas of
+// the experts it touches), and plans compare loads with a relative slack far above the rounding
+// error this accumulates.
 void LayerState::add(int rank, int expert) {
   const double before = per_[expert];
   place(rank, expert);
@@ -135,6 +136,11 @@ void LayerState::swap(int a, int x, int b, int y) {
 }
 
 void LayerState::add_all(const std::vector<std::vector<int>>& sets) {
+  std::vector<int> count(holders_.size(), 0);
+  for (const auto& set : sets) {
+    for (int e : set) ++count[e];
+  }
+  for (size_t e = 0; e < holders_.size(); ++e) holders_[e].reserve(holders_[e].size() + count[e]);
   for (size_t r = 0; r < sets.size(); ++r) {
     for (int e : sets[r]) place(static_cast<int>(r), e);
   }
@@ -161,8 +167,8 @@ std::vector<std::vector<int>> LayerState::rank_sets() const {
   return sets;
 }
 
-std::vector<int> greedy_counts(const std::vector<double>& load, const Domain& domain,
-                               int num_slots, int min_replicas) {
+std::vector<int> greedy_counts(const std::vector<double>& load, const Domain& domain, int num_slots,
+                               int min_replicas) {
   const int n = static_cast<int>(domain.experts.size());
   const int cap = domain.num_ranks();
   std::vector<int> counts(n, min_replicas);
@@ -208,13 +214,17 @@ void pack_lpt(LayerState& state, const Domain& domain, const std::vector<int>& c
     per[i] = state.weight(domain.experts[i]) / counts[i];
     list.insert(list.end(), counts[i], i);
   }
-  std::stable_sort(list.begin(), list.end(), [&](int a, int b) { return per[a] > per[b]; });
+  // Heaviest first; ties by expert (replicas of one expert are interchangeable).
+  std::sort(list.begin(), list.end(),
+            [&](int a, int b) { return per[a] != per[b] ? per[a] > per[b] : a < b; });
   // Local bookkeeping with the final per-replica loads; the state is filled at the end.
   std::vector<double> load(num_ranks, 0.0);
   std::vector<int> held(static_cast<size_t>(num_ranks) * slots);  // [rank * slots + k]
   std::vector<int> size(num_ranks, 0);
   std::vector<uint8_t> has(static_cast<size_t>(n) * num_ranks, 0);
-  auto has_at = [&](int i, int r) -> uint8_t& { return has[static_cast<size_t>(i) * num_ranks + r]; };
+  auto has_at = [&](int i, int r) -> uint8_t& {
+    return has[static_cast<size_t>(i) * num_ranks + r];
+  };
   auto place = [&](int r, int i) {
     held[static_cast<size_t>(r) * slots + size[r]++] = i;
     has_at(i, r) = 1;
@@ -273,7 +283,8 @@ void pack_lpt(LayerState& state, const Domain& domain, const std::vector<int>& c
   std::vector<std::vector<int>> sets(state.num_ranks());
   for (int r = 0; r < num_ranks; ++r) {
     for (int k = 0; k < size[r]; ++k) {
-      sets[domain.rank_begin + r].push_back(domain.experts[held[static_cast<size_t>(r) * slots + k]]);
+      sets[domain.rank_begin + r].push_back(
+          domain.experts[held[static_cast<size_t>(r) * slots + k]]);
     }
   }
   state.add_all(sets);
@@ -306,8 +317,9 @@ bool ensure_min_replicas(LayerState& state, const Domain& domain, int min_replic
           const double delta_y = state.weight(y) / (state.count(y) - 1) - state.per_replica(y);
           double peak = lr - state.per_replica(y) + per_new;
           for (int g : state.holders(y)) {
-            if (g != r) peak = std::max(peak, state.rank_load(g) + delta_y +
-                                                  (state.holds(g, e) ? delta_e : 0.0));
+            if (g != r)
+              peak = std::max(peak,
+                              state.rank_load(g) + delta_y + (state.holds(g, e) ? delta_e : 0.0));
           }
           if (peak < best_peak) best_peak = peak, best_r = r, best_y = y;
         }

@@ -79,15 +79,15 @@ class LayerState {
   std::vector<double> per_;    // [expert]: load / replicas (the whole load without replicas)
   std::vector<double> more_;   // [expert]: load / (replicas + 1)
   std::vector<double> fewer_;  // [expert]: load / (replicas - 1)
-  std::vector<uint8_t> has_;  // [expert * num_ranks_ + rank]
+  std::vector<uint8_t> has_;   // [expert * num_ranks_ + rank]
   std::vector<std::vector<int>> holders_;
 };
 
 // Replica counts for domain.experts (same order): min_replicas each, then one more at a time to
 // the expert with the highest load per replica (ties: lowest id), at most one per rank of the
 // domain, until num_slots replicas exist or no expert can take one more.
-std::vector<int> greedy_counts(const std::vector<double>& load, const Domain& domain,
-                               int num_slots, int min_replicas);
+std::vector<int> greedy_counts(const std::vector<double>& load, const Domain& domain, int num_slots,
+                               int min_replicas);
 
 // Places counts[i] replicas of domain.experts[i] onto the (empty) domain ranks of `state`:
 // largest load per replica first, each onto the least loaded rank with a free slot that does
@@ -100,11 +100,11 @@ void pack_lpt(LayerState& state, const Domain& domain, const std::vector<int>& c
 bool ensure_min_replicas(LayerState& state, const Domain& domain, int min_replicas);
 
 struct SearchOptions {
-  double target = 0;            // stop once the domain's max rank load is <= target
-  bool minimise_moves = true;   // among actions reaching target, prefer the fewest slot writes
-  int min_replicas = 1;         // never drop an expert below this
-  int max_iterations = 0;       // steps at most
-  int num_candidate_ranks = 16; // coldest ranks tried as partners of the hottest
+  double target = 0;             // stop once the domain's max rank load is <= target
+  bool minimise_moves = true;    // among actions reaching target, prefer the fewest slot writes
+  int min_replicas = 1;          // never drop an expert below this
+  int max_iterations = 0;        // steps at most
+  int num_candidate_ranks = 16;  // coldest ranks tried as partners of the hottest
   // Work bound: (replica of the hottest rank, replica of a partner) pairs scored, in all. When
   // the coldest ranks do not help the hottest one, every rank is tried (if the bound allows).
   int64_t max_pairs = 0;

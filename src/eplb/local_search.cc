@@ -18,9 +18,9 @@ constexpr double kRelEps = 1e-12;
 struct Step {
   enum Kind { kNone, kMove, kSwap, kReplicate, kDrop };
   Kind kind = kNone;
-  int x = -1;      // expert leaving or replicated from the hottest rank
-  int y = -1;      // expert coming back (swap) or evicted on `to` (replicate), else -1
-  int to = -1;     // partner rank
+  int x = -1;          // expert leaving or replicated from the hottest rank
+  int y = -1;          // expert coming back (swap) or evicted on `to` (replicate), else -1
+  int to = -1;         // partner rank
   double peak = kInf;  // highest load among the ranks the step changes, after it
   int cost = 0;        // slots that receive weights
 };
@@ -233,8 +233,7 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
       // Drop a spare replica of x: free for the mover (a slot becoming free receives nothing).
       if (state.count(x) > m) {
         chooser.offer(Step::kDrop, x, -1, -1,
-                      std::max(lh - px, peaks.max_except(x, h, h) +
-                                            (state.per_if_fewer(x) - px)),
+                      std::max(lh - px, peaks.max_except(x, h, h) + (state.per_if_fewer(x) - px)),
                       0);
       }
       for (int r : cand.free_ranks) {
@@ -260,8 +259,7 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
         chooser.offer(Step::kSwap, x, cand.expert[swap_j], cand.rank[swap_j], swap_peak, 2);
       }
       if (evict_j >= 0) {
-        chooser.offer(Step::kReplicate, x, cand.expert[evict_j], cand.rank[evict_j], evict_peak,
-                      1);
+        chooser.offer(Step::kReplicate, x, cand.expert[evict_j], cand.rank[evict_j], evict_peak, 1);
       }
     }
   };
@@ -308,7 +306,9 @@ void take_back_moves(LayerState& state, const Domain& domain,
   const int num_ranks = state.num_ranks();
   const int slots = state.slots_per_rank();
   std::vector<uint8_t> was(state.num_experts() * static_cast<size_t>(num_ranks), 0);
-  auto was_on = [&](int e, int r) -> uint8_t& { return was[static_cast<size_t>(e) * num_ranks + r]; };
+  auto was_on = [&](int e, int r) -> uint8_t& {
+    return was[static_cast<size_t>(e) * num_ranks + r];
+  };
   for (int r = domain.rank_begin; r < domain.rank_end; ++r) {
     for (int e : current[r]) was_on(e, r) = 1;
   }

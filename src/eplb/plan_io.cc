@@ -144,9 +144,8 @@ Result<CaseResult> run_case(const PlanCase& c, const RunOptions& options) {
   std::vector<int> ranks(c.num_gpus);
   std::iota(ranks.begin(), ranks.end(), 0);
   if (options.planner == Planner::kDeepSeek) {
-    FLEX_ASSIGN_OR_RETURN(DeepSeekPlan p, deepseek_rebalance(c.weight, c.num_replicas,
-                                                             c.num_groups, c.num_nodes,
-                                                             c.num_gpus));
+    FLEX_ASSIGN_OR_RETURN(DeepSeekPlan p, deepseek_rebalance(c.weight, c.num_replicas, c.num_groups,
+                                                             c.num_nodes, c.num_gpus));
     r.phy2log = std::move(p.phy2log);
     r.policy.assign(r.phy2log.size(), p.hierarchical ? "hierarchical" : "global");
   } else {

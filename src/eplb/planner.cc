@@ -53,8 +53,7 @@ Status check_input(const PlanInput& in) {
     }
     for (double w : in.load[l]) {
       if (!std::isfinite(w) || w < 0) {
-        return invalid_argument("load of layer " + std::to_string(l) +
-                                " must be finite and >= 0");
+        return invalid_argument("load of layer " + std::to_string(l) + " must be finite and >= 0");
       }
     }
   }
@@ -106,8 +105,8 @@ void assign_slots(const PlanInput& in, const std::vector<std::vector<int>>& sets
   std::vector<int> fresh;
   for (size_t i = 0; i < in.ranks.size(); ++i) {
     int* out = &row[static_cast<size_t>(in.ranks[i]) * s_per];
-    const int* old = current_row ? &(*current_row)[static_cast<size_t>(in.ranks[i]) * s_per]
-                                 : nullptr;
+    const int* old =
+        current_row ? &(*current_row)[static_cast<size_t>(in.ranks[i]) * s_per] : nullptr;
     const std::vector<int>& set = sets[i];
     fresh.clear();
     for (int e : set) {
@@ -149,8 +148,8 @@ Result<Policy> parse_policy(std::string_view name) {
   if (name == "auto") return Policy::kAuto;
   if (name == "global") return Policy::kGlobal;
   if (name == "hierarchical") return Policy::kHierarchical;
-  return invalid_argument("policy must be auto, global or hierarchical, got '" +
-                          std::string(name) + "'");
+  return invalid_argument("policy must be auto, global or hierarchical, got '" + std::string(name) +
+                          "'");
 }
 
 Result<PlanOutput> plan(const PlanInput& in) {
@@ -194,8 +193,8 @@ Result<PlanOutput> plan(const PlanInput& in) {
     assign_slots(in, layer.rank_sets, current_row, out.placement[l]);
     out.used[l] = layer.used;
     out.balancedness[l] = balancedness(in.load[l], out.placement[l], in.ranks, in.slots_per_rank);
-    out.moved_slots += count_moves(current_row ? *current_row : std::vector<int>(),
-                                   out.placement[l]);
+    out.moved_slots +=
+        count_moves(current_row ? *current_row : std::vector<int>(), out.placement[l]);
   }
   return out;
 }

@@ -25,8 +25,7 @@ TEST(DeepSeekEplbTest, ReadmeExample) {
   EXPECT_EQ(plan->phy2log, expected);
   for (size_t l = 0; l < weight.size(); ++l) {
     for (int e = 0; e < 12; ++e) {
-      EXPECT_EQ(plan->logcnt[l][e],
-                std::count(expected[l].begin(), expected[l].end(), e));
+      EXPECT_EQ(plan->logcnt[l][e], std::count(expected[l].begin(), expected[l].end(), e));
     }
   }
 }

@@ -16,13 +16,14 @@ using nlohmann::json;
 
 json case_json(const std::string& name, const std::vector<std::vector<double>>& weight,
                int replicas, int groups, int nodes, int gpus) {
-  return {{"name", name},         {"weight", weight},     {"num_replicas", replicas},
-          {"num_groups", groups}, {"num_nodes", nodes},   {"num_gpus", gpus}};
+  return {{"name", name},         {"weight", weight},   {"num_replicas", replicas},
+          {"num_groups", groups}, {"num_nodes", nodes}, {"num_gpus", gpus}};
 }
 
 TEST(PlanIoTest, RoundTripBothPlanners) {
   const auto weight = testing::zipf_loads(3, 32, 1.0, 4);
-  json input = {{"cases", {case_json("a", weight, 48, 4, 2, 8), case_json("b", weight, 40, 4, 3, 5)}}};
+  json input = {
+      {"cases", {case_json("a", weight, 48, 4, 2, 8), case_json("b", weight, 40, 4, 3, 5)}}};
   auto cases = parse_cases(input.dump());
   ASSERT_TRUE(cases.ok()) << cases.status().to_string();
   ASSERT_EQ(cases->size(), 2u);
@@ -47,8 +48,7 @@ TEST(PlanIoTest, RoundTripBothPlanners) {
     const json out = json::parse(results_to_json(results));
     ASSERT_EQ(out["cases"].size(), 2u);
     EXPECT_EQ(out["cases"][0]["name"], "a");
-    EXPECT_EQ(out["cases"][1]["phy2log"].get<std::vector<std::vector<int>>>(),
-              results[1].phy2log);
+    EXPECT_EQ(out["cases"][1]["phy2log"].get<std::vector<std::vector<int>>>(), results[1].phy2log);
     EXPECT_DOUBLE_EQ(out["cases"][0]["time_s"].get<double>(), 0.25);
     EXPECT_EQ(out["cases"][0]["moved_slots"].get<int64_t>(), results[0].moved_slots);
     EXPECT_EQ(out["cases"][0]["balancedness"].size(), 3u);
@@ -124,9 +124,7 @@ TEST(PlanIoTest, PreviousPlanOnAnotherNumberOfGpus) {
 TEST(PlanIoTest, MalformedInput) {
   const std::string ok_case =
       R"("name": "c", "weight": [[1, 2, 3, 4]], "num_replicas": 4, "num_gpus": 2)";
-  auto with = [&](const std::string& extra) {
-    return R"({"cases": [{)" + ok_case + extra + "}]}";
-  };
+  auto with = [&](const std::string& extra) { return R"({"cases": [{)" + ok_case + extra + "}]}"; };
   ASSERT_TRUE(parse_cases(with("")).ok());
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"not json", "not valid JSON"},

@@ -354,12 +354,24 @@ TEST(PlannerTest, InputErrors) {
   };
   const std::vector<Case> cases = {
       {"slots", [](PlanInput& in) { in.slots_per_rank = 1; }},  // 8 experts, 4 slots
-      {"ascending", [](PlanInput& in) { in.ranks = {1, 0}; }},
-      {"outside", [](PlanInput& in) { in.ranks = {0, 9}; }},
+      {"ascending",
+       [](PlanInput& in) {
+         in.ranks = {1, 0};
+       }},
+      {"outside",
+       [](PlanInput& in) {
+         in.ranks = {0, 9};
+       }},
       {"experts, expected", [](PlanInput& in) { in.load[0].pop_back(); }},
       {"finite", [](PlanInput& in) { in.load[0][2] = -1; }},
-      {"layers", [](PlanInput& in) { in.current = {{}, {}}; }},
-      {"max_ranks x slots_per_rank", [](PlanInput& in) { in.current = {{0, 1}}; }},
+      {"layers",
+       [](PlanInput& in) {
+         in.current = {{}, {}};
+       }},
+      {"max_ranks x slots_per_rank",
+       [](PlanInput& in) {
+         in.current = {{0, 1}};
+       }},
       {"holds expert 8",
        [](PlanInput& in) { in.current = {std::vector<int>(16, -1)}, in.current[0][3] = 8; }},
       {"num_experts", [](PlanInput& in) { in.num_experts = 0; }},
