@@ -59,6 +59,7 @@ Status not_found(std::string message);
 Status data_loss(std::string message);
 Status unavailable(std::string message);
 Status deadline_exceeded(std::string message);
+Status aborted(std::string message);
 Status failed_precondition(std::string message);
 Status resource_exhausted(std::string message);
 Status unimplemented(std::string message);

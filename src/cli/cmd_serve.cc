@@ -125,7 +125,7 @@ int cmd_serve(const Args& args) {
       .value("max-tokens-per-step", "256", "token budget per rank and step")
       .value("max-seq-len", "0", "context length (default: the model's, at most 4096)")
       .value("threads-per-worker", "0", "compute threads per rank (default: cores / ranks)")
-      .value("transport-timeout-ms", "5000", "how long a rank waits for a peer")
+      .value("transport-timeout-ms", "30000", "how long a rank waits for a silent peer")
       .value("host", "127.0.0.1", "HTTP address")
       .value("port", "8000", "HTTP port (0: any free port)")
       .value("control-port", "0", "ZeroMQ control port (0: any free port)")

@@ -67,7 +67,11 @@ struct EpochCommand {
   uint64_t epoch = 0;
   std::vector<int> members;
   std::vector<std::string> addresses;  // [max_ranks]; "" for non-members.
-  MSGPACK_DEFINE_MAP(epoch, members, addresses);
+  // The expert placement of the new epoch (e.g. without a lost rank's slots); ""
+  // keeps the current one. Applied together with the membership.
+  std::string placement_json;
+  uint64_t map_version = 0;
+  MSGPACK_DEFINE_MAP(epoch, members, addresses, placement_json, map_version);
 };
 
 struct AddRequest {
@@ -159,7 +163,8 @@ struct WorkerError {
   uint64_t epoch = 0;
   int code = 0;  // StatusCode.
   std::string message;
-  MSGPACK_DEFINE_MAP(epoch, code, message);
+  int dead_rank = -1;  // A peer the transport saw die (its pid gone), if any.
+  MSGPACK_DEFINE_MAP(epoch, code, message, dead_rank);
 };
 
 struct Shutdown {

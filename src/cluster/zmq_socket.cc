@@ -28,6 +28,10 @@ ZmqSocket::ZmqSocket(ZmqContext& ctx, int type) : socket_(zmq_socket(ctx.get(), 
   FLEX_CHECK(socket_ != nullptr) << zmq_strerror(zmq_errno());
   const int linger_ms = 0;  // Never block process exit on undelivered messages.
   zmq_setsockopt(socket_, ZMQ_LINGER, &linger_ms, sizeof(linger_ms));
+  // Control messages are few and must not be dropped: no high-water mark.
+  const int unlimited = 0;
+  zmq_setsockopt(socket_, ZMQ_SNDHWM, &unlimited, sizeof(unlimited));
+  zmq_setsockopt(socket_, ZMQ_RCVHWM, &unlimited, sizeof(unlimited));
   if (type == ZMQ_ROUTER) {
     const int mandatory = 1;  // Sending to an unknown peer fails instead of dropping silently.
     zmq_setsockopt(socket_, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof(mandatory));

@@ -57,6 +57,7 @@ Status not_found(std::string m) { return {StatusCode::kNotFound, std::move(m)}; 
 Status data_loss(std::string m) { return {StatusCode::kDataLoss, std::move(m)}; }
 Status unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
 Status deadline_exceeded(std::string m) { return {StatusCode::kDeadlineExceeded, std::move(m)}; }
+Status aborted(std::string m) { return {StatusCode::kAborted, std::move(m)}; }
 Status failed_precondition(std::string m) {
   return {StatusCode::kFailedPrecondition, std::move(m)};
 }

@@ -75,6 +75,19 @@ class Worker {
   void mover_loop();
   proto::PullDone pull(const proto::PullCommand& cmd);
   void send_pull_results();
+  void report_error(const Status& s) {
+    FLEX_LOG(WARN) << "rank " << options_.rank << ": " << s.to_string();
+    proto::WorkerError err{group_.epoch, static_cast<int>(s.code()), s.message()};
+    (void)send_msg(control_, err);
+  }
+  void stop_mover() {
+    {
+      std::lock_guard<std::mutex> lock(mover_mutex_);
+      mover_stop_ = true;
+    }
+    mover_cv_.notify_all();
+    if (mover_.joinable()) mover_.join();
+  }
 
   WorkerOptions options_;
   ZmqContext ctx_;
@@ -111,14 +124,7 @@ class Worker {
   bool mover_stop_ = false;
 
  public:
-  ~Worker() {
-    {
-      std::lock_guard<std::mutex> lock(mover_mutex_);
-      mover_stop_ = true;
-    }
-    mover_cv_.notify_all();
-    if (mover_.joinable()) mover_.join();
-  }
+  ~Worker() { stop_mover(); }
 };
 
 Status Worker::connect_and_configure() {
@@ -152,8 +158,11 @@ Status Worker::load() {
   topts.incarnation = config_.incarnation;
   topts.max_ranks = config_.max_ranks;
   topts.max_gather_bytes = sizeof(StepHeader);
+  // A step carries at most the token budget, or one decode token per sequence when
+  // more sequences run than the budget: the worst case of one rank to one peer.
   topts.max_exchange_bytes = EpMoeExecutor::max_exchange_bytes(
-      config_.max_tokens_per_step, model_config_.num_experts_per_tok, model_config_.hidden_size);
+      std::max(config_.max_tokens_per_step, config_.max_sequences),
+      model_config_.num_experts_per_tok, model_config_.hidden_size);
   topts.timeout_ms = config_.timeout_ms;
   FLEX_ASSIGN_OR_RETURN(transport_, create_transport("shm", topts));
   ThreadPool& pool = ThreadPool::global();
@@ -197,9 +206,20 @@ Status Worker::apply_epoch(const proto::EpochCommand& cmd) {
       (void)transport_->disconnect(r);  // A departed peer: nothing left to read from it.
     }
   }
+  if (!cmd.placement_json.empty()) {
+    FLEX_ASSIGN_OR_RETURN(
+        ExpertPlacement next,
+        ExpertPlacement::parse(cmd.placement_json, model_config_.num_hidden_layers,
+                               std::max(1, model_config_.num_experts)));
+    FLEX_RETURN_IF_ERROR(model_->set_placement(std::move(next)));
+    map_version_ = std::max(map_version_, cmd.map_version);
+    if (has_pending_map_ && pending_map_.version <= map_version_) has_pending_map_ = false;
+  }
   group_ = Group{cmd.epoch, cmd.members};
   executor_->set_group(group_);
   halted_ = false;
+  // A command held for a header agreement that can no longer happen is settled.
+  if (has_pending_ && pending_.epoch <= cmd.epoch) has_pending_ = false;
   FLEX_LOG(INFO) << "rank " << options_.rank << " in epoch " << cmd.epoch << " with "
                  << cmd.members.size() << " members";
   return Status();
@@ -261,7 +281,11 @@ Status Worker::poll_control(int timeout_ms) {
       if (parts.status().code() == StatusCode::kDeadlineExceeded) return Status();
       return parts.status();
     }
-    FLEX_RETURN_IF_ERROR(handle(parts.value()));
+    if (Status s = handle(parts.value()); !s.ok()) {
+      // A bad or unusable command is reported, not fatal: the front end decides.
+      report_error(s);
+      halted_ = !group_.ranks.empty();
+    }
     timeout_ms = 0;  // Drain what else is queued, then go.
   }
 }
@@ -308,8 +332,9 @@ Status Worker::step() {
     std::memcpy(&h, headers[r].data, sizeof(h));
     total_tokens += h.num_tokens;
     any_stopping |= h.stopping != 0;
-    if (has_pending_ && h.acked_epoch < pending_.epoch) all_acked = false;
-    if (has_pending_map_ && h.acked_map < pending_map_.version) map_acked = false;
+    // Equality, not >=: ranks holding different commands must all decide the same.
+    if (has_pending_ && h.acked_epoch != pending_.epoch) all_acked = false;
+    if (has_pending_map_ && h.acked_map != pending_map_.version) map_acked = false;
   }
   if (any_stopping) {
     stopping_ = true;
@@ -429,6 +454,13 @@ int Worker::run() {
       FLEX_LOG(ERROR) << "rank " << options_.rank << " lost the front end: " << s.to_string();
       break;
     }
+    if (halted_ && has_pending_) {
+      // An epoch command that arrived before the step failed: nobody can agree on
+      // it in the old epoch any more; the front end sent it to every member.
+      proto::EpochCommand cmd = pending_;
+      has_pending_ = false;
+      if (Status s = apply_epoch(cmd); !s.ok()) report_error(s);
+    }
     if (halted_ || group_.ranks.empty()) {
       if (stopping_) break;
       report(false);
@@ -443,11 +475,18 @@ int Worker::run() {
                      << s.to_string();
       halted_ = true;
       proto::WorkerError err{group_.epoch, static_cast<int>(s.code()), s.message()};
+      // The transport names a peer whose process it saw end ("rank R (pid P) died").
+      int dead = -1, pid = 0;
+      if (s.code() == StatusCode::kUnavailable &&
+          std::sscanf(s.message().c_str(), "rank %d (pid %d) died", &dead, &pid) == 2) {
+        err.dead_rank = dead;
+      }
       (void)send_msg(control_, err);
     }
     report(false);
   }
   report(true);
+  stop_mover();  // Before the slot regions it writes into are unmapped.
   if (transport_) (void)transport_->shutdown();
   return 0;
 }

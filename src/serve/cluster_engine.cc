@@ -63,7 +63,21 @@ Status ClusterEngine::Impl::spawn(int rank) {
   if (threads <= 0) {
     threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / options_.ranks);
   }
-  const std::string threads_env = "FLEXPERT_THREADS=" + std::to_string(threads);
+  // Everything the child needs is built before fork: the parent has threads, so
+  // the child may only call async-signal-safe functions until exec.
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::string(*e).rfind("FLEXPERT_THREADS=", 0) != 0) env_strings.emplace_back(*e);
+  }
+  env_strings.push_back("FLEXPERT_THREADS=" + std::to_string(threads));
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> arg_strings = {binary,    "worker", "--join",
+                                          endpoint_, "--rank", rank_str};
+  std::vector<char*> argv;
+  for (auto& a : arg_strings) argv.push_back(a.data());
+  argv.push_back(nullptr);
   const pid_t pid = fork();
   if (pid < 0) return unavailable("fork failed for rank " + rank_str);
   if (pid == 0) {
@@ -72,9 +86,7 @@ Status ClusterEngine::Impl::spawn(int rank) {
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
-    putenv(const_cast<char*>(threads_env.c_str()));
-    execl(binary.c_str(), binary.c_str(), "worker", "--join", endpoint_.c_str(), "--rank",
-          rank_str.c_str(), static_cast<char*>(nullptr));
+    execve(binary.c_str(), argv.data(), envp.data());
     _exit(127);
   }
   ranks_[rank].pid = pid;
@@ -170,10 +182,14 @@ void ClusterEngine::Impl::commit_epoch(std::vector<int> members) {
   cmd.members = members;
   cmd.addresses.assign(ranks_.size(), "");
   for (int r : members) cmd.addresses[r] = ranks_[r].address;
+  cmd.placement_json = placement_.to_json();
+  cmd.map_version = ++map_version_;
   for (int r : members) {
     post(r, cmd);
     ranks_[r].state = RankState::kServing;
+    ranks_[r].map_version = map_version_;  // Applied with the epoch.
   }
+  cv_.notify_all();  // Waiters on acks of the old epoch give up.
   members_ = std::move(members);
   FLEX_LOG(INFO) << "epoch " << epoch_ << ": " << members_.size() << " serving ranks";
 }
@@ -202,9 +218,15 @@ void ClusterEngine::Impl::on_rank_lost(
     std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls) {
   RankInfo& info = ranks_[rank];
   if (info.state == RankState::kDead || info.state == RankState::kStopped) return;
+  if (phase_ == "stopping" || stop_.load()) {
+    info.state = RankState::kStopped;  // Leaving as asked, not lost.
+    return;
+  }
   const bool was_member = std::find(members_.begin(), members_.end(), rank) != members_.end();
   info.state = RankState::kDead;
   info.last_error = why;
+  if (info.spawned && info.pid > 0) kill(info.pid, SIGKILL);  // Declared lost: make it so.
+  cv_.notify_all();
   FLEX_LOG(WARN) << "rank " << rank << " lost: " << why;
   for (auto it = requests_.begin(); it != requests_.end();) {
     if (it->second.rank == rank) {
@@ -219,7 +241,7 @@ void ClusterEngine::Impl::on_rank_lost(
     }
   }
   info.in_flight = 0;
-  if (!was_member || stop_.load()) return;
+  if (!was_member || stop_.load() || phase_ == "stopping") return;
   // The survivors continue in a new epoch if every expert still has a replica on them.
   std::vector<int> survivors;
   for (int r : members_) {
@@ -333,7 +355,10 @@ void ClusterEngine::Impl::handle(
     }
   } else if (type == proto::TokenBatch::kType) {
     auto batch = proto::decode<proto::TokenBatch>(body);
-    if (!batch.ok()) return;
+    if (!batch.ok() || batch->tokens.size() != batch->ids.size() ||
+        batch->finish_reasons.size() != batch->ids.size()) {
+      return;
+    }
     for (size_t i = 0; i < batch->ids.size(); ++i) {
       auto it = requests_.find(batch->ids[i]);
       if (it == requests_.end()) continue;  // Cancelled.
@@ -388,6 +413,17 @@ void ClusterEngine::Impl::handle(
       start_error_ =
           unavailable("rank " + std::to_string(rank) + " failed to start: " + err->message);
       cv_.notify_all();
+    } else if (err->dead_rank >= 0 && err->dead_rank < static_cast<int>(ranks_.size()) &&
+               ranks_[err->dead_rank].state == RankState::kServing) {
+      // The transport saw the peer's process end: no need to wait for waitpid or
+      // a heartbeat (a hand-started worker has no parent here).
+      on_rank_lost(err->dead_rank, "reported dead by rank " + std::to_string(rank), calls);
+    } else if (err->dead_rank < 0 && err->epoch == epoch_ && epoch_ > 0 && phase_ == "serving" &&
+               info.state == RankState::kServing) {
+      // A member halted in the current epoch without a dead peer (a timeout, an
+      // aborted collective): restart the members' step loop in a fresh epoch.
+      FLEX_LOG(WARN) << "re-synchronising the group after rank " << rank << " halted";
+      commit_epoch(members_);
     }
   }
 }

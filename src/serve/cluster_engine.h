@@ -20,17 +20,17 @@ namespace flexpert {
 struct ClusterOptions {
   std::string model_dir;
   int ranks = 1;
-  int max_ranks = 0;              // 0: ranks.
-  int slots_per_rank = 0;         // 0: enough for the experts and replicas on `ranks` ranks.
-  std::string placement;          // "", "replicate:R[:SEED]", or a JSON file over all slots.
-  int max_sequences = 32;         // Per rank.
-  int max_tokens_per_step = 256;  // Per rank; sizes the exchange buffers.
-  int max_seq_len = 0;            // 0: the model's, capped at 4096.
-  int transport_timeout_ms = 5000;
-  int heartbeat_timeout_ms = 10000;
-  bool spawn_workers = true;   // false: wait for `flexpert worker --join`.
-  std::string worker_binary;   // Default: this executable.
-  int threads_per_worker = 0;  // 0: cores / ranks (at least 1).
+  int max_ranks = 0;                 // 0: ranks.
+  int slots_per_rank = 0;            // 0: enough for the experts and replicas on `ranks` ranks.
+  std::string placement;             // "", "replicate:R[:SEED]", or a JSON file over all slots.
+  int max_sequences = 32;            // Per rank.
+  int max_tokens_per_step = 256;     // Per rank; sizes the exchange buffers.
+  int max_seq_len = 0;               // 0: the model's, capped at 4096.
+  int transport_timeout_ms = 30000;  // Silent peers; dead ones are seen at once.
+  int heartbeat_timeout_ms = 60000;  // Longer than a slow step on CPU.
+  bool spawn_workers = true;         // false: wait for `flexpert worker --join`.
+  std::string worker_binary;         // Default: this executable.
+  int threads_per_worker = 0;        // 0: cores / ranks (at least 1).
   std::string control_host = "127.0.0.1";
   int control_port = 0;           // 0: any free port.
   int start_timeout_ms = 120000;  // For every rank to be ready.

@@ -67,20 +67,26 @@ std::vector<std::vector<double>> ClusterEngine::Impl::window_load() const {
 
 Status ClusterEngine::Impl::commit_map(ExpertPlacement next) {
   std::unique_lock<std::mutex> lock(mutex_);
+  if (epoch_ != rebalance_epoch_) return aborted("membership changed during the rebalance");
   const uint64_t version = ++map_version_;
   proto::MapCommand cmd{version, next.to_json()};
   for (int r : members_) post(r, cmd);
   // Requests and load attribution follow the new map from here on.
   placement_ = std::move(next);
   wake();
+  const uint64_t epoch = epoch_;
   const bool ok = cv_.wait_for(lock, kAckTimeout, [&] {
+    if (stop_.load() || epoch_ != epoch) return true;
     for (int r : members_) {
       if (ranks_[r].state == RankState::kServing && ranks_[r].map_version < version) return false;
     }
     return true;
   });
-  if (!ok)
+  if (stop_.load()) return unavailable("shutting down");
+  if (epoch_ != epoch) return aborted("membership changed during the rebalance");
+  if (!ok) {
     return deadline_exceeded("expert map " + std::to_string(version) + " not applied in time");
+  }
   return Status();
 }
 
@@ -160,13 +166,17 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
       }
       std::unique_lock<std::mutex> lock(mutex_);
       const bool done = cv_.wait_for(lock, kAckTimeout, [&] {
+        if (stop_.load() || epoch_ != rebalance_epoch_) return true;
         for (uint64_t id : ids) {
           if (!pulls_done_.count(id)) return false;
         }
         return true;
       });
-      if (!done)
+      if (stop_.load()) return unavailable("shutting down");
+      if (epoch_ != rebalance_epoch_) return aborted("membership changed during the rebalance");
+      if (!done) {
         return deadline_exceeded("expert pulls of layer " + std::to_string(layer) + " timed out");
+      }
       for (uint64_t id : ids) {
         const proto::PullDone d = pulls_done_[id];
         pulls_done_.erase(id);
@@ -240,7 +250,17 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
     std::lock_guard<std::mutex> lock(mutex_);
     if (rebalancing_) return failed_precondition("a rebalance is already in progress");
     if (phase_ != "serving") return unavailable("no serving epoch (phase " + phase_ + ")");
+    for (int r : members_) {
+      // After a timed-out switch the front end cannot know which map a rank uses:
+      // no weight may move until every member reports the current one.
+      if (ranks_[r].map_version != map_version_) {
+        return failed_precondition("rank " + std::to_string(r) + " has not applied expert map " +
+                                   std::to_string(map_version_) + " yet");
+      }
+    }
     rebalancing_ = true;
+    rebalance_epoch_ = epoch_;
+    pulls_done_.clear();
     rebalance_max_step_ms_ = 0;
     input.num_experts = placement_.num_experts();
     input.slots_per_rank = slots_per_rank_;

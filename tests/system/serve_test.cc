@@ -46,7 +46,7 @@ TEST(ServeTest, ReplicatedExpertsAcrossRanks) {
   Server server({"--ranks", "4", "--placement", "replicate:16:5", "--threads-per-worker", "1"});
   ASSERT_TRUE(server.up());
   auto status = server.get_json("/v1/status");
-  EXPECT_EQ(status["slots_per_rank"], 8);
+  EXPECT_EQ(status["slots_per_rank"], 9);  // (16 + 16) / 4 + one spare slot for EPLB.
   check_reference(server, load_reference(), 8);
   EXPECT_EQ(server.stop(), 0);
 }

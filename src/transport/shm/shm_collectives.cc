@@ -26,8 +26,6 @@ namespace {
 
 constexpr int64_t kSliceNs = 2'000'000;  // Futex sleep slice; liveness is checked per slice.
 
-Status aborted(std::string message) { return Status(StatusCode::kAborted, std::move(message)); }
-
 void sleep_ns(int64_t ns) {
   timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
   ::nanosleep(&ts, nullptr);
