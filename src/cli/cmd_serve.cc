@@ -98,6 +98,12 @@ Status run_serve(const Flags& flags) {
                          [cluster]() -> Result<nlohmann::json> { return cluster->eplb_status(); });
     server.add_post_route("/v1/eplb/rebalance",
                           [cluster](const nlohmann::json&) { return cluster->rebalance(); });
+    server.add_post_route(
+        "/v1/eplb/drain", [cluster](const nlohmann::json& body) -> Result<nlohmann::json> {
+          const bool cancel = body.is_object() && body.value("cancel", false);
+          const bool was_running = cluster->drain_rebalance(cancel);
+          return nlohmann::json{{"was_running", was_running}, {"cancelled", cancel && was_running}};
+        });
   }
   FLEX_RETURN_IF_ERROR(server.start());
   std::printf("serving on http://%s:%d (%s)\n", http.host.c_str(), server.port(),

@@ -70,6 +70,10 @@ class ClusterEngine : public ServingEngine {
   // Plans a placement from the load window and moves it in now (blocks until done).
   // FailedPrecondition while another rebalance runs; returns its report.
   Result<nlohmann::json> rebalance();
+  // Waits until no rebalance is in flight. With `cancel`, a running one stops at its
+  // next safe point (between map switches; every committed map stays valid).
+  // Returns whether one was running.
+  bool drain_rebalance(bool cancel);
   // GET /v1/eplb: placement, window load, balancedness, the last rebalance.
   nlohmann::json eplb_status() const;
 

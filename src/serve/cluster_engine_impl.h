@@ -98,6 +98,7 @@ class ClusterEngine::Impl {
   std::vector<std::vector<double>> slot_tokens_total_;  // [layer][slot], since start.
   bool rebalancing_ = false;
   uint64_t rebalance_epoch_ = 0;  // The epoch a running rebalance started in.
+  bool cancel_rebalance_ = false;
   uint64_t map_version_ = 0;
   uint64_t next_pull_id_ = 1;
   std::map<uint64_t, proto::PullDone> pulls_done_;

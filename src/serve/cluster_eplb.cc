@@ -97,6 +97,7 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
     std::vector<int> current;
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      if (cancel_rebalance_) return aborted("rebalance cancelled");
       current = placement_.slot_map(layer);
     }
     if (current == target) return Status();
@@ -259,6 +260,7 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
       }
     }
     rebalancing_ = true;
+    cancel_rebalance_ = false;
     rebalance_epoch_ = epoch_;
     pulls_done_.clear();
     rebalance_max_step_ms_ = 0;
@@ -282,6 +284,8 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
   auto finish = [&](Status s, nlohmann::json report) -> Result<nlohmann::json> {
     std::lock_guard<std::mutex> lock(mutex_);
     rebalancing_ = false;
+    cancel_rebalance_ = false;
+    cv_.notify_all();  // drain_rebalance() waiters.
     report["trigger"] = trigger;
     report["status"] = s.ok() ? "ok" : s.to_string();
     report["max_step_ms_during"] = rebalance_max_step_ms_;
@@ -401,6 +405,15 @@ std::string ClusterEngine::Impl::eplb_metrics() const {
 }
 
 Result<nlohmann::json> ClusterEngine::rebalance() { return impl_->rebalance("request"); }
+
+bool ClusterEngine::drain_rebalance(bool cancel) {
+  Impl& m = *impl_;
+  std::unique_lock<std::mutex> lock(m.mutex_);
+  const bool was_running = m.rebalancing_;
+  if (cancel && m.rebalancing_) m.cancel_rebalance_ = true;
+  m.cv_.wait(lock, [&] { return !m.rebalancing_; });
+  return was_running;
+}
 
 nlohmann::json ClusterEngine::eplb_status() const { return impl_->eplb_status(); }
 

@@ -77,6 +77,20 @@ TEST(EplbServeTest, RebalancesUnderLoadKeepReferenceTokens) {
     }
     for (int e = 0; e < 16; ++e) EXPECT_GE(count[e], 1) << "expert " << e;
   }
+  // Drain with nothing in flight answers at once; a cancel during a rebalance
+  // stops it between map switches and leaves a valid, serving placement.
+  auto drained = post_json(server, "/v1/eplb/drain", "sesame");
+  EXPECT_EQ(drained["_status"], 200);
+  EXPECT_EQ(drained["was_running"], false);
+  std::thread rebalancer([&] { post_json(server, "/v1/eplb/rebalance", "sesame"); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  httplib::Headers auth = {{"Authorization", "Bearer sesame"}};
+  auto cancel =
+      server.client().Post("/v1/eplb/drain", auth, R"({"cancel": true})", "application/json");
+  rebalancer.join();
+  ASSERT_TRUE(cancel);
+  EXPECT_EQ(cancel->status, 200);
+  EXPECT_EQ(server.complete(ref.prompts[0], 16), ref.greedy[0]);
   // The load statistics are exposed.
   auto metrics = server.client().Get("/metrics");
   ASSERT_TRUE(metrics);
