@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // ClusterEngine's expert load balancing: the load window, the rebalance driver
-// (plan -> per layer: pull experts into free slots, switch the map, free the
-// slots the plan empties) and its status.
+// (plan -> per layer: the steps of eplb::next_transition_step — pull experts into
+// free slots then switch the map, or switch to a map that frees slots) and its status.
 //
 // Safety argument (DEVELOPERS.md intent 3): a slot is written only while no map
 // of any member points at it (it is free in the committed map), and a slot is
@@ -12,6 +12,7 @@
 #include <numeric>
 
 #include "eplb/planner.h"
+#include "eplb/transition.h"
 #include "flexpert/logging.h"
 #include "serve/cluster_engine_impl.h"
 
@@ -93,79 +94,37 @@ Status ClusterEngine::Impl::commit_map(ExpertPlacement next) {
 Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target, uint64_t* bytes,
                                        int* pulls) {
   const int S = slots_per_rank_;
-  for (int round = 0; round < 64; ++round) {
+  for (int round = 0; round < 512; ++round) {
     std::vector<int> current;
+    std::vector<std::vector<int>> maps;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (cancel_rebalance_) return aborted("rebalance cancelled");
-      current = placement_.slot_map(layer);
+      for (int i = 0; i < placement_.num_layers(); ++i) maps.push_back(placement_.slot_map(i));
+      current = maps[layer];
     }
-    if (current == target) return Status();
-    // 1. Fill free slots the plan wants filled, pulling from a slot holding the expert.
-    std::map<int, proto::PullCommand> by_rank;
-    std::vector<int> filled = current;
-    auto add_pull = [&](int dst, int src, int expert) {
-      auto& cmd = by_rank[dst / S];
-      cmd.layer = layer;
-      cmd.dst_slots.push_back(dst % S);
-      cmd.src_ranks.push_back(src / S);
-      cmd.src_slots.push_back(src % S);
-      filled[dst] = expert;
-    };
-    for (size_t s = 0; s < target.size(); ++s) {
-      if (current[s] != ExpertPlacement::kFreeSlot || target[s] == ExpertPlacement::kFreeSlot)
-        continue;
-      const int dst_rank = static_cast<int>(s) / S;
-      int src = -1;
-      for (size_t t = 0; t < current.size(); ++t) {
-        if (current[t] != target[s]) continue;
-        if (src < 0 || static_cast<int>(t) / S == dst_rank) src = static_cast<int>(t);
-      }
-      if (src < 0) continue;  // Not held anywhere: it arrives in a later round.
-      add_pull(static_cast<int>(s), src, target[s]);
+    auto step = eplb::next_transition_step(current, target, S, placement_.num_experts());
+    if (!step.ok()) {
+      return step.status().code() == StatusCode::kNotFound ? Status() : step.status();
     }
-    // No wanted fill possible: every slot to change holds the last replica of an
-    // expert that must move. Stage such experts in free slots (the spare slots),
-    // which lets the next round free their old slots.
-    if (by_rank.empty()) {
-      std::vector<int> count(static_cast<size_t>(placement_.num_experts()), 0);
-      for (int e : current) {
-        if (e >= 0) ++count[e];
+    if (step->kind == eplb::TransitionStep::Kind::kFill) {
+      // The destination slots are free in every member's map: pull, then point at them.
+      std::map<int, proto::PullCommand> by_rank;
+      for (const auto& [dst, src] : step->copies) {
+        auto& cmd = by_rank[dst / S];
+        cmd.layer = layer;
+        cmd.dst_slots.push_back(dst % S);
+        cmd.src_ranks.push_back(src / S);
+        cmd.src_slots.push_back(src % S);
       }
-      for (size_t s = 0; s < current.size(); ++s) {
-        const int e = current[s];
-        if (e < 0 || e == target[s] || count[e] > 1) continue;
-        // Prefer a rank that does not hold the expert; a second copy on the same
-        // rank is wasteful but valid, and only lasts until the next round.
-        int free_slot = -1;
-        for (int pass = 0; pass < 2 && free_slot < 0; ++pass) {
-          for (size_t f = 0; f < filled.size() && free_slot < 0; ++f) {
-            if (filled[f] != ExpertPlacement::kFreeSlot) continue;
-            bool rank_holds = false;
-            for (int i = 0; i < S; ++i) {
-              rank_holds |= filled[(f / S) * S + static_cast<size_t>(i)] == e;
-            }
-            if (!rank_holds || pass == 1) free_slot = static_cast<int>(f);
-          }
-        }
-        if (free_slot < 0) break;
-        add_pull(free_slot, static_cast<int>(s), e);
-        ++count[e];
-      }
-    }
-    bool progressed = false;
-    if (!by_rank.empty()) {
       std::vector<uint64_t> ids;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        for (auto& [rank, cmd] : by_rank) {
-          cmd.id = next_pull_id_++;
-          ids.push_back(cmd.id);
-          post(rank, cmd);
-        }
-        wake();
-      }
       std::unique_lock<std::mutex> lock(mutex_);
+      for (auto& [rank, cmd] : by_rank) {
+        cmd.id = next_pull_id_++;
+        ids.push_back(cmd.id);
+        post(rank, cmd);
+      }
+      wake();
       const bool done = cv_.wait_for(lock, kAckTimeout, [&] {
         if (stop_.load() || epoch_ != rebalance_epoch_) return true;
         for (uint64_t id : ids) {
@@ -185,63 +144,13 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
         *bytes += d.num_bytes;
         *pulls += 1;
       }
-      lock.unlock();
-      // 2. Point the map at the landed weights.
-      std::vector<std::vector<int>> maps;
-      {
-        std::lock_guard<std::mutex> l(mutex_);
-        for (int i = 0; i < placement_.num_layers(); ++i) maps.push_back(placement_.slot_map(i));
-      }
-      maps[layer] = filled;
-      FLEX_ASSIGN_OR_RETURN(ExpertPlacement next, ExpertPlacement::from_slot_maps(
-                                                      placement_.num_experts(), std::move(maps)));
-      FLEX_RETURN_IF_ERROR(commit_map(std::move(next)));
-      progressed = true;
     }
-    // 3. Free the slots whose expert the plan moves elsewhere, keeping one replica.
-    std::vector<int> freed = filled;
-    std::vector<int> count(static_cast<size_t>(placement_.num_experts()), 0);
-    for (int e : freed) {
-      if (e >= 0) ++count[e];
-    }
-    bool any_freed = false;
-    for (size_t s = 0; s < freed.size(); ++s) {
-      const int e = freed[s];
-      if (e < 0 || e == target[s] || count[e] <= 1) continue;
-      freed[s] = ExpertPlacement::kFreeSlot;
-      --count[e];
-      any_freed = true;
-    }
-    if (!progressed && !any_freed &&
-        std::find(freed.begin(), freed.end(), ExpertPlacement::kFreeSlot) == freed.end()) {
-      // Every slot is taken and every misplaced expert is its last replica: give up
-      // one replica of an expert that has several, so the next round can stage.
-      for (size_t s = 0; s < freed.size() && !any_freed; ++s) {
-        const int e = freed[s];
-        if (e >= 0 && count[e] > 1) {
-          freed[s] = ExpertPlacement::kFreeSlot;
-          any_freed = true;
-        }
-      }
-    }
-    if (any_freed) {
-      std::vector<std::vector<int>> maps;
-      {
-        std::lock_guard<std::mutex> l(mutex_);
-        for (int i = 0; i < placement_.num_layers(); ++i) maps.push_back(placement_.slot_map(i));
-      }
-      maps[layer] = freed;
-      FLEX_ASSIGN_OR_RETURN(ExpertPlacement next, ExpertPlacement::from_slot_maps(
-                                                      placement_.num_experts(), std::move(maps)));
-      FLEX_RETURN_IF_ERROR(commit_map(std::move(next)));
-      progressed = true;
-    }
-    if (!progressed) {
-      return resource_exhausted("layer " + std::to_string(layer) +
-                                ": no free slot to stage the plan (add spare slots)");
-    }
+    maps[layer] = step->map;
+    FLEX_ASSIGN_OR_RETURN(ExpertPlacement next, ExpertPlacement::from_slot_maps(
+                                                    placement_.num_experts(), std::move(maps)));
+    FLEX_RETURN_IF_ERROR(commit_map(std::move(next)));
   }
-  return Status();
+  return resource_exhausted("layer " + std::to_string(layer) + ": transition did not converge");
 }
 
 Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger) {
