@@ -12,28 +12,16 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "../common/run_flexpert.h"
+
 namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-struct CliRun {
-  int exit_code;
-  std::string out;  // stdout and stderr together.
-};
+using flexpert_test::CliRun;
 
-CliRun run(const std::string& args) {
-  const std::string cmd = std::string(FLEXPERT_BINARY) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  CliRun r{-1, ""};
-  if (pipe == nullptr) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
-  const int status = pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+CliRun run(const std::string& args) { return flexpert_test::run_flexpert(args); }
 
 class EplbCliTest : public ::testing::Test {
  protected:
