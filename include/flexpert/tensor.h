@@ -22,6 +22,11 @@ namespace flexpert {
 using Shape = std::vector<int64_t>;
 
 std::string shape_to_string(const Shape& shape);
+
+class Tensor;
+// Step scratch: makes *t an owned f32 [>= rows, cols] tensor, reallocating only
+// when the one it holds is too small or of another width.
+void ensure_f32_rows(Tensor* t, int64_t rows, int64_t cols);
 int64_t shape_numel(const Shape& shape);
 
 class Tensor {

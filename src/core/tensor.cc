@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "flexpert/tensor.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -28,6 +29,12 @@ std::string shape_to_string(const Shape& shape) {
   for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
   out << ']';
   return out.str();
+}
+
+void ensure_f32_rows(Tensor* t, int64_t rows, int64_t cols) {
+  if (!t->owned() || t->dtype() != DType::kF32 || t->size(0) < rows || t->size(1) != cols) {
+    *t = Tensor::empty(DType::kF32, {std::max<int64_t>(rows, 1), cols});
+  }
 }
 
 int64_t shape_numel(const Shape& shape) {

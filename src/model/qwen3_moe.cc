@@ -17,12 +17,6 @@ Result<Tensor> load_f32(const Checkpoint& ckpt, const std::string& name, const S
   return t.to(DType::kF32);
 }
 
-void ensure(Tensor* t, int64_t rows, int64_t cols) {
-  if (!t->owned() || t->size(0) < rows || t->size(1) != cols) {
-    *t = Tensor::empty(DType::kF32, {std::max<int64_t>(rows, 1), cols});
-  }
-}
-
 }  // namespace
 
 Result<std::unique_ptr<Qwen3MoeModel>> Qwen3MoeModel::create(std::unique_ptr<Checkpoint> checkpoint,
@@ -244,8 +238,8 @@ Status Qwen3MoeModel::mlp_block(int index, Layer& layer, int64_t num_tokens) {
                                             out, slot_counts_[index].data()));
   } else {
     const int64_t I = c.intermediate_size;
-    ensure(&gate_, num_tokens, I);
-    ensure(&up_, num_tokens, I);
+    ensure_f32_rows(&gate_, num_tokens, I);
+    ensure_f32_rows(&up_, num_tokens, I);
     kernels::matmul_nt(h, num_tokens, H, layer.gate_proj, gate_.data<float>(), *pool_);
     kernels::matmul_nt(h, num_tokens, H, layer.up_proj, up_.data<float>(), *pool_);
     kernels::silu_mul(gate_.data<float>(), up_.data<float>(), num_tokens * I, gate_.data<float>());
@@ -262,13 +256,13 @@ Status Qwen3MoeModel::forward(const std::vector<SequenceChunk>& batch, Tensor* l
   const int64_t H = c.hidden_size, D = c.head_dim;
   int64_t num_tokens = 0;
   for (const SequenceChunk& chunk : batch) num_tokens += static_cast<int64_t>(chunk.tokens.size());
-  ensure(&x_, num_tokens, H);
-  ensure(&h_, num_tokens, H);
-  ensure(&mlp_out_, num_tokens, H);
-  ensure(&q_, num_tokens, c.num_attention_heads * D);
-  ensure(&attn_, num_tokens, c.num_attention_heads * D);
-  ensure(&k_, num_tokens, c.num_key_value_heads * D);
-  ensure(&v_, num_tokens, c.num_key_value_heads * D);
+  ensure_f32_rows(&x_, num_tokens, H);
+  ensure_f32_rows(&h_, num_tokens, H);
+  ensure_f32_rows(&mlp_out_, num_tokens, H);
+  ensure_f32_rows(&q_, num_tokens, c.num_attention_heads * D);
+  ensure_f32_rows(&attn_, num_tokens, c.num_attention_heads * D);
+  ensure_f32_rows(&k_, num_tokens, c.num_key_value_heads * D);
+  ensure_f32_rows(&v_, num_tokens, c.num_key_value_heads * D);
   positions_.clear();
   std::vector<int32_t> ids;
   ids.reserve(static_cast<size_t>(num_tokens));

@@ -14,12 +14,6 @@ size_t dispatch_bytes(size_t count, int64_t hidden) {
   return sizeof(uint32_t) + count * sizeof(int32_t) + count * hidden * sizeof(float);
 }
 
-void ensure(Tensor* t, int64_t rows, int64_t hidden) {
-  if (!t->owned() || t->size(0) < rows || t->size(1) != hidden) {
-    *t = Tensor::empty(DType::kF32, {std::max<int64_t>(rows, 1), hidden});
-  }
-}
-
 }  // namespace
 
 EpMoeExecutor::EpMoeExecutor(Transport& transport, int slots_per_rank, ThreadPool& pool)
@@ -120,8 +114,8 @@ Status EpMoeExecutor::execute(int layer, const float* x, const Routing& routing,
   local_routing_.top_k = 1;
   local_routing_.slot = recv_slot_;
   group_by_slot(local_routing_, local_slots.num_slots(), &groups_);
-  ensure(&rows_, total, H);
-  ensure(&results_, total, H);
+  ensure_f32_rows(&rows_, total, H);
+  ensure_f32_rows(&results_, total, H);
   float* rows = rows_.data<float>();
   for (int64_t i = 0; i < total; ++i) {
     std::memcpy(rows + groups_.row_of_pair[i] * H, recv_row_[i], H * sizeof(float));

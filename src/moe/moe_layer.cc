@@ -14,12 +14,6 @@ namespace {
 // Rows per compute task: enough to reuse a weight panel, few enough to balance.
 constexpr int64_t kRowsPerTask = 64;
 
-void ensure_rows(Tensor* t, int64_t rows, int64_t hidden) {
-  if (!t->owned() || t->size(0) < rows || t->size(1) != hidden) {
-    *t = Tensor::empty(DType::kF32, {std::max<int64_t>(rows, 1), hidden});
-  }
-}
-
 }  // namespace
 
 void route(const float* x, int64_t num_tokens, int64_t hidden, const Tensor& router_weight,
@@ -147,8 +141,8 @@ Status LocalMoeExecutor::execute(int layer, const float* x, const Routing& routi
   }
   group_by_slot(shifted, num_slots, &ws_.groups);
   const int64_t pairs = routing.num_tokens * routing.top_k;
-  ensure_rows(&ws_.rows, pairs, hidden);
-  ensure_rows(&ws_.results, pairs, hidden);
+  ensure_f32_rows(&ws_.rows, pairs, hidden);
+  ensure_f32_rows(&ws_.results, pairs, hidden);
   gather_rows(x, hidden, ws_.groups, routing.top_k, ws_.rows.data<float>());
   compute_slots(ws_.rows.data<float>(), ws_.groups.offsets, local_slots, ws_.results.data<float>(),
                 pool_);
