@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PACKAGES=(build-essential cmake ccache pkg-config libopenblas-dev nlohmann-json3-dev libgtest-dev
-          clang-format libzmq3-dev libmsgpack-cxx-dev libcpp-httplib-dev curl)
+          clang-format libzmq3-dev libmsgpack-cxx-dev libcpp-httplib-dev curl python3-matplotlib)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -26,7 +26,7 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j"$(nproc)" --target flexpert
 [ "${1:-}" = "--no-run" ] && exit 0
 
-echo "== main job: greedy generation on the bundled qwen3moe-tiny checkpoint"
+echo "== sanity check: greedy generation on the bundled qwen3moe-tiny checkpoint"
 python3 - <<'PY'
 import json, subprocess
 ref = json.load(open("testdata/qwen3moe-tiny/reference.json"))
@@ -40,3 +40,6 @@ for i, p in enumerate(ref["prompts"]):
     print(f"prompt {i}: {'identical to' if got == p['greedy'] else 'DIFFERS from'} "
           f"the Hugging Face reference: {got}")
 PY
+
+echo "== main job: an elastic group under load (scale 2 -> 4 -> 3, kill a rank, 1 -> 3)"
+build/flexpert demo --out out/demo

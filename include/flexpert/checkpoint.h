@@ -39,7 +39,7 @@ class SafetensorsFile {
   const std::string& path() const { return path_; }
   const std::map<std::string, Entry>& entries() const { return entries_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
-  // Tensors in a dtype flexpert does not compute in (I64, U8, F8_E4M3, ...): name ->
+  // Tensors in a dtype flexpert does not compute in (I64, U8, F8_E5M2, ...): name ->
   // dtype as written. They are validated like the others but are not in entries().
   const std::map<std::string, std::string>& unsupported() const { return unsupported_; }
   // A borrowed, read-only view of the named tensor, or NotFound (Unimplemented for
@@ -70,6 +70,13 @@ class Checkpoint {
   Result<Tensor> get(const std::string& name) const;
   // As get(), and InvalidArgument when the shape differs from `expected`.
   Result<Tensor> get(const std::string& name, const Shape& expected) const;
+  // A 2-D weight ready for the kernels: as get(name, expected), except that an F8_E4M3
+  // tensor is dequantized with its sibling `<name>_scale_inv` (F32 or BF16 block scales
+  // [ceil(rows / block_rows), ceil(cols / block_cols)], as DeepSeek-V3 stores them) into
+  // an owned BF16 tensor: w[i, j] = fp8[i, j] * scale_inv[i / block_rows, j / block_cols].
+  // An F8_E4M3 tensor without (or with misshapen) scales is InvalidArgument.
+  Result<Tensor> get_weight(const std::string& name, const Shape& expected, int block_rows = 128,
+                            int block_cols = 128) const;
 
  private:
   std::string dir_;

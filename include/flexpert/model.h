@@ -47,6 +47,14 @@ struct ModelOptions {
   // Runs routed rows through the experts (e.g. across ranks); nullptr: in process.
   // Not owned; must outlive the model.
   MoeExecutor* moe_executor = nullptr;
+
+  // Where the model runs: "cpu", or "cuda" / "cuda:N" (builds with FLEXPERT_WITH_CUDA;
+  // one process, all slots local). On a GPU, weights and GEMM inputs are `device_dtype`
+  // (kBF16, or kF32 to verify against the CPU) with f32 accumulation, and decode steps
+  // replay a CUDA graph captured once per batch-size bucket unless cuda_graphs is false.
+  std::string device = "cpu";
+  DType device_dtype = DType::kBF16;
+  bool cuda_graphs = true;
 };
 
 // The new tokens of one sequence in a step.
@@ -83,6 +91,14 @@ class Model {
   // Replaces the expert placement (same slot count); the caller has made sure that
   // every slot it maps holds the right weights. Takes effect at the next forward().
   virtual Status set_placement(ExpertPlacement placement) = 0;
+  // Copies logical expert `expert` of MoE layer `layer` from the checkpoint into
+  // local slot `local_slot` (recovery of an expert whose every replica was lost).
+  // Safe beside forward() while no placement the model uses maps that slot.
+  virtual Status load_expert(int layer, int expert, int local_slot) {
+    return unimplemented("this model cannot reload experts from its checkpoint");
+  }
+  // CUDA graphs captured so far (0 on the CPU): stays flat across set_placement().
+  virtual int64_t num_graph_captures() const { return 0; }
 };
 
 }  // namespace flexpert

@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "file_util.h"
 
@@ -113,6 +114,39 @@ Result<Tensor> Checkpoint::get(const std::string& name, const Shape& expected) c
                             shape_to_string(expected));
   }
   return tensor;
+}
+
+Result<Tensor> Checkpoint::get_weight(const std::string& name, const Shape& expected,
+                                      int block_rows, int block_cols) const {
+  FLEX_ASSIGN_OR_RETURN(Tensor w, get(name, expected));
+  if (w.dtype() != DType::kF8E4M3) return w;
+  if (w.dim() != 2 || block_rows <= 0 || block_cols <= 0) {
+    return invalid_argument("tensor '" + name +
+                            "' is F8_E4M3 but not a 2-D block-quantized weight");
+  }
+  const int64_t rows = w.size(0), cols = w.size(1);
+  const int64_t scale_rows = (rows + block_rows - 1) / block_rows;
+  const int64_t scale_cols = (cols + block_cols - 1) / block_cols;
+  const std::string scale_name = name + "_scale_inv";
+  if (!contains(scale_name)) {
+    return invalid_argument("tensor '" + name + "' is F8_E4M3 but checkpoint " + dir_ +
+                            " has no '" + scale_name + "' to dequantize it");
+  }
+  FLEX_ASSIGN_OR_RETURN(Tensor scale_raw, get(scale_name, {scale_rows, scale_cols}));
+  if (scale_raw.dtype() == DType::kF8E4M3) {
+    return invalid_argument("tensor '" + scale_name + "' must be F32 or BF16, not F8_E4M3");
+  }
+  const Tensor scale = scale_raw.to(DType::kF32);
+  Tensor out = Tensor::empty(DType::kBF16, {rows, cols});
+  std::vector<float> row(static_cast<size_t>(cols));
+  const auto* src = static_cast<const uint8_t*>(w.raw());
+  auto* dst = out.data<uint16_t>();
+  for (int64_t i = 0; i < rows; ++i) {
+    convert_to_f32(DType::kF8E4M3, src + i * cols, row.data(), static_cast<size_t>(cols));
+    const float* s = scale.data<float>() + (i / block_rows) * scale_cols;
+    for (int64_t j = 0; j < cols; ++j) dst[i * cols + j] = f32_to_bf16(row[j] * s[j / block_cols]);
+  }
+  return out;
 }
 
 }  // namespace flexpert

@@ -3,7 +3,10 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string_view>
 #include <vector>
@@ -17,12 +20,14 @@ namespace {
 
 namespace fs = std::filesystem;
 
-enum class Init { kNorm, kLinear, kRouter, kEmbedding };
+enum class Init { kNorm, kLinear, kRouter, kEmbedding, kBias };
 
 struct TensorSpec {
   std::string name;
   Shape shape;
   Init init;
+  bool projection = false;  // A 2-D projection weight: FP8-quantized with --fp8.
+  bool f32 = false;         // Always F32 (DeepSeek-V3's e_score_correction_bias).
 };
 
 // Hugging Face Qwen3MoeForCausalLM's state dict, in layer order so that a shard
@@ -57,6 +62,59 @@ std::vector<TensorSpec> qwen3_moe_tensors(const ModelConfig& c) {
       specs.push_back({p + "mlp.gate_proj.weight", {inter, h}, Init::kLinear});
       specs.push_back({p + "mlp.up_proj.weight", {inter, h}, Init::kLinear});
       specs.push_back({p + "mlp.down_proj.weight", {h, inter}, Init::kLinear});
+    }
+  }
+  specs.push_back({"model.norm.weight", {h}, Init::kNorm});
+  if (!c.tie_word_embeddings) specs.push_back({"lm_head.weight", {c.vocab_size, h}, Init::kLinear});
+  return specs;
+}
+
+// Hugging Face DeepseekV3ForCausalLM's (and V2's) state dict, without the
+// multi-token-prediction layers, in layer order.
+std::vector<TensorSpec> deepseek_tensors(const ModelConfig& c) {
+  const int64_t h = c.hidden_size, heads = c.num_attention_heads;
+  const int64_t q_head = int64_t{c.qk_nope_head_dim} + c.qk_rope_head_dim;
+  const int64_t r = c.kv_lora_rank;
+  std::vector<TensorSpec> specs;
+  auto proj = [&](std::string name, Shape shape) {
+    specs.push_back({std::move(name), std::move(shape), Init::kLinear, true});
+  };
+  auto mlp = [&](const std::string& p, int64_t inter) {
+    proj(p + "gate_proj.weight", {inter, h});
+    proj(p + "up_proj.weight", {inter, h});
+    proj(p + "down_proj.weight", {h, inter});
+  };
+  specs.push_back({"model.embed_tokens.weight", {c.vocab_size, h}, Init::kEmbedding});
+  for (int layer = 0; layer < c.num_hidden_layers; ++layer) {
+    const std::string p = "model.layers." + std::to_string(layer) + ".";
+    const std::string a = p + "self_attn.";
+    specs.push_back({p + "input_layernorm.weight", {h}, Init::kNorm});
+    if (c.q_lora_rank > 0) {
+      proj(a + "q_a_proj.weight", {c.q_lora_rank, h});
+      specs.push_back({a + "q_a_layernorm.weight", {c.q_lora_rank}, Init::kNorm});
+      proj(a + "q_b_proj.weight", {heads * q_head, c.q_lora_rank});
+    } else {
+      proj(a + "q_proj.weight", {heads * q_head, h});
+    }
+    proj(a + "kv_a_proj_with_mqa.weight", {r + c.qk_rope_head_dim, h});
+    specs.push_back({a + "kv_a_layernorm.weight", {r}, Init::kNorm});
+    proj(a + "kv_b_proj.weight", {heads * (int64_t{c.qk_nope_head_dim} + c.v_head_dim), r});
+    proj(a + "o_proj.weight", {h, heads * c.v_head_dim});
+    specs.push_back({p + "post_attention_layernorm.weight", {h}, Init::kNorm});
+    if (c.is_moe_layer(layer)) {
+      specs.push_back({p + "mlp.gate.weight", {c.num_experts, h}, Init::kRouter});
+      if (c.topk_method == "noaux_tc") {
+        specs.push_back(
+            {p + "mlp.gate.e_score_correction_bias", {c.num_experts}, Init::kBias, false, true});
+      }
+      for (int e = 0; e < c.num_experts; ++e) {
+        mlp(p + "mlp.experts." + std::to_string(e) + ".", c.moe_intermediate_size);
+      }
+      if (c.num_shared_experts > 0) {
+        mlp(p + "mlp.shared_experts.", int64_t{c.moe_intermediate_size} * c.num_shared_experts);
+      }
+    } else {
+      mlp(p + "mlp.", c.intermediate_size);
     }
   }
   specs.push_back({"model.norm.weight", {h}, Init::kNorm});
@@ -113,8 +171,17 @@ Distribution distribution_for(const TensorSpec& spec, uint64_t seed) {
     case Init::kEmbedding:  // Unit scale, so the residual stream starts where RMSNorm keeps it.
       d.std = 1.0f;
       break;
+    case Init::kBias:  // Small next to sigmoid scores: nudges routing, never dominates it.
+      d.std = 0.02f;
+      break;
   }
   return d;
+}
+
+inline float value_at(const Distribution& d, int64_t i) {
+  const float scale = i / d.row_elems < d.boosted_rows ? 2.0f : 1.0f;
+  const uint64_t h = splitmix64(d.key + static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull);
+  return d.mean + d.std * scale * normalish(h);
 }
 
 SafetensorsWriter::Fill make_fill(Distribution d, DType dtype) {
@@ -128,16 +195,105 @@ SafetensorsWriter::Fill make_fill(Distribution d, DType dtype) {
       float block[kBlock];
       for (int64_t b = begin; b < end; b += kBlock) {
         const int64_t n = std::min(kBlock, end - b);
-        for (int64_t k = 0; k < n; ++k) {
-          const int64_t i = first + b + k;
-          const float scale = i / d.row_elems < d.boosted_rows ? 2.0f : 1.0f;
-          const uint64_t h = splitmix64(d.key + static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull);
-          block[k] = d.mean + d.std * scale * normalish(h);
-        }
+        for (int64_t k = 0; k < n; ++k) block[k] = value_at(d, first + b + k);
         convert_from_f32(dtype, block, out + b * elem_bytes, static_cast<size_t>(n));
       }
     });
   };
+}
+
+// DeepSeek-V3's FP8 layout: 128x128 blocks, each with scale s = absmax / 448 (the largest
+// E4M3 value), stored as `<name>_scale_inv` since the loader multiplies by it.
+constexpr int64_t kFp8Block = 128;
+constexpr float kFp8Max = 448.0f;
+
+// The block scales of one tensor, computed once (by whichever of the weight and scale
+// fills runs first) by regenerating the tensor's values.
+struct BlockScales {
+  Distribution d;
+  int64_t rows = 0, cols = 0, block_cols = 0;
+  std::once_flag once;
+  std::vector<float> scale;  // [ceil(rows / 128), ceil(cols / 128)]
+
+  const std::vector<float>& get() {
+    std::call_once(once, [this] {
+      const int64_t block_rows = (rows + kFp8Block - 1) / kFp8Block;
+      scale.assign(static_cast<size_t>(block_rows * block_cols), 0.0f);
+      ThreadPool::global().parallel_for(block_rows, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t br = b0; br < b1; ++br) {
+          float* s = scale.data() + br * block_cols;
+          for (int64_t i = br * kFp8Block; i < std::min(rows, (br + 1) * kFp8Block); ++i) {
+            for (int64_t j = 0; j < cols; ++j) {
+              s[j / kFp8Block] = std::max(s[j / kFp8Block], std::fabs(value_at(d, i * cols + j)));
+            }
+          }
+          for (int64_t bc = 0; bc < block_cols; ++bc) s[bc] = std::max(s[bc] / kFp8Max, 1e-12f);
+        }
+      });
+    });
+    return scale;
+  }
+};
+
+SafetensorsWriter::Fill make_fp8_fill(std::shared_ptr<BlockScales> scales) {
+  return [scales](uint64_t offset, void* dst, uint64_t num_bytes) {
+    const std::vector<float>& s = scales->get();
+    const int64_t cols = scales->cols;
+    auto* out = static_cast<uint8_t*>(dst);
+    const int64_t first = static_cast<int64_t>(offset);
+    ThreadPool::global().parallel_for(
+        static_cast<int64_t>(num_bytes), int64_t{1} << 15, [&](int64_t begin, int64_t end) {
+          for (int64_t k = begin; k < end; ++k) {
+            const int64_t i = first + k;
+            const float block_scale =
+                s[(i / cols / kFp8Block) * scales->block_cols + (i % cols) / kFp8Block];
+            out[k] = f32_to_f8e4m3(value_at(scales->d, i) / block_scale);
+          }
+        });
+  };
+}
+
+SafetensorsWriter::Fill make_scale_fill(std::shared_ptr<BlockScales> scales) {
+  return [scales](uint64_t offset, void* dst, uint64_t num_bytes) {
+    const std::vector<float>& s = scales->get();
+    std::memcpy(dst, reinterpret_cast<const char*>(s.data()) + offset, num_bytes);
+  };
+}
+
+// One tensor as written: its name, dtype, shape and how its bytes are produced.
+struct FileTensor {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  SafetensorsWriter::Fill fill;
+  uint64_t bytes() const { return static_cast<uint64_t>(shape_numel(shape)) * dtype_size(dtype); }
+};
+
+// The tensors of `specs` as they go into the files: an FP8 projection becomes the
+// quantized weight followed by its scales.
+std::vector<FileTensor> file_tensors(const std::vector<TensorSpec>& specs,
+                                     const SynthOptions& options) {
+  std::vector<FileTensor> out;
+  for (const TensorSpec& spec : specs) {
+    const Distribution d = distribution_for(spec, options.seed);
+    if (options.fp8 && spec.projection) {
+      auto scales = std::make_shared<BlockScales>();
+      scales->d = d;
+      scales->rows = spec.shape[0];
+      scales->cols = spec.shape[1];
+      scales->block_cols = (scales->cols + kFp8Block - 1) / kFp8Block;
+      const int64_t block_rows = (scales->rows + kFp8Block - 1) / kFp8Block;
+      out.push_back({spec.name, DType::kF8E4M3, spec.shape, make_fp8_fill(scales)});
+      out.push_back({spec.name + "_scale_inv",
+                     DType::kF32,
+                     {block_rows, scales->block_cols},
+                     make_scale_fill(scales)});
+      continue;
+    }
+    const DType dtype = spec.f32 ? DType::kF32 : options.dtype;
+    out.push_back({spec.name, dtype, spec.shape, make_fill(d, dtype)});
+  }
+  return out;
 }
 
 const char* torch_dtype_name(DType dtype) {
@@ -148,6 +304,8 @@ const char* torch_dtype_name(DType dtype) {
       return "bfloat16";
     case DType::kF16:
       return "float16";
+    case DType::kF8E4M3:
+      return "float8_e4m3fn";
   }
   return "?";
 }
@@ -195,6 +353,50 @@ ModelConfig qwen3_moe_preset(int hidden, int layers, int heads, int kv_heads, in
   return c;
 }
 
+ModelConfig deepseek_preset(bool v3, int hidden, int layers, int heads, int q_lora, int kv_lora,
+                            int nope, int rope, int v_dim, int experts, int top_k, int shared,
+                            int moe_inter, int inter, int vocab, int first_dense) {
+  ModelConfig c;
+  c.model_type = v3 ? "deepseek_v3" : "deepseek_v2";
+  c.hidden_size = hidden;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = heads;
+  c.num_key_value_heads = heads;
+  c.q_lora_rank = q_lora;
+  c.kv_lora_rank = kv_lora;
+  c.qk_nope_head_dim = nope;
+  c.qk_rope_head_dim = rope;
+  c.head_dim = rope;
+  c.v_head_dim = v_dim;
+  c.num_experts = experts;
+  c.num_experts_per_tok = top_k;
+  c.num_shared_experts = shared;
+  c.moe_intermediate_size = moe_inter;
+  c.intermediate_size = inter;
+  c.vocab_size = vocab;
+  c.first_k_dense_replace = first_dense;
+  c.topk_method = v3 ? "noaux_tc" : "greedy";
+  c.scoring_func = v3 ? "sigmoid" : "softmax";
+  c.norm_topk_prob = v3;
+  c.routed_scaling_factor = v3 ? 2.5 : 1.0;
+  c.rope_interleave = true;
+  c.rope_theta = 10000.0;
+  c.rms_norm_eps = 1e-6;
+  c.torch_dtype = "bfloat16";
+  return c;
+}
+
+// DeepSeek-V3 and V2-Lite extend their 4k pretraining context 40x with YaRN.
+RopeScaling deepseek_yarn(double mscale) {
+  RopeScaling r;
+  r.type = "yarn";
+  r.factor = 40.0;
+  r.original_max_position_embeddings = 4096;
+  r.mscale = mscale;
+  r.mscale_all_dim = mscale;
+  return r;
+}
+
 }  // namespace
 
 Result<ModelConfig> synth_preset_config(const std::string& preset) {
@@ -209,11 +411,45 @@ Result<ModelConfig> synth_preset_config(const std::string& preset) {
     c.eos_token_ids = {151645};
     return c;
   }
-  return invalid_argument("unknown synth preset '" + preset + "' (presets: tiny, qwen3-30b-a3b)");
+  if (preset == "deepseek-tiny") {
+    ModelConfig c = deepseek_preset(true, 128, 3, 4, 64, 32, 16, 8, 16, 32, 4, 1, 64, 256, 512, 1);
+    c.n_group = 4;
+    c.topk_group = 2;
+    c.max_position_embeddings = 1024;
+    c.eos_token_ids = {1};
+    return c;
+  }
+  if (preset == "deepseek-v3") {
+    ModelConfig c = deepseek_preset(true, 7168, 61, 128, 1536, 512, 128, 64, 128, 256, 8, 1, 2048,
+                                    18432, 129280, 3);
+    c.n_group = 8;
+    c.topk_group = 4;
+    c.num_nextn_predict_layers = 1;
+    c.max_position_embeddings = 163840;
+    c.rope_scaling = deepseek_yarn(1.0);
+    c.eos_token_ids = {1};
+    return c;
+  }
+  if (preset == "deepseek-v2-lite") {
+    ModelConfig c = deepseek_preset(false, 2048, 27, 16, 0, 512, 128, 64, 128, 64, 6, 2, 1408,
+                                    10944, 102400, 1);
+    c.max_position_embeddings = 163840;
+    c.rope_scaling = deepseek_yarn(0.707);
+    c.eos_token_ids = {100001};
+    return c;
+  }
+  return invalid_argument(
+      "unknown synth preset '" + preset +
+      "' (presets: tiny, qwen3-30b-a3b, deepseek-tiny, deepseek-v3, deepseek-v2-lite)");
 }
 
 Status synthesize_checkpoint(const SynthOptions& options) {
-  FLEX_ASSIGN_OR_RETURN(ModelConfig config, synth_preset_config(options.preset));
+  ModelConfig config;
+  if (options.config.has_value()) {
+    config = *options.config;
+  } else {
+    FLEX_ASSIGN_OR_RETURN(config, synth_preset_config(options.preset));
+  }
   if (options.out_dir.empty()) return invalid_argument("synth: out_dir is empty");
   if (options.max_shard_bytes == 0) return invalid_argument("synth: max_shard_bytes is 0");
   if (options.num_layers != -1) {
@@ -224,7 +460,14 @@ Status synthesize_checkpoint(const SynthOptions& options) {
     config.num_hidden_layers = options.num_layers;
     std::erase_if(config.mlp_only_layers, [&](int l) { return l >= options.num_layers; });
   }
+  if (options.dtype == DType::kF8E4M3) {
+    return invalid_argument("synth: F8_E4M3 is not a dtype for every tensor; use fp8");
+  }
   config.torch_dtype = torch_dtype_name(options.dtype);
+  if (options.fp8) {
+    config.quant_method = "fp8";
+    config.weight_block_size = {static_cast<int>(kFp8Block), static_cast<int>(kFp8Block)};
+  }
   // The config the runtime will read back must pass the same validation.
   const std::string config_text = config.to_json();
   FLEX_RETURN_IF_ERROR(ModelConfig::from_json(config_text).status().annotate("synth config"));
@@ -236,11 +479,16 @@ Status synthesize_checkpoint(const SynthOptions& options) {
   }
   const std::string dir = options.out_dir;
 
-  const std::vector<TensorSpec> specs = qwen3_moe_tensors(config);
+  const std::vector<TensorSpec> specs =
+      config.is_deepseek() ? deepseek_tensors(config) : qwen3_moe_tensors(config);
+  if (options.fp8 && !config.is_deepseek()) {
+    return invalid_argument("synth: fp8 is implemented for the deepseek presets only");
+  }
+  const std::vector<FileTensor> tensors = file_tensors(specs, options);
   std::vector<uint64_t> bytes;
   uint64_t total = 0;
-  for (const TensorSpec& s : specs) {
-    bytes.push_back(static_cast<uint64_t>(shape_numel(s.shape)) * dtype_size(options.dtype));
+  for (const FileTensor& t : tensors) {
+    bytes.push_back(t.bytes());
     total += bytes.back();
   }
   const bool sharded = total > options.max_shard_bytes;
@@ -256,14 +504,13 @@ Status synthesize_checkpoint(const SynthOptions& options) {
     SafetensorsWriter writer;
     writer.set_metadata("format", "pt");  // transformers refuses files without it.
     auto add = [&](size_t i) {
-      writer.add(specs[i].name, options.dtype, specs[i].shape,
-                 make_fill(distribution_for(specs[i], options.seed), options.dtype));
-      weight_map[specs[i].name] = file;
+      writer.add(tensors[i].name, tensors[i].dtype, tensors[i].shape, tensors[i].fill);
+      weight_map[tensors[i].name] = file;
     };
     if (sharded) {
       for (size_t i : shards[s]) add(i);
     } else {
-      for (size_t i = 0; i < specs.size(); ++i) add(i);
+      for (size_t i = 0; i < tensors.size(); ++i) add(i);
     }
     std::function<void(uint64_t, uint64_t)> progress;
     if (options.progress) {

@@ -8,11 +8,18 @@
 // one seed write identical files. Norm weights are 1 + small noise, linear weights
 // have std 1/sqrt(fan_in), the router (mlp.gate) has std 2/sqrt(hidden) with its
 // first num_experts/8 rows doubled so that routing is decisive and skewed.
+// With `fp8`, the 2-D projection weights (attention, dense MLP, shared and routed
+// experts; not the embedding, router or LM head) are written as DeepSeek-V3 ships
+// them: F8_E4M3 values of weight / s plus `<name>_scale_inv` F32 tensors holding s
+// per 128x128 block (s = block absmax / 448), and config.json gets a fp8
+// quantization_config. The dequantized values approximate the unquantized ones of
+// the same seed to fp8's precision (relative error <= 2^-4 per element, above 2^-6 * s).
 // Blocking, file I/O only; safe to call from several threads on different out_dirs.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "flexpert/dtype.h"
@@ -27,14 +34,19 @@ struct SynthOptions {
   int num_layers = -1;       // -1: the preset's.
   DType dtype = DType::kBF16;
   uint64_t seed = 0;
+  bool fp8 = false;  // Block-quantized FP8 projections (see above).
   // Called with bytes of weights written so far and the total, from the calling thread.
   std::function<void(uint64_t done, uint64_t total)> progress = nullptr;
   // Above this, the weights are split into model-0000i-of-0000n.safetensors shards
   // plus model.safetensors.index.json (a tensor is never split across shards).
   uint64_t max_shard_bytes = 4ull << 30;
+  // Used instead of the preset when set (custom shapes and options, e.g. in tests).
+  std::optional<ModelConfig> config = std::nullopt;
 };
 
-// "tiny" (the shape of testdata/qwen3moe-tiny) or "qwen3-30b-a3b"; else InvalidArgument.
+// "tiny" (the shape of testdata/qwen3moe-tiny), "qwen3-30b-a3b", "deepseek-tiny" (the
+// shape of testdata/deepseekv3-tiny), "deepseek-v3" or "deepseek-v2-lite"; else
+// InvalidArgument.
 Result<ModelConfig> synth_preset_config(const std::string& preset);
 
 // Writes OUT_DIR/config.json and the weights; replaces a previous synthetic

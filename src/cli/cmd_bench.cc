@@ -66,6 +66,8 @@ Status run_generate_bench(const Flags& flags) {
   ModelOptions options;
   options.max_sequences = static_cast<int>(max_batch);
   options.max_seq_len = static_cast<int>(prompt_len + gen_tokens + 1);
+  options.device = flags.str("device");
+  FLEX_ASSIGN_OR_RETURN(options.device_dtype, parse_weight_dtype(flags.str("cuda-dtype")));
   Progress progress("loading " + dir);
   options.progress = [&](int done, int total) { progress.update(done, total, " layers"); };
   FLEX_ASSIGN_OR_RETURN(auto model, Model::load(dir, options));
@@ -184,8 +186,10 @@ int cmd_bench_serve(const Args& args) {
 int cmd_bench(const Args& args) {
   if (!args.empty() && args[0] == "serve")
     return cmd_bench_serve(Args(args.begin() + 1, args.end()));
+  if (!args.empty() && args[0] == "elastic")
+    return cmd_bench_elastic(Args(args.begin() + 1, args.end()));
   if (args.empty() || args[0] != "generate") {
-    std::fprintf(stderr, "usage: flexpert bench generate|serve [flags]\n");
+    std::fprintf(stderr, "usage: flexpert bench generate|serve|elastic [flags]\n");
     return 2;
   }
   Flags flags;
@@ -197,6 +201,8 @@ int cmd_bench(const Args& args) {
       .value("batches", "1,8,32", "batch sizes")
       .value("prompt-len", "64", "prompt tokens per sequence")
       .value("gen-tokens", "16", "decode steps")
+      .value("device", "cpu", "cpu, cuda or cuda:N")
+      .value("cuda-dtype", "bf16", "weights and activations on the GPU: bf16 or f32")
       .value("json", "", "write results to this file")
       .boolean("help", "show this help");
   const Args rest(args.begin() + 1, args.end());

@@ -11,6 +11,9 @@
 #include "flexpert/model.h"
 
 namespace flexpert::cli {
+
+Result<DType> parse_weight_dtype(const std::string& name);
+
 namespace {
 
 Result<std::vector<std::vector<int32_t>>> parse_prompts(const std::string& text) {
@@ -56,6 +59,8 @@ Status run(const Flags& flags) {
   ModelOptions options;
   options.placement = flags.str("placement");
   options.max_sequences = static_cast<int>(prompts.size());
+  options.device = flags.str("device");
+  FLEX_ASSIGN_OR_RETURN(options.device_dtype, parse_weight_dtype(flags.str("cuda-dtype")));
   Progress progress("loading layers");
   options.progress = [&](int done, int total) { progress.update(done, total); };
   const auto t0 = std::chrono::steady_clock::now();
@@ -103,6 +108,8 @@ int cmd_generate(const Args& args) {
       .value("stop-token-ids", "", "extra stop ids, comma-separated")
       .value("placement", "identity",
              "expert placement: identity, replicate:R[:SEED], or a JSON file")
+      .value("device", "cpu", "cpu, cuda or cuda:N")
+      .value("cuda-dtype", "bf16", "weights and activations on the GPU: bf16 or f32")
       .boolean("ignore-eos", "do not stop at the model's EOS ids")
       .boolean("json", "print one JSON object")
       .boolean("help", "show this help");

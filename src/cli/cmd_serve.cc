@@ -49,6 +49,7 @@ Status run_serve(const Flags& flags) {
     options.model_dir = flags.str("model");
     FLEX_ASSIGN_OR_RETURN(options.ranks, int_flag(flags, "ranks", 1));
     FLEX_ASSIGN_OR_RETURN(options.max_ranks, int_flag(flags, "max-ranks", 0));
+    FLEX_ASSIGN_OR_RETURN(options.min_ranks, int_flag(flags, "min-ranks", 0));
     FLEX_ASSIGN_OR_RETURN(options.slots_per_rank, int_flag(flags, "slots-per-rank", 0));
     FLEX_ASSIGN_OR_RETURN(options.max_sequences, int_flag(flags, "max-sequences", 1));
     FLEX_ASSIGN_OR_RETURN(options.max_tokens_per_step, int_flag(flags, "max-tokens-per-step", 1));
@@ -64,6 +65,12 @@ Status run_serve(const Flags& flags) {
     FLEX_ASSIGN_OR_RETURN(options.eplb_spare_slots, int_flag(flags, "eplb-spare-slots", 0));
     FLEX_ASSIGN_OR_RETURN(options.min_replicas, int_flag(flags, "min-replicas", 1));
     options.eplb_policy = flags.str("eplb-policy");
+    options.reconfigure = flags.str("reconfigure");
+    if (options.reconfigure != "live" && options.reconfigure != "stop-the-world") {
+      return invalid_argument("--reconfigure must be live or stop-the-world");
+    }
+    FLEX_ASSIGN_OR_RETURN(options.heartbeat_timeout_ms, int_flag(flags, "heartbeat-timeout-ms", 1));
+    FLEX_ASSIGN_OR_RETURN(options.start_timeout_ms, int_flag(flags, "start-timeout-ms", 1));
     if (options.eplb_policy != "auto" && options.eplb_policy != "global" &&
         options.eplb_policy != "hierarchical") {
       return invalid_argument("--eplb-policy must be auto, global or hierarchical");
@@ -98,6 +105,11 @@ Status run_serve(const Flags& flags) {
                          [cluster]() -> Result<nlohmann::json> { return cluster->eplb_status(); });
     server.add_post_route("/v1/eplb/rebalance",
                           [cluster](const nlohmann::json&) { return cluster->rebalance(); });
+    server.add_post_route("/v1/scale",
+                          [cluster](const nlohmann::json& body) -> Result<nlohmann::json> {
+                            FLEX_ASSIGN_OR_RETURN(ScaleTarget target, ScaleTarget::from_json(body));
+                            return cluster->scale(target);
+                          });
     server.add_post_route(
         "/v1/eplb/drain", [cluster](const nlohmann::json& body) -> Result<nlohmann::json> {
           const bool cancel = body.is_object() && body.value("cancel", false);
@@ -125,7 +137,10 @@ int cmd_serve(const Args& args) {
   flags.value("model", "", "checkpoint directory")
       .value("ranks", "1", "worker processes (ranks) at start")
       .value("max-ranks", "0", "capacity in ranks (default: --ranks)")
-      .value("slots-per-rank", "0", "expert slots per rank and layer (default: fit the experts)")
+      .value("min-ranks", "0", "smallest group to shrink to (default: --ranks); sizes the slots")
+      .value("slots-per-rank", "0",
+             "expert slots per rank and layer (default: the experts fit "
+             "on --min-ranks ranks, plus spares)")
       .value("placement", "", "replicate:R[:SEED] or a JSON slot map over max-ranks x slots")
       .value("max-sequences", "32", "concurrent sequences per rank")
       .value("max-tokens-per-step", "256", "token budget per rank and step")
@@ -141,7 +156,10 @@ int cmd_serve(const Args& args) {
       .value("eplb-interval-s", "60", "seconds between automatic rebalances (with --eplb)")
       .value("eplb-spare-slots", "1", "free expert slots per rank for replicas and moves")
       .value("eplb-policy", "auto", "placement policy: auto, global, hierarchical")
-      .value("min-replicas", "1", "replicas every expert keeps")
+      .value("min-replicas", "1", "replicas every expert keeps (more: a lost rank needs no reload)")
+      .value("reconfigure", "live", "membership changes: live, or stop-the-world (baseline)")
+      .value("heartbeat-timeout-ms", "60000", "a worker silent this long is declared lost")
+      .value("start-timeout-ms", "120000", "for a starting or joining worker to be ready")
       .boolean("eplb", "rebalance experts automatically every --eplb-interval-s")
       .boolean("no-spawn", "do not start workers; wait for `flexpert worker --join`")
       .boolean("local", "run the model in this process (no workers)")

@@ -17,11 +17,12 @@ Result<DType> parse_weight_dtype(const std::string& name) {
 
 int cmd_synth(const Args& args) {
   Flags flags;
-  flags.value("preset", "", "tiny | qwen3-30b-a3b")
+  flags.value("preset", "", "tiny | qwen3-30b-a3b | deepseek-tiny | deepseek-v3 | deepseek-v2-lite")
       .value("out", "", "output directory")
       .value("layers", "-1", "number of decoder layers (default: the preset's)")
       .value("dtype", "bf16", "weight dtype: bf16, f16, f32")
       .value("seed", "0", "random seed")
+      .boolean("fp8", "FP8 E4M3 projections with 128x128 block scales, as DeepSeek-V3 ships them")
       .boolean("help", "show this help");
   if (Status s = flags.parse(args); !s.ok()) return report_error("synth", s);
   if (flags.flag("help")) {
@@ -40,6 +41,7 @@ int cmd_synth(const Args& args) {
     FLEX_ASSIGN_OR_RETURN(options.dtype, parse_weight_dtype(flags.str("dtype")));
     FLEX_ASSIGN_OR_RETURN(int64_t seed, flags.integer("seed"));
     options.seed = static_cast<uint64_t>(seed);
+    options.fp8 = flags.flag("fp8");
     Progress progress("writing " + options.out_dir);
     options.progress = [&](uint64_t done, uint64_t total) {
       progress.update(done >> 20, total >> 20, " MiB");

@@ -19,6 +19,9 @@ int cmd_bench(const Args& args);
 int cmd_serve(const Args& args);
 int cmd_worker(const Args& args);
 int cmd_eplb(const Args& args);
+int cmd_scale(const Args& args);
+int cmd_demo(const Args& args);
+int cmd_bench_elastic(const Args& args);
 
 // Prints the status and returns its exit code (2 for InvalidArgument/NotFound, else 1).
 int report_error(const std::string& command, const Status& status);

@@ -60,6 +60,9 @@ const char kUsage[] =
     "  eplb plan --input cases.json --output plans.json [--planner flexpert|deepseek]\n"
     "  bench generate [--model DIR | --preset P --layers N] [--batches 1,8,32] ...\n"
     "  bench serve    --url URL --concurrency C --requests N [--prompt-len L --max-tokens T]\n"
+    "  bench elastic  [--modes live,stop-the-world] [--events 3:scale:4,9:kill:1,...]\n"
+    "  scale     --url URL (--to N | --remove R1,R2) [--admin-key K]\n"
+    "  demo      [--out out/demo]   an elastic group under load: scale, kill, report\n"
     "Run `flexpert <command> --help` for the flags of a command.\n";
 
 }  // namespace
@@ -78,6 +81,8 @@ int main(int argc, char** argv) {
   if (command == "serve") return cmd_serve(args);
   if (command == "worker") return cmd_worker(args);
   if (command == "eplb") return cmd_eplb(args);
+  if (command == "scale") return cmd_scale(args);
+  if (command == "demo") return cmd_demo(args);
   std::fprintf(stderr, "flexpert: unknown command '%s'\n%s", command.c_str(), kUsage);
   return 2;
 }

@@ -6,9 +6,10 @@
 // name, then a msgpack map of the struct's fields. The front end rejects
 // messages from an incarnation it no longer knows. Plain value types.
 //
-//   worker -> front end: Hello, Ready, TokenBatch, StepReport, WorkerError, PullDone, MapApplied
+//   worker -> front end: Hello, Ready, TokenBatch, StepReport, WorkerError, PullDone, MapApplied,
+//                        Connected, EpochApplied
 //   front end -> worker: WorkerConfig, EpochCommand, AddRequest, CancelRequest, Shutdown,
-//                        PullCommand, MapCommand
+//                        PullCommand, MapCommand, ConnectCommand
 #pragma once
 
 #ifndef MSGPACK_NO_BOOST
@@ -122,9 +123,11 @@ struct StepReport {
 
 // Copy experts into free local slots: dst_slots[i] <- (src_ranks[i], src_slots[i]),
 // local slot indices on both sides, layer `layer`. Runs beside serving (one-sided
-// transport reads); answered by PullDone.
+// transport reads); answered by PullDone. src_ranks[i] == kFromCheckpoint loads
+// logical expert src_slots[i] from the checkpoint instead (no replica is left).
 struct PullCommand {
   static constexpr const char* kType = "pull";
+  static constexpr int kFromCheckpoint = -1;
   uint64_t id = 0;
   int layer = 0;
   std::vector<int> dst_slots;
@@ -158,6 +161,35 @@ struct MapApplied {
   MSGPACK_DEFINE_MAP(version);
 };
 
+// Attach to (address non-empty) or detach from (address "") the listed peers
+// while serving, then prove each new attachment with a one-sided read of
+// `probe_region`. Prepares a membership change so that the commit step maps
+// nothing. Answered by Connected.
+struct ConnectCommand {
+  static constexpr const char* kType = "connect";
+  uint64_t id = 0;
+  std::vector<int> ranks;
+  std::vector<std::string> addresses;  // Parallel to ranks.
+  int probe_region = -1;               // -1: no probe (a model without MoE layers).
+  MSGPACK_DEFINE_MAP(id, ranks, addresses, probe_region);
+};
+
+struct Connected {
+  static constexpr const char* kType = "connected";
+  uint64_t id = 0;
+  int code = 0;  // StatusCode; 0 = OK.
+  std::string message;
+  MSGPACK_DEFINE_MAP(id, code, message);
+};
+
+// A worker switched to `epoch` (member or not: a rank left out stops stepping).
+struct EpochApplied {
+  static constexpr const char* kType = "epoch-applied";
+  uint64_t epoch = 0;
+  bool member = false;
+  MSGPACK_DEFINE_MAP(epoch, member);
+};
+
 struct WorkerError {
   static constexpr const char* kType = "error";
   uint64_t epoch = 0;
@@ -167,9 +199,13 @@ struct WorkerError {
   MSGPACK_DEFINE_MAP(epoch, code, message, dead_rank);
 };
 
+// kStop: the whole group stops together (announced in the step header).
+// kLeave: this rank exits once an epoch without it has been applied; the others go on.
 struct Shutdown {
   static constexpr const char* kType = "shutdown";
-  int reason = 0;
+  static constexpr int kStop = 0;
+  static constexpr int kLeave = 1;
+  int reason = kStop;
   MSGPACK_DEFINE_MAP(reason);
 };
 

@@ -1,11 +1,23 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "flexpert/dtype.h"
 
+#include <array>
 #include <cmath>
 
 namespace flexpert {
 
-size_t dtype_size(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return 4;
+    case DType::kBF16:
+    case DType::kF16:
+      return 2;
+    case DType::kF8E4M3:
+      return 1;
+  }
+  return 0;
+}
 
 std::string_view dtype_name(DType dtype) {
   switch (dtype) {
@@ -15,6 +27,8 @@ std::string_view dtype_name(DType dtype) {
       return "BF16";
     case DType::kF16:
       return "F16";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
   }
   return "?";
 }
@@ -26,6 +40,8 @@ bool parse_dtype(std::string_view name, DType* dtype) {
     *dtype = DType::kBF16;
   else if (name == "F16")
     *dtype = DType::kF16;
+  else if (name == "F8_E4M3")
+    *dtype = DType::kF8E4M3;
   else
     return false;
   return true;
@@ -73,6 +89,43 @@ uint16_t f32_to_f16(float f) {
   return sign | static_cast<uint16_t>((m - 0x38000000u) >> 13);
 }
 
+float f8e4m3_to_f32(uint8_t h) {
+  const bool negative = (h & 0x80u) != 0;
+  const int exp = (h >> 3) & 0xf;
+  const int mant = h & 0x7;
+  float value;
+  if (exp == 0xf && mant == 0x7) {
+    value = NAN;
+  } else if (exp == 0) {
+    value = std::ldexp(static_cast<float>(mant), -9);  // Subnormal: mant/8 * 2^-6.
+  } else {
+    value = std::ldexp(static_cast<float>(8 + mant), exp - 10);  // (1 + mant/8) * 2^(exp-7).
+  }
+  return negative ? -value : value;
+}
+
+uint8_t f32_to_f8e4m3(float f) {
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
+  if (std::isnan(f)) return sign | 0x7f;
+  const float a = std::fabs(f);
+  if (a >= 448.0f) return sign | 0x7e;  // Saturate at the largest finite value.
+  if (a < std::ldexp(1.0f, -6)) {
+    // Subnormal or zero: a multiple of 2^-9, rounded to nearest even.
+    return sign | static_cast<uint8_t>(std::nearbyint(std::ldexp(a, 9)));
+  }
+  int exp = 0;
+  const float frac = std::frexp(a, &exp);  // a = frac * 2^exp, frac in [0.5, 1).
+  // 4 significant bits: m in [8, 16] after rounding to nearest even.
+  int m = static_cast<int>(std::nearbyint(std::ldexp(frac, 4)));
+  int e = exp - 1 + 7;  // Biased exponent of 2^(exp-1).
+  if (m == 16) {
+    m = 8;
+    ++e;
+  }
+  if (e > 15 || (e == 15 && m - 8 == 7)) return sign | 0x7e;
+  return sign | static_cast<uint8_t>((e << 3) | (m - 8));
+}
+
 void convert_to_f32(DType dtype, const void* src, float* dst, size_t n) {
   switch (dtype) {
     case DType::kF32:
@@ -86,6 +139,16 @@ void convert_to_f32(DType dtype, const void* src, float* dst, size_t n) {
     case DType::kF16: {
       const auto* s = static_cast<const uint16_t*>(src);
       for (size_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
+      return;
+    }
+    case DType::kF8E4M3: {
+      static const auto table = [] {
+        std::array<float, 256> t{};
+        for (int i = 0; i < 256; ++i) t[i] = f8e4m3_to_f32(static_cast<uint8_t>(i));
+        return t;
+      }();
+      const auto* s = static_cast<const uint8_t*>(src);
+      for (size_t i = 0; i < n; ++i) dst[i] = table[s[i]];
       return;
     }
   }
@@ -104,6 +167,11 @@ void convert_from_f32(DType dtype, const float* src, void* dst, size_t n) {
     case DType::kF16: {
       auto* d = static_cast<uint16_t*>(dst);
       for (size_t i = 0; i < n; ++i) d[i] = f32_to_f16(src[i]);
+      return;
+    }
+    case DType::kF8E4M3: {
+      auto* d = static_cast<uint8_t*>(dst);
+      for (size_t i = 0; i < n; ++i) d[i] = f32_to_f8e4m3(src[i]);
       return;
     }
   }

@@ -9,6 +9,9 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <mutex>
 #include <random>
@@ -28,6 +31,22 @@ namespace flexpert {
 namespace {
 
 std::atomic<bool> g_terminate{false};
+
+// Fault injection for tests of scale-up rollback (FLEXPERT_FAULT, inherited by
+// spawned workers): "join-crash" kills a joining worker during its preparation,
+// "join-delay:MS" stalls it. Initial ranks are members before any connect command.
+void inject_join_fault() {
+  const char* fault = std::getenv("FLEXPERT_FAULT");
+  if (fault == nullptr) return;
+  int ms = 0;
+  if (std::strcmp(fault, "join-crash") == 0) {
+    FLEX_LOG(WARN) << "FLEXPERT_FAULT=join-crash: exiting during the preparation";
+    _exit(3);
+  }
+  if (std::sscanf(fault, "join-delay:%d", &ms) == 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  }
+}
 
 void on_terminate(int) { g_terminate.store(true); }
 
@@ -66,6 +85,7 @@ class Worker {
   Status connect_and_configure();
   Status load();
   Status apply_epoch(const proto::EpochCommand& cmd);
+  Status connect_peers(const proto::ConnectCommand& cmd);
   // Handles control messages for up to timeout_ms (0: only what is queued).
   Status poll_control(int timeout_ms);
   Status handle(const std::vector<std::string>& parts);
@@ -102,6 +122,7 @@ class Worker {
   bool has_pending_ = false;
   proto::EpochCommand pending_;
   bool stopping_ = false;
+  bool leaving_ = false;  // Exit once an epoch without this rank is applied.
   bool halted_ = false;
   bool idle_ = true;
   Tensor logits_;
@@ -193,6 +214,19 @@ Status Worker::load() {
 }
 
 Status Worker::apply_epoch(const proto::EpochCommand& cmd) {
+  const bool member = Group{cmd.epoch, cmd.members}.contains(options_.rank);
+  if (!member) {
+    // Left out (scale-down): stop stepping; the front end moved our requests.
+    for (int r : group_.ranks) {
+      if (r != options_.rank) (void)transport_->disconnect(r);
+    }
+    group_ = Group{cmd.epoch, {}};
+    executor_->set_group(group_);
+    halted_ = false;
+    has_pending_ = false;
+    FLEX_LOG(INFO) << "rank " << options_.rank << " left the group in epoch " << cmd.epoch;
+    return send_msg(control_, proto::EpochApplied{cmd.epoch, false});
+  }
   for (int r : cmd.members) {
     if (r == options_.rank) continue;
     if (r < 0 || r >= static_cast<int>(cmd.addresses.size()) || cmd.addresses[r].empty()) {
@@ -222,6 +256,26 @@ Status Worker::apply_epoch(const proto::EpochCommand& cmd) {
   if (has_pending_ && pending_.epoch <= cmd.epoch) has_pending_ = false;
   FLEX_LOG(INFO) << "rank " << options_.rank << " in epoch " << cmd.epoch << " with "
                  << cmd.members.size() << " members";
+  return send_msg(control_, proto::EpochApplied{cmd.epoch, true});
+}
+
+Status Worker::connect_peers(const proto::ConnectCommand& cmd) {
+  if (cmd.ranks.size() != cmd.addresses.size()) return invalid_argument("bad connect command");
+  for (size_t i = 0; i < cmd.ranks.size(); ++i) {
+    const int r = cmd.ranks[i];
+    if (r == options_.rank) continue;
+    if (cmd.addresses[i].empty()) {
+      if (!group_.contains(r)) FLEX_RETURN_IF_ERROR(transport_->disconnect(r));
+      continue;
+    }
+    FLEX_RETURN_IF_ERROR(transport_->connect(r, cmd.addresses[i]));
+    if (cmd.probe_region >= 0) {
+      // Exercise the attachment: a one-sided read of the peer's first expert bytes.
+      char probe[64];
+      FLEX_RETURN_IF_ERROR(
+          transport_->read(r, cmd.probe_region, 0, probe, sizeof(probe)).annotate("probe"));
+    }
+  }
   return Status();
 }
 
@@ -266,8 +320,19 @@ Status Worker::handle(const std::vector<std::string>& parts) {
     if (cmd.version <= map_version_) return Status();
     pending_map_ = std::move(cmd);
     has_pending_map_ = true;
+  } else if (type == proto::ConnectCommand::kType) {
+    FLEX_ASSIGN_OR_RETURN(auto cmd, proto::decode<proto::ConnectCommand>(parts[1]));
+    if (group_.ranks.empty()) inject_join_fault();
+    Status s = connect_peers(cmd);
+    return send_msg(
+        control_, proto::Connected{cmd.id, static_cast<int>(s.code()), s.ok() ? "" : s.message()});
   } else if (type == proto::Shutdown::kType) {
-    stopping_ = true;
+    FLEX_ASSIGN_OR_RETURN(auto cmd, proto::decode<proto::Shutdown>(parts[1]));
+    if (cmd.reason == proto::Shutdown::kLeave) {
+      leaving_ = true;
+    } else {
+      stopping_ = true;
+    }
   } else {
     FLEX_LOG(WARN) << "rank " << options_.rank << " ignores control message '" << type << "'";
   }
@@ -390,14 +455,17 @@ proto::PullDone Worker::pull(const proto::PullCommand& cmd) {
   }
   for (size_t i = 0; s.ok() && i < cmd.dst_slots.size(); ++i) {
     const int dst = cmd.dst_slots[i];
+    const bool from_checkpoint = cmd.src_ranks[i] == proto::PullCommand::kFromCheckpoint;
     if (dst < 0 || dst >= slots->num_slots() || cmd.src_slots[i] < 0 ||
-        cmd.src_slots[i] >= slots->num_slots()) {
+        (!from_checkpoint && cmd.src_slots[i] >= slots->num_slots())) {
       s = invalid_argument("pull slot out of range");
       break;
     }
     const size_t bytes = slots->slot_bytes();
     // Regions are per layer; a slot's weights are one contiguous block in it.
-    if (cmd.src_ranks[i] == options_.rank) {
+    if (cmd.src_ranks[i] == proto::PullCommand::kFromCheckpoint) {
+      s = model_->load_expert(cmd.layer, cmd.src_slots[i], dst);
+    } else if (cmd.src_ranks[i] == options_.rank) {
       std::memcpy(slots->slot_data(dst), slots->slot_data(cmd.src_slots[i]), bytes);
     } else {
       s = transport_->read(cmd.src_ranks[i], cmd.layer, cmd.src_slots[i] * bytes,
@@ -462,7 +530,7 @@ int Worker::run() {
       if (Status s = apply_epoch(cmd); !s.ok()) report_error(s);
     }
     if (halted_ || group_.ranks.empty()) {
-      if (stopping_) break;
+      if (stopping_ || (leaving_ && group_.ranks.empty())) break;
       report(false);
       continue;
     }

@@ -43,6 +43,7 @@ void matmul_nt(const float* x, int64_t m, int64_t k, const Tensor& w, float* y, 
   init_blas_once();
   FLEX_CHECK(w.dim() == 2 && w.size(1) == k && w.is_contiguous())
       << "weight " << shape_to_string(w.shape()) << " vs k=" << k;
+  FLEX_CHECK(w.dtype() != DType::kF8E4M3) << "FP8 weights must be dequantized at load";
   const int64_t n = w.size(0);
   if (m == 0 || n == 0) return;
   const int64_t block = column_block(k);
@@ -106,6 +107,92 @@ void rope_rotate_half(float* x, int64_t num_tokens, int64_t num_heads, int64_t h
       }
     }
   }
+}
+
+void rope(float* x, int64_t num_tokens, int64_t num_heads, int64_t head_stride, int64_t rope_dim,
+          const int32_t* positions, const double* inv_freq, double scale, bool interleaved) {
+  const int64_t half = rope_dim / 2;
+  std::vector<float> cosv(half), sinv(half), pair(rope_dim);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = static_cast<double>(positions[t]) * inv_freq[i];
+      cosv[i] = static_cast<float>(std::cos(angle) * scale);
+      sinv[i] = static_cast<float>(std::sin(angle) * scale);
+    }
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* v = x + (t * num_heads + h) * head_stride;
+      if (interleaved) {
+        for (int64_t i = 0; i < half; ++i) {
+          pair[i] = v[2 * i];
+          pair[i + half] = v[2 * i + 1];
+        }
+        std::copy(pair.begin(), pair.end(), v);
+      }
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i];
+        const float b = v[i + half];
+        v[i] = a * cosv[i] - b * sinv[i];
+        v[i + half] = b * cosv[i] + a * sinv[i];
+      }
+    }
+  }
+}
+
+void matmul_nt_heads(const float* x, int64_t m, int64_t x_row_stride, int64_t x_head_stride,
+                     const float* w, int64_t num_heads, int64_t n, int64_t k, float* y,
+                     int64_t y_row_stride, int64_t y_head_stride, ThreadPool& pool) {
+  init_blas_once();
+  if (m == 0) return;
+  pool.parallel_for(num_heads, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(n),
+                  static_cast<int>(k), 1.0f, x + h * x_head_stride, static_cast<int>(x_row_stride),
+                  w + h * n * k, static_cast<int>(k), 0.0f, y + h * y_head_stride,
+                  static_cast<int>(y_row_stride));
+    }
+  });
+}
+
+void mla_attention(const float* q, const float* cache, int64_t num_tokens, int64_t first_pos,
+                   int64_t num_heads, int64_t latent_dim, int64_t rope_dim, float scale, float* out,
+                   ThreadPool& pool) {
+  init_blas_once();
+  const int64_t dim = latent_dim + rope_dim;
+  const int64_t rows = num_tokens * num_heads;
+  if (rows == 0) return;
+  // Rows (token, head) in tiles: one GEMM scores a tile against the cache, one more
+  // sums the latents. Every head reads the same rows, so a tile shares its loads.
+  const int64_t tile = std::clamp<int64_t>(rows / (4 * pool.num_threads()), 1, 32);
+  const int64_t num_tiles = (rows + tile - 1) / tile;
+  pool.parallel_for(num_tiles, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * tile;
+      const int64_t nr = std::min(tile, rows - r0);
+      const int64_t len = first_pos + (r0 + nr - 1) / num_heads + 1;  // Longest row of the tile.
+      std::vector<float>& p = scratch(static_cast<size_t>(nr * len));
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(nr),
+                  static_cast<int>(len), static_cast<int>(dim), scale, q + r0 * dim,
+                  static_cast<int>(dim), cache, static_cast<int>(dim), 0.0f, p.data(),
+                  static_cast<int>(len));
+      for (int64_t r = 0; r < nr; ++r) {
+        float* pr = p.data() + r * len;
+        const int64_t row_len = first_pos + (r0 + r) / num_heads + 1;
+        const float max_score = *std::max_element(pr, pr + row_len);
+        double sum = 0.0;
+        for (int64_t j = 0; j < row_len; ++j) {
+          pr[j] = std::exp(pr[j] - max_score);
+          sum += pr[j];
+        }
+        const float inv = static_cast<float>(1.0 / sum);
+        for (int64_t j = 0; j < row_len; ++j) pr[j] *= inv;
+        std::fill(pr + row_len, pr + len, 0.0f);  // Causal: later positions weigh nothing.
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(nr),
+                  static_cast<int>(latent_dim), static_cast<int>(len), 1.0f, p.data(),
+                  static_cast<int>(len), cache, static_cast<int>(dim), 0.0f, out + r0 * latent_dim,
+                  static_cast<int>(latent_dim));
+    }
+  });
 }
 
 void attention(const float* q, const float* k_cache, const float* v_cache, int64_t num_tokens,

@@ -28,6 +28,34 @@ void rms_norm(const float* x, const float* weight, int64_t rows, int64_t dim, fl
 void rope_rotate_half(float* x, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
                       const int32_t* positions, double theta);
 
+// Rotary embedding with given frequencies on the first `rope_dim` elements of each head
+// vector x + (t * num_heads + h) * head_stride, in place; angle = pos[t] * inv_freq[i]
+// (rope_dim / 2 values, double precision), cos and sin multiplied by `scale` (YaRN's
+// attention factor; 1 otherwise). Plain: pairs (i, i + rope_dim/2) as rope_rotate_half.
+// `interleaved`: pairs (2i, 2i + 1), written de-interleaved to (i, i + rope_dim/2), as
+// transformers' apply_rotary_pos_emb_interleave (DeepSeek-V3, rope_interleave=true) does.
+void rope(float* x, int64_t num_tokens, int64_t num_heads, int64_t head_stride, int64_t rope_dim,
+          const int32_t* positions, const double* inv_freq, double scale, bool interleaved);
+
+// Per-head products: y[t, h, :n] = x[t, h, :k] @ w[h]^T for t < m, h < num_heads, with
+// w an f32 [num_heads, n, k] array. Row t, head h of x starts at x + t * x_row_stride +
+// h * x_head_stride; likewise y.
+void matmul_nt_heads(const float* x, int64_t m, int64_t x_row_stride, int64_t x_head_stride,
+                     const float* w, int64_t num_heads, int64_t n, int64_t k, float* y,
+                     int64_t y_row_stride, int64_t y_head_stride, ThreadPool& pool);
+
+// Multi-head latent attention (DeepSeek MLA) in the absorbed form, for `num_tokens` new
+// query tokens of one sequence. All heads attend to the same cached rows [latent
+// (latent_dim) | rotated rope key (rope_dim)]. q: [num_tokens, num_heads, latent_dim +
+// rope_dim], each head's q_nope already mapped into the latent space (through kv_b's key
+// part), then its rotated q_pe. cache: [>= first_pos + num_tokens, latent_dim + rope_dim],
+// the new tokens' rows already written; token i attends to [0, first_pos + i].
+// out: [num_tokens, num_heads, latent_dim], the softmax(scale * q.row)-weighted sum of
+// latents (to be mapped out through kv_b's value part).
+void mla_attention(const float* q, const float* cache, int64_t num_tokens, int64_t first_pos,
+                   int64_t num_heads, int64_t latent_dim, int64_t rope_dim, float scale, float* out,
+                   ThreadPool& pool);
+
 // Causal attention of `num_tokens` new query tokens of one sequence against its KV cache.
 // q: [num_tokens, num_q_heads, D]; k_cache/v_cache: [>= first_pos + num_tokens, num_kv_heads, D]
 // (the new tokens' keys and values already written). Token i attends to positions

@@ -100,12 +100,9 @@ Status Qwen3MoeModel::load_layer(int index, Layer* layer, const ModelOptions& op
           ExpertSlots(probe.dtype(), num_local_slots_, static_cast<int>(H), static_cast<int>(I));
     }
     // Resolve every tensor first (errors name the tensor), then copy in parallel.
-    std::vector<Tensor> w(static_cast<size_t>(E) * 3);
+    std::vector<std::array<Tensor, 3>> w(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) {
-      const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
-      FLEX_ASSIGN_OR_RETURN(w[e * 3 + 0], ck.get(ep + "gate_proj.weight", {I, H}));
-      FLEX_ASSIGN_OR_RETURN(w[e * 3 + 1], ck.get(ep + "up_proj.weight", {I, H}));
-      FLEX_ASSIGN_OR_RETURN(w[e * 3 + 2], ck.get(ep + "down_proj.weight", {H, I}));
+      FLEX_ASSIGN_OR_RETURN(w[e], expert_weights(index, static_cast<int>(e)));
     }
     const std::vector<int>& map = placement_.slot_map(index);
     std::vector<Status> errors(static_cast<size_t>(num_local_slots_));
@@ -113,7 +110,7 @@ Status Qwen3MoeModel::load_layer(int index, Layer* layer, const ModelOptions& op
       for (int64_t s = s0; s < s1; ++s) {
         const int e = map[first_slot_ + s];
         if (e == ExpertPlacement::kFreeSlot) continue;
-        errors[s] = layer->experts.load(static_cast<int>(s), w[e * 3], w[e * 3 + 1], w[e * 3 + 2]);
+        errors[s] = layer->experts.load(static_cast<int>(s), w[e][0], w[e][1], w[e][2]);
       }
     });
     for (const Status& s : errors) FLEX_RETURN_IF_ERROR(s.annotate(p + "experts"));
@@ -127,6 +124,30 @@ Status Qwen3MoeModel::load_layer(int index, Layer* layer, const ModelOptions& op
   layer->k_cache = Tensor::zeros(DType::kF32, cache_shape);
   layer->v_cache = Tensor::zeros(DType::kF32, cache_shape);
   return Status();
+}
+
+Result<std::array<Tensor, 3>> Qwen3MoeModel::expert_weights(int layer, int expert) const {
+  const int64_t H = config_.hidden_size, I = config_.moe_intermediate_size;
+  const std::string ep =
+      "model.layers." + std::to_string(layer) + ".mlp.experts." + std::to_string(expert) + ".";
+  std::array<Tensor, 3> w;
+  FLEX_ASSIGN_OR_RETURN(w[0], checkpoint_->get(ep + "gate_proj.weight", {I, H}));
+  FLEX_ASSIGN_OR_RETURN(w[1], checkpoint_->get(ep + "up_proj.weight", {I, H}));
+  FLEX_ASSIGN_OR_RETURN(w[2], checkpoint_->get(ep + "down_proj.weight", {H, I}));
+  return w;
+}
+
+Status Qwen3MoeModel::load_expert(int layer, int expert, int local_slot) {
+  if (layer < 0 || layer >= static_cast<int>(layers_.size()) || !layers_[layer].is_moe) {
+    return invalid_argument("layer " + std::to_string(layer) + " has no routed experts");
+  }
+  if (expert < 0 || expert >= config_.num_experts || local_slot < 0 ||
+      local_slot >= num_local_slots_) {
+    return invalid_argument("expert " + std::to_string(expert) + " or local slot " +
+                            std::to_string(local_slot) + " out of range");
+  }
+  FLEX_ASSIGN_OR_RETURN(auto w, expert_weights(layer, expert));
+  return layers_[layer].experts.load(local_slot, w[0], w[1], w[2]);
 }
 
 void Qwen3MoeModel::rebuild_replicas() {
@@ -291,17 +312,6 @@ Status Qwen3MoeModel::forward(const std::vector<SequenceChunk>& batch, Tensor* l
   }
   kernels::matmul_nt(last.data<float>(), B, H, lm_head_, logits->data<float>(), *pool_);
   return Status();
-}
-
-Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
-  FLEX_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::load(dir));
-  FLEX_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::open(dir));
-  if (config.model_type == "qwen3_moe") {
-    FLEX_ASSIGN_OR_RETURN(auto model,
-                          Qwen3MoeModel::create(std::move(ckpt), std::move(config), options));
-    return std::unique_ptr<Model>(std::move(model));
-  }
-  return unimplemented("model_type '" + config.model_type + "' has no implementation");
 }
 
 }  // namespace flexpert

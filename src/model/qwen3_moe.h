@@ -3,6 +3,7 @@
 // See flexpert/model.h for the contract.
 #pragma once
 
+#include <array>
 #include <memory>
 
 #include "flexpert/checkpoint.h"
@@ -28,6 +29,7 @@ class Qwen3MoeModel final : public Model {
   void reset_slot_counts() override;
   ExpertSlots* local_slots(int layer) override;
   Status set_placement(ExpertPlacement placement) override;
+  Status load_expert(int layer, int expert, int local_slot) override;
 
  private:
   struct Layer {
@@ -46,6 +48,8 @@ class Qwen3MoeModel final : public Model {
 
   Qwen3MoeModel() = default;
   Status load_layer(int index, Layer* layer, const ModelOptions& options);
+  // The checkpoint's gate, up and down projections of one routed expert.
+  Result<std::array<Tensor, 3>> expert_weights(int layer, int expert) const;
   Status validate(const std::vector<SequenceChunk>& batch) const;
   void attention_block(Layer& layer, const std::vector<SequenceChunk>& batch, int64_t num_tokens);
   Status mlp_block(int index, Layer& layer, int64_t num_tokens);

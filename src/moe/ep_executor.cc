@@ -70,7 +70,10 @@ Status EpMoeExecutor::execute(int layer, const float* x, const Routing& routing,
   }
   FLEX_ASSIGN_OR_RETURN(std::vector<ByteSpan> recv, transport_.exchange(group_, send));
 
-  // Everything this rank computes: its own pairs, then each peer's rows.
+  // Everything this rank computes: its own pairs, then each peer's rows. A malformed
+  // dispatch still joins the combine (empty) so that peers fail at the same layer
+  // instead of waiting for this rank until their timeout.
+  Status bad;
   recv_slot_.clear();
   recv_row_.clear();
   for (int r = 0; r < n; ++r) {
@@ -84,28 +87,34 @@ Status EpMoeExecutor::execute(int layer, const float* x, const Routing& routing,
       }
     } else {
       const ByteSpan& span = recv[r];
-      if (span.num_bytes < sizeof(uint32_t))
-        return data_loss("short dispatch from rank " + std::to_string(r));
-      uint32_t count;
-      std::memcpy(&count, span.data, sizeof(count));
-      if (span.num_bytes != dispatch_bytes(count, H)) {
-        return data_loss("dispatch from rank " + std::to_string(r) + " has " +
-                         std::to_string(span.num_bytes) + " bytes for " + std::to_string(count) +
-                         " rows");
+      uint32_t count = 0;
+      if (span.num_bytes >= sizeof(uint32_t)) std::memcpy(&count, span.data, sizeof(count));
+      if (span.num_bytes < sizeof(uint32_t) || span.num_bytes != dispatch_bytes(count, H)) {
+        bad = data_loss("dispatch from rank " + std::to_string(r) + " has " +
+                        std::to_string(span.num_bytes) + " bytes for " + std::to_string(count) +
+                        " rows");
+        break;
       }
       const auto* slots =
           reinterpret_cast<const int32_t*>(static_cast<const char*>(span.data) + sizeof(uint32_t));
       const auto* rows = reinterpret_cast<const float*>(slots + count);
       for (uint32_t i = 0; i < count; ++i) {
         if (slots[i] < 0 || slots[i] >= local_slots.num_slots()) {
-          return data_loss("rank " + std::to_string(r) + " sent a row for local slot " +
-                           std::to_string(slots[i]));
+          bad = data_loss("rank " + std::to_string(r) + " sent a row for local slot " +
+                          std::to_string(slots[i]));
+          break;
         }
         recv_slot_.push_back(slots[i]);
         recv_row_.push_back(rows + i * H);
       }
     }
+    if (!bad.ok()) break;
     recv_count_[r] = static_cast<int>(recv_slot_.size()) - recv_first_[r];
+  }
+  if (!bad.ok()) {
+    for (int r : group_.ranks) send[r] = {};
+    (void)transport_.exchange(group_, send);
+    return bad;
   }
 
   // Compute grouped by local slot.

@@ -2,7 +2,9 @@
 #include "moe/moe_layer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <numeric>
 
 #include "flexpert/logging.h"
 #include "kernels/cpu_ops.h"
@@ -14,7 +16,111 @@ namespace {
 // Rows per compute task: enough to reuse a weight panel, few enough to balance.
 constexpr int64_t kRowsPerTask = 64;
 
+// Pair (t, k) uses replica (t + k) mod count of its expert.
+void assign_replicas(const std::vector<std::vector<int>>& replicas, Routing* routing) {
+  const int k = routing->top_k;
+  for (int64_t t = 0; t < routing->num_tokens; ++t) {
+    for (int j = 0; j < k; ++j) {
+      const auto& reps = replicas[routing->expert[t * k + j]];
+      FLEX_CHECK(!reps.empty()) << "expert " << routing->expert[t * k + j] << " has no replica";
+      routing->slot[t * k + j] = reps[static_cast<size_t>(t + j) % reps.size()];
+    }
+  }
+}
+
+void resize_routing(int64_t num_tokens, int top_k, Routing* routing) {
+  routing->num_tokens = num_tokens;
+  routing->top_k = top_k;
+  routing->expert.resize(static_cast<size_t>(num_tokens * top_k));
+  routing->weight.resize(static_cast<size_t>(num_tokens * top_k));
+  routing->slot.resize(static_cast<size_t>(num_tokens * top_k));
+}
+
 }  // namespace
+
+void select_experts_grouped(const float* logits, int64_t num_tokens, const float* correction_bias,
+                            const GroupedRouterParams& params, int32_t* ids, float* weights) {
+  const int E = params.num_experts, K = params.top_k;
+  const bool grouped = params.method != TopkMethod::kGreedy;
+  const int G = grouped ? params.num_groups : 1;
+  const int group_size = E / G;
+  FLEX_CHECK(G >= 1 && E % G == 0 && params.topk_groups >= 1 && params.topk_groups <= G &&
+             K <= (grouped ? params.topk_groups : G) * group_size)
+      << "router shape E=" << E << " K=" << K << " G=" << G
+      << " topk_groups=" << params.topk_groups;
+  FLEX_CHECK(params.method != TopkMethod::kNoauxTc || correction_bias != nullptr);
+  std::vector<float> score(E), choice(E), group_score(G);
+  std::vector<int32_t> group_order(G), candidates;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const float* l = logits + t * E;
+    if (params.scoring == ScoringFunc::kSoftmax) {
+      const float mx = *std::max_element(l, l + E);
+      double sum = 0.0;
+      for (int e = 0; e < E; ++e) sum += score[e] = std::exp(l[e] - mx);
+      for (int e = 0; e < E; ++e) score[e] = static_cast<float>(score[e] / sum);
+    } else {
+      for (int e = 0; e < E; ++e) score[e] = 1.0f / (1.0f + std::exp(-l[e]));
+    }
+    for (int e = 0; e < E; ++e) {
+      choice[e] = params.method == TopkMethod::kNoauxTc ? score[e] + correction_bias[e] : score[e];
+    }
+    auto by_choice = [&](int32_t a, int32_t b) {
+      return choice[a] > choice[b] || (choice[a] == choice[b] && a < b);
+    };
+    candidates.clear();
+    if (!grouped) {
+      for (int e = 0; e < E; ++e) candidates.push_back(e);
+    } else {
+      for (int g = 0; g < G; ++g) {
+        const float* c = choice.data() + g * group_size;
+        if (params.method == TopkMethod::kGroupLimitedGreedy) {
+          group_score[g] = *std::max_element(c, c + group_size);
+        } else {  // Sum of the group's two highest (one when a group has one expert).
+          float first = -INFINITY, second = -INFINITY;
+          for (int i = 0; i < group_size; ++i) {
+            if (c[i] > first) {
+              second = first;
+              first = c[i];
+            } else if (c[i] > second) {
+              second = c[i];
+            }
+          }
+          group_score[g] = group_size > 1 ? first + second : first;
+        }
+      }
+      std::iota(group_order.begin(), group_order.end(), 0);
+      std::partial_sort(group_order.begin(), group_order.begin() + params.topk_groups,
+                        group_order.end(), [&](int32_t a, int32_t b) {
+                          return group_score[a] > group_score[b] ||
+                                 (group_score[a] == group_score[b] && a < b);
+                        });
+      for (int i = 0; i < params.topk_groups; ++i) {
+        for (int e = 0; e < group_size; ++e) candidates.push_back(group_order[i] * group_size + e);
+      }
+    }
+    std::partial_sort(candidates.begin(), candidates.begin() + K, candidates.end(), by_choice);
+    double sum = 0.0;
+    for (int j = 0; j < K; ++j) sum += score[candidates[j]];
+    const double norm = params.norm_topk_prob ? 1.0 / (sum + 1e-20) : 1.0;
+    for (int j = 0; j < K; ++j) {
+      ids[t * K + j] = candidates[j];
+      weights[t * K + j] =
+          static_cast<float>(score[candidates[j]] * norm * params.routed_scaling_factor);
+    }
+  }
+}
+
+void route_grouped(const float* x, int64_t num_tokens, int64_t hidden, const Tensor& router_weight,
+                   const float* correction_bias, const GroupedRouterParams& params,
+                   const std::vector<std::vector<int>>& replicas, std::vector<float>* logits,
+                   Routing* routing, ThreadPool& pool) {
+  logits->resize(static_cast<size_t>(num_tokens * params.num_experts));
+  kernels::matmul_nt(x, num_tokens, hidden, router_weight, logits->data(), pool);
+  resize_routing(num_tokens, params.top_k, routing);
+  select_experts_grouped(logits->data(), num_tokens, correction_bias, params,
+                         routing->expert.data(), routing->weight.data());
+  assign_replicas(replicas, routing);
+}
 
 void route(const float* x, int64_t num_tokens, int64_t hidden, const Tensor& router_weight,
            const RouterParams& params, const std::vector<std::vector<int>>& replicas,
@@ -22,20 +128,10 @@ void route(const float* x, int64_t num_tokens, int64_t hidden, const Tensor& rou
   const int k = params.top_k;
   logits->resize(static_cast<size_t>(num_tokens * params.num_experts));
   kernels::matmul_nt(x, num_tokens, hidden, router_weight, logits->data(), pool);
-  routing->num_tokens = num_tokens;
-  routing->top_k = k;
-  routing->expert.resize(static_cast<size_t>(num_tokens * k));
-  routing->weight.resize(static_cast<size_t>(num_tokens * k));
-  routing->slot.resize(static_cast<size_t>(num_tokens * k));
+  resize_routing(num_tokens, k, routing);
   kernels::router_topk(logits->data(), num_tokens, params.num_experts, k, params.norm_topk_prob,
                        routing->expert.data(), routing->weight.data());
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    for (int j = 0; j < k; ++j) {
-      const auto& reps = replicas[routing->expert[t * k + j]];
-      FLEX_CHECK(!reps.empty()) << "expert " << routing->expert[t * k + j] << " has no replica";
-      routing->slot[t * k + j] = reps[static_cast<size_t>(t + j) % reps.size()];
-    }
-  }
+  assign_replicas(replicas, routing);
 }
 
 void group_by_slot(const Routing& routing, int num_slots, SlotGroups* groups) {

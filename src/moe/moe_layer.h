@@ -24,6 +24,25 @@ struct RouterParams {
   bool norm_topk_prob = false;
 };
 
+// DeepSeek-V2/V3 routers (config: scoring_func, topk_method).
+enum class ScoringFunc { kSoftmax, kSigmoid };
+enum class TopkMethod {
+  kGreedy,              // Top-k of the scores.
+  kGroupLimitedGreedy,  // Within the topk_groups groups of highest max score (V2).
+  kNoauxTc,             // Scores + correction bias pick; groups ranked by their top-2 sum (V3).
+};
+
+struct GroupedRouterParams {
+  int num_experts = 0;
+  int top_k = 0;
+  ScoringFunc scoring = ScoringFunc::kSigmoid;
+  TopkMethod method = TopkMethod::kNoauxTc;
+  int num_groups = 1;   // Experts [g * E/G, (g + 1) * E/G) form group g.
+  int topk_groups = 1;  // Groups kept per token (group-limited methods).
+  bool norm_topk_prob = true;
+  float routed_scaling_factor = 1.0f;
+};
+
 // Per (token, k), in the router's descending-weight order.
 struct Routing {
   int64_t num_tokens = 0;
@@ -53,6 +72,26 @@ struct MoeWorkspace {
 void route(const float* x, int64_t num_tokens, int64_t hidden, const Tensor& router_weight,
            const RouterParams& params, const std::vector<std::vector<int>>& replicas,
            std::vector<float>* logits, Routing* routing, ThreadPool& pool);
+
+// The expert choice of DeepSeek's routers, a pure function of the router logits [T, E]:
+// scores = softmax or sigmoid of the logits; choice = scores + correction_bias[e] for
+// noaux_tc (bias [E], used for selection only), else scores. Group-limited methods keep
+// the topk_groups groups ranked highest (group_limited_greedy: by the group's max choice;
+// noaux_tc: by the sum of its two highest) and pick the top_k experts among theirs; greedy
+// picks among all. Ties go to the lower index. Weights are the chosen experts' unbiased
+// scores, divided by their sum (+1e-20) when norm_topk_prob, times routed_scaling_factor.
+// ids/weights: [T, top_k] in descending choice order.
+// NOTE: transformers masks the dropped groups' experts to 0 rather than -inf; the two
+// differ only when fewer than top_k kept experts have a positive choice. Here dropped
+// groups are never picked, as in DeepSeek's and vLLM's implementations.
+void select_experts_grouped(const float* logits, int64_t num_tokens, const float* correction_bias,
+                            const GroupedRouterParams& params, int32_t* ids, float* weights);
+
+// route() for DeepSeek's routers: router GEMM, select_experts_grouped, replica slots.
+void route_grouped(const float* x, int64_t num_tokens, int64_t hidden, const Tensor& router_weight,
+                   const float* correction_bias, const GroupedRouterParams& params,
+                   const std::vector<std::vector<int>>& replicas, std::vector<float>* logits,
+                   Routing* routing, ThreadPool& pool);
 
 void group_by_slot(const Routing& routing, int num_slots, SlotGroups* groups);
 

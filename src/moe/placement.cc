@@ -79,8 +79,11 @@ Result<ExpertPlacement> ExpertPlacement::spread(int num_layers, int num_experts,
       map[static_cast<size_t>(rank) * slots_per_rank + used[rank]++] = expert;
     };
     for (int e = 0; e < num_experts; ++e) place(e, members[e % n]);
+    // Whole rounds of extra replicas go to every expert (so replicate:E gives each
+    // expert two replicas on different ranks); the remainder to random experts.
+    const int whole = extra_replicas / num_experts * num_experts;
     for (int r = 0; r < extra_replicas; ++r) {
-      const int expert = static_cast<int>(rng() % num_experts);
+      const int expert = r < whole ? r % num_experts : static_cast<int>(rng() % num_experts);
       // The least-filled member that does not hold this expert yet.
       int best = -1;
       for (int m : members) {

@@ -115,11 +115,17 @@ Status ClusterEngine::Impl::start() {
     }
     seed = s;
   }
+  // --min-replicas from the start: a lost rank then needs no reload.
+  if (options_.min_replicas > 1 && (spec.empty() || spec == "identity" || extra > 0)) {
+    extra = std::max(extra, E * (options_.min_replicas - 1));
+  }
   if (spec.empty() || spec == "identity" || spec.rfind("replicate:", 0) == 0) {
-    slots_per_rank_ = options_.slots_per_rank > 0
-                          ? options_.slots_per_rank
-                          : (E + extra + options_.ranks - 1) / options_.ranks +
-                                std::max(0, options_.eplb_spare_slots);
+    // Capacity for the smallest group it may shrink to (design intent 1).
+    const int min_ranks =
+        options_.min_ranks > 0 ? std::min(options_.min_ranks, options_.ranks) : options_.ranks;
+    slots_per_rank_ = options_.slots_per_rank > 0 ? options_.slots_per_rank
+                                                  : (E + extra + min_ranks - 1) / min_ranks +
+                                                        std::max(0, options_.eplb_spare_slots);
     FLEX_ASSIGN_OR_RETURN(
         placement_, ExpertPlacement::spread(model_config_.num_hidden_layers, E, options_.max_ranks,
                                             slots_per_rank_, members, extra, seed));
@@ -167,6 +173,14 @@ Status ClusterEngine::Impl::start() {
   return Status();
 }
 
+void ClusterEngine::Impl::request_spawn(int rank) {
+  ranks_[rank].spawned = true;
+  ranks_[rank].state = RankState::kStarting;
+  ranks_[rank].last_seen = Clock::now();
+  spawn_queue_.push_back(rank);
+  wake();
+}
+
 int ClusterEngine::Impl::rank_of_routing_id(const std::string& id) const {
   for (size_t r = 0; r < ranks_.size(); ++r) {
     if (ranks_[r].routing_id == id) return static_cast<int>(r);
@@ -176,7 +190,7 @@ int ClusterEngine::Impl::rank_of_routing_id(const std::string& id) const {
 
 void ClusterEngine::Impl::wake() { (void)wake_tx_.send({"w"}); }
 
-void ClusterEngine::Impl::commit_epoch(std::vector<int> members) {
+void ClusterEngine::Impl::commit_epoch(std::vector<int> members, const std::vector<int>& also) {
   proto::EpochCommand cmd;
   cmd.epoch = ++epoch_;
   cmd.members = members;
@@ -189,6 +203,8 @@ void ClusterEngine::Impl::commit_epoch(std::vector<int> members) {
     ranks_[r].state = RankState::kServing;
     ranks_[r].map_version = map_version_;  // Applied with the epoch.
   }
+  for (int r : also) post(r, cmd);
+  wake();
   cv_.notify_all();  // Waiters on acks of the old epoch give up.
   members_ = std::move(members);
   FLEX_LOG(INFO) << "epoch " << epoch_ << ": " << members_.size() << " serving ranks";
@@ -209,15 +225,25 @@ void ClusterEngine::Impl::flush_outbox() {
     if (id.empty()) continue;
     parts.insert(parts.begin(), id);
     Status s = router_.send(parts);
-    if (!s.ok()) FLEX_LOG(WARN) << "send to rank " << rank << ": " << s.to_string();
+    if (!s.ok()) {
+      // A rank that left or died may be gone before its last messages.
+      std::lock_guard<std::mutex> lock(mutex_);
+      const RankState st = ranks_[rank].state;
+      if (st == RankState::kStopped || st == RankState::kDead) {
+        FLEX_LOG(DEBUG) << "send to departed rank " << rank << ": " << s.to_string();
+      } else {
+        FLEX_LOG(WARN) << "send to rank " << rank << ": " << s.to_string();
+      }
+    }
   }
 }
 
-void ClusterEngine::Impl::on_rank_lost(
-    int rank, const std::string& why,
-    std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls) {
+void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* calls) {
   RankInfo& info = ranks_[rank];
-  if (info.state == RankState::kDead || info.state == RankState::kStopped) return;
+  if (info.state == RankState::kDead || info.state == RankState::kStopped ||
+      info.state == RankState::kEmpty) {
+    return;
+  }
   if (phase_ == "stopping" || stop_.load()) {
     info.state = RankState::kStopped;  // Leaving as asked, not lost.
     return;
@@ -225,86 +251,69 @@ void ClusterEngine::Impl::on_rank_lost(
   const bool was_member = std::find(members_.begin(), members_.end(), rank) != members_.end();
   info.state = RankState::kDead;
   info.last_error = why;
-  if (info.spawned && info.pid > 0) kill(info.pid, SIGKILL);  // Declared lost: make it so.
+  info.leaving = false;
+  if (info.spawned && info.pid > 0) kill(info.pid, SIGKILL);        // Declared lost: make it so.
+  if (!info.spawned) unlink_rank_segments(rank, info.incarnation);  // Nobody reaps it here.
   cv_.notify_all();
   FLEX_LOG(WARN) << "rank " << rank << " lost: " << why;
-  for (auto it = requests_.begin(); it != requests_.end();) {
-    if (it->second.rank == rank) {
-      CompletionEvent ev;
-      ev.finished = true;
-      ev.finish_reason = "error";
-      ev.error = unavailable("rank " + std::to_string(rank) + " died: " + why);
-      calls->push_back({it->second.callback, ev});
-      it = requests_.erase(it);
-    } else {
-      ++it;
+  if (!was_member) return;   // A joiner in preparation: its scale-up rolls back.
+  cancel_rebalance_ = true;  // Its pulls may read from the lost rank; the epoch changes anyway.
+  if (options_.reconfigure == "stop-the-world") {
+    // The baseline: fail what is in flight, restart the whole group.
+    fail_all("rank " + std::to_string(rank) + " died: " + why, calls);
+    if (!reconfiguring_) {
+      reconfiguring_ = true;
+      phase_ = "restarting";
+      accepting_ = false;
+      const int n = static_cast<int>(members_.size());
+      if (restart_thread_.joinable()) restart_thread_.detach();
+      restart_thread_ = std::thread([this, n] {
+        nlohmann::json report = {{"kind", "restart"}, {"mode", "stop-the-world"}};
+        Status s = restart_group(n, &report);
+        std::lock_guard<std::mutex> lock(mutex_);
+        report["status"] = s.ok() ? "ok" : s.to_string();
+        last_reconfig_ = report;
+        reconfiguring_ = false;
+        reconfig_step_.clear();
+        cv_.notify_all();
+      });
     }
+    return;
   }
-  info.in_flight = 0;
-  if (!was_member || stop_.load() || phase_ == "stopping") return;
-  // The survivors continue in a new epoch if every expert still has a replica on them.
   std::vector<int> survivors;
   for (int r : members_) {
-    if (r != rank && ranks_[r].state == RankState::kServing) survivors.push_back(r);
-  }
-  bool covered = !survivors.empty();
-  for (int l = 0; covered && l < placement_.num_layers(); ++l) {
-    if (!model_config_.is_moe_layer(l)) continue;
-    for (int e = 0; covered && e < placement_.num_experts(); ++e) {
-      bool any = false;
-      for (int s : placement_.replicas(l, e)) {
-        any |=
-            std::find(survivors.begin(), survivors.end(), s / slots_per_rank_) != survivors.end();
-      }
-      covered = any;
+    if (r != rank &&
+        (ranks_[r].state == RankState::kServing || ranks_[r].state == RankState::kHalted)) {
+      survivors.push_back(r);
     }
   }
-  if (covered) {
-    // Route around the lost rank: drop its slots from the placement.
-    std::vector<std::vector<int>> maps;
-    for (int l = 0; l < placement_.num_layers(); ++l) {
-      std::vector<int> map = placement_.slot_map(l);
-      for (int s = rank * slots_per_rank_; s < (rank + 1) * slots_per_rank_; ++s) {
-        map[s] = ExpertPlacement::kFreeSlot;
-      }
-      maps.push_back(std::move(map));
-    }
-    auto next = ExpertPlacement::from_slot_maps(placement_.num_experts(), std::move(maps));
-    if (next.ok()) {
-      placement_ = std::move(next).value();
-      commit_epoch(survivors);
-      phase_ = "serving";
-      return;
-    }
+  members_ = survivors;  // Nothing new is placed on the lost rank from here on.
+  if (survivors.empty()) {
+    phase_ = "degraded";
+    fail_all("rank " + std::to_string(rank) + " died and no rank is left: " + why, calls);
+    return;
   }
-  // Some expert has no replica left: the group cannot step. Fail what is in flight.
-  phase_ = "degraded";
-  for (int r : survivors) ranks_[r].state = RankState::kHalted;
+  // Its requests continue on survivors from their prompt plus what was streamed.
   for (auto& [id, req] : requests_) {
-    CompletionEvent ev;
-    ev.finished = true;
-    ev.finish_reason = "error";
-    ev.error = unavailable("rank " + std::to_string(rank) +
-                           " died and held the only replica of some experts");
-    calls->push_back({req.callback, ev});
+    if (req.rank == rank) rehome(id, req, rank, calls);
   }
-  requests_.clear();
-  for (int r : members_) ranks_[r].in_flight = 0;
+  info.in_flight = 0;
+  start_recovery(survivors, calls);
 }
 
-void ClusterEngine::Impl::handle(
-    const std::string& routing_id, const std::string& type, const std::string& body,
-    std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls) {
+void ClusterEngine::Impl::handle(const std::string& routing_id, const std::string& type,
+                                 const std::string& body, Calls* calls) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (type == proto::Hello::kType) {
     auto hello = proto::decode<proto::Hello>(body);
     if (!hello.ok()) return;
     const int r = hello->rank;
+    // Open: an initial rank of a --no-spawn group, or one a scale-up reserved.
     const bool ok = r >= 0 && r < static_cast<int>(ranks_.size()) &&
-                    (ranks_[r].state == RankState::kEmpty ||
+                    ((ranks_[r].state == RankState::kEmpty && epoch_ == 0) ||
                      (ranks_[r].state == RankState::kStarting && ranks_[r].routing_id.empty() &&
                       (!ranks_[r].spawned || ranks_[r].pid == hello->pid)));
-    if (!ok || epoch_ > 0) {  // Joining a running group comes with elastic membership.
+    if (!ok) {
       proto::WorkerError err{epoch_, static_cast<int>(StatusCode::kFailedPrecondition),
                              "rank " + std::to_string(r) + " is not open for joining"};
       (void)router_.send({routing_id, proto::WorkerError::kType, proto::encode(err)});
@@ -353,6 +362,7 @@ void ClusterEngine::Impl::handle(
         cv_.notify_all();
       }
     }
+    cv_.notify_all();  // A scale-up waits for its joiners.
   } else if (type == proto::TokenBatch::kType) {
     auto batch = proto::decode<proto::TokenBatch>(body);
     if (!batch.ok() || batch->tokens.size() != batch->ids.size() ||
@@ -361,10 +371,14 @@ void ClusterEngine::Impl::handle(
     }
     for (size_t i = 0; i < batch->ids.size(); ++i) {
       auto it = requests_.find(batch->ids[i]);
-      if (it == requests_.end()) continue;  // Cancelled.
+      if (it == requests_.end()) continue;    // Cancelled.
+      if (it->second.rank != rank) continue;  // Moved to another rank, which re-runs it.
       CompletionEvent ev;
       const std::string& reason = batch->finish_reasons[i];
-      if (batch->tokens[i] >= 0) ev.tokens.push_back(batch->tokens[i]);
+      if (batch->tokens[i] >= 0) {
+        ev.tokens.push_back(batch->tokens[i]);
+        it->second.streamed.push_back(batch->tokens[i]);
+      }
       if (!reason.empty()) {
         ev.finished = true;
         if (reason.rfind("error: ", 0) == 0) {
@@ -378,6 +392,7 @@ void ClusterEngine::Impl::handle(
       if (ev.finished) {
         ranks_[it->second.rank].in_flight -= 1;
         requests_.erase(it);
+        if (requests_.empty() && reconfiguring_) cv_.notify_all();  // A drain waits.
       }
     }
   } else if (type == proto::StepReport::kType) {
@@ -397,7 +412,21 @@ void ClusterEngine::Impl::handle(
   } else if (type == proto::PullDone::kType) {
     auto done = proto::decode<proto::PullDone>(body);
     if (!done.ok()) return;
+    if (recovery_.active && recovery_.pulls.count(done->id)) {
+      finish_recovery(done.value(), calls);
+      return;
+    }
     pulls_done_[done->id] = done.value();
+    cv_.notify_all();
+  } else if (type == proto::Connected::kType) {
+    auto done = proto::decode<proto::Connected>(body);
+    if (!done.ok()) return;
+    connects_done_[done->id] = done.value();
+    cv_.notify_all();
+  } else if (type == proto::EpochApplied::kType) {
+    auto applied = proto::decode<proto::EpochApplied>(body);
+    if (!applied.ok()) return;
+    info.applied_epoch = std::max(info.applied_epoch, applied->epoch);
     cv_.notify_all();
   } else if (type == proto::MapApplied::kType) {
     auto applied = proto::decode<proto::MapApplied>(body);
@@ -413,13 +442,16 @@ void ClusterEngine::Impl::handle(
       start_error_ =
           unavailable("rank " + std::to_string(rank) + " failed to start: " + err->message);
       cv_.notify_all();
+    } else if (info.joining &&
+               (info.state == RankState::kStarting || info.state == RankState::kReady)) {
+      on_rank_lost(rank, "failed to prepare: " + err->message, calls);  // Rolls back.
     } else if (err->dead_rank >= 0 && err->dead_rank < static_cast<int>(ranks_.size()) &&
                ranks_[err->dead_rank].state == RankState::kServing) {
       // The transport saw the peer's process end: no need to wait for waitpid or
       // a heartbeat (a hand-started worker has no parent here).
       on_rank_lost(err->dead_rank, "reported dead by rank " + std::to_string(rank), calls);
     } else if (err->dead_rank < 0 && err->epoch == epoch_ && epoch_ > 0 && phase_ == "serving" &&
-               info.state == RankState::kServing) {
+               info.state == RankState::kServing && !recovery_.active) {
       // A member halted in the current epoch without a dead peer (a timeout, an
       // aborted collective): restart the members' step loop in a fresh epoch.
       FLEX_LOG(WARN) << "re-synchronising the group after rank " << rank << " halted";
@@ -428,8 +460,7 @@ void ClusterEngine::Impl::handle(
   }
 }
 
-void ClusterEngine::Impl::check_workers(
-    std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls) {
+void ClusterEngine::Impl::check_workers(Calls* calls) {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto now = Clock::now();
   for (size_t r = 0; r < ranks_.size(); ++r) {
@@ -438,6 +469,8 @@ void ClusterEngine::Impl::check_workers(
       int wstatus = 0;
       if (waitpid(info.pid, &wstatus, WNOHANG) == info.pid) {
         info.pid = 0;
+        unlink_rank_segments(static_cast<int>(r), info.incarnation);  // If it could not.
+        cv_.notify_all();  // Waiters for exits (scale-up reusing the id, restarts).
         const std::string why = WIFSIGNALED(wstatus)
                                     ? "killed by signal " + std::to_string(WTERMSIG(wstatus))
                                     : "exited with code " + std::to_string(WEXITSTATUS(wstatus));
@@ -460,9 +493,20 @@ void ClusterEngine::Impl::check_workers(
 }
 
 void ClusterEngine::Impl::control_loop() {
-  std::vector<std::pair<CompletionCallback, CompletionEvent>> calls;
+  Calls calls;
   auto last_check = Clock::now();
   while (!stop_.load()) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (int r : spawn_queue_) {
+        if (Status s = spawn(r); !s.ok()) {
+          ranks_[r].state = RankState::kDead;
+          ranks_[r].last_error = s.to_string();
+          cv_.notify_all();
+        }
+      }
+      spawn_queue_.clear();
+    }
     flush_outbox();
     auto ready = zmq_poll_readable({&router_, &wake_rx_}, 20);
     if (!ready.ok()) break;
@@ -489,7 +533,7 @@ void ClusterEngine::Impl::control_loop() {
 }
 
 Status ClusterEngine::Impl::shutdown() {
-  std::vector<std::pair<CompletionCallback, CompletionEvent>> calls;
+  Calls calls;
   std::vector<pid_t> children;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -531,6 +575,7 @@ Status ClusterEngine::Impl::shutdown() {
   eplb_cv_.notify_all();
   cv_.notify_all();
   if (eplb_thread_.joinable()) eplb_thread_.join();
+  if (restart_thread_.joinable()) restart_thread_.join();
   if (control_.joinable()) control_.join();
   // Backstop: segments of workers that could not clean up (killed) are removed here.
   const std::string prefix = "flexpert-" + session_ + "-";
@@ -578,21 +623,22 @@ Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCall
   Scheduler probe(SchedulerLimits{m.model_config_.vocab_size, 1, m.max_seq_len_, 1, {}});
   FLEX_RETURN_IF_ERROR(probe.validate(request.prompt, request.params));
   std::lock_guard<std::mutex> lock(m.mutex_);
-  if (!m.accepting_) return unavailable("the server is shutting down");
-  if (m.phase_ != "serving") return unavailable("no serving epoch (phase " + m.phase_ + ")");
-  int best = -1;
-  for (int r : m.members_) {
-    if (m.ranks_[r].state != RankState::kServing) continue;
-    if (best < 0 || m.ranks_[r].in_flight < m.ranks_[best].in_flight) best = r;
+  if (!m.accepting_) {
+    if (m.phase_ == "restarting" || m.phase_ == "scaling") {
+      return unavailable("the group is being rebuilt (--reconfigure stop-the-world)");
+    }
+    return unavailable("the server is shutting down");
   }
-  if (best < 0) return unavailable("no serving rank (phase " + m.phase_ + ")");
+  if (!m.admitting()) return unavailable("no serving epoch (phase " + m.phase_ + ")");
   const uint64_t id = m.next_request_id_++;
-  m.requests_[id] = RequestInfo{best, std::move(on_event)};
-  m.ranks_[best].in_flight += 1;
-  m.post(best, proto::AddRequest{id, std::move(request.prompt), request.params.temperature,
-                                 request.params.top_k, request.params.top_p, request.params.seed,
-                                 request.params.max_tokens, request.params.stop_token_ids,
-                                 request.params.ignore_eos});
+  RequestInfo& req = m.requests_[id];
+  req.callback = std::move(on_event);
+  req.prompt = std::move(request.prompt);
+  req.params = std::move(request.params);
+  if (!m.rehome(id, req, -1, nullptr)) {
+    m.requests_.erase(id);
+    return unavailable("no serving rank (phase " + m.phase_ + ")");
+  }
   m.wake();
   return id;
 }
@@ -609,9 +655,13 @@ void ClusterEngine::cancel(uint64_t request_id) {
   m.wake();
 }
 
+bool ClusterEngine::Impl::admitting() const {
+  return phase_ == "serving" || phase_ == "scaling" || phase_ == "recovering";
+}
+
 bool ClusterEngine::healthy() const {
   std::lock_guard<std::mutex> lock(impl_->mutex_);
-  return impl_->phase_ == "serving";
+  return impl_->accepting_ && impl_->admitting();
 }
 
 nlohmann::json ClusterEngine::status() const {
@@ -631,6 +681,8 @@ nlohmann::json ClusterEngine::status() const {
                         {"step_ms", info.step_ms},
                         {"steps", info.steps}};
     if (!info.last_error.empty()) j["last_error"] = info.last_error;
+    if (info.joining) j["joining"] = true;
+    if (info.leaving) j["leaving"] = true;
     ranks.push_back(std::move(j));
   }
   return {{"mode", "cluster"},
@@ -640,6 +692,7 @@ nlohmann::json ClusterEngine::status() const {
           {"max_ranks", m.options_.max_ranks},
           {"slots_per_rank", m.slots_per_rank_},
           {"in_flight", m.requests_.size()},
+          {"reconfiguration", m.reconfig_status()},
           {"ranks", ranks}};
 }
 
@@ -674,6 +727,16 @@ std::string ClusterEngine::metrics_text() const {
     out += "flexpert_rank_in_flight{rank=\"" + std::to_string(r) + "\"} " +
            std::to_string(m.ranks_[r].in_flight) + "\n";
   }
+  out +=
+      "# HELP flexpert_reconfigurations_total Committed membership changes (scale, recovery).\n"
+      "# TYPE flexpert_reconfigurations_total counter\n"
+      "flexpert_reconfigurations_total " +
+      std::to_string(m.num_reconfigs_) +
+      "\n"
+      "# HELP flexpert_requests_rerun_total Requests moved to another rank and re-run.\n"
+      "# TYPE flexpert_requests_rerun_total counter\n"
+      "flexpert_requests_rerun_total " +
+      std::to_string(m.num_reruns_) + "\n";
   return out + m.eplb_metrics();
 }
 

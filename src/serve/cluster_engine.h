@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "serve/serving_engine.h"
 
@@ -21,7 +22,8 @@ struct ClusterOptions {
   std::string model_dir;
   int ranks = 1;
   int max_ranks = 0;                 // 0: ranks.
-  int slots_per_rank = 0;            // 0: enough for the experts and replicas on `ranks` ranks.
+  int slots_per_rank = 0;            // 0: enough for the experts and replicas on min_ranks ranks.
+  int min_ranks = 0;                 // Smallest group to shrink to; 0: ranks.
   std::string placement;             // "", "replicate:R[:SEED]", or a JSON file over all slots.
   int max_sequences = 32;            // Per rank.
   int max_tokens_per_step = 256;     // Per rank; sizes the exchange buffers.
@@ -46,6 +48,20 @@ struct ClusterOptions {
   int eplb_spare_slots = 1;          // Free slots per rank beyond what the experts need.
   std::string eplb_policy = "auto";  // auto | global | hierarchical
   int min_replicas = 1;
+
+  // Elastic membership. "live": scale and recover while serving (prepare aside,
+  // commit at a step boundary). "stop-the-world": the naive baseline (stop
+  // admitting with 503, drain, restart every worker, resume).
+  std::string reconfigure = "live";
+};
+
+// POST /v1/scale: {"ranks": N} (which ranks leave is chosen: least loaded) or
+// {"remove": [ranks]}.
+struct ScaleTarget {
+  int ranks = -1;
+  std::vector<int> remove;
+  // InvalidArgument (HTTP 400) naming what is wrong with the body.
+  static Result<ScaleTarget> from_json(const nlohmann::json& body);
 };
 
 class ClusterEngine : public ServingEngine {
@@ -74,6 +90,12 @@ class ClusterEngine : public ServingEngine {
   // next safe point (between map switches; every committed map stays valid).
   // Returns whether one was running.
   bool drain_rebalance(bool cancel);
+  // Changes the membership while serving; returns once the new epoch has committed
+  // (its report: epoch, members, phase timings) or the change failed and was rolled
+  // back. FailedPrecondition (409) while another reconfiguration or a rebalance runs;
+  // InvalidArgument (400) for a target outside [1, max_ranks] or an unknown rank.
+  Result<nlohmann::json> scale(const ScaleTarget& target);
+
   // GET /v1/eplb: placement, window load, balancedness, the last rebalance.
   nlohmann::json eplb_status() const;
 

@@ -7,8 +7,10 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include <zmq.h>
@@ -43,12 +45,23 @@ struct RankInfo {
   double max_step_ms = 0;
   Clock::time_point last_seen{};
   std::string last_error;
+  uint64_t applied_epoch = 0;  // Last EpochApplied.
+  bool joining = false;        // Being prepared by a scale-up; not a member yet.
+  bool leaving = false;        // Chosen by a scale-down: no new requests.
 };
 
+// What the front end keeps of a request so that another rank can re-run it
+// (from the prompt plus the tokens already streamed) when its rank leaves or dies.
 struct RequestInfo {
   int rank = -1;
   CompletionCallback callback;
+  std::vector<int32_t> prompt;
+  SamplingParams params;
+  std::vector<int32_t> streamed;
+  int reruns = 0;
 };
+
+using Calls = std::vector<std::pair<CompletionCallback, CompletionEvent>>;
 
 class ClusterEngine::Impl {
  public:
@@ -118,14 +131,62 @@ class ClusterEngine::Impl {
   nlohmann::json eplb_status() const;
   std::string eplb_metrics() const;
 
+  // Elastic membership (cluster_scale.cc), guarded by mutex_.
+  bool reconfiguring_ = false;
+  std::string reconfig_step_;  // What a running reconfiguration is doing (status).
+  nlohmann::json last_reconfig_;
+  uint64_t num_reconfigs_ = 0;
+  uint64_t num_reruns_ = 0;
+  uint64_t next_connect_id_ = 1;
+  std::map<uint64_t, proto::Connected> connects_done_;
+  struct Recovery {
+    bool active = false;
+    std::vector<int> survivors;
+    ExpertPlacement placement;
+    std::set<uint64_t> pulls;
+    Clock::time_point start;
+    int reloaded = 0;
+  } recovery_;
+  std::thread restart_thread_;  // Stop-the-world recovery after a loss.
+
+  Result<nlohmann::json> scale(const ScaleTarget& target);
+  Status scale_up(const std::vector<int>& joiners, nlohmann::json* report);
+  Status scale_down(const std::vector<int>& leavers, nlohmann::json* report);
+  Status restart_group(int num_ranks, nlohmann::json* report);
+  void rollback_joiners(const std::vector<int>& joiners);
+  // Sends the commands and waits for every answer; `failed` ends the wait early.
+  Status connect_all(const std::map<int, proto::ConnectCommand>& cmds,
+                     std::unique_lock<std::mutex>& lock, const std::function<bool()>& failed);
+  Status wait_applied(const std::vector<int>& ranks, uint64_t epoch,
+                      std::unique_lock<std::mutex>& lock);
+  std::vector<int> free_ranks() const;
+  // Places a request on the least-loaded serving member (not `avoid`); one placed
+  // before is cancelled there and re-run from its prompt plus the streamed tokens
+  // (one with nothing left to generate gets its final event in `calls` and is
+  // marked kFinishedRank for sweep_finished()). False if no member can take it.
+  bool rehome(uint64_t id, RequestInfo& req, int avoid, Calls* calls);
+  static constexpr int kFinishedRank = -2;
+  void sweep_finished();
+  void start_recovery(const std::vector<int>& survivors, Calls* calls);
+  void finish_recovery(const proto::PullDone& done, Calls* calls);
+  void fail_all(const std::string& why, Calls* calls);
+  void unlink_rank_segments(int rank, uint64_t incarnation) const;
+  nlohmann::json reconfig_status() const;
+
   // Control thread.
   void control_loop();
   void handle(const std::string& routing_id, const std::string& type, const std::string& body,
-              std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls);
-  void check_workers(std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls);
-  void on_rank_lost(int rank, const std::string& why,
-                    std::vector<std::pair<CompletionCallback, CompletionEvent>>* calls);
-  void commit_epoch(std::vector<int> members);
+              Calls* calls);
+  void check_workers(Calls* calls);
+  // A rank is gone (process exit, heartbeat, a peer's report): its requests are re-run
+  // on survivors, which commit an epoch without it (reloading experts left without
+  // a replica first).
+  void on_rank_lost(int rank, const std::string& why, Calls* calls);
+  // Whether new requests can be placed (serving, or a reconfiguration in progress).
+  bool admitting() const;
+  // Commits `members` (and the current placement_) as the next epoch; `also` are
+  // old members leaving, who take part in the switch and then stop stepping.
+  void commit_epoch(std::vector<int> members, const std::vector<int>& also = {});
   void flush_outbox();
 
   // Any thread, with mutex_ held.
@@ -135,6 +196,10 @@ class ClusterEngine::Impl {
   }
   void wake();
   Status spawn(int rank);
+  // Has the control thread spawn `rank` (workers die with the thread that forked
+  // them: PR_SET_PDEATHSIG, so only a thread that lives as long as the group may).
+  void request_spawn(int rank);
+  std::vector<int> spawn_queue_;  // Guarded by mutex_.
   int rank_of_routing_id(const std::string& id) const;
 };
 

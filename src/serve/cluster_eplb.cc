@@ -77,7 +77,7 @@ Status ClusterEngine::Impl::commit_map(ExpertPlacement next) {
   wake();
   const uint64_t epoch = epoch_;
   const bool ok = cv_.wait_for(lock, kAckTimeout, [&] {
-    if (stop_.load() || epoch_ != epoch) return true;
+    if (stop_.load() || epoch_ != epoch || cancel_rebalance_) return true;
     for (int r : members_) {
       if (ranks_[r].state == RankState::kServing && ranks_[r].map_version < version) return false;
     }
@@ -85,6 +85,7 @@ Status ClusterEngine::Impl::commit_map(ExpertPlacement next) {
   });
   if (stop_.load()) return unavailable("shutting down");
   if (epoch_ != epoch) return aborted("membership changed during the rebalance");
+  if (cancel_rebalance_) return aborted("rebalance cancelled");
   if (!ok) {
     return deadline_exceeded("expert map " + std::to_string(version) + " not applied in time");
   }
@@ -126,7 +127,7 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
       }
       wake();
       const bool done = cv_.wait_for(lock, kAckTimeout, [&] {
-        if (stop_.load() || epoch_ != rebalance_epoch_) return true;
+        if (stop_.load() || epoch_ != rebalance_epoch_ || cancel_rebalance_) return true;
         for (uint64_t id : ids) {
           if (!pulls_done_.count(id)) return false;
         }
@@ -134,6 +135,7 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
       });
       if (stop_.load()) return unavailable("shutting down");
       if (epoch_ != rebalance_epoch_) return aborted("membership changed during the rebalance");
+      if (cancel_rebalance_) return aborted("rebalance cancelled");
       if (!done) {
         return deadline_exceeded("expert pulls of layer " + std::to_string(layer) + " timed out");
       }
@@ -159,6 +161,9 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (rebalancing_) return failed_precondition("a rebalance is already in progress");
+    if (reconfiguring_ || recovery_.active) {
+      return failed_precondition("a membership change is in progress");
+    }
     if (phase_ != "serving") return unavailable("no serving epoch (phase " + phase_ + ")");
     for (int r : members_) {
       // After a timed-out switch the front end cannot know which map a rank uses:
@@ -181,6 +186,7 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
     for (int l = 0; l < placement_.num_layers(); ++l)
       input.current.push_back(placement_.slot_map(l));
     input.min_replicas = options_.min_replicas;
+    input.num_groups = model_config_.num_expert_groups();  // Hierarchical policy.
     int n = 0;
     for (int r : members_) {
       if (ranks_[r].step_ms > 0) {

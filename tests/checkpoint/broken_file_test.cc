@@ -120,7 +120,7 @@ TEST(BrokenFile, MissingFileIsNotFound) {
 
 TEST(BrokenFile, UnsupportedDtypeFailsOnlyInGet) {
   const std::string header = R"({"ids":{"dtype":"I64","shape":[1],"data_offsets":[0,8]},)"
-                             R"("fp8":{"dtype":"F8_E4M3","shape":[4],"data_offsets":[8,12]},)"
+                             R"("fp8":{"dtype":"F8_E5M2","shape":[4],"data_offsets":[8,12]},)"
                              R"("odd":{"dtype":"Q4_WEIRD","shape":[4],"data_offsets":[12,14]},)"
                              R"("w":{"dtype":"F32","shape":[2],"data_offsets":[16,24]}})";
   TempDir tmp;
@@ -129,7 +129,7 @@ TEST(BrokenFile, UnsupportedDtypeFailsOnlyInGet) {
   auto file = SafetensorsFile::open(path);
   ASSERT_TRUE(file.ok()) << file.status().to_string();
   EXPECT_EQ((*file)->entries().size(), 1u);
-  EXPECT_EQ((*file)->unsupported().at("fp8"), "F8_E4M3");
+  EXPECT_EQ((*file)->unsupported().at("fp8"), "F8_E5M2");
   EXPECT_TRUE((*file)->get("w").ok());
   for (const char* name : {"ids", "fp8", "odd"}) {
     Status s = (*file)->get(name).status();

@@ -141,13 +141,10 @@ TEST(ModelConfig, MoeLayersFollowSparseStepAndMlpOnlyLayers) {
 TEST(ModelConfig, UnknownModelType) {
   json j = qwen3_30b_json();
   j["model_type"] = "llama";
-  expect_invalid(j, "unsupported model_type 'llama' (supported: qwen3_moe)");
+  expect_invalid(j,
+                 "unsupported model_type 'llama' (supported: qwen3_moe, deepseek_v3, deepseek_v2)");
   j.erase("model_type");
   expect_invalid(j, "model_type");
-  auto deepseek = ModelConfig::load(kTestdata + "/deepseekv3-tiny");
-  EXPECT_EQ(deepseek.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(deepseek.status().message().find("deepseek_v3"), std::string::npos);
-  EXPECT_NE(deepseek.status().message().find("config.json"), std::string::npos);
 }
 
 TEST(ModelConfig, MissingRequiredFields) {

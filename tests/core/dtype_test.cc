@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// The bf16/f16 conversions are checked against references built here from the bit layouts
+// The bf16/f16/fp8 conversions are checked against references built here from the bit layouts
 // alone: an exact decoder per format and "nearest of the two neighbouring patterns, ties to the
-// even pattern" for encoding. The 16-bit formats are small enough to check exhaustively.
+// even pattern" for encoding. The 16- and 8-bit formats are small enough to check exhaustively.
 #include "flexpert/dtype.h"
 
 #include <gtest/gtest.h>
@@ -100,14 +100,16 @@ TEST(DTypeTest, SizesNamesAndParsing) {
   EXPECT_EQ(dtype_size(DType::kF32), 4u);
   EXPECT_EQ(dtype_size(DType::kBF16), 2u);
   EXPECT_EQ(dtype_size(DType::kF16), 2u);
-  for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
+  EXPECT_EQ(dtype_size(DType::kF8E4M3), 1u);
+  for (DType d : {DType::kF32, DType::kBF16, DType::kF16, DType::kF8E4M3}) {
     DType parsed = d == DType::kF32 ? DType::kF16 : DType::kF32;
     ASSERT_TRUE(parse_dtype(dtype_name(d), &parsed)) << dtype_name(d);
     EXPECT_EQ(parsed, d);
   }
   EXPECT_EQ(dtype_name(DType::kBF16), "BF16");
   DType untouched = DType::kBF16;
-  for (const char* name : {"F64", "I32", "bf16", "", "F32 ", "F8_E4M3"}) {
+  EXPECT_EQ(dtype_name(DType::kF8E4M3), "F8_E4M3");
+  for (const char* name : {"F64", "I32", "bf16", "", "F32 ", "F8_E5M2"}) {
     EXPECT_FALSE(parse_dtype(name, &untouched)) << '"' << name << '"';
   }
   EXPECT_EQ(untouched, DType::kBF16);
@@ -262,6 +264,71 @@ TEST(F16Test, SpecialValues) {
   }
 }
 
+// ------------------------------------------------------------------------------------- fp8
+
+// float8 E4M3 "fn": 1 sign, 4 exponent (bias 7), 3 mantissa bits; no inf, S.1111.111 is NaN.
+double ref_f8e4m3(uint8_t h) {
+  const double sign = (h & 0x80u) ? -1.0 : 1.0;
+  const int exp = (h >> 3) & 0xf;
+  const int mant = h & 0x7;
+  if (exp == 0xf && mant == 0x7) return std::numeric_limits<double>::quiet_NaN();
+  if (exp == 0) return sign * std::ldexp(static_cast<double>(mant), -9);
+  return sign * std::ldexp(static_cast<double>(8 + mant), exp - 10);
+}
+
+// Nearest pattern by exhaustive search, ties to the even pattern, saturating at 448.
+uint8_t ref_encode_f8e4m3(float f) {
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
+  const double a = std::fabs(static_cast<double>(f));
+  uint8_t best = 0;
+  double best_err = INFINITY;
+  for (int p = 0; p <= 0x7e; ++p) {
+    const double err = std::fabs(ref_f8e4m3(static_cast<uint8_t>(p)) - a);
+    if (err < best_err || (err == best_err && p % 2 == 0)) {
+      best = static_cast<uint8_t>(p);
+      best_err = err;
+    }
+  }
+  return sign | best;
+}
+
+TEST(F8E4M3Test, DecodeAndRoundTripAllPatterns) {
+  for (int i = 0; i < 256; ++i) {
+    const auto h = static_cast<uint8_t>(i);
+    const float f = f8e4m3_to_f32(h);
+    if ((i & 0x7f) == 0x7f) {
+      ASSERT_TRUE(std::isnan(f)) << i;
+      ASSERT_EQ(f32_to_f8e4m3(f) & 0x7f, 0x7f) << i;
+      continue;
+    }
+    ASSERT_EQ(static_cast<double>(f), ref_f8e4m3(h)) << i;
+    ASSERT_EQ(f32_to_f8e4m3(f), h) << i;
+  }
+  EXPECT_EQ(f8e4m3_to_f32(0x7e), 448.0f);
+  EXPECT_EQ(f8e4m3_to_f32(0x01), std::ldexp(1.0f, -9));
+}
+
+TEST(F8E4M3Test, RandomFloatsGoToNearestAndSaturate) {
+  const uint32_t seed = test_seed();
+  SCOPED_TRACE("seed=" + std::to_string(seed) + " (rerun with FLEXPERT_TEST_SEED)");
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> log2_mag(-12.f, 10.f);
+  for (int i = 0; i < 20000; ++i) {
+    float f = std::exp2(log2_mag(gen));
+    if (gen() % 2) f = -f;
+    ASSERT_EQ(f32_to_f8e4m3(f), ref_encode_f8e4m3(f)) << f;
+  }
+  // Midpoints between neighbours go to the even pattern.
+  for (int p = 0; p < 0x7e; ++p) {
+    const double mid =
+        (ref_f8e4m3(static_cast<uint8_t>(p)) + ref_f8e4m3(static_cast<uint8_t>(p + 1))) / 2;
+    ASSERT_EQ(f32_to_f8e4m3(static_cast<float>(mid)), p % 2 == 0 ? p : p + 1) << mid;
+  }
+  EXPECT_EQ(f32_to_f8e4m3(1e6f), 0x7e);
+  EXPECT_EQ(f32_to_f8e4m3(-INFINITY), 0xfe);
+  EXPECT_EQ(f32_to_f8e4m3(-0.0f), 0x80);
+}
+
 // ---------------------------------------------------------------------------------- arrays
 
 TEST(ConvertTest, ArraysMatchScalarConversions) {
@@ -290,6 +357,14 @@ TEST(ConvertTest, ArraysMatchScalarConversions) {
   for (size_t i = 0; i < n; ++i) {
     ASSERT_EQ(half[i], f32_to_f16(src[i])) << i;
     ASSERT_EQ(to_bits(back[i]), to_bits(f16_to_f32(half[i]))) << i;
+  }
+
+  std::vector<uint8_t> quarter(n);
+  convert_from_f32(DType::kF8E4M3, src.data(), quarter.data(), n);
+  convert_to_f32(DType::kF8E4M3, quarter.data(), back.data(), n);
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(quarter[i], f32_to_f8e4m3(src[i])) << i;
+    ASSERT_EQ(to_bits(back[i]), to_bits(f8e4m3_to_f32(quarter[i]))) << i;
   }
 
   std::vector<float> copy(n, -1.f), copy2(n, -1.f);

@@ -4,90 +4,20 @@
 // for any valid expert placement, batched and chunked.
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "flexpert/checkpoint.h"
-#include "flexpert/generate.h"
-#include "flexpert/model.h"
+#include "reference_util.h"
 
 namespace flexpert {
 namespace {
 
+using namespace model_test;
+
 const std::string kModelDir = std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny";
-
-struct RefPrompt {
-  std::vector<int32_t> input_ids;
-  std::vector<double> logits;
-  std::vector<int32_t> greedy;
-};
-
-std::vector<RefPrompt> load_reference(const std::string& dir) {
-  std::ifstream in(dir + "/reference.json");
-  auto j = nlohmann::json::parse(in);
-  std::vector<RefPrompt> out;
-  for (const auto& p : j["prompts"]) {
-    out.push_back({p["input_ids"].get<std::vector<int32_t>>(),
-                   p["last_logits_f64"].get<std::vector<double>>(),
-                   p["greedy"].get<std::vector<int32_t>>()});
-  }
-  return out;
-}
-
-double rel_l2(const float* got, const std::vector<double>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return std::sqrt(num / den);
-}
-
-std::unique_ptr<Model> load(const std::string& dir, const std::string& placement,
-                            int max_seqs = 8) {
-  ModelOptions options;
-  options.placement = placement;
-  options.max_sequences = max_seqs;
-  auto model = Model::load(dir, options);
-  EXPECT_TRUE(model.ok()) << model.status().to_string();
-  return model.ok() ? std::move(model).value() : nullptr;
-}
-
-// Logits of every prompt (one step each) and greedy continuations (all prompts batched).
-void check_against_reference(Model& model, const std::vector<RefPrompt>& ref, double logit_tol,
-                             bool check_tokens, int step_budget = 2048) {
-  Tensor logits;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    SCOPED_TRACE("prompt " + std::to_string(i));
-    ASSERT_TRUE(model.forward({{0, 0, ref[i].input_ids}}, &logits).ok());
-    ASSERT_EQ(logits.size(1), static_cast<int64_t>(ref[i].logits.size()));
-    const double err = rel_l2(logits.data<float>(), ref[i].logits);
-    EXPECT_LT(err, logit_tol);
-    ::testing::Test::RecordProperty("rel_l2_prompt_" + std::to_string(i), std::to_string(err));
-    std::printf("  prompt %zu: last-logit relative L2 vs float64 = %.3g\n", i, err);
-  }
-  if (!check_tokens) return;
-  std::vector<GenerationRequest> requests;
-  for (const auto& r : ref) {
-    SamplingParams params;
-    params.max_tokens = static_cast<int>(r.greedy.size());
-    params.ignore_eos = true;
-    requests.push_back({r.input_ids, params});
-  }
-  GeneratorOptions gen_options;
-  gen_options.max_tokens_per_step = step_budget;
-  Generator generator(model, gen_options);
-  auto results = generator.run(requests);
-  ASSERT_TRUE(results.ok()) << results.status().to_string();
-  for (size_t i = 0; i < ref.size(); ++i) {
-    EXPECT_EQ(results.value()[i].tokens, ref[i].greedy) << "prompt " << i;
-  }
-}
 
 TEST(ReferenceTest, Qwen3MoeTinyIdentityPlacement) {
   auto model = load(kModelDir, "identity");
@@ -142,24 +72,9 @@ TEST(ReferenceTest, Qwen3MoeTinyPlacementFile) {
 TEST(ReferenceTest, Bf16WeightsLoadAndRun) {
   // Rewrite the fixture with bf16 weights: it loads, and the logits stay near the
   // float64 reference within the rounding of the weights.
-  auto ckpt = Checkpoint::open(kModelDir);
-  ASSERT_TRUE(ckpt.ok());
   const std::string dir = ::testing::TempDir() + "/qwen3moe-tiny-bf16";
-  std::filesystem::create_directories(dir);
-  std::filesystem::copy_file(kModelDir + "/config.json", dir + "/config.json",
-                             std::filesystem::copy_options::overwrite_existing);
-  SafetensorsWriter writer;
-  std::vector<Tensor> keep;
-  for (const std::string& name : ckpt.value()->names()) {
-    auto t = ckpt.value()->get(name);
-    ASSERT_TRUE(t.ok());
-    keep.push_back(t.value().to(DType::kBF16));
-    const Tensor& bf = keep.back();
-    const char* data = static_cast<const char*>(bf.raw());  // Stable across keep's growth.
-    writer.add(name, DType::kBF16, bf.shape(),
-               [data](uint64_t off, void* dst, uint64_t n) { std::memcpy(dst, data + off, n); });
-  }
-  ASSERT_TRUE(writer.write(dir + "/model.safetensors").ok());
+  rewrite_checkpoint(kModelDir, dir,
+                     [](const std::string&, const Tensor& t) { return t.to(DType::kBF16); });
   auto model = load(dir, "replicate:4:7");
   ASSERT_NE(model, nullptr);
   check_against_reference(*model, load_reference(kModelDir), 2e-2, false);

@@ -26,8 +26,8 @@ struct Reference {
   std::vector<std::vector<int>> prompts, greedy;
 };
 
-inline Reference load_reference() {
-  std::ifstream in(kModel + "/reference.json");
+inline Reference load_reference(const std::string& model = kModel) {
+  std::ifstream in(model + "/reference.json");
   auto j = nlohmann::json::parse(in);
   Reference ref;
   for (const auto& p : j["prompts"]) {
@@ -40,7 +40,8 @@ inline Reference load_reference() {
 // A `flexpert serve` child process and a client for it.
 class Server {
  public:
-  explicit Server(const std::vector<std::string>& extra_args, std::vector<int> hand_started = {})
+  explicit Server(const std::vector<std::string>& extra_args, std::vector<int> hand_started = {},
+                  const std::string& model = kModel)
       : hand_started_(std::move(hand_started)) {
     int out[2];
     EXPECT_EQ(pipe(out), 0);
@@ -49,7 +50,7 @@ class Server {
       dup2(out[1], STDOUT_FILENO);
       close(out[0]);
       std::vector<std::string> args = {
-          FLEXPERT_BINARY,          "serve", "--model", kModel, "--port", "0",
+          FLEXPERT_BINARY,          "serve", "--model", model, "--port", "0",
           "--transport-timeout-ms", "2000"};
       args.insert(args.end(), extra_args.begin(), extra_args.end());
       std::vector<char*> argv;
@@ -67,6 +68,7 @@ class Server {
       // With --no-spawn the front end first says where workers join; start them.
       char join[128];
       if (std::sscanf(line, "waiting for %*d workers: flexpert worker --join %127s", join) == 1) {
+        join_ = join;
         for (int rank : hand_started_) workers_.push_back(start_worker(join, rank));
         continue;
       }
@@ -93,6 +95,8 @@ class Server {
   }
 
   bool up() const { return port_ > 0; }
+  // With --no-spawn: starts `flexpert worker --join` for `rank` (e.g. a scale-up's joiner).
+  void join_worker(int rank) { workers_.push_back(start_worker(join_, rank)); }
   httplib::Client& client() { return *client_; }
   pid_t pid() const { return pid_; }
   int port() const { return port_; }
@@ -142,6 +146,7 @@ class Server {
  private:
   std::vector<int> hand_started_;
   std::vector<pid_t> workers_;
+  std::string join_;
   pid_t pid_ = -1;
   int port_ = 0;
   FILE* stdout_ = nullptr;

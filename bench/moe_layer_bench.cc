@@ -1,0 +1,364 @@
+// SPDX-License-Identifier: Apache-2.0
+// moe_layer_bench: one MoE layer (router, top-k, permutation, grouped SwiGLU expert
+// GEMMs, weighted combine) on one GPU at real model shapes, against its roofline
+// floor: max(bytes of weights touched + activations / measured HBM bandwidth,
+// FLOPs / measured bf16 GEMM rate). Both ceilings are measured here: a device copy
+// kernel (bytes read + written) and an 8192^3 cuBLAS bf16 GEMM.
+//
+//   moe_layer_bench [--shapes qwen3-30b-a3b,deepseek-v3] [--tokens 1,4,16,...]
+//                   [--json out.json] [--torch torch.json] [--sweep] [--profile]
+//
+// Each configuration is timed as a CUDA graph of 4 layer calls on 4 different
+// inputs (so decode-sized calls touch different experts and do not run from L2),
+// replayed for ~0.15 s (median of 3); the time per call is reported. With --torch,
+// the PyTorch reference's times (bench/moe_layer_torch.py) are joined in; --sweep
+// also times every GEMM tile, --profile every kernel of the layer alone.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuda/blas.h"
+#include "cuda/device.h"
+#include "cuda/kernels.h"
+#include "cuda/moe_layer.h"
+
+namespace flexpert::cuda {
+namespace {
+
+struct Shape {
+  std::string name;
+  int hidden, inter, experts, top_k;
+};
+
+const Shape kShapes[] = {{"qwen3-30b-a3b", 2048, 768, 128, 8}, {"deepseek-v3", 7168, 2048, 256, 8}};
+constexpr int kInputs = 4;
+
+#define BENCH_CHECK(expr)                                                              \
+  do {                                                                                 \
+    const Status s_ = (expr);                                                          \
+    if (!s_.ok()) {                                                                    \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, s_.to_string().c_str()); \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+template <typename T>
+T take(Result<T> r, const char* what) {
+  if (!r.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, r.status().to_string().c_str());
+    std::exit(1);
+  }
+  return std::move(r).value();
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+// Median milliseconds of `fn` enqueued `reps` times, each timed by events.
+template <typename Fn>
+double median_ms(cudaStream_t stream, int reps, Fn fn) {
+  Event a = take(Event::create(), "event"), b = take(Event::create(), "event");
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    BENCH_CHECK(a.record(stream));
+    fn();
+    BENCH_CHECK(b.record(stream));
+    BENCH_CHECK(b.synchronize());
+    ms.push_back(take(Event::elapsed_ms(a, b), "elapsed"));
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+double measure_bandwidth(cudaStream_t stream) {
+  const size_t bytes = size_t{2} << 30;
+  DeviceBuffer src = take(DeviceBuffer::create(bytes), "alloc");
+  DeviceBuffer dst = take(DeviceBuffer::create(bytes), "alloc");
+  BENCH_CHECK(
+      cuda_status(fill_uniform(DType::kBF16, src.data(), bytes / 2, 1, 1.f, stream), "fill"));
+  for (int i = 0; i < 3; ++i) copy_bytes(src.data(), dst.data(), bytes, stream);
+  const double ms =
+      median_ms(stream, 15, [&] { copy_bytes(src.data(), dst.data(), bytes, stream); });
+  BENCH_CHECK(cuda_status(cudaGetLastError(), "copy"));
+  return 2.0 * bytes / (ms * 1e-3);  // Read + write.
+}
+
+double measure_bf16_rate(cudaStream_t stream, Blas& blas) {
+  const int64_t n = 8192;
+  const size_t elems = static_cast<size_t>(n) * n;
+  DeviceBuffer a = take(DeviceBuffer::create(elems * 2), "alloc");
+  DeviceBuffer b = take(DeviceBuffer::create(elems * 2), "alloc");
+  DeviceBuffer c = take(DeviceBuffer::create(elems * 2), "alloc");
+  BENCH_CHECK(cuda_status(fill_uniform(DType::kBF16, a.data(), elems, 2, 1.f, stream), "fill"));
+  BENCH_CHECK(cuda_status(fill_uniform(DType::kBF16, b.data(), elems, 3, 1.f, stream), "fill"));
+  auto run = [&] {
+    BENCH_CHECK(blas.gemm_nt(DType::kBF16, a.data(), n, n, b.data(), n, DType::kBF16, c.data()));
+  };
+  for (int i = 0; i < 3; ++i) run();
+  const double ms = median_ms(stream, 10, run);
+  return 2.0 * n * n * n / (ms * 1e-3);
+}
+
+struct Row {
+  std::string shape;
+  int tokens = 0;
+  double us = 0, floor_us = 0, bytes = 0, flops = 0, experts_touched = 0;
+  std::string tile;
+  std::map<std::string, double> sweep;   // Tile -> us.
+  std::map<std::string, double> stages;  // Kernel -> us (one call of that kernel alone).
+};
+
+std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_counts, double bw,
+                             double rate, bool sweep, bool profile, cudaStream_t stream,
+                             Blas& blas) {
+  MoeDims dims;
+  dims.dtype = DType::kBF16;
+  dims.hidden = sh.hidden;
+  dims.intermediate = sh.inter;
+  dims.num_experts = sh.experts;
+  dims.top_k = sh.top_k;
+  dims.num_slots = sh.experts;
+  dims.norm_topk_prob = true;
+  const int max_t = *std::max_element(token_counts.begin(), token_counts.end());
+  const size_t H = sh.hidden;
+  DeviceBuffer router = take(DeviceBuffer::create(sh.experts * H * 2), "router");
+  DeviceBuffer slots = take(DeviceBuffer::create(sh.experts * dims.slot_elems() * 2), "slots");
+  BENCH_CHECK(cuda_status(
+      fill_uniform(DType::kBF16, router.data(), sh.experts * H, 11, 0.05f, stream), "fill"));
+  BENCH_CHECK(cuda_status(
+      fill_uniform(DType::kBF16, slots.data(), sh.experts * dims.slot_elems(), 12, 0.02f, stream),
+      "fill"));
+  std::vector<int32_t> map(sh.experts);
+  for (int e = 0; e < sh.experts; ++e) map[e] = e;
+  const RoutingTables tables = build_routing_tables(map, sh.experts);
+  auto upload = [&](const std::vector<int32_t>& v) {
+    DeviceBuffer b = take(DeviceBuffer::create(v.size() * 4), "table");
+    BENCH_CHECK(cuda_status(cudaMemcpy(b.data(), v.data(), v.size() * 4, cudaMemcpyHostToDevice),
+                            "upload"));
+    return b;
+  };
+  DeviceBuffer rep_start = upload(tables.rep_start), rep_count = upload(tables.rep_count),
+               rep_slots = upload(tables.rep_slots);
+  MoeLayerWeights w;
+  w.router = router.data();
+  w.slots = slots.data();
+  w.rep_start = rep_start.as<int32_t>();
+  w.rep_count = rep_count.as<int32_t>();
+  w.rep_slots = rep_slots.as<int32_t>();
+  std::vector<DeviceBuffer> inputs;
+  for (int i = 0; i < kInputs; ++i) {
+    inputs.push_back(take(DeviceBuffer::create(max_t * H * 2), "input"));
+    BENCH_CHECK(cuda_status(
+        fill_uniform(DType::kBF16, inputs.back().data(), max_t * H, 100 + i, 1.f, stream), "fill"));
+  }
+  DeviceBuffer out = take(DeviceBuffer::create(max_t * H * 4), "out");
+  MoeScratch scratch = take(MoeScratch::create(dims, max_t), "scratch");
+
+  // Microseconds per call of fn(input i, ...), as a graph of kInputs calls replayed for
+  // ~target_ms (median of 3).
+  auto time_calls = [&](const std::function<void(int)>& fn, double target_ms) {
+    for (int i = 0; i < kInputs; ++i) fn(i);  // Eager first: attributes, cuBLAS set-up.
+    BENCH_CHECK(GraphExec::begin_capture(stream));
+    for (int i = 0; i < kInputs; ++i) fn(i);
+    GraphExec graph = take(GraphExec::end_capture(stream), "capture");
+    BENCH_CHECK(graph.launch(stream));
+    const double one_ms = median_ms(stream, 3, [&] { BENCH_CHECK(graph.launch(stream)); });
+    const int reps = std::clamp(static_cast<int>(target_ms / std::max(one_ms, 1e-3)), 1, 2000);
+    const double ms = median_ms(stream, 3, [&] {
+      for (int r = 0; r < reps; ++r) BENCH_CHECK(graph.launch(stream));
+    });
+    return 1e3 * ms / (reps * kInputs);
+  };
+
+  std::vector<Row> rows;
+  for (int T : token_counts) {
+    Row row;
+    row.shape = sh.name;
+    row.tokens = T;
+    const GemmTile tile = choose_tile(dims.dtype, static_cast<int64_t>(T) * sh.top_k, sh.experts,
+                                      sh.hidden, sh.inter);
+    row.tile = tile_name(tile);
+    auto layer = [&](int i, int force_tile, unsigned stages) {
+      BENCH_CHECK(run_moe(dims, w, scratch, inputs[i].data(), T, nullptr, out.as<float>(), false,
+                          blas, stream, force_tile, stages));
+    };
+    // Count the experts each input touches.
+    double touched = 0;
+    for (int i = 0; i < kInputs; ++i) {
+      layer(i, -1, kMoeAllStages);
+      std::vector<int32_t> experts;
+      BENCH_CHECK(read_routing(scratch, T * sh.top_k, stream, &experts, nullptr));
+      touched += static_cast<double>(std::set<int32_t>(experts.begin(), experts.end()).size());
+    }
+    row.experts_touched = touched / kInputs;
+    row.us = time_calls([&](int i) { layer(i, -1, kMoeAllStages); }, 150.0);
+    const double expert_bytes = 3.0 * sh.hidden * sh.inter * 2;
+    row.bytes = row.experts_touched * expert_bytes + sh.experts * static_cast<double>(H) * 2 +
+                T * static_cast<double>(H) * (2 + 4);
+    row.flops = 2.0 * T * sh.top_k * 3.0 * sh.hidden * sh.inter + 2.0 * T * sh.experts * sh.hidden;
+    row.floor_us = 1e6 * std::max(row.bytes / bw, row.flops / rate);
+    std::printf("  %-14s %6d tokens: %10.1f us (floor %9.1f us, %5.1f%%) tile %s\n",
+                sh.name.c_str(), T, row.us, row.floor_us, 100.0 * row.floor_us / row.us,
+                row.tile.c_str());
+    if (sweep) {
+      std::printf("    tiles:");
+      for (int t = 1; t < kNumGemmTiles; ++t) {
+        const GemmTile gt = static_cast<GemmTile>(t);
+        if (!tile_supports(gt, dims.dtype, 2 * sh.inter, sh.hidden) ||
+            !tile_supports(gt, dims.dtype, sh.hidden, sh.inter)) {
+          continue;
+        }
+        const double us = time_calls([&](int i) { layer(i, t, kMoeAllStages); }, 40.0);
+        row.sweep[tile_name(gt)] = us;
+        std::printf(" %s %.1f", tile_name(gt), us);
+      }
+      std::printf("\n");
+    }
+    if (profile) {
+      layer(0, -1, kMoeAllStages);  // Routing data for the single-stage runs.
+      std::printf("    stages:");
+      const std::pair<unsigned, const char*> stages[] = {
+          {kMoeRouter, "router"},  {kMoeTopk, "topk"}, {kMoePermute, "permute"},
+          {kMoeGateUp, "gate_up"}, {kMoeDown, "down"}, {kMoeCombine, "combine"}};
+      for (const auto& [bit, name] : stages) {
+        // Same input for every call: the single stages reuse input 0's routing.
+        const double us = time_calls([&](int) { layer(0, -1, bit); }, 30.0);
+        row.stages[name] = us;
+        std::printf(" %s %.1f", name, us);
+      }
+      std::printf("\n");
+    }
+    rows.push_back(row);
+    std::fflush(stdout);
+  }
+  return rows;
+}
+
+int run(int argc, char** argv) {
+  std::string shapes = "qwen3-30b-a3b,deepseek-v3";
+  std::string tokens = "1,4,16,64,256,1024,4096,16384";
+  std::string json_path, torch_path;
+  bool sweep = false, profile = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--shapes") {
+      shapes = next();
+    } else if (a == "--tokens") {
+      tokens = next();
+    } else if (a == "--json") {
+      json_path = next();
+    } else if (a == "--torch") {
+      torch_path = next();
+    } else if (a == "--sweep") {
+      sweep = true;
+    } else if (a == "--profile") {
+      profile = true;
+    } else {
+      std::fprintf(stderr,
+                   "usage: moe_layer_bench [--shapes a,b] [--tokens 1,4,...] [--json F] "
+                   "[--torch F] [--sweep] [--profile]\n");
+      return 2;
+    }
+  }
+  if (!device_available()) {
+    std::fprintf(stderr, "moe_layer_bench: no CUDA device\n");
+    return 1;
+  }
+  std::vector<int> token_counts;
+  for (const auto& t : split(tokens)) token_counts.push_back(std::atoi(t.c_str()));
+  BENCH_CHECK(set_device(0));
+  Stream stream = take(Stream::create(), "stream");
+  Blas blas = take(Blas::create(stream.get()), "blas");
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  const double bw = measure_bandwidth(stream.get());
+  const double rate = measure_bf16_rate(stream.get(), blas);
+  std::printf("device %s: copy bandwidth %.0f GB/s (read + write), bf16 GEMM %.0f TFLOP/s\n",
+              prop.name, bw / 1e9, rate / 1e12);
+  std::vector<Row> rows;
+  for (const auto& name : split(shapes)) {
+    const Shape* sh = nullptr;
+    for (const Shape& s : kShapes) {
+      if (s.name == name) sh = &s;
+    }
+    if (sh == nullptr) {
+      std::fprintf(stderr, "unknown shape %s\n", name.c_str());
+      return 2;
+    }
+    auto r = bench_shape(*sh, token_counts, bw, rate, sweep, profile, stream.get(), blas);
+    rows.insert(rows.end(), r.begin(), r.end());
+  }
+  nlohmann::json torch = nlohmann::json::object();
+  if (!torch_path.empty()) {
+    std::ifstream f(torch_path);
+    if (f) torch = nlohmann::json::parse(f, nullptr, false);
+    if (torch.is_discarded()) torch = nlohmann::json::object();
+  }
+  auto torch_us = [&](const Row& r) -> double {
+    if (!torch.contains("runs")) return 0;
+    for (const auto& t : torch["runs"]) {
+      if (t.value("shape", "") == r.shape && t.value("tokens", 0) == r.tokens) {
+        return t.value("best_us", 0.0);
+      }
+    }
+    return 0;
+  };
+  std::printf("\n%-14s %6s %6s %10s %10s %8s %10s %8s %8s %8s\n", "shape", "tokens", "tile",
+              "ours us", "floor us", "%floor", "torch us", "speedup", "TFLOP/s", "GB/s");
+  nlohmann::json runs = nlohmann::json::array();
+  for (const Row& r : rows) {
+    const double t = torch_us(r);
+    std::printf("%-14s %6d %6s %10.1f %10.1f %7.1f%% %10.1f %8.2f %8.1f %8.0f\n", r.shape.c_str(),
+                r.tokens, r.tile.c_str(), r.us, r.floor_us, 100.0 * r.floor_us / r.us, t,
+                t > 0 ? t / r.us : 0.0, r.flops / (r.us * 1e-6) / 1e12,
+                r.bytes / (r.us * 1e-6) / 1e9);
+    runs.push_back({{"shape", r.shape},
+                    {"tokens", r.tokens},
+                    {"tile", r.tile},
+                    {"us", r.us},
+                    {"floor_us", r.floor_us},
+                    {"fraction_of_floor", r.floor_us / r.us},
+                    {"torch_us", t},
+                    {"speedup_vs_torch", t > 0 ? t / r.us : 0.0},
+                    {"bytes", r.bytes},
+                    {"flops", r.flops},
+                    {"experts_touched", r.experts_touched},
+                    {"tile_sweep_us", r.sweep},
+                    {"stage_us", r.stages}});
+  }
+  if (!json_path.empty()) {
+    nlohmann::json out = {{"benchmark", "moe_layer"},         {"device", prop.name},
+                          {"copy_bandwidth_bytes_per_s", bw}, {"bf16_gemm_flops_per_s", rate},
+                          {"inputs_rotated", kInputs},        {"runs", runs}};
+    std::ofstream f(json_path);
+    f << out.dump(2) << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace flexpert::cuda
+
+int main(int argc, char** argv) { return flexpert::cuda::run(argc, argv); }

@@ -1,0 +1,220 @@
+// SPDX-License-Identifier: Apache-2.0
+// `flexpert demo` (the main job: an elastic group under load, scaled and hit by a
+// killed rank, with a report) and `flexpert bench elastic` (the same scenario in
+// both reconfiguration modes, JSON plus a PNG timeline).
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <fstream>
+#include <random>
+
+#include "checkpoint/synth.h"
+#include "cli/commands.h"
+#include "cli/flags.h"
+#include "flexpert/generate.h"
+#include "flexpert/logging.h"
+#include "flexpert/model.h"
+#include "serve/elastic_bench.h"
+
+namespace flexpert::cli {
+namespace {
+
+// The model to run: --model, else a synthetic tiny Qwen3-MoE made once under --cache.
+Result<std::string> demo_model(const Flags& flags) {
+  if (!flags.str("model").empty()) return flags.str("model");
+  SynthOptions synth;
+  synth.preset = "tiny";
+  synth.dtype = DType::kF32;
+  synth.seed = 7;
+  synth.out_dir = flags.str("cache") + "/tiny-f32";
+  struct stat st {};
+  if (stat((synth.out_dir + "/config.json").c_str(), &st) != 0) {
+    std::printf("synthesising a tiny Qwen3-MoE checkpoint in %s\n", synth.out_dir.c_str());
+    FLEX_RETURN_IF_ERROR(synthesize_checkpoint(synth));
+  }
+  return synth.out_dir;
+}
+
+// Prompts, and their greedy continuations from one in-process model (the reference
+// every completion of the group must equal).
+Status make_workload(const std::string& model_dir, int num_prompts, int max_tokens,
+                     ElasticRunOptions* o) {
+  ModelOptions mopts;
+  mopts.max_sequences = num_prompts;
+  FLEX_ASSIGN_OR_RETURN(auto model, Model::load(model_dir, mopts));
+  std::mt19937 rng(11);
+  std::vector<GenerationRequest> requests;
+  for (int i = 0; i < num_prompts; ++i) {
+    GenerationRequest r;
+    const int len = 4 + static_cast<int>(rng() % 12);
+    for (int t = 0; t < len; ++t) {
+      r.prompt.push_back(static_cast<int32_t>(rng() % model->config().vocab_size));
+    }
+    r.params.max_tokens = max_tokens;
+    r.params.ignore_eos = true;
+    o->prompts.push_back(r.prompt);
+    requests.push_back(std::move(r));
+  }
+  Generator generator(*model);
+  FLEX_ASSIGN_OR_RETURN(auto results, generator.run(requests));
+  for (auto& r : results) o->expected.push_back(std::move(r.tokens));
+  return Status();
+}
+
+Result<ElasticRunOptions> scenario(const Flags& flags, const std::string& model_dir) {
+  ElasticRunOptions o;
+  o.cluster.model_dir = model_dir;
+  FLEX_ASSIGN_OR_RETURN(int64_t ranks, flags.integer("ranks"));
+  FLEX_ASSIGN_OR_RETURN(int64_t max_ranks, flags.integer("max-ranks"));
+  FLEX_ASSIGN_OR_RETURN(int64_t concurrency, flags.integer("concurrency"));
+  FLEX_ASSIGN_OR_RETURN(int64_t max_tokens, flags.integer("max-tokens"));
+  FLEX_ASSIGN_OR_RETURN(o.duration_s, flags.number("duration"));
+  if (ranks < 1 || max_ranks < ranks) return invalid_argument("need 1 <= --ranks <= --max-ranks");
+  if (concurrency < 1 || max_tokens < 2 || !(o.duration_s > 0)) {
+    return invalid_argument("--concurrency >= 1, --max-tokens >= 2 and --duration > 0 please");
+  }
+  FLEX_ASSIGN_OR_RETURN(o.events, parse_elastic_events(flags.str("events")));
+  for (const auto& ev : o.events) {
+    if (ev.kind == "scale" && (ev.ranks < 1 || ev.ranks > max_ranks)) {
+      return invalid_argument("event '" + ev.label() + "' is outside [1, --max-ranks]");
+    }
+    if (ev.at_s >= o.duration_s) return invalid_argument("event after --duration");
+  }
+  o.cluster.ranks = static_cast<int>(ranks);
+  o.cluster.max_ranks = static_cast<int>(max_ranks);
+  o.cluster.min_ranks = 1;
+  o.cluster.threads_per_worker = 1;
+  o.cluster.transport_timeout_ms = 5000;
+  o.concurrency = static_cast<int>(concurrency);
+  o.max_tokens = static_cast<int>(max_tokens);
+  FLEX_RETURN_IF_ERROR(make_workload(model_dir, 16, o.max_tokens, &o));
+  o.log = [](const std::string& line) {
+    std::printf("%s\n", line.c_str());
+    std::fflush(stdout);
+  };
+  return o;
+}
+
+void print_report(const nlohmann::json& r) {
+  const auto& req = r["requests"];
+  std::printf(
+      "\n== %s reconfiguration: %d requests completed, %d failed, %d rejected (503), "
+      "%d differ from the single-process reference\n",
+      r["mode"].get<std::string>().c_str(), req["completed"].get<int>(), req["failed"].get<int>(),
+      req["rejected"].get<int>(), req["mismatched"].get<int>());
+  std::printf("steady state: %.0f tokens/s, longest inter-token gap %.1f ms (median per 250 ms)\n",
+              r["steady"]["tokens_per_s"].get<double>(), r["steady"]["max_gap_ms"].get<double>());
+  std::printf("%-14s %7s %10s %10s %9s %14s %8s %9s  %s\n", "event", "at s", "prepare ms",
+              "commit ms", "stall ms", "no tokens ms", "failed", "rejected", "status");
+  for (const auto& e : r["events"]) {
+    auto ms = [&](const char* key) {
+      return e.contains(key) ? e[key].get<double>() * 1e3
+                             : (e["end_s"].get<double>() - e["at_s"].get<double>()) * 1e3;
+    };
+    std::printf("%-14s %7.2f %10.1f %10.1f %9.1f %14.1f %8d %9d  %s\n",
+                e["label"].get<std::string>().c_str(), e["at_s"].get<double>(), ms("prepare_s"),
+                e.contains("commit_s") ? e["commit_s"].get<double>() * 1e3 : 0.0,
+                e["stall_ms"].get<double>(), e["service_gap_ms"].get<double>(),
+                e["failed_requests"].get<int>(), e["rejected_requests"].get<int>(),
+                e["status"].get<std::string>().c_str());
+  }
+}
+
+Status write_outputs(const std::vector<nlohmann::json>& reports, const std::string& json_path,
+                     const std::string& png_path) {
+  if (!json_path.empty()) {
+    std::ofstream out(json_path);
+    out << nlohmann::json(reports).dump(1) << "\n";
+    if (!out) return unavailable("cannot write " + json_path);
+    std::printf("wrote %s\n", json_path.c_str());
+  }
+  if (!png_path.empty()) {
+    Status s = plot_elastic(reports, png_path);
+    if (s.ok()) {
+      std::printf("wrote %s\n", png_path.c_str());
+    } else {
+      std::printf("%s\n", s.message().c_str());
+    }
+  }
+  return Status();
+}
+
+void common_flags(Flags& flags, const char* events, const char* duration) {
+  flags.value("model", "", "checkpoint directory (default: a synthetic tiny Qwen3-MoE)")
+      .value("cache", "out/synth", "where the synthetic model is kept")
+      .value("ranks", "2", "ranks at start")
+      .value("max-ranks", "4", "capacity in ranks")
+      .value("events", events, "SECONDS:scale:RANKS or SECONDS:kill:RANK, comma-separated")
+      .value("duration", duration, "seconds of load")
+      .value("concurrency", "6", "client threads")
+      .value("max-tokens", "24", "tokens per request (greedy)")
+      .boolean("help", "show this help");
+}
+
+}  // namespace
+
+int cmd_demo(const Args& args) {
+  Flags flags;
+  common_flags(flags, "2:scale:4,4:scale:3,6:kill:1,8:scale:1,10:scale:3", "12");
+  flags.value("out", "out/demo", "directory for demo.json and demo.png");
+  if (Status s = flags.parse(args); !s.ok()) return report_error("demo", s);
+  if (flags.flag("help")) {
+    std::printf(
+        "usage: flexpert demo [flags]\n"
+        "Starts a group of worker processes on a tiny model, drives load, scales it up and\n"
+        "down, kills a rank, and reports what the clients saw.\n%s",
+        flags.help().c_str());
+    return 0;
+  }
+  Status s = [&]() -> Status {
+    FLEX_ASSIGN_OR_RETURN(std::string model, demo_model(flags));
+    FLEX_ASSIGN_OR_RETURN(ElasticRunOptions o, scenario(flags, model));
+    o.cluster.reconfigure = "live";
+    FLEX_ASSIGN_OR_RETURN(nlohmann::json report, run_elastic(o));
+    print_report(report);
+    const std::string out = flags.str("out");
+    mkdir(out.c_str(), 0755);
+    FLEX_RETURN_IF_ERROR(write_outputs({report}, out + "/demo.json", out + "/demo.png"));
+    const auto& req = report["requests"];
+    if (req["failed"].get<int>() + req["mismatched"].get<int>() > 0) {
+      return internal_error("some requests failed or differ from the reference");
+    }
+    return Status();
+  }();
+  if (!s.ok()) return report_error("demo", s);
+  return 0;
+}
+
+int cmd_bench_elastic(const Args& args) {
+  Flags flags;
+  common_flags(flags, "3:scale:4,6:scale:3,9:kill:1,12:scale:3", "15");
+  flags.value("modes", "live,stop-the-world", "reconfiguration modes to run, in order")
+      .value("json", "bench-elastic.json", "write the reports here")
+      .value("plot", "bench-elastic.png", "write the timeline here");
+  if (Status s = flags.parse(args); !s.ok()) return report_error("bench elastic", s);
+  if (flags.flag("help")) {
+    std::printf("usage: flexpert bench elastic [flags]\n%s", flags.help().c_str());
+    return 0;
+  }
+  Status s = [&]() -> Status {
+    FLEX_ASSIGN_OR_RETURN(std::string model, demo_model(flags));
+    FLEX_ASSIGN_OR_RETURN(ElasticRunOptions o, scenario(flags, model));
+    std::vector<nlohmann::json> reports;
+    std::stringstream modes(flags.str("modes"));
+    std::string mode;
+    while (std::getline(modes, mode, ',')) {
+      if (mode != "live" && mode != "stop-the-world") {
+        return invalid_argument("--modes items must be live or stop-the-world");
+      }
+      o.cluster.reconfigure = mode;
+      FLEX_ASSIGN_OR_RETURN(nlohmann::json report, run_elastic(o));
+      print_report(report);
+      reports.push_back(std::move(report));
+    }
+    return write_outputs(reports, flags.str("json"), flags.str("plot"));
+  }();
+  if (!s.ok()) return report_error("bench elastic", s);
+  return 0;
+}
+
+}  // namespace flexpert::cli

@@ -1,0 +1,113 @@
+// SPDX-License-Identifier: Apache-2.0
+// Causal grouped-query attention over the paged-by-slot KV cache (kernels.h).
+// NOTE: one warp per (token, query head) with an online softmax over chunks of
+// 32 keys (a lane scores one key, then the warp accumulates the 32 values with
+// each lane owning D / 32 output dims). Correct for prefill and decode alike;
+// a tensor-core flash kernel would be the next step for long prompts.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+
+#include "cuda/device_util.cuh"
+#include "cuda/kernels.h"
+
+namespace flexpert::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kWarps * 32) attention_kernel(AttentionArgs a) {
+  constexpr int kPerLane = D / 32;
+  __shared__ __align__(16) float sq[kWarps][D];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (idx >= static_cast<int64_t>(a.num_tokens) * a.num_q_heads) return;
+  const int t = static_cast<int>(idx / a.num_q_heads);
+  const int h = static_cast<int>(idx % a.num_q_heads);
+  const int kvh = h / (a.num_q_heads / a.num_kv_heads);
+  const int len = a.positions[t] + 1;
+  const T* q = static_cast<const T*>(a.q) + idx * D;
+  for (int d = lane; d < D; d += 32) sq[warp][d] = to_f32(q[d]);
+  __syncwarp();
+  const int64_t pos_stride = static_cast<int64_t>(a.num_kv_heads) * D;
+  const int64_t base = static_cast<int64_t>(a.kv_slots[t]) * a.max_seq_len * pos_stride +
+                       static_cast<int64_t>(kvh) * D;
+  const T* kc = static_cast<const T*>(a.k_cache) + base;
+  const T* vc = static_cast<const T*>(a.v_cache) + base;
+  float m = -FLT_MAX, l = 0.f;
+  float acc[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) acc[i] = 0.f;
+  for (int c0 = 0; c0 < len; c0 += 32) {
+    const int j = c0 + lane;
+    float s = -FLT_MAX;
+    if (j < len) {
+      const T* kr = kc + j * pos_stride;
+      float dot = 0.f;
+#pragma unroll
+      for (int d = 0; d < D; d += 8) {
+        float kv[8];
+        load8(kr + d, kv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dot += sq[warp][d + i] * kv[i];
+      }
+      s = dot * a.scale;
+    }
+    const float m_new = fmaxf(m, warp_max(s));
+    const float p = j < len ? expf(s - m_new) : 0.f;
+    const float corr = expf(m - m_new);
+    l = l * corr + warp_sum(p);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) acc[i] *= corr;
+    const int count = min(32, len - c0);
+    for (int jj = 0; jj < count; ++jj) {
+      const float pj = __shfl_sync(0xffffffffu, p, jj);
+      const T* vr = vc + (c0 + jj) * pos_stride;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) acc[i] += pj * to_f32(vr[lane + 32 * i]);
+    }
+    m = m_new;
+  }
+  T* o = static_cast<T*>(a.out) + idx * D;
+  const float inv = 1.0f / l;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) o[lane + 32 * i] = from_f32<T>(acc[i] * inv);
+}
+
+template <typename T>
+cudaError_t launch(const AttentionArgs& a, cudaStream_t stream) {
+  const int64_t warps = static_cast<int64_t>(a.num_tokens) * a.num_q_heads;
+  const unsigned blocks = static_cast<unsigned>((warps + kWarps - 1) / kWarps);
+  switch (a.head_dim) {
+    case 32:
+      attention_kernel<T, 32><<<blocks, kWarps * 32, 0, stream>>>(a);
+      break;
+    case 64:
+      attention_kernel<T, 64><<<blocks, kWarps * 32, 0, stream>>>(a);
+      break;
+    case 128:
+      attention_kernel<T, 128><<<blocks, kWarps * 32, 0, stream>>>(a);
+      break;
+    case 256:
+      attention_kernel<T, 256><<<blocks, kWarps * 32, 0, stream>>>(a);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t attention(DType dtype, const AttentionArgs& args, cudaStream_t stream) {
+  if (args.num_tokens == 0) return cudaSuccess;
+  if (args.num_kv_heads < 1 || args.num_q_heads % args.num_kv_heads != 0) {
+    return cudaErrorInvalidValue;
+  }
+  FLEX_DISPATCH_DTYPE(dtype, return launch<T>(args, stream));
+  return cudaSuccess;
+}
+
+}  // namespace flexpert::cuda

@@ -1,0 +1,65 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "cuda/blas.h"
+
+#include <string>
+#include <utility>
+
+namespace flexpert::cuda {
+namespace {
+
+constexpr size_t kWorkspaceBytes = 32u << 20;
+
+cudaDataType_t to_cuda(DType d) { return d == DType::kBF16 ? CUDA_R_16BF : CUDA_R_32F; }
+
+}  // namespace
+
+Status cublas_status(cublasStatus_t status, const char* what) {
+  if (status == CUBLAS_STATUS_SUCCESS) return Status();
+  std::string msg = std::string(what) + ": " + cublasGetStatusName(status) + " (" +
+                    cublasGetStatusString(status) + ")";
+  if (status == CUBLAS_STATUS_ALLOC_FAILED) return resource_exhausted(std::move(msg));
+  return internal_error(std::move(msg));
+}
+
+Blas::~Blas() {
+  if (handle_ != nullptr) (void)cublasDestroy(handle_);
+}
+
+Blas::Blas(Blas&& o) noexcept
+    : handle_(std::exchange(o.handle_, nullptr)), workspace_(std::move(o.workspace_)) {}
+
+Blas& Blas::operator=(Blas&& o) noexcept {
+  if (this != &o) {
+    if (handle_ != nullptr) (void)cublasDestroy(handle_);
+    handle_ = std::exchange(o.handle_, nullptr);
+    workspace_ = std::move(o.workspace_);
+  }
+  return *this;
+}
+
+Result<Blas> Blas::create(cudaStream_t stream) {
+  Blas b;
+  FLEX_CUBLAS_TRY(cublasCreate(&b.handle_));
+  FLEX_CUBLAS_TRY(cublasSetStream(b.handle_, stream));
+  FLEX_ASSIGN_OR_RETURN(b.workspace_, DeviceBuffer::create(kWorkspaceBytes));
+  FLEX_CUBLAS_TRY(cublasSetWorkspace(b.handle_, b.workspace_.data(), b.workspace_.num_bytes()));
+  FLEX_CUBLAS_TRY(cublasSetMathMode(b.handle_, CUBLAS_DEFAULT_MATH));
+  return b;
+}
+
+Status Blas::gemm_nt(DType in_dtype, const void* x, int64_t m, int64_t k, const void* w, int64_t n,
+                     DType out_dtype, void* y, float alpha, float beta) {
+  if (m == 0 || n == 0) return Status();
+  // Row-major y[m, n] = x[m, k] w[n, k]^T is column-major y^T[n, m] = w^T x^T:
+  // A = w viewed column-major [k, n] (op T), B = x viewed column-major [k, m].
+  const cublasComputeType_t compute =
+      in_dtype == DType::kF32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
+  FLEX_CUBLAS_TRY(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
+                               static_cast<int>(m), static_cast<int>(k), &alpha, w,
+                               to_cuda(in_dtype), static_cast<int>(k), x, to_cuda(in_dtype),
+                               static_cast<int>(k), &beta, y, to_cuda(out_dtype),
+                               static_cast<int>(n), compute, CUBLAS_GEMM_DEFAULT));
+  return Status();
+}
+
+}  // namespace flexpert::cuda

@@ -1,0 +1,49 @@
+// SPDX-License-Identifier: Apache-2.0
+// Blas: a cuBLAS handle bound to one stream, with the one GEMM shape the model uses.
+//
+// gemm_nt computes y[m, n] = alpha * x[m, k] @ w[n, k]^T + beta * y (row-major, as
+// the checkpoint stores linear weights) with f32 accumulation: x and w in F32 or
+// BF16, y in F32 or BF16. F32 inputs run in strict f32 (no TF32). The handle owns
+// a fixed workspace so that calls can be captured in CUDA graphs. Enqueues only;
+// never synchronises. Not thread-safe.
+#pragma once
+
+#include <cublas_v2.h>
+
+#include <cstdint>
+
+#include "cuda/device.h"
+#include "flexpert/dtype.h"
+#include "flexpert/status.h"
+
+namespace flexpert::cuda {
+
+Status cublas_status(cublasStatus_t status, const char* what);
+
+class Blas {
+ public:
+  Blas() = default;
+  ~Blas();
+  Blas(Blas&& o) noexcept;
+  Blas& operator=(Blas&& o) noexcept;
+  Blas(const Blas&) = delete;
+  Blas& operator=(const Blas&) = delete;
+
+  static Result<Blas> create(cudaStream_t stream);
+
+  Status gemm_nt(DType in_dtype, const void* x, int64_t m, int64_t k, const void* w, int64_t n,
+                 DType out_dtype, void* y, float alpha = 1.f, float beta = 0.f);
+
+ private:
+  cublasHandle_t handle_ = nullptr;
+  DeviceBuffer workspace_;
+};
+
+}  // namespace flexpert::cuda
+
+#define FLEX_CUBLAS_TRY(expr)                                         \
+  do {                                                                \
+    const cublasStatus_t flex_cublas_st_ = (expr);                    \
+    if (flex_cublas_st_ != CUBLAS_STATUS_SUCCESS)                     \
+      return ::flexpert::cuda::cublas_status(flex_cublas_st_, #expr); \
+  } while (0)

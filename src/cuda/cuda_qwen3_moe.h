@@ -1,0 +1,115 @@
+// SPDX-License-Identifier: Apache-2.0
+// CudaQwen3MoeModel: the Qwen3-MoE forward pass on one GPU (see flexpert/model.h).
+//
+// All weights, the KV cache (max_sequences + 1 slots: the last one absorbs the
+// padding rows of captured decode batches) and the step scratch live in device
+// memory allocated at load, sized for a step of up to max_step_tokens() tokens;
+// longer steps run as consecutive pieces (chunked prefill). Routing tables
+// (logical expert -> replica slots) are device buffers sized for the placement's
+// slot count: set_placement() rewrites them in place, so captured graphs stay
+// valid. Decode steps (one token per sequence) replay a CUDA graph per batch
+// bucket (1, 2, 4, ...), captured after the first eager step of that bucket.
+// Slot weights are device-only: local_slots() returns nullptr. forward() blocks
+// until the logits are on the host. One driver thread (as every Model).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "cuda/blas.h"
+#include "cuda/device.h"
+#include "cuda/moe_layer.h"
+#include "flexpert/checkpoint.h"
+#include "flexpert/model.h"
+
+namespace flexpert::cuda {
+
+class CudaQwen3MoeModel final : public Model {
+ public:
+  static Result<std::unique_ptr<CudaQwen3MoeModel>> create(std::unique_ptr<Checkpoint> checkpoint,
+                                                           ModelConfig config,
+                                                           const ModelOptions& options, int device);
+  ~CudaQwen3MoeModel() override;
+
+  const ModelConfig& config() const override { return config_; }
+  const ExpertPlacement& placement() const override { return placement_; }
+  int max_sequences() const override { return max_sequences_; }
+  int max_seq_len() const override { return max_seq_len_; }
+  Status forward(const std::vector<SequenceChunk>& batch, Tensor* logits) override;
+  const std::vector<std::vector<int64_t>>& slot_counts() const override;
+  void reset_slot_counts() override;
+  ExpertSlots* local_slots(int layer) override { return nullptr; }
+  Status set_placement(ExpertPlacement placement) override;
+  Status load_expert(int layer, int expert, int local_slot) override;
+  int64_t num_graph_captures() const override { return graph_captures_; }
+
+  DType dtype() const { return dtype_; }
+  int max_step_tokens() const { return max_step_tokens_; }
+
+ private:
+  struct Layer {
+    DeviceBuffer input_norm, post_norm, q_norm, k_norm;  // f32
+    DeviceBuffer w_qkv;                                  // [q_dim + 2 kv_dim, H]
+    DeviceBuffer w_o;                                    // [H, q_dim]
+    bool is_moe = false;
+    DeviceBuffer router;                           // [E, H]
+    DeviceBuffer slots;                            // [num_slots][slot_elems]
+    DeviceBuffer rep_start, rep_count, rep_slots;  // i32 routing tables
+    DeviceBuffer stats;                            // i64 [num_slots]
+    DeviceBuffer w_gu, w_down;                     // Dense MLP: [2I, H] (gate; up), [H, I]
+    DeviceBuffer k_cache, v_cache;                 // [max_sequences + 1, max_seq_len, nkv, D]
+  };
+  // Device addresses of a step's inputs (fixed, so graphs read them at replay).
+  struct StepInputs {
+    int32_t* ids;
+    int32_t* positions;
+    int32_t* kv_slots;
+    int32_t* last_rows;  // Token row of each logits row.
+    int32_t* num_valid;  // [1] tokens that are not padding.
+  };
+
+  CudaQwen3MoeModel() = default;
+  Status load_weights(const ModelOptions& options);
+  Status load_layer(int index, Layer* layer);
+  Status load_slots(int index, Layer* layer);
+  Status write_routing_tables(int layer, const std::vector<int>& slot_map);
+  Status allocate_scratch();
+  Status validate(const std::vector<SequenceChunk>& batch) const;
+  // Copies host_in_[0..num_tokens) and the row list to the device inputs.
+  Status upload_inputs(int num_tokens, int num_rows);
+  // Enqueues the whole network for num_tokens tokens and num_rows logits rows.
+  Status enqueue_step(int num_tokens, int num_rows);
+  Status run_decode(const std::vector<SequenceChunk>& batch, float* logits);
+  Status run_pieces(const std::vector<SequenceChunk>& batch, float* logits);
+  MoeLayerWeights moe_weights(Layer& layer);
+
+  std::unique_ptr<Checkpoint> checkpoint_;
+  ModelConfig config_;
+  ExpertPlacement placement_;
+  int device_ = 0;
+  DType dtype_ = DType::kBF16;
+  bool use_graphs_ = true;
+  int max_sequences_ = 0;
+  int max_seq_len_ = 0;
+  int max_rows_ = 0;         // Logits rows per step: max_sequences rounded up to a bucket.
+  int max_step_tokens_ = 0;  // Tokens per piece.
+  MoeDims moe_dims_;
+
+  Stream stream_;
+  Blas blas_;  // Bound to stream_; destroyed before it.
+  DeviceBuffer embed_, lm_head_, final_norm_, rope_cos_, rope_sin_;
+  std::vector<Layer> layers_;
+  // Step scratch.
+  DeviceBuffer inputs_;
+  StepInputs in_{};
+  PinnedBuffer host_in_;  // Same layout as inputs_.
+  DeviceBuffer x_, h_, qkv_, q_, attn_, gu_, act_, last_h_, logits_;
+  PinnedBuffer host_logits_;
+  MoeScratch moe_;
+  mutable std::vector<std::vector<int64_t>> slot_counts_;
+  std::map<int, GraphExec> graphs_;  // Decode bucket -> graph; destroyed first.
+  int64_t graph_captures_ = 0;
+};
+
+}  // namespace flexpert::cuda

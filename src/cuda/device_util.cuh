@@ -1,0 +1,89 @@
+// SPDX-License-Identifier: Apache-2.0
+// Device helpers shared by the kernels: element conversion, 8-wide vector
+// loads, warp and block reductions, dtype dispatch. Header-only, device code.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "flexpert/dtype.h"
+
+namespace flexpert::cuda {
+
+using bf16 = __nv_bfloat16;
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(bf16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ bf16 from_f32<bf16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// Eight consecutive elements starting at p (16-byte aligned for bf16, 32 for f32).
+__device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  const float4 b = *reinterpret_cast<const float4*>(p + 4);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+  v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void load8(const bf16* p, float (&v)[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets it.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  v = warp_sum(v);
+  __syncthreads();  // partial may still be read by a previous call.
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  const int num_warps = blockDim.x / 32;
+  float t = lane < num_warps ? partial[lane] : 0.f;
+  return warp_sum(t);
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+}  // namespace flexpert::cuda
+
+// Runs the statement with `T` bound to the element type of `dtype` (F32 or BF16).
+#define FLEX_DISPATCH_DTYPE(dtype, ...)              \
+  do {                                               \
+    if ((dtype) == ::flexpert::DType::kBF16) {       \
+      using T = ::flexpert::cuda::bf16;              \
+      __VA_ARGS__;                                   \
+    } else if ((dtype) == ::flexpert::DType::kF32) { \
+      using T = float;                               \
+      __VA_ARGS__;                                   \
+    } else {                                         \
+      return cudaErrorInvalidValue;                  \
+    }                                                \
+  } while (0)

@@ -1,0 +1,86 @@
+// SPDX-License-Identifier: Apache-2.0
+// The grouped expert GEMM: one launch computes every slot's rows of one projection.
+//
+// Rows are grouped by slot (permute() in kernels.h builds offsets and a tile table
+// on the device), so the launch needs no host-side sizes: its grid is an upper
+// bound on tiles (max_tiles) times N / BN, and blocks past *num_tiles exit. For
+// slot s, rows [offsets[s], offsets[s + 1]) are multiplied by that slot's weight
+// matrix B_s [n, k] (row-major, at weights + s * slot_stride + weight_offset):
+//   out[r, :] = A[r] @ B_s^T                  (plain; out [rows, n])
+//   out[r, i] = silu(g_i) * u_i               (swiglu; out [rows, n / 2])
+// where for swiglu B_s interleaves gate and up rows in blocks of 8: rows
+// 16b..16b+7 are gate rows 8b..8b+7 and rows 16b+8..16b+15 the up rows 8b..8b+7
+// (so one thread holds a gate and its up in registers). A[r] is a[gather[r] /
+// gather_div] when gather is set (token rows read in place), else a[r].
+// BF16 runs on tensor cores (mma.sync m16n8k16, f32 accumulation, cp.async
+// pipeline); F32 (verification) and shapes the tensor-core tiles do not divide run
+// a plain f32 kernel. Enqueue only; capturable in CUDA graphs.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "flexpert/dtype.h"
+
+namespace flexpert::cuda {
+
+// Tile shapes (rows per tile BM x columns BN). kSimt: f32 / fallback (64 x 64);
+// kMma*: mma.sync, 16 x 64, 64 x 128, 128 x 128, 16 x 32 (decode: more, smaller blocks),
+// 16 x 64 with K steps of 128 (longer runs per weight row);
+// kWgmma*: Hopper wgmma, 64 x 128, 128 x 128 and 128 x 256 (sm_90a builds only);
+// kGemv: 4 rows per tile, one warp per pair of weight rows streaming whole rows with
+// 16-byte loads (decode: few rows per expert, bandwidth from many loads in flight).
+enum class GemmTile : int {
+  kSimt = 0,
+  kMma16 = 1,
+  kMma64 = 2,
+  kMma128 = 3,
+  kMma16N32 = 4,
+  kWgmma64 = 5,
+  kWgmma128 = 6,
+  kMma16K128 = 7,
+  kGemv = 8,
+  kWgmma128N256 = 9,
+};
+constexpr int kNumGemmTiles = 10;
+const char* tile_name(GemmTile tile);
+
+struct GroupedGemmArgs {
+  const void* a = nullptr;
+  const int32_t* gather = nullptr;
+  int gather_div = 1;
+  const void* weights = nullptr;
+  int64_t slot_stride = 0;    // Elements between consecutive slots' weights.
+  int64_t weight_offset = 0;  // Elements from a slot's start to this projection's B.
+  int n = 0, k = 0;
+  bool swiglu = false;
+  const int32_t* offsets = nullptr;  // [num_slots + 1]
+  const int32_t* tile_slot = nullptr;
+  const int32_t* tile_row0 = nullptr;
+  const int32_t* num_tiles = nullptr;
+  int max_tiles = 0;
+  void* out = nullptr;
+};
+
+int tile_rows(GemmTile tile);
+// Whether `tile` can run a GEMM of this dtype and shape.
+bool tile_supports(GemmTile tile, DType dtype, int n, int k);
+// Picks the tile for both expert GEMMs of a layer (gate/up: n = 2 * inter, k = hidden;
+// down: n = hidden, k = inter) from the expected rows per expert.
+GemmTile choose_tile(DType dtype, int64_t num_pairs, int num_experts, int hidden, int inter);
+// Upper bound of the tile count for num_pairs rows over num_slots slots.
+int max_tiles(int64_t num_pairs, int num_slots, int block_m);
+
+cudaError_t grouped_gemm(DType dtype, GemmTile tile, const GroupedGemmArgs& args,
+                         cudaStream_t stream);
+
+// Whether this build and device run the wgmma tiles (probed once; call it outside
+// graph capture first, e.g. at load).
+bool wgmma_available();
+// wgmma_gemm.cu: the wgmma tiles (warpgroups 1 or 2 = 64 or 128 rows).
+bool wgmma_fits(int n, int k, int bn);
+cudaError_t launch_wgmma_gemm(int warpgroups, int bn, const GroupedGemmArgs& args,
+                              cudaStream_t stream);
+
+}  // namespace flexpert::cuda

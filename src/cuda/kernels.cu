@@ -1,0 +1,370 @@
+// SPDX-License-Identifier: Apache-2.0
+// Element-wise, normalisation, routing and permutation kernels (see kernels.h).
+// NOTE: simple one-pass kernels; the time of a step is in the GEMMs.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <climits>
+
+#include "cuda/device_util.cuh"
+#include "cuda/kernels.h"
+
+namespace flexpert::cuda {
+namespace {
+
+template <typename T>
+__global__ void embedding_kernel(const T* table, const int32_t* ids, int dim, float* out) {
+  const int t = blockIdx.x;
+  const T* row = table + static_cast<int64_t>(ids[t]) * dim;
+  float* o = out + static_cast<int64_t>(t) * dim;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = to_f32(row[i]);
+}
+
+template <typename T>
+__global__ void rms_norm_kernel(const float* x, const int32_t* row_index, const float* weight,
+                                int dim, float eps, T* out) {
+  const int r = blockIdx.x;
+  const int src = row_index != nullptr ? row_index[r] : r;
+  const float* xr = x + static_cast<int64_t>(src) * dim;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+  T* o = out + static_cast<int64_t>(r) * dim;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = from_f32<T>(xr[i] * inv * weight[i]);
+}
+
+// One warp per (token, head). NOTE: head_dim <= 256 (the smem row).
+template <typename T>
+__global__ void qk_norm_rope_kernel(QkvArgs a) {
+  __shared__ float v[256];
+  const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
+  const int D = a.head_dim, nq = a.num_q_heads, nkv = a.num_kv_heads;
+  const int64_t row_len = static_cast<int64_t>(nq + 2 * nkv) * D;
+  const float* src = a.qkv + t * row_len + static_cast<int64_t>(h) * D;
+  const int pos = a.positions[t];
+  const int64_t cache_row =
+      (static_cast<int64_t>(a.kv_slots[t]) * a.max_seq_len + pos) * nkv;  // In heads.
+  if (h >= nq + nkv) {
+    T* dst = static_cast<T*>(a.v_cache) + (cache_row + (h - nq - nkv)) * D;
+    for (int i = lane; i < D; i += 32) dst[i] = from_f32<T>(src[i]);
+    return;
+  }
+  const float* w = h < nq ? a.q_norm : a.k_norm;
+  float ss = 0.f;
+  for (int i = lane; i < D; i += 32) ss += src[i] * src[i];
+  ss = warp_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + a.eps);
+  for (int i = lane; i < D; i += 32) v[i] = src[i] * inv * w[i];
+  __syncwarp();
+  T* dst = h < nq ? static_cast<T*>(a.q_out) + (static_cast<int64_t>(t) * nq + h) * D
+                  : static_cast<T*>(a.k_cache) + (cache_row + (h - nq)) * D;
+  const int half = D / 2;
+  const float* cs = a.rope_cos + static_cast<int64_t>(pos) * half;
+  const float* sn = a.rope_sin + static_cast<int64_t>(pos) * half;
+  for (int i = lane; i < half; i += 32) {
+    const float x0 = v[i], x1 = v[i + half];
+    dst[i] = from_f32<T>(x0 * cs[i] - x1 * sn[i]);
+    dst[i + half] = from_f32<T>(x1 * cs[i] + x0 * sn[i]);
+  }
+}
+
+template <typename T>
+__global__ void silu_mul_kernel(const float* gu, int inter, T* out) {
+  const int r = blockIdx.x;
+  const float* g = gu + static_cast<int64_t>(r) * 2 * inter;
+  T* o = out + static_cast<int64_t>(r) * inter;
+  for (int i = threadIdx.x; i < inter; i += blockDim.x)
+    o[i] = from_f32<T>(silu(g[i]) * g[inter + i]);
+}
+
+// One warp per token; each lane holds experts lane, lane + 32, ...
+constexpr int kTopkMaxPerLane = 16;
+__device__ __forceinline__ void topk_token(const TopkArgs& a, int t, int lane) {
+  const float* l = a.logits + static_cast<int64_t>(t) * a.num_experts;
+  float prob[kTopkMaxPerLane];
+  float mx = -FLT_MAX;
+#pragma unroll
+  for (int i = 0; i < kTopkMaxPerLane; ++i) {
+    const int e = lane + 32 * i;
+    prob[i] = e < a.num_experts ? l[e] : -FLT_MAX;
+    mx = fmaxf(mx, prob[i]);
+  }
+  mx = warp_max(mx);
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kTopkMaxPerLane; ++i) {
+    const int e = lane + 32 * i;
+    prob[i] = e < a.num_experts ? expf(prob[i] - mx) : 0.f;
+    sum += prob[i];
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int i = 0; i < kTopkMaxPerLane; ++i) {
+    const int e = lane + 32 * i;
+    prob[i] = e < a.num_experts ? prob[i] / sum : -1.f;  // -1: never chosen.
+  }
+  int my_expert = 0;
+  float my_prob = 0.f, top_sum = 0.f;
+  for (int j = 0; j < a.top_k; ++j) {
+    float best = -2.f;
+    int best_e = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < kTopkMaxPerLane; ++i) {
+      if (prob[i] > best) {  // Ascending e within a lane: ties keep the lower index.
+        best = prob[i];
+        best_e = lane + 32 * i;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+      if (ob > best || (ob == best && oe < best_e)) {
+        best = ob;
+        best_e = oe;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kTopkMaxPerLane; ++i) {
+      if (lane + 32 * i == best_e) prob[i] = -1.f;
+    }
+    if (lane == j) {
+      my_expert = best_e;
+      my_prob = best;
+    }
+    top_sum += best;
+  }
+  if (lane < a.top_k) {
+    const int64_t p = static_cast<int64_t>(t) * a.top_k + lane;
+    a.expert[p] = my_expert;
+    a.weight[p] = a.norm_topk_prob ? my_prob / top_sum : my_prob;
+    const int count = a.rep_count[my_expert];
+    a.slot[p] = a.rep_slots[a.rep_start[my_expert] + (t + lane) % max(count, 1)];
+  }
+}
+
+__global__ void router_topk_kernel(TopkArgs a) {
+  const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (t < a.num_tokens) topk_token(a, t, threadIdx.x % 32);
+}
+
+constexpr int kPermuteThreads = 1024;
+// With `topk` set (small steps), the block first runs the router top-k itself (one
+// warp per token), saving a launch on the decode path.
+__global__ void __launch_bounds__(kPermuteThreads)
+    permute_kernel(PermuteArgs a, TopkArgs topk, bool with_topk) {
+  if (with_topk) {
+    for (int t = threadIdx.x / 32; t < topk.num_tokens; t += kPermuteThreads / 32) {
+      topk_token(topk, t, threadIdx.x % 32);
+    }
+    __syncthreads();  // The block's global writes of slot[] are visible to it after this.
+  }
+  extern __shared__ int smem[];
+  int* count = smem;                   // [num_slots] rows per slot
+  int* valid = count + a.num_slots;    // [num_slots] rows of valid tokens
+  int* cursor = valid + a.num_slots;   // [num_slots]
+  int* offset = cursor + a.num_slots;  // [num_slots]
+  __shared__ int scan_rows[kPermuteThreads], scan_tiles[kPermuteThreads];
+  const int tid = threadIdx.x;
+  for (int s = tid; s < a.num_slots; s += kPermuteThreads) count[s] = valid[s] = cursor[s] = 0;
+  __syncthreads();
+  const int valid_pairs =
+      a.num_valid_tokens != nullptr ? *a.num_valid_tokens * a.top_k : a.num_pairs;
+  for (int p = tid; p < a.num_pairs; p += kPermuteThreads) {
+    const int s = a.slot[p];
+    atomicAdd(&count[s], 1);
+    if (p < valid_pairs) atomicAdd(&valid[s], 1);
+  }
+  __syncthreads();
+  // Each thread owns a contiguous range of slots; a block scan gives its first row and tile.
+  const int per = (a.num_slots + kPermuteThreads - 1) / kPermuteThreads;
+  const int s0 = min(tid * per, a.num_slots), s1 = min(s0 + per, a.num_slots);
+  int rows = 0, tiles = 0;
+  for (int s = s0; s < s1; ++s) {
+    rows += count[s];
+    tiles += (count[s] + a.block_m - 1) / a.block_m;
+  }
+  scan_rows[tid] = rows;
+  scan_tiles[tid] = tiles;
+  __syncthreads();
+  for (int o = 1; o < kPermuteThreads; o <<= 1) {
+    const int r = tid >= o ? scan_rows[tid - o] : 0;
+    const int tl = tid >= o ? scan_tiles[tid - o] : 0;
+    __syncthreads();
+    scan_rows[tid] += r;
+    scan_tiles[tid] += tl;
+    __syncthreads();
+  }
+  int row = scan_rows[tid] - rows, tile = scan_tiles[tid] - tiles;
+  for (int s = s0; s < s1; ++s) {
+    offset[s] = row;
+    a.offsets[s] = row;
+    for (int r0 = 0; r0 < count[s]; r0 += a.block_m) {
+      a.tile_slot[tile] = s;
+      a.tile_row0[tile] = row + r0;
+      ++tile;
+    }
+    row += count[s];
+    if (a.slot_stats != nullptr) a.slot_stats[s] += valid[s];
+  }
+  if (tid == kPermuteThreads - 1) {
+    a.offsets[a.num_slots] = scan_rows[tid];
+    *a.num_tiles = scan_tiles[tid];
+  }
+  __syncthreads();
+  for (int p = tid; p < a.num_pairs; p += kPermuteThreads) {
+    const int s = a.slot[p];
+    const int r = offset[s] + atomicAdd(&cursor[s], 1);
+    a.row_of_pair[p] = r;
+    a.pair_of_row[r] = p;
+  }
+}
+
+template <typename T>
+__global__ void combine_kernel(const T* y, const float* weight, const int32_t* row_of_pair, int K,
+                               int hidden, bool accumulate, float* out) {
+  const int t = blockIdx.x;
+  float* o = out + static_cast<int64_t>(t) * hidden;
+  for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int k = 0; k < K; ++k) {
+      const float w = weight[t * K + k];
+      float v[8];
+      load8(y + static_cast<int64_t>(row_of_pair[t * K + k]) * hidden + c, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += w * v[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[c + i] = accumulate ? o[c + i] + acc[i] : acc[i];
+  }
+}
+
+__device__ __forceinline__ uint64_t mix64(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return x;
+}
+
+template <typename T>
+__global__ void fill_uniform_kernel(T* data, size_t n, uint64_t seed, float scale) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const uint64_t r = mix64(seed * 0x9e3779b97f4a7c15ull + i);
+    const float u = static_cast<float>(r >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    data[i] = from_f32<T>((2.f * u - 1.f) * scale);
+  }
+}
+
+__global__ void copy_kernel(const uint4* src, uint4* dst, size_t n) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    dst[i] = src[i];
+  }
+}
+
+int blocks_for(size_t n, int threads) {
+  const size_t b = (n + threads - 1) / threads;
+  return static_cast<int>(b < 65536 ? (b == 0 ? 1 : b) : 65536);
+}
+
+}  // namespace
+
+cudaError_t embedding(DType dtype, const void* table, const int32_t* ids, int num_tokens, int dim,
+                      float* out, cudaStream_t stream) {
+  if (num_tokens == 0) return cudaSuccess;
+  FLEX_DISPATCH_DTYPE(dtype, embedding_kernel<T><<<num_tokens, 256, 0, stream>>>(
+                                 static_cast<const T*>(table), ids, dim, out));
+  return cudaGetLastError();
+}
+
+cudaError_t rms_norm(DType dtype, const float* x, const int32_t* row_index, const float* weight,
+                     int rows, int dim, float eps, void* out, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  FLEX_DISPATCH_DTYPE(dtype, rms_norm_kernel<T><<<rows, 256, 0, stream>>>(
+                                 x, row_index, weight, dim, eps, static_cast<T*>(out)));
+  return cudaGetLastError();
+}
+
+cudaError_t qk_norm_rope_store(DType dtype, const QkvArgs& args, cudaStream_t stream) {
+  if (args.num_tokens == 0) return cudaSuccess;
+  if (args.head_dim > 256 || args.head_dim % 2 != 0) return cudaErrorInvalidValue;
+  const dim3 grid(args.num_tokens, args.num_q_heads + 2 * args.num_kv_heads);
+  FLEX_DISPATCH_DTYPE(dtype, qk_norm_rope_kernel<T><<<grid, 32, 0, stream>>>(args));
+  return cudaGetLastError();
+}
+
+cudaError_t silu_mul(DType dtype, const float* gu, int rows, int inter, void* out,
+                     cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  FLEX_DISPATCH_DTYPE(
+      dtype, silu_mul_kernel<T><<<rows, 256, 0, stream>>>(gu, inter, static_cast<T*>(out)));
+  return cudaGetLastError();
+}
+
+bool topk_args_ok(const TopkArgs& args) {
+  return args.top_k <= 32 && args.top_k >= 1 && args.num_experts <= 32 * kTopkMaxPerLane &&
+         args.top_k <= args.num_experts;
+}
+
+cudaError_t router_topk(const TopkArgs& args, cudaStream_t stream) {
+  if (args.num_tokens == 0) return cudaSuccess;
+  if (!topk_args_ok(args)) return cudaErrorInvalidValue;
+  constexpr int kWarps = 4;
+  router_topk_kernel<<<(args.num_tokens + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t permute(const PermuteArgs& args, cudaStream_t stream) {
+  if (args.num_slots > kMaxPermuteSlots || args.num_slots < 1 || args.block_m < 1) {
+    return cudaErrorInvalidValue;
+  }
+  const size_t smem = 4 * sizeof(int) * static_cast<size_t>(args.num_slots);
+  permute_kernel<<<1, kPermuteThreads, smem, stream>>>(args, TopkArgs{}, false);
+  return cudaGetLastError();
+}
+
+cudaError_t router_topk_permute(const TopkArgs& topk, const PermuteArgs& args,
+                                cudaStream_t stream) {
+  if (args.num_slots > kMaxPermuteSlots || args.num_slots < 1 || args.block_m < 1 ||
+      !topk_args_ok(topk)) {
+    return cudaErrorInvalidValue;
+  }
+  const size_t smem = 4 * sizeof(int) * static_cast<size_t>(args.num_slots);
+  permute_kernel<<<1, kPermuteThreads, smem, stream>>>(args, topk, true);
+  return cudaGetLastError();
+}
+
+cudaError_t combine(DType dtype, const void* y, const float* weight, const int32_t* row_of_pair,
+                    int num_tokens, int top_k, int hidden, bool accumulate, float* out,
+                    cudaStream_t stream) {
+  if (num_tokens == 0) return cudaSuccess;
+  if (hidden % 8 != 0) return cudaErrorInvalidValue;
+  const int threads = hidden / 8 < 256 ? ((hidden / 8 + 31) / 32) * 32 : 256;
+  FLEX_DISPATCH_DTYPE(
+      dtype, combine_kernel<T><<<num_tokens, threads, 0, stream>>>(
+                 static_cast<const T*>(y), weight, row_of_pair, top_k, hidden, accumulate, out));
+  return cudaGetLastError();
+}
+
+cudaError_t fill_uniform(DType dtype, void* data, size_t n, uint64_t seed, float scale,
+                         cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  FLEX_DISPATCH_DTYPE(dtype, fill_uniform_kernel<T><<<blocks_for(n, 256), 256, 0, stream>>>(
+                                 static_cast<T*>(data), n, seed, scale));
+  return cudaGetLastError();
+}
+
+cudaError_t copy_bytes(const void* src, void* dst, size_t num_bytes, cudaStream_t stream) {
+  if (num_bytes % 16 != 0) return cudaErrorInvalidValue;
+  const size_t n = num_bytes / 16;
+  copy_kernel<<<blocks_for(n, 512) < 132 * 16 ? blocks_for(n, 512) : 132 * 16, 512, 0, stream>>>(
+      static_cast<const uint4*>(src), static_cast<uint4*>(dst), n);
+  return cudaGetLastError();
+}
+
+}  // namespace flexpert::cuda

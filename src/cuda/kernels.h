@@ -1,0 +1,124 @@
+// SPDX-License-Identifier: Apache-2.0
+// CUDA kernels for every op of the Qwen3-MoE forward pass (the GEMMs apart:
+// cuBLAS for dense ones, grouped_gemm.h for the experts).
+//
+// Element type `dtype` (F32 or BF16) is that of weights and of the activations
+// that feed GEMMs; the residual stream, GEMM outputs, norm weights and router
+// logits are f32, and every reduction accumulates in f32. Each launcher only
+// enqueues on `stream` and returns the launch error (cudaGetLastError), so all
+// of them can be captured in a CUDA graph. Per-token metadata (positions, KV
+// slots) is read from device memory, so a captured graph serves any values.
+// Launchers are thread-safe; kernels never synchronise with the host.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "flexpert/dtype.h"
+
+namespace flexpert::cuda {
+
+// out[t, :] = f32(table[ids[t], :]).
+cudaError_t embedding(DType dtype, const void* table, const int32_t* ids, int num_tokens, int dim,
+                      float* out, cudaStream_t stream);
+
+// out[r, :] = x[src, :] / sqrt(mean(x[src, :]^2) + eps) * weight in `dtype`, with
+// src = row_index ? row_index[r] : r.
+cudaError_t rms_norm(DType dtype, const float* x, const int32_t* row_index, const float* weight,
+                     int rows, int dim, float eps, void* out, cudaStream_t stream);
+
+// Per token t of qkv [T, (nq + 2 nkv) * D] (q heads, k heads, v heads; f32): RMSNorm of
+// each q and k head (q_norm / k_norm weights), rotate-half RoPE at positions[t] with the
+// precomputed tables cos/sin [max_seq_len, D / 2], then q -> q_out [T, nq, D] and
+// k, v -> the caches [kv slots, max_seq_len, nkv, D] at (kv_slots[t], positions[t]).
+struct QkvArgs {
+  const float* qkv;
+  int num_tokens, num_q_heads, num_kv_heads, head_dim;
+  const float* q_norm;
+  const float* k_norm;
+  float eps;
+  const float* rope_cos;
+  const float* rope_sin;
+  const int32_t* positions;
+  const int32_t* kv_slots;
+  int max_seq_len;
+  void* q_out;
+  void* k_cache;
+  void* v_cache;
+};
+cudaError_t qk_norm_rope_store(DType dtype, const QkvArgs& args, cudaStream_t stream);
+
+// Causal grouped-query attention: token t (query heads [nq, D] in q) attends to
+// positions [0, positions[t]] of KV slot kv_slots[t]. out: [T, nq, D] in `dtype`.
+// head_dim must be 32, 64, 128 or 256 (else cudaErrorInvalidValue).
+struct AttentionArgs {
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  const int32_t* positions;
+  const int32_t* kv_slots;
+  int num_tokens, num_q_heads, num_kv_heads, head_dim, max_seq_len;
+  float scale;
+  void* out;
+};
+cudaError_t attention(DType dtype, const AttentionArgs& args, cudaStream_t stream);
+
+// out[r, i] = silu(gu[r, i]) * gu[r, inter + i] in `dtype` (dense MLP layers).
+cudaError_t silu_mul(DType dtype, const float* gu, int rows, int inter, void* out,
+                     cudaStream_t stream);
+
+// Router: softmax over num_experts f32 logits per token, the top_k experts (ties: lower
+// index), weights optionally renormalised; pair (t, k) uses replica (t + k) mod count of
+// its expert: rep_slots[rep_start[e] + (t + k) % rep_count[e]]. top_k <= 32, num_experts <= 512.
+struct TopkArgs {
+  const float* logits;
+  int num_tokens, num_experts, top_k;
+  bool norm_topk_prob;
+  const int32_t* rep_start;
+  const int32_t* rep_count;
+  const int32_t* rep_slots;
+  int32_t* expert;  // [T * K]
+  float* weight;    // [T * K]
+  int32_t* slot;    // [T * K]
+};
+cudaError_t router_topk(const TopkArgs& args, cudaStream_t stream);
+
+// Groups the T * K pairs by slot (one block): offsets [num_slots + 1], row_of_pair /
+// pair_of_row (rows of a slot are contiguous, in no particular order), and the tile
+// table of the grouped GEMM: tile i covers rows [tile_row0[i], min(+block_m, end of
+// tile_slot[i])), *num_tiles of them. slot_stats[s] (if given) += pairs of slot s among
+// the first *num_valid_tokens tokens (all tokens when num_valid_tokens is null).
+// num_slots <= kMaxPermuteSlots.
+constexpr int kMaxPermuteSlots = 2048;
+struct PermuteArgs {
+  const int32_t* slot;
+  int num_pairs, top_k, num_slots, block_m;
+  const int32_t* num_valid_tokens;
+  int32_t* offsets;
+  int32_t* tile_slot;
+  int32_t* tile_row0;
+  int32_t* num_tiles;
+  int32_t* row_of_pair;
+  int32_t* pair_of_row;
+  int64_t* slot_stats;
+};
+cudaError_t permute(const PermuteArgs& args, cudaStream_t stream);
+// router_topk then permute in one single-block launch (steps of a few tokens: decode).
+cudaError_t router_topk_permute(const TopkArgs& topk, const PermuteArgs& args, cudaStream_t stream);
+
+// out[t, :] (+)= sum_k weight[t * K + k] * y[row_of_pair[t * K + k], :], summed in k order
+// in f32. y: [pairs, hidden] in `dtype`; hidden % 8 == 0.
+cudaError_t combine(DType dtype, const void* y, const float* weight, const int32_t* row_of_pair,
+                    int num_tokens, int top_k, int hidden, bool accumulate, float* out,
+                    cudaStream_t stream);
+
+// Fills n elements with deterministic pseudo-random values uniform in [-scale, scale].
+cudaError_t fill_uniform(DType dtype, void* data, size_t n, uint64_t seed, float scale,
+                         cudaStream_t stream);
+
+// dst[i] = src[i] for num_bytes (a multiple of 16): the bandwidth probe of the benchmark.
+cudaError_t copy_bytes(const void* src, void* dst, size_t num_bytes, cudaStream_t stream);
+
+}  // namespace flexpert::cuda

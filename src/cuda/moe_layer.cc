@@ -1,0 +1,217 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "cuda/moe_layer.h"
+
+#include <cstring>
+#include <string>
+
+#include "cuda/kernels.h"
+
+namespace flexpert::cuda {
+namespace {
+
+// The smallest tile height any GemmTile uses (kGemv): it bounds the tile table.
+constexpr int kMinTileRows = 4;
+
+void store_as(DType dtype, float v, void* dst, int64_t index) {
+  if (dtype == DType::kBF16) {
+    static_cast<uint16_t*>(dst)[index] = f32_to_bf16(v);
+  } else {
+    static_cast<float*>(dst)[index] = v;
+  }
+}
+
+}  // namespace
+
+Status MoeDims::validate() const {
+  if (dtype != DType::kF32 && dtype != DType::kBF16) {
+    return invalid_argument("MoE on CUDA computes in f32 or bf16");
+  }
+  if (hidden <= 0 || hidden % 8 != 0 || intermediate <= 0 || intermediate % 8 != 0) {
+    return unimplemented("MoE on CUDA needs hidden and intermediate sizes divisible by 8 (got " +
+                         std::to_string(hidden) + ", " + std::to_string(intermediate) + ")");
+  }
+  if (num_experts < 1 || num_experts > 512 || top_k < 1 || top_k > 32 || top_k > num_experts) {
+    return unimplemented("MoE on CUDA supports up to 512 experts and top-k up to 32");
+  }
+  if (num_slots < 1 || num_slots > kMaxPermuteSlots) {
+    return unimplemented("MoE on CUDA supports up to " + std::to_string(kMaxPermuteSlots) +
+                         " slots per layer");
+  }
+  return Status();
+}
+
+RoutingTables build_routing_tables(const std::vector<int>& slot_to_expert, int num_experts) {
+  RoutingTables t;
+  t.rep_start.assign(static_cast<size_t>(num_experts), 0);
+  t.rep_count.assign(static_cast<size_t>(num_experts), 0);
+  t.rep_slots.assign(slot_to_expert.size(), 0);
+  for (int e : slot_to_expert) {
+    if (e >= 0) ++t.rep_count[e];
+  }
+  int start = 0;
+  for (int e = 0; e < num_experts; ++e) {
+    t.rep_start[e] = start;
+    start += t.rep_count[e];
+  }
+  std::vector<int32_t> cursor = t.rep_start;
+  for (size_t s = 0; s < slot_to_expert.size(); ++s) {  // Ascending slots per expert.
+    const int e = slot_to_expert[s];
+    if (e >= 0) t.rep_slots[cursor[e]++] = static_cast<int32_t>(s);
+  }
+  return t;
+}
+
+void pack_expert(const float* gate, const float* up, const float* down, int hidden,
+                 int intermediate, DType dtype, void* slot_image) {
+  const int64_t H = hidden, I = intermediate;
+  for (int64_t b = 0; b < I / 8; ++b) {
+    for (int64_t r = 0; r < 8; ++r) {
+      const float* g = gate + (b * 8 + r) * H;
+      const float* u = up + (b * 8 + r) * H;
+      const int64_t gate_row = 16 * b + r, up_row = 16 * b + 8 + r;
+      for (int64_t c = 0; c < H; ++c) {
+        store_as(dtype, g[c], slot_image, gate_row * H + c);
+        store_as(dtype, u[c], slot_image, up_row * H + c);
+      }
+    }
+  }
+  const int64_t down_at = 2 * I * H;
+  for (int64_t i = 0; i < H * I; ++i) store_as(dtype, down[i], slot_image, down_at + i);
+}
+
+Result<MoeScratch> MoeScratch::create(const MoeDims& dims, int max_tokens) {
+  FLEX_RETURN_IF_ERROR(dims.validate());
+  (void)wgmma_available();  // Probe now: never inside a graph capture.
+  MoeScratch s;
+  s.max_tokens = max_tokens;
+  const size_t T = static_cast<size_t>(max_tokens);
+  const size_t P = T * static_cast<size_t>(dims.top_k);
+  const size_t esize = dtype_size(dims.dtype);
+  const size_t tiles =
+      static_cast<size_t>(max_tiles(static_cast<int64_t>(P), dims.num_slots, kMinTileRows));
+  FLEX_ASSIGN_OR_RETURN(s.logits, DeviceBuffer::create(T * dims.num_experts * sizeof(float)));
+  FLEX_ASSIGN_OR_RETURN(s.expert, DeviceBuffer::create(P * sizeof(int32_t)));
+  FLEX_ASSIGN_OR_RETURN(s.weight, DeviceBuffer::create(P * sizeof(float)));
+  FLEX_ASSIGN_OR_RETURN(s.slot, DeviceBuffer::create(P * sizeof(int32_t)));
+  FLEX_ASSIGN_OR_RETURN(s.row_of_pair, DeviceBuffer::create(P * sizeof(int32_t)));
+  FLEX_ASSIGN_OR_RETURN(s.pair_of_row, DeviceBuffer::create(P * sizeof(int32_t)));
+  FLEX_ASSIGN_OR_RETURN(s.offsets, DeviceBuffer::create((dims.num_slots + 1) * sizeof(int32_t)));
+  FLEX_ASSIGN_OR_RETURN(s.tile_slot, DeviceBuffer::create(tiles * sizeof(int32_t)));
+  FLEX_ASSIGN_OR_RETURN(s.tile_row0, DeviceBuffer::create(tiles * sizeof(int32_t)));
+  FLEX_ASSIGN_OR_RETURN(s.num_tiles, DeviceBuffer::create_zeroed(sizeof(int32_t)));
+  FLEX_ASSIGN_OR_RETURN(s.act, DeviceBuffer::create(P * dims.intermediate * esize));
+  FLEX_ASSIGN_OR_RETURN(s.y, DeviceBuffer::create(P * dims.hidden * esize));
+  return s;
+}
+
+Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch, const void* h,
+               int num_tokens, const int32_t* num_valid_tokens, float* out, bool accumulate,
+               Blas& blas, cudaStream_t stream, int force_tile, unsigned stages) {
+  if (num_tokens == 0) return Status();
+  if (num_tokens > scratch.max_tokens) {
+    return internal_error("MoE step of " + std::to_string(num_tokens) +
+                          " tokens over the scratch capacity " +
+                          std::to_string(scratch.max_tokens));
+  }
+  const int H = dims.hidden, I = dims.intermediate, K = dims.top_k;
+  const int64_t P = static_cast<int64_t>(num_tokens) * K;
+  const GemmTile tile = force_tile >= 0 ? static_cast<GemmTile>(force_tile)
+                                        : choose_tile(dims.dtype, P, dims.num_experts, H, I);
+  if (!tile_supports(tile, dims.dtype, 2 * I, H) || !tile_supports(tile, dims.dtype, H, I)) {
+    return invalid_argument("GEMM tile " + std::to_string(static_cast<int>(tile)) +
+                            " does not fit the expert shapes");
+  }
+  const int block_m = tile_rows(tile);
+  const int tiles = max_tiles(P, dims.num_slots, block_m);
+
+  if (stages & kMoeRouter) {
+    FLEX_RETURN_IF_ERROR(blas.gemm_nt(dims.dtype, h, num_tokens, H, w.router, dims.num_experts,
+                                      DType::kF32, scratch.logits.data()));
+  }
+  TopkArgs topk{scratch.logits.as<float>(),
+                num_tokens,
+                dims.num_experts,
+                K,
+                dims.norm_topk_prob,
+                w.rep_start,
+                w.rep_count,
+                w.rep_slots,
+                scratch.expert.as<int32_t>(),
+                scratch.weight.as<float>(),
+                scratch.slot.as<int32_t>()};
+  // Up to this many tokens, top-k runs inside the (single-block) permutation launch.
+  constexpr int kFusedTopkTokens = 64;
+  const bool fuse = num_tokens <= kFusedTopkTokens && (stages & kMoeTopk) && (stages & kMoePermute);
+  if ((stages & kMoeTopk) && !fuse) FLEX_CUDA_TRY(router_topk(topk, stream));
+  PermuteArgs perm{scratch.slot.as<int32_t>(),
+                   static_cast<int>(P),
+                   K,
+                   dims.num_slots,
+                   block_m,
+                   num_valid_tokens,
+                   scratch.offsets.as<int32_t>(),
+                   scratch.tile_slot.as<int32_t>(),
+                   scratch.tile_row0.as<int32_t>(),
+                   scratch.num_tiles.as<int32_t>(),
+                   scratch.row_of_pair.as<int32_t>(),
+                   scratch.pair_of_row.as<int32_t>(),
+                   w.slot_stats};
+  if (fuse) {
+    FLEX_CUDA_TRY(router_topk_permute(topk, perm, stream));
+  } else if (stages & kMoePermute) {
+    FLEX_CUDA_TRY(permute(perm, stream));
+  }
+
+  GroupedGemmArgs g;
+  g.offsets = scratch.offsets.as<int32_t>();
+  g.tile_slot = scratch.tile_slot.as<int32_t>();
+  g.tile_row0 = scratch.tile_row0.as<int32_t>();
+  g.num_tiles = scratch.num_tiles.as<int32_t>();
+  g.max_tiles = tiles;
+  g.weights = w.slots;
+  g.slot_stride = dims.slot_elems();
+
+  g.a = h;
+  g.gather = scratch.pair_of_row.as<int32_t>();
+  g.gather_div = K;
+  g.weight_offset = 0;
+  g.n = 2 * I;
+  g.k = H;
+  g.swiglu = true;
+  g.out = scratch.act.data();
+  if (stages & kMoeGateUp) FLEX_CUDA_TRY(grouped_gemm(dims.dtype, tile, g, stream));
+
+  g.a = scratch.act.data();
+  g.gather = nullptr;
+  g.gather_div = 1;
+  g.weight_offset = 2 * static_cast<int64_t>(I) * H;
+  g.n = H;
+  g.k = I;
+  g.swiglu = false;
+  g.out = scratch.y.data();
+  if (stages & kMoeDown) FLEX_CUDA_TRY(grouped_gemm(dims.dtype, tile, g, stream));
+  if (!(stages & kMoeCombine)) return Status();
+  FLEX_CUDA_TRY(combine(dims.dtype, scratch.y.data(), scratch.weight.as<float>(),
+                        scratch.row_of_pair.as<int32_t>(), num_tokens, K, H, accumulate, out,
+                        stream));
+  return Status();
+}
+
+Status read_routing(const MoeScratch& scratch, int num_pairs, cudaStream_t stream,
+                    std::vector<int32_t>* experts, std::vector<int32_t>* slots) {
+  const size_t n = static_cast<size_t>(num_pairs);
+  if (experts != nullptr) {
+    experts->resize(n);
+    FLEX_CUDA_TRY(cudaMemcpyAsync(experts->data(), scratch.expert.data(), n * sizeof(int32_t),
+                                  cudaMemcpyDeviceToHost, stream));
+  }
+  if (slots != nullptr) {
+    slots->resize(n);
+    FLEX_CUDA_TRY(cudaMemcpyAsync(slots->data(), scratch.slot.data(), n * sizeof(int32_t),
+                                  cudaMemcpyDeviceToHost, stream));
+  }
+  FLEX_CUDA_TRY(cudaStreamSynchronize(stream));
+  return Status();
+}
+
+}  // namespace flexpert::cuda

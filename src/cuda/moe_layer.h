@@ -1,0 +1,99 @@
+// SPDX-License-Identifier: Apache-2.0
+// The MoE block on one GPU: router GEMM -> softmax top-k with replica choice ->
+// permutation by slot -> grouped gate/up GEMM with SwiGLU -> grouped down GEMM
+// -> weighted combine (summed in k order), as src/moe/moe_layer.h on the CPU.
+//
+// Every step is a kernel on one stream with no host synchronisation, so a
+// captured graph stays valid while routing tables (logical expert -> replica
+// slots) are rewritten in place. Slot weights of a layer are one buffer
+// [num_slots][gate/up (2I x H, interleaved by 8 rows, see grouped_gemm.h) | down (H x I)].
+// A MoeScratch is sized once for a token capacity; run_moe never allocates.
+// Not thread-safe: one stream, one driver thread.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "cuda/blas.h"
+#include "cuda/device.h"
+#include "cuda/grouped_gemm.h"
+#include "flexpert/dtype.h"
+#include "flexpert/status.h"
+
+namespace flexpert::cuda {
+
+struct MoeDims {
+  DType dtype = DType::kBF16;  // Weights and GEMM inputs (F32 or BF16).
+  int hidden = 0;
+  int intermediate = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  int num_slots = 0;
+  bool norm_topk_prob = true;
+
+  int64_t slot_elems() const { return 3 * static_cast<int64_t>(hidden) * intermediate; }
+  Status validate() const;
+};
+
+// Device pointers of one layer (owned elsewhere).
+struct MoeLayerWeights {
+  const void* router = nullptr;        // [E, H]
+  const void* slots = nullptr;         // [num_slots][slot_elems]
+  const int32_t* rep_start = nullptr;  // [E] first entry of expert e in rep_slots
+  const int32_t* rep_count = nullptr;  // [E] replicas of e (>= 1)
+  const int32_t* rep_slots = nullptr;  // [num_slots] slots, grouped by expert
+  int64_t* slot_stats = nullptr;       // [num_slots] rows per slot, accumulated; may be null
+};
+
+// Routing tables of one layer in the layout MoeLayerWeights reads, from a slot -> expert
+// map (kFreeSlot = -1 entries are skipped). Sizes: start/count [E], slots [num_slots].
+struct RoutingTables {
+  std::vector<int32_t> rep_start, rep_count, rep_slots;
+};
+RoutingTables build_routing_tables(const std::vector<int>& slot_to_expert, int num_experts);
+
+// Host-side packing of one expert into a slot image (f32 inputs, converted to `dtype`
+// bits): gate/up [I, H] interleaved by 8 rows, then down [H, I].
+void pack_expert(const float* gate, const float* up, const float* down, int hidden,
+                 int intermediate, DType dtype, void* slot_image);
+
+// Step scratch sized once for max_tokens (all device buffers; contents are per step).
+struct MoeScratch {
+  static Result<MoeScratch> create(const MoeDims& dims, int max_tokens);
+
+  int max_tokens = 0;
+  DeviceBuffer logits;                           // f32 [T, E]
+  DeviceBuffer expert, weight, slot;             // [T * K] i32, f32, i32
+  DeviceBuffer row_of_pair, pair_of_row;         // i32 [T * K]
+  DeviceBuffer offsets;                          // i32 [num_slots + 1]
+  DeviceBuffer tile_slot, tile_row0, num_tiles;  // i32 [max tiles], [max tiles], [1]
+  DeviceBuffer act;                              // dtype [T * K, I]
+  DeviceBuffer y;                                // dtype [T * K, H]
+};
+
+// The kernels of run_moe, as a mask (profiling runs one stage on the previous run's data).
+enum MoeStage : unsigned {
+  kMoeRouter = 1,
+  kMoeTopk = 2,
+  kMoePermute = 4,
+  kMoeGateUp = 8,
+  kMoeDown = 16,
+  kMoeCombine = 32,
+  kMoeAllStages = 63,
+};
+
+// out[t] (+)= MoE(h[t]) for t < num_tokens (h: [T, H] in dims.dtype; out: [T, H] f32).
+// num_valid_tokens (device, may be null): only pairs of tokens below it count in
+// slot_stats (padding rows of a captured batch do not). force_tile >= 0 picks a
+// GemmTile (tests, benchmarks); -1 chooses by size. `stages` selects kernels (profiling).
+Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch, const void* h,
+               int num_tokens, const int32_t* num_valid_tokens, float* out, bool accumulate,
+               Blas& blas, cudaStream_t stream, int force_tile = -1,
+               unsigned stages = kMoeAllStages);
+
+// Copies the last run's per-pair logical experts and slots to the host (tests,
+// benchmarks); synchronises `stream`.
+Status read_routing(const MoeScratch& scratch, int num_pairs, cudaStream_t stream,
+                    std::vector<int32_t>* experts, std::vector<int32_t>* slots);
+
+}  // namespace flexpert::cuda

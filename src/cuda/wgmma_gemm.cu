@@ -1,0 +1,289 @@
+// SPDX-License-Identifier: Apache-2.0
+// The Hopper tensor-core path of the grouped expert GEMM (grouped_gemm.h):
+// wgmma.mma_async m64n128k16 / m64n256k16 (bf16 in, f32 accumulators in registers)
+// on tiles of 64 x 128, 128 x 128 or 128 x 256, K in steps of 64, 4 or 5 stages.
+// NOTE: A rows are gathered (token rows of each (token, k) pair), which the bulk
+// tensor copy engine cannot do on sm_90, so every thread copies 16-byte chunks
+// with cp.async straight into the 128-byte swizzled layout wgmma reads: row r,
+// chunk c lands at r * 128 + ((c ^ (r % 8)) * 16), 8-row groups 1024 bytes apart.
+// Compiled only for sm_90a (arch-specific wgmma); elsewhere the kernel is empty
+// and wgmma_available() says so, so the mma.sync tiles are used instead.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "cuda/device_util.cuh"
+#include "cuda/grouped_gemm.h"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FLEX_HAS_WGMMA 1
+#else
+#define FLEX_HAS_WGMMA 0
+#endif
+
+namespace flexpert::cuda {
+namespace {
+
+constexpr int kWgBK = 64;
+// Shared-memory stages: 64 x 128 tiles run two blocks per SM, larger ones one.
+template <int WG, int BN>
+__host__ __device__ constexpr int wg_stages() {
+  return WG == 2 && BN == 128 ? 5 : 4;
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
+}
+
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 B apart.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  uint64_t d = 0;
+  d |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  d |= static_cast<uint64_t>(16 >> 4) << 16;
+  d |= static_cast<uint64_t>(1024 >> 4) << 32;
+  d |= uint64_t{1} << 62;
+  return d;
+}
+
+#if FLEX_HAS_WGMMA
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
+      "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
+      "%56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a,
+                                                 uint64_t desc_b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
+      "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
+      "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, "
+      "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, "
+      "%92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, "
+      "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, "
+      "%123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
+        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
+        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
+        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
+        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+template <int BN>
+__device__ __forceinline__ void wgmma_tile(float (&d)[BN / 2], uint64_t desc_a, uint64_t desc_b) {
+  if constexpr (BN == 256) {
+    wgmma_m64n256k16(d, desc_a, desc_b);
+  } else {
+    wgmma_m64n128k16(d, desc_a, desc_b);
+  }
+}
+#endif
+
+template <int WG, int BN>
+__global__ void __launch_bounds__(WG * 128, 1) wgmma_gemm_kernel(const GroupedGemmArgs g) {
+#if FLEX_HAS_WGMMA
+  constexpr int BM = 64 * WG, kThreads = WG * 128;
+  constexpr int kABytes = BM * 128, kBBytes = BN * 128, kStageBytes = kABytes + kBBytes;
+  constexpr int kAPer = BM * 8 / kThreads, kBPer = BN * 8 / kThreads;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t smem = raw + ((1024 - (raw & 1023)) & 1023);  // Swizzle atoms: 1024-aligned.
+
+  const int tile = blockIdx.x;
+  if (tile >= *g.num_tiles) return;
+  const int slot = g.tile_slot[tile];
+  const int row0 = g.tile_row0[tile];
+  const int row_end = g.offsets[slot + 1];
+  const int n0 = blockIdx.y * BN;
+  const int K = g.k;
+  const int tid = threadIdx.x;
+  const bf16* A = static_cast<const bf16*>(g.a);
+  const bf16* B = static_cast<const bf16*>(g.weights) + slot * g.slot_stride + g.weight_offset +
+                  static_cast<int64_t>(n0) * K;
+  const bf16* a_src[kAPer];
+  uint32_t a_dst[kAPer];
+#pragma unroll
+  for (int i = 0; i < kAPer; ++i) {
+    const int c = tid + i * kThreads, row = c / 8, ch = c % 8;
+    const int r = min(row0 + row, row_end - 1);
+    const int src = g.gather != nullptr ? g.gather[r] / g.gather_div : r;
+    a_src[i] = A + static_cast<int64_t>(src) * K + ch * 8;
+    a_dst[i] = row * 128 + ((ch ^ (row & 7)) << 4);
+  }
+  const bf16* b_src[kBPer];
+  uint32_t b_dst[kBPer];
+#pragma unroll
+  for (int i = 0; i < kBPer; ++i) {
+    const int c = tid + i * kThreads, row = c / 8, ch = c % 8;
+    b_src[i] = B + static_cast<int64_t>(row) * K + ch * 8;
+    b_dst[i] = kABytes + row * 128 + ((ch ^ (row & 7)) << 4);
+  }
+  auto load_stage = [&](int stage, int kt) {
+    const uint32_t base = smem + stage * kStageBytes;
+    const int k0 = kt * kWgBK;
+#pragma unroll
+    for (int i = 0; i < kAPer; ++i) cp_async16(base + a_dst[i], a_src[i] + k0);
+#pragma unroll
+    for (int i = 0; i < kBPer; ++i) cp_async16(base + b_dst[i], b_src[i] + k0);
+  };
+
+  float d[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+  constexpr int S = wg_stages<WG, BN>();
+  const int num_k_tiles = K / kWgBK;
+  // Loads run S - 2 tiles ahead: the stage refilled at step kt was read by the
+  // wgmma group of step kt - 2, which wait_group 1 at the end of step kt - 1 retired.
+#pragma unroll
+  for (int s = 0; s < S - 2; ++s) {
+    if (s < num_k_tiles) load_stage(s, s);
+    asm volatile("cp.async.commit_group;\n" ::);
+  }
+  const int wg = tid / 128;
+  for (int kt = 0; kt < num_k_tiles; ++kt) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 3));
+    // cp.async wrote through the generic proxy; wgmma reads through the async proxy.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    const int next = kt + S - 2;
+    if (next < num_k_tiles) load_stage(next % S, next);
+    asm volatile("cp.async.commit_group;\n" ::);
+    const uint32_t base = smem + (kt % S) * kStageBytes;
+    const uint64_t da = smem_desc(base + wg * 64 * 128);
+    const uint64_t db = smem_desc(base + kABytes);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < kWgBK / 16; ++kk) {
+      // +32 bytes per 16 elements of K inside the swizzled 128-byte rows.
+      wgmma_tile<BN>(d, da + 2 * kk, db + 2 * kk);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+  }
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  asm volatile("cp.async.wait_group 0;\n" ::);
+
+  // Accumulator i of a thread: row 16 * warp + lane / 4 + 8 * ((i / 2) % 2),
+  // column 8 * (i / 4) + 2 * (lane % 4) + i % 2 of the warpgroup's 64 x 128 tile.
+  const int warp = (tid % 128) / 32, lane = tid % 32;
+  const int q = lane % 4;
+  bf16* out = static_cast<bf16*>(g.out);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = row0 + wg * 64 + warp * 16 + lane / 4 + half * 8;
+    if (r >= row_end) continue;
+    if (g.swiglu) {
+      bf16* o = out + static_cast<int64_t>(r) * (g.n / 2);
+#pragma unroll
+      for (int j = 0; j < BN / 8; j += 2) {
+        const int gn = n0 + 8 * j;  // Gate block; j + 1 holds the up block.
+        const float* gate = &d[4 * j + 2 * half];
+        const float* up = &d[4 * (j + 1) + 2 * half];
+        *reinterpret_cast<__nv_bfloat162*>(o + (gn / 16) * 8 + 2 * q) =
+            __floats2bfloat162_rn(silu(gate[0]) * up[0], silu(gate[1]) * up[1]);
+      }
+    } else {
+      bf16* o = out + static_cast<int64_t>(r) * g.n;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        *reinterpret_cast<__nv_bfloat162*>(o + n0 + 8 * j + 2 * q) =
+            __floats2bfloat162_rn(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+      }
+    }
+  }
+#endif
+}
+
+__global__ void wgmma_probe_kernel(int* out) { *out = FLEX_HAS_WGMMA; }
+
+template <int WG, int BN>
+constexpr size_t wgmma_smem_bytes() {
+  return static_cast<size_t>(wg_stages<WG, BN>()) * (64 * WG + BN) * 128 + 1024;
+}
+
+template <int WG, int BN>
+cudaError_t launch(const GroupedGemmArgs& g, cudaStream_t stream) {
+  static bool attribute_set = false;  // Set at the first (eager) launch.
+  if (!attribute_set) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(wgmma_gemm_kernel<WG, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(wgmma_smem_bytes<WG, BN>()));
+    if (err != cudaSuccess) return err;
+    attribute_set = true;
+  }
+  const dim3 grid(g.max_tiles, g.n / BN);
+  wgmma_gemm_kernel<WG, BN><<<grid, WG * 128, wgmma_smem_bytes<WG, BN>(), stream>>>(g);
+  return cudaGetLastError();
+}
+
+int probe() {
+  int* flag = nullptr;
+  int host = 0;
+  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return 0;
+  wgmma_probe_kernel<<<1, 1>>>(flag);
+  const bool ok = cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
+  cudaFree(flag);
+  (void)cudaGetLastError();
+  return ok ? host : 0;
+}
+
+}  // namespace
+
+bool wgmma_available() {
+  static const bool available = probe() == 1;
+  return available;
+}
+
+bool wgmma_fits(int n, int k, int bn) { return n % bn == 0 && k % kWgBK == 0; }
+
+cudaError_t launch_wgmma_gemm(int warpgroups, int bn, const GroupedGemmArgs& args,
+                              cudaStream_t stream) {
+  if (bn == 256) return launch<2, 256>(args, stream);
+  return warpgroups == 2 ? launch<2, 128>(args, stream) : launch<1, 128>(args, stream);
+}
+
+}  // namespace flexpert::cuda

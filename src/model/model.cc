@@ -1,0 +1,49 @@
+// SPDX-License-Identifier: Apache-2.0
+// Model::load: the model class for a checkpoint's model_type.
+#include "flexpert/model.h"
+
+#include <string>
+
+#include "model/deepseek_v3.h"
+#include "model/qwen3_moe.h"
+#ifdef FLEXPERT_WITH_CUDA
+#include "cuda/cuda_model.h"
+#endif
+
+namespace flexpert {
+
+Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
+  if (options.device != "cpu") {
+#ifdef FLEXPERT_WITH_CUDA
+    return cuda::load_cuda_model(dir, options);
+#else
+    return unimplemented("device '" + options.device + "': this build has no CUDA support");
+#endif
+  }
+  FLEX_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::load(dir));
+  FLEX_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::open(dir));
+  if (config.model_type == "qwen3_moe") {
+    // Qwen3MoeModel reads its weights as stored; only DeepseekV3Model dequantizes FP8.
+    if (config.quant_method == "fp8") {
+      return unimplemented("FP8 checkpoints are implemented for deepseek models only");
+    }
+    for (const std::string& name : ckpt->names()) {
+      auto t = ckpt->get(name);
+      if (t.ok() && t->dtype() == DType::kF8E4M3) {
+        return unimplemented("tensor '" + name +
+                             "' is FP8; FP8 weights are implemented for deepseek models only");
+      }
+    }
+    FLEX_ASSIGN_OR_RETURN(auto model,
+                          Qwen3MoeModel::create(std::move(ckpt), std::move(config), options));
+    return std::unique_ptr<Model>(std::move(model));
+  }
+  if (config.is_deepseek()) {
+    FLEX_ASSIGN_OR_RETURN(auto model,
+                          DeepseekV3Model::create(std::move(ckpt), std::move(config), options));
+    return std::unique_ptr<Model>(std::move(model));
+  }
+  return unimplemented("model_type '" + config.model_type + "' has no implementation");
+}
+
+}  // namespace flexpert

@@ -1,0 +1,174 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "model/routed_experts.h"
+
+#include <algorithm>
+
+namespace flexpert {
+
+Status validate_batch(const std::vector<SequenceChunk>& batch, int max_sequences, int max_seq_len,
+                      int vocab_size) {
+  std::vector<bool> used(static_cast<size_t>(max_sequences), false);
+  for (const SequenceChunk& chunk : batch) {
+    if (chunk.kv_slot < 0 || chunk.kv_slot >= max_sequences) {
+      return invalid_argument("kv slot " + std::to_string(chunk.kv_slot) + " out of range [0, " +
+                              std::to_string(max_sequences) + ")");
+    }
+    if (used[chunk.kv_slot]) {
+      return invalid_argument("kv slot " + std::to_string(chunk.kv_slot) + " used twice in a step");
+    }
+    used[chunk.kv_slot] = true;
+    if (chunk.tokens.empty()) return invalid_argument("a sequence chunk has no tokens");
+    if (chunk.start_pos < 0 ||
+        chunk.start_pos + static_cast<int64_t>(chunk.tokens.size()) > max_seq_len) {
+      return invalid_argument("positions " + std::to_string(chunk.start_pos) + ".." +
+                              std::to_string(chunk.start_pos + chunk.tokens.size()) +
+                              " exceed the context length " + std::to_string(max_seq_len));
+    }
+    for (int32_t id : chunk.tokens) {
+      if (id < 0 || id >= vocab_size) {
+        return invalid_argument("token id " + std::to_string(id) + " outside the vocabulary [0, " +
+                                std::to_string(vocab_size) + ")");
+      }
+    }
+  }
+  return Status();
+}
+
+int default_max_seq_len(const ModelConfig& config, const ModelOptions& options) {
+  return options.max_seq_len > 0 ? options.max_seq_len
+                                 : std::min(std::max(config.max_position_embeddings, 1), 4096);
+}
+
+Status RoutedExperts::init(const ModelConfig& config, const ModelOptions& options,
+                           ThreadPool* pool) {
+  pool_ = pool;
+  FLEX_ASSIGN_OR_RETURN(placement_,
+                        ExpertPlacement::parse(options.placement, config.num_hidden_layers,
+                                               std::max(config.num_experts, 1)));
+  first_slot_ = options.first_slot;
+  num_local_slots_ = options.num_local_slots < 0 ? placement_.num_slots() : options.num_local_slots;
+  if (first_slot_ < 0 || first_slot_ + num_local_slots_ > placement_.num_slots()) {
+    return invalid_argument("local slots [" + std::to_string(first_slot_) + ", " +
+                            std::to_string(first_slot_ + num_local_slots_) +
+                            ") outside the placement's " + std::to_string(placement_.num_slots()) +
+                            " slots");
+  }
+  if (options.moe_executor != nullptr) {
+    executor_ = options.moe_executor;
+  } else {
+    own_executor_ = std::make_unique<LocalMoeExecutor>(*pool_);
+    executor_ = own_executor_.get();
+  }
+  rebuild_replicas();
+  slot_counts_.assign(config.num_hidden_layers,
+                      std::vector<int64_t>(static_cast<size_t>(placement_.num_slots()), 0));
+  return Status();
+}
+
+namespace {
+
+struct ExpertTensors {
+  std::string names[3];  // gate, up, down.
+  Tensor w[3];           // Borrowed from the checkpoint, in its dtype.
+};
+
+Result<ExpertTensors> find_expert(const Checkpoint& ck, const std::string& prefix, int expert,
+                                  int64_t hidden, int64_t inter) {
+  ExpertTensors t;
+  const std::string ep = prefix + std::to_string(expert) + ".";
+  const Shape shapes[3] = {{inter, hidden}, {inter, hidden}, {hidden, inter}};
+  const char* parts[3] = {"gate_proj.weight", "up_proj.weight", "down_proj.weight"};
+  for (int p = 0; p < 3; ++p) {
+    t.names[p] = ep + parts[p];
+    FLEX_ASSIGN_OR_RETURN(t.w[p], ck.get(t.names[p], shapes[p]));
+  }
+  return t;
+}
+
+// Copies one expert into a slot, dequantizing FP8 weights on the way.
+Status copy_expert(const Checkpoint& ck, const ModelConfig& config, const ExpertTensors& t,
+                   int slot, ExpertSlots* slots) {
+  if (t.w[0].dtype() != DType::kF8E4M3) return slots->load(slot, t.w[0], t.w[1], t.w[2]);
+  const int br = config.weight_block_size.empty() ? 128 : config.weight_block_size[0];
+  const int bc = config.weight_block_size.empty() ? 128 : config.weight_block_size[1];
+  Tensor dq[3];
+  for (int p = 0; p < 3; ++p) {
+    FLEX_ASSIGN_OR_RETURN(dq[p], ck.get_weight(t.names[p], t.w[p].shape(), br, bc));
+  }
+  return slots->load(slot, dq[0], dq[1], dq[2]);
+}
+
+}  // namespace
+
+Status RoutedExperts::load_layer(const Checkpoint& ck, const ModelConfig& config, int layer,
+                                 const std::string& prefix, int64_t hidden, int64_t inter,
+                                 const ModelOptions& options, ExpertSlots* slots) {
+  const int E = config.num_experts;
+  const int H = static_cast<int>(hidden), I = static_cast<int>(inter);
+  // Resolve every tensor first (errors name the tensor), then copy in parallel.
+  std::vector<ExpertTensors> experts;
+  experts.reserve(static_cast<size_t>(E));
+  for (int e = 0; e < E; ++e) {
+    FLEX_ASSIGN_OR_RETURN(ExpertTensors t, find_expert(ck, prefix, e, hidden, inter));
+    experts.push_back(std::move(t));
+  }
+  // FP8 experts are stored dequantized: slots hold what the kernels read.
+  const DType dtype =
+      E == 0 || experts[0].w[0].dtype() == DType::kF8E4M3 ? DType::kBF16 : experts[0].w[0].dtype();
+  if (options.allocate_slots) {
+    const size_t bytes = ExpertSlots::bytes_for(dtype, num_local_slots_, H, I);
+    FLEX_ASSIGN_OR_RETURN(void* storage, options.allocate_slots(layer, bytes));
+    *slots = ExpertSlots(dtype, num_local_slots_, H, I, storage);
+  } else {
+    *slots = ExpertSlots(dtype, num_local_slots_, H, I);
+  }
+  const std::vector<int>& map = placement_.slot_map(layer);
+  std::vector<Status> errors(static_cast<size_t>(num_local_slots_));
+  pool_->parallel_for(num_local_slots_, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int e = map[first_slot_ + s];
+      if (e == ExpertPlacement::kFreeSlot) continue;
+      errors[s] = copy_expert(ck, config, experts[e], static_cast<int>(s), slots);
+    }
+  });
+  for (const Status& s : errors) FLEX_RETURN_IF_ERROR(s.annotate(prefix));
+  return Status();
+}
+
+Status RoutedExperts::load_expert(const Checkpoint& ck, const ModelConfig& config, int expert,
+                                  int local_slot, const std::string& prefix,
+                                  ExpertSlots* slots) const {
+  if (expert < 0 || expert >= config.num_experts || local_slot < 0 ||
+      local_slot >= num_local_slots_) {
+    return invalid_argument("expert " + std::to_string(expert) + " or local slot " +
+                            std::to_string(local_slot) + " out of range");
+  }
+  FLEX_ASSIGN_OR_RETURN(ExpertTensors t,
+                        find_expert(ck, prefix, expert, slots->hidden(), slots->intermediate()));
+  return copy_expert(ck, config, t, local_slot, slots);
+}
+
+void RoutedExperts::rebuild_replicas() {
+  replicas_.assign(placement_.num_layers(), {});
+  for (int l = 0; l < placement_.num_layers(); ++l) {
+    for (int e = 0; e < placement_.num_experts(); ++e)
+      replicas_[l].push_back(placement_.replicas(l, e));
+  }
+}
+
+Status RoutedExperts::set_placement(ExpertPlacement placement) {
+  if (placement.num_slots() != placement_.num_slots() ||
+      placement.num_layers() != placement_.num_layers() ||
+      placement.num_experts() != placement_.num_experts()) {
+    return invalid_argument("new placement has a different shape");
+  }
+  placement_ = std::move(placement);
+  rebuild_replicas();
+  return Status();
+}
+
+void RoutedExperts::reset_slot_counts() {
+  for (auto& v : slot_counts_) std::fill(v.begin(), v.end(), 0);
+}
+
+}  // namespace flexpert

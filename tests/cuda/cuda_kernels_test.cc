@@ -1,0 +1,252 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA MoE block and attention against the CPU kernels, on random data:
+// every GEMM tile, f32 and bf16, several token counts, replicated slots.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "cuda/blas.h"
+#include "cuda/device.h"
+#include "cuda/kernels.h"
+#include "cuda/moe_layer.h"
+#include "cuda_test_util.h"
+#include "flexpert/placement.h"
+#include "kernels/cpu_ops.h"
+#include "moe/expert_slots.h"
+#include "moe/moe_layer.h"
+
+namespace flexpert {
+namespace {
+
+using namespace cuda_test;
+
+struct MoeCase {
+  DType dtype;
+  cuda::GemmTile tile;
+  int tokens;
+};
+
+std::string case_name(const MoeCase& c) {
+  return std::string(dtype_name(c.dtype)) + " " + cuda::tile_name(c.tile) + " tokens " +
+         std::to_string(c.tokens);
+}
+
+class CudaMoeTest : public ::testing::TestWithParam<MoeCase> {};
+
+TEST_P(CudaMoeTest, MatchesCpuMoeBlock) {
+  FLEX_SKIP_WITHOUT_GPU();
+  const MoeCase c = GetParam();
+  const bool bf = c.dtype == DType::kBF16;
+  const int H = 256, I = 128, E = 16, K = 4, T = c.tokens;
+  // Every expert once, then 8 replicas: hot experts 0, 3 and 7 get several.
+  std::vector<int> map;
+  for (int e = 0; e < E; ++e) map.push_back(e);
+  for (int e : {3, 7, 0, 3, 11, 7, 3, 15}) map.push_back(e);
+  const int S = static_cast<int>(map.size());
+  auto placement = ExpertPlacement::from_slot_maps(E, {map});
+  ASSERT_TRUE(placement.ok());
+  std::vector<std::vector<int>> replicas;
+  for (int e = 0; e < E; ++e) replicas.push_back(placement.value().replicas(0, e));
+
+  std::mt19937 rng(1234 + T);
+  auto maybe_round = [&](std::vector<float> v) { return bf ? round_bf16(std::move(v)) : v; };
+  const std::vector<float> x = maybe_round(uniform(static_cast<size_t>(T) * H, 1.f, rng));
+  const std::vector<float> router = maybe_round(uniform(static_cast<size_t>(E) * H, 0.2f, rng));
+  std::vector<std::vector<float>> gate(E), up(E), down(E);
+  for (int e = 0; e < E; ++e) {
+    gate[e] = maybe_round(uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng));
+    up[e] = maybe_round(uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng));
+    down[e] = maybe_round(uniform(static_cast<size_t>(H) * I, 1.f / std::sqrt(I), rng));
+  }
+
+  // CPU reference in f32 on the same (rounded) values.
+  ExpertSlots cpu_slots(DType::kF32, S, H, I);
+  for (int s = 0; s < S; ++s) {
+    const int e = map[s];
+    ASSERT_TRUE(cpu_slots
+                    .load(s, Tensor::borrow(gate[e].data(), DType::kF32, {I, H}),
+                          Tensor::borrow(up[e].data(), DType::kF32, {I, H}),
+                          Tensor::borrow(down[e].data(), DType::kF32, {H, I}))
+                    .ok());
+  }
+  const Tensor router_t = Tensor::borrow(router.data(), DType::kF32, {E, H});
+  std::vector<float> want(static_cast<size_t>(T) * H);
+  std::vector<int64_t> cpu_counts(S, 0);
+  MoeWorkspace ws;
+  moe_forward_local(x.data(), T, router_t, RouterParams{E, K, true}, replicas, cpu_slots,
+                    want.data(), &ws, cpu_counts.data(), ThreadPool::global());
+
+  // GPU.
+  cuda::MoeDims dims;
+  dims.dtype = c.dtype;
+  dims.hidden = H;
+  dims.intermediate = I;
+  dims.num_experts = E;
+  dims.top_k = K;
+  dims.num_slots = S;
+  dims.norm_topk_prob = true;
+  const size_t slot_bytes = dims.slot_elems() * dtype_size(c.dtype);
+  std::vector<uint8_t> image(S * slot_bytes);
+  for (int s = 0; s < S; ++s) {
+    cuda::pack_expert(gate[map[s]].data(), up[map[s]].data(), down[map[s]].data(), H, I, c.dtype,
+                      image.data() + s * slot_bytes);
+  }
+  auto slots = to_device_raw(image);
+  auto router_d = to_device(router, c.dtype);
+  auto x_d = to_device(x, c.dtype);
+  const cuda::RoutingTables tables = cuda::build_routing_tables(map, E);
+  auto rep_start = to_device_raw(tables.rep_start);
+  auto rep_count = to_device_raw(tables.rep_count);
+  auto rep_slots = to_device_raw(tables.rep_slots);
+  auto stats = cuda::DeviceBuffer::create_zeroed(S * sizeof(int64_t));
+  ASSERT_TRUE(stats.ok());
+  auto out = to_device(std::vector<float>(static_cast<size_t>(T) * H, NAN), DType::kF32);
+  auto stream = cuda::Stream::create();
+  ASSERT_TRUE(stream.ok());
+  auto blas = cuda::Blas::create(stream.value().get());
+  ASSERT_TRUE(blas.ok());
+  auto scratch = cuda::MoeScratch::create(dims, T);
+  ASSERT_TRUE(scratch.ok()) << scratch.status().to_string();
+  if (!cuda::tile_supports(c.tile, c.dtype, 2 * I, H)) {
+    GTEST_SKIP() << "tile " << cuda::tile_name(c.tile) << " not available in this build/device";
+  }
+  cuda::MoeLayerWeights w;
+  w.router = router_d.data();
+  w.slots = slots.data();
+  w.rep_start = rep_start.as<int32_t>();
+  w.rep_count = rep_count.as<int32_t>();
+  w.rep_slots = rep_slots.as<int32_t>();
+  w.slot_stats = stats.value().as<int64_t>();
+  Status st = cuda::run_moe(dims, w, scratch.value(), x_d.data(), T, nullptr, out.as<float>(),
+                            false, blas.value(), stream.value().get(), static_cast<int>(c.tile));
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  ASSERT_TRUE(stream.value().synchronize().ok());
+  const std::vector<float> got = to_host(out.data(), want.size(), DType::kF32);
+  const double err = rel_l2(got, want);
+  std::printf("  %s: relative L2 vs CPU = %.3g\n", case_name(c).c_str(), err);
+  EXPECT_LT(err, bf ? 2e-2 : 1e-5) << case_name(c);
+
+  std::vector<int32_t> experts, pair_slots;
+  ASSERT_TRUE(
+      cuda::read_routing(scratch.value(), T * K, stream.value().get(), &experts, &pair_slots).ok());
+  int mismatches = 0;
+  for (int p = 0; p < T * K; ++p) mismatches += experts[p] != ws.routing.expert[p];
+  EXPECT_LE(mismatches, bf ? T * K / 50 : 0) << "routing differs from the CPU";
+  std::vector<int64_t> gpu_counts(S);
+  ASSERT_EQ(cudaMemcpy(gpu_counts.data(), stats.value().data(), S * sizeof(int64_t),
+                       cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  int64_t total = 0;
+  for (int s = 0; s < S; ++s) total += gpu_counts[s];
+  EXPECT_EQ(total, static_cast<int64_t>(T) * K);
+  if (!bf) {
+    EXPECT_EQ(gpu_counts, cpu_counts);
+  }
+}
+
+std::vector<MoeCase> moe_cases() {
+  std::vector<MoeCase> cases;
+  for (int t : {1, 7, 64, 300, 1000}) {
+    cases.push_back({DType::kF32, cuda::GemmTile::kSimt, t});
+    cases.push_back({DType::kBF16, cuda::GemmTile::kSimt, t});
+    cases.push_back({DType::kBF16, cuda::GemmTile::kMma16, t});
+    cases.push_back({DType::kBF16, cuda::GemmTile::kMma64, t});
+    cases.push_back({DType::kBF16, cuda::GemmTile::kMma128, t});
+    cases.push_back({DType::kBF16, cuda::GemmTile::kMma16N32, t});
+    cases.push_back({DType::kBF16, cuda::GemmTile::kWgmma64, t});
+    cases.push_back({DType::kBF16, cuda::GemmTile::kWgmma128, t});
+    cases.push_back({DType::kBF16, cuda::GemmTile::kMma16K128, t});
+    cases.push_back({DType::kBF16, cuda::GemmTile::kGemv, t});
+    cases.push_back({DType::kBF16, cuda::GemmTile::kWgmma128N256, t});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllTiles, CudaMoeTest, ::testing::ValuesIn(moe_cases()));
+
+class CudaAttentionTest : public ::testing::TestWithParam<std::pair<DType, int>> {};
+
+TEST_P(CudaAttentionTest, MatchesCpuAttention) {
+  FLEX_SKIP_WITHOUT_GPU();
+  const auto [dtype, D] = GetParam();
+  const bool bf = dtype == DType::kBF16;
+  const int nq = 8, nkv = 2, max_seq_len = 96, num_slots = 3;
+  // Two sequences: a 40-token prefill at 0 in slot 2 and one decode token at 70 in slot 0.
+  struct Seq {
+    int slot, start, len;
+  };
+  const std::vector<Seq> seqs = {{2, 0, 40}, {0, 70, 1}};
+  std::mt19937 rng(7 + D);
+  auto maybe_round = [&](std::vector<float> v) { return bf ? round_bf16(std::move(v)) : v; };
+  const size_t cache_n = static_cast<size_t>(num_slots) * max_seq_len * nkv * D;
+  const std::vector<float> kc = maybe_round(uniform(cache_n, 1.f, rng));
+  const std::vector<float> vc = maybe_round(uniform(cache_n, 1.f, rng));
+  int T = 0;
+  std::vector<int32_t> pos, slot;
+  for (const Seq& s : seqs) {
+    for (int i = 0; i < s.len; ++i) {
+      pos.push_back(s.start + i);
+      slot.push_back(s.slot);
+      ++T;
+    }
+  }
+  const std::vector<float> q = maybe_round(uniform(static_cast<size_t>(T) * nq * D, 1.f, rng));
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  std::vector<float> want(q.size());
+  int t0 = 0;
+  for (const Seq& s : seqs) {
+    const size_t off = static_cast<size_t>(s.slot) * max_seq_len * nkv * D;
+    kernels::attention(q.data() + static_cast<size_t>(t0) * nq * D, kc.data() + off,
+                       vc.data() + off, s.len, s.start, nq, nkv, D, scale,
+                       want.data() + static_cast<size_t>(t0) * nq * D, ThreadPool::global());
+    t0 += s.len;
+  }
+  auto q_d = to_device(q, dtype);
+  auto k_d = to_device(kc, dtype);
+  auto v_d = to_device(vc, dtype);
+  auto pos_d = to_device_raw(pos);
+  auto slot_d = to_device_raw(slot);
+  auto out_d = cuda::DeviceBuffer::create(q.size() * dtype_size(dtype));
+  ASSERT_TRUE(out_d.ok());
+  cuda::AttentionArgs a{
+      q_d.data(), k_d.data(),  v_d.data(), pos_d.as<int32_t>(), slot_d.as<int32_t>(), T, nq, nkv,
+      D,          max_seq_len, scale,      out_d.value().data()};
+  ASSERT_EQ(cuda::attention(dtype, a, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> got = to_host(out_d.value().data(), q.size(), dtype);
+  const double err = rel_l2(got, want);
+  std::printf("  attention %s D=%d: relative L2 vs CPU = %.3g\n", dtype_name(dtype).data(), D, err);
+  EXPECT_LT(err, bf ? 1e-2 : 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(HeadDims, CudaAttentionTest,
+                         ::testing::Values(std::make_pair(DType::kF32, 64),
+                                           std::make_pair(DType::kF32, 128),
+                                           std::make_pair(DType::kBF16, 128),
+                                           std::make_pair(DType::kBF16, 32)));
+
+TEST(CudaDeviceTest, ParsesDeviceStrings) {
+  EXPECT_EQ(cuda::parse_device("gpu").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::parse_device("cuda:x").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::parse_device("cuda:99").status().code(), StatusCode::kInvalidArgument);
+  if (cuda::device_available()) {
+    EXPECT_EQ(cuda::parse_device("cuda").value(), 0);
+    EXPECT_EQ(cuda::parse_device("cuda:0").value(), 0);
+  } else {
+    EXPECT_EQ(cuda::parse_device("cuda").status().code(), StatusCode::kInvalidArgument);
+  }
+}
+
+TEST(CudaDeviceTest, RoutingTablesListReplicasInSlotOrder) {
+  const cuda::RoutingTables t = cuda::build_routing_tables({2, -1, 0, 2, 1, 0}, 3);
+  EXPECT_EQ(t.rep_count, (std::vector<int32_t>{2, 1, 2}));
+  EXPECT_EQ(t.rep_start, (std::vector<int32_t>{0, 2, 3}));
+  EXPECT_EQ(std::vector<int32_t>(t.rep_slots.begin(), t.rep_slots.begin() + 5),
+            (std::vector<int32_t>{2, 5, 4, 0, 3}));
+}
+
+}  // namespace
+}  // namespace flexpert

@@ -1,0 +1,365 @@
+// SPDX-License-Identifier: Apache-2.0
+// Elastic membership while serving: scale up and down under continuous load, a
+// worker killed under load, a joiner that crashes during its preparation, and
+// many scale cycles without leaks. Every completion must equal the Hugging Face
+// reference and no request may fail.
+#include <atomic>
+#include <set>
+
+#include "../common/run_flexpert.h"
+#include "server_fixture.h"
+
+namespace {
+
+using namespace flexpert_test;
+
+struct Answer {
+  int status = 0;
+  nlohmann::json body;
+};
+
+Answer post(Server& server, const std::string& path, const nlohmann::json& body,
+            const std::string& key = "") {
+  httplib::Client c("127.0.0.1", server.port());
+  c.set_read_timeout(120, 0);
+  httplib::Headers headers;
+  if (!key.empty()) headers.emplace("Authorization", "Bearer " + key);
+  auto res = c.Post(path.c_str(), headers, body.dump(), "application/json");
+  if (!res) return {};
+  return {res->status, nlohmann::json::parse(res->body, nullptr, false)};
+}
+
+// Client threads that send the reference prompts in a loop and check each answer.
+class Load {
+ public:
+  Load(Server& server, int clients, const std::string& model = kModel)
+      : ref_(load_reference(model)) {
+    for (int c = 0; c < clients; ++c) {
+      threads_.emplace_back([this, &server, c] {
+        for (int i = 0; !done_.load(); ++i) {
+          const size_t p = (c + i) % ref_.prompts.size();
+          const std::vector<int> got = server.complete(ref_.prompts[p], 16);
+          if (got.empty()) {
+            ++failed_;
+          } else if (got != ref_.greedy[p]) {
+            ++wrong_;
+          } else {
+            ++ok_;
+          }
+        }
+      });
+    }
+  }
+  ~Load() { stop(); }
+  void stop() {
+    done_.store(true);
+    for (auto& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+  }
+  int ok() const { return ok_.load(); }
+  int failed() const { return failed_.load(); }
+  int wrong() const { return wrong_.load(); }
+
+ private:
+  Reference ref_;
+  std::atomic<bool> done_{false};
+  std::atomic<int> ok_{0}, failed_{0}, wrong_{0};
+  std::vector<std::thread> threads_;
+};
+
+std::vector<int> members(Server& server) {
+  return server.get_json("/v1/status")["members"].get<std::vector<int>>();
+}
+
+int rank_pid(Server& server, int rank) {
+  const auto status = server.get_json("/v1/status");
+  for (const auto& r : status["ranks"]) {
+    if (r["rank"] == rank) return r["pid"];
+  }
+  return 0;
+}
+
+void pause_ms(int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); }
+
+TEST(ElasticTest, ScaleUpAndDownUnderLoadKeepsEveryAnswer) {
+  Server server({"--ranks", "2", "--max-ranks", "4", "--min-ranks", "1", "--threads-per-worker",
+                 "1", "--admin-key", "sesame"});
+  ASSERT_TRUE(server.up());
+  Load load(server, 6);
+  pause_ms(300);
+  EXPECT_EQ(post(server, "/v1/scale", {{"ranks", 4}}).status, 401);  // No key.
+  for (int target : {4, 3, 1, 3}) {
+    const Answer a = post(server, "/v1/scale", {{"ranks", target}}, "sesame");
+    ASSERT_EQ(a.status, 200) << a.body.dump();
+    EXPECT_EQ(a.body["status"], "ok");
+    EXPECT_EQ(a.body["members"].size(), static_cast<size_t>(target)) << a.body.dump();
+    EXPECT_EQ(members(server).size(), static_cast<size_t>(target));
+    pause_ms(400);  // Traffic on the new topology.
+  }
+  load.stop();
+  EXPECT_GT(load.ok(), 30);
+  EXPECT_EQ(load.failed(), 0);
+  EXPECT_EQ(load.wrong(), 0);
+  const auto status = server.get_json("/v1/status");
+  EXPECT_EQ(status["phase"], "serving");
+  EXPECT_EQ(status["epoch"], 5);  // Start + four commits.
+  // The experts spread over the members: every member holds some, others none.
+  const auto eplb = server.get_json("/v1/eplb");
+  const int spr = eplb["slots_per_rank"];
+  const std::set<int> now(status["members"].begin(), status["members"].end());
+  for (const auto& layer : eplb["layers"]) {
+    std::set<int> experts;
+    const auto map = layer["slot_to_expert"].get<std::vector<int>>();
+    for (size_t s = 0; s < map.size(); ++s) {
+      if (map[s] < 0) continue;
+      EXPECT_TRUE(now.count(static_cast<int>(s) / spr)) << "slot " << s << " of a non-member";
+      experts.insert(map[s]);
+    }
+    EXPECT_EQ(experts.size(), 16u);
+  }
+  EXPECT_EQ(server.stop(), 0);
+}
+
+TEST(ElasticTest, HandStartedJoinerAndScaleCommandErrors) {
+  // --no-spawn: the scale-up waits for `flexpert worker --join ... --rank 1`.
+  Server server({"--ranks", "1", "--max-ranks", "2", "--no-spawn", "--threads-per-worker", "1"},
+                {0});
+  ASSERT_TRUE(server.up());
+  const std::string url = "--url http://127.0.0.1:" + std::to_string(server.port());
+  Answer answer;
+  std::thread scale([&] { answer = post(server, "/v1/scale", {{"ranks", 2}}); });
+  pause_ms(300);
+  EXPECT_EQ(server.get_json("/v1/status")["phase"], "scaling");
+  server.join_worker(1);
+  scale.join();
+  ASSERT_EQ(answer.status, 200) << answer.body.dump();
+  EXPECT_EQ(answer.body["members"], nlohmann::json({0, 1}));
+  const Reference ref = load_reference();
+  check_reference(server, ref, 1);
+  auto bad = run_flexpert("scale " + url + " --to 0");
+  EXPECT_EQ(bad.exit_code, 2) << bad.out;
+  bad = run_flexpert("scale " + url);
+  EXPECT_EQ(bad.exit_code, 2) << bad.out;
+  bad = run_flexpert("scale " + url + " --remove 0,1");
+  EXPECT_EQ(bad.exit_code, 2) << bad.out;  // HTTP 400: cannot remove every member.
+  EXPECT_NE(bad.out.find("every member"), std::string::npos) << bad.out;
+  EXPECT_EQ(server.stop(), 0);
+}
+
+TEST(ElasticTest, ScaleCommandReportsTheCommit) {
+  Server server({"--ranks", "1", "--max-ranks", "2", "--threads-per-worker", "1"});
+  ASSERT_TRUE(server.up());
+  const auto run =
+      run_flexpert("scale --url http://127.0.0.1:" + std::to_string(server.port()) + " --to 2");
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  const auto report = nlohmann::json::parse(run.out.substr(run.out.find('{')), nullptr, false);
+  EXPECT_EQ(report["members"], nlohmann::json({0, 1})) << run.out;
+  EXPECT_EQ(report["kind"], "scale-up");
+  EXPECT_GT(report["copied_bytes"].get<int64_t>(), 0);
+  const Reference ref = load_reference();
+  check_reference(server, ref, 2);
+  EXPECT_EQ(server.stop(), 0);
+}
+
+TEST(ElasticTest, DeepSeekGroupScalesAndRebalancesUnderLoad) {
+  const std::string model = std::string(FLEXPERT_TESTDATA_DIR) + "/deepseekv3-tiny";
+  Server server({"--ranks", "2", "--max-ranks", "4", "--min-ranks", "1", "--threads-per-worker",
+                 "1", "--eplb-window-s", "2"},
+                {}, model);
+  ASSERT_TRUE(server.up());
+  Load load(server, 4, model);
+  pause_ms(300);
+  ASSERT_EQ(post(server, "/v1/scale", {{"ranks", 4}}).status, 200);
+  pause_ms(300);
+  const Answer rebalance = post(server, "/v1/eplb/rebalance", nlohmann::json::object());
+  EXPECT_EQ(rebalance.status, 200) << rebalance.body.dump();
+  ASSERT_EQ(post(server, "/v1/scale", {{"remove", {0, 2}}}).status, 200);
+  pause_ms(300);
+  load.stop();
+  EXPECT_EQ(members(server), std::vector<int>({1, 3}));
+  EXPECT_GT(load.ok(), 10);
+  EXPECT_EQ(load.failed(), 0);
+  EXPECT_EQ(load.wrong(), 0);
+  EXPECT_EQ(server.stop(), 0);
+}
+
+TEST(ElasticTest, BadScaleRequestsGetClearErrors) {
+  Server server({"--ranks", "2", "--max-ranks", "3", "--threads-per-worker", "1"});
+  ASSERT_TRUE(server.up());
+  for (const nlohmann::json& body :
+       {nlohmann::json{{"ranks", 0}}, nlohmann::json{{"ranks", 4}}, nlohmann::json{{"ranks", "2"}},
+        nlohmann::json{{"ranks", 2.5}}, nlohmann::json{{"remove", {7}}},
+        nlohmann::json{{"remove", {0, 1}}}, nlohmann::json::object(),
+        nlohmann::json{{"ranks", 2}, {"remove", {1}}}}) {
+    const Answer a = post(server, "/v1/scale", body);
+    EXPECT_EQ(a.status, 400) << body.dump() << " -> " << a.body.dump();
+    EXPECT_TRUE(a.body["error"]["message"].is_string()) << a.body.dump();
+  }
+  // Shrinking below what the slots can hold (sized for --ranks 2 by default).
+  EXPECT_EQ(post(server, "/v1/scale", {{"ranks", 1}}).status, 400);
+  EXPECT_EQ(members(server).size(), 2u);
+  EXPECT_EQ(post(server, "/v1/scale", {{"remove", {1}}}).status, 400);
+  EXPECT_EQ(server.stop(), 0);
+}
+
+TEST(ElasticTest, KilledWorkerUnderLoadLosesNoRequest) {
+  // One replica per expert: the lost rank's experts are reloaded from the checkpoint
+  // into the survivors' free slots (sized for 2 ranks by --min-ranks).
+  Server server(
+      {"--ranks", "3", "--max-ranks", "3", "--min-ranks", "2", "--threads-per-worker", "1"});
+  ASSERT_TRUE(server.up());
+  Load load(server, 6);
+  pause_ms(400);
+  const int victim = rank_pid(server, 1);
+  ASSERT_GT(victim, 0);
+  kill(victim, SIGKILL);
+  pause_ms(800);
+  auto status = server.get_json("/v1/status");
+  EXPECT_EQ(status["phase"], "serving") << status.dump();
+  EXPECT_EQ(status["members"], nlohmann::json({0, 2}));
+  const auto last = status["reconfiguration"]["last"];
+  EXPECT_EQ(last["kind"], "recovery") << last.dump();
+  EXPECT_GT(last["reloaded_experts"].get<int>(), 0) << last.dump();
+  // The freed rank id is reused by a joiner with a new incarnation.
+  const Answer a = post(server, "/v1/scale", {{"ranks", 3}});
+  ASSERT_EQ(a.status, 200) << a.body.dump();
+  EXPECT_EQ(a.body["joined"], nlohmann::json({1}));
+  pause_ms(300);
+  load.stop();
+  EXPECT_GT(load.ok(), 20);
+  EXPECT_EQ(load.failed(), 0);
+  EXPECT_EQ(load.wrong(), 0);
+  const auto after = server.get_json("/v1/status");
+  for (const auto& r : after["ranks"]) {
+    if (r["rank"] == 1) {
+      EXPECT_EQ(r["incarnation"], 2);
+      EXPECT_EQ(r["state"], "serving");
+    }
+  }
+  EXPECT_EQ(server.stop(), 0);
+  EXPECT_TRUE(shm_segments(server.pid()).empty());
+}
+
+TEST(ElasticTest, KilledWorkerWithReplicasNeedsNoReload) {
+  Server server({"--ranks", "3", "--max-ranks", "3", "--threads-per-worker", "1", "--min-replicas",
+                 "2", "--placement", "replicate:16"});
+  ASSERT_TRUE(server.up());
+  Load load(server, 4);
+  pause_ms(300);
+  kill(rank_pid(server, 2), SIGKILL);
+  pause_ms(500);
+  load.stop();
+  const auto last = server.get_json("/v1/status")["reconfiguration"]["last"];
+  EXPECT_EQ(last["kind"], "recovery");
+  EXPECT_EQ(last["reloaded_experts"], 0) << last.dump();
+  EXPECT_EQ(load.failed(), 0);
+  EXPECT_EQ(load.wrong(), 0);
+}
+
+TEST(ElasticTest, JoinerCrashingDuringPreparationRollsBack) {
+  setenv("FLEXPERT_FAULT", "join-crash", 1);  // Inherited by the server and its workers.
+  Server server({"--ranks", "2", "--max-ranks", "4", "--threads-per-worker", "1"});
+  unsetenv("FLEXPERT_FAULT");
+  ASSERT_TRUE(server.up());
+  Load load(server, 4);
+  pause_ms(300);
+  const Answer a = post(server, "/v1/scale", {{"ranks", 3}});
+  EXPECT_EQ(a.status, 503) << a.body.dump();
+  pause_ms(300);
+  load.stop();
+  EXPECT_EQ(load.failed(), 0);
+  EXPECT_EQ(load.wrong(), 0);
+  EXPECT_GT(load.ok(), 10);
+  const auto status = server.get_json("/v1/status");
+  EXPECT_EQ(status["members"], nlohmann::json({0, 1}));
+  EXPECT_EQ(status["phase"], "serving");
+  EXPECT_EQ(status["reconfiguration"]["last"]["rolled_back"], true);
+  EXPECT_EQ(server.stop(), 0);
+  EXPECT_TRUE(shm_segments(server.pid()).empty());
+}
+
+TEST(ElasticTest, SecondReconfigurationGetsConflict) {
+  setenv("FLEXPERT_FAULT", "join-delay:1500", 1);
+  Server server({"--ranks", "1", "--max-ranks", "3", "--threads-per-worker", "1"});
+  unsetenv("FLEXPERT_FAULT");
+  ASSERT_TRUE(server.up());
+  std::thread first([&] { EXPECT_EQ(post(server, "/v1/scale", {{"ranks", 2}}).status, 200); });
+  pause_ms(500);
+  const auto status = server.get_json("/v1/status");
+  EXPECT_EQ(status["phase"], "scaling");
+  EXPECT_EQ(status["reconfiguration"]["in_progress"], true);
+  EXPECT_EQ(post(server, "/v1/scale", {{"ranks", 3}}).status, 409);
+  EXPECT_EQ(post(server, "/v1/eplb/rebalance", nlohmann::json::object()).status, 409);
+  // Requests are served during the preparation (never 503).
+  const Reference ref = load_reference();
+  EXPECT_EQ(server.complete(ref.prompts[0], 16), ref.greedy[0]);
+  first.join();
+  EXPECT_EQ(members(server), std::vector<int>({0, 1}));
+}
+
+int child_processes(pid_t parent) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    std::ifstream in(e.path() / "stat");
+    std::string pid, comm, state;
+    int ppid = 0;
+    if (in >> pid >> comm >> state >> ppid && ppid == parent) ++n;
+  }
+  return n;
+}
+
+long rss_kb(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string key;
+  long value = 0;
+  while (in >> key) {
+    if (key == "VmRSS:") {
+      in >> value;
+      return value;
+    }
+    in.ignore(4096, '\n');
+  }
+  return 0;
+}
+
+TEST(ElasticTest, FiftyScaleCyclesLeakNothing) {
+  Server server(
+      {"--ranks", "1", "--max-ranks", "2", "--min-ranks", "1", "--threads-per-worker", "1"});
+  ASSERT_TRUE(server.up());
+  const Reference ref = load_reference();
+  long rss_start = 0;
+  size_t shm_start = 0;
+  for (int cycle = 0; cycle < 50; ++cycle) {
+    ASSERT_EQ(post(server, "/v1/scale", {{"ranks", 2}}).status, 200) << "cycle " << cycle;
+    ASSERT_EQ(post(server, "/v1/scale", {{"ranks", 1}}).status, 200) << "cycle " << cycle;
+    if (cycle == 4) {  // After warm-up (allocator pools, ZeroMQ buffers).
+      pause_ms(200);
+      rss_start = rss_kb(server.pid());
+      shm_start = shm_segments(server.pid()).size();
+    }
+  }
+  EXPECT_EQ(server.complete(ref.prompts[1], 16), ref.greedy[1]);
+  pause_ms(300);  // The last leaver exits in the background.
+  EXPECT_EQ(child_processes(server.pid()), 1);
+  EXPECT_EQ(shm_segments(server.pid()).size(), shm_start);
+  const long rss_end = rss_kb(server.pid());
+  EXPECT_LT(rss_end, rss_start + 8 * 1024) << "front end RSS " << rss_start << " -> " << rss_end;
+  EXPECT_EQ(server.get_json("/v1/status")["epoch"], 101);
+  EXPECT_EQ(server.stop(), 0);
+}
+
+TEST(ElasticTest, StopTheWorldBaselineRebuildsTheGroup) {
+  Server server({"--ranks", "2", "--max-ranks", "3", "--threads-per-worker", "1", "--reconfigure",
+                 "stop-the-world"});
+  ASSERT_TRUE(server.up());
+  const Answer a = post(server, "/v1/scale", {{"ranks", 3}});
+  ASSERT_EQ(a.status, 200) << a.body.dump();
+  EXPECT_EQ(a.body["mode"], "stop-the-world");
+  EXPECT_EQ(members(server).size(), 3u);
+  const Reference ref = load_reference();
+  check_reference(server, ref, 2);
+  EXPECT_EQ(server.stop(), 0);
+}
+
+}  // namespace
