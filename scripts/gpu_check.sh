@@ -5,6 +5,9 @@
 #   bash scripts/gpu_check.sh            logs and JSON under $OUT (default out/gpu)
 #   FLEXPERT_GPU_BUILD=1 bash ...        build here even if .gpu/ has binaries
 #   GPU_CHECK_TOKENS=1,64 bash ...       benchmark token counts (default 1..16384)
+#   GPU_CHECK_BENCH_FLAGS="--sweep --profile"  time every GEMM tile / every kernel too
+#   GPU_CHECK_TORCH_JSON=F               reuse PyTorch times from an earlier run
+#   GPU_CHECK_NO_MEMCHECK=1, GPU_CHECK_NO_GENERATE_BENCH=1  skip those steps
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}

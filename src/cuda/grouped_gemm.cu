@@ -502,8 +502,8 @@ GemmTile choose_tile(DType dtype, int64_t num_pairs, int num_experts, int hidden
   } else if (rows_per_expert <= 64) {
     order = {GemmTile::kWgmma64, GemmTile::kMma16K128, GemmTile::kMma16, GemmTile::kMma64};
   } else {
-    order = {GemmTile::kWgmma128, GemmTile::kWgmma64, GemmTile::kMma128, GemmTile::kMma64,
-             GemmTile::kMma16};
+    order = {GemmTile::kWgmma128N256, GemmTile::kWgmma128, GemmTile::kWgmma64,
+             GemmTile::kMma128,       GemmTile::kMma64,    GemmTile::kMma16};
   }
   for (GemmTile t : order) {
     if (fits_both(t, dtype, hidden, inter)) return t;
