@@ -66,6 +66,11 @@ Status run_serve(const Flags& flags) {
     FLEX_ASSIGN_OR_RETURN(options.min_replicas, int_flag(flags, "min-replicas", 1));
     options.eplb_policy = flags.str("eplb-policy");
     options.reconfigure = flags.str("reconfigure");
+    options.device = flags.str("device");
+    if (flags.str("cuda-dtype") != "bf16" && flags.str("cuda-dtype") != "f32") {
+      return invalid_argument("--cuda-dtype must be bf16 or f32");
+    }
+    options.device_f32 = flags.str("cuda-dtype") == "f32";
     if (options.reconfigure != "live" && options.reconfigure != "stop-the-world") {
       return invalid_argument("--reconfigure must be live or stop-the-world");
     }
@@ -157,6 +162,8 @@ int cmd_serve(const Args& args) {
       .value("eplb-spare-slots", "1", "free expert slots per rank for replicas and moves")
       .value("eplb-policy", "auto", "placement policy: auto, global, hierarchical")
       .value("min-replicas", "1", "replicas every expert keeps (more: a lost rank needs no reload)")
+      .value("device", "cpu", "where workers run the model: cpu, cuda, cuda:N")
+      .value("cuda-dtype", "bf16", "weights and activations on the GPU: bf16 or f32")
       .value("reconfigure", "live", "membership changes: live, or stop-the-world (baseline)")
       .value("heartbeat-timeout-ms", "60000", "a worker silent this long is declared lost")
       .value("start-timeout-ms", "120000", "for a starting or joining worker to be ready")

@@ -45,9 +45,12 @@ struct WorkerConfig {
   int max_tokens_per_step = 256;
   int max_seq_len = 0;
   int timeout_ms = 10000;
-  int threads = 0;  // 0: the worker's default.
+  int threads = 0;             // 0: the worker's default.
+  std::string device = "cpu";  // ModelOptions::device ("cuda:N" is relative to the rank's GPUs).
+  bool device_f32 = false;     // f32 weights/activations on the GPU (verification); else bf16.
   MSGPACK_DEFINE_MAP(incarnation, session, model_dir, max_ranks, slots_per_rank, placement_json,
-                     max_sequences, max_tokens_per_step, max_seq_len, timeout_ms, threads);
+                     max_sequences, max_tokens_per_step, max_seq_len, timeout_ms, threads, device,
+                     device_f32);
 };
 
 // A worker has loaded its model and created its transport.
@@ -117,8 +120,9 @@ struct StepReport {
   uint64_t map_version = 0;  // Expert map in use.
   // Rows computed per [layer][local slot] since the last report (EPLB load).
   std::vector<int64_t> slot_counts;
-  MSGPACK_DEFINE_MAP(epoch, steps, step_ms, max_step_ms, running, waiting, map_version,
-                     slot_counts);
+  int64_t graph_captures = 0;  // CUDA graphs captured since start (flat across epochs).
+  MSGPACK_DEFINE_MAP(epoch, steps, step_ms, max_step_ms, running, waiting, map_version, slot_counts,
+                     graph_captures);
 };
 
 // Copy experts into free local slots: dst_slots[i] <- (src_ranks[i], src_slots[i]),

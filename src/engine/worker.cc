@@ -200,6 +200,8 @@ Status Worker::load() {
     return region.data;
   };
   mopts.moe_executor = executor_.get();
+  mopts.device = config_.device;
+  mopts.device_dtype = config_.device_f32 ? DType::kF32 : DType::kBF16;
   FLEX_ASSIGN_OR_RETURN(model_, Model::load(config_.model_dir, mopts));
   scheduler_ = std::make_unique<Scheduler>(
       SchedulerLimits{model_config_.vocab_size, model_->max_sequences(), model_->max_seq_len(),
@@ -367,6 +369,7 @@ void Worker::report(bool force) {
   r.running = static_cast<int>(scheduler_->num_running());
   r.waiting = static_cast<int>(scheduler_->num_waiting());
   r.map_version = map_version_;
+  r.graph_captures = model_->num_graph_captures();
   const auto& counts = model_->slot_counts();
   const int first = options_.rank * config_.slots_per_rank;
   for (const auto& layer : counts) {

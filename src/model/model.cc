@@ -6,7 +6,9 @@
 
 #include "model/deepseek_v3.h"
 #include "model/qwen3_moe.h"
+#include "model/rope.h"
 #ifdef FLEXPERT_WITH_CUDA
+#include "cuda/cuda_deepseek_v3.h"
 #include "cuda/cuda_model.h"
 #endif
 
@@ -15,6 +17,12 @@ namespace flexpert {
 Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
   if (options.device != "cpu") {
 #ifdef FLEXPERT_WITH_CUDA
+    // DeepSeek gets its RoPE tables from here: model/rope.cc is this library's.
+    auto config = ModelConfig::load(dir);
+    if (config.ok() && config->is_deepseek()) {
+      return cuda::load_cuda_deepseek_model(dir, options,
+                                            rope_tables(*config, config->qk_rope_head_dim));
+    }
     return cuda::load_cuda_model(dir, options);
 #else
     return unimplemented("device '" + options.device + "': this build has no CUDA support");

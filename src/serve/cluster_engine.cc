@@ -252,8 +252,13 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
   info.state = RankState::kDead;
   info.last_error = why;
   info.leaving = false;
-  if (info.spawned && info.pid > 0) kill(info.pid, SIGKILL);        // Declared lost: make it so.
-  if (!info.spawned) unlink_rank_segments(rank, info.incarnation);  // Nobody reaps it here.
+  if (info.spawned && info.pid > 0) kill(info.pid, SIGKILL);  // Declared lost: make it so.
+  if (!info.spawned) {
+    // Not ours to kill: if it is alive but silent, tell it to go; nobody reaps it here.
+    if (!info.routing_id.empty()) post(rank, proto::Shutdown{proto::Shutdown::kLeave});
+    unlink_rank_segments(rank, info.incarnation);
+    info.pid = 0;
+  }
   cv_.notify_all();
   FLEX_LOG(WARN) << "rank " << rank << " lost: " << why;
   if (!was_member) return;   // A joiner in preparation: its scale-up rolls back.
@@ -290,12 +295,15 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
   members_ = survivors;  // Nothing new is placed on the lost rank from here on.
   if (survivors.empty()) {
     phase_ = "degraded";
+    recovery_ = Recovery{};
     fail_all("rank " + std::to_string(rank) + " died and no rank is left: " + why, calls);
     return;
   }
   // Its requests continue on survivors from their prompt plus what was streamed.
   for (auto& [id, req] : requests_) {
-    if (req.rank == rank) rehome(id, req, rank, calls);
+    if (req.rank == rank && !rehome(id, req, rank, calls)) {
+      fail_request(req, "rank " + std::to_string(rank) + " died and no rank can take over", calls);
+    }
   }
   info.in_flight = 0;
   start_recovery(survivors, calls);
@@ -336,6 +344,8 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     cfg.max_tokens_per_step = options_.max_tokens_per_step;
     cfg.max_seq_len = max_seq_len_;
     cfg.timeout_ms = options_.transport_timeout_ms;
+    cfg.device = options_.device;
+    cfg.device_f32 = options_.device_f32;
     post(r, cfg);
     return;
   }
@@ -349,6 +359,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
   if (type == proto::Ready::kType) {
     auto ready = proto::decode<proto::Ready>(body);
     if (!ready.ok() || ready->incarnation != info.incarnation) return;
+    if (info.state != RankState::kStarting) return;  // E.g. a joiner already rolled back.
     info.address = ready->transport_address;
     info.state = RankState::kReady;
     if (epoch_ == 0) {
@@ -403,6 +414,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     info.steps = rep->steps;
     if (rep->step_ms > 0) info.step_ms = rep->step_ms;
     info.max_step_ms = rep->max_step_ms;
+    info.graph_captures = rep->graph_captures;
     if (rebalancing_) rebalance_max_step_ms_ = std::max(rebalance_max_step_ms_, rep->max_step_ms);
     if (rep->map_version > info.map_version) {
       info.map_version = rep->map_version;
@@ -450,8 +462,9 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
       // The transport saw the peer's process end: no need to wait for waitpid or
       // a heartbeat (a hand-started worker has no parent here).
       on_rank_lost(err->dead_rank, "reported dead by rank " + std::to_string(rank), calls);
-    } else if (err->dead_rank < 0 && err->epoch == epoch_ && epoch_ > 0 && phase_ == "serving" &&
-               info.state == RankState::kServing && !recovery_.active) {
+    } else if (err->dead_rank < 0 && err->epoch == epoch_ && epoch_ > 0 &&
+               (phase_ == "serving" || phase_ == "scaling") && info.state == RankState::kServing &&
+               !recovery_.active) {
       // A member halted in the current epoch without a dead peer (a timeout, an
       // aborted collective): restart the members' step loop in a fresh epoch.
       FLEX_LOG(WARN) << "re-synchronising the group after rank " << rank << " halted";
@@ -463,6 +476,15 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
 void ClusterEngine::Impl::check_workers(Calls* calls) {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto now = Clock::now();
+  if (recovery_.active &&
+      now - recovery_.start > std::chrono::milliseconds(options_.start_timeout_ms)) {
+    FLEX_LOG(ERROR) << "recovery: experts not reloaded within " << options_.start_timeout_ms
+                    << " ms";
+    for (int r : recovery_.survivors) ranks_[r].state = RankState::kHalted;
+    recovery_ = Recovery{};
+    phase_ = "degraded";
+    fail_all("recovery did not finish in time", calls);
+  }
   for (size_t r = 0; r < ranks_.size(); ++r) {
     RankInfo& info = ranks_[r];
     if (info.spawned && info.pid > 0) {
@@ -499,6 +521,7 @@ void ClusterEngine::Impl::control_loop() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       for (int r : spawn_queue_) {
+        if (ranks_[r].state != RankState::kStarting || ranks_[r].pid != 0) continue;
         if (Status s = spawn(r); !s.ok()) {
           ranks_[r].state = RankState::kDead;
           ranks_[r].last_error = s.to_string();
@@ -538,6 +561,8 @@ Status ClusterEngine::Impl::shutdown() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (phase_ == "stopped") return Status();
+    shutting_down_.store(true);
+    cv_.notify_all();  // A reconfiguration waiting for workers gives up.
     accepting_ = false;
     phase_ = "stopping";
     for (auto& [id, req] : requests_) {
@@ -649,9 +674,12 @@ void ClusterEngine::cancel(uint64_t request_id) {
   auto it = m.requests_.find(request_id);
   if (it == m.requests_.end()) return;
   const int rank = it->second.rank;
-  m.ranks_[rank].in_flight -= 1;
+  if (rank >= 0) {
+    m.ranks_[rank].in_flight -= 1;
+    m.post(rank, proto::CancelRequest{request_id});
+  }
   m.requests_.erase(it);
-  m.post(rank, proto::CancelRequest{request_id});
+  m.cv_.notify_all();  // A stop-the-world drain may wait for the last request.
   m.wake();
 }
 
@@ -718,6 +746,15 @@ std::string ClusterEngine::metrics_text() const {
     if (m.ranks_[r].state == RankState::kEmpty) continue;
     out += "flexpert_rank_step_seconds{rank=\"" + std::to_string(r) + "\"} " +
            std::to_string(m.ranks_[r].step_ms / 1e3) + "\n";
+  }
+  out +=
+      "# HELP flexpert_rank_graph_captures CUDA graphs a rank captured since it started (flat "
+      "across expert-map switches and epochs).\n"
+      "# TYPE flexpert_rank_graph_captures gauge\n";
+  for (size_t r = 0; r < m.ranks_.size(); ++r) {
+    if (m.ranks_[r].state == RankState::kEmpty) continue;
+    out += "flexpert_rank_graph_captures{rank=\"" + std::to_string(r) + "\"} " +
+           std::to_string(m.ranks_[r].graph_captures) + "\n";
   }
   out +=
       "# HELP flexpert_rank_in_flight Requests placed on each rank.\n"

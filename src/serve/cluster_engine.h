@@ -53,6 +53,9 @@ struct ClusterOptions {
   // commit at a step boundary). "stop-the-world": the naive baseline (stop
   // admitting with 503, drain, restart every worker, resume).
   std::string reconfigure = "live";
+
+  std::string device = "cpu";  // Workers' ModelOptions::device: cpu, cuda, cuda:N.
+  bool device_f32 = false;     // f32 on the GPU (verification) instead of bf16.
 };
 
 // POST /v1/scale: {"ranks": N} (which ranks leave is chosen: least loaded) or

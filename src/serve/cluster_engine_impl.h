@@ -46,6 +46,7 @@ struct RankInfo {
   Clock::time_point last_seen{};
   std::string last_error;
   uint64_t applied_epoch = 0;  // Last EpochApplied.
+  int64_t graph_captures = 0;  // Reported by the worker (CUDA).
   bool joining = false;        // Being prepared by a scale-up; not a member yet.
   bool leaving = false;        // Chosen by a scale-down: no new requests.
 };
@@ -88,6 +89,8 @@ class ClusterEngine::Impl {
   ZmqSocket wake_tx_;  // Guarded by mutex_.
   std::thread control_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> shutting_down_{false};  // Set first by shutdown(): reconfigurations give up.
+  bool halting() const { return stop_.load() || shutting_down_.load(); }
 
   mutable std::mutex mutex_;
   std::condition_variable cv_;
@@ -143,7 +146,7 @@ class ClusterEngine::Impl {
     bool active = false;
     std::vector<int> survivors;
     ExpertPlacement placement;
-    std::set<uint64_t> pulls;
+    std::map<uint64_t, int> pulls;  // Outstanding reload id -> the rank doing it.
     Clock::time_point start;
     int reloaded = 0;
   } recovery_;
@@ -170,6 +173,7 @@ class ClusterEngine::Impl {
   void start_recovery(const std::vector<int>& survivors, Calls* calls);
   void finish_recovery(const proto::PullDone& done, Calls* calls);
   void fail_all(const std::string& why, Calls* calls);
+  void fail_request(RequestInfo& req, const std::string& why, Calls* calls);
   void unlink_rank_segments(int rank, uint64_t incarnation) const;
   nlohmann::json reconfig_status() const;
 

@@ -68,7 +68,9 @@ std::vector<std::vector<double>> ClusterEngine::Impl::window_load() const {
 
 Status ClusterEngine::Impl::commit_map(ExpertPlacement next) {
   std::unique_lock<std::mutex> lock(mutex_);
-  if (epoch_ != rebalance_epoch_) return aborted("membership changed during the rebalance");
+  if (epoch_ != rebalance_epoch_ || cancel_rebalance_ || recovery_.active) {
+    return aborted("the group changed during the rebalance");
+  }
   const uint64_t version = ++map_version_;
   proto::MapCommand cmd{version, next.to_json()};
   for (int r : members_) post(r, cmd);
@@ -120,6 +122,10 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
       }
       std::vector<uint64_t> ids;
       std::unique_lock<std::mutex> lock(mutex_);
+      // Re-checked under the lock that posts: a recovery may own the free slots now.
+      if (cancel_rebalance_ || recovery_.active || epoch_ != rebalance_epoch_) {
+        return aborted("the group changed during the rebalance");
+      }
       for (auto& [rank, cmd] : by_rank) {
         cmd.id = next_pull_id_++;
         ids.push_back(cmd.id);
@@ -325,7 +331,10 @@ bool ClusterEngine::drain_rebalance(bool cancel) {
   Impl& m = *impl_;
   std::unique_lock<std::mutex> lock(m.mutex_);
   const bool was_running = m.rebalancing_;
-  if (cancel && m.rebalancing_) m.cancel_rebalance_ = true;
+  if (cancel && m.rebalancing_) {
+    m.cancel_rebalance_ = true;
+    m.cv_.notify_all();
+  }
   m.cv_.wait(lock, [&] { return !m.rebalancing_; });
   return was_running;
 }

@@ -104,13 +104,17 @@ void ClusterEngine::Impl::unlink_rank_segments(int rank, uint64_t incarnation) c
 
 bool ClusterEngine::Impl::rehome(uint64_t id, RequestInfo& req, int avoid, Calls* calls) {
   int best = -1;
-  for (int r : members_) {
-    const RankInfo& info = ranks_[r];
-    if (r == avoid || info.leaving ||
-        (info.state != RankState::kServing && info.state != RankState::kHalted)) {
-      continue;
+  // Ranks about to leave only when nobody else can take it (they still step).
+  for (bool allow_leaving : {false, true}) {
+    for (int r : members_) {
+      const RankInfo& info = ranks_[r];
+      if (r == avoid || (info.leaving && !allow_leaving) ||
+          (info.state != RankState::kServing && info.state != RankState::kHalted)) {
+        continue;
+      }
+      if (best < 0 || info.in_flight < ranks_[best].in_flight) best = r;
     }
-    if (best < 0 || info.in_flight < ranks_[best].in_flight) best = r;
+    if (best >= 0) break;
   }
   if (best < 0) return false;
   const bool rerun = req.rank >= 0;
@@ -147,6 +151,15 @@ bool ClusterEngine::Impl::rehome(uint64_t id, RequestInfo& req, int avoid, Calls
   return true;
 }
 
+void ClusterEngine::Impl::fail_request(RequestInfo& req, const std::string& why, Calls* calls) {
+  CompletionEvent ev;
+  ev.finished = true;
+  ev.finish_reason = "error";
+  ev.error = unavailable(why);
+  calls->push_back({req.callback, ev});
+  req.rank = kFinishedRank;  // Erased by sweep_finished().
+}
+
 void ClusterEngine::Impl::fail_all(const std::string& why, Calls* calls) {
   for (auto& [id, req] : requests_) {
     CompletionEvent ev;
@@ -173,11 +186,19 @@ void ClusterEngine::Impl::start_recovery(const std::vector<int>& survivors, Call
   auto on_survivor = [&](int slot) {
     return std::find(survivors.begin(), survivors.end(), slot / S) != survivors.end();
   };
-  // The committed map without the slots of ranks that are gone.
+  // The committed map (or the one a recovery under way is loading for) without the
+  // slots of ranks that are gone. Dense layers keep theirs: nothing routes there.
+  const ExpertPlacement& base = recovery_.active ? recovery_.placement : placement_;
+  std::map<uint64_t, int> pending;  // Reloads still running on survivors: wait for them too.
+  if (recovery_.active) {
+    for (const auto& [id, r] : recovery_.pulls) {
+      if (on_survivor(r * S)) pending[id] = r;
+    }
+  }
   std::vector<std::vector<int>> maps;
-  for (int l = 0; l < placement_.num_layers(); ++l) {
-    std::vector<int> map = placement_.slot_map(l);
-    for (int s = 0; s < static_cast<int>(map.size()); ++s) {
+  for (int l = 0; l < base.num_layers(); ++l) {
+    std::vector<int> map = base.slot_map(l);
+    for (int s = 0; model_config_.is_moe_layer(l) && s < static_cast<int>(map.size()); ++s) {
       if (!on_survivor(s)) map[s] = ExpertPlacement::kFreeSlot;
     }
     maps.push_back(std::move(map));
@@ -213,6 +234,7 @@ void ClusterEngine::Impl::start_recovery(const std::vector<int>& survivors, Call
       }
       if (slot < 0) {
         phase_ = "degraded";
+        recovery_ = Recovery{};
         for (int r : survivors) ranks_[r].state = RankState::kHalted;
         fail_all("experts were lost and no slot is left to reload them into", calls);
         return;
@@ -232,15 +254,17 @@ void ClusterEngine::Impl::start_recovery(const std::vector<int>& survivors, Call
   auto next_placement = ExpertPlacement::from_slot_maps(placement_.num_experts(), std::move(maps));
   if (!next_placement.ok()) {
     phase_ = "degraded";
+    recovery_ = Recovery{};
     fail_all("recovery: " + next_placement.status().to_string(), calls);
     return;
   }
   recovery_ = Recovery{};
+  recovery_.pulls = std::move(pending);
   recovery_.survivors = survivors;
   recovery_.placement = std::move(next_placement).value();
   recovery_.start = Clock::now();
   recovery_.reloaded = reloaded;
-  if (loads.empty()) {
+  if (loads.empty() && recovery_.pulls.empty()) {
     // Every expert still has a replica: route around the lost rank at once.
     placement_ = std::move(recovery_.placement);
     commit_epoch(survivors);
@@ -258,7 +282,7 @@ void ClusterEngine::Impl::start_recovery(const std::vector<int>& survivors, Call
   for (auto& [rank, by_layer] : loads) {
     for (auto& [layer, cmd] : by_layer) {
       cmd.id = next_pull_id_++;
-      recovery_.pulls.insert(cmd.id);
+      recovery_.pulls[cmd.id] = rank;
       post(rank, cmd);
     }
   }
@@ -270,7 +294,7 @@ void ClusterEngine::Impl::start_recovery(const std::vector<int>& survivors, Call
 void ClusterEngine::Impl::finish_recovery(const proto::PullDone& done, Calls* calls) {
   recovery_.pulls.erase(done.id);
   if (done.code != 0) {
-    recovery_.active = false;
+    recovery_ = Recovery{};
     phase_ = "degraded";
     for (int r : recovery_.survivors) ranks_[r].state = RankState::kHalted;
     fail_all("recovery could not reload experts: " + done.message, calls);
@@ -306,11 +330,11 @@ Status ClusterEngine::Impl::connect_all(const std::map<int, proto::ConnectComman
   }
   wake();
   const bool done = cv_.wait_for(lock, kConnectTimeout, [&] {
-    if (stop_.load() || epoch_ != epoch || failed()) return true;
+    if (halting() || epoch_ != epoch || failed()) return true;
     return std::all_of(ids.begin(), ids.end(),
                        [&](uint64_t id) { return connects_done_.count(id); });
   });
-  if (stop_.load()) return unavailable("shutting down");
+  if (halting()) return unavailable("shutting down");
   if (epoch_ != epoch) return aborted("membership changed (a rank was lost)");
   if (failed()) return unavailable("a rank failed while connecting");
   if (!done) return deadline_exceeded("transport connections not confirmed in time");
@@ -326,14 +350,14 @@ Status ClusterEngine::Impl::connect_all(const std::map<int, proto::ConnectComman
 Status ClusterEngine::Impl::wait_applied(const std::vector<int>& ranks, uint64_t epoch,
                                          std::unique_lock<std::mutex>& lock) {
   const bool done = cv_.wait_for(lock, kApplyTimeout, [&] {
-    if (stop_.load() || epoch_ != epoch) return true;
+    if (halting() || epoch_ != epoch) return true;
     return std::all_of(ranks.begin(), ranks.end(), [&](int r) {
       const RankInfo& i = ranks_[r];
       return i.applied_epoch >= epoch || i.state == RankState::kDead ||
              (i.state == RankState::kStopped && i.spawned && i.pid == 0);
     });
   });
-  if (stop_.load()) return unavailable("shutting down");
+  if (halting()) return unavailable("shutting down");
   if (epoch_ != epoch) return aborted("membership changed during the commit");
   if (!done) return deadline_exceeded("epoch " + std::to_string(epoch) + " not applied in time");
   return Status();
@@ -345,6 +369,8 @@ void ClusterEngine::Impl::rollback_joiners(const std::vector<int>& joiners) {
   for (int r : joiners) {
     RankInfo& info = ranks_[r];
     info.joining = false;
+    spawn_queue_.erase(std::remove(spawn_queue_.begin(), spawn_queue_.end(), r),
+                       spawn_queue_.end());
     if (info.state != RankState::kDead) info.state = RankState::kStopped;
     if (info.spawned && info.pid > 0) {
       kill(info.pid, SIGKILL);  // Reaped (and its segments removed) by check_workers.
@@ -352,6 +378,7 @@ void ClusterEngine::Impl::rollback_joiners(const std::vector<int>& joiners) {
       post(r, proto::Shutdown{proto::Shutdown::kLeave});
       unlink_rank_segments(r, info.incarnation);
     }
+    if (!info.spawned) info.pid = 0;  // Not ours to reap.
     detach.ranks.push_back(r);
     detach.addresses.push_back("");
   }
@@ -400,11 +427,11 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
     return -1;
   };
   cv_.wait_for(lock, std::chrono::milliseconds(options_.start_timeout_ms), [&] {
-    if (stop_.load() || group_changed() || joiner_failed() >= 0) return true;
+    if (halting() || group_changed() || joiner_failed() >= 0) return true;
     return std::all_of(joiners.begin(), joiners.end(),
                        [&](int r) { return ranks_[r].state == RankState::kReady; });
   });
-  if (stop_.load()) return fail(unavailable("shutting down"));
+  if (halting()) return fail(unavailable("shutting down"));
   if (group_changed()) return fail(aborted("a rank was lost during the preparation"));
   if (int r = joiner_failed(); r >= 0) {
     return fail(unavailable("rank " + std::to_string(r) +
@@ -502,10 +529,10 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
   wake();
   const auto t_pull = Clock::now();
   const bool pulled = cv_.wait_for(lock, kPullTimeout, [&] {
-    if (stop_.load() || group_changed() || joiner_failed() >= 0) return true;
+    if (halting() || group_changed() || joiner_failed() >= 0) return true;
     return std::all_of(ids.begin(), ids.end(), [&](uint64_t id) { return pulls_done_.count(id); });
   });
-  if (stop_.load()) return fail(unavailable("shutting down"));
+  if (halting()) return fail(unavailable("shutting down"));
   if (group_changed()) return fail(aborted("a rank was lost during the preparation"));
   if (int r = joiner_failed(); r >= 0) {
     return fail(unavailable("rank " + std::to_string(r) + " failed while receiving experts"));
@@ -607,10 +634,11 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
   // 3. Commit: the leavers switch with everyone, then stop stepping; their
   // unfinished requests re-run on survivors.
   reconfig_step_ = "committing";
-  for (int r : leavers) {
-    if (ranks_[r].state != RankState::kServing) {
+  for (int r : members_) {
+    if (ranks_[r].state != RankState::kServing || cancel_rebalance_ || recovery_.active ||
+        epoch_ != rebalance_epoch_) {
       unmark();
-      return aborted("rank " + std::to_string(r) + " is no longer serving");
+      return aborted("the group changed while experts moved (rank " + std::to_string(r) + ")");
     }
   }
   const auto t_commit = Clock::now();
@@ -621,7 +649,7 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
   Calls calls;
   for (auto& [id, req] : requests_) {
     if (std::find(leavers.begin(), leavers.end(), req.rank) != leavers.end()) {
-      rehome(id, req, -1, &calls);
+      if (!rehome(id, req, -1, &calls)) fail_request(req, "no rank left to run it", &calls);
       ++reruns;
     }
   }
@@ -633,10 +661,10 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
     post(r, proto::Shutdown{proto::Shutdown::kLeave});
   }
   wake();
-  Status applied = wait_applied(sorted_union(survivors, leavers), epoch1, lock);
   lock.unlock();
   for (auto& [cb, ev] : calls) cb(ev);
   lock.lock();
+  Status applied = wait_applied(sorted_union(survivors, leavers), epoch1, lock);
   (*report)["commit_s"] = seconds_since(t_commit);
   (*report)["rerun_requests"] = reruns;
   return applied;
@@ -647,8 +675,8 @@ Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report)
   const auto t0 = Clock::now();
   std::unique_lock<std::mutex> lock(mutex_);
   reconfig_step_ = "draining";
-  cv_.wait_for(lock, std::chrono::seconds(60), [&] { return stop_.load() || requests_.empty(); });
-  if (stop_.load()) return unavailable("shutting down");
+  cv_.wait_for(lock, std::chrono::seconds(60), [&] { return halting() || requests_.empty(); });
+  if (halting()) return unavailable("shutting down");
   if (!requests_.empty()) {
     Calls calls;
     fail_all("aborted by a stop-the-world reconfiguration", &calls);
@@ -669,11 +697,11 @@ Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report)
   members_.clear();
   wake();
   cv_.wait_for(lock, std::chrono::seconds(10), [&] {
-    return stop_.load() ||
+    return halting() ||
            std::all_of(ranks_.begin(), ranks_.end(), [](const RankInfo& i) { return i.pid == 0; });
   });
   for (auto& info : ranks_) {
-    if (info.pid > 0) kill(info.pid, SIGKILL);
+    if (info.spawned && info.pid > 0) kill(info.pid, SIGKILL);
   }
   cv_.wait_for(lock, std::chrono::seconds(5), [&] {
     return std::all_of(ranks_.begin(), ranks_.end(), [](const RankInfo& i) { return i.pid == 0; });
@@ -694,7 +722,7 @@ Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report)
     request_spawn(r);
   }
   cv_.wait_for(lock, std::chrono::milliseconds(options_.start_timeout_ms), [&] {
-    return stop_.load() || std::all_of(next.begin(), next.end(), [&](int r) {
+    return halting() || std::all_of(next.begin(), next.end(), [&](int r) {
              return ranks_[r].state == RankState::kReady || ranks_[r].state == RankState::kDead;
            });
   });
@@ -722,9 +750,18 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target) {
     std::unique_lock<std::mutex> lock(mutex_);
     if (reconfiguring_) return failed_precondition("a reconfiguration is already in progress");
     if (rebalancing_) return failed_precondition("an expert rebalance is in progress");
+    if (halting()) return unavailable("the server is shutting down");
     if (phase_ != "serving") {
       return failed_precondition("the group is not serving (phase " + phase_ + ")");
     }
+    for (int r : members_) {
+      // As for a rebalance: no weight moves while a member may use an older map.
+      if (ranks_[r].map_version != map_version_) {
+        return failed_precondition("rank " + std::to_string(r) + " has not applied expert map " +
+                                   std::to_string(map_version_) + " yet");
+      }
+    }
+    connects_done_.clear();
     const int max = options_.max_ranks;
     const int now = static_cast<int>(members_.size());
     if (!target.remove.empty()) {
@@ -745,7 +782,7 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target) {
       if (target.ranks > now) {
         // Ids of ranks still exiting (a scale-down a moment ago) free up shortly.
         cv_.wait_for(lock, std::chrono::seconds(5), [&] {
-          return stop_.load() || static_cast<int>(free_ranks().size()) >= target.ranks - now;
+          return halting() || static_cast<int>(free_ranks().size()) >= target.ranks - now;
         });
         const std::vector<int> free = free_ranks();
         if (static_cast<int>(free.size()) < target.ranks - now) {
@@ -799,8 +836,10 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target) {
   std::lock_guard<std::mutex> lock(mutex_);
   reconfiguring_ = false;
   reconfig_step_.clear();
-  if (phase_ == "scaling" || (stop_the_world && phase_ != "degraded")) phase_ = "serving";
-  if (stop_the_world) accepting_ = phase_ == "serving";
+  if (!halting()) {
+    if (phase_ == "scaling" || (stop_the_world && phase_ != "degraded")) phase_ = "serving";
+    if (stop_the_world) accepting_ = phase_ == "serving";
+  }
   report["total_s"] = seconds_since(t0);
   report["epoch"] = epoch_;
   report["members"] = members_;

@@ -43,8 +43,8 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Runs one request to completion; records its token times.
-void run_request(ClusterEngine& engine, const ElasticRunOptions& o, size_t p, Clock::time_point t0,
+// Runs one request to completion; records its token times. False: rejected (not admitted).
+bool run_request(ClusterEngine& engine, const ElasticRunOptions& o, size_t p, Clock::time_point t0,
                  Totals* totals) {
   struct State {
     std::mutex mu;
@@ -79,10 +79,11 @@ void run_request(ClusterEngine& engine, const ElasticRunOptions& o, size_t p, Cl
     totals->rejected += 1;
     totals->rejection_times.push_back(seconds(t0, Clock::now()));
     if (totals->errors.size() < 5) totals->errors.push_back(id.status().to_string());
-    return;
+    return false;
   }
   std::unique_lock<std::mutex> lock(st->mu);
   const bool finished = st->cv.wait_for(lock, std::chrono::seconds(120), [&] { return st->done; });
+  if (!finished) engine.cancel(id.value());
   std::lock_guard<std::mutex> tl(totals->mu);
   for (size_t i = 0; i < st->times.size(); ++i) {
     totals->token_times.push_back(st->times[i]);
@@ -94,7 +95,7 @@ void run_request(ClusterEngine& engine, const ElasticRunOptions& o, size_t p, Cl
     if (totals->errors.size() < 5) {
       totals->errors.push_back(finished ? st->error.to_string() : "no answer in 120 s");
     }
-    return;
+    return true;
   }
   totals->completed += 1;
   if (!o.expected.empty()) {
@@ -105,6 +106,7 @@ void run_request(ClusterEngine& engine, const ElasticRunOptions& o, size_t p, Cl
       totals->mismatched += 1;
     }
   }
+  return true;
 }
 
 int pid_of_rank(const nlohmann::json& status, int rank) {
@@ -161,9 +163,9 @@ Result<nlohmann::json> run_elastic(const ElasticRunOptions& o) {
     clients.emplace_back([&] {
       while (Clock::now() < end) {
         const size_t p = next_prompt++ % o.prompts.size();
-        const int before = totals.rejected;
-        run_request(*engine, o, p, t0, &totals);
-        if (totals.rejected != before) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        if (!run_request(*engine, o, p, t0, &totals)) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));  // A client's back-off.
+        }
       }
     });
   }

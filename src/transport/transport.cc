@@ -4,6 +4,9 @@
 #include <algorithm>
 
 #include "transport/shm/shm_transport.h"
+#ifdef FLEXPERT_WITH_CUDA_IPC
+#include "transport/cuda_ipc/cuda_ipc_transport.h"
+#endif
 
 namespace flexpert {
 
@@ -19,7 +22,17 @@ Result<std::unique_ptr<Transport>> create_transport(const std::string& backend,
     FLEX_ASSIGN_OR_RETURN(std::unique_ptr<ShmTransport> t, ShmTransport::create(options));
     return std::unique_ptr<Transport>(std::move(t));
   }
-  return invalid_argument("unknown transport backend '" + backend + "'; known: shm");
+  if (backend == "cuda_ipc") {
+#ifdef FLEXPERT_WITH_CUDA_IPC
+    FLEX_ASSIGN_OR_RETURN(std::unique_ptr<CudaIpcTransport> t, CudaIpcTransport::create(options));
+    return std::unique_ptr<Transport>(std::move(t));
+#else
+    return unimplemented(
+        "transport backend 'cuda_ipc' is not in this build (configure with "
+        "-DFLEXPERT_WITH_CUDA=ON)");
+#endif
+  }
+  return invalid_argument("unknown transport backend '" + backend + "'; known: shm, cuda_ipc");
 }
 
 }  // namespace flexpert

@@ -54,6 +54,7 @@ struct TransportOptions {
   size_t max_gather_bytes = 4096;
   size_t max_exchange_bytes = 1 << 20;
   int timeout_ms = 10000;
+  int device = 0;  // CUDA device ordinal of device-memory backends (cuda_ipc); shm ignores it.
 };
 
 // A block of memory this rank owns that peers may read(). Backend-allocated.
@@ -103,7 +104,9 @@ class Transport {
   virtual Status shutdown() = 0;
 };
 
-// Creates a backend by name: "shm" (POSIX shared memory, CPU, one host).
+// Creates a backend by name: "shm" (POSIX shared memory, CPU, one host), or "cuda_ipc"
+// (GPU memory shared through CUDA IPC, one host; only in builds with FLEXPERT_WITH_CUDA,
+// Unavailable on a machine without a usable GPU).
 Result<std::unique_ptr<Transport>> create_transport(const std::string& backend,
                                                     const TransportOptions& options);
 

@@ -176,8 +176,15 @@ TEST(ElasticTest, DeepSeekGroupScalesAndRebalancesUnderLoad) {
   EXPECT_EQ(rebalance.status, 200) << rebalance.body.dump();
   ASSERT_EQ(post(server, "/v1/scale", {{"remove", {0, 2}}}).status, 200);
   pause_ms(300);
-  load.stop();
   EXPECT_EQ(members(server), std::vector<int>({1, 3}));
+  // A loss with a dense first layer (first_k_dense_replace, whose map is not routed).
+  kill(rank_pid(server, 3), SIGKILL);
+  pause_ms(600);
+  load.stop();
+  const auto status = server.get_json("/v1/status");
+  EXPECT_EQ(status["phase"], "serving") << status.dump();
+  EXPECT_EQ(status["members"], nlohmann::json({1}));
+  EXPECT_EQ(status["reconfiguration"]["last"]["kind"], "recovery");
   EXPECT_GT(load.ok(), 10);
   EXPECT_EQ(load.failed(), 0);
   EXPECT_EQ(load.wrong(), 0);

@@ -8,10 +8,12 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <new>
 #include <thread>
 
@@ -49,6 +51,10 @@ int run_rank(const std::string& backend, const ClusterSpec& spec, const Scenario
   ctx.options = spec.options;
   ctx.options.rank = rank;
   ctx.options.session = session;
+  if (const char* devices = std::getenv("FLEXPERT_CONFORMANCE_DEVICES")) {
+    const int n = std::atoi(devices);
+    if (n > 0) ctx.options.device = rank % n;
+  }
   ctx.shared = shared;
   ctx.deadline_ns = deadline_ns;
   auto created = create_transport(backend, ctx.options);
@@ -63,10 +69,10 @@ int run_rank(const std::string& backend, const ClusterSpec& spec, const Scenario
     ctx.faults = wrapped.get();
     ctx.transport = std::move(wrapped);
   }
-  ctx.memory = make_backend_memory(backend, ctx.transport->capabilities());
+  ctx.memory = make_backend_memory(ctx.transport->capabilities(), ctx.options.device);
   if (ctx.memory == nullptr) {
-    std::fprintf(stderr, "[rank %d] the suite has no BackendMemory for '%s'\n", rank,
-                 backend.c_str());
+    std::fprintf(stderr, "[rank %d] the suite has no BackendMemory for '%s' (device memory)\n",
+                 rank, backend.c_str());
     return 2;
   }
   ctx.publish_address(1);
@@ -92,7 +98,59 @@ int run_rank(const std::string& backend, const ClusterSpec& spec, const Scenario
 
 std::vector<std::string> conformance_backends() {
   // A new backend adds its create_transport() name here.
+#ifdef FLEXPERT_CONFORMANCE_CUDA
+  return {"shm", "cuda_ipc"};
+#else
   return {"shm"};
+#endif
+}
+
+std::string backend_unavailable_reason(const std::string& backend) {
+  static std::map<std::string, std::string> cache;  // Test bodies run on one thread.
+  if (auto it = cache.find(backend); it != cache.end()) return it->second;
+  int fds[2];
+  if (::pipe(fds) != 0) std::abort();
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid < 0) std::abort();
+  if (pid == 0) {
+    ::close(fds[0]);
+    TransportOptions options;
+    options.session = new_session() + "probe";
+    int code = 0;
+    auto created = create_transport(backend, options);
+    std::string message;
+    if (created.ok()) {
+      (void)created.value()->shutdown();
+    } else {
+      const StatusCode c = created.status().code();
+      code = (c == StatusCode::kUnavailable || c == StatusCode::kUnimplemented) ? 77 : 1;
+      message = created.status().to_string();
+    }
+    if (!message.empty() && ::write(fds[1], message.data(), message.size()) < 0) code = 1;
+    ::_exit(code);
+  }
+  ::close(fds[1]);
+  std::string message;
+  char chunk[512];
+  for (ssize_t n; (n = ::read(fds[0], chunk, sizeof(chunk))) != 0;) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) break;
+    message.append(chunk, static_cast<size_t>(n));
+  }
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  std::string reason;
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {
+    reason = message;
+  } else if (!exited_ok(status)) {
+    // Not "unavailable": let the tests run and fail with the real error.
+    std::fprintf(stderr, "probing backend %s: %s (%s)\n", backend.c_str(), message.c_str(),
+                 describe_wait_status(status).c_str());
+  }
+  cache[backend] = reason;
+  return reason;
 }
 
 Status failure(const char* file, int line, const char* what, const std::string& detail) {
@@ -101,10 +159,13 @@ Status failure(const char* file, int line, const char* what, const std::string& 
                             detail.empty() ? "" : " -- ", detail));
 }
 
-std::unique_ptr<BackendMemory> make_backend_memory(const std::string& backend,
-                                                   const TransportCapabilities& caps) {
+std::unique_ptr<BackendMemory> make_backend_memory(const TransportCapabilities& caps, int device) {
   if (!caps.device_memory) return std::make_unique<HostMemory>();
-  return nullptr;  // A device backend adds its copies here (e.g. cudaMemcpy for cuda_ipc).
+#ifdef FLEXPERT_CONFORMANCE_CUDA
+  return make_cuda_memory(device);
+#else
+  return nullptr;
+#endif
 }
 
 Buffer::Buffer(BackendMemory* memory, const std::vector<uint8_t>& bytes)
@@ -299,7 +360,16 @@ std::vector<std::string> leftover_segments(const std::string& session) {
 }
 
 void cleanup_session(const std::string& backend, const std::string& session) {
-  if (backend == "shm") (void)remove_shm_session(session);
+  // Both host backends name their control segments alike (cuda_ipc's device memory dies with
+  // its process).
+  (void)remove_shm_session(session);
+}
+
+void ConformanceTest::SetUp() {
+  const std::string why = backend_unavailable_reason(backend());
+  if (!why.empty()) {
+    GTEST_SKIP() << "transport backend '" << backend() << "' cannot run on this machine: " << why;
+  }
 }
 
 ClusterSpec ConformanceTest::spec(int timeout_ms) const {

@@ -8,8 +8,12 @@
 // transport, publishes its address, connects to every other rank, runs the scenario and
 // shuts down; the scenario returns a Status (CT_REQUIRE*), which becomes the exit code.
 //
-// A new backend joins the suite by adding its name to conformance_backends() and, when its
-// buffers are not host memory, a BackendMemory in make_backend_memory().
+// A new backend joins the suite by adding its name to conformance_backends(); when its
+// buffers are not host memory (capabilities().device_memory), scenarios stage their bytes
+// through the BackendMemory that make_backend_memory() picks from the capabilities. A backend
+// that cannot run on this machine (create_transport says Unavailable or Unimplemented: a GPU
+// backend without a GPU) is skipped with that message.
+// FLEXPERT_CONFORMANCE_DEVICES=N places rank r on device r % N (default: options.device).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -81,9 +85,16 @@ class BackendMemory {
   virtual void copy_in(void* backend_dst, const void* host_src, size_t num_bytes) = 0;
   virtual void copy_out(void* host_dst, const void* backend_src, size_t num_bytes) = 0;
 };
+// Host memory, or device `device`'s memory for a device-memory backend (CUDA builds only).
 // Null when the suite does not know how to reach this backend's memory.
-std::unique_ptr<BackendMemory> make_backend_memory(const std::string& backend,
-                                                   const TransportCapabilities& caps);
+std::unique_ptr<BackendMemory> make_backend_memory(const TransportCapabilities& caps, int device);
+// cudaMalloc / cudaMemcpy on `device` (conformance_device_memory.cc, CUDA builds only).
+std::unique_ptr<BackendMemory> make_cuda_memory(int device);
+
+// Why `backend` cannot run on this machine (empty: it can). Creates one transport in a
+// forked child, never in this process: CUDA must not be initialized before ranks fork.
+// Cached per backend.
+std::string backend_unavailable_reason(const std::string& backend);
 
 // A buffer in backend memory holding given bytes; what a scenario passes to a collective.
 class Buffer {
@@ -183,6 +194,8 @@ void cleanup_session(const std::string& backend, const std::string& session);
 // Parameterized over (backend, number of ranks). Each test runs its scenario once.
 class ConformanceTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {
  protected:
+  // Skips when the backend cannot run here (see backend_unavailable_reason).
+  void SetUp() override;
   const std::string& backend() const { return std::get<0>(GetParam()); }
   int num_ranks() const { return std::get<1>(GetParam()); }
   // max_ranks is num_ranks + 1: one rank slot that never joins (spans for it stay empty).

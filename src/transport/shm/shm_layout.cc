@@ -1,8 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "transport/shm/shm_layout.h"
 
+#include <sys/mman.h>
+
 #include <limits>
 
+#include "flexpert/logging.h"
 #include "transport/shm/shm_segment.h"
 
 namespace flexpert::shm {
@@ -81,6 +84,30 @@ void ring_doorbell(SegmentHeader* header) {
     header->doorbell.fetch_add(1, std::memory_order_seq_cst);
     futex_wake_shared(&header->doorbell);
   }
+}
+
+Status remove_if_stale(const std::string& name, uint64_t magic) {
+  auto existing = ShmMapping::open(name, /*writable=*/false, /*populate=*/false);
+  if (!existing.ok()) return Status();  // Vanished meanwhile: just retry the create.
+  const auto& m = *existing.value();
+  if (m.num_bytes() < sizeof(SegmentHeader)) {
+    return failed_precondition("shm segment " + name + " exists and is not a flexpert segment");
+  }
+  const auto* h = reinterpret_cast<const SegmentHeader*>(m.data());
+  if (h->magic.load(std::memory_order_acquire) != magic) {
+    return failed_precondition("shm segment " + name +
+                               " exists and is not (yet) a flexpert segment: remove it");
+  }
+  const ProcessWatch watch = ProcessWatch::watch(h->pid, h->pid_start_time);
+  const bool gone = !watch.watching() || watch.exited() || h->closed.load() != 0;
+  if (!gone) {
+    return failed_precondition("shm segment " + name + " is in use by live pid " +
+                               std::to_string(h->pid) +
+                               " (two ranks with the same session, rank and incarnation?)");
+  }
+  FLEX_LOG(WARN) << "removing stale " << name << " of exited pid " << h->pid;
+  ::shm_unlink(name.c_str());
+  return Status();
 }
 
 Status validate_session(std::string_view session) {

@@ -111,6 +111,12 @@ bool message_is_live(const MailboxHeader& mailbox, const SegmentHeader& reader);
 // either it sees the publication or we see it asleep.
 void ring_doorbell(SegmentHeader* header);
 
+// An existing control segment `name` (of a backend whose header carries `magic`) is stale
+// when its owner exited (a crashed predecessor with the same session, rank and incarnation)
+// or shut down: then it is unlinked and OK is returned, so that the caller may create it
+// anew. FailedPrecondition while its owner lives, or when it is no such segment.
+Status remove_if_stale(const std::string& name, uint64_t magic);
+
 // Sessions name shared resources: 1..128 characters of [A-Za-z0-9._-].
 Status validate_session(std::string_view session);
 // "/flexpert-<session>-r<rank>-i<incarnation>": the control segment, and the address.

@@ -27,32 +27,6 @@ int64_t env_us(const char* name, int64_t fallback_us) {
   return (end != nullptr && *end == '\0' && parsed >= 0) ? parsed : fallback_us;
 }
 
-// An existing control segment at our address is stale when its owner is gone (a crashed
-// predecessor with the same session, rank and incarnation) or shut down.
-Status check_stale(const std::string& name) {
-  auto existing = ShmMapping::open(name, /*writable=*/false, /*populate=*/false);
-  if (!existing.ok()) return Status();  // Vanished meanwhile: just retry the create.
-  const auto& m = *existing.value();
-  if (m.num_bytes() < sizeof(shm::SegmentHeader)) {
-    return failed_precondition("shm segment " + name + " exists and is not a flexpert segment");
-  }
-  const auto* h = reinterpret_cast<const shm::SegmentHeader*>(m.data());
-  if (h->magic.load(std::memory_order_acquire) != shm::kMagic) {
-    return failed_precondition("shm segment " + name +
-                               " exists and is not (yet) a flexpert segment: remove it");
-  }
-  const shm::ProcessWatch watch = shm::ProcessWatch::watch(h->pid, h->pid_start_time);
-  const bool gone = !watch.watching() || watch.exited() || h->closed.load() != 0;
-  if (!gone) {
-    return failed_precondition("shm segment " + name + " is in use by live pid " +
-                               std::to_string(h->pid) +
-                               " (two ranks with the same session, rank and incarnation?)");
-  }
-  FLEX_LOG(WARN) << "removing stale " << name << " of exited pid " << h->pid;
-  ::shm_unlink(name.c_str());
-  return Status();
-}
-
 // Creates `name`; when it exists, `on_exists` decides whether it may be replaced.
 template <typename OnExists>
 Result<std::unique_ptr<ShmMapping>> create_segment(const std::string& name, size_t num_bytes,
@@ -88,7 +62,9 @@ Result<std::unique_ptr<ShmTransport>> ShmTransport::create(const TransportOption
       shm::control_segment_name(options.session, options.rank, options.incarnation);
   FLEX_ASSIGN_OR_RETURN(
       std::unique_ptr<ShmMapping> mapping,
-      create_segment(address, layout.total_bytes, /*populate=*/true, check_stale));
+      create_segment(address, layout.total_bytes, /*populate=*/true, [](const std::string& name) {
+        return shm::remove_if_stale(name, shm::kMagic);
+      }));
 
   std::unique_ptr<ShmTransport> t(new ShmTransport(options, layout, address));
   std::byte* base = mapping->data();

@@ -1,0 +1,712 @@
+// SPDX-License-Identifier: Apache-2.0
+// NOTE: the step driving (inputs, decode graphs, pieces, validation, routing tables,
+// slot statistics) follows cuda_qwen3_moe.cc line for line; the two differ in their
+// layers. Sharing it is a refactor of both models, left for when a third one comes.
+#include "cuda/cuda_deepseek_v3.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "cuda/kernels.h"
+#include "cuda/mla_kernels.h"
+#include "flexpert/logging.h"
+#include "flexpert/thread_pool.h"
+
+namespace flexpert::cuda {
+namespace {
+
+// Tokens per step piece: a prefill longer than this runs as consecutive pieces.
+constexpr int kDefaultStepTokens = 2048;
+// transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps.
+constexpr float kLoraNormEps = 1e-6f;
+
+int next_pow2(int v) {
+  int p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+Result<DeviceBuffer> upload(const void* data, size_t num_bytes) {
+  FLEX_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::create(num_bytes));
+  if (num_bytes > 0) {
+    FLEX_CUDA_TRY(cudaMemcpy(b.data(), data, num_bytes, cudaMemcpyHostToDevice));
+  }
+  return b;
+}
+
+Result<DeviceBuffer> upload_tensor(const Tensor& t, DType dtype) {
+  if (t.dtype() == dtype && t.is_contiguous()) return upload(t.raw(), t.num_bytes());
+  Tensor c = t.to(dtype);
+  return upload(c.raw(), c.num_bytes());
+}
+
+// Tensors of one width stacked along rows, converted to `dtype`.
+Result<DeviceBuffer> upload_rows(const std::vector<const Tensor*>& parts, DType dtype) {
+  size_t total = 0;
+  for (const Tensor* t : parts) total += static_cast<size_t>(t->numel()) * dtype_size(dtype);
+  FLEX_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::create(total));
+  size_t at = 0;
+  for (const Tensor* t : parts) {
+    Tensor c = t->to(dtype);
+    FLEX_CUDA_TRY(cudaMemcpy(b.as<char>() + at, c.raw(), c.num_bytes(), cudaMemcpyHostToDevice));
+    at += c.num_bytes();
+  }
+  return b;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Model>> load_cuda_deepseek_model(const std::string& dir,
+                                                        const ModelOptions& options,
+                                                        const RopeTables& rope) {
+  FLEX_ASSIGN_OR_RETURN(int device, parse_device(options.device));
+  FLEX_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::load(dir));
+  FLEX_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::open(dir));
+  FLEX_ASSIGN_OR_RETURN(auto model, CudaDeepseekV3Model::create(std::move(ckpt), std::move(config),
+                                                                options, rope, device));
+  return std::unique_ptr<Model>(std::move(model));
+}
+
+Result<std::unique_ptr<CudaDeepseekV3Model>> CudaDeepseekV3Model::create(
+    std::unique_ptr<Checkpoint> checkpoint, ModelConfig config, const ModelOptions& options,
+    const RopeTables& rope, int device) {
+  std::unique_ptr<CudaDeepseekV3Model> m(new CudaDeepseekV3Model());
+  m->checkpoint_ = std::move(checkpoint);
+  m->config_ = std::move(config);
+  m->device_ = device;
+  m->dtype_ = options.device_dtype;
+  m->use_graphs_ = options.cuda_graphs;
+  FLEX_RETURN_IF_ERROR(m->check_config(options));
+  const ModelConfig& c = m->config_;
+  m->softmax_scale_ =
+      static_cast<float>(rope.softmax_mscale /
+                         std::sqrt(static_cast<double>(c.qk_nope_head_dim + c.qk_rope_head_dim)));
+  FLEX_RETURN_IF_ERROR(set_device(device));
+  FLEX_ASSIGN_OR_RETURN(m->stream_, Stream::create());
+  FLEX_ASSIGN_OR_RETURN(m->blas_, Blas::create(m->stream_.get()));
+  FLEX_ASSIGN_OR_RETURN(m->head_gemm_, HeadGemm::create(m->stream_.get()));
+  FLEX_RETURN_IF_ERROR(m->load_weights(options, rope));
+  FLEX_RETURN_IF_ERROR(m->allocate_scratch());
+  m->slot_counts_.assign(c.num_hidden_layers,
+                         std::vector<int64_t>(static_cast<size_t>(m->placement_.num_slots()), 0));
+  return m;
+}
+
+CudaDeepseekV3Model::~CudaDeepseekV3Model() {
+  (void)set_device(device_);
+  (void)stream_.synchronize();
+}
+
+Status CudaDeepseekV3Model::check_config(const ModelOptions& options) {
+  const ModelConfig& c = config_;
+  if (dtype_ != DType::kF32 && dtype_ != DType::kBF16) {
+    return invalid_argument("CUDA computes in f32 or bf16, not " + std::string(dtype_name(dtype_)));
+  }
+  if (!c.is_deepseek()) {
+    return unimplemented("model_type '" + c.model_type + "' is not a DeepSeek model");
+  }
+  if (c.attention_bias) return unimplemented("attention_bias=true is not supported");
+  const int r = c.kv_lora_rank;
+  if (r != 32 && r != 64 && r != 128 && r != 256 && r != 512) {
+    return unimplemented("kv_lora_rank " + std::to_string(r) + " is not supported on CUDA");
+  }
+  if (c.qk_rope_head_dim <= 0 || c.qk_rope_head_dim % 8 != 0) {
+    return unimplemented("qk_rope_head_dim must be a multiple of 8 on CUDA");
+  }
+  max_sequences_ = std::max(1, options.max_sequences);
+  max_seq_len_ = options.max_seq_len > 0 ? options.max_seq_len
+                                         : std::min(std::max(c.max_position_embeddings, 1), 4096);
+  FLEX_ASSIGN_OR_RETURN(placement_, ExpertPlacement::parse(options.placement, c.num_hidden_layers,
+                                                           std::max(c.num_experts, 1)));
+  const bool all_local =
+      options.first_slot == 0 &&
+      (options.num_local_slots < 0 || options.num_local_slots == placement_.num_slots());
+  if (options.moe_executor != nullptr || options.allocate_slots || !all_local) {
+    return unimplemented(
+        "expert parallelism is not supported on CUDA yet (one process, all slots)");
+  }
+  if (c.scoring_func == "sigmoid") {
+    router_.sigmoid = true;
+  } else if (c.scoring_func == "softmax") {
+    router_.sigmoid = false;
+  } else {
+    return invalid_argument("scoring_func '" + c.scoring_func + "' is not supported");
+  }
+  if (c.topk_method == "noaux_tc") {
+    router_.method = GroupedTopkMethod::kNoauxTc;
+  } else if (c.topk_method == "group_limited_greedy") {
+    router_.method = GroupedTopkMethod::kGroupLimitedGreedy;
+  } else if (c.topk_method == "greedy") {
+    router_.method = GroupedTopkMethod::kGreedy;
+  } else {
+    return invalid_argument("topk_method '" + c.topk_method + "' is not supported");
+  }
+  router_.num_groups = c.n_group;
+  router_.topk_groups = c.topk_group;
+  router_.routed_scaling_factor = static_cast<float>(c.routed_scaling_factor);
+  moe_dims_.dtype = dtype_;
+  moe_dims_.hidden = c.hidden_size;
+  moe_dims_.intermediate = c.moe_intermediate_size;
+  moe_dims_.num_experts = c.num_experts;
+  moe_dims_.top_k = c.num_experts_per_tok;
+  moe_dims_.num_slots = placement_.num_slots();
+  moe_dims_.norm_topk_prob = c.norm_topk_prob;
+  bool any_moe = false;
+  for (int l = 0; l < c.num_hidden_layers; ++l) any_moe = any_moe || c.is_moe_layer(l);
+  if (any_moe) {
+    FLEX_RETURN_IF_ERROR(moe_dims_.validate());
+    if (router_.method != GroupedTopkMethod::kGreedy &&
+        (c.n_group < 1 || c.n_group > 32 || c.num_experts % c.n_group != 0 || c.topk_group < 1 ||
+         c.topk_group > c.n_group)) {
+      return unimplemented("the CUDA router supports up to 32 expert groups (n_group " +
+                           std::to_string(c.n_group) + ", topk_group " +
+                           std::to_string(c.topk_group) + ")");
+    }
+  }
+  return Status();
+}
+
+Result<Tensor> CudaDeepseekV3Model::weight(const std::string& name, const Shape& shape) const {
+  const std::vector<int>& block = config_.weight_block_size;
+  return checkpoint_->get_weight(name, shape, block.empty() ? 128 : block[0],
+                                 block.empty() ? 128 : block[1]);
+}
+
+Status CudaDeepseekV3Model::load_weights(const ModelOptions& options, const RopeTables& rope) {
+  const ModelConfig& c = config_;
+  const Checkpoint& ck = *checkpoint_;
+  const int64_t H = c.hidden_size;
+  FLEX_ASSIGN_OR_RETURN(Tensor embed, ck.get("model.embed_tokens.weight", {c.vocab_size, H}));
+  FLEX_ASSIGN_OR_RETURN(embed_, upload_tensor(embed, dtype_));
+  if (c.tie_word_embeddings && !ck.contains("lm_head.weight")) {
+    FLEX_ASSIGN_OR_RETURN(lm_head_, upload_tensor(embed, dtype_));
+  } else {
+    FLEX_ASSIGN_OR_RETURN(Tensor head, weight("lm_head.weight", {c.vocab_size, H}));
+    FLEX_ASSIGN_OR_RETURN(lm_head_, upload_tensor(head, dtype_));
+  }
+  FLEX_ASSIGN_OR_RETURN(Tensor norm, ck.get("model.norm.weight", {H}));
+  FLEX_ASSIGN_OR_RETURN(final_norm_, upload_tensor(norm, DType::kF32));
+  // RoPE tables in the CPU kernel's arithmetic: double angles, times the attention
+  // factor, rounded once.
+  const int64_t half = c.qk_rope_head_dim / 2;
+  if (static_cast<int64_t>(rope.inv_freq.size()) != half) {
+    return invalid_argument("RoPE tables of " + std::to_string(rope.inv_freq.size()) +
+                            " frequencies for qk_rope_head_dim " +
+                            std::to_string(c.qk_rope_head_dim));
+  }
+  std::vector<float> cosv(static_cast<size_t>(max_seq_len_ * half));
+  std::vector<float> sinv(cosv.size());
+  for (int64_t pos = 0; pos < max_seq_len_; ++pos) {
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = static_cast<double>(pos) * rope.inv_freq[i];
+      cosv[pos * half + i] = static_cast<float>(std::cos(angle) * rope.attention_factor);
+      sinv[pos * half + i] = static_cast<float>(std::sin(angle) * rope.attention_factor);
+    }
+  }
+  FLEX_ASSIGN_OR_RETURN(rope_cos_, upload(cosv.data(), cosv.size() * sizeof(float)));
+  FLEX_ASSIGN_OR_RETURN(rope_sin_, upload(sinv.data(), sinv.size() * sizeof(float)));
+  layers_.resize(c.num_hidden_layers);
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    FLEX_RETURN_IF_ERROR(load_layer(l, &layers_[l]).annotate("layer " + std::to_string(l)));
+    if (options.progress) options.progress(l + 1, c.num_hidden_layers);
+  }
+  return Status();
+}
+
+Status CudaDeepseekV3Model::load_layer(int index, Layer* layer) {
+  const ModelConfig& c = config_;
+  const Checkpoint& ck = *checkpoint_;
+  const std::string p = "model.layers." + std::to_string(index) + ".";
+  const std::string a = p + "self_attn.";
+  const int64_t H = c.hidden_size, nh = c.num_attention_heads;
+  const int64_t dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim, dv = c.v_head_dim;
+  const int64_t r = c.kv_lora_rank, qr = c.q_lora_rank;
+  auto f32 = [&](const std::string& name, int64_t n, DeviceBuffer* out) -> Status {
+    FLEX_ASSIGN_OR_RETURN(Tensor t, ck.get(name, {n}));
+    FLEX_ASSIGN_OR_RETURN(*out, upload_tensor(t, DType::kF32));
+    return Status();
+  };
+  FLEX_RETURN_IF_ERROR(f32(p + "input_layernorm.weight", H, &layer->input_norm));
+  FLEX_RETURN_IF_ERROR(f32(p + "post_attention_layernorm.weight", H, &layer->post_norm));
+  FLEX_ASSIGN_OR_RETURN(Tensor kv_a, weight(a + "kv_a_proj_with_mqa.weight", {r + dr, H}));
+  if (qr > 0) {
+    FLEX_ASSIGN_OR_RETURN(Tensor q_a, weight(a + "q_a_proj.weight", {qr, H}));
+    FLEX_ASSIGN_OR_RETURN(layer->w_a, upload_rows({&q_a, &kv_a}, dtype_));
+    FLEX_RETURN_IF_ERROR(f32(a + "q_a_layernorm.weight", qr, &layer->q_a_norm));
+    FLEX_ASSIGN_OR_RETURN(Tensor q_b, weight(a + "q_b_proj.weight", {nh * (dn + dr), qr}));
+    FLEX_ASSIGN_OR_RETURN(layer->w_q, upload_tensor(q_b, dtype_));
+  } else {
+    FLEX_ASSIGN_OR_RETURN(layer->w_a, upload_tensor(kv_a, dtype_));
+    FLEX_ASSIGN_OR_RETURN(Tensor q, weight(a + "q_proj.weight", {nh * (dn + dr), H}));
+    FLEX_ASSIGN_OR_RETURN(layer->w_q, upload_tensor(q, dtype_));
+  }
+  FLEX_RETURN_IF_ERROR(f32(a + "kv_a_layernorm.weight", r, &layer->kv_a_norm));
+  FLEX_ASSIGN_OR_RETURN(Tensor o, weight(a + "o_proj.weight", {H, nh * dv}));
+  FLEX_ASSIGN_OR_RETURN(layer->w_o, upload_tensor(o, dtype_));
+  {
+    // kv_b [heads, nope + v, r] split per head into the two absorbed factors (as the CPU).
+    FLEX_ASSIGN_OR_RETURN(Tensor kv_b_raw, weight(a + "kv_b_proj.weight", {nh * (dn + dv), r}));
+    const Tensor kv_b = kv_b_raw.to(DType::kF32);
+    Tensor uk_t = Tensor::empty(DType::kF32, {nh, r, dn});
+    Tensor uv = Tensor::empty(DType::kF32, {nh, dv, r});
+    const float* src = kv_b.data<float>();
+    float* uk = uk_t.data<float>();
+    float* v = uv.data<float>();
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* head = src + h * (dn + dv) * r;
+      for (int64_t i = 0; i < dn; ++i) {
+        for (int64_t j = 0; j < r; ++j) uk[(h * r + j) * dn + i] = head[i * r + j];
+      }
+      std::memcpy(v + h * dv * r, head + dn * r, static_cast<size_t>(dv * r) * sizeof(float));
+    }
+    FLEX_ASSIGN_OR_RETURN(layer->w_uk_t, upload_tensor(uk_t, dtype_));
+    FLEX_ASSIGN_OR_RETURN(layer->w_uv, upload_tensor(uv, dtype_));
+  }
+  layer->is_moe = c.is_moe_layer(index);
+  int64_t I = c.intermediate_size;
+  std::string mlp = p + "mlp.";
+  if (layer->is_moe) {
+    const int64_t E = c.num_experts;
+    FLEX_ASSIGN_OR_RETURN(Tensor router, ck.get(p + "mlp.gate.weight", {E, H}));
+    FLEX_ASSIGN_OR_RETURN(layer->router, upload_tensor(router, dtype_));
+    if (router_.method == GroupedTopkMethod::kNoauxTc) {
+      FLEX_RETURN_IF_ERROR(f32(p + "mlp.gate.e_score_correction_bias", E, &layer->score_bias));
+    }
+    FLEX_RETURN_IF_ERROR(load_slots(index, layer));
+    const size_t num_slots = static_cast<size_t>(placement_.num_slots());
+    FLEX_ASSIGN_OR_RETURN(layer->rep_start, DeviceBuffer::create(E * sizeof(int32_t)));
+    FLEX_ASSIGN_OR_RETURN(layer->rep_count, DeviceBuffer::create(E * sizeof(int32_t)));
+    FLEX_ASSIGN_OR_RETURN(layer->rep_slots, DeviceBuffer::create(num_slots * sizeof(int32_t)));
+    FLEX_ASSIGN_OR_RETURN(layer->stats, DeviceBuffer::create_zeroed(num_slots * sizeof(int64_t)));
+    FLEX_RETURN_IF_ERROR(write_routing_tables(index, placement_.slot_map(index)));
+    I = static_cast<int64_t>(c.moe_intermediate_size) * c.num_shared_experts;
+    mlp += "shared_experts.";
+  }
+  if (I > 0) {
+    FLEX_ASSIGN_OR_RETURN(Tensor gate, weight(mlp + "gate_proj.weight", {I, H}));
+    FLEX_ASSIGN_OR_RETURN(Tensor up, weight(mlp + "up_proj.weight", {I, H}));
+    FLEX_ASSIGN_OR_RETURN(Tensor down, weight(mlp + "down_proj.weight", {H, I}));
+    FLEX_ASSIGN_OR_RETURN(layer->w_gu, upload_rows({&gate, &up}, dtype_));
+    FLEX_ASSIGN_OR_RETURN(layer->w_down, upload_tensor(down, dtype_));
+    layer->mlp_inter = static_cast<int>(I);
+  }
+  const size_t cache_bytes =
+      static_cast<size_t>(max_sequences_ + 1) * max_seq_len_ * (r + dr) * dtype_size(dtype_);
+  FLEX_ASSIGN_OR_RETURN(layer->kv_cache, DeviceBuffer::create_zeroed(cache_bytes));
+  return Status();
+}
+
+Status CudaDeepseekV3Model::pack_slot(int layer, int expert, uint8_t* image) const {
+  const int64_t H = config_.hidden_size, I = config_.moe_intermediate_size;
+  const std::string ep =
+      "model.layers." + std::to_string(layer) + ".mlp.experts." + std::to_string(expert) + ".";
+  // FP8 experts come back dequantized to BF16; pack_expert converts to the compute dtype.
+  FLEX_ASSIGN_OR_RETURN(Tensor gate, weight(ep + "gate_proj.weight", {I, H}));
+  FLEX_ASSIGN_OR_RETURN(Tensor up, weight(ep + "up_proj.weight", {I, H}));
+  FLEX_ASSIGN_OR_RETURN(Tensor down, weight(ep + "down_proj.weight", {H, I}));
+  const Tensor g32 = gate.to(DType::kF32), u32 = up.to(DType::kF32), d32 = down.to(DType::kF32);
+  pack_expert(g32.data<float>(), u32.data<float>(), d32.data<float>(), static_cast<int>(H),
+              static_cast<int>(I), dtype_, image);
+  return Status();
+}
+
+Status CudaDeepseekV3Model::load_slots(int index, Layer* layer) {
+  const int num_slots = placement_.num_slots();
+  const size_t slot_bytes = static_cast<size_t>(moe_dims_.slot_elems()) * dtype_size(dtype_);
+  FLEX_ASSIGN_OR_RETURN(layer->slots, DeviceBuffer::create_zeroed(num_slots * slot_bytes));
+  const std::vector<int>& map = placement_.slot_map(index);
+  // Pack a batch of slots in parallel on the host, then copy it up.
+  constexpr int kBatch = 16;
+  std::vector<uint8_t> staging(static_cast<size_t>(kBatch) * slot_bytes);
+  ThreadPool& pool = ThreadPool::global();
+  for (int s0 = 0; s0 < num_slots; s0 += kBatch) {
+    const int n = std::min(kBatch, num_slots - s0);
+    std::vector<Status> errors(static_cast<size_t>(n));
+    pool.parallel_for(n, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        uint8_t* image = staging.data() + i * slot_bytes;
+        const int expert = map[s0 + i];
+        if (expert == ExpertPlacement::kFreeSlot) {
+          std::memset(image, 0, slot_bytes);
+        } else {
+          errors[i] = pack_slot(index, expert, image);
+        }
+      }
+    });
+    for (const Status& s : errors) FLEX_RETURN_IF_ERROR(s);
+    FLEX_CUDA_TRY(cudaMemcpy(layer->slots.as<uint8_t>() + s0 * slot_bytes, staging.data(),
+                             n * slot_bytes, cudaMemcpyHostToDevice));
+  }
+  return Status();
+}
+
+Status CudaDeepseekV3Model::load_expert(int layer, int expert, int local_slot) {
+  if (layer < 0 || layer >= static_cast<int>(layers_.size()) || !layers_[layer].is_moe) {
+    return invalid_argument("layer " + std::to_string(layer) + " has no routed experts");
+  }
+  if (expert < 0 || expert >= config_.num_experts || local_slot < 0 ||
+      local_slot >= placement_.num_slots()) {
+    return invalid_argument("expert " + std::to_string(expert) + " or local slot " +
+                            std::to_string(local_slot) + " out of range");
+  }
+  const size_t slot_bytes = static_cast<size_t>(moe_dims_.slot_elems()) * dtype_size(dtype_);
+  std::vector<uint8_t> image(slot_bytes);
+  FLEX_RETURN_IF_ERROR(pack_slot(layer, expert, image.data()));
+  FLEX_RETURN_IF_ERROR(set_device(device_));
+  FLEX_CUDA_TRY(cudaMemcpy(layers_[layer].slots.as<uint8_t>() + local_slot * slot_bytes,
+                           image.data(), slot_bytes, cudaMemcpyHostToDevice));
+  return Status();
+}
+
+Status CudaDeepseekV3Model::write_routing_tables(int layer, const std::vector<int>& slot_map) {
+  const RoutingTables t = build_routing_tables(slot_map, config_.num_experts);
+  Layer& L = layers_[layer];
+  cudaStream_t s = stream_.get();
+  FLEX_CUDA_TRY(cudaMemcpyAsync(L.rep_start.data(), t.rep_start.data(),
+                                t.rep_start.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+  FLEX_CUDA_TRY(cudaMemcpyAsync(L.rep_count.data(), t.rep_count.data(),
+                                t.rep_count.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+  FLEX_CUDA_TRY(cudaMemcpyAsync(L.rep_slots.data(), t.rep_slots.data(),
+                                t.rep_slots.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+  return stream_.synchronize();  // `t` dies here.
+}
+
+Status CudaDeepseekV3Model::allocate_scratch() {
+  const ModelConfig& c = config_;
+  const size_t esize = dtype_size(dtype_);
+  max_rows_ = next_pow2(max_sequences_);
+  max_step_tokens_ = std::max(kDefaultStepTokens, max_rows_);
+  const size_t T = static_cast<size_t>(max_step_tokens_);
+  const size_t R = static_cast<size_t>(max_rows_);
+  const size_t H = c.hidden_size, V = c.vocab_size, nh = c.num_attention_heads;
+  const size_t r = c.kv_lora_rank, dr = c.qk_rope_head_dim;
+  const size_t qr = std::max(c.q_lora_rank, 0);
+  const size_t num_ints = 3 * T + R + 1;
+  FLEX_ASSIGN_OR_RETURN(inputs_, DeviceBuffer::create_zeroed(num_ints * sizeof(int32_t)));
+  FLEX_ASSIGN_OR_RETURN(host_in_, PinnedBuffer::create(num_ints * sizeof(int32_t)));
+  int32_t* base = inputs_.as<int32_t>();
+  in_ = {base, base + T, base + 2 * T, base + 3 * T, base + 3 * T + R};
+  FLEX_ASSIGN_OR_RETURN(x_, DeviceBuffer::create(T * H * sizeof(float)));
+  FLEX_ASSIGN_OR_RETURN(h_, DeviceBuffer::create(T * H * esize));
+  FLEX_ASSIGN_OR_RETURN(a_, DeviceBuffer::create(T * (qr + r + dr) * sizeof(float)));
+  if (qr > 0) {
+    FLEX_ASSIGN_OR_RETURN(qa_, DeviceBuffer::create(T * qr * esize));
+  }
+  FLEX_ASSIGN_OR_RETURN(q_, DeviceBuffer::create(T * nh * (c.qk_nope_head_dim + dr) * esize));
+  FLEX_ASSIGN_OR_RETURN(q_latent_, DeviceBuffer::create(T * nh * (r + dr) * sizeof(float)));
+  FLEX_ASSIGN_OR_RETURN(latent_, DeviceBuffer::create(T * nh * r * esize));
+  FLEX_ASSIGN_OR_RETURN(attn_, DeviceBuffer::create(T * nh * c.v_head_dim * esize));
+  size_t inter = 0;
+  bool any_moe = false;
+  for (const Layer& l : layers_) {
+    inter = std::max(inter, static_cast<size_t>(l.mlp_inter));
+    any_moe = any_moe || l.is_moe;
+  }
+  if (inter > 0) {
+    FLEX_ASSIGN_OR_RETURN(gu_, DeviceBuffer::create(T * 2 * inter * sizeof(float)));
+    FLEX_ASSIGN_OR_RETURN(act_, DeviceBuffer::create(T * inter * esize));
+  }
+  if (any_moe) {
+    FLEX_ASSIGN_OR_RETURN(moe_, MoeScratch::create(moe_dims_, max_step_tokens_));
+  }
+  FLEX_ASSIGN_OR_RETURN(last_h_, DeviceBuffer::create(R * H * esize));
+  FLEX_ASSIGN_OR_RETURN(logits_, DeviceBuffer::create(R * V * sizeof(float)));
+  FLEX_ASSIGN_OR_RETURN(host_logits_, PinnedBuffer::create(R * V * sizeof(float)));
+  return Status();
+}
+
+MoeLayerWeights CudaDeepseekV3Model::moe_weights(Layer& layer) {
+  MoeLayerWeights w;
+  w.router = layer.router.data();
+  w.slots = layer.slots.data();
+  w.rep_start = layer.rep_start.as<int32_t>();
+  w.rep_count = layer.rep_count.as<int32_t>();
+  w.rep_slots = layer.rep_slots.as<int32_t>();
+  w.slot_stats = layer.stats.as<int64_t>();
+  return w;
+}
+
+Status CudaDeepseekV3Model::validate(const std::vector<SequenceChunk>& batch) const {
+  std::vector<bool> used(static_cast<size_t>(max_sequences_), false);
+  for (const SequenceChunk& chunk : batch) {
+    if (chunk.kv_slot < 0 || chunk.kv_slot >= max_sequences_) {
+      return invalid_argument("kv slot " + std::to_string(chunk.kv_slot) + " out of range [0, " +
+                              std::to_string(max_sequences_) + ")");
+    }
+    if (used[chunk.kv_slot]) {
+      return invalid_argument("kv slot " + std::to_string(chunk.kv_slot) + " used twice in a step");
+    }
+    used[chunk.kv_slot] = true;
+    if (chunk.tokens.empty()) return invalid_argument("a sequence chunk has no tokens");
+    if (chunk.start_pos < 0 ||
+        chunk.start_pos + static_cast<int64_t>(chunk.tokens.size()) > max_seq_len_) {
+      return invalid_argument("positions " + std::to_string(chunk.start_pos) + ".." +
+                              std::to_string(chunk.start_pos + chunk.tokens.size()) +
+                              " exceed the context length " + std::to_string(max_seq_len_));
+    }
+    for (int32_t id : chunk.tokens) {
+      if (id < 0 || id >= config_.vocab_size) {
+        return invalid_argument("token id " + std::to_string(id) + " outside the vocabulary [0, " +
+                                std::to_string(config_.vocab_size) + ")");
+      }
+    }
+  }
+  return Status();
+}
+
+Status CudaDeepseekV3Model::upload_inputs(int num_tokens, int num_rows) {
+  const size_t T = static_cast<size_t>(max_step_tokens_);
+  const int32_t* host = host_in_.as<int32_t>();
+  cudaStream_t s = stream_.get();
+  const size_t n = static_cast<size_t>(num_tokens) * sizeof(int32_t);
+  FLEX_CUDA_TRY(cudaMemcpyAsync(in_.ids, host, n, cudaMemcpyHostToDevice, s));
+  FLEX_CUDA_TRY(cudaMemcpyAsync(in_.positions, host + T, n, cudaMemcpyHostToDevice, s));
+  FLEX_CUDA_TRY(cudaMemcpyAsync(in_.kv_slots, host + 2 * T, n, cudaMemcpyHostToDevice, s));
+  FLEX_CUDA_TRY(cudaMemcpyAsync(in_.last_rows, host + 3 * T, num_rows * sizeof(int32_t),
+                                cudaMemcpyHostToDevice, s));
+  FLEX_CUDA_TRY(cudaMemcpyAsync(in_.num_valid, host + 3 * T + max_rows_, sizeof(int32_t),
+                                cudaMemcpyHostToDevice, s));
+  return Status();
+}
+
+Status CudaDeepseekV3Model::enqueue_attention(Layer& L, int n) {
+  const ModelConfig& c = config_;
+  cudaStream_t s = stream_.get();
+  const int H = c.hidden_size, nh = c.num_attention_heads;
+  const int dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim, dv = c.v_head_dim;
+  const int r = c.kv_lora_rank, qr = std::max(c.q_lora_rank, 0);
+  const int q_head = dn + dr, row = r + dr, a_dim = qr + r + dr;
+  // a = h @ [q_a; kv_a]^T (f32), then q (dtype) through q LoRA or q_proj.
+  FLEX_RETURN_IF_ERROR(
+      blas_.gemm_nt(dtype_, h_.data(), n, H, L.w_a.data(), a_dim, DType::kF32, a_.data()));
+  if (qr > 0) {
+    FLEX_CUDA_TRY(rms_norm_rows(dtype_, a_.as<float>(), a_dim, L.q_a_norm.as<float>(), n, qr,
+                                kLoraNormEps, qa_.data(), s));
+    FLEX_RETURN_IF_ERROR(
+        blas_.gemm_nt(dtype_, qa_.data(), n, qr, L.w_q.data(), nh * q_head, dtype_, q_.data()));
+  } else {
+    FLEX_RETURN_IF_ERROR(
+        blas_.gemm_nt(dtype_, h_.data(), n, H, L.w_q.data(), nh * q_head, dtype_, q_.data()));
+  }
+  MlaRopeArgs ra{a_.as<float>() + qr,
+                 a_dim,
+                 L.kv_a_norm.as<float>(),
+                 kLoraNormEps,
+                 q_.data(),
+                 q_latent_.as<float>(),
+                 rope_cos_.as<float>(),
+                 rope_sin_.as<float>(),
+                 c.rope_interleave,
+                 in_.positions,
+                 in_.kv_slots,
+                 max_seq_len_,
+                 L.kv_cache.data(),
+                 n,
+                 nh,
+                 dn,
+                 dr,
+                 r};
+  FLEX_CUDA_TRY(mla_rope_store(dtype_, ra, s));
+  // Absorb: q_latent[t, h, :r] = W_uk[h]^T q_nope[t, h].
+  FLEX_RETURN_IF_ERROR(head_gemm_.run(dtype_, q_.data(), n, nh * q_head, q_head, L.w_uk_t.data(),
+                                      nh, r, dn, DType::kF32, q_latent_.data(), nh * row, row));
+  MlaAttentionArgs aa{
+      q_latent_.as<float>(), L.kv_cache.data(), in_.positions, in_.kv_slots, n, nh, r, dr,
+      max_seq_len_,          softmax_scale_,    latent_.data()};
+  FLEX_CUDA_TRY(mla_attention(dtype_, aa, s));
+  // Out of the latent space: attn[t, h] = W_uv[h] latent[t, h]; then x += attn @ o_proj^T.
+  FLEX_RETURN_IF_ERROR(head_gemm_.run(dtype_, latent_.data(), n, nh * r, r, L.w_uv.data(), nh, dv,
+                                      r, dtype_, attn_.data(), nh * dv, dv));
+  return blas_.gemm_nt(dtype_, attn_.data(), n, nh * dv, L.w_o.data(), H, DType::kF32, x_.data(),
+                       1.f, 1.f);
+}
+
+Status CudaDeepseekV3Model::enqueue_swiglu(Layer& L, int n) {
+  const int H = config_.hidden_size, I = L.mlp_inter;
+  FLEX_RETURN_IF_ERROR(
+      blas_.gemm_nt(dtype_, h_.data(), n, H, L.w_gu.data(), 2 * I, DType::kF32, gu_.data()));
+  FLEX_CUDA_TRY(silu_mul(dtype_, gu_.as<float>(), n, I, act_.data(), stream_.get()));
+  return blas_.gemm_nt(dtype_, act_.data(), n, I, L.w_down.data(), H, DType::kF32, x_.data(), 1.f,
+                       1.f);
+}
+
+Status CudaDeepseekV3Model::enqueue_step(int n, int num_rows) {
+  const ModelConfig& c = config_;
+  cudaStream_t s = stream_.get();
+  const int H = c.hidden_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  float* x = x_.as<float>();
+  FLEX_CUDA_TRY(embedding(dtype_, embed_.data(), in_.ids, n, H, x, s));
+  for (Layer& L : layers_) {
+    FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.input_norm.as<float>(), n, H, eps, h_.data(), s));
+    FLEX_RETURN_IF_ERROR(enqueue_attention(L, n));
+    FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.post_norm.as<float>(), n, H, eps, h_.data(), s));
+    if (L.is_moe) {
+      FLEX_RETURN_IF_ERROR(run_grouped_moe(moe_dims_, router_, L.score_bias.as<float>(),
+                                           moe_weights(L), moe_, h_.data(), n, in_.num_valid, x,
+                                           /*accumulate=*/true, blas_, s));
+    }
+    if (L.mlp_inter > 0) FLEX_RETURN_IF_ERROR(enqueue_swiglu(L, n));  // Dense or shared.
+  }
+  if (num_rows > 0) {
+    FLEX_CUDA_TRY(rms_norm(dtype_, x, in_.last_rows, final_norm_.as<float>(), num_rows, H, eps,
+                           last_h_.data(), s));
+    FLEX_RETURN_IF_ERROR(blas_.gemm_nt(dtype_, last_h_.data(), num_rows, H, lm_head_.data(),
+                                       c.vocab_size, DType::kF32, logits_.data()));
+  }
+  return Status();
+}
+
+Status CudaDeepseekV3Model::run_decode(const std::vector<SequenceChunk>& batch, float* logits) {
+  const int B = static_cast<int>(batch.size());
+  const int bucket = next_pow2(B);
+  const size_t T = static_cast<size_t>(max_step_tokens_);
+  int32_t* host = host_in_.as<int32_t>();
+  for (int i = 0; i < bucket; ++i) {
+    const bool real = i < B;
+    host[i] = real ? batch[i].tokens[0] : 0;
+    host[T + i] = real ? batch[i].start_pos : 0;
+    host[2 * T + i] = real ? batch[i].kv_slot : max_sequences_;  // Padding: the spare slot.
+    host[3 * T + i] = i;
+  }
+  host[3 * T + max_rows_] = B;
+  FLEX_RETURN_IF_ERROR(upload_inputs(bucket, bucket));
+  cudaStream_t s = stream_.get();
+  auto it = graphs_.find(bucket);
+  if (it != graphs_.end()) {
+    FLEX_RETURN_IF_ERROR(it->second.launch(s));
+  } else {
+    // The first step of a bucket runs eagerly (and warms cuBLAS up), then is captured.
+    FLEX_RETURN_IF_ERROR(enqueue_step(bucket, bucket));
+    FLEX_RETURN_IF_ERROR(GraphExec::begin_capture(s));
+    Status st = enqueue_step(bucket, bucket);
+    if (!st.ok()) {
+      GraphExec::abandon_capture(s);
+      FLEX_LOG(WARN) << "CUDA graph capture failed, decoding eagerly: " << st.to_string();
+      use_graphs_ = false;
+    } else {
+      auto graph = GraphExec::end_capture(s);
+      if (graph.ok()) {
+        graphs_.emplace(bucket, std::move(graph).value());
+        ++graph_captures_;
+      } else {
+        FLEX_LOG(WARN) << "CUDA graph capture failed, decoding eagerly: "
+                       << graph.status().to_string();
+        use_graphs_ = false;
+      }
+    }
+  }
+  FLEX_CUDA_TRY(cudaMemcpyAsync(host_logits_.data(), logits_.data(),
+                                static_cast<size_t>(B) * config_.vocab_size * sizeof(float),
+                                cudaMemcpyDeviceToHost, s));
+  FLEX_RETURN_IF_ERROR(stream_.synchronize());
+  std::memcpy(logits, host_logits_.data(),
+              static_cast<size_t>(B) * config_.vocab_size * sizeof(float));
+  return Status();
+}
+
+Status CudaDeepseekV3Model::run_pieces(const std::vector<SequenceChunk>& batch, float* logits) {
+  const size_t T = static_cast<size_t>(max_step_tokens_);
+  const size_t V = static_cast<size_t>(config_.vocab_size);
+  int32_t* host = host_in_.as<int32_t>();
+  int n = 0;
+  std::vector<int> row_chunk;  // Logits row -> chunk index.
+  auto flush = [&]() -> Status {
+    const int rows = static_cast<int>(row_chunk.size());
+    host[3 * T + max_rows_] = n;
+    FLEX_RETURN_IF_ERROR(upload_inputs(n, rows));
+    FLEX_RETURN_IF_ERROR(enqueue_step(n, rows));
+    if (rows > 0) {
+      FLEX_CUDA_TRY(cudaMemcpyAsync(host_logits_.data(), logits_.data(), rows * V * sizeof(float),
+                                    cudaMemcpyDeviceToHost, stream_.get()));
+    }
+    FLEX_RETURN_IF_ERROR(stream_.synchronize());  // Also frees host_in_ for the next piece.
+    for (int r = 0; r < rows; ++r) {
+      std::memcpy(logits + row_chunk[r] * V, host_logits_.as<float>() + r * V, V * sizeof(float));
+    }
+    n = 0;
+    row_chunk.clear();
+    return Status();
+  };
+  for (size_t b = 0; b < batch.size(); ++b) {
+    const SequenceChunk& chunk = batch[b];
+    for (size_t i = 0; i < chunk.tokens.size(); ++i) {
+      host[n] = chunk.tokens[i];
+      host[T + n] = chunk.start_pos + static_cast<int32_t>(i);
+      host[2 * T + n] = chunk.kv_slot;
+      if (i + 1 == chunk.tokens.size()) {
+        host[3 * T + row_chunk.size()] = n;
+        row_chunk.push_back(static_cast<int>(b));
+      }
+      ++n;
+      if (n == static_cast<int>(T)) FLEX_RETURN_IF_ERROR(flush());
+    }
+  }
+  if (n > 0) FLEX_RETURN_IF_ERROR(flush());
+  return Status();
+}
+
+Status CudaDeepseekV3Model::forward(const std::vector<SequenceChunk>& batch, Tensor* logits) {
+  FLEX_RETURN_IF_ERROR(validate(batch));
+  const int64_t B = static_cast<int64_t>(batch.size());
+  if (!logits->owned() || logits->dim() != 2 || logits->size(0) != B ||
+      logits->size(1) != config_.vocab_size) {
+    *logits = Tensor::empty(DType::kF32, {B, config_.vocab_size});
+  }
+  if (B == 0) return Status();
+  FLEX_RETURN_IF_ERROR(set_device(device_));
+  const bool decode = std::all_of(batch.begin(), batch.end(),
+                                  [](const SequenceChunk& c) { return c.tokens.size() == 1; });
+  if (decode && use_graphs_) return run_decode(batch, logits->data<float>());
+  return run_pieces(batch, logits->data<float>());
+}
+
+const std::vector<std::vector<int64_t>>& CudaDeepseekV3Model::slot_counts() const {
+  if (set_device(device_).ok()) {
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      if (!layers_[l].is_moe) continue;
+      const cudaError_t err = cudaMemcpyAsync(slot_counts_[l].data(), layers_[l].stats.data(),
+                                              slot_counts_[l].size() * sizeof(int64_t),
+                                              cudaMemcpyDeviceToHost, stream_.get());
+      if (err != cudaSuccess) FLEX_LOG(WARN) << "slot counts: " << cudaGetErrorString(err);
+    }
+    const Status s = stream_.synchronize();
+    if (!s.ok()) FLEX_LOG(WARN) << "slot counts: " << s.to_string();
+  }
+  return slot_counts_;
+}
+
+void CudaDeepseekV3Model::reset_slot_counts() {
+  if (!set_device(device_).ok()) return;
+  for (Layer& L : layers_) {
+    if (L.is_moe) (void)cudaMemsetAsync(L.stats.data(), 0, L.stats.num_bytes(), stream_.get());
+  }
+  (void)stream_.synchronize();
+}
+
+Status CudaDeepseekV3Model::set_placement(ExpertPlacement placement) {
+  if (placement.num_slots() != placement_.num_slots() ||
+      placement.num_layers() != placement_.num_layers() ||
+      placement.num_experts() != placement_.num_experts()) {
+    return invalid_argument("new placement has a different shape");
+  }
+  for (int l = 0; l < placement.num_layers(); ++l) {
+    if (!layers_[l].is_moe) continue;
+    for (int e = 0; e < placement.num_experts(); ++e) {
+      if (placement.replicas(l, e).empty()) {
+        return invalid_argument("expert " + std::to_string(e) + " of layer " + std::to_string(l) +
+                                " has no replica");
+      }
+    }
+  }
+  FLEX_RETURN_IF_ERROR(set_device(device_));
+  for (int l = 0; l < placement.num_layers(); ++l) {
+    if (layers_[l].is_moe) FLEX_RETURN_IF_ERROR(write_routing_tables(l, placement.slot_map(l)));
+  }
+  placement_ = std::move(placement);
+  return Status();
+}
+
+}  // namespace flexpert::cuda

@@ -1,0 +1,151 @@
+// SPDX-License-Identifier: Apache-2.0
+// CudaDeepseekV3Model: the DeepSeek-V3 / V2 forward pass (model/deepseek_v3.h) on one
+// GPU, for model_type deepseek_v3 and deepseek_v2 (see flexpert/model.h).
+//
+// Attention is MLA in the absorbed form at every step (prefill and decode): the KV
+// cache holds per token only the normalised latent and the rotated rope key
+// (kv_lora_rank + qk_rope_head_dim values in the compute dtype, max_sequences + 1 slots:
+// the last one absorbs the padding rows of captured decode batches). q_nope is mapped
+// into the latent space through kv_b's key part and the weighted latent out through its
+// value part (per-head batched GEMMs). RoPE is plain or interleaved, with YaRN, as the
+// CPU model. Layers below first_k_dense_replace run a dense SwiGLU MLP; MoE layers run
+// DeepSeek's grouped router, the grouped expert GEMMs of the Qwen3 path, and the shared
+// experts as one dense SwiGLU added to the routed output. FP8 checkpoints are
+// dequantized at load (Checkpoint::get_weight).
+//
+// As CudaQwen3MoeModel: weights, cache and step scratch are allocated at load for
+// steps of up to max_step_tokens() tokens (longer steps run as consecutive pieces);
+// routing tables are device buffers that set_placement() rewrites in place; decode
+// steps replay a CUDA graph per batch bucket (1, 2, 4, ...), captured after the
+// bucket's first eager step. local_slots() returns nullptr. forward() blocks until the
+// logits are on the host. One driver thread.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cuda/blas.h"
+#include "cuda/device.h"
+#include "cuda/grouped_moe.h"
+#include "cuda/head_gemm.h"
+#include "cuda/moe_layer.h"
+#include "flexpert/checkpoint.h"
+#include "flexpert/model.h"
+#include "model/rope.h"
+
+namespace flexpert::cuda {
+
+// Loads a deepseek_v3 / deepseek_v2 checkpoint onto the GPU named by options.device.
+// `rope` holds the config's RoPE frequencies and scales (model/rope.h rope_tables() for
+// qk_rope_head_dim; passed in because that code lives in the model library, which
+// links this one). Errors as load_cuda_model (cuda_model.h).
+Result<std::unique_ptr<Model>> load_cuda_deepseek_model(const std::string& dir,
+                                                        const ModelOptions& options,
+                                                        const RopeTables& rope);
+
+class CudaDeepseekV3Model final : public Model {
+ public:
+  static Result<std::unique_ptr<CudaDeepseekV3Model>> create(std::unique_ptr<Checkpoint> checkpoint,
+                                                             ModelConfig config,
+                                                             const ModelOptions& options,
+                                                             const RopeTables& rope, int device);
+  ~CudaDeepseekV3Model() override;
+
+  const ModelConfig& config() const override { return config_; }
+  const ExpertPlacement& placement() const override { return placement_; }
+  int max_sequences() const override { return max_sequences_; }
+  int max_seq_len() const override { return max_seq_len_; }
+  Status forward(const std::vector<SequenceChunk>& batch, Tensor* logits) override;
+  const std::vector<std::vector<int64_t>>& slot_counts() const override;
+  void reset_slot_counts() override;
+  ExpertSlots* local_slots(int layer) override { return nullptr; }
+  Status set_placement(ExpertPlacement placement) override;
+  Status load_expert(int layer, int expert, int local_slot) override;
+  int64_t num_graph_captures() const override { return graph_captures_; }
+
+  DType dtype() const { return dtype_; }
+  int max_step_tokens() const { return max_step_tokens_; }
+
+ private:
+  struct Layer {
+    DeviceBuffer input_norm, post_norm;  // f32 [H]
+    DeviceBuffer w_a;        // [q_lora_rank (if any) + kv_lora_rank + rope, H]: (q_a; kv_a)
+    DeviceBuffer q_a_norm;   // f32 [q_lora_rank]
+    DeviceBuffer w_q;        // q_b [heads * (nope + rope), q_lora_rank], or q_proj [.., H]
+    DeviceBuffer kv_a_norm;  // f32 [kv_lora_rank]
+    DeviceBuffer w_uk_t;     // [heads, kv_lora_rank, nope]: kv_b's key part, transposed
+    DeviceBuffer w_uv;       // [heads, v_head_dim, kv_lora_rank]: kv_b's value part
+    DeviceBuffer w_o;        // [H, heads * v_head_dim]
+    DeviceBuffer kv_cache;   // [max_sequences + 1, max_seq_len, kv_lora_rank + rope]
+    bool is_moe = false;
+    DeviceBuffer router;                           // [E, H]
+    DeviceBuffer score_bias;                       // f32 [E] (noaux_tc), else empty
+    DeviceBuffer slots;                            // [num_slots][slot_elems]
+    DeviceBuffer rep_start, rep_count, rep_slots;  // i32 routing tables
+    DeviceBuffer stats;                            // i64 [num_slots]
+    // Dense MLP, or the shared experts of a MoE layer: [2I, H] (gate; up), [H, I].
+    DeviceBuffer w_gu, w_down;
+    int mlp_inter = 0;  // I above; 0: none.
+  };
+  // Device addresses of a step's inputs (fixed, so graphs read them at replay).
+  struct StepInputs {
+    int32_t* ids;
+    int32_t* positions;
+    int32_t* kv_slots;
+    int32_t* last_rows;  // Token row of each logits row.
+    int32_t* num_valid;  // [1] tokens that are not padding.
+  };
+
+  CudaDeepseekV3Model() = default;
+  Status check_config(const ModelOptions& options);
+  Status load_weights(const ModelOptions& options, const RopeTables& rope);
+  Status load_layer(int index, Layer* layer);
+  Status load_slots(int index, Layer* layer);
+  // Expert `expert` of layer `layer` packed into a slot image (pack_expert's layout).
+  Status pack_slot(int layer, int expert, uint8_t* image) const;
+  Result<Tensor> weight(const std::string& name, const Shape& shape) const;
+  Status write_routing_tables(int layer, const std::vector<int>& slot_map);
+  Status allocate_scratch();
+  Status validate(const std::vector<SequenceChunk>& batch) const;
+  Status upload_inputs(int num_tokens, int num_rows);
+  Status enqueue_attention(Layer& L, int n);
+  Status enqueue_swiglu(Layer& L, int n);
+  Status enqueue_step(int num_tokens, int num_rows);
+  Status run_decode(const std::vector<SequenceChunk>& batch, float* logits);
+  Status run_pieces(const std::vector<SequenceChunk>& batch, float* logits);
+  MoeLayerWeights moe_weights(Layer& layer);
+
+  std::unique_ptr<Checkpoint> checkpoint_;
+  ModelConfig config_;
+  ExpertPlacement placement_;
+  int device_ = 0;
+  DType dtype_ = DType::kBF16;
+  bool use_graphs_ = true;
+  int max_sequences_ = 0;
+  int max_seq_len_ = 0;
+  int max_rows_ = 0;         // Logits rows per step: max_sequences rounded up to a bucket.
+  int max_step_tokens_ = 0;  // Tokens per piece.
+  float softmax_scale_ = 1.f;
+  MoeDims moe_dims_;
+  GroupedRouter router_;
+
+  Stream stream_;
+  Blas blas_;           // Bound to stream_; destroyed before it.
+  HeadGemm head_gemm_;  // Likewise.
+  DeviceBuffer embed_, lm_head_, final_norm_, rope_cos_, rope_sin_;
+  std::vector<Layer> layers_;
+  // Step scratch.
+  DeviceBuffer inputs_;
+  StepInputs in_{};
+  PinnedBuffer host_in_;  // Same layout as inputs_.
+  DeviceBuffer x_, h_, a_, qa_, q_, q_latent_, latent_, attn_, gu_, act_, last_h_, logits_;
+  PinnedBuffer host_logits_;
+  MoeScratch moe_;
+  mutable std::vector<std::vector<int64_t>> slot_counts_;
+  std::map<int, GraphExec> graphs_;  // Decode bucket -> graph; destroyed first.
+  int64_t graph_captures_ = 0;
+};
+
+}  // namespace flexpert::cuda

@@ -1,0 +1,97 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "cuda/grouped_moe.h"
+
+#include <string>
+
+#include "cuda/kernels.h"
+
+namespace flexpert::cuda {
+
+Status run_grouped_moe(const MoeDims& dims, const GroupedRouter& router, const float* score_bias,
+                       const MoeLayerWeights& w, MoeScratch& scratch, const void* h, int num_tokens,
+                       const int32_t* num_valid_tokens, float* out, bool accumulate, Blas& blas,
+                       cudaStream_t stream) {
+  if (num_tokens == 0) return Status();
+  if (num_tokens > scratch.max_tokens) {
+    return internal_error("MoE step of " + std::to_string(num_tokens) +
+                          " tokens over the scratch capacity " +
+                          std::to_string(scratch.max_tokens));
+  }
+  const int H = dims.hidden, I = dims.intermediate, K = dims.top_k;
+  const int64_t P = static_cast<int64_t>(num_tokens) * K;
+  const GemmTile tile = choose_tile(dims.dtype, P, dims.num_experts, H, I);
+  if (!tile_supports(tile, dims.dtype, 2 * I, H) || !tile_supports(tile, dims.dtype, H, I)) {
+    return invalid_argument("GEMM tile " + std::to_string(static_cast<int>(tile)) +
+                            " does not fit the expert shapes");
+  }
+  const int block_m = tile_rows(tile);
+  FLEX_RETURN_IF_ERROR(blas.gemm_nt(dims.dtype, h, num_tokens, H, w.router, dims.num_experts,
+                                    DType::kF32, scratch.logits.data()));
+  GroupedTopkArgs topk{scratch.logits.as<float>(),
+                       score_bias,
+                       num_tokens,
+                       dims.num_experts,
+                       K,
+                       router.sigmoid,
+                       router.method,
+                       router.num_groups,
+                       router.topk_groups,
+                       dims.norm_topk_prob,
+                       router.routed_scaling_factor,
+                       w.rep_start,
+                       w.rep_count,
+                       w.rep_slots,
+                       scratch.expert.as<int32_t>(),
+                       scratch.weight.as<float>(),
+                       scratch.slot.as<int32_t>()};
+  FLEX_CUDA_TRY(grouped_topk(topk, stream));
+  PermuteArgs perm{scratch.slot.as<int32_t>(),
+                   static_cast<int>(P),
+                   K,
+                   dims.num_slots,
+                   block_m,
+                   num_valid_tokens,
+                   scratch.offsets.as<int32_t>(),
+                   scratch.tile_slot.as<int32_t>(),
+                   scratch.tile_row0.as<int32_t>(),
+                   scratch.num_tiles.as<int32_t>(),
+                   scratch.row_of_pair.as<int32_t>(),
+                   scratch.pair_of_row.as<int32_t>(),
+                   w.slot_stats};
+  FLEX_CUDA_TRY(permute(perm, stream));
+
+  GroupedGemmArgs g;
+  g.offsets = scratch.offsets.as<int32_t>();
+  g.tile_slot = scratch.tile_slot.as<int32_t>();
+  g.tile_row0 = scratch.tile_row0.as<int32_t>();
+  g.num_tiles = scratch.num_tiles.as<int32_t>();
+  g.max_tiles = max_tiles(P, dims.num_slots, block_m);
+  g.weights = w.slots;
+  g.slot_stride = dims.slot_elems();
+  // gate/up with SwiGLU, rows gathered from h in place.
+  g.a = h;
+  g.gather = scratch.pair_of_row.as<int32_t>();
+  g.gather_div = K;
+  g.weight_offset = 0;
+  g.n = 2 * I;
+  g.k = H;
+  g.swiglu = true;
+  g.out = scratch.act.data();
+  FLEX_CUDA_TRY(grouped_gemm(dims.dtype, tile, g, stream));
+  // down.
+  g.a = scratch.act.data();
+  g.gather = nullptr;
+  g.gather_div = 1;
+  g.weight_offset = 2 * static_cast<int64_t>(I) * H;
+  g.n = H;
+  g.k = I;
+  g.swiglu = false;
+  g.out = scratch.y.data();
+  FLEX_CUDA_TRY(grouped_gemm(dims.dtype, tile, g, stream));
+  FLEX_CUDA_TRY(combine(dims.dtype, scratch.y.data(), scratch.weight.as<float>(),
+                        scratch.row_of_pair.as<int32_t>(), num_tokens, K, H, accumulate, out,
+                        stream));
+  return Status();
+}
+
+}  // namespace flexpert::cuda

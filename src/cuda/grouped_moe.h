@@ -1,0 +1,30 @@
+// SPDX-License-Identifier: Apache-2.0
+// The MoE block of DeepSeek-V2/V3 on one GPU: run_moe (moe_layer.h) with DeepSeek's
+// router (mla_kernels.h grouped_topk: sigmoid or softmax scores, correction bias,
+// group-limited top-k, routed scaling) in place of the softmax top-k. Same scratch,
+// slot layout, routing tables and grouped GEMMs; no host synchronisation (graph-safe).
+// Shared experts are not part of it (the model adds them).
+#pragma once
+
+#include "cuda/blas.h"
+#include "cuda/mla_kernels.h"
+#include "cuda/moe_layer.h"
+
+namespace flexpert::cuda {
+
+struct GroupedRouter {
+  bool sigmoid = true;
+  GroupedTopkMethod method = GroupedTopkMethod::kNoauxTc;
+  int num_groups = 1;
+  int topk_groups = 1;
+  float routed_scaling_factor = 1.0f;  // dims.norm_topk_prob says whether to normalise.
+};
+
+// out[t] (+)= MoE(h[t]) for t < num_tokens, as run_moe; score_bias: f32 [E] device
+// array (read by kNoauxTc only).
+Status run_grouped_moe(const MoeDims& dims, const GroupedRouter& router, const float* score_bias,
+                       const MoeLayerWeights& w, MoeScratch& scratch, const void* h, int num_tokens,
+                       const int32_t* num_valid_tokens, float* out, bool accumulate, Blas& blas,
+                       cudaStream_t stream);
+
+}  // namespace flexpert::cuda

@@ -1,0 +1,41 @@
+// SPDX-License-Identifier: Apache-2.0
+// HeadGemm: per-head products of MLA (kv_b's absorbed key and value parts) as one
+// strided-batched cuBLAS call, on its own handle bound to one stream with a fixed
+// workspace (graph-capturable), like Blas. Enqueues only; not thread-safe.
+#pragma once
+
+#include <cublas_v2.h>
+
+#include <cstdint>
+
+#include "cuda/device.h"
+#include "flexpert/dtype.h"
+#include "flexpert/status.h"
+
+namespace flexpert::cuda {
+
+class HeadGemm {
+ public:
+  HeadGemm() = default;
+  ~HeadGemm();
+  HeadGemm(HeadGemm&& o) noexcept;
+  HeadGemm& operator=(HeadGemm&& o) noexcept;
+  HeadGemm(const HeadGemm&) = delete;
+  HeadGemm& operator=(const HeadGemm&) = delete;
+
+  static Result<HeadGemm> create(cudaStream_t stream);
+
+  // As kernels::matmul_nt_heads: y[t, h, :n] = x[t, h, :k] @ w[h]^T for t < m and
+  // h < num_heads, w [num_heads, n, k]; row t, head h of x starts at x + t * x_row_stride
+  // + h * x_head_stride (elements), likewise y. x and w in `in_dtype` (F32: strict f32),
+  // y in `out_dtype`, f32 accumulation.
+  Status run(DType in_dtype, const void* x, int64_t m, int64_t x_row_stride, int64_t x_head_stride,
+             const void* w, int64_t num_heads, int64_t n, int64_t k, DType out_dtype, void* y,
+             int64_t y_row_stride, int64_t y_head_stride);
+
+ private:
+  cublasHandle_t handle_ = nullptr;
+  DeviceBuffer workspace_;
+};
+
+}  // namespace flexpert::cuda

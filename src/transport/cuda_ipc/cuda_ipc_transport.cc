@@ -1,0 +1,384 @@
+// SPDX-License-Identifier: Apache-2.0
+// CudaIpcTransport: setup, peers, regions and teardown. The collectives are in
+// cuda_ipc_collectives.cc.
+#include "transport/cuda_ipc/cuda_ipc_transport.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <new>
+
+#include "flexpert/logging.h"
+
+namespace flexpert {
+
+using cuda_ipc::cuda_check;
+using cuda_ipc::ScopedDevice;
+using shm::ShmMapping;
+
+namespace {
+
+cudaIpcMemHandle_t handle_from(const unsigned char* bytes) {
+  cudaIpcMemHandle_t handle;
+  std::memcpy(&handle, bytes, sizeof(handle));
+  return handle;
+}
+
+}  // namespace
+
+CudaIpcTransport::CudaIpcTransport(TransportOptions options, cuda_ipc::Layout layout,
+                                   std::string address)
+    : options_(std::move(options)), layout_(layout), address_(std::move(address)) {}
+
+Result<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::create(
+    const TransportOptions& options) {
+  FLEX_RETURN_IF_ERROR(shm::validate_session(options.session));
+  if (options.rank < 0 || options.rank >= options.max_ranks) {
+    return invalid_argument("rank " + std::to_string(options.rank) +
+                            " not in [0, max_ranks=" + std::to_string(options.max_ranks) + ")");
+  }
+  if (options.timeout_ms <= 0) {
+    return invalid_argument("timeout_ms must be > 0, got " + std::to_string(options.timeout_ms));
+  }
+  FLEX_ASSIGN_OR_RETURN(cuda_ipc::Layout layout,
+                        cuda_ipc::Layout::compute(options.max_ranks, options.max_gather_bytes,
+                                                  options.max_exchange_bytes));
+  // The device first: without a GPU nothing touches /dev/shm.
+  FLEX_RETURN_IF_ERROR(cuda_ipc::check_device(options.device).annotate("cuda_ipc"));
+  const int device = options.device;
+  ScopedDevice scoped(device);
+  FLEX_RETURN_IF_ERROR(scoped.status());
+  char bus_id[32] = {};
+  FLEX_RETURN_IF_ERROR(
+      cuda_check(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device), "cudaDeviceGetPCIBusId"));
+  std::string address =
+      shm::control_segment_name(options.session, options.rank, options.incarnation);
+  std::unique_ptr<CudaIpcTransport> t(new CudaIpcTransport(options, layout, address));
+  FLEX_ASSIGN_OR_RETURN(t->recv_, cuda_ipc::DeviceAllocation::create(device, layout.recv_bytes));
+  FLEX_ASSIGN_OR_RETURN(t->copy_stream_, cuda_ipc::Stream::create(device, /*non_blocking=*/false));
+  FLEX_ASSIGN_OR_RETURN(t->read_stream_, cuda_ipc::Stream::create(device, /*non_blocking=*/true));
+
+  auto created = ShmMapping::create(address, layout.total_bytes, /*populate=*/true);
+  if (!created.ok() && created.status().code() == StatusCode::kFailedPrecondition) {
+    FLEX_RETURN_IF_ERROR(shm::remove_if_stale(address, cuda_ipc::kMagic));
+    created = ShmMapping::create(address, layout.total_bytes, /*populate=*/true);
+  }
+  FLEX_RETURN_IF_ERROR(created.status());
+  std::shared_ptr<ShmMapping> mapping = std::move(created).value();
+
+  std::byte* base = mapping->data();
+  auto* h = new (base) shm::SegmentHeader();
+  h->version = cuda_ipc::kLayoutVersion;
+  h->pid = static_cast<int32_t>(::getpid());
+  h->pid_start_time = shm::process_start_time(h->pid);
+  h->rank = options.rank;
+  h->max_ranks = options.max_ranks;
+  h->incarnation = options.incarnation;
+  h->max_gather_bytes = options.max_gather_bytes;
+  h->max_exchange_bytes = options.max_exchange_bytes;
+  h->segment_bytes = layout.total_bytes;
+  for (int src = 0; src < options.max_ranks; ++src) {
+    for (int parity = 0; parity < 2; ++parity) {
+      new (layout.mailboxes.mailbox(base, false, src, parity)) shm::MailboxHeader();
+      new (layout.mailboxes.mailbox(base, true, src, parity)) shm::MailboxHeader();
+    }
+  }
+  cuda_ipc::DeviceInfo* info = layout.info(base);
+  info->device = device;
+  std::memcpy(info->pci_bus_id, bus_id, sizeof(info->pci_bus_id));
+  info->pci_bus_id[sizeof(info->pci_bus_id) - 1] = '\0';
+  info->recv_bytes = layout.recv_bytes;
+  info->recv_address = reinterpret_cast<uint64_t>(t->recv_->data());
+  std::memcpy(info->recv_handle, &t->recv_->ipc_handle(), cuda_ipc::kIpcHandleBytes);
+  for (int i = 0; i < cuda_ipc::kMaxRegions; ++i)
+    new (layout.region(base, i)) cuda_ipc::RegionEntry();
+  h->magic.store(cuda_ipc::kMagic, std::memory_order_release);  // Peers may attach from now on.
+
+  t->control_ = std::move(mapping);
+  t->header_ = h;
+  t->base_ = base;
+  auto self = std::make_shared<Peer>();
+  self->rank = options.rank;
+  self->address = address;
+  self->control = t->control_;
+  self->header = h;
+  self->info = info;
+  self->control_base = base;
+  self->pid = h->pid;
+  self->recv = t->recv_->data();
+  t->peers_.assign(options.max_ranks, nullptr);
+  t->peers_[options.rank] = std::move(self);
+  return t;
+}
+
+CudaIpcTransport::~CudaIpcTransport() { close_and_release(); }
+
+TransportCapabilities CudaIpcTransport::capabilities() const {
+  TransportCapabilities c;
+  c.one_sided_read = true;
+  c.device_memory = true;
+  c.cross_host = false;
+  c.max_gather_bytes = options_.max_gather_bytes;
+  c.max_exchange_bytes = options_.max_exchange_bytes;
+  return c;
+}
+
+Result<std::shared_ptr<CudaIpcTransport::Peer>> CudaIpcTransport::attach(
+    int peer, const std::string& address) {
+  if (address.rfind("/flexpert-", 0) != 0 || address.find('/', 1) != std::string::npos ||
+      address.size() > 240) {
+    return invalid_argument("'" + address + "' is not a cuda_ipc transport address");
+  }
+  auto mapping = ShmMapping::open(address, /*writable=*/true, /*populate=*/true);
+  if (!mapping.ok()) {
+    if (mapping.status().code() == StatusCode::kNotFound) {
+      return unavailable("rank " + std::to_string(peer) + ": no control segment " + address +
+                         " (not started yet, or gone)");
+    }
+    return mapping.status().annotate("connecting to rank " + std::to_string(peer));
+  }
+  std::shared_ptr<ShmMapping> control = std::move(mapping).value();
+  auto bad = [&](const std::string& why) {
+    return invalid_argument("rank " + std::to_string(peer) + " at " + address + ": " + why);
+  };
+  if (control->num_bytes() < sizeof(shm::SegmentHeader)) return bad("segment too small");
+  auto* h = reinterpret_cast<shm::SegmentHeader*>(control->data());
+  if (h->magic.load(std::memory_order_acquire) != cuda_ipc::kMagic) {
+    return bad("not a cuda_ipc control segment (another backend's?)");
+  }
+  if (h->version != cuda_ipc::kLayoutVersion) {
+    return bad("layout version " + std::to_string(h->version) + ", this build speaks " +
+               std::to_string(cuda_ipc::kLayoutVersion));
+  }
+  if (h->rank != peer) return bad("the segment belongs to rank " + std::to_string(h->rank));
+  if (h->max_ranks != options_.max_ranks || h->max_gather_bytes != options_.max_gather_bytes ||
+      h->max_exchange_bytes != options_.max_exchange_bytes) {
+    return bad("options differ: peer has max_ranks=" + std::to_string(h->max_ranks) +
+               " max_gather_bytes=" + std::to_string(h->max_gather_bytes) +
+               " max_exchange_bytes=" + std::to_string(h->max_exchange_bytes) + ", this rank " +
+               std::to_string(options_.max_ranks) + "/" +
+               std::to_string(options_.max_gather_bytes) + "/" +
+               std::to_string(options_.max_exchange_bytes));
+  }
+  if (h->segment_bytes != layout_.total_bytes || control->num_bytes() != layout_.total_bytes) {
+    return bad("segment size " + std::to_string(control->num_bytes()) + ", expected " +
+               std::to_string(layout_.total_bytes));
+  }
+  const cuda_ipc::DeviceInfo* info = layout_.info(control->data());
+  if (info->recv_bytes != layout_.recv_bytes) {
+    return bad("receive buffer of " + std::to_string(info->recv_bytes) + " bytes, expected " +
+               std::to_string(layout_.recv_bytes));
+  }
+  if (h->closed.load(std::memory_order_acquire) != 0) {
+    return unavailable("rank " + std::to_string(peer) + " (pid " + std::to_string(h->pid) +
+                       ") has shut down");
+  }
+  auto p = std::make_shared<Peer>();
+  p->rank = peer;
+  p->address = address;
+  p->header = h;
+  p->info = info;
+  p->control_base = control->data();
+  p->control = std::move(control);
+  p->pid = h->pid;
+  if (h->pid == ::getpid()) {
+    // Another transport of this very process: its pointers are valid here, and CUDA refuses
+    // to import a handle into the process that exported it.
+    p->recv = reinterpret_cast<std::byte*>(info->recv_address);
+  } else {
+    auto opened = cuda_ipc::IpcMapping::open(options_.device, handle_from(info->recv_handle));
+    if (!opened.ok()) {
+      return opened.status().annotate(
+          "rank " + std::to_string(peer) + ": mapping its receive buffer (GPU " + info->pci_bus_id +
+          ") into device " + std::to_string(options_.device) + " (GPU " +
+          layout_.info(base_)->pci_bus_id + "); peer access between the GPUs?");
+    }
+    p->recv_mapping = std::move(opened).value();
+    p->recv = p->recv_mapping->data();
+  }
+  p->watch = shm::ProcessWatch::watch(h->pid, h->pid_start_time);
+  if (!p->watch.watching()) {
+    FLEX_LOG(WARN) << "rank " << peer << ": pid " << h->pid
+                   << " not visible from here (other PID namespace?): its death is noticed by "
+                      "timeouts only";
+  }
+  return p;
+}
+
+Status CudaIpcTransport::connect(int peer, const std::string& address) {
+  if (shut_down_) return failed_precondition("connect after shutdown");
+  if (peer < 0 || peer >= options_.max_ranks) {
+    return invalid_argument("connect: rank " + std::to_string(peer) + " not in [0, " +
+                            std::to_string(options_.max_ranks) + ")");
+  }
+  if (peer == options_.rank) {
+    return address == address_ ? Status()
+                               : invalid_argument("connect: '" + address +
+                                                  "' is not this rank's address " + address_);
+  }
+  if (peers_[peer] != nullptr && peers_[peer]->address == address) return Status();
+  FLEX_ASSIGN_OR_RETURN(std::shared_ptr<Peer> p, attach(peer, address));
+  std::shared_ptr<Peer> dropped;  // Unmapped outside the lock (or by a read() in flight).
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  dropped = std::move(peers_[peer]);  // An older incarnation's attachment.
+  peers_[peer] = std::move(p);
+  return Status();
+}
+
+Status CudaIpcTransport::disconnect(int peer) {
+  if (peer < 0 || peer >= options_.max_ranks || peer == options_.rank) {
+    return invalid_argument("disconnect: bad peer rank " + std::to_string(peer));
+  }
+  std::shared_ptr<Peer> dropped;
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  if (!peers_.empty()) dropped = std::move(peers_[peer]);
+  return Status();
+}
+
+Result<Region> CudaIpcTransport::allocate_region(int region_id, size_t num_bytes) {
+  if (shut_down_) return failed_precondition("allocate_region after shutdown");
+  if (region_id < 0) return invalid_argument("region id must be >= 0");
+  if (num_bytes == 0) return invalid_argument("region " + std::to_string(region_id) + ": 0 bytes");
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    if (own_regions_.count(region_id) != 0) {
+      return invalid_argument("region " + std::to_string(region_id) + " already allocated");
+    }
+  }
+  if (num_regions_ >= cuda_ipc::kMaxRegions) {
+    return resource_exhausted("cuda_ipc: more than " + std::to_string(cuda_ipc::kMaxRegions) +
+                              " regions");
+  }
+  FLEX_ASSIGN_OR_RETURN(std::shared_ptr<cuda_ipc::DeviceAllocation> memory,
+                        cuda_ipc::DeviceAllocation::create(options_.device, num_bytes));
+  cuda_ipc::RegionEntry* entry = layout_.region(base_, num_regions_++);
+  entry->region_id = region_id;
+  entry->num_bytes = num_bytes;
+  entry->address = reinterpret_cast<uint64_t>(memory->data());
+  std::memcpy(entry->handle, &memory->ipc_handle(), cuda_ipc::kIpcHandleBytes);
+  entry->published.store(1, std::memory_order_release);
+  auto view = std::make_shared<RegionView>();
+  view->data = memory->data();
+  view->num_bytes = num_bytes;
+  view->owner = std::move(memory);
+  Region region{region_id, view->data, num_bytes};
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  own_regions_[region_id] = std::move(view);
+  return region;
+}
+
+Result<std::shared_ptr<const CudaIpcTransport::RegionView>> CudaIpcTransport::peer_region(
+    Peer& p, int region_id, const std::string& what) {
+  std::lock_guard<std::mutex> lock(p.regions_mu);
+  auto it = p.regions.find(region_id);
+  if (it != p.regions.end()) return it->second;
+  // The owner publishes entries in order, each after its fields (release).
+  for (int i = 0; i < cuda_ipc::kMaxRegions; ++i) {
+    const cuda_ipc::RegionEntry* entry = layout_.region(p.control_base, i);
+    if (entry->published.load(std::memory_order_acquire) == 0) break;
+    if (entry->region_id != region_id) continue;
+    auto view = std::make_shared<RegionView>();
+    view->num_bytes = entry->num_bytes;
+    if (p.pid == ::getpid()) {
+      view->data = reinterpret_cast<std::byte*>(entry->address);
+    } else {
+      auto opened = cuda_ipc::IpcMapping::open(options_.device, handle_from(entry->handle));
+      if (!opened.ok()) return opened.status().annotate(what);
+      view->data = opened.value()->data();
+      view->owner = std::shared_ptr<cuda_ipc::IpcMapping>(std::move(opened).value());
+    }
+    std::shared_ptr<const RegionView> shared = std::move(view);
+    p.regions.emplace(region_id, shared);
+    return shared;
+  }
+  return not_found(what + ": no such region");
+}
+
+Status CudaIpcTransport::read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) {
+  if (peer < 0 || peer >= options_.max_ranks) {
+    return invalid_argument("read: rank " + std::to_string(peer) + " not in [0, " +
+                            std::to_string(options_.max_ranks) + ")");
+  }
+  if (dst == nullptr && num_bytes > 0) return invalid_argument("read: null destination");
+  const std::string what =
+      "read of rank " + std::to_string(peer) + " region " + std::to_string(region_id);
+  std::shared_ptr<const RegionView> region;  // Keeps the memory mapped while we copy.
+  std::shared_ptr<Peer> p;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    if (shut_down_) return failed_precondition(what + " after shutdown");
+    if (peer == options_.rank) {
+      auto it = own_regions_.find(region_id);
+      if (it == own_regions_.end()) return not_found(what + ": not allocated");
+      region = it->second;
+    } else {
+      p = peers_[peer];
+      if (p == nullptr) return unavailable(what + ": rank not connected");
+    }
+  }
+  if (p != nullptr) {
+    if (p->header->closed.load(std::memory_order_acquire) != 0) {
+      return unavailable(what + ": rank " + std::to_string(peer) + " has shut down");
+    }
+    FLEX_ASSIGN_OR_RETURN(region, peer_region(*p, region_id, what));
+  }
+  if (offset > region->num_bytes || num_bytes > region->num_bytes - offset) {
+    return invalid_argument(what + ": bytes [" + std::to_string(offset) + ", +" +
+                            std::to_string(num_bytes) + ") outside its " +
+                            std::to_string(region->num_bytes) + " bytes");
+  }
+  if (num_bytes == 0) return Status();
+  std::lock_guard<std::mutex> lock(read_mu_);
+  if (read_stream_ == nullptr) return failed_precondition(what + " after shutdown");
+  ScopedDevice scoped(options_.device);
+  FLEX_RETURN_IF_ERROR(scoped.status());
+  FLEX_RETURN_IF_ERROR(cuda_check(cudaMemcpyAsync(dst, region->data + offset, num_bytes,
+                                                  cudaMemcpyDefault, read_stream_->get()),
+                                  "cudaMemcpyAsync")
+                           .annotate(what));
+  return cuda_check(cudaStreamSynchronize(read_stream_->get()), "cudaStreamSynchronize")
+      .annotate(what);
+}
+
+void CudaIpcTransport::ring_all_peers() {
+  for (const auto& p : peers_) {
+    if (p != nullptr && p->rank != options_.rank) shm::ring_doorbell(p->header);
+  }
+}
+
+void CudaIpcTransport::close_and_release() {
+  if (shut_down_ || header_ == nullptr) return;
+  // Peers waiting on us notice at once instead of at their deadline.
+  header_->closed.store(1, std::memory_order_release);
+  ring_all_peers();
+  std::vector<std::shared_ptr<Peer>> peers;
+  std::unordered_map<int, std::shared_ptr<const RegionView>> regions;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    shut_down_ = true;
+    peers.swap(peers_);
+    regions.swap(own_regions_);
+  }
+  if (Status s = control_->unlink(); !s.ok()) FLEX_LOG(WARN) << s.to_string();
+  held_.clear();
+  header_ = nullptr;
+  base_ = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(read_mu_);  // Waits for a read() in flight.
+    read_stream_.reset();
+  }
+  copy_stream_.reset();
+  peers.clear();    // Closes the IPC mappings of peers (unless a read() still holds one).
+  regions.clear();  // Frees this rank's regions (likewise).
+  recv_.reset();
+  control_.reset();
+}
+
+Status CudaIpcTransport::shutdown() {
+  if (shut_down_) return Status();
+  Status unlinked = control_->unlink();  // Reported (it would leak /dev/shm); teardown goes on.
+  close_and_release();
+  return unlinked;
+}
+
+}  // namespace flexpert

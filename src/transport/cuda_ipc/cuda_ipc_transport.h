@@ -1,0 +1,170 @@
+// SPDX-License-Identifier: Apache-2.0
+// CudaIpcTransport: the Transport backend for ranks that are processes of one host whose
+// data lives in GPU memory: several ranks on one GPU (under NVIDIA MPS) or one GPU each.
+//
+// Each rank cudaMallocs, once, on options.device: a receive buffer with double-buffered
+// slots for every possible source rank (all_gather and exchange, sized by max_ranks and the
+// capacities), and one allocation per region. Peers map them with CUDA IPC: the handles sit
+// in the rank's control segment in host shm (its address, named like the shm backend's), next
+// to the shm backend's mailbox headers, which carry the op's state flags (cuda_ipc_layout.h).
+// A collective copies this rank's payload device-to-device straight into each member's slot
+// (its IPC-mapped receive buffer) on a dedicated stream, waits for the copies, then publishes
+// the mailboxes Full; then it waits for its own mailboxes exactly as the shm backend does
+// (same timeouts and liveness: a dead peer is Unavailable "rank R (pid P) died", a silent one
+// DeadlineExceeded, a newer epoch Aborted). read() copies from the peer's IPC-mapped region
+// on a second stream (a copy engine) and synchronizes it.
+//
+// Device memory: every ByteSpan returned by a collective, and Region::data, is a device
+// pointer of options.device. Inputs may be device or host pointers (cudaMemcpyDefault).
+// GPU asynchrony: collectives and read() are synchronous for the host. Work that produced
+// the inputs must be complete when a collective is called (the copy stream is a blocking
+// stream, so work on the legacy default stream is ordered before it; synchronize other
+// streams first). GPU work reading returned spans must be complete before this rank's next
+// collective call, when the slots may be rewritten (the contract's span lifetime).
+// A message to a member that has shut down or died is dropped (its memory may be gone); the
+// wait that follows reports that member unless its message had already arrived.
+// NOTE: CUDA documents freeing an exported allocation before its importers close it as
+// undefined; shutdown() frees, so shut down at a step boundary (as the engine does).
+//
+// Thread safety: as ShmTransport. connect, disconnect, allocate_region, the collectives and
+// shutdown on one driving thread; read() and the const accessors on any thread. Every call
+// selects options.device for its own duration and restores the caller's current device.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "transport/cuda_ipc/cuda_ipc_layout.h"
+#include "transport/cuda_ipc/cuda_ipc_runtime.h"
+#include "transport/shm/shm_layout.h"
+#include "transport/shm/shm_segment.h"
+#include "transport/transport.h"
+
+namespace flexpert {
+
+class CudaIpcTransport final : public Transport {
+ public:
+  // Unavailable when no usable GPU is visible; InvalidArgument for a device out of range.
+  static Result<std::unique_ptr<CudaIpcTransport>> create(const TransportOptions& options);
+  // Releases what is left and marks this rank closed; never waits on peers.
+  ~CudaIpcTransport() override;
+
+  TransportCapabilities capabilities() const override;
+  int rank() const override { return options_.rank; }
+  int max_ranks() const override { return options_.max_ranks; }
+  std::string address() const override { return address_; }
+
+  Status connect(int peer, const std::string& address) override;
+  Status disconnect(int peer) override;
+
+  Result<Region> allocate_region(int region_id, size_t num_bytes) override;
+  Status read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) override;
+
+  Result<std::vector<ByteSpan>> all_gather(const Group& group, ByteSpan in) override;
+  Status barrier(const Group& group) override;
+  Result<std::vector<ByteSpan>> exchange(const Group& group,
+                                         const std::vector<ByteSpan>& send) override;
+
+  Status shutdown() override;
+
+ private:
+  // Device memory readable by read(): an own allocation or an imported mapping, kept alive
+  // by `owner` while a read() copies from it.
+  struct RegionView {
+    std::shared_ptr<void> owner;
+    std::byte* data = nullptr;
+    size_t num_bytes = 0;
+  };
+
+  // A connected rank (or this rank itself). Shared: peers_ holds one reference, read() on
+  // another thread one while it copies.
+  struct Peer {
+    int rank = -1;
+    std::string address;
+    std::shared_ptr<shm::ShmMapping> control;
+    shm::SegmentHeader* header = nullptr;
+    const cuda_ipc::DeviceInfo* info = nullptr;
+    std::byte* control_base = nullptr;
+    shm::ProcessWatch watch;
+    int32_t pid = 0;
+    std::unique_ptr<cuda_ipc::IpcMapping>
+        recv_mapping;           // Null for this rank and same-process peers.
+    std::byte* recv = nullptr;  // Its receive buffer, mapped here.
+    std::mutex regions_mu;
+    // GUARDED_BY(regions_mu). Imported lazily by read().
+    std::unordered_map<int, std::shared_ptr<const RegionView>> regions;
+  };
+
+  struct Awaited {
+    int rank;
+    shm::MailboxHeader* mailbox;  // In this rank's segment.
+    const Peer* peer;
+  };
+
+  struct Claimed {
+    const Peer* peer;
+    shm::MailboxHeader* mailbox;  // In the peer's segment, state Writing.
+  };
+
+  CudaIpcTransport(TransportOptions options, cuda_ipc::Layout layout, std::string address);
+
+  Result<std::shared_ptr<Peer>> attach(int peer, const std::string& address);
+  Result<std::shared_ptr<const RegionView>> peer_region(Peer& peer, int region_id,
+                                                        const std::string& what);
+
+  Status run_collective(shm::OpKind kind, const Group& group, const ByteSpan* sends, size_t stride,
+                        std::vector<ByteSpan>* out);
+  Status validate_collective(shm::OpKind kind, const Group& group, const ByteSpan* sends,
+                             size_t stride) const;
+  Status enter_epoch(uint64_t epoch, const char* op);
+  void release_held();
+  Status send_all(shm::OpKind kind, const Group& group, const ByteSpan* sends, size_t stride,
+                  int64_t deadline_ns);
+  Status claim(const Peer& peer, shm::OpKind kind, int64_t deadline_ns, shm::MailboxHeader** mb);
+  Status wait_for(shm::OpKind kind, ByteSpan mine, int64_t start_ns, std::vector<ByteSpan>* out);
+  // 1: claimed; 0: not there yet; -1: error in *status.
+  int try_take(const Awaited& awaited, shm::OpKind kind, ByteSpan mine, std::vector<ByteSpan>* out,
+               Status* status);
+  Status check_peer(const Peer& peer, shm::OpKind kind, bool check_pid) const;
+  std::string op_label(shm::OpKind kind) const;
+  void ring_all_peers();
+  void close_and_release();
+
+  const TransportOptions options_;
+  const cuda_ipc::Layout layout_;
+  const std::string address_;
+
+  std::shared_ptr<shm::ShmMapping> control_;  // This rank's segment. Shared with self's Peer.
+  shm::SegmentHeader* header_ = nullptr;
+  std::byte* base_ = nullptr;
+  std::unique_ptr<cuda_ipc::DeviceAllocation> recv_;  // Receive buffer.
+  std::unique_ptr<cuda_ipc::Stream> copy_stream_;     // Collectives (blocking stream).
+  bool shut_down_ = false;
+
+  // read(): its stream (non-blocking: it must not wait for the model's work on the legacy
+  // stream) and the mutex that serializes reads on it.
+  std::mutex read_mu_;
+  std::unique_ptr<cuda_ipc::Stream> read_stream_;  // GUARDED_BY(read_mu_).
+
+  // As in ShmTransport: written by the driving thread under peers_mu_, read without the
+  // lock by the driving thread and under it by read(). Indexed by rank; null = not connected.
+  mutable std::mutex peers_mu_;
+  std::vector<std::shared_ptr<Peer>> peers_;
+  // Regions this rank allocated. GUARDED_BY(peers_mu_).
+  std::unordered_map<int, std::shared_ptr<const RegionView>> own_regions_;
+  int num_regions_ = 0;  // Entries published in the control segment (driving thread).
+
+  // Collective state, driving thread only.
+  bool has_epoch_ = false;
+  uint64_t epoch_ = 0;
+  uint64_t op_idx_ = 0;
+  uint64_t cur_op_ = 0;
+  std::vector<shm::MailboxHeader*> held_;
+  std::vector<Awaited> pending_;
+  std::vector<Claimed> claimed_;
+};
+
+}  // namespace flexpert

@@ -1,0 +1,370 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA DeepSeek-V3/V2 model: on testdata/deepseekv3-tiny against Hugging Face's
+// float64 reference (f32: greedy tokens identical, last logits within 1e-4 relative
+// L2, also replicated and with chunked prefill; bf16: within 2e-2), against the CPU
+// model on the same batches (the fixture, DeepSeek-V2 variants without q LoRA with
+// softmax greedy / group-limited routing, plain RoPE with YaRN, an FP8 checkpoint), and
+// decode graphs that survive set_placement without being captured again.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "checkpoint/synth.h"
+#include "cuda_test_util.h"
+#include "flexpert/generate.h"
+#include "flexpert/model.h"
+
+namespace flexpert {
+namespace {
+
+const std::string kModelDir = std::string(FLEXPERT_TESTDATA_DIR) + "/deepseekv3-tiny";
+
+struct RefPrompt {
+  std::vector<int32_t> input_ids;
+  std::vector<float> logits;
+  std::vector<int32_t> greedy;
+};
+
+std::vector<RefPrompt> load_reference() {
+  std::ifstream in(kModelDir + "/reference.json");
+  auto j = nlohmann::json::parse(in);
+  std::vector<RefPrompt> out;
+  for (const auto& p : j["prompts"]) {
+    std::vector<double> l = p["last_logits_f64"].get<std::vector<double>>();
+    out.push_back({p["input_ids"].get<std::vector<int32_t>>(),
+                   std::vector<float>(l.begin(), l.end()),
+                   p["greedy"].get<std::vector<int32_t>>()});
+  }
+  return out;
+}
+
+std::unique_ptr<Model> load(const std::string& dir, const std::string& device, DType dtype,
+                            const std::string& placement, int max_seqs = 8) {
+  ModelOptions options;
+  options.device = device;
+  options.device_dtype = dtype;
+  options.placement = placement;
+  options.max_sequences = max_seqs;
+  auto model = Model::load(dir, options);
+  EXPECT_TRUE(model.ok()) << model.status().to_string();
+  return model.ok() ? std::move(model).value() : nullptr;
+}
+
+std::vector<float> logits_of(Model& model, const std::vector<SequenceChunk>& batch) {
+  Tensor logits;
+  Status s = model.forward(batch, &logits);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  if (!s.ok()) return {};
+  return std::vector<float>(logits.data<float>(), logits.data<float>() + logits.numel());
+}
+
+std::vector<std::vector<int32_t>> greedy(Model& model, const std::vector<RefPrompt>& ref,
+                                         int step_budget = 2048) {
+  std::vector<GenerationRequest> requests;
+  for (const auto& r : ref) {
+    SamplingParams params;
+    params.max_tokens = static_cast<int>(r.greedy.size());
+    params.ignore_eos = true;
+    requests.push_back({r.input_ids, params});
+  }
+  GeneratorOptions options;
+  options.max_tokens_per_step = step_budget;
+  Generator generator(model, options);
+  auto results = generator.run(requests);
+  EXPECT_TRUE(results.ok()) << results.status().to_string();
+  std::vector<std::vector<int32_t>> out;
+  if (results.ok()) {
+    for (const auto& r : results.value()) out.push_back(r.tokens);
+  }
+  return out;
+}
+
+void check_reference(Model& model, double tol, bool tokens, int step_budget = 2048) {
+  const auto ref = load_reference();
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const std::vector<float> got = logits_of(model, {{0, 0, ref[i].input_ids}});
+    ASSERT_EQ(got.size(), ref[i].logits.size());
+    const double err = cuda_test::rel_l2(got, ref[i].logits);
+    std::printf("  deepseek prompt %zu: last-logit relative L2 vs float64 = %.3g\n", i, err);
+    EXPECT_LT(err, tol) << "prompt " << i;
+  }
+  if (!tokens) return;
+  const auto got = greedy(model, ref, step_budget);
+  ASSERT_EQ(got.size(), ref.size());
+  int same = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    EXPECT_EQ(got[i], ref[i].greedy) << "prompt " << i;
+    same += got[i] == ref[i].greedy;
+  }
+  std::printf("  deepseek greedy tokens: %d / %zu prompts identical to the reference\n", same,
+              ref.size());
+}
+
+// CPU and GPU (f32, and bf16 when bf16_tol > 0) on the same steps: mixed prefill chunks
+// in three KV slots, then decode steps of all three. Returns the largest f32 error.
+double compare_with_cpu(const std::string& dir, const std::string& placement, double bf16_tol,
+                        bool check_counts) {
+  auto cpu = load(dir, "cpu", DType::kF32, placement);
+  auto gpu = load(dir, "cuda", DType::kF32, placement);
+  auto gpu_bf16 = bf16_tol > 0 ? load(dir, "cuda", DType::kBF16, placement) : nullptr;
+  EXPECT_TRUE(cpu != nullptr && gpu != nullptr && (bf16_tol <= 0 || gpu_bf16 != nullptr));
+  if (cpu == nullptr || gpu == nullptr || (bf16_tol > 0 && gpu_bf16 == nullptr)) return INFINITY;
+  const int vocab = cpu->config().vocab_size;
+  std::mt19937 rng(5);
+  std::vector<SequenceChunk> batch = {{0, 0, {}}, {3, 0, {}}, {5, 0, {}}};
+  const int lens[3] = {9, 1, 23};
+  for (int b = 0; b < 3; ++b) {
+    for (int i = 0; i < lens[b]; ++i)
+      batch[b].tokens.push_back(static_cast<int32_t>(rng() % vocab));
+  }
+  double worst = 0;
+  for (int step = 0; step < 6; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const auto want = logits_of(*cpu, batch);
+    const auto got = logits_of(*gpu, batch);
+    EXPECT_EQ(got.size(), want.size());
+    const double err = cuda_test::rel_l2(got, want);
+    worst = std::max(worst, err);
+    EXPECT_LT(err, 1e-4);
+    if (bf16_tol > 0) {
+      const double err_bf16 = cuda_test::rel_l2(logits_of(*gpu_bf16, batch), want);
+      std::printf("  step %d: GPU f32 vs CPU %.3g, GPU bf16 vs CPU %.3g\n", step, err, err_bf16);
+      EXPECT_LT(err_bf16, bf16_tol);
+    } else {
+      std::printf("  step %d: GPU f32 vs CPU %.3g\n", step, err);
+    }
+    for (int b = 0; b < 3; ++b) {
+      batch[b].start_pos += static_cast<int>(batch[b].tokens.size());
+      batch[b].tokens = {static_cast<int32_t>(rng() % vocab)};
+    }
+  }
+  // Both count the same rows per slot (same routing, same replica choice).
+  if (check_counts) {
+    EXPECT_EQ(gpu->slot_counts(), cpu->slot_counts());
+  }
+  return worst;
+}
+
+// The deepseek-tiny shapes with the options under test (as tests/model/deepseek_naive_test.cc).
+std::string write_variant(const std::string& name, const std::function<void(ModelConfig*)>& edit,
+                          bool fp8 = false) {
+  ModelConfig c = synth_preset_config("deepseek-tiny").value();
+  edit(&c);
+  const std::string dir = ::testing::TempDir() + "/cuda-deepseek-" + name;
+  SynthOptions options;
+  options.out_dir = dir;
+  options.dtype = fp8 ? DType::kBF16 : DType::kF32;
+  options.fp8 = fp8;
+  options.seed = 5;
+  options.config = c;
+  Status s = synthesize_checkpoint(options);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  return dir;
+}
+
+RopeScaling yarn(double factor, double mscale, double mscale_all_dim) {
+  RopeScaling r;
+  r.type = "yarn";
+  r.factor = factor;
+  r.original_max_position_embeddings = 256;
+  r.mscale = mscale;
+  r.mscale_all_dim = mscale_all_dim;
+  return r;
+}
+
+TEST(CudaDeepseekTest, F32MatchesReference) {
+  FLEX_SKIP_WITHOUT_GPU();
+  auto model = load(kModelDir, "cuda", DType::kF32, "identity");
+  ASSERT_NE(model, nullptr);
+  check_reference(*model, 1e-4, true);
+  EXPECT_GT(model->num_graph_captures(), 0) << "decode steps should replay graphs";
+}
+
+TEST(CudaDeepseekTest, F32ReplicatedAndChunkedPrefillMatchReference) {
+  FLEX_SKIP_WITHOUT_GPU();
+  for (const char* spec : {"replicate:2:7", "replicate:2:31"}) {
+    SCOPED_TRACE(spec);
+    auto model = load(kModelDir, "cuda:0", DType::kF32, spec);
+    ASSERT_NE(model, nullptr);
+    EXPECT_GT(model->placement().num_slots(), model->config().num_experts);
+    check_reference(*model, 1e-4, true, /*step_budget=*/3);  // Prefill in chunks of 3.
+  }
+}
+
+TEST(CudaDeepseekTest, Bf16WithinTolerance) {
+  FLEX_SKIP_WITHOUT_GPU();
+  auto model = load(kModelDir, "cuda", DType::kBF16, "replicate:4:7");
+  ASSERT_NE(model, nullptr);
+  check_reference(*model, 2e-2, false);
+  const auto ref = load_reference();
+  const auto got = greedy(*model, ref);
+  ASSERT_EQ(got.size(), ref.size());
+  int same = 0, total = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    for (size_t t = 0; t < ref[i].greedy.size() && t < got[i].size(); ++t) {
+      same += got[i][t] == ref[i].greedy[t];
+      ++total;
+    }
+  }
+  std::printf("  deepseek bf16 greedy tokens equal to the reference: %d / %d\n", same, total);
+}
+
+TEST(CudaDeepseekTest, AgreesWithCpuOnTheSameBatches) {
+  FLEX_SKIP_WITHOUT_GPU();
+  compare_with_cpu(kModelDir, "replicate:6:3", 3e-2, true);
+}
+
+TEST(CudaDeepseekTest, V2LiteStyleAgreesWithCpu) {
+  // No q LoRA, softmax + greedy routing, unnormalized weights, two shared experts,
+  // YaRN (mscale = mscale_all_dim).
+  FLEX_SKIP_WITHOUT_GPU();
+  const std::string dir = write_variant("v2lite", [](ModelConfig* c) {
+    c->model_type = "deepseek_v2";
+    c->q_lora_rank = 0;
+    c->topk_method = "greedy";
+    c->scoring_func = "softmax";
+    c->n_group = 1;
+    c->topk_group = 1;
+    c->norm_topk_prob = false;
+    c->routed_scaling_factor = 1.0;
+    c->num_shared_experts = 2;
+    c->rope_scaling = yarn(4.0, 0.707, 0.707);
+  });
+  compare_with_cpu(dir, "replicate:3:2", 3e-2, true);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(CudaDeepseekTest, V2GroupLimitedGreedyAgreesWithCpu) {
+  FLEX_SKIP_WITHOUT_GPU();
+  const std::string dir = write_variant("v2group", [](ModelConfig* c) {
+    c->model_type = "deepseek_v2";
+    c->topk_method = "group_limited_greedy";
+    c->scoring_func = "softmax";
+    c->n_group = 4;
+    c->topk_group = 2;
+    c->norm_topk_prob = false;
+    c->routed_scaling_factor = 16.0;
+  });
+  compare_with_cpu(dir, "identity", 0, true);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(CudaDeepseekTest, V3PlainRopeYarnAttentionFactorAgreesWithCpu) {
+  FLEX_SKIP_WITHOUT_GPU();
+  const std::string dir = write_variant("v3plain", [](ModelConfig* c) {
+    c->rope_interleave = false;
+    c->rope_scaling = yarn(8.0, 1.0, 0.5);
+    c->num_hidden_layers = 4;
+    c->moe_layer_freq = 2;
+  });
+  compare_with_cpu(dir, "replicate:2:9", 0, true);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(CudaDeepseekTest, Fp8CheckpointAgreesWithCpu) {
+  // Both dequantize the block-FP8 weights to the same BF16 values at load.
+  FLEX_SKIP_WITHOUT_GPU();
+  const std::string dir = write_variant(
+      "fp8", [](ModelConfig*) {}, /*fp8=*/true);
+  auto config = ModelConfig::load(dir);
+  ASSERT_TRUE(config.ok());
+  EXPECT_EQ(config->quant_method, "fp8");
+  compare_with_cpu(dir, "replicate:4:1", 3e-2, true);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(CudaDeepseekTest, LongPrefillAgreesWithCpu) {
+  // 600 tokens: 2400 (token, expert) rows over 32 experts use the large GEMM tiles.
+  FLEX_SKIP_WITHOUT_GPU();
+  auto cpu = load(kModelDir, "cpu", DType::kF32, "replicate:3:2", 2);
+  auto gpu = load(kModelDir, "cuda", DType::kBF16, "replicate:3:2", 2);
+  auto gpu32 = load(kModelDir, "cuda", DType::kF32, "replicate:3:2", 2);
+  ASSERT_TRUE(cpu != nullptr && gpu != nullptr && gpu32 != nullptr);
+  std::mt19937 rng(11);
+  std::vector<SequenceChunk> batch = {{0, 0, {}}, {1, 0, {}}};
+  for (int i = 0; i < 600; ++i) batch[0].tokens.push_back(static_cast<int32_t>(rng() % 512));
+  for (int i = 0; i < 37; ++i) batch[1].tokens.push_back(static_cast<int32_t>(rng() % 512));
+  const auto want = logits_of(*cpu, batch);
+  const double err = cuda_test::rel_l2(logits_of(*gpu, batch), want);
+  const double err32 = cuda_test::rel_l2(logits_of(*gpu32, batch), want);
+  std::printf("  deepseek 600-token prefill: GPU bf16 vs CPU %.3g, GPU f32 vs CPU %.3g\n", err,
+              err32);
+  EXPECT_LT(err, 3e-2);
+  EXPECT_LT(err32, 1e-4);
+}
+
+TEST(CudaDeepseekTest, SetPlacementKeepsCapturedGraphs) {
+  FLEX_SKIP_WITHOUT_GPU();
+  auto model = load(kModelDir, "cuda", DType::kF32, "replicate:16:5");
+  ASSERT_NE(model, nullptr);
+  const auto ref = load_reference();
+  const auto first = greedy(*model, ref);
+  const int64_t captures = model->num_graph_captures();
+  EXPECT_GT(captures, 0);
+  // Free the first replica of every expert that has two: outputs must not change.
+  std::vector<std::vector<int>> maps;
+  std::vector<int> freed;
+  const ExpertPlacement& p = model->placement();
+  for (int l = 0; l < p.num_layers(); ++l) {
+    std::vector<int> map = p.slot_map(l);
+    for (int e = 0; e < p.num_experts(); ++e) {
+      const auto& reps = p.replicas(l, e);
+      if (reps.size() >= 2) {
+        map[reps[0]] = ExpertPlacement::kFreeSlot;
+        if (l == 1) freed.push_back(reps[0]);
+      }
+    }
+    maps.push_back(map);
+  }
+  ASSERT_FALSE(freed.empty());
+  auto next = ExpertPlacement::from_slot_maps(p.num_experts(), maps);
+  ASSERT_TRUE(next.ok()) << next.status().to_string();
+  ASSERT_TRUE(model->set_placement(std::move(next).value()).ok());
+  model->reset_slot_counts();
+  const auto second = greedy(*model, ref);
+  EXPECT_EQ(second, first);
+  for (size_t i = 0; i < ref.size(); ++i) EXPECT_EQ(second[i], ref[i].greedy);
+  EXPECT_EQ(model->num_graph_captures(), captures) << "set_placement must not force a recapture";
+  for (int s : freed) EXPECT_EQ(model->slot_counts()[1][s], 0) << "freed slot " << s;
+}
+
+TEST(CudaDeepseekTest, LoadExpertRestoresASlot) {
+  FLEX_SKIP_WITHOUT_GPU();
+  auto model = load(kModelDir, "cuda", DType::kF32, "identity");
+  ASSERT_NE(model, nullptr);
+  const auto ref = load_reference();
+  const std::vector<SequenceChunk> batch = {{0, 0, ref[1].input_ids}};
+  const auto before = logits_of(*model, batch);
+  // Slot 5 of layer 1 (identity: expert 5) overwritten with expert 6, then restored.
+  model->reset_slot_counts();
+  ASSERT_TRUE(model->load_expert(1, 6, 5).ok());
+  const auto wrong = logits_of(*model, batch);
+  if (model->slot_counts()[1][5] > 0) {
+    EXPECT_GT(cuda_test::rel_l2(wrong, before), 1e-6);
+  }
+  ASSERT_TRUE(model->load_expert(1, 5, 5).ok());
+  EXPECT_LT(cuda_test::rel_l2(logits_of(*model, batch), before), 1e-6);
+  EXPECT_EQ(model->load_expert(0, 1, 1).code(), StatusCode::kInvalidArgument);  // Dense layer.
+}
+
+TEST(CudaDeepseekTest, RejectsBadInput) {
+  FLEX_SKIP_WITHOUT_GPU();
+  auto model = load(kModelDir, "cuda", DType::kF32, "identity", 2);
+  ASSERT_NE(model, nullptr);
+  Tensor logits;
+  EXPECT_EQ(model->forward({{0, 0, {1, 512}}}, &logits).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(model->forward({{2, 0, {1}}}, &logits).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(model->forward({{0, 0, {1}}, {0, 0, {2}}}, &logits).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(model->forward({{0, model->max_seq_len(), {1}}}, &logits).code(),
+            StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace flexpert
