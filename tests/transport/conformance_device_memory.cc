@@ -38,6 +38,9 @@ class CudaMemory final : public BackendMemory {
     if (n == 0) return;
     check(cudaSetDevice(device_), "cudaSetDevice");
     check(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice), "cudaMemcpy to the device");
+    // NOTE: a copy from pageable memory may return before its DMA completed; peers in other
+    // processes (reading a region) are not ordered after it, so wait for it here.
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   }
   void copy_out(void* dst, const void* src, size_t n) override {
     if (n == 0) return;

@@ -21,6 +21,7 @@
 // stream, so work on the legacy default stream is ordered before it; synchronize other
 // streams first). GPU work reading returned spans must be complete before this rank's next
 // collective call, when the slots may be rewritten (the contract's span lifetime).
+// Region contents this rank writes must be complete (synchronized) before peers read them.
 // A message to a member that has shut down or died is dropped (its memory may be gone); the
 // wait that follows reports that member unless its message had already arrived.
 // NOTE: CUDA documents freeing an exported allocation before its importers close it as
