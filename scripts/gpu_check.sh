@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The CUDA path on a GPU machine, in one go: build (or use the binaries that
 # scripts/gpu_pack.sh put in .gpu/), run the GPU tests, the PyTorch reference and
-# the MoE layer benchmark, the CLI on the tiny checkpoint, then print a summary.
+# the MoE layer benchmark, the CLI on the tiny checkpoints (Qwen3-MoE, DeepSeek-V3),
+# `bench generate` at Qwen3-30B-A3B and DeepSeek-V2-Lite shapes, then print a summary.
 #   bash scripts/gpu_check.sh            logs and JSON under $OUT (default out/gpu)
 #   FLEXPERT_GPU_BUILD=1 bash ...        build here even if .gpu/ has binaries
 #   GPU_CHECK_TOKENS=1,64 bash ...       benchmark token counts (default 1..16384)
 #   GPU_CHECK_BENCH_FLAGS="--sweep --profile"  time every GEMM tile / every kernel too
 #   GPU_CHECK_TORCH_JSON=F               reuse PyTorch times from an earlier run
-#   GPU_CHECK_NO_MEMCHECK=1, GPU_CHECK_NO_GENERATE_BENCH=1  skip those steps
+#   GPU_CHECK_NO_MEMCHECK=1, GPU_CHECK_NO_GENERATE_BENCH=1, GPU_CHECK_NO_DEEPSEEK_BENCH=1
+#                                        skip those steps
+#   GPU_CHECK_DEEPSEEK_LAYERS=N          layers of the synthetic DeepSeek-V2-Lite (default 27)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
@@ -65,21 +68,22 @@ if command -v compute-sanitizer >/dev/null && [ -z "${GPU_CHECK_NO_MEMCHECK:-}" 
   grep -E "ERROR SUMMARY|Invalid|PASSED|FAILED" "$OUT/memcheck.log" | sort | uniq -c | head -8
 fi
 
-stamp "CLI: flexpert generate --device cuda on qwen3moe-tiny"
+stamp "CLI: flexpert generate --device cuda on qwen3moe-tiny and deepseekv3-tiny"
 python3 - "$BIN/flexpert" <<'PY' 2>&1 | tee "$OUT/cli.log"
 import json, subprocess, sys
-ref = json.load(open("testdata/qwen3moe-tiny/reference.json"))
-ids = ";".join(",".join(map(str, p["input_ids"])) for p in ref["prompts"])
-for dtype in ("f32", "bf16"):
-    r = subprocess.run([sys.argv[1], "generate", "--model", "testdata/qwen3moe-tiny", "--prompt-ids", ids,
-                        "--max-tokens", "16", "--placement", "replicate:8:1", "--device", "cuda",
-                        "--cuda-dtype", dtype, "--json"], capture_output=True, text=True)
-    if r.returncode != 0:
-        print(f"cli {dtype}: exit {r.returncode}: {r.stderr.strip()[-300:]}")
-        continue
-    got = [c["token_ids"] for c in json.loads(r.stdout)["choices"]]
-    same = sum(g == p["greedy"] for g, p in zip(got, ref["prompts"]))
-    print(f"cli {dtype}: {same}/{len(got)} prompts identical to the HF greedy reference")
+for model, placement in (("qwen3moe-tiny", "replicate:8:1"), ("deepseekv3-tiny", "replicate:2:1")):
+    ref = json.load(open(f"testdata/{model}/reference.json"))
+    ids = ";".join(",".join(map(str, p["input_ids"])) for p in ref["prompts"])
+    for dtype in ("f32", "bf16"):
+        r = subprocess.run([sys.argv[1], "generate", "--model", f"testdata/{model}", "--prompt-ids", ids,
+                            "--max-tokens", "16", "--placement", placement, "--device", "cuda",
+                            "--cuda-dtype", dtype, "--json"], capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"cli {model} {dtype}: exit {r.returncode}: {r.stderr.strip()[-300:]}")
+            continue
+        got = [c["token_ids"] for c in json.loads(r.stdout)["choices"]]
+        same = sum(g == p["greedy"] for g, p in zip(got, ref["prompts"]))
+        print(f"cli {model} {dtype}: {same}/{len(got)} prompts identical to the HF greedy reference")
 PY
 
 if [ -z "${GPU_CHECK_NO_GENERATE_BENCH:-}" ]; then
@@ -88,6 +92,17 @@ if [ -z "${GPU_CHECK_NO_GENERATE_BENCH:-}" ]; then
     --batches 1,8,32 --prompt-len 64 --gen-tokens 32 --cache /tmp/flexpert-synth \
     --json "$OUT/generate_bench.json" >"$OUT/generate_bench.log" 2>&1
   echo "exit $?"; grep -vE "^\s*$" "$OUT/generate_bench.log" | tr '\r' '\n' | grep -E "^(batch|[0-9])" | tail -5
+fi
+
+if [ -z "${GPU_CHECK_NO_DEEPSEEK_BENCH:-}" ]; then
+  # Batches twice: the first pass of a batch size includes its decode graph capture.
+  DS_LAYERS=${GPU_CHECK_DEEPSEEK_LAYERS:-27}
+  stamp "flexpert bench generate --device cuda (deepseek-v2-lite, $DS_LAYERS layers, synthetic, bf16)"
+  timeout 300 "$BIN/flexpert" bench generate --preset deepseek-v2-lite --layers "$DS_LAYERS" \
+    --device cuda --batches 1,16,128,1,16,128 --prompt-len 64 --gen-tokens 32 \
+    --cache /tmp/flexpert-synth --json "$OUT/deepseek_generate_bench.json" \
+    >"$OUT/deepseek_generate_bench.log" 2>&1
+  echo "exit $?"; tr '\r' '\n' <"$OUT/deepseek_generate_bench.log" | grep -E "^(batch|[0-9])" | tail -7
 fi
 
 if command -v cuobjdump >/dev/null; then
@@ -110,12 +125,16 @@ timeout 250 "$BIN/moe_layer_bench" --tokens "$TOKENS" --json "$OUT/moe_layer.jso
 
 stamp "summary"
 grep -E "greedy tokens|prefill:|vs float64|GPU f32 vs CPU" "$OUT/cuda_test.log" | sort | uniq -c | head -20
+grep -E "^  deepseek" "$OUT/cuda_test.log" | sort | uniq -c | head -16
 grep -E "relative L2 vs CPU" "$OUT/cuda_test.log" | awk '{print $1, $2}' | sort | uniq -c | tr '\n' ';'; echo
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests? ran|FAILED  \]" "$OUT/cuda_test.log" | tail -25
 grep -c "OK \]" "$OUT/cuda_test.log" | sed 's/^/tests OK: /'
 [ -f "$OUT/memcheck.log" ] && grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | tail -1
 cat "$OUT/cli.log"
 [ -f "$OUT/generate_bench.log" ] && tr '\r' '\n' <"$OUT/generate_bench.log" | grep -E "^(batch|[0-9])" | tail -4
+[ -f "$OUT/deepseek_generate_bench.log" ] &&
+  tr '\r' '\n' <"$OUT/deepseek_generate_bench.log" | grep -E "^(batch|[0-9])" | sed -n '1p;5,7p' |
+  sed '1s/^/deepseek-v2-lite: /'
 grep -E "tokens:|tiles:|stages:" "$OUT/bench.log"
 sed -n '/^shape/,$p' "$OUT/bench.log"
 grep -E "^device" "$OUT/bench.log"

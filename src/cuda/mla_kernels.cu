@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // MLA and DeepSeek router kernels (see mla_kernels.h).
-// NOTE: mla_attention is one warp per (token, head) with an online softmax over chunks
-// of 32 cached rows (a lane scores one row, then the warp accumulates the 32 latents
-// with each lane owning kv_lora_rank / 32 dims), like attention.cu. The four warps of a
-// block are heads of one token, so they read the same rows (L1 hits). Correct for
-// prefill and decode; a tensor-core kernel sharing rows across all heads of a token
-// would be the next step for long contexts.
+// NOTE: mla_attention is one block per (token, head), its four warps splitting the
+// cached rows (chunks of 32: a lane scores one row, then the warp accumulates the 32
+// latents, each lane owning kv_lora_rank / 32 consecutive dims), each with an online
+// softmax, merged at the end (split-K as flash-decoding does). Correct for prefill and
+// decode; a tensor-core kernel sharing rows across all heads of a token would be the
+// next step for long contexts and large batches.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -73,26 +73,30 @@ __global__ void mla_rope_store_kernel(MlaRopeArgs a) {
   rope_warp(kv + r, dst + r, cs, sn, a.rope_dim, a.interleaved, lane);
 }
 
+// One block per (token, head); warp w takes the chunks of 32 rows w, w + kWarps, ...
+// with its own online softmax, and the block merges the four partial results. Lane l
+// owns latent dims [l * kPerLane, (l + 1) * kPerLane).
 template <typename T, int kPerLane>
 __global__ void __launch_bounds__(kWarps * 32) mla_attention_kernel(MlaAttentionArgs a) {
-  extern __shared__ __align__(16) float sq[];  // [kWarps][row]
+  extern __shared__ __align__(16) float smem_q[];  // [row] query, then [kWarps][r] partials
+  __shared__ float part_m[kWarps], part_l[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = a.kv_lora_rank + a.rope_dim;
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  if (idx >= static_cast<int64_t>(a.num_tokens) * a.num_heads) return;
+  const int64_t idx = blockIdx.x;  // t * heads + h
   const int t = static_cast<int>(idx / a.num_heads);
   const int len = a.positions[t] + 1;
-  float* q = sq + warp * row;
+  float* q = smem_q;
+  float* part = smem_q + row;
   const float* qg = a.q_latent + idx * row;
-  for (int d = lane; d < row; d += 32) q[d] = qg[d];
-  __syncwarp();
+  for (int d = threadIdx.x; d < row; d += kWarps * 32) q[d] = qg[d];
+  __syncthreads();
   const T* cache =
       static_cast<const T*>(a.cache) + static_cast<int64_t>(a.kv_slots[t]) * a.max_seq_len * row;
   float m = -FLT_MAX, l = 0.f;
   float acc[kPerLane];
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) acc[i] = 0.f;
-  for (int c0 = 0; c0 < len; c0 += 32) {
+  for (int c0 = warp * 32; c0 < len; c0 += kWarps * 32) {
     const int j = c0 + lane;
     float s = -FLT_MAX;
     if (j < len) {
@@ -116,16 +120,46 @@ __global__ void __launch_bounds__(kWarps * 32) mla_attention_kernel(MlaAttention
     const int count = min(32, len - c0);
     for (int jj = 0; jj < count; ++jj) {
       const float pj = __shfl_sync(0xffffffffu, p, jj);
-      const T* vr = cache + static_cast<int64_t>(c0 + jj) * row;
+      const T* vr = cache + static_cast<int64_t>(c0 + jj) * row + lane * kPerLane;
+      if constexpr (kPerLane % 8 == 0) {
 #pragma unroll
-      for (int i = 0; i < kPerLane; ++i) acc[i] += pj * to_f32(vr[lane + 32 * i]);
+        for (int i = 0; i < kPerLane; i += 8) {
+          float v[8];
+          load8(vr + i, v);
+#pragma unroll
+          for (int u = 0; u < 8; ++u) acc[i + u] += pj * v[u];
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) acc[i] += pj * to_f32(vr[i]);
+      }
     }
     m = m_new;
   }
-  T* o = static_cast<T*>(a.out) + idx * a.kv_lora_rank;
-  const float inv = 1.0f / l;
+  if (lane == 0) {
+    part_m[warp] = m;
+    part_l[warp] = l;
+  }
+  __syncthreads();
+  float mx = -FLT_MAX;
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) o[lane + 32 * i] = from_f32<T>(acc[i] * inv);
+  for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, part_m[w]);
+  const float scale = expf(m - mx);  // 0 for a warp that saw no rows.
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i)
+    part[warp * a.kv_lora_rank + lane * kPerLane + i] = acc[i] * scale;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += part_l[w] * expf(part_m[w] - mx);
+  const float inv = 1.0f / total;
+  T* o = static_cast<T*>(a.out) + idx * a.kv_lora_rank;
+  for (int d = threadIdx.x; d < a.kv_lora_rank; d += kWarps * 32) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += part[w * a.kv_lora_rank + d];
+    o[d] = from_f32<T>(sum * inv);
+  }
 }
 
 // Warp-wide argmax of (v, idx); idx == INT_MAX marks "no candidate". Ties: lower idx.
@@ -241,9 +275,9 @@ __global__ void grouped_topk_kernel(GroupedTopkArgs a) {
 
 template <typename T>
 cudaError_t launch_attention(const MlaAttentionArgs& a, cudaStream_t stream) {
-  const int64_t warps = static_cast<int64_t>(a.num_tokens) * a.num_heads;
-  const unsigned blocks = static_cast<unsigned>((warps + kWarps - 1) / kWarps);
-  const size_t smem = static_cast<size_t>(kWarps) * (a.kv_lora_rank + a.rope_dim) * sizeof(float);
+  const unsigned blocks = static_cast<unsigned>(static_cast<int64_t>(a.num_tokens) * a.num_heads);
+  const size_t smem =
+      (static_cast<size_t>(a.kv_lora_rank + a.rope_dim) + kWarps * a.kv_lora_rank) * sizeof(float);
   switch (a.kv_lora_rank) {
     case 32:
       mla_attention_kernel<T, 1><<<blocks, kWarps * 32, smem, stream>>>(a);

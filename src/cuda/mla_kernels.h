@@ -51,7 +51,7 @@ cudaError_t mla_rope_store(DType dtype, const MlaRopeArgs& args, cudaStream_t st
 // Absorbed MLA: token t, head h scores q_latent[t, h] (f32 [latent | rope], kv_lora_rank +
 // rope_dim) against rows [0, positions[t]] of cache slot kv_slots[t] (scale * dot),
 // softmax, and writes the weighted sum of the latents to out[t, h, :kv_lora_rank] (dtype).
-// kv_lora_rank a multiple of 32 up to 512, rope_dim a multiple of 8.
+// kv_lora_rank 32, 64, 128, 256 or 512; rope_dim a multiple of 8.
 struct MlaAttentionArgs {
   const float* q_latent;
   const void* cache;
