@@ -89,8 +89,11 @@ struct AddRequest {
   int max_tokens = 16;
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
+  // How many times the front end has moved this request to another rank; echoed in
+  // TokenBatch so that tokens of an earlier placement are told apart.
+  uint32_t attempt = 0;
   MSGPACK_DEFINE_MAP(id, prompt, temperature, top_k, top_p, seed, max_tokens, stop_token_ids,
-                     ignore_eos);
+                     ignore_eos, attempt);
 };
 
 struct CancelRequest {
@@ -105,7 +108,8 @@ struct TokenBatch {
   std::vector<uint64_t> ids;
   std::vector<int32_t> tokens;
   std::vector<std::string> finish_reasons;  // "" while running.
-  MSGPACK_DEFINE_MAP(ids, tokens, finish_reasons);
+  std::vector<uint32_t> attempts;           // AddRequest::attempt of each request.
+  MSGPACK_DEFINE_MAP(ids, tokens, finish_reasons, attempts);
 };
 
 // Sent a few times a second: doubles as the heartbeat.

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <unordered_map>
 
 #include "cluster/protocol.h"
 #include "cluster/zmq_socket.h"
@@ -127,6 +128,7 @@ class Worker {
   bool idle_ = true;
   Tensor logits_;
   std::vector<TokenEvent> events_;
+  std::unordered_map<uint64_t, uint32_t> attempts_;  // Request id -> AddRequest::attempt.
   uint64_t steps_ = 0;
   double busy_ms_ = 0;
   double max_step_ms_ = 0;
@@ -295,12 +297,15 @@ Status Worker::handle(const std::vector<std::string>& parts) {
       batch.ids.push_back(req.id);
       batch.tokens.push_back(-1);
       batch.finish_reasons.push_back("error: " + valid.message());
+      batch.attempts.push_back(req.attempt);
       return send_msg(control_, batch);
     }
+    attempts_[req.id] = req.attempt;
     scheduler_->add(req.id, std::move(req.prompt), std::move(params));
   } else if (type == proto::CancelRequest::kType) {
     FLEX_ASSIGN_OR_RETURN(auto req, proto::decode<proto::CancelRequest>(parts[1]));
     scheduler_->cancel(req.id);
+    attempts_.erase(req.id);
   } else if (type == proto::EpochCommand::kType) {
     FLEX_ASSIGN_OR_RETURN(auto cmd, proto::decode<proto::EpochCommand>(parts[1]));
     if (cmd.epoch <= group_.epoch) return Status();  // Stale.
@@ -424,6 +429,9 @@ Status Worker::step() {
         out.ids.push_back(ev.request_id);
         out.tokens.push_back(ev.token);
         out.finish_reasons.push_back(ev.finished ? ev.finish_reason : "");
+        auto a = attempts_.find(ev.request_id);
+        out.attempts.push_back(a == attempts_.end() ? 0 : a->second);
+        if (ev.finished && a != attempts_.end()) attempts_.erase(a);
       }
       FLEX_RETURN_IF_ERROR(send_msg(control_, out));
     }

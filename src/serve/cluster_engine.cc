@@ -382,8 +382,13 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     }
     for (size_t i = 0; i < batch->ids.size(); ++i) {
       auto it = requests_.find(batch->ids[i]);
-      if (it == requests_.end()) continue;    // Cancelled.
-      if (it->second.rank != rank) continue;  // Moved to another rank, which re-runs it.
+      if (it == requests_.end()) continue;  // Cancelled.
+      // Moved to another rank, which re-runs it (also A -> B -> A: the attempt differs).
+      if (it->second.rank != rank) continue;
+      if (i < batch->attempts.size() &&
+          batch->attempts[i] != static_cast<uint32_t>(it->second.reruns)) {
+        continue;
+      }
       CompletionEvent ev;
       const std::string& reason = batch->finish_reasons[i];
       if (batch->tokens[i] >= 0) {

@@ -145,6 +145,7 @@ bool ClusterEngine::Impl::rehome(uint64_t id, RequestInfo& req, int avoid, Calls
                         req.params.stop_token_ids,
                         req.params.ignore_eos};
   add.prompt.insert(add.prompt.end(), req.streamed.begin(), req.streamed.end());
+  add.attempt = static_cast<uint32_t>(req.reruns);
   req.rank = best;
   ranks_[best].in_flight += 1;
   post(best, add);
