@@ -48,10 +48,12 @@ struct ModelOptions {
   // Not owned; must outlive the model.
   MoeExecutor* moe_executor = nullptr;
 
-  // Where the model runs: "cpu", or "cuda" / "cuda:N" (builds with FLEXPERT_WITH_CUDA;
-  // one process, all slots local). On a GPU, weights and GEMM inputs are `device_dtype`
-  // (kBF16, or kF32 to verify against the CPU) with f32 accumulation, and decode steps
-  // replay a CUDA graph captured once per batch-size bucket unless cuda_graphs is false.
+  // Where the model runs: "cpu", or "cuda" / "cuda:N" (builds with FLEXPERT_WITH_CUDA).
+  // On a GPU, weights and GEMM inputs are `device_dtype` (kBF16, or kF32 to verify
+  // against the CPU) with f32 accumulation, and decode steps replay CUDA graphs captured
+  // once per batch-size bucket unless cuda_graphs is false. Expert parallelism on a GPU
+  // (Qwen3-MoE): the executor's rows are computed on the device (MoeExecutor::
+  // set_row_compute); allocate_slots memory holds a host mirror of the local slots.
   std::string device = "cpu";
   DType device_dtype = DType::kBF16;
   bool cuda_graphs = true;
@@ -97,6 +99,11 @@ class Model {
   virtual Status load_expert(int layer, int expert, int local_slot) {
     return unimplemented("this model cannot reload experts from its checkpoint");
   }
+  // Tells the model that local slot `local_slot` of local_slots(layer) was written (a
+  // pull from a peer): a GPU model copies it to its device copy before returning, so
+  // a map that points at the slot may be committed once this returns. Called by the
+  // weight mover thread beside forward(), under the same rule as load_expert.
+  virtual Status slots_written(int layer, int local_slot) { return Status(); }
   // CUDA graphs captured so far (0 on the CPU): stays flat across set_placement().
   virtual int64_t num_graph_captures() const { return 0; }
 };

@@ -9,8 +9,21 @@
 // slot count: set_placement() rewrites them in place, so captured graphs stay
 // valid. Decode steps (one token per sequence) replay a CUDA graph per batch
 // bucket (1, 2, 4, ...), captured after the first eager step of that bucket.
-// Slot weights are device-only: local_slots() returns nullptr. forward() blocks
-// until the logits are on the host. One driver thread (as every Model).
+// forward() blocks until the logits are on the host. One driver thread (as every
+// Model), plus the weight mover calling load_expert / slots_written (own stream).
+//
+// Expert parallelism (cuda_qwen3_moe_ep.cc; options.moe_executor set and this process
+// holding only part of the slots): attention, router and top-k with replica choice run
+// on the device; per MoE layer the routed rows, slots and weights go to pinned host
+// memory, the executor exchanges them with the peers and computes the rows this rank
+// owns through a RowCompute that runs the grouped GEMMs over the device copy of the
+// local slots; the combined result goes back up and is added on the device. A decode
+// step is then a chain of segments (embedding or previous MoE result .. next routing),
+// each replayed from a graph per (bucket, segment) captured on the bucket's second
+// step; the exchanges run between them on the host. Map and epoch changes never
+// recapture. When options.allocate_slots is given, local slots have a host mirror
+// there holding the device image (packed as pack_expert, not the CPU layout), so
+// peers read it one-sidedly; local_slots() exposes it, slots_written() uploads a slot.
 #pragma once
 
 #include <map>
@@ -22,6 +35,8 @@
 #include "cuda/moe_layer.h"
 #include "flexpert/checkpoint.h"
 #include "flexpert/model.h"
+#include "moe/expert_slots.h"
+#include "moe/moe_executor.h"
 
 namespace flexpert::cuda {
 
@@ -39,9 +54,10 @@ class CudaQwen3MoeModel final : public Model {
   Status forward(const std::vector<SequenceChunk>& batch, Tensor* logits) override;
   const std::vector<std::vector<int64_t>>& slot_counts() const override;
   void reset_slot_counts() override;
-  ExpertSlots* local_slots(int layer) override { return nullptr; }
+  ExpertSlots* local_slots(int layer) override;
   Status set_placement(ExpertPlacement placement) override;
   Status load_expert(int layer, int expert, int local_slot) override;
+  Status slots_written(int layer, int local_slot) override;
   int64_t num_graph_captures() const override { return graph_captures_; }
 
   DType dtype() const { return dtype_; }
@@ -83,6 +99,19 @@ class CudaQwen3MoeModel final : public Model {
   Status run_decode(const std::vector<SequenceChunk>& batch, float* logits);
   Status run_pieces(const std::vector<SequenceChunk>& batch, float* logits);
   MoeLayerWeights moe_weights(Layer& layer);
+  // Parts of enqueue_step: x += attention(x) and h_ = post-norm(x); the local MoE or
+  // dense MLP of a layer; final norm + LM head.
+  Status enqueue_attention(Layer& L, int n);
+  Status enqueue_mlp(Layer& L, int n);
+  Status enqueue_head(int num_rows);
+  // Expert parallelism (cuda_qwen3_moe_ep.cc).
+  Status init_ep(const ModelOptions& options);
+  Status enqueue_segment(int seg, int n, int num_rows);
+  Status run_segment(int seg, int n, int num_rows, int bucket, bool capture);
+  Status exchange_layer(int seg, int num_real);
+  Status run_ep(const std::vector<SequenceChunk>& batch, float* logits);
+  Status compute_rows(int layer, const int32_t* local_slot, const float* const* rows,
+                      int64_t count, float* results);
 
   std::unique_ptr<Checkpoint> checkpoint_;
   ModelConfig config_;
@@ -108,6 +137,24 @@ class CudaQwen3MoeModel final : public Model {
   PinnedBuffer host_logits_;
   MoeScratch moe_;
   mutable std::vector<std::vector<int64_t>> slot_counts_;
+  // Expert parallelism / host mirror of the local slots.
+  bool ep_ = false;              // Exchanges through executor_ (not all slots local).
+  MoeExecutor* executor_ = nullptr;
+  int first_slot_ = 0;
+  int num_local_slots_ = 0;      // Slots in each MoE layer's device buffer.
+  std::vector<ExpertSlots> mirrors_;  // [layer]; empty for dense layers or no mirror.
+  Stream upload_stream_;               // The mover thread's (slots_written).
+  std::vector<int> moe_layer_ids_;     // Segment s ends at MoE layer moe_layer_ids_[s].
+  MoeDims local_dims_;                 // Row compute: top_k 1 over the local slots.
+  MoeScratch ep_scratch_;
+  int ep_chunk_rows_ = 0;
+  DeviceBuffer ep_rows_, ep_out_, ep_ones_, ep_iota_;
+  PinnedBuffer ep_rows_host_, ep_slot_host_, ep_results_host_;  // Row compute staging.
+  PinnedBuffer ep_h_host_, ep_route_slot_host_, ep_route_weight_host_, ep_out_host_;
+  std::vector<float> ep_x_;  // Routed rows as f32 (bf16 models).
+  Routing ep_routing_;
+  std::map<int, std::vector<GraphExec>> segment_graphs_;  // Bucket -> segment graphs.
+  std::map<int, int> ep_bucket_steps_;                    // Bucket -> eager steps run.
   std::map<int, GraphExec> graphs_;  // Decode bucket -> graph; destroyed first.
   int64_t graph_captures_ = 0;
 };

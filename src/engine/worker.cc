@@ -478,9 +478,12 @@ proto::PullDone Worker::pull(const proto::PullCommand& cmd) {
       s = model_->load_expert(cmd.layer, cmd.src_slots[i], dst);
     } else if (cmd.src_ranks[i] == options_.rank) {
       std::memcpy(slots->slot_data(dst), slots->slot_data(cmd.src_slots[i]), bytes);
+      s = model_->slots_written(cmd.layer, dst);
     } else {
       s = transport_->read(cmd.src_ranks[i], cmd.layer, cmd.src_slots[i] * bytes,
                            slots->slot_data(dst), bytes);
+      // A GPU model uploads the slot now: PullDone (and so any map using it) comes after.
+      if (s.ok()) s = model_->slots_written(cmd.layer, dst);
     }
     if (s.ok()) done.num_bytes += bytes;
   }

@@ -117,23 +117,34 @@ Status EpMoeExecutor::execute(int layer, const float* x, const Routing& routing,
     return bad;
   }
 
-  // Compute grouped by local slot.
+  // Compute grouped by local slot (CPU), or in arrival order by the installed RowCompute.
   const int64_t total = static_cast<int64_t>(recv_slot_.size());
-  local_routing_.num_tokens = total;
-  local_routing_.top_k = 1;
-  local_routing_.slot = recv_slot_;
-  group_by_slot(local_routing_, local_slots.num_slots(), &groups_);
-  ensure_f32_rows(&rows_, total, H);
   ensure_f32_rows(&results_, total, H);
-  float* rows = rows_.data<float>();
-  for (int64_t i = 0; i < total; ++i) {
-    std::memcpy(rows + groups_.row_of_pair[i] * H, recv_row_[i], H * sizeof(float));
-  }
-  compute_slots(rows, groups_.offsets, local_slots, results_.data<float>(), pool_);
-  if (slot_counts != nullptr) {
-    for (int s = 0; s < local_slots.num_slots(); ++s) {
-      slot_counts[first_slot + s] += groups_.offsets[s + 1] - groups_.offsets[s];
+  if (compute_) {
+    groups_.row_of_pair.resize(static_cast<size_t>(total));
+    for (int64_t i = 0; i < total; ++i) groups_.row_of_pair[i] = i;
+    if (total > 0) {
+      Status s = compute_(layer, recv_slot_.data(), recv_row_.data(), total, results_.data<float>());
+      if (!s.ok()) {
+        for (int r : group_.ranks) send[r] = {};
+        (void)transport_.exchange(group_, send);  // Peers fail at this layer too.
+        return s;
+      }
     }
+  } else {
+    local_routing_.num_tokens = total;
+    local_routing_.top_k = 1;
+    local_routing_.slot = recv_slot_;
+    group_by_slot(local_routing_, local_slots.num_slots(), &groups_);
+    ensure_f32_rows(&rows_, total, H);
+    float* rows = rows_.data<float>();
+    for (int64_t i = 0; i < total; ++i) {
+      std::memcpy(rows + groups_.row_of_pair[i] * H, recv_row_[i], H * sizeof(float));
+    }
+    compute_slots(rows, groups_.offsets, local_slots, results_.data<float>(), pool_);
+  }
+  if (slot_counts != nullptr) {
+    for (int32_t s : recv_slot_) ++slot_counts[first_slot + s];
   }
 
   // Combine: results back to their senders, in the order the rows arrived.

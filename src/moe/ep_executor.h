@@ -6,7 +6,8 @@
 // rows it received grouped by local slot, sends the results back in the order
 // received (combine), and sums them per token in k order with the router
 // weights. Rows for this rank's own slots never touch the transport. Every
-// member runs both exchanges on every MoE layer, with or without tokens.
+// member runs both exchanges on every MoE layer, with or without tokens. The rows
+// a rank computes run on the CPU, or through a RowCompute its model installed (GPU).
 // Driven by the model's thread; set_group() between steps.
 #pragma once
 
@@ -31,12 +32,17 @@ class EpMoeExecutor final : public MoeExecutor {
 
   Status execute(int layer, const float* x, const Routing& routing, const ExpertSlots& local_slots,
                  int first_slot, float* out, int64_t* slot_counts) override;
+  bool set_row_compute(RowCompute compute) override {
+    compute_ = std::move(compute);
+    return true;
+  }
 
  private:
   Transport& transport_;
   const int slots_per_rank_;
   ThreadPool& pool_;
   Group group_;
+  RowCompute compute_;  // Empty: compute_slots() on the CPU.
 
   // Scratch, reused across calls.
   std::vector<std::vector<int32_t>> pairs_to_;  // [rank] pair indices sent there, in order.

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include "flexpert/status.h"
 #include "moe/expert_slots.h"
@@ -16,9 +17,19 @@
 
 namespace flexpert {
 
+// Computes expert rows somewhere other than the CPU (e.g. a GPU model's device copy of
+// its local slots): row i (`rows[i]`, [H] f32) goes through local slot `local_slot[i]`
+// and its output lands in results[i * H, (i + 1) * H), f32, in the order given.
+// Called on the executor's (the model's) thread, inside execute().
+using RowCompute = std::function<Status(int layer, const int32_t* local_slot,
+                                        const float* const* rows, int64_t count, float* results)>;
+
 class MoeExecutor {
  public:
   virtual ~MoeExecutor() = default;
+  // Delegates the expert computation to `compute` (nullptr: the CPU, from local_slots).
+  // False when this executor always computes on the CPU.
+  virtual bool set_row_compute(RowCompute compute) { return false; }
   // x: [routing.num_tokens, H] inputs; out: [num_tokens, H]. `local_slots` holds the
   // slots of this process starting at global slot `first_slot`. `slot_counts`
   // ([global slots]) accumulates rows computed per slot (by this process).
