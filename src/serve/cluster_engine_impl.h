@@ -17,6 +17,7 @@
 #include "cluster/protocol.h"
 
 #include "cluster/zmq_socket.h"
+#include "eplb/planner.h"
 #include "flexpert/model_config.h"
 #include "flexpert/placement.h"
 #include "serve/cluster_engine.h"
@@ -127,6 +128,10 @@ class ClusterEngine::Impl {
 
   void record_load(int rank, const std::vector<int64_t>& slot_counts);
   std::vector<std::vector<double>> window_load() const;
+  // The planner's input over `ranks` from the load window (+ `prior` per expert, so
+  // that a group without load yet still spreads its experts) and the current
+  // placement. Caller holds mutex_.
+  eplb::PlanInput plan_input(const std::vector<int>& ranks, double prior) const;
   Result<nlohmann::json> rebalance(const std::string& trigger);
   Status move_layer(int layer, const std::vector<int>& target, uint64_t* bytes, int* pulls);
   Status commit_map(ExpertPlacement next);

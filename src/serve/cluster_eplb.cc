@@ -66,6 +66,23 @@ std::vector<std::vector<double>> ClusterEngine::Impl::window_load() const {
   return sum;
 }
 
+eplb::PlanInput ClusterEngine::Impl::plan_input(const std::vector<int>& ranks, double prior) const {
+  eplb::PlanInput input;
+  input.num_experts = placement_.num_experts();
+  input.slots_per_rank = slots_per_rank_;
+  input.ranks = ranks;
+  input.max_ranks = options_.max_ranks;
+  input.load = window_load();
+  for (auto& row : input.load) {
+    for (double& x : row) x += prior;
+  }
+  for (int l = 0; l < placement_.num_layers(); ++l) input.current.push_back(placement_.slot_map(l));
+  input.min_replicas = std::min<int>(options_.min_replicas, static_cast<int>(ranks.size()));
+  input.num_groups = model_config_.num_expert_groups();  // For the hierarchical policy.
+  if (auto policy = eplb::parse_policy(options_.eplb_policy); policy.ok()) input.policy = *policy;
+  return input;
+}
+
 Status ClusterEngine::Impl::commit_map(ExpertPlacement next) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (epoch_ != rebalance_epoch_ || cancel_rebalance_ || recovery_.active) {
@@ -184,15 +201,7 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
     rebalance_epoch_ = epoch_;
     pulls_done_.clear();
     rebalance_max_step_ms_ = 0;
-    input.num_experts = placement_.num_experts();
-    input.slots_per_rank = slots_per_rank_;
-    input.ranks = members_;
-    input.max_ranks = options_.max_ranks;
-    input.load = window_load();
-    for (int l = 0; l < placement_.num_layers(); ++l)
-      input.current.push_back(placement_.slot_map(l));
-    input.min_replicas = options_.min_replicas;
-    input.num_groups = model_config_.num_expert_groups();  // Hierarchical policy.
+    input = plan_input(members_, /*prior=*/0.0);
     int n = 0;
     for (int r : members_) {
       if (ranks_[r].step_ms > 0) {

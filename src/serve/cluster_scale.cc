@@ -481,19 +481,7 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
 
   // 3. Plan with the joiners; copy their experts from members' slots (not from disk).
   reconfig_step_ = "moving experts";
-  eplb::PlanInput input;
-  input.num_experts = placement_.num_experts();
-  input.slots_per_rank = slots_per_rank_;
-  input.ranks = next_members;
-  input.max_ranks = options_.max_ranks;
-  input.load = window_load();
-  for (auto& row : input.load) {
-    for (double& x : row) x += 1.0;  // No load seen yet still spreads the experts.
-  }
-  for (int l = 0; l < placement_.num_layers(); ++l) input.current.push_back(placement_.slot_map(l));
-  input.min_replicas = options_.min_replicas;
-  input.num_groups = model_config_.num_expert_groups();  // Hierarchical policy.
-  if (auto policy = eplb::parse_policy(options_.eplb_policy); policy.ok()) input.policy = *policy;
+  const eplb::PlanInput input = plan_input(next_members, /*prior=*/1.0);
   lock.unlock();
   auto plan = eplb::plan(input);
   lock.lock();
@@ -591,20 +579,7 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
     if (std::find(leavers.begin(), leavers.end(), r) == leavers.end()) survivors.push_back(r);
   }
   // 1. Plan without the leavers (fails early, e.g. too few slots, before anything moves).
-  eplb::PlanInput input;
-  input.num_experts = placement_.num_experts();
-  input.slots_per_rank = slots_per_rank_;
-  input.ranks = survivors;
-  input.max_ranks = options_.max_ranks;
-  input.load = window_load();
-  for (auto& row : input.load) {
-    for (double& x : row) x += 1.0;
-  }
-  for (int l = 0; l < placement_.num_layers(); ++l) input.current.push_back(placement_.slot_map(l));
-  input.min_replicas = std::min<int>(options_.min_replicas, static_cast<int>(survivors.size()));
-  input.num_groups = model_config_.num_expert_groups();  // Hierarchical policy.
-  if (auto policy = eplb::parse_policy(options_.eplb_policy); policy.ok()) input.policy = *policy;
-  auto plan = eplb::plan(input);
+  auto plan = eplb::plan(plan_input(survivors, /*prior=*/1.0));
   if (!plan.ok()) {
     return invalid_argument("cannot shrink to " + std::to_string(survivors.size()) +
                             " ranks: " + plan.status().message());
