@@ -52,7 +52,7 @@ struct ModelOptions {
   // On a GPU, weights and GEMM inputs are `device_dtype` (kBF16, or kF32 to verify
   // against the CPU) with f32 accumulation, and decode steps replay CUDA graphs captured
   // once per batch-size bucket unless cuda_graphs is false. Expert parallelism on a GPU
-  // (Qwen3-MoE): the executor's rows are computed on the device (MoeExecutor::
+  // (Qwen3-MoE, DeepSeek): the executor's rows are computed on the device (MoeExecutor::
   // set_row_compute); allocate_slots memory holds a host mirror of the local slots.
   std::string device = "cpu";
   DType device_dtype = DType::kBF16;

@@ -89,6 +89,7 @@ Result<std::unique_ptr<CudaDeepseekV3Model>> CudaDeepseekV3Model::create(
   FLEX_ASSIGN_OR_RETURN(m->head_gemm_, HeadGemm::create(m->stream_.get()));
   FLEX_RETURN_IF_ERROR(m->load_weights(options, rope));
   FLEX_RETURN_IF_ERROR(m->allocate_scratch());
+  if (m->ep_) FLEX_RETURN_IF_ERROR(m->init_ep(options));
   m->slot_counts_.assign(c.num_hidden_layers,
                          std::vector<int64_t>(static_cast<size_t>(m->placement_.num_slots()), 0));
   return m;
@@ -120,12 +121,18 @@ Status CudaDeepseekV3Model::check_config(const ModelOptions& options) {
                                          : std::min(std::max(c.max_position_embeddings, 1), 4096);
   FLEX_ASSIGN_OR_RETURN(placement_, ExpertPlacement::parse(options.placement, c.num_hidden_layers,
                                                            std::max(c.num_experts, 1)));
-  const bool all_local =
-      options.first_slot == 0 &&
-      (options.num_local_slots < 0 || options.num_local_slots == placement_.num_slots());
-  if (options.moe_executor != nullptr || options.allocate_slots || !all_local) {
-    return unimplemented(
-        "expert parallelism is not supported on CUDA yet (one process, all slots)");
+  const int num_slots = placement_.num_slots();
+  first_slot_ = options.first_slot;
+  num_local_slots_ = options.num_local_slots < 0 ? num_slots : options.num_local_slots;
+  if (first_slot_ < 0 || num_local_slots_ < 1 || first_slot_ + num_local_slots_ > num_slots) {
+    return invalid_argument("local slots [" + std::to_string(first_slot_) + ", +" +
+                            std::to_string(num_local_slots_) + ") outside the placement's " +
+                            std::to_string(num_slots) + " slots");
+  }
+  // All slots local (one rank): the single-process path, executor unused.
+  ep_ = !(first_slot_ == 0 && num_local_slots_ == num_slots);
+  if (ep_ && options.moe_executor == nullptr) {
+    return invalid_argument("a CUDA model holding part of the slots needs a moe_executor");
   }
   if (c.scoring_func == "sigmoid") {
     router_.sigmoid = true;
@@ -208,7 +215,20 @@ Status CudaDeepseekV3Model::load_weights(const ModelOptions& options, const Rope
   FLEX_ASSIGN_OR_RETURN(rope_cos_, upload(cosv.data(), cosv.size() * sizeof(float)));
   FLEX_ASSIGN_OR_RETURN(rope_sin_, upload(sinv.data(), sinv.size() * sizeof(float)));
   layers_.resize(c.num_hidden_layers);
+  mirrors_.resize(c.num_hidden_layers);
+  FLEX_ASSIGN_OR_RETURN(upload_stream_, Stream::create());
   for (int l = 0; l < c.num_hidden_layers; ++l) {
+    // The host mirror: where peers read from (allocate_slots), or the heap when expert
+    // parallel without one (the executor still needs the slots' shape).
+    const int hidden = static_cast<int>(c.hidden_size);
+    const int inter = static_cast<int>(c.moe_intermediate_size);
+    if (c.is_moe_layer(l) && options.allocate_slots) {
+      const size_t bytes = ExpertSlots::bytes_for(dtype_, num_local_slots_, hidden, inter);
+      FLEX_ASSIGN_OR_RETURN(void* mem, options.allocate_slots(l, bytes));
+      mirrors_[l] = ExpertSlots(dtype_, num_local_slots_, hidden, inter, mem);
+    } else if (c.is_moe_layer(l) && ep_) {
+      mirrors_[l] = ExpertSlots(dtype_, num_local_slots_, hidden, inter);
+    }
     FLEX_RETURN_IF_ERROR(load_layer(l, &layers_[l]).annotate("layer " + std::to_string(l)));
     if (options.progress) options.progress(l + 1, c.num_hidden_layers);
   }
@@ -313,21 +333,25 @@ Status CudaDeepseekV3Model::pack_slot(int layer, int expert, uint8_t* image) con
 }
 
 Status CudaDeepseekV3Model::load_slots(int index, Layer* layer) {
-  const int num_slots = placement_.num_slots();
+  const int num_slots = num_local_slots_;  // Global slots first_slot_ + [0, num_slots).
   const size_t slot_bytes = static_cast<size_t>(moe_dims_.slot_elems()) * dtype_size(dtype_);
   FLEX_ASSIGN_OR_RETURN(layer->slots, DeviceBuffer::create_zeroed(num_slots * slot_bytes));
   const std::vector<int>& map = placement_.slot_map(index);
-  // Pack a batch of slots in parallel on the host, then copy it up.
+  ExpertSlots& mirror = mirrors_[index];
+  // Pack a batch of slots in parallel on the host (into the mirror when there is
+  // one), then copy it up.
   constexpr int kBatch = 16;
-  std::vector<uint8_t> staging(static_cast<size_t>(kBatch) * slot_bytes);
+  std::vector<uint8_t> own_staging(mirror.num_slots() > 0 ? 0 : kBatch * slot_bytes);
   ThreadPool& pool = ThreadPool::global();
   for (int s0 = 0; s0 < num_slots; s0 += kBatch) {
     const int n = std::min(kBatch, num_slots - s0);
+    uint8_t* staging =
+        mirror.num_slots() > 0 ? static_cast<uint8_t*>(mirror.slot_data(s0)) : own_staging.data();
     std::vector<Status> errors(static_cast<size_t>(n));
     pool.parallel_for(n, 1, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
-        uint8_t* image = staging.data() + i * slot_bytes;
-        const int expert = map[s0 + i];
+        uint8_t* image = staging + i * slot_bytes;
+        const int expert = map[first_slot_ + s0 + i];
         if (expert == ExpertPlacement::kFreeSlot) {
           std::memset(image, 0, slot_bytes);
         } else {
@@ -336,8 +360,8 @@ Status CudaDeepseekV3Model::load_slots(int index, Layer* layer) {
       }
     });
     for (const Status& s : errors) FLEX_RETURN_IF_ERROR(s);
-    FLEX_CUDA_TRY(cudaMemcpy(layer->slots.as<uint8_t>() + s0 * slot_bytes, staging.data(),
-                             n * slot_bytes, cudaMemcpyHostToDevice));
+    FLEX_CUDA_TRY(cudaMemcpy(layer->slots.as<uint8_t>() + s0 * slot_bytes, staging, n * slot_bytes,
+                             cudaMemcpyHostToDevice));
   }
   return Status();
 }
@@ -347,17 +371,44 @@ Status CudaDeepseekV3Model::load_expert(int layer, int expert, int local_slot) {
     return invalid_argument("layer " + std::to_string(layer) + " has no routed experts");
   }
   if (expert < 0 || expert >= config_.num_experts || local_slot < 0 ||
-      local_slot >= placement_.num_slots()) {
+      local_slot >= num_local_slots_) {
     return invalid_argument("expert " + std::to_string(expert) + " or local slot " +
                             std::to_string(local_slot) + " out of range");
   }
   const size_t slot_bytes = static_cast<size_t>(moe_dims_.slot_elems()) * dtype_size(dtype_);
+  ExpertSlots& mirror = mirrors_[layer];
+  if (mirror.num_slots() > 0) {
+    FLEX_RETURN_IF_ERROR(
+        pack_slot(layer, expert, static_cast<uint8_t*>(mirror.slot_data(local_slot))));
+    return slots_written(layer, local_slot);
+  }
   std::vector<uint8_t> image(slot_bytes);
   FLEX_RETURN_IF_ERROR(pack_slot(layer, expert, image.data()));
   FLEX_RETURN_IF_ERROR(set_device(device_));
-  FLEX_CUDA_TRY(cudaMemcpy(layers_[layer].slots.as<uint8_t>() + local_slot * slot_bytes,
-                           image.data(), slot_bytes, cudaMemcpyHostToDevice));
-  return Status();
+  FLEX_CUDA_TRY(cudaMemcpyAsync(layers_[layer].slots.as<uint8_t>() + local_slot * slot_bytes,
+                                image.data(), slot_bytes, cudaMemcpyHostToDevice,
+                                upload_stream_.get()));
+  return upload_stream_.synchronize();
+}
+
+ExpertSlots* CudaDeepseekV3Model::local_slots(int layer) {
+  if (layer < 0 || layer >= static_cast<int>(mirrors_.size())) return nullptr;
+  return mirrors_[layer].num_slots() > 0 ? &mirrors_[layer] : nullptr;
+}
+
+Status CudaDeepseekV3Model::slots_written(int layer, int local_slot) {
+  ExpertSlots* mirror = local_slots(layer);
+  if (mirror == nullptr || local_slot < 0 || local_slot >= mirror->num_slots()) {
+    return invalid_argument("layer " + std::to_string(layer) + " has no host slot " +
+                            std::to_string(local_slot));
+  }
+  // The mover thread's own stream: never waits on (or blocks) the step's graphs.
+  const size_t bytes = mirror->slot_bytes();
+  FLEX_RETURN_IF_ERROR(set_device(device_));
+  FLEX_CUDA_TRY(cudaMemcpyAsync(layers_[layer].slots.as<uint8_t>() + local_slot * bytes,
+                                mirror->slot_data(local_slot), bytes, cudaMemcpyHostToDevice,
+                                upload_stream_.get()));
+  return upload_stream_.synchronize();
 }
 
 Status CudaDeepseekV3Model::write_routing_tables(int layer, const std::vector<int>& slot_map) {
@@ -655,8 +706,9 @@ Status CudaDeepseekV3Model::forward(const std::vector<SequenceChunk>& batch, Ten
       logits->size(1) != config_.vocab_size) {
     *logits = Tensor::empty(DType::kF32, {B, config_.vocab_size});
   }
-  if (B == 0) return Status();
   FLEX_RETURN_IF_ERROR(set_device(device_));
+  if (ep_) return run_ep(batch, logits->data<float>());  // Joins the exchanges even when empty.
+  if (B == 0) return Status();
   const bool decode = std::all_of(batch.begin(), batch.end(),
                                   [](const SequenceChunk& c) { return c.tokens.size() == 1; });
   if (decode && use_graphs_) return run_decode(batch, logits->data<float>());
@@ -664,6 +716,7 @@ Status CudaDeepseekV3Model::forward(const std::vector<SequenceChunk>& batch, Ten
 }
 
 const std::vector<std::vector<int64_t>>& CudaDeepseekV3Model::slot_counts() const {
+  if (ep_) return slot_counts_;  // Counted on the host by the executor.
   if (set_device(device_).ok()) {
     for (size_t l = 0; l < layers_.size(); ++l) {
       if (!layers_[l].is_moe) continue;
@@ -679,6 +732,10 @@ const std::vector<std::vector<int64_t>>& CudaDeepseekV3Model::slot_counts() cons
 }
 
 void CudaDeepseekV3Model::reset_slot_counts() {
+  if (ep_) {
+    for (auto& layer : slot_counts_) std::fill(layer.begin(), layer.end(), 0);
+    return;
+  }
   if (!set_device(device_).ok()) return;
   for (Layer& L : layers_) {
     if (L.is_moe) (void)cudaMemsetAsync(L.stats.data(), 0, L.stats.num_bytes(), stream_.get());

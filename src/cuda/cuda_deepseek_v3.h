@@ -17,8 +17,11 @@
 // steps of up to max_step_tokens() tokens (longer steps run as consecutive pieces);
 // routing tables are device buffers that set_placement() rewrites in place; decode
 // steps replay a CUDA graph per batch bucket (1, 2, 4, ...), captured after the
-// bucket's first eager step. local_slots() returns nullptr. forward() blocks until the
-// logits are on the host. One driver thread.
+// bucket's first eager step. forward() blocks until the logits are on the host. One
+// driver thread, plus the weight mover calling load_expert / slots_written (own stream).
+// Expert parallelism, the host slot mirror and local_slots() as CudaQwen3MoeModel
+// (cuda_deepseek_v3_ep.cc, ep_moe.h); the shared experts of a MoE layer run on every
+// rank, added after the routed result as in one process.
 #pragma once
 
 #include <map>
@@ -28,6 +31,7 @@
 
 #include "cuda/blas.h"
 #include "cuda/device.h"
+#include "cuda/ep_moe.h"
 #include "cuda/grouped_moe.h"
 #include "cuda/head_gemm.h"
 #include "cuda/moe_layer.h"
@@ -60,10 +64,13 @@ class CudaDeepseekV3Model final : public Model {
   Status forward(const std::vector<SequenceChunk>& batch, Tensor* logits) override;
   const std::vector<std::vector<int64_t>>& slot_counts() const override;
   void reset_slot_counts() override;
-  ExpertSlots* local_slots(int layer) override { return nullptr; }
+  ExpertSlots* local_slots(int layer) override;
   Status set_placement(ExpertPlacement placement) override;
   Status load_expert(int layer, int expert, int local_slot) override;
-  int64_t num_graph_captures() const override { return graph_captures_; }
+  Status slots_written(int layer, int local_slot) override;
+  int64_t num_graph_captures() const override {
+    return graph_captures_ + (ep_moe_ ? ep_moe_->num_graph_captures() : 0);
+  }
 
   DType dtype() const { return dtype_; }
   int max_step_tokens() const { return max_step_tokens_; }
@@ -116,6 +123,10 @@ class CudaDeepseekV3Model final : public Model {
   Status run_decode(const std::vector<SequenceChunk>& batch, float* logits);
   Status run_pieces(const std::vector<SequenceChunk>& batch, float* logits);
   MoeLayerWeights moe_weights(Layer& layer);
+  // Expert parallelism (cuda_deepseek_v3_ep.cc).
+  Status init_ep(const ModelOptions& options);
+  Status enqueue_segment(int seg, int n, int num_rows);
+  Status run_ep(const std::vector<SequenceChunk>& batch, float* logits);
 
   std::unique_ptr<Checkpoint> checkpoint_;
   ModelConfig config_;
@@ -144,7 +155,15 @@ class CudaDeepseekV3Model final : public Model {
   PinnedBuffer host_logits_;
   MoeScratch moe_;
   mutable std::vector<std::vector<int64_t>> slot_counts_;
-  std::map<int, GraphExec> graphs_;  // Decode bucket -> graph; destroyed first.
+  // Expert parallelism / host mirror of the local slots.
+  bool ep_ = false;  // Exchanges through options.moe_executor (not all slots local).
+  int first_slot_ = 0;
+  int num_local_slots_ = 0;              // Slots in each MoE layer's device buffer.
+  std::vector<ExpertSlots> mirrors_;     // [layer]; empty for dense layers or no mirror.
+  Stream upload_stream_;                 // The mover thread's (slots_written).
+  std::vector<int> moe_layer_ids_;       // Segment s ends at MoE layer moe_layer_ids_[s].
+  std::unique_ptr<DeviceEpMoe> ep_moe_;  // Holds graphs: destroyed before the stream.
+  std::map<int, GraphExec> graphs_;      // Decode bucket -> graph; destroyed first.
   int64_t graph_captures_ = 0;
 };
 

@@ -87,12 +87,19 @@ Result<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create(
   FLEX_ASSIGN_OR_RETURN(
       m->placement_,
       ExpertPlacement::parse(options.placement, c.num_hidden_layers, std::max(c.num_experts, 1)));
-  const bool all_local =
-      options.first_slot == 0 &&
-      (options.num_local_slots < 0 || options.num_local_slots == m->placement_.num_slots());
-  if (options.moe_executor != nullptr || options.allocate_slots || !all_local) {
-    return unimplemented(
-        "expert parallelism is not supported on CUDA yet (one process, all slots)");
+  const int num_slots = m->placement_.num_slots();
+  m->first_slot_ = options.first_slot;
+  m->num_local_slots_ = options.num_local_slots < 0 ? num_slots : options.num_local_slots;
+  if (m->first_slot_ < 0 || m->num_local_slots_ < 1 ||
+      m->first_slot_ + m->num_local_slots_ > num_slots) {
+    return invalid_argument("local slots [" + std::to_string(m->first_slot_) + ", +" +
+                            std::to_string(m->num_local_slots_) + ") outside the placement's " +
+                            std::to_string(num_slots) + " slots");
+  }
+  // All slots local (one rank): the single-process path, executor unused.
+  m->ep_ = !(m->first_slot_ == 0 && m->num_local_slots_ == num_slots);
+  if (m->ep_ && options.moe_executor == nullptr) {
+    return invalid_argument("a CUDA model holding part of the slots needs a moe_executor");
   }
   m->moe_dims_.dtype = m->dtype_;
   m->moe_dims_.hidden = c.hidden_size;
@@ -110,6 +117,7 @@ Result<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create(
   FLEX_ASSIGN_OR_RETURN(m->blas_, Blas::create(m->stream_.get()));
   FLEX_RETURN_IF_ERROR(m->load_weights(options));
   FLEX_RETURN_IF_ERROR(m->allocate_scratch());
+  if (m->ep_) FLEX_RETURN_IF_ERROR(m->init_ep(options));
   m->slot_counts_.assign(c.num_hidden_layers,
                          std::vector<int64_t>(static_cast<size_t>(m->placement_.num_slots()), 0));
   return m;
@@ -149,7 +157,20 @@ Status CudaQwen3MoeModel::load_weights(const ModelOptions& options) {
   FLEX_ASSIGN_OR_RETURN(rope_cos_, upload(cosv.data(), cosv.size() * sizeof(float)));
   FLEX_ASSIGN_OR_RETURN(rope_sin_, upload(sinv.data(), sinv.size() * sizeof(float)));
   layers_.resize(c.num_hidden_layers);
+  mirrors_.resize(c.num_hidden_layers);
+  FLEX_ASSIGN_OR_RETURN(upload_stream_, Stream::create());
   for (int l = 0; l < c.num_hidden_layers; ++l) {
+    // The host mirror: where peers read from (allocate_slots), or the heap when expert
+    // parallel without one (the executor still needs the slots' shape).
+    const int hidden = static_cast<int>(c.hidden_size);
+    const int inter = static_cast<int>(c.moe_intermediate_size);
+    if (c.is_moe_layer(l) && options.allocate_slots) {
+      const size_t bytes = ExpertSlots::bytes_for(dtype_, num_local_slots_, hidden, inter);
+      FLEX_ASSIGN_OR_RETURN(void* mem, options.allocate_slots(l, bytes));
+      mirrors_[l] = ExpertSlots(dtype_, num_local_slots_, hidden, inter, mem);
+    } else if (c.is_moe_layer(l) && ep_) {
+      mirrors_[l] = ExpertSlots(dtype_, num_local_slots_, hidden, inter);
+    }
     FLEX_RETURN_IF_ERROR(load_layer(l, &layers_[l]).annotate("layer " + std::to_string(l)));
     if (options.progress) options.progress(l + 1, c.num_hidden_layers);
   }
@@ -205,22 +226,26 @@ Status CudaQwen3MoeModel::load_layer(int index, Layer* layer) {
 }
 
 Status CudaQwen3MoeModel::load_slots(int index, Layer* layer) {
-  const int num_slots = placement_.num_slots();
+  const int num_slots = num_local_slots_;  // Global slots first_slot_ + [0, num_slots).
   const size_t slot_bytes = static_cast<size_t>(moe_dims_.slot_elems()) * dtype_size(dtype_);
   FLEX_ASSIGN_OR_RETURN(layer->slots, DeviceBuffer::create_zeroed(num_slots * slot_bytes));
   const std::vector<int>& map = placement_.slot_map(index);
-  // Pack a batch of slots in parallel on the host, then copy it up.
+  ExpertSlots& mirror = mirrors_[index];
+  // Pack a batch of slots in parallel on the host (into the mirror when there is
+  // one), then copy it up.
   constexpr int kBatch = 16;
-  std::vector<uint8_t> staging(static_cast<size_t>(kBatch) * slot_bytes);
+  std::vector<uint8_t> own_staging(mirror.num_slots() > 0 ? 0 : kBatch * slot_bytes);
   ThreadPool& pool = ThreadPool::global();
   for (int s0 = 0; s0 < num_slots; s0 += kBatch) {
     const int n = std::min(kBatch, num_slots - s0);
+    uint8_t* staging =
+        mirror.num_slots() > 0 ? static_cast<uint8_t*>(mirror.slot_data(s0)) : own_staging.data();
     std::vector<Status> errors(static_cast<size_t>(n));
     pool.parallel_for(n, 1, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
-        const int expert = map[s0 + i];
+        const int expert = map[first_slot_ + s0 + i];
         if (expert == ExpertPlacement::kFreeSlot) {
-          std::memset(staging.data() + i * slot_bytes, 0, slot_bytes);
+          std::memset(staging + i * slot_bytes, 0, slot_bytes);
           continue;
         }
         const int64_t H = config_.hidden_size, I = config_.moe_intermediate_size;
@@ -236,12 +261,12 @@ Status CudaQwen3MoeModel::load_slots(int index, Layer* layer) {
         const Tensor g32 = gate.value().to(DType::kF32), u32 = up.value().to(DType::kF32),
                      d32 = down.value().to(DType::kF32);
         pack_expert(g32.data<float>(), u32.data<float>(), d32.data<float>(), static_cast<int>(H),
-                    static_cast<int>(I), dtype_, staging.data() + i * slot_bytes);
+                    static_cast<int>(I), dtype_, staging + i * slot_bytes);
       }
     });
     for (const Status& s : errors) FLEX_RETURN_IF_ERROR(s);
-    FLEX_CUDA_TRY(cudaMemcpy(layer->slots.as<uint8_t>() + s0 * slot_bytes, staging.data(),
-                             n * slot_bytes, cudaMemcpyHostToDevice));
+    FLEX_CUDA_TRY(cudaMemcpy(layer->slots.as<uint8_t>() + s0 * slot_bytes, staging, n * slot_bytes,
+                             cudaMemcpyHostToDevice));
   }
   return Status();
 }
@@ -251,7 +276,7 @@ Status CudaQwen3MoeModel::load_expert(int layer, int expert, int local_slot) {
     return invalid_argument("layer " + std::to_string(layer) + " has no routed experts");
   }
   if (expert < 0 || expert >= config_.num_experts || local_slot < 0 ||
-      local_slot >= placement_.num_slots()) {
+      local_slot >= num_local_slots_) {
     return invalid_argument("expert " + std::to_string(expert) + " or local slot " +
                             std::to_string(local_slot) + " out of range");
   }
@@ -263,13 +288,37 @@ Status CudaQwen3MoeModel::load_expert(int layer, int expert, int local_slot) {
   FLEX_ASSIGN_OR_RETURN(Tensor down, checkpoint_->get(ep + "down_proj.weight", {H, I}));
   const Tensor g32 = gate.to(DType::kF32), u32 = up.to(DType::kF32), d32 = down.to(DType::kF32);
   const size_t slot_bytes = static_cast<size_t>(moe_dims_.slot_elems()) * dtype_size(dtype_);
-  std::vector<uint8_t> image(slot_bytes);
+  ExpertSlots& mirror = mirrors_[layer];
+  std::vector<uint8_t> image(mirror.num_slots() > 0 ? 0 : slot_bytes);
+  void* dst = mirror.num_slots() > 0 ? mirror.slot_data(local_slot) : image.data();
   pack_expert(g32.data<float>(), u32.data<float>(), d32.data<float>(), static_cast<int>(H),
-              static_cast<int>(I), dtype_, image.data());
+              static_cast<int>(I), dtype_, dst);
+  if (mirror.num_slots() > 0) return slots_written(layer, local_slot);
   FLEX_RETURN_IF_ERROR(set_device(device_));
-  FLEX_CUDA_TRY(cudaMemcpy(layers_[layer].slots.as<uint8_t>() + local_slot * slot_bytes,
-                           image.data(), slot_bytes, cudaMemcpyHostToDevice));
-  return Status();
+  FLEX_CUDA_TRY(cudaMemcpyAsync(layers_[layer].slots.as<uint8_t>() + local_slot * slot_bytes,
+                                image.data(), slot_bytes, cudaMemcpyHostToDevice,
+                                upload_stream_.get()));
+  return upload_stream_.synchronize();
+}
+
+ExpertSlots* CudaQwen3MoeModel::local_slots(int layer) {
+  if (layer < 0 || layer >= static_cast<int>(mirrors_.size())) return nullptr;
+  return mirrors_[layer].num_slots() > 0 ? &mirrors_[layer] : nullptr;
+}
+
+Status CudaQwen3MoeModel::slots_written(int layer, int local_slot) {
+  ExpertSlots* mirror = local_slots(layer);
+  if (mirror == nullptr || local_slot < 0 || local_slot >= mirror->num_slots()) {
+    return invalid_argument("layer " + std::to_string(layer) + " has no host slot " +
+                            std::to_string(local_slot));
+  }
+  // The mover thread's own stream: never waits on (or blocks) the step's graphs.
+  const size_t bytes = mirror->slot_bytes();
+  FLEX_RETURN_IF_ERROR(set_device(device_));
+  FLEX_CUDA_TRY(cudaMemcpyAsync(layers_[layer].slots.as<uint8_t>() + local_slot * bytes,
+                                mirror->slot_data(local_slot), bytes, cudaMemcpyHostToDevice,
+                                upload_stream_.get()));
+  return upload_stream_.synchronize();
 }
 
 Status CudaQwen3MoeModel::write_routing_tables(int layer, const std::vector<int>& slot_map) {
@@ -375,7 +424,7 @@ Status CudaQwen3MoeModel::upload_inputs(int num_tokens, int num_rows) {
   return Status();
 }
 
-Status CudaQwen3MoeModel::enqueue_step(int n, int num_rows) {
+Status CudaQwen3MoeModel::enqueue_attention(Layer& L, int n) {
   const ModelConfig& c = config_;
   cudaStream_t s = stream_.get();
   const int H = c.hidden_size, D = c.head_dim;
@@ -383,64 +432,80 @@ Status CudaQwen3MoeModel::enqueue_step(int n, int num_rows) {
   const int q_dim = nq * D, qkv_dim = (nq + 2 * nkv) * D;
   const float eps = static_cast<float>(c.rms_norm_eps);
   float* x = x_.as<float>();
-  FLEX_CUDA_TRY(embedding(dtype_, embed_.data(), in_.ids, n, H, x, s));
-  for (Layer& L : layers_) {
-    FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.input_norm.as<float>(), n, H, eps, h_.data(), s));
-    FLEX_RETURN_IF_ERROR(
-        blas_.gemm_nt(dtype_, h_.data(), n, H, L.w_qkv.data(), qkv_dim, DType::kF32, qkv_.data()));
-    QkvArgs qa{qkv_.as<float>(),
-               n,
-               nq,
-               nkv,
-               D,
-               L.q_norm.as<float>(),
-               L.k_norm.as<float>(),
-               eps,
-               rope_cos_.as<float>(),
-               rope_sin_.as<float>(),
-               in_.positions,
-               in_.kv_slots,
-               max_seq_len_,
-               q_.data(),
-               L.k_cache.data(),
-               L.v_cache.data()};
-    FLEX_CUDA_TRY(qk_norm_rope_store(dtype_, qa, s));
-    AttentionArgs aa{q_.data(),
-                     L.k_cache.data(),
-                     L.v_cache.data(),
-                     in_.positions,
-                     in_.kv_slots,
-                     n,
-                     nq,
-                     nkv,
-                     D,
-                     max_seq_len_,
-                     static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))),
-                     attn_.data()};
-    FLEX_CUDA_TRY(attention(dtype_, aa, s));
-    // x += attn @ o_proj^T.
-    FLEX_RETURN_IF_ERROR(
-        blas_.gemm_nt(dtype_, attn_.data(), n, q_dim, L.w_o.data(), H, DType::kF32, x, 1.f, 1.f));
-    FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.post_norm.as<float>(), n, H, eps, h_.data(), s));
-    if (L.is_moe) {
-      FLEX_RETURN_IF_ERROR(run_moe(moe_dims_, moe_weights(L), moe_, h_.data(), n, in_.num_valid, x,
-                                   /*accumulate=*/true, blas_, s));
-    } else {
-      const int I = c.intermediate_size;
-      FLEX_RETURN_IF_ERROR(
-          blas_.gemm_nt(dtype_, h_.data(), n, H, L.w_gu.data(), 2 * I, DType::kF32, gu_.data()));
-      FLEX_CUDA_TRY(silu_mul(dtype_, gu_.as<float>(), n, I, act_.data(), s));
-      FLEX_RETURN_IF_ERROR(
-          blas_.gemm_nt(dtype_, act_.data(), n, I, L.w_down.data(), H, DType::kF32, x, 1.f, 1.f));
-    }
-  }
-  if (num_rows > 0) {
-    FLEX_CUDA_TRY(rms_norm(dtype_, x, in_.last_rows, final_norm_.as<float>(), num_rows, H, eps,
-                           last_h_.data(), s));
-    FLEX_RETURN_IF_ERROR(blas_.gemm_nt(dtype_, last_h_.data(), num_rows, H, lm_head_.data(),
-                                       c.vocab_size, DType::kF32, logits_.data()));
-  }
+  FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.input_norm.as<float>(), n, H, eps, h_.data(), s));
+  FLEX_RETURN_IF_ERROR(
+      blas_.gemm_nt(dtype_, h_.data(), n, H, L.w_qkv.data(), qkv_dim, DType::kF32, qkv_.data()));
+  QkvArgs qa{qkv_.as<float>(),
+             n,
+             nq,
+             nkv,
+             D,
+             L.q_norm.as<float>(),
+             L.k_norm.as<float>(),
+             eps,
+             rope_cos_.as<float>(),
+             rope_sin_.as<float>(),
+             in_.positions,
+             in_.kv_slots,
+             max_seq_len_,
+             q_.data(),
+             L.k_cache.data(),
+             L.v_cache.data()};
+  FLEX_CUDA_TRY(qk_norm_rope_store(dtype_, qa, s));
+  AttentionArgs aa{q_.data(),
+                   L.k_cache.data(),
+                   L.v_cache.data(),
+                   in_.positions,
+                   in_.kv_slots,
+                   n,
+                   nq,
+                   nkv,
+                   D,
+                   max_seq_len_,
+                   static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))),
+                   attn_.data()};
+  FLEX_CUDA_TRY(attention(dtype_, aa, s));
+  // x += attn @ o_proj^T.
+  FLEX_RETURN_IF_ERROR(
+      blas_.gemm_nt(dtype_, attn_.data(), n, q_dim, L.w_o.data(), H, DType::kF32, x, 1.f, 1.f));
+  FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.post_norm.as<float>(), n, H, eps, h_.data(), s));
   return Status();
+}
+
+Status CudaQwen3MoeModel::enqueue_mlp(Layer& L, int n) {
+  const ModelConfig& c = config_;
+  cudaStream_t s = stream_.get();
+  const int H = c.hidden_size;
+  float* x = x_.as<float>();
+  if (L.is_moe) {
+    return run_moe(moe_dims_, moe_weights(L), moe_, h_.data(), n, in_.num_valid, x,
+                   /*accumulate=*/true, blas_, s);
+  }
+  const int I = c.intermediate_size;
+  FLEX_RETURN_IF_ERROR(
+      blas_.gemm_nt(dtype_, h_.data(), n, H, L.w_gu.data(), 2 * I, DType::kF32, gu_.data()));
+  FLEX_CUDA_TRY(silu_mul(dtype_, gu_.as<float>(), n, I, act_.data(), s));
+  return blas_.gemm_nt(dtype_, act_.data(), n, I, L.w_down.data(), H, DType::kF32, x, 1.f, 1.f);
+}
+
+Status CudaQwen3MoeModel::enqueue_head(int num_rows) {
+  if (num_rows == 0) return Status();
+  const ModelConfig& c = config_;
+  FLEX_CUDA_TRY(rms_norm(dtype_, x_.as<float>(), in_.last_rows, final_norm_.as<float>(), num_rows,
+                         c.hidden_size, static_cast<float>(c.rms_norm_eps), last_h_.data(),
+                         stream_.get()));
+  return blas_.gemm_nt(dtype_, last_h_.data(), num_rows, c.hidden_size, lm_head_.data(),
+                       c.vocab_size, DType::kF32, logits_.data());
+}
+
+Status CudaQwen3MoeModel::enqueue_step(int n, int num_rows) {
+  FLEX_CUDA_TRY(embedding(dtype_, embed_.data(), in_.ids, n, config_.hidden_size, x_.as<float>(),
+                          stream_.get()));
+  for (Layer& L : layers_) {
+    FLEX_RETURN_IF_ERROR(enqueue_attention(L, n));
+    FLEX_RETURN_IF_ERROR(enqueue_mlp(L, n));
+  }
+  return enqueue_head(num_rows);
 }
 
 Status CudaQwen3MoeModel::run_decode(const std::vector<SequenceChunk>& batch, float* logits) {
@@ -539,8 +604,9 @@ Status CudaQwen3MoeModel::forward(const std::vector<SequenceChunk>& batch, Tenso
       logits->size(1) != config_.vocab_size) {
     *logits = Tensor::empty(DType::kF32, {B, config_.vocab_size});
   }
-  if (B == 0) return Status();
   FLEX_RETURN_IF_ERROR(set_device(device_));
+  if (ep_) return run_ep(batch, logits->data<float>());  // Joins the exchanges even when empty.
+  if (B == 0) return Status();
   const bool decode = std::all_of(batch.begin(), batch.end(),
                                   [](const SequenceChunk& c) { return c.tokens.size() == 1; });
   if (decode && use_graphs_) return run_decode(batch, logits->data<float>());
@@ -548,6 +614,7 @@ Status CudaQwen3MoeModel::forward(const std::vector<SequenceChunk>& batch, Tenso
 }
 
 const std::vector<std::vector<int64_t>>& CudaQwen3MoeModel::slot_counts() const {
+  if (ep_) return slot_counts_;  // Counted on the host by the executor.
   if (set_device(device_).ok()) {
     for (size_t l = 0; l < layers_.size(); ++l) {
       if (!layers_[l].is_moe) continue;
@@ -563,6 +630,10 @@ const std::vector<std::vector<int64_t>>& CudaQwen3MoeModel::slot_counts() const 
 }
 
 void CudaQwen3MoeModel::reset_slot_counts() {
+  if (ep_) {
+    for (auto& layer : slot_counts_) std::fill(layer.begin(), layer.end(), 0);
+    return;
+  }
   if (!set_device(device_).ok()) return;
   for (Layer& L : layers_) {
     if (L.is_moe) (void)cudaMemsetAsync(L.stats.data(), 0, L.stats.num_bytes(), stream_.get());

@@ -12,18 +12,18 @@
 // forward() blocks until the logits are on the host. One driver thread (as every
 // Model), plus the weight mover calling load_expert / slots_written (own stream).
 //
-// Expert parallelism (cuda_qwen3_moe_ep.cc; options.moe_executor set and this process
-// holding only part of the slots): attention, router and top-k with replica choice run
-// on the device; per MoE layer the routed rows, slots and weights go to pinned host
-// memory, the executor exchanges them with the peers and computes the rows this rank
-// owns through a RowCompute that runs the grouped GEMMs over the device copy of the
-// local slots; the combined result goes back up and is added on the device. A decode
-// step is then a chain of segments (embedding or previous MoE result .. next routing),
-// each replayed from a graph per (bucket, segment) captured on the bucket's second
-// step; the exchanges run between them on the host. Map and epoch changes never
-// recapture. When options.allocate_slots is given, local slots have a host mirror
-// there holding the device image (packed as pack_expert, not the CPU layout), so
-// peers read it one-sidedly; local_slots() exposes it, slots_written() uploads a slot.
+// Expert parallelism (this process holding only part of the slots; options.moe_executor
+// set; cuda_qwen3_moe_ep.cc with DeviceEpMoe, ep_moe.h): attention, router and top-k
+// with replica choice run on the device; per MoE layer the routed rows, slots and
+// weights go to pinned host memory, the executor exchanges them with the peers and
+// computes the rows this rank owns through a RowCompute that runs the grouped GEMMs
+// over the device copy of the local slots; the combined result goes back up and is
+// added on the device. A decode step is then a chain of segments, each replayed from a
+// graph per (bucket, segment); map and epoch changes never recapture. With all slots
+// local the executor is not used. With options.allocate_slots, the local slots have a
+// host mirror there holding the device image (packed as pack_expert, not the CPU
+// layout), so peers read it one-sidedly; local_slots() exposes it, slots_written()
+// uploads a slot.
 #pragma once
 
 #include <map>
@@ -32,6 +32,7 @@
 
 #include "cuda/blas.h"
 #include "cuda/device.h"
+#include "cuda/ep_moe.h"
 #include "cuda/moe_layer.h"
 #include "flexpert/checkpoint.h"
 #include "flexpert/model.h"
@@ -58,7 +59,9 @@ class CudaQwen3MoeModel final : public Model {
   Status set_placement(ExpertPlacement placement) override;
   Status load_expert(int layer, int expert, int local_slot) override;
   Status slots_written(int layer, int local_slot) override;
-  int64_t num_graph_captures() const override { return graph_captures_; }
+  int64_t num_graph_captures() const override {
+    return graph_captures_ + (ep_moe_ ? ep_moe_->num_graph_captures() : 0);
+  }
 
   DType dtype() const { return dtype_; }
   int max_step_tokens() const { return max_step_tokens_; }
@@ -107,11 +110,7 @@ class CudaQwen3MoeModel final : public Model {
   // Expert parallelism (cuda_qwen3_moe_ep.cc).
   Status init_ep(const ModelOptions& options);
   Status enqueue_segment(int seg, int n, int num_rows);
-  Status run_segment(int seg, int n, int num_rows, int bucket, bool capture);
-  Status exchange_layer(int seg, int num_real);
   Status run_ep(const std::vector<SequenceChunk>& batch, float* logits);
-  Status compute_rows(int layer, const int32_t* local_slot, const float* const* rows,
-                      int64_t count, float* results);
 
   std::unique_ptr<Checkpoint> checkpoint_;
   ModelConfig config_;
@@ -138,24 +137,14 @@ class CudaQwen3MoeModel final : public Model {
   MoeScratch moe_;
   mutable std::vector<std::vector<int64_t>> slot_counts_;
   // Expert parallelism / host mirror of the local slots.
-  bool ep_ = false;              // Exchanges through executor_ (not all slots local).
-  MoeExecutor* executor_ = nullptr;
+  bool ep_ = false;  // Exchanges through options.moe_executor (not all slots local).
   int first_slot_ = 0;
-  int num_local_slots_ = 0;      // Slots in each MoE layer's device buffer.
-  std::vector<ExpertSlots> mirrors_;  // [layer]; empty for dense layers or no mirror.
-  Stream upload_stream_;               // The mover thread's (slots_written).
-  std::vector<int> moe_layer_ids_;     // Segment s ends at MoE layer moe_layer_ids_[s].
-  MoeDims local_dims_;                 // Row compute: top_k 1 over the local slots.
-  MoeScratch ep_scratch_;
-  int ep_chunk_rows_ = 0;
-  DeviceBuffer ep_rows_, ep_out_, ep_ones_, ep_iota_;
-  PinnedBuffer ep_rows_host_, ep_slot_host_, ep_results_host_;  // Row compute staging.
-  PinnedBuffer ep_h_host_, ep_route_slot_host_, ep_route_weight_host_, ep_out_host_;
-  std::vector<float> ep_x_;  // Routed rows as f32 (bf16 models).
-  Routing ep_routing_;
-  std::map<int, std::vector<GraphExec>> segment_graphs_;  // Bucket -> segment graphs.
-  std::map<int, int> ep_bucket_steps_;                    // Bucket -> eager steps run.
-  std::map<int, GraphExec> graphs_;  // Decode bucket -> graph; destroyed first.
+  int num_local_slots_ = 0;              // Slots in each MoE layer's device buffer.
+  std::vector<ExpertSlots> mirrors_;     // [layer]; empty for dense layers or no mirror.
+  Stream upload_stream_;                 // The mover thread's (slots_written).
+  std::vector<int> moe_layer_ids_;       // Segment s ends at MoE layer moe_layer_ids_[s].
+  std::unique_ptr<DeviceEpMoe> ep_moe_;  // Holds graphs: destroyed before the stream.
+  std::map<int, GraphExec> graphs_;      // Decode bucket -> graph; destroyed first.
   int64_t graph_captures_ = 0;
 };
 

@@ -7,24 +7,16 @@
 
 namespace flexpert::cuda {
 
-Status run_grouped_moe(const MoeDims& dims, const GroupedRouter& router, const float* score_bias,
-                       const MoeLayerWeights& w, MoeScratch& scratch, const void* h, int num_tokens,
-                       const int32_t* num_valid_tokens, float* out, bool accumulate, Blas& blas,
-                       cudaStream_t stream) {
+Status route_grouped(const MoeDims& dims, const GroupedRouter& router, const float* score_bias,
+                     const MoeLayerWeights& w, MoeScratch& scratch, const void* h, int num_tokens,
+                     Blas& blas, cudaStream_t stream) {
   if (num_tokens == 0) return Status();
   if (num_tokens > scratch.max_tokens) {
     return internal_error("MoE step of " + std::to_string(num_tokens) +
                           " tokens over the scratch capacity " +
                           std::to_string(scratch.max_tokens));
   }
-  const int H = dims.hidden, I = dims.intermediate, K = dims.top_k;
-  const int64_t P = static_cast<int64_t>(num_tokens) * K;
-  const GemmTile tile = choose_tile(dims.dtype, P, dims.num_experts, H, I);
-  if (!tile_supports(tile, dims.dtype, 2 * I, H) || !tile_supports(tile, dims.dtype, H, I)) {
-    return invalid_argument("GEMM tile " + std::to_string(static_cast<int>(tile)) +
-                            " does not fit the expert shapes");
-  }
-  const int block_m = tile_rows(tile);
+  const int H = dims.hidden, K = dims.top_k;
   FLEX_RETURN_IF_ERROR(blas.gemm_nt(dims.dtype, h, num_tokens, H, w.router, dims.num_experts,
                                     DType::kF32, scratch.logits.data()));
   GroupedTopkArgs topk{scratch.logits.as<float>(),
@@ -45,6 +37,29 @@ Status run_grouped_moe(const MoeDims& dims, const GroupedRouter& router, const f
                        scratch.weight.as<float>(),
                        scratch.slot.as<int32_t>()};
   FLEX_CUDA_TRY(grouped_topk(topk, stream));
+  return Status();
+}
+
+Status run_grouped_moe(const MoeDims& dims, const GroupedRouter& router, const float* score_bias,
+                       const MoeLayerWeights& w, MoeScratch& scratch, const void* h, int num_tokens,
+                       const int32_t* num_valid_tokens, float* out, bool accumulate, Blas& blas,
+                       cudaStream_t stream) {
+  if (num_tokens == 0) return Status();
+  if (num_tokens > scratch.max_tokens) {
+    return internal_error("MoE step of " + std::to_string(num_tokens) +
+                          " tokens over the scratch capacity " +
+                          std::to_string(scratch.max_tokens));
+  }
+  const int H = dims.hidden, I = dims.intermediate, K = dims.top_k;
+  const int64_t P = static_cast<int64_t>(num_tokens) * K;
+  const GemmTile tile = choose_tile(dims.dtype, P, dims.num_experts, H, I);
+  if (!tile_supports(tile, dims.dtype, 2 * I, H) || !tile_supports(tile, dims.dtype, H, I)) {
+    return invalid_argument("GEMM tile " + std::to_string(static_cast<int>(tile)) +
+                            " does not fit the expert shapes");
+  }
+  const int block_m = tile_rows(tile);
+  FLEX_RETURN_IF_ERROR(
+      route_grouped(dims, router, score_bias, w, scratch, h, num_tokens, blas, stream));
   PermuteArgs perm{scratch.slot.as<int32_t>(),
                    static_cast<int>(P),
                    K,

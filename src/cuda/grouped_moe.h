@@ -20,6 +20,12 @@ struct GroupedRouter {
   float routed_scaling_factor = 1.0f;  // dims.norm_topk_prob says whether to normalise.
 };
 
+// The router alone: logits, grouped top-k with replica choice into scratch.expert,
+// .weight and .slot (expert parallelism runs the experts elsewhere).
+Status route_grouped(const MoeDims& dims, const GroupedRouter& router, const float* score_bias,
+                     const MoeLayerWeights& w, MoeScratch& scratch, const void* h, int num_tokens,
+                     Blas& blas, cudaStream_t stream);
+
 // out[t] (+)= MoE(h[t]) for t < num_tokens, as run_moe; score_bias: f32 [E] device
 // array (read by kNoauxTc only).
 Status run_grouped_moe(const MoeDims& dims, const GroupedRouter& router, const float* score_bias,

@@ -124,7 +124,8 @@ Status EpMoeExecutor::execute(int layer, const float* x, const Routing& routing,
     groups_.row_of_pair.resize(static_cast<size_t>(total));
     for (int64_t i = 0; i < total; ++i) groups_.row_of_pair[i] = i;
     if (total > 0) {
-      Status s = compute_(layer, recv_slot_.data(), recv_row_.data(), total, results_.data<float>());
+      Status s =
+          compute_(layer, recv_slot_.data(), recv_row_.data(), total, results_.data<float>());
       if (!s.ok()) {
         for (int r : group_.ranks) send[r] = {};
         (void)transport_.exchange(group_, send);  // Peers fail at this layer too.

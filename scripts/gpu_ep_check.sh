@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Expert parallelism on one GPU (issue 6), on the GPU machine, with the binaries that
+#   BUILD=build-gep PACK=.gpu-gep bash scripts/gpu_pack.sh     (carry .gpu-gep)
+# packed: the EP unit tests, the serve system test (4 ranks under MPS, reference tokens,
+# rebalance, scale 4 -> 3 -> 4, graph captures), and `bench serve` on a synthetic
+# Qwen3-30B-A3B (bf16, LAYERS layers) with 1 and 4 GPU ranks. Starts and stops MPS.
+# BUILT_AT=/path: where the packed binaries were built (the system test runs the
+# flexpert binary and reads testdata at that build's paths). Logs under $OUT; summary last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu-ep}
+PACK=${PACK:-.gpu-gep}
+BIN=${BIN:-$PACK/bin}
+LAYERS=${LAYERS:-4}
+mkdir -p "$OUT"
+export FLEXPERT_LOG=warn
+t0=$(date +%s)
+stamp() { echo "== [$(($(date +%s) - t0))s] $*"; }
+for d in /usr/local/cuda/lib64 $(python3 -c \
+    'import nvidia, os; [print(os.path.join(p, q, "lib")) for p in nvidia.__path__ for q in os.listdir(p)]' \
+    2>/dev/null); do
+  [ -e "$d/libcublas.so.13" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}" && break
+done
+if [ -e "$PACK/libs.tar.xz" ]; then
+  mkdir -p /tmp/flexpert-gpu && tar -C /tmp/flexpert-gpu -xJf "$PACK/libs.tar.xz"
+  export LD_LIBRARY_PATH="/tmp/flexpert-gpu/lib:${LD_LIBRARY_PATH:-}"
+fi
+if [ -n "${BUILT_AT:-}" ]; then
+  [ -e "$BUILT_AT/testdata" ] || { mkdir -p "$(dirname "$BUILT_AT")" && ln -sfn "$PWD" "$BUILT_AT"; }
+  mkdir -p "$BUILT_AT/build-gep" && cp "$BIN/flexpert" "$BUILT_AT/build-gep/flexpert"
+fi
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+nvidia-cuda-mps-control -d && stamp "MPS started"
+
+stamp "GPU unit tests (model, EP in one process)"
+timeout 120 "$BIN/cuda_test" --gtest_filter='CudaModelTest.*:CudaEpTest.*' >"$OUT/cuda_test.log" 2>&1
+rc_unit=$?
+grep -E "OK \]|FAILED|Failure|Expected|Which is" "$OUT/cuda_test.log" | head -24
+
+stamp "system test: serve --device cuda --cuda-dtype f32 --ranks 4"
+timeout 240 "$BIN/system_cuda_serve_test" >"$OUT/system.log" 2>&1
+rc_system=$?
+grep -E "graph captures|rebalance:|OK \]|FAILED|Failure|Expected|Which is|rror" "$OUT/system.log" | head -40
+
+stamp "synth qwen3-30b-a3b --layers $LAYERS"
+DIR=/dev/shm/q30b-L$LAYERS
+timeout 120 "$BIN/flexpert" synth --preset qwen3-30b-a3b --layers "$LAYERS" --out "$DIR" 2>&1 | tail -1
+port=8300
+for ranks in 1 4; do
+  port=$((port + 1))
+  stamp "serve --ranks $ranks (bf16) + bench serve"
+  setsid "$BIN/flexpert" serve --model "$DIR" --device cuda --ranks "$ranks" --port $port \
+    --max-sequences 64 --max-seq-len 512 --transport-timeout-ms 60000 >"$OUT/serve$ranks.log" 2>&1 &
+  spid=$!
+  for _ in $(seq 240); do
+    curl -sf "localhost:$port/health" >/dev/null 2>&1 && break
+    kill -0 $spid 2>/dev/null || break
+    sleep 0.5
+  done
+  stamp "up"
+  for c in 64 8; do
+    timeout 120 "$BIN/flexpert" bench serve --url "http://127.0.0.1:$port" --concurrency $c \
+      --requests $((c * 4)) --prompt-len 64 --max-tokens 64 --json "$OUT/bench$ranks-c$c.json" \
+      >"$OUT/bench$ranks-c$c.log" 2>&1
+    tail -4 "$OUT/bench$ranks-c$c.log"
+  done
+  curl -s "localhost:$port/metrics" | grep graph_captures >"$OUT/captures$ranks.txt"
+  kill -TERM $spid
+  for _ in $(seq 40); do kill -0 $spid 2>/dev/null || break; sleep 0.25; done
+  kill -KILL -- -$spid 2>/dev/null
+  tail -5 "$OUT/serve$ranks.log"
+done
+rm -rf "$DIR"
+echo quit | nvidia-cuda-mps-control
+
+stamp "summary"
+printf "%-40s %s\n" "GPU unit tests (rc)" "$rc_unit" "system test, 4 ranks f32 (rc)" "$rc_system"
+for ranks in 1 4; do
+  for c in 64 8; do
+    python3 - "$OUT/bench$ranks-c$c.json" "$ranks" "$c" <<'PY'
+import json, sys
+try:
+    j = json.load(open(sys.argv[1]))
+    print("%-40s %.1f output tok/s, ITL p50 %.1f ms, %s failed" % (
+        "bench serve, %s GPU rank(s), c=%s, bf16" % (sys.argv[2], sys.argv[3]),
+        j.get("output_tokens_per_s", 0.0), 1e3 * j.get("itl_s", {}).get("p50", 0.0),
+        j.get("failed", "?")))
+except Exception as e:
+    print("bench serve, %s rank(s), c=%s: no result (%s)" % (sys.argv[2], sys.argv[3], e))
+PY
+  done
+  echo "   $(grep -v '^#' "$OUT/captures$ranks.txt" | tr '\n' ' ')"
+done

@@ -1,0 +1,110 @@
+// SPDX-License-Identifier: Apache-2.0
+// CudaDeepseekV3Model, expert parallel (see cuda_deepseek_v3.h and ep_moe.h): the device
+// segments between MoE layers (a segment after a MoE layer first adds its routed result,
+// then its shared experts, as the single-process step does) and the step inputs.
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "cuda/cuda_deepseek_v3.h"
+#include "cuda/kernels.h"
+
+namespace flexpert::cuda {
+namespace {
+
+int next_pow2(int v) {
+  int p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+}  // namespace
+
+Status CudaDeepseekV3Model::init_ep(const ModelOptions& options) {
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    if (layers_[l].is_moe) moe_layer_ids_.push_back(static_cast<int>(l));
+  }
+  DeviceEpMoe::Config ep;
+  ep.dims = moe_dims_;
+  ep.first_slot = first_slot_;
+  ep.num_local_slots = num_local_slots_;
+  ep.max_tokens = max_step_tokens_;
+  ep.moe_layers = moe_layer_ids_;
+  ep.layer_slots = [this](int layer) -> const void* {
+    if (layer < 0 || layer >= static_cast<int>(layers_.size()) || !layers_[layer].is_moe) {
+      return nullptr;
+    }
+    return layers_[layer].slots.data();
+  };
+  ep.executor = options.moe_executor;
+  ep.mirrors = &mirrors_;
+  ep.counts = &slot_counts_;
+  FLEX_ASSIGN_OR_RETURN(ep_moe_, DeviceEpMoe::create(std::move(ep), blas_, stream_.get()));
+  return Status();
+}
+
+Status CudaDeepseekV3Model::enqueue_segment(int seg, int n, int num_rows) {
+  const ModelConfig& c = config_;
+  cudaStream_t s = stream_.get();
+  const int H = c.hidden_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const int num_moe = static_cast<int>(moe_layer_ids_.size());
+  float* x = x_.as<float>();
+  int begin = 0;
+  if (seg == 0) {
+    FLEX_CUDA_TRY(embedding(dtype_, embed_.data(), in_.ids, n, H, x, s));
+  } else {
+    // The previous MoE layer: routed result, then its shared experts (h_ still holds
+    // that layer's post-attention norm).
+    Layer& prev = layers_[moe_layer_ids_[seg - 1]];
+    FLEX_RETURN_IF_ERROR(ep_moe_->enqueue_add_output(x, n));
+    if (prev.mlp_inter > 0) FLEX_RETURN_IF_ERROR(enqueue_swiglu(prev, n));
+    begin = moe_layer_ids_[seg - 1] + 1;
+  }
+  const int end = seg < num_moe ? moe_layer_ids_[seg] : static_cast<int>(layers_.size());
+  for (int l = begin; l <= end && l < static_cast<int>(layers_.size()); ++l) {
+    Layer& L = layers_[l];
+    FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.input_norm.as<float>(), n, H, eps, h_.data(), s));
+    FLEX_RETURN_IF_ERROR(enqueue_attention(L, n));
+    FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.post_norm.as<float>(), n, H, eps, h_.data(), s));
+    if (l == end) break;  // The MoE layer ending this segment: routed below.
+    if (L.mlp_inter > 0) FLEX_RETURN_IF_ERROR(enqueue_swiglu(L, n));
+  }
+  if (seg == num_moe) {
+    if (num_rows == 0) return Status();
+    FLEX_CUDA_TRY(rms_norm(dtype_, x, in_.last_rows, final_norm_.as<float>(), num_rows, H, eps,
+                           last_h_.data(), s));
+    return blas_.gemm_nt(dtype_, last_h_.data(), num_rows, H, lm_head_.data(), c.vocab_size,
+                         DType::kF32, logits_.data());
+  }
+  Layer& L = layers_[end];
+  // DeepSeek's router only; the routed experts run wherever the slots are.
+  FLEX_RETURN_IF_ERROR(route_grouped(moe_dims_, router_, L.score_bias.as<float>(), moe_weights(L),
+                                     moe_, h_.data(), n, blas_, s));
+  return ep_moe_->enqueue_route_out(h_.data(), moe_, n);
+}
+
+Status CudaDeepseekV3Model::run_ep(const std::vector<SequenceChunk>& batch, float* logits) {
+  const int B = static_cast<int>(batch.size());
+  const size_t V = static_cast<size_t>(config_.vocab_size);
+  const bool decode = B > 0 && std::all_of(batch.begin(), batch.end(), [](const SequenceChunk& c) {
+                        return c.tokens.size() == 1;
+                      });
+  const int bucket = decode && use_graphs_ && !ep_moe_->graphs_failed() ? next_pow2(B) : 0;
+  FLEX_ASSIGN_OR_RETURN(EpStepRows rows,
+                        fill_step_inputs(batch, bucket, max_step_tokens_, max_rows_, max_sequences_,
+                                         host_in_.as<int32_t>()));
+  const int n = rows.num_tokens, num_rows = rows.num_rows;
+  if (n > 0) FLEX_RETURN_IF_ERROR(upload_inputs(n, num_rows));
+  FLEX_RETURN_IF_ERROR(ep_moe_->run_step(
+      n, rows.num_real, bucket, use_graphs_,
+      [this, n, num_rows](int seg) { return enqueue_segment(seg, n, num_rows); }));
+  if (B == 0) return Status();
+  FLEX_CUDA_TRY(cudaMemcpyAsync(host_logits_.data(), logits_.data(), B * V * sizeof(float),
+                                cudaMemcpyDeviceToHost, stream_.get()));
+  FLEX_RETURN_IF_ERROR(stream_.synchronize());
+  std::memcpy(logits, host_logits_.data(), B * V * sizeof(float));
+  return Status();
+}
+
+}  // namespace flexpert::cuda

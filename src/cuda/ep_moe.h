@@ -1,0 +1,107 @@
+// SPDX-License-Identifier: Apache-2.0
+// DeviceEpMoe: the device side of expert parallelism for a CUDA model (Qwen3-MoE and
+// DeepSeek share it); owned by the model, driven by its thread.
+//
+// A step is a chain of segments. Segment s (< number of MoE layers) ends with MoE layer
+// moe_layers[s]'s routing on the device; its normalised rows, chosen slots and router
+// weights go to pinned host memory (enqueue_route_out). Between segments the executor
+// exchanges them with the peers (dispatch), computes the rows this rank owns through
+// the RowCompute installed here (the grouped GEMMs over the device copy of the local
+// slots), returns results (combine) and sums them per token; segment s + 1 starts by
+// adding that sum to the residual stream (enqueue_add_output). A decode bucket replays
+// one graph per segment, captured on the bucket's second step (the first warms cuBLAS
+// up); nothing captured depends on the expert map or the membership epoch, so neither
+// recaptures. The model keeps its slot mirrors and counts; this class only reads them.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "cuda/blas.h"
+#include "cuda/device.h"
+#include "cuda/moe_layer.h"
+#include "flexpert/model.h"
+#include "moe/expert_slots.h"
+#include "moe/moe_executor.h"
+
+namespace flexpert::cuda {
+
+// Rows of an expert-parallel step as the models lay out their pinned step inputs (ids,
+// positions, KV slots at strides of max_tokens; logits rows at 3 * max_tokens; the
+// count of real rows at 3 * max_tokens + max_rows).
+struct EpStepRows {
+  int num_tokens = 0;  // Device rows (a decode bucket includes its padding).
+  int num_real = 0;    // Rows that are not padding.
+  int num_rows = 0;    // Logits rows computed.
+};
+// bucket > 0: a decode batch padded to `bucket` rows (padding in KV slot spare_kv_slot);
+// else every token of every chunk. Never split: every member must run the same
+// exchanges (Unimplemented past max_tokens; the worker's token budget is far below).
+Result<EpStepRows> fill_step_inputs(const std::vector<SequenceChunk>& batch, int bucket,
+                                    int max_tokens, int max_rows, int spare_kv_slot, int32_t* host);
+
+class DeviceEpMoe {
+ public:
+  struct Config {
+    MoeDims dims;  // The model's: global slot count, top_k, shapes, dtype.
+    int first_slot = 0;
+    int num_local_slots = 0;
+    int max_tokens = 0;           // Tokens of one step (the model's step capacity).
+    std::vector<int> moe_layers;  // Segment s ends at MoE layer moe_layers[s].
+    // Device slot buffer ([num_local_slots][slot_elems]) of a MoE layer.
+    std::function<const void*(int layer)> layer_slots;
+    MoeExecutor* executor = nullptr;                      // Not owned.
+    const std::vector<ExpertSlots>* mirrors = nullptr;    // [layer] host slots (executor shape).
+    std::vector<std::vector<int64_t>>* counts = nullptr;  // [layer][global slot] rows computed.
+  };
+  // Installs compute_rows() as the executor's RowCompute; Unimplemented if it takes none.
+  static Result<std::unique_ptr<DeviceEpMoe>> create(Config config, Blas& blas,
+                                                     cudaStream_t stream);
+  // Uninstalls the RowCompute (the executor outlives the model).
+  ~DeviceEpMoe();
+  DeviceEpMoe(const DeviceEpMoe&) = delete;
+  DeviceEpMoe& operator=(const DeviceEpMoe&) = delete;
+
+  // Enqueued by the model inside its segments (capturable).
+  Status enqueue_route_out(const void* h, const MoeScratch& routing, int num_tokens);
+  Status enqueue_add_output(float* x, int num_tokens);
+
+  // One step of num_tokens device rows (num_real of them real, the rest decode padding);
+  // bucket > 0 with graphs on: replay / capture per segment. Joins every exchange even
+  // when num_tokens is 0. enqueue_segment(seg) enqueues segment seg.
+  Status run_step(int num_tokens, int num_real, int bucket, bool graphs,
+                  const std::function<Status(int seg)>& enqueue_segment);
+
+  int64_t num_graph_captures() const { return captures_; }
+  bool graphs_failed() const { return graphs_failed_; }
+
+ private:
+  DeviceEpMoe(Config config, Blas& blas, cudaStream_t stream)
+      : config_(std::move(config)), blas_(blas), stream_(stream) {}
+  Status run_segment(int seg, int bucket, bool capture,
+                     const std::function<Status(int seg)>& enqueue_segment);
+  Status exchange(int seg, int num_real);
+  Status compute_rows(int layer, const int32_t* local_slot, const float* const* rows, int64_t count,
+                      float* results);
+
+  Config config_;
+  Blas& blas_;
+  cudaStream_t stream_;
+  MoeDims local_dims_;  // Row compute: top_k 1 over the local slots.
+  MoeScratch scratch_;
+  int chunk_rows_ = 0;
+  DeviceBuffer rows_, results_;         // Row compute: [chunk, H] in dtype / f32.
+  DeviceBuffer out_, ones_, iota_;      // Step: f32 [T, H] MoE output, [T] 1.0, [T] t.
+  PinnedBuffer rows_host_, slot_host_;  // Row compute staging.
+  PinnedBuffer h_host_, route_slot_host_, route_weight_host_, out_host_;
+  std::vector<float> x_;  // Routed rows as f32 (bf16 models).
+  Routing routing_;
+  std::map<int, std::vector<GraphExec>> graphs_;  // Bucket -> segment graphs.
+  std::map<int, int> bucket_steps_;               // Bucket -> steps run.
+  int64_t captures_ = 0;
+  bool graphs_failed_ = false;
+};
+
+}  // namespace flexpert::cuda

@@ -1,0 +1,211 @@
+// SPDX-License-Identifier: Apache-2.0
+// Expert parallelism on one GPU: `flexpert serve --device cuda --cuda-dtype f32 --ranks 4`
+// (four worker processes sharing the GPU; run it under NVIDIA MPS) answers with the
+// Hugging Face reference tokens, before and after an EPLB map switch and a membership
+// change 4 -> 3 -> 4 under light load, and no rank that lives through them captures
+// another CUDA graph (flexpert_rank_graph_captures in /metrics); DeepSeek-V3 over four
+// ranks answers with its reference tokens around a rebalance. Skips without a GPU.
+#include <atomic>
+#include <map>
+#include <sstream>
+#include <thread>
+
+#include "cuda/device.h"
+#include "server_fixture.h"
+
+namespace flexpert_test {
+namespace {
+
+struct Answer {
+  int status = 0;
+  nlohmann::json body;
+};
+
+Answer post(Server& server, const std::string& path, const nlohmann::json& body) {
+  httplib::Client c("127.0.0.1", server.port());
+  c.set_read_timeout(300, 0);
+  auto res = c.Post(path.c_str(), body.dump(), "application/json");
+  if (!res) return {};
+  return {res->status, nlohmann::json::parse(res->body, nullptr, false)};
+}
+
+void pause_ms(int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); }
+
+// pid of each serving rank -> the graphs it has captured (ranks report ~5 times a second).
+std::map<int, int64_t> captures_by_pid(Server& server) {
+  pause_ms(800);
+  std::map<int, int> pid_of;
+  const auto status = server.get_json("/v1/status");
+  for (const auto& r : status["ranks"]) pid_of[r["rank"].get<int>()] = r["pid"].get<int>();
+  std::map<int, int64_t> out;
+  auto res = server.client().Get("/metrics");
+  if (!res) return out;
+  std::istringstream in(res->body);
+  std::string line;
+  for (int member : status["members"].get<std::vector<int>>()) {
+    in.clear();
+    in.seekg(0);
+    while (std::getline(in, line)) {
+      int rank = -1;
+      long long n = 0;
+      if (std::sscanf(line.c_str(), "flexpert_rank_graph_captures{rank=\"%d\"} %lld", &rank, &n) ==
+              2 &&
+          rank == member) {
+        out[pid_of[rank]] = n;
+      }
+    }
+  }
+  return out;
+}
+
+// Ranks present in both samples must not have captured anything in between.
+void expect_no_recapture(const std::map<int, int64_t>& before, const std::map<int, int64_t>& after,
+                         const std::string& what) {
+  int common = 0;
+  for (const auto& [pid, n] : after) {
+    auto it = before.find(pid);
+    if (it == before.end()) continue;
+    ++common;
+    EXPECT_EQ(n, it->second) << "worker pid " << pid << " captured graphs across " << what;
+  }
+  EXPECT_GE(common, 3) << what;
+  std::printf("graph captures around %s:", what.c_str());
+  for (const auto& [pid, n] : after) std::printf(" pid %d: %lld", pid, static_cast<long long>(n));
+  std::printf("\n");
+}
+
+// Every prompt in flight at once with different lengths, so each rank's decode batch
+// shrinks one by one and every bucket (1, 2, 4 with --max-sequences 4) is captured.
+void warm_up(Server& server, const Reference& ref, int rounds) {
+  for (int round = 0; round < rounds; ++round) {
+    std::vector<std::thread> threads;
+    for (int i = 0; i < 16; ++i) {
+      threads.emplace_back([&, i] {
+        const size_t p = (i + round) % ref.prompts.size();
+        const int max_tokens = 2 + 3 * ((i + round) % 5);
+        const std::vector<int> got = server.complete(ref.prompts[p], max_tokens);
+        ASSERT_FALSE(got.empty());
+        const std::vector<int> want(ref.greedy[p].begin(), ref.greedy[p].begin() + got.size());
+        EXPECT_EQ(got, want) << "prompt " << p;
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+}
+
+// Two clients repeating the reference prompts until stopped.
+class LightLoad {
+ public:
+  LightLoad(Server& server, const Reference& ref) {
+    for (int c = 0; c < 2; ++c) {
+      threads_.emplace_back([&, c] {
+        for (int i = 0; !done_.load(); ++i) {
+          const size_t p = (c + 2 * i) % ref.prompts.size();
+          const std::vector<int> got = server.complete(ref.prompts[p], 16);
+          (got == ref.greedy[p] ? ok_ : wrong_)++;
+        }
+      });
+    }
+  }
+  ~LightLoad() { stop(); }
+  void stop() {
+    done_.store(true);
+    for (auto& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+  }
+  int ok() const { return ok_.load(); }
+  int wrong() const { return wrong_.load(); }
+
+ private:
+  std::atomic<bool> done_{false};
+  std::atomic<int> ok_{0}, wrong_{0};
+  std::vector<std::thread> threads_;
+};
+
+TEST(CudaServeTest, FourRanksOnOneGpuKeepReferenceTokensWithoutRecapture) {
+  if (!flexpert::cuda::device_available()) {
+    GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs on a GPU host)";
+  }
+  Server server({"--device",
+                 "cuda",
+                 "--cuda-dtype",
+                 "f32",
+                 "--ranks",
+                 "4",
+                 "--max-ranks",
+                 "4",
+                 "--min-ranks",
+                 "3",
+                 "--max-sequences",
+                 "4",
+                 "--eplb-spare-slots",
+                 "2",
+                 "--eplb-window-s",
+                 "5",
+                 "--transport-timeout-ms",
+                 "30000",
+                 "--start-timeout-ms",
+                 "300000"});
+  ASSERT_TRUE(server.up());
+  const Reference ref = load_reference();
+  check_reference(server, ref, 2);
+  warm_up(server, ref, 4);
+  const auto warm = captures_by_pid(server);
+  ASSERT_EQ(warm.size(), 4u);
+  int64_t total = 0;
+  for (const auto& [pid, n] : warm) total += n;
+  EXPECT_GT(total, 0) << "no rank captured a graph";
+
+  {  // An EPLB map switch under light load.
+    LightLoad load(server, ref);
+    pause_ms(500);
+    const Answer a = post(server, "/v1/eplb/rebalance", nlohmann::json::object());
+    EXPECT_EQ(a.status, 200) << a.body.dump();
+    std::printf("rebalance: %s\n", a.body.dump().c_str());
+    pause_ms(500);
+    load.stop();
+    EXPECT_GT(load.ok(), 0);
+    EXPECT_EQ(load.wrong(), 0);
+  }
+  check_reference(server, ref, 2);
+  expect_no_recapture(warm, captures_by_pid(server), "the rebalance");
+
+  for (int target : {3, 4}) {  // Membership epochs under light load.
+    LightLoad load(server, ref);
+    pause_ms(300);
+    const Answer a = post(server, "/v1/scale", {{"ranks", target}});
+    ASSERT_EQ(a.status, 200) << a.body.dump();
+    EXPECT_EQ(a.body["members"].size(), static_cast<size_t>(target)) << a.body.dump();
+    pause_ms(500);
+    load.stop();
+    EXPECT_GT(load.ok(), 0);
+    EXPECT_EQ(load.wrong(), 0);
+    check_reference(server, ref, 2);
+    expect_no_recapture(warm, captures_by_pid(server),
+                        "the scale to " + std::to_string(target) + " ranks");
+  }
+  EXPECT_EQ(server.stop(), 0);
+}
+
+TEST(CudaServeTest, DeepseekFourRanksKeepReferenceTokensAcrossARebalance) {
+  if (!flexpert::cuda::device_available()) {
+    GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs on a GPU host)";
+  }
+  const std::string model = std::string(FLEXPERT_TESTDATA_DIR) + "/deepseekv3-tiny";
+  Server server({"--device", "cuda", "--cuda-dtype", "f32", "--ranks", "4", "--max-sequences", "4",
+                 "--eplb-spare-slots", "2", "--transport-timeout-ms", "30000", "--start-timeout-ms",
+                 "300000"},
+                {}, model);
+  ASSERT_TRUE(server.up());
+  const Reference ref = load_reference(model);
+  check_reference(server, ref, 2);
+  const Answer a = post(server, "/v1/eplb/rebalance", nlohmann::json::object());
+  EXPECT_EQ(a.status, 200) << a.body.dump();
+  std::printf("deepseek rebalance: %s\n", a.body.dump().c_str());
+  check_reference(server, ref, 2);
+  EXPECT_EQ(server.stop(), 0);
+}
+
+}  // namespace
+}  // namespace flexpert_test
