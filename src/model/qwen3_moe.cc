@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "model/qwen3_moe.h"
+#include "model/routed_experts.h"
 
 #include <algorithm>
 #include <cmath>
@@ -284,33 +285,15 @@ Status Qwen3MoeModel::forward(const std::vector<SequenceChunk>& batch, Tensor* l
   ensure_f32_rows(&attn_, num_tokens, c.num_attention_heads * D);
   ensure_f32_rows(&k_, num_tokens, c.num_key_value_heads * D);
   ensure_f32_rows(&v_, num_tokens, c.num_key_value_heads * D);
-  positions_.clear();
   std::vector<int32_t> ids;
-  ids.reserve(static_cast<size_t>(num_tokens));
-  for (const SequenceChunk& chunk : batch) {
-    for (size_t i = 0; i < chunk.tokens.size(); ++i) {
-      positions_.push_back(chunk.start_pos + static_cast<int32_t>(i));
-      ids.push_back(chunk.tokens[i]);
-    }
-  }
+  flatten_batch(batch, &ids, &positions_);
   kernels::embedding(embed_, ids.data(), num_tokens, x_.data<float>());
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     attention_block(layers_[l], batch, num_tokens);
     FLEX_RETURN_IF_ERROR(mlp_block(l, layers_[l], num_tokens));
   }
   // Only the last token of each chunk needs logits.
-  const int64_t B = static_cast<int64_t>(batch.size());
-  Tensor last = Tensor::empty(DType::kF32, {std::max<int64_t>(B, 1), H});
-  int64_t t = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    t += static_cast<int64_t>(batch[b].tokens.size());
-    kernels::rms_norm(x_.data<float>() + (t - 1) * H, final_norm_.data<float>(), 1, H,
-                      static_cast<float>(c.rms_norm_eps), last.data<float>() + b * H);
-  }
-  if (!logits->owned() || logits->size(0) != B || logits->size(1) != c.vocab_size) {
-    *logits = Tensor::empty(DType::kF32, {B, c.vocab_size});
-  }
-  kernels::matmul_nt(last.data<float>(), B, H, lm_head_, logits->data<float>(), *pool_);
+  last_token_logits(x_, batch, final_norm_, c.rms_norm_eps, lm_head_, c.vocab_size, *pool_, logits);
   return Status();
 }
 

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "kernels/cpu_ops.h"
+
 namespace flexpert {
 
 Status validate_batch(const std::vector<SequenceChunk>& batch, int max_sequences, int max_seq_len,
@@ -32,6 +34,36 @@ Status validate_batch(const std::vector<SequenceChunk>& batch, int max_sequences
     }
   }
   return Status();
+}
+
+void flatten_batch(const std::vector<SequenceChunk>& batch, std::vector<int32_t>* ids,
+                   std::vector<int32_t>* positions) {
+  ids->clear();
+  positions->clear();
+  for (const SequenceChunk& chunk : batch) {
+    for (size_t i = 0; i < chunk.tokens.size(); ++i) {
+      positions->push_back(chunk.start_pos + static_cast<int32_t>(i));
+      ids->push_back(chunk.tokens[i]);
+    }
+  }
+}
+
+void last_token_logits(const Tensor& x, const std::vector<SequenceChunk>& batch,
+                       const Tensor& final_norm, double eps, const Tensor& lm_head, int vocab_size,
+                       ThreadPool& pool, Tensor* logits) {
+  const int64_t H = x.size(1);
+  const int64_t B = static_cast<int64_t>(batch.size());
+  Tensor last = Tensor::empty(DType::kF32, {std::max<int64_t>(B, 1), H});
+  int64_t t = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    t += static_cast<int64_t>(batch[b].tokens.size());
+    kernels::rms_norm(x.data<float>() + (t - 1) * H, final_norm.data<float>(), 1, H,
+                      static_cast<float>(eps), last.data<float>() + b * H);
+  }
+  if (!logits->owned() || logits->size(0) != B || logits->size(1) != vocab_size) {
+    *logits = Tensor::empty(DType::kF32, {B, vocab_size});
+  }
+  kernels::matmul_nt(last.data<float>(), B, H, lm_head, logits->data<float>(), pool);
 }
 
 int default_max_seq_len(const ModelConfig& config, const ModelOptions& options) {

@@ -26,6 +26,16 @@ Status validate_batch(const std::vector<SequenceChunk>& batch, int max_sequences
 // The cache length a model gets: options.max_seq_len, else min(max_position_embeddings, 4096).
 int default_max_seq_len(const ModelConfig& config, const ModelOptions& options);
 
+// The batch's token ids in order, and their positions (chunk start + offset).
+void flatten_batch(const std::vector<SequenceChunk>& batch, std::vector<int32_t>* ids,
+                   std::vector<int32_t>* positions);
+
+// The logits of each chunk's last token: final RMSNorm of its row of x ([tokens, H]
+// f32), then the LM head. `logits` becomes [batch, vocab] f32 (reused when it fits).
+void last_token_logits(const Tensor& x, const std::vector<SequenceChunk>& batch,
+                       const Tensor& final_norm, double eps, const Tensor& lm_head, int vocab_size,
+                       ThreadPool& pool, Tensor* logits);
+
 class RoutedExperts {
  public:
   // Parses options.placement over the config's layers and experts, checks the local
