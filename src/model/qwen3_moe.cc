@@ -32,9 +32,7 @@ Result<std::unique_ptr<Qwen3MoeModel>> Qwen3MoeModel::create(std::unique_ptr<Che
                         ? options.max_seq_len
                         : std::min(std::max(m->config_.max_position_embeddings, 1), 4096);
   const ModelConfig& c = m->config_;
-  FLEX_ASSIGN_OR_RETURN(
-      m->placement_,
-      ExpertPlacement::parse(options.placement, c.num_hidden_layers, std::max(c.num_experts, 1)));
+  FLEX_RETURN_IF_ERROR(m->experts_.init(c, options, m->pool_));
   const Checkpoint& ck = *m->checkpoint_;
   FLEX_ASSIGN_OR_RETURN(m->embed_,
                         ck.get("model.embed_tokens.weight", {c.vocab_size, c.hidden_size}));
@@ -44,25 +42,7 @@ Result<std::unique_ptr<Qwen3MoeModel>> Qwen3MoeModel::create(std::unique_ptr<Che
     FLEX_ASSIGN_OR_RETURN(m->lm_head_, ck.get("lm_head.weight", {c.vocab_size, c.hidden_size}));
   }
   FLEX_ASSIGN_OR_RETURN(m->final_norm_, load_f32(ck, "model.norm.weight", {c.hidden_size}));
-  m->first_slot_ = options.first_slot;
-  m->num_local_slots_ =
-      options.num_local_slots < 0 ? m->placement_.num_slots() : options.num_local_slots;
-  if (m->first_slot_ < 0 || m->first_slot_ + m->num_local_slots_ > m->placement_.num_slots()) {
-    return invalid_argument("local slots [" + std::to_string(m->first_slot_) + ", " +
-                            std::to_string(m->first_slot_ + m->num_local_slots_) +
-                            ") outside the placement's " +
-                            std::to_string(m->placement_.num_slots()) + " slots");
-  }
-  if (options.moe_executor != nullptr) {
-    m->executor_ = options.moe_executor;
-  } else {
-    m->own_executor_ = std::make_unique<LocalMoeExecutor>(*m->pool_);
-    m->executor_ = m->own_executor_.get();
-  }
-  m->rebuild_replicas();
   m->layers_.resize(c.num_hidden_layers);
-  m->slot_counts_.assign(c.num_hidden_layers,
-                         std::vector<int64_t>(static_cast<size_t>(m->placement_.num_slots()), 0));
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     FLEX_RETURN_IF_ERROR(m->load_layer(l, &m->layers_[l], options));
     if (options.progress) options.progress(l + 1, c.num_hidden_layers);
@@ -89,32 +69,8 @@ Status Qwen3MoeModel::load_layer(int index, Layer* layer, const ModelOptions& op
   if (layer->is_moe) {
     const int64_t E = c.num_experts, I = c.moe_intermediate_size;
     FLEX_ASSIGN_OR_RETURN(layer->router, load_f32(ck, p + "mlp.gate.weight", {E, H}));
-    FLEX_ASSIGN_OR_RETURN(Tensor probe, ck.get(p + "mlp.experts.0.gate_proj.weight", {I, H}));
-    if (options.allocate_slots) {
-      const size_t bytes = ExpertSlots::bytes_for(probe.dtype(), num_local_slots_,
-                                                  static_cast<int>(H), static_cast<int>(I));
-      FLEX_ASSIGN_OR_RETURN(void* storage, options.allocate_slots(index, bytes));
-      layer->experts = ExpertSlots(probe.dtype(), num_local_slots_, static_cast<int>(H),
-                                   static_cast<int>(I), storage);
-    } else {
-      layer->experts =
-          ExpertSlots(probe.dtype(), num_local_slots_, static_cast<int>(H), static_cast<int>(I));
-    }
-    // Resolve every tensor first (errors name the tensor), then copy in parallel.
-    std::vector<std::array<Tensor, 3>> w(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) {
-      FLEX_ASSIGN_OR_RETURN(w[e], expert_weights(index, static_cast<int>(e)));
-    }
-    const std::vector<int>& map = placement_.slot_map(index);
-    std::vector<Status> errors(static_cast<size_t>(num_local_slots_));
-    pool_->parallel_for(num_local_slots_, 1, [&](int64_t s0, int64_t s1) {
-      for (int64_t s = s0; s < s1; ++s) {
-        const int e = map[first_slot_ + s];
-        if (e == ExpertPlacement::kFreeSlot) continue;
-        errors[s] = layer->experts.load(static_cast<int>(s), w[e][0], w[e][1], w[e][2]);
-      }
-    });
-    for (const Status& s : errors) FLEX_RETURN_IF_ERROR(s.annotate(p + "experts"));
+    FLEX_RETURN_IF_ERROR(
+        experts_.load_layer(ck, c, index, p + "mlp.experts.", H, I, options, &layer->experts));
   } else {
     const int64_t I = c.intermediate_size;
     FLEX_ASSIGN_OR_RETURN(layer->gate_proj, ck.get(p + "mlp.gate_proj.weight", {I, H}));
@@ -127,55 +83,17 @@ Status Qwen3MoeModel::load_layer(int index, Layer* layer, const ModelOptions& op
   return Status();
 }
 
-Result<std::array<Tensor, 3>> Qwen3MoeModel::expert_weights(int layer, int expert) const {
-  const int64_t H = config_.hidden_size, I = config_.moe_intermediate_size;
-  const std::string ep =
-      "model.layers." + std::to_string(layer) + ".mlp.experts." + std::to_string(expert) + ".";
-  std::array<Tensor, 3> w;
-  FLEX_ASSIGN_OR_RETURN(w[0], checkpoint_->get(ep + "gate_proj.weight", {I, H}));
-  FLEX_ASSIGN_OR_RETURN(w[1], checkpoint_->get(ep + "up_proj.weight", {I, H}));
-  FLEX_ASSIGN_OR_RETURN(w[2], checkpoint_->get(ep + "down_proj.weight", {H, I}));
-  return w;
-}
-
 Status Qwen3MoeModel::load_expert(int layer, int expert, int local_slot) {
   if (layer < 0 || layer >= static_cast<int>(layers_.size()) || !layers_[layer].is_moe) {
     return invalid_argument("layer " + std::to_string(layer) + " has no routed experts");
   }
-  if (expert < 0 || expert >= config_.num_experts || local_slot < 0 ||
-      local_slot >= num_local_slots_) {
-    return invalid_argument("expert " + std::to_string(expert) + " or local slot " +
-                            std::to_string(local_slot) + " out of range");
-  }
-  FLEX_ASSIGN_OR_RETURN(auto w, expert_weights(layer, expert));
-  return layers_[layer].experts.load(local_slot, w[0], w[1], w[2]);
-}
-
-void Qwen3MoeModel::rebuild_replicas() {
-  replicas_.assign(placement_.num_layers(), {});
-  for (int l = 0; l < placement_.num_layers(); ++l) {
-    for (int e = 0; e < placement_.num_experts(); ++e)
-      replicas_[l].push_back(placement_.replicas(l, e));
-  }
+  return experts_.load_expert(*checkpoint_, config_, expert, local_slot,
+                              "model.layers." + std::to_string(layer) + ".mlp.experts.",
+                              &layers_[layer].experts);
 }
 
 ExpertSlots* Qwen3MoeModel::local_slots(int layer) {
   return layers_[layer].is_moe ? &layers_[layer].experts : nullptr;
-}
-
-Status Qwen3MoeModel::set_placement(ExpertPlacement placement) {
-  if (placement.num_slots() != placement_.num_slots() ||
-      placement.num_layers() != placement_.num_layers() ||
-      placement.num_experts() != placement_.num_experts()) {
-    return invalid_argument("new placement has a different shape");
-  }
-  placement_ = std::move(placement);
-  rebuild_replicas();
-  return Status();
-}
-
-void Qwen3MoeModel::reset_slot_counts() {
-  for (auto& v : slot_counts_) std::fill(v.begin(), v.end(), 0);
 }
 
 Status Qwen3MoeModel::validate(const std::vector<SequenceChunk>& batch) const {
@@ -254,10 +172,9 @@ Status Qwen3MoeModel::mlp_block(int index, Layer& layer, int64_t num_tokens) {
   float* out = mlp_out_.data<float>();
   if (layer.is_moe) {
     const RouterParams params{c.num_experts, c.num_experts_per_tok, c.norm_topk_prob};
-    route(h, num_tokens, H, layer.router, params, replicas_[index], &moe_ws_.logits,
+    route(h, num_tokens, H, layer.router, params, experts_.replicas(index), &moe_ws_.logits,
           &moe_ws_.routing, *pool_);
-    FLEX_RETURN_IF_ERROR(executor_->execute(index, h, moe_ws_.routing, layer.experts, first_slot_,
-                                            out, slot_counts_[index].data()));
+    FLEX_RETURN_IF_ERROR(experts_.execute(index, h, moe_ws_.routing, layer.experts, out));
   } else {
     const int64_t I = c.intermediate_size;
     ensure_f32_rows(&gate_, num_tokens, I);

@@ -3,11 +3,11 @@
 // See flexpert/model.h for the contract.
 #pragma once
 
-#include <array>
 #include <memory>
 
 #include "flexpert/checkpoint.h"
 #include "flexpert/model.h"
+#include "model/routed_experts.h"
 #include "moe/expert_slots.h"
 #include "moe/moe_executor.h"
 #include "moe/moe_layer.h"
@@ -21,14 +21,18 @@ class Qwen3MoeModel final : public Model {
                                                        const ModelOptions& options);
 
   const ModelConfig& config() const override { return config_; }
-  const ExpertPlacement& placement() const override { return placement_; }
+  const ExpertPlacement& placement() const override { return experts_.placement(); }
   int max_sequences() const override { return max_sequences_; }
   int max_seq_len() const override { return max_seq_len_; }
   Status forward(const std::vector<SequenceChunk>& batch, Tensor* logits) override;
-  const std::vector<std::vector<int64_t>>& slot_counts() const override { return slot_counts_; }
-  void reset_slot_counts() override;
+  const std::vector<std::vector<int64_t>>& slot_counts() const override {
+    return experts_.slot_counts();
+  }
+  void reset_slot_counts() override { experts_.reset_slot_counts(); }
   ExpertSlots* local_slots(int layer) override;
-  Status set_placement(ExpertPlacement placement) override;
+  Status set_placement(ExpertPlacement placement) override {
+    return experts_.set_placement(std::move(placement));
+  }
   Status load_expert(int layer, int expert, int local_slot) override;
 
  private:
@@ -48,16 +52,13 @@ class Qwen3MoeModel final : public Model {
 
   Qwen3MoeModel() = default;
   Status load_layer(int index, Layer* layer, const ModelOptions& options);
-  // The checkpoint's gate, up and down projections of one routed expert.
-  Result<std::array<Tensor, 3>> expert_weights(int layer, int expert) const;
   Status validate(const std::vector<SequenceChunk>& batch) const;
   void attention_block(Layer& layer, const std::vector<SequenceChunk>& batch, int64_t num_tokens);
   Status mlp_block(int index, Layer& layer, int64_t num_tokens);
-  void rebuild_replicas();
 
   std::unique_ptr<Checkpoint> checkpoint_;  // Owns the mappings the weights borrow.
   ModelConfig config_;
-  ExpertPlacement placement_;
+  RoutedExperts experts_;  // Placement, executor, load counters.
   ThreadPool* pool_ = nullptr;
   int max_sequences_ = 0;
   int max_seq_len_ = 0;
@@ -65,12 +66,6 @@ class Qwen3MoeModel final : public Model {
   Tensor lm_head_;     // Borrowed [V, H]
   Tensor final_norm_;  // f32 [H]
   std::vector<Layer> layers_;
-  std::vector<std::vector<int64_t>> slot_counts_;
-  std::vector<std::vector<std::vector<int>>> replicas_;  // [layer][expert] -> global slots.
-  int first_slot_ = 0;
-  int num_local_slots_ = 0;
-  std::unique_ptr<MoeExecutor> own_executor_;  // When options give none.
-  MoeExecutor* executor_ = nullptr;
 
   // Step scratch, grown as needed.
   Tensor x_, h_, q_, k_, v_, attn_, mlp_out_, gate_, up_;
