@@ -76,6 +76,7 @@ class CudaDeepseekV3Model final : public Model {
   int max_step_tokens() const { return max_step_tokens_; }
 
  private:
+  friend struct StepDriver;  // Drives steps over these members (cuda/step_driver.h).
   struct Layer {
     DeviceBuffer input_norm, post_norm;  // f32 [H]
     DeviceBuffer w_a;        // [q_lora_rank (if any) + kv_lora_rank + rope, H]: (q_a; kv_a)
@@ -120,8 +121,6 @@ class CudaDeepseekV3Model final : public Model {
   Status enqueue_attention(Layer& L, int n);
   Status enqueue_swiglu(Layer& L, int n);
   Status enqueue_step(int num_tokens, int num_rows);
-  Status run_decode(const std::vector<SequenceChunk>& batch, float* logits);
-  Status run_pieces(const std::vector<SequenceChunk>& batch, float* logits);
   MoeLayerWeights moe_weights(Layer& layer);
   // Expert parallelism (cuda_deepseek_v3_ep.cc).
   Status init_ep(const ModelOptions& options);

@@ -8,17 +8,9 @@
 
 #include "cuda/cuda_deepseek_v3.h"
 #include "cuda/kernels.h"
+#include "cuda/step_driver.h"
 
 namespace flexpert::cuda {
-namespace {
-
-int next_pow2(int v) {
-  int p = 1;
-  while (p < v) p <<= 1;
-  return p;
-}
-
-}  // namespace
 
 Status CudaDeepseekV3Model::init_ep(const ModelOptions& options) {
   for (size_t l = 0; l < layers_.size(); ++l) {

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cuda/kernels.h"
+#include "cuda/step_driver.h"
 #include "flexpert/logging.h"
 #include "flexpert/thread_pool.h"
 
@@ -16,12 +17,6 @@ namespace {
 
 // Tokens per step piece: a prefill longer than this runs as consecutive pieces.
 constexpr int kDefaultStepTokens = 2048;
-
-int next_pow2(int v) {
-  int p = 1;
-  while (p < v) p <<= 1;
-  return p;
-}
 
 Result<DeviceBuffer> upload(const void* data, size_t num_bytes) {
   FLEX_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::create(num_bytes));
@@ -508,160 +503,18 @@ Status CudaQwen3MoeModel::enqueue_step(int n, int num_rows) {
   return enqueue_head(num_rows);
 }
 
-Status CudaQwen3MoeModel::run_decode(const std::vector<SequenceChunk>& batch, float* logits) {
-  const int B = static_cast<int>(batch.size());
-  const int bucket = next_pow2(B);
-  const size_t T = static_cast<size_t>(max_step_tokens_);
-  int32_t* host = host_in_.as<int32_t>();
-  for (int i = 0; i < bucket; ++i) {
-    const bool real = i < B;
-    host[i] = real ? batch[i].tokens[0] : 0;
-    host[T + i] = real ? batch[i].start_pos : 0;
-    host[2 * T + i] = real ? batch[i].kv_slot : max_sequences_;  // Padding: the spare slot.
-    host[3 * T + i] = i;
-  }
-  host[3 * T + max_rows_] = B;
-  FLEX_RETURN_IF_ERROR(upload_inputs(bucket, bucket));
-  cudaStream_t s = stream_.get();
-  auto it = graphs_.find(bucket);
-  if (it != graphs_.end()) {
-    FLEX_RETURN_IF_ERROR(it->second.launch(s));
-  } else {
-    // The first step of a bucket runs eagerly (and warms cuBLAS up), then is captured.
-    FLEX_RETURN_IF_ERROR(enqueue_step(bucket, bucket));
-    FLEX_RETURN_IF_ERROR(GraphExec::begin_capture(s));
-    Status st = enqueue_step(bucket, bucket);
-    if (!st.ok()) {
-      GraphExec::abandon_capture(s);
-      FLEX_LOG(WARN) << "CUDA graph capture failed, decoding eagerly: " << st.to_string();
-      use_graphs_ = false;
-    } else {
-      auto graph = GraphExec::end_capture(s);
-      if (graph.ok()) {
-        graphs_.emplace(bucket, std::move(graph).value());
-        ++graph_captures_;
-      } else {
-        FLEX_LOG(WARN) << "CUDA graph capture failed, decoding eagerly: "
-                       << graph.status().to_string();
-        use_graphs_ = false;
-      }
-    }
-  }
-  FLEX_CUDA_TRY(cudaMemcpyAsync(host_logits_.data(), logits_.data(),
-                                static_cast<size_t>(B) * config_.vocab_size * sizeof(float),
-                                cudaMemcpyDeviceToHost, s));
-  FLEX_RETURN_IF_ERROR(stream_.synchronize());
-  std::memcpy(logits, host_logits_.data(),
-              static_cast<size_t>(B) * config_.vocab_size * sizeof(float));
-  return Status();
-}
-
-Status CudaQwen3MoeModel::run_pieces(const std::vector<SequenceChunk>& batch, float* logits) {
-  const size_t T = static_cast<size_t>(max_step_tokens_);
-  const size_t V = static_cast<size_t>(config_.vocab_size);
-  int32_t* host = host_in_.as<int32_t>();
-  int n = 0;
-  std::vector<int> row_chunk;  // Logits row -> chunk index.
-  auto flush = [&]() -> Status {
-    const int rows = static_cast<int>(row_chunk.size());
-    host[3 * T + max_rows_] = n;
-    FLEX_RETURN_IF_ERROR(upload_inputs(n, rows));
-    FLEX_RETURN_IF_ERROR(enqueue_step(n, rows));
-    if (rows > 0) {
-      FLEX_CUDA_TRY(cudaMemcpyAsync(host_logits_.data(), logits_.data(), rows * V * sizeof(float),
-                                    cudaMemcpyDeviceToHost, stream_.get()));
-    }
-    FLEX_RETURN_IF_ERROR(stream_.synchronize());  // Also frees host_in_ for the next piece.
-    for (int r = 0; r < rows; ++r) {
-      std::memcpy(logits + row_chunk[r] * V, host_logits_.as<float>() + r * V, V * sizeof(float));
-    }
-    n = 0;
-    row_chunk.clear();
-    return Status();
-  };
-  for (size_t b = 0; b < batch.size(); ++b) {
-    const SequenceChunk& chunk = batch[b];
-    for (size_t i = 0; i < chunk.tokens.size(); ++i) {
-      host[n] = chunk.tokens[i];
-      host[T + n] = chunk.start_pos + static_cast<int32_t>(i);
-      host[2 * T + n] = chunk.kv_slot;
-      if (i + 1 == chunk.tokens.size()) {
-        host[3 * T + row_chunk.size()] = n;
-        row_chunk.push_back(static_cast<int>(b));
-      }
-      ++n;
-      if (n == static_cast<int>(T)) FLEX_RETURN_IF_ERROR(flush());
-    }
-  }
-  if (n > 0) FLEX_RETURN_IF_ERROR(flush());
-  return Status();
-}
-
 Status CudaQwen3MoeModel::forward(const std::vector<SequenceChunk>& batch, Tensor* logits) {
-  FLEX_RETURN_IF_ERROR(validate(batch));
-  const int64_t B = static_cast<int64_t>(batch.size());
-  if (!logits->owned() || logits->dim() != 2 || logits->size(0) != B ||
-      logits->size(1) != config_.vocab_size) {
-    *logits = Tensor::empty(DType::kF32, {B, config_.vocab_size});
-  }
-  FLEX_RETURN_IF_ERROR(set_device(device_));
-  if (ep_) return run_ep(batch, logits->data<float>());  // Joins the exchanges even when empty.
-  if (B == 0) return Status();
-  const bool decode = std::all_of(batch.begin(), batch.end(),
-                                  [](const SequenceChunk& c) { return c.tokens.size() == 1; });
-  if (decode && use_graphs_) return run_decode(batch, logits->data<float>());
-  return run_pieces(batch, logits->data<float>());
+  return StepDriver::forward(*this, batch, logits);
 }
 
 const std::vector<std::vector<int64_t>>& CudaQwen3MoeModel::slot_counts() const {
-  if (ep_) return slot_counts_;  // Counted on the host by the executor.
-  if (set_device(device_).ok()) {
-    for (size_t l = 0; l < layers_.size(); ++l) {
-      if (!layers_[l].is_moe) continue;
-      const cudaError_t err = cudaMemcpyAsync(slot_counts_[l].data(), layers_[l].stats.data(),
-                                              slot_counts_[l].size() * sizeof(int64_t),
-                                              cudaMemcpyDeviceToHost, stream_.get());
-      if (err != cudaSuccess) FLEX_LOG(WARN) << "slot counts: " << cudaGetErrorString(err);
-    }
-    const Status s = stream_.synchronize();
-    if (!s.ok()) FLEX_LOG(WARN) << "slot counts: " << s.to_string();
-  }
-  return slot_counts_;
+  return StepDriver::slot_counts(*this);
 }
 
-void CudaQwen3MoeModel::reset_slot_counts() {
-  if (ep_) {
-    for (auto& layer : slot_counts_) std::fill(layer.begin(), layer.end(), 0);
-    return;
-  }
-  if (!set_device(device_).ok()) return;
-  for (Layer& L : layers_) {
-    if (L.is_moe) (void)cudaMemsetAsync(L.stats.data(), 0, L.stats.num_bytes(), stream_.get());
-  }
-  (void)stream_.synchronize();
-}
+void CudaQwen3MoeModel::reset_slot_counts() { StepDriver::reset_slot_counts(*this); }
 
 Status CudaQwen3MoeModel::set_placement(ExpertPlacement placement) {
-  if (placement.num_slots() != placement_.num_slots() ||
-      placement.num_layers() != placement_.num_layers() ||
-      placement.num_experts() != placement_.num_experts()) {
-    return invalid_argument("new placement has a different shape");
-  }
-  for (int l = 0; l < placement.num_layers(); ++l) {
-    if (!layers_[l].is_moe) continue;
-    for (int e = 0; e < placement.num_experts(); ++e) {
-      if (placement.replicas(l, e).empty()) {
-        return invalid_argument("expert " + std::to_string(e) + " of layer " + std::to_string(l) +
-                                " has no replica");
-      }
-    }
-  }
-  FLEX_RETURN_IF_ERROR(set_device(device_));
-  for (int l = 0; l < placement.num_layers(); ++l) {
-    if (layers_[l].is_moe) FLEX_RETURN_IF_ERROR(write_routing_tables(l, placement.slot_map(l)));
-  }
-  placement_ = std::move(placement);
-  return Status();
+  return StepDriver::set_placement(*this, std::move(placement));
 }
 
 }  // namespace flexpert::cuda

@@ -67,6 +67,7 @@ class CudaQwen3MoeModel final : public Model {
   int max_step_tokens() const { return max_step_tokens_; }
 
  private:
+  friend struct StepDriver;  // Drives steps over these members (cuda/step_driver.h).
   struct Layer {
     DeviceBuffer input_norm, post_norm, q_norm, k_norm;  // f32
     DeviceBuffer w_qkv;                                  // [q_dim + 2 kv_dim, H]
@@ -99,8 +100,6 @@ class CudaQwen3MoeModel final : public Model {
   Status upload_inputs(int num_tokens, int num_rows);
   // Enqueues the whole network for num_tokens tokens and num_rows logits rows.
   Status enqueue_step(int num_tokens, int num_rows);
-  Status run_decode(const std::vector<SequenceChunk>& batch, float* logits);
-  Status run_pieces(const std::vector<SequenceChunk>& batch, float* logits);
   MoeLayerWeights moe_weights(Layer& layer);
   // Parts of enqueue_step: x += attention(x) and h_ = post-norm(x); the local MoE or
   // dense MLP of a layer; final norm + LM head.

@@ -7,17 +7,9 @@
 
 #include "cuda/cuda_qwen3_moe.h"
 #include "cuda/kernels.h"
+#include "cuda/step_driver.h"
 
 namespace flexpert::cuda {
-namespace {
-
-int next_pow2(int v) {
-  int p = 1;
-  while (p < v) p <<= 1;
-  return p;
-}
-
-}  // namespace
 
 Status CudaQwen3MoeModel::init_ep(const ModelOptions& options) {
   for (size_t l = 0; l < layers_.size(); ++l) {
