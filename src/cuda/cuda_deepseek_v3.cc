@@ -84,7 +84,7 @@ Result<std::unique_ptr<CudaDeepseekV3Model>> CudaDeepseekV3Model::create(
   FLEX_ASSIGN_OR_RETURN(m->head_gemm_, HeadGemm::create(m->stream_.get()));
   FLEX_RETURN_IF_ERROR(m->load_weights(options, rope));
   FLEX_RETURN_IF_ERROR(m->allocate_scratch());
-  if (m->ep_) FLEX_RETURN_IF_ERROR(m->init_ep(options));
+  if (m->ep_) FLEX_RETURN_IF_ERROR(StepDriver::init_ep(*m, options));
   m->slot_counts_.assign(c.num_hidden_layers,
                          std::vector<int64_t>(static_cast<size_t>(m->placement_.num_slots()), 0));
   return m;

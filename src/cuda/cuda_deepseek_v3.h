@@ -123,9 +123,7 @@ class CudaDeepseekV3Model final : public Model {
   Status enqueue_step(int num_tokens, int num_rows);
   MoeLayerWeights moe_weights(Layer& layer);
   // Expert parallelism (cuda_deepseek_v3_ep.cc).
-  Status init_ep(const ModelOptions& options);
   Status enqueue_segment(int seg, int n, int num_rows);
-  Status run_ep(const std::vector<SequenceChunk>& batch, float* logits);
 
   std::unique_ptr<Checkpoint> checkpoint_;
   ModelConfig config_;

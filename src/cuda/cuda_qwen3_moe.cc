@@ -112,7 +112,7 @@ Result<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create(
   FLEX_ASSIGN_OR_RETURN(m->blas_, Blas::create(m->stream_.get()));
   FLEX_RETURN_IF_ERROR(m->load_weights(options));
   FLEX_RETURN_IF_ERROR(m->allocate_scratch());
-  if (m->ep_) FLEX_RETURN_IF_ERROR(m->init_ep(options));
+  if (m->ep_) FLEX_RETURN_IF_ERROR(StepDriver::init_ep(*m, options));
   m->slot_counts_.assign(c.num_hidden_layers,
                          std::vector<int64_t>(static_cast<size_t>(m->placement_.num_slots()), 0));
   return m;

@@ -107,9 +107,7 @@ class CudaQwen3MoeModel final : public Model {
   Status enqueue_mlp(Layer& L, int n);
   Status enqueue_head(int num_rows);
   // Expert parallelism (cuda_qwen3_moe_ep.cc).
-  Status init_ep(const ModelOptions& options);
   Status enqueue_segment(int seg, int n, int num_rows);
-  Status run_ep(const std::vector<SequenceChunk>& batch, float* logits);
 
   std::unique_ptr<Checkpoint> checkpoint_;
   ModelConfig config_;

@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // The step driving the CUDA models share (CudaQwen3MoeModel, CudaDeepseekV3Model):
 // forward() dispatch, decode steps replayed from a graph per batch bucket, prefill
-// in pieces of max_step_tokens_, slot statistics and in-place placement switches.
+// in pieces of max_step_tokens_, the expert-parallel step, slot statistics and
+// in-place placement switches.
 // Written once over the members both models have (each befriends StepDriver); the
 // model-specific parts are the members it calls: validate, upload_inputs,
-// enqueue_step, write_routing_tables, run_ep.
+// enqueue_step (one process), enqueue_segment (expert parallel), write_routing_tables.
 #pragma once
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "cuda/device.h"
+#include "cuda/ep_moe.h"
 #include "flexpert/logging.h"
 #include "flexpert/model.h"
 
@@ -34,7 +36,7 @@ struct StepDriver {
       *logits = Tensor::empty(DType::kF32, {B, m.config_.vocab_size});
     }
     FLEX_RETURN_IF_ERROR(set_device(m.device_));
-    if (m.ep_) return m.run_ep(batch, logits->data<float>());  // Joins exchanges even when empty.
+    if (m.ep_) return run_ep(m, batch, logits->data<float>());  // Joins exchanges even when empty.
     if (B == 0) return Status();
     const bool decode = std::all_of(batch.begin(), batch.end(),
                                     [](const SequenceChunk& c) { return c.tokens.size() == 1; });
@@ -190,6 +192,57 @@ struct StepDriver {
       }
     }
     m.placement_ = std::move(placement);
+    return Status();
+  }
+
+  // Expert parallelism: the DeviceEpMoe over this model's MoE layers and slots.
+  template <class M>
+  static Status init_ep(M& m, const ModelOptions& options) {
+    for (size_t l = 0; l < m.layers_.size(); ++l) {
+      if (m.layers_[l].is_moe) m.moe_layer_ids_.push_back(static_cast<int>(l));
+    }
+    DeviceEpMoe::Config ep;
+    ep.dims = m.moe_dims_;
+    ep.first_slot = m.first_slot_;
+    ep.num_local_slots = m.num_local_slots_;
+    ep.max_tokens = m.max_step_tokens_;
+    ep.moe_layers = m.moe_layer_ids_;
+    ep.layer_slots = [&m](int layer) -> const void* {
+      if (layer < 0 || layer >= static_cast<int>(m.layers_.size()) || !m.layers_[layer].is_moe) {
+        return nullptr;
+      }
+      return m.layers_[layer].slots.data();
+    };
+    ep.executor = options.moe_executor;
+    ep.mirrors = &m.mirrors_;
+    ep.counts = &m.slot_counts_;
+    FLEX_ASSIGN_OR_RETURN(m.ep_moe_, DeviceEpMoe::create(std::move(ep), m.blas_, m.stream_.get()));
+    return Status();
+  }
+
+  // One expert-parallel step: the model's device segments (enqueue_segment) between
+  // the MoE layers' exchanges; decode steps replay a graph per (bucket, segment).
+  template <class M>
+  static Status run_ep(M& m, const std::vector<SequenceChunk>& batch, float* logits) {
+    const int B = static_cast<int>(batch.size());
+    const size_t V = static_cast<size_t>(m.config_.vocab_size);
+    const bool decode =
+        B > 0 && std::all_of(batch.begin(), batch.end(),
+                             [](const SequenceChunk& c) { return c.tokens.size() == 1; });
+    const int bucket = decode && m.use_graphs_ && !m.ep_moe_->graphs_failed() ? next_pow2(B) : 0;
+    FLEX_ASSIGN_OR_RETURN(EpStepRows rows,
+                          fill_step_inputs(batch, bucket, m.max_step_tokens_, m.max_rows_,
+                                           m.max_sequences_, m.host_in_.template as<int32_t>()));
+    const int n = rows.num_tokens, num_rows = rows.num_rows;
+    if (n > 0) FLEX_RETURN_IF_ERROR(m.upload_inputs(n, num_rows));
+    FLEX_RETURN_IF_ERROR(m.ep_moe_->run_step(
+        n, rows.num_real, bucket, m.use_graphs_,
+        [&m, n, num_rows](int seg) { return m.enqueue_segment(seg, n, num_rows); }));
+    if (B == 0) return Status();
+    FLEX_CUDA_TRY(cudaMemcpyAsync(m.host_logits_.data(), m.logits_.data(), B * V * sizeof(float),
+                                  cudaMemcpyDeviceToHost, m.stream_.get()));
+    FLEX_RETURN_IF_ERROR(m.stream_.synchronize());
+    std::memcpy(logits, m.host_logits_.data(), B * V * sizeof(float));
     return Status();
   }
 };
