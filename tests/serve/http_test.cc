@@ -321,8 +321,15 @@ TEST(HttpShutdownTest, EngineShutdownGivesInFlightRequestsAFinalResponse) {
       }
     });
   }
-  // Wait until tokens flow, then pull the plug.
+  // Wait until every client's request is admitted (4 prompt tokens each) and tokens
+  // flow, then pull the plug: a request still on its way would rightly get a 503.
   ASSERT_TRUE(eventually([&] {
+    const std::string metrics = get(*make_client(server.port()), "/metrics").text;
+    const std::string key = "\nflexpert_prompt_tokens_total ";
+    const size_t at = metrics.find(key);
+    if (at == std::string::npos || std::stod(metrics.substr(at + key.size())) < 4 * kClients) {
+      return false;
+    }
     HttpReply r = get(*make_client(server.port()), "/v1/status");
     return r.body["ranks"][0]["running"].get<int>() > 0;
   }));
