@@ -106,6 +106,11 @@ class Model {
   virtual Status slots_written(int layer, int local_slot) { return Status(); }
   // CUDA graphs captured so far (0 on the CPU): stays flat across set_placement().
   virtual int64_t num_graph_captures() const { return 0; }
+  // Prepares what steps replay, in isolation from any group: a GPU model captures the
+  // decode graph of every batch bucket on padding rows (nothing a request sees, no
+  // slot statistics, no exchange with peers), so a rank that joins a serving group
+  // captures while it prepares and not on its first steps. Nothing to do on the CPU.
+  virtual Status warm_up() { return Status(); }
 };
 
 }  // namespace flexpert

@@ -615,6 +615,8 @@ const std::vector<std::vector<int64_t>>& CudaDeepseekV3Model::slot_counts() cons
 
 void CudaDeepseekV3Model::reset_slot_counts() { StepDriver::reset_slot_counts(*this); }
 
+Status CudaDeepseekV3Model::warm_up() { return StepDriver::warm_up(*this); }
+
 Status CudaDeepseekV3Model::set_placement(ExpertPlacement placement) {
   return StepDriver::set_placement(*this, std::move(placement));
 }

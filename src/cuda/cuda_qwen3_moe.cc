@@ -513,6 +513,8 @@ const std::vector<std::vector<int64_t>>& CudaQwen3MoeModel::slot_counts() const 
 
 void CudaQwen3MoeModel::reset_slot_counts() { StepDriver::reset_slot_counts(*this); }
 
+Status CudaQwen3MoeModel::warm_up() { return StepDriver::warm_up(*this); }
+
 Status CudaQwen3MoeModel::set_placement(ExpertPlacement placement) {
   return StepDriver::set_placement(*this, std::move(placement));
 }

@@ -221,6 +221,24 @@ Status DeviceEpMoe::run_segment(int seg, int bucket, bool capture,
   return enqueue_segment(seg);
 }
 
+Status DeviceEpMoe::warm_up(int bucket, const std::function<Status(int seg)>& enqueue_segment) {
+  const size_t num_segments = config_.moe_layers.size() + 1;
+  const auto it = graphs_.find(bucket);
+  if (graphs_failed_ || (it != graphs_.end() && it->second.size() == num_segments)) {
+    return Status();
+  }
+  for (size_t seg = 0; seg < num_segments; ++seg) {
+    FLEX_RETURN_IF_ERROR(enqueue_segment(static_cast<int>(seg)));
+  }
+  for (size_t seg = 0; seg < num_segments && !graphs_failed_; ++seg) {
+    FLEX_RETURN_IF_ERROR(run_segment(static_cast<int>(seg), bucket, /*capture=*/true,
+                                     enqueue_segment));
+  }
+  bucket_steps_[bucket] = std::max(bucket_steps_[bucket], 1);
+  FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));
+  return Status();
+}
+
 Status DeviceEpMoe::run_step(int n, int num_real, int bucket, bool graphs,
                              const std::function<Status(int seg)>& enqueue_segment) {
   if (!graphs || graphs_failed_) bucket = 0;

@@ -74,6 +74,10 @@ class DeviceEpMoe {
   Status run_step(int num_tokens, int num_real, int bucket, bool graphs,
                   const std::function<Status(int seg)>& enqueue_segment);
 
+  // Captures the segment graphs of one decode bucket now, alone (after one eager pass
+  // over the segments): the inputs are the model's (padding rows), no exchange runs.
+  Status warm_up(int bucket, const std::function<Status(int seg)>& enqueue_segment);
+
   int64_t num_graph_captures() const { return captures_; }
   bool graphs_failed() const { return graphs_failed_; }
 

@@ -48,47 +48,72 @@ struct StepDriver {
   static Status run_decode(M& m, const std::vector<SequenceChunk>& batch, float* logits) {
     const int B = static_cast<int>(batch.size());
     const int bucket = next_pow2(B);
-    const size_t T = static_cast<size_t>(m.max_step_tokens_);
-    int32_t* host = m.host_in_.template as<int32_t>();
-    for (int i = 0; i < bucket; ++i) {
-      const bool real = i < B;
-      host[i] = real ? batch[i].tokens[0] : 0;
-      host[T + i] = real ? batch[i].start_pos : 0;
-      host[2 * T + i] = real ? batch[i].kv_slot : m.max_sequences_;  // Padding: the spare slot.
-      host[3 * T + i] = i;
-    }
-    host[3 * T + m.max_rows_] = B;
+    FLEX_RETURN_IF_ERROR(fill_step_inputs(batch, bucket, m.max_step_tokens_, m.max_rows_,
+                                          m.max_sequences_, m.host_in_.template as<int32_t>())
+                             .status());
     FLEX_RETURN_IF_ERROR(m.upload_inputs(bucket, bucket));
     cudaStream_t s = m.stream_.get();
     auto it = m.graphs_.find(bucket);
     if (it != m.graphs_.end()) {
       FLEX_RETURN_IF_ERROR(it->second.launch(s));
     } else {
-      // The first step of a bucket runs eagerly (and warms cuBLAS up), then is captured.
-      FLEX_RETURN_IF_ERROR(m.enqueue_step(bucket, bucket));
-      FLEX_RETURN_IF_ERROR(GraphExec::begin_capture(s));
-      Status st = m.enqueue_step(bucket, bucket);
-      if (!st.ok()) {
-        GraphExec::abandon_capture(s);
-        FLEX_LOG(WARN) << "CUDA graph capture failed, decoding eagerly: " << st.to_string();
-        m.use_graphs_ = false;
-      } else {
-        auto graph = GraphExec::end_capture(s);
-        if (graph.ok()) {
-          m.graphs_.emplace(bucket, std::move(graph).value());
-          ++m.graph_captures_;
-        } else {
-          FLEX_LOG(WARN) << "CUDA graph capture failed, decoding eagerly: "
-                         << graph.status().to_string();
-          m.use_graphs_ = false;
-        }
-      }
+      FLEX_RETURN_IF_ERROR(run_and_capture(m, bucket));
     }
     const size_t bytes = static_cast<size_t>(B) * m.config_.vocab_size * sizeof(float);
     FLEX_CUDA_TRY(
         cudaMemcpyAsync(m.host_logits_.data(), m.logits_.data(), bytes, cudaMemcpyDeviceToHost, s));
     FLEX_RETURN_IF_ERROR(m.stream_.synchronize());
     std::memcpy(logits, m.host_logits_.data(), bytes);
+    return Status();
+  }
+
+  // A bucket's first decode step: eagerly (which also warms cuBLAS up for its shapes),
+  // then captured; a failed capture turns graphs off (eager decoding from then on).
+  template <class M>
+  static Status run_and_capture(M& m, int bucket) {
+    cudaStream_t s = m.stream_.get();
+    FLEX_RETURN_IF_ERROR(m.enqueue_step(bucket, bucket));
+    FLEX_RETURN_IF_ERROR(GraphExec::begin_capture(s));
+    Status st = m.enqueue_step(bucket, bucket);
+    if (!st.ok()) {
+      GraphExec::abandon_capture(s);
+      FLEX_LOG(WARN) << "CUDA graph capture failed, decoding eagerly: " << st.to_string();
+      m.use_graphs_ = false;
+      return Status();
+    }
+    auto graph = GraphExec::end_capture(s);
+    if (!graph.ok()) {
+      FLEX_LOG(WARN) << "CUDA graph capture failed, decoding eagerly: "
+                     << graph.status().to_string();
+      m.use_graphs_ = false;
+      return Status();
+    }
+    m.graphs_.emplace(bucket, std::move(graph).value());
+    ++m.graph_captures_;
+    return Status();
+  }
+
+  // Model::warm_up: every decode bucket (1, 2, 4, ... max_rows_) runs once and is
+  // captured on padding rows alone (the spare KV slot, no real row: no slot statistics),
+  // each segment on its own when expert parallel (no exchange: peers take no part).
+  template <class M>
+  static Status warm_up(M& m) {
+    if (!m.use_graphs_) return Status();
+    FLEX_RETURN_IF_ERROR(set_device(m.device_));
+    for (int bucket = 1; bucket <= m.max_rows_; bucket *= 2) {
+      FLEX_RETURN_IF_ERROR(fill_step_inputs({}, bucket, m.max_step_tokens_, m.max_rows_,
+                                            m.max_sequences_, m.host_in_.template as<int32_t>())
+                               .status());
+      FLEX_RETURN_IF_ERROR(m.upload_inputs(bucket, bucket));
+      if (m.ep_) {
+        FLEX_RETURN_IF_ERROR(m.ep_moe_->warm_up(
+            bucket, [&m, bucket](int seg) { return m.enqueue_segment(seg, bucket, bucket); }));
+      } else if (m.graphs_.find(bucket) == m.graphs_.end()) {
+        FLEX_RETURN_IF_ERROR(run_and_capture(m, bucket));
+      }
+      FLEX_RETURN_IF_ERROR(m.stream_.synchronize());  // host_in_ is refilled next.
+      if (!m.use_graphs_ || (m.ep_ && m.ep_moe_->graphs_failed())) break;
+    }
     return Status();
   }
 

@@ -205,6 +205,17 @@ Status Worker::load() {
   mopts.device = config_.device;
   mopts.device_dtype = config_.device_f32 ? DType::kF32 : DType::kBF16;
   FLEX_ASSIGN_OR_RETURN(model_, Model::load(config_.model_dir, mopts));
+  // Before Ready: a joiner captures its graphs while the group serves without it.
+  const auto t0 = std::chrono::steady_clock::now();
+  FLEX_RETURN_IF_ERROR(model_->warm_up().annotate("warm-up"));
+  if (model_->num_graph_captures() > 0) {
+    FLEX_LOG(INFO) << "rank " << options_.rank << " warmed up: " << model_->num_graph_captures()
+                   << " graphs captured in "
+                   << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
+                                                                t0)
+                          .count()
+                   << " ms";
+  }
   scheduler_ = std::make_unique<Scheduler>(
       SchedulerLimits{model_config_.vocab_size, model_->max_sequences(), model_->max_seq_len(),
                       config_.max_tokens_per_step, model_config_.eos_token_ids});

@@ -3,7 +3,7 @@
 // float64 reference (f32: greedy tokens identical, last logits within 1e-4
 // relative L2; bf16: within 2e-2), against the CPU model on the same inputs,
 // with replicated placements, chunked prefill, and decode graphs that survive
-// set_placement without being captured again.
+// set_placement without being captured again (and warm_up capturing them up front).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -230,6 +230,23 @@ TEST(CudaModelTest, SetPlacementKeepsCapturedGraphs) {
   for (size_t i = 0; i < ref.size(); ++i) EXPECT_EQ(second[i], ref[i].greedy);
   EXPECT_EQ(model->num_graph_captures(), captures) << "set_placement must not force a recapture";
   for (int s : freed) EXPECT_EQ(model->slot_counts()[0][s], 0) << "freed slot " << s;
+}
+
+TEST(CudaModelTest, WarmUpCapturesEveryBucketAndChangesNothing) {
+  FLEX_SKIP_WITHOUT_GPU();
+  auto model = load("cuda", DType::kF32, "identity", /*max_seqs=*/8);
+  ASSERT_NE(model, nullptr);
+  ASSERT_TRUE(model->warm_up().ok());
+  EXPECT_EQ(model->num_graph_captures(), 4) << "buckets 1, 2, 4, 8";
+  for (const auto& layer : model->slot_counts()) {
+    for (int64_t n : layer) EXPECT_EQ(n, 0) << "padding rows must not count";
+  }
+  ASSERT_TRUE(model->warm_up().ok());  // Idempotent.
+  const auto ref = load_reference();
+  const auto got = greedy(*model, ref);
+  ASSERT_EQ(got.size(), ref.size());
+  for (size_t i = 0; i < ref.size(); ++i) EXPECT_EQ(got[i], ref[i].greedy) << "prompt " << i;
+  EXPECT_EQ(model->num_graph_captures(), 4) << "decode after warm_up must not capture";
 }
 
 TEST(CudaModelTest, RejectsBadInput) {

@@ -3,7 +3,8 @@
 // (four worker processes sharing the GPU; run it under NVIDIA MPS) answers with the
 // Hugging Face reference tokens, before and after an EPLB map switch and a membership
 // change 4 -> 3 -> 4 under light load, and no rank that lives through them captures
-// another CUDA graph (flexpert_rank_graph_captures in /metrics); DeepSeek-V3 over four
+// another CUDA graph (flexpert_rank_graph_captures in /metrics: every rank, a joiner too,
+// captures all its graphs while it loads); DeepSeek-V3 over four
 // ranks answers with its reference tokens around a rebalance. Skips without a GPU.
 #include <atomic>
 #include <map>
@@ -75,7 +76,7 @@ void expect_no_recapture(const std::map<int, int64_t>& before, const std::map<in
 }
 
 // Every prompt in flight at once with different lengths, so each rank's decode batch
-// shrinks one by one and every bucket (1, 2, 4 with --max-sequences 4) is captured.
+// shrinks one by one and every bucket (1, 2, 4 with --max-sequences 4) runs.
 void warm_up(Server& server, const Reference& ref, int rounds) {
   for (int round = 0; round < rounds; ++round) {
     std::vector<std::thread> threads;
@@ -148,14 +149,17 @@ TEST(CudaServeTest, FourRanksOnOneGpuKeepReferenceTokensWithoutRecapture) {
                  "--start-timeout-ms",
                  "300000"});
   ASSERT_TRUE(server.up());
+  // Every rank captured each bucket's graphs while it loaded (Model::warm_up), before
+  // any request: requests, a map switch and epochs capture nothing more.
+  const auto warm = captures_by_pid(server);
+  ASSERT_EQ(warm.size(), 4u);
+  const int64_t per_rank = warm.begin()->second;
+  EXPECT_GT(per_rank, 0) << "no rank captured a graph while loading";
+  for (const auto& [pid, n] : warm) EXPECT_EQ(n, per_rank) << "worker pid " << pid;
   const Reference ref = load_reference();
   check_reference(server, ref, 2);
   warm_up(server, ref, 4);
-  const auto warm = captures_by_pid(server);
-  ASSERT_EQ(warm.size(), 4u);
-  int64_t total = 0;
-  for (const auto& [pid, n] : warm) total += n;
-  EXPECT_GT(total, 0) << "no rank captured a graph";
+  expect_no_recapture(warm, captures_by_pid(server), "requests in every bucket");
 
   {  // An EPLB map switch under light load.
     LightLoad load(server, ref);
@@ -182,8 +186,10 @@ TEST(CudaServeTest, FourRanksOnOneGpuKeepReferenceTokensWithoutRecapture) {
     EXPECT_GT(load.ok(), 0);
     EXPECT_EQ(load.wrong(), 0);
     check_reference(server, ref, 2);
-    expect_no_recapture(warm, captures_by_pid(server),
-                        "the scale to " + std::to_string(target) + " ranks");
+    const auto after = captures_by_pid(server);
+    expect_no_recapture(warm, after, "the scale to " + std::to_string(target) + " ranks");
+    // A joiner captured all of its graphs during the preparation, none once serving.
+    for (const auto& [pid, n] : after) EXPECT_EQ(n, per_rank) << "worker pid " << pid;
   }
   EXPECT_EQ(server.stop(), 0);
 }
