@@ -231,8 +231,8 @@ Status DeviceEpMoe::warm_up(int bucket, const std::function<Status(int seg)>& en
     FLEX_RETURN_IF_ERROR(enqueue_segment(static_cast<int>(seg)));
   }
   for (size_t seg = 0; seg < num_segments && !graphs_failed_; ++seg) {
-    FLEX_RETURN_IF_ERROR(run_segment(static_cast<int>(seg), bucket, /*capture=*/true,
-                                     enqueue_segment));
+    FLEX_RETURN_IF_ERROR(
+        run_segment(static_cast<int>(seg), bucket, /*capture=*/true, enqueue_segment));
   }
   bucket_steps_[bucket] = std::max(bucket_steps_[bucket], 1);
   FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));

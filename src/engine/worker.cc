@@ -208,13 +208,11 @@ Status Worker::load() {
   // Before Ready: a joiner captures its graphs while the group serves without it.
   const auto t0 = std::chrono::steady_clock::now();
   FLEX_RETURN_IF_ERROR(model_->warm_up().annotate("warm-up"));
+  const double warm_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (model_->num_graph_captures() > 0) {
     FLEX_LOG(INFO) << "rank " << options_.rank << " warmed up: " << model_->num_graph_captures()
-                   << " graphs captured in "
-                   << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
-                                                                t0)
-                          .count()
-                   << " ms";
+                   << " graphs captured in " << warm_ms << " ms";
   }
   scheduler_ = std::make_unique<Scheduler>(
       SchedulerLimits{model_config_.vocab_size, model_->max_sequences(), model_->max_seq_len(),
