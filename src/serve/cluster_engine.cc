@@ -437,7 +437,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     cv_.notify_all();
   } else if (type == proto::Connected::kType) {
     auto done = proto::decode<proto::Connected>(body);
-    if (!done.ok()) return;
+    if (!done.ok() || !connects_awaited_.count(done->id)) return;
     connects_done_[done->id] = done.value();
     cv_.notify_all();
   } else if (type == proto::EpochApplied::kType) {

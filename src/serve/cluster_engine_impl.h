@@ -146,6 +146,9 @@ class ClusterEngine::Impl {
   uint64_t num_reconfigs_ = 0;
   uint64_t num_reruns_ = 0;
   uint64_t next_connect_id_ = 1;
+  // Answers to the connect commands connect_all() waits for; others (a detach after a
+  // rollback, answers arriving after connect_all gave up) are dropped on arrival.
+  std::set<uint64_t> connects_awaited_;
   std::map<uint64_t, proto::Connected> connects_done_;
   struct Recovery {
     bool active = false;

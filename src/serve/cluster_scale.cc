@@ -327,25 +327,35 @@ Status ClusterEngine::Impl::connect_all(const std::map<int, proto::ConnectComman
   for (auto [rank, cmd] : cmds) {
     cmd.id = next_connect_id_++;
     ids.push_back(cmd.id);
+    connects_awaited_.insert(cmd.id);
     post(rank, cmd);
   }
   wake();
+  std::map<uint64_t, proto::Connected> answers;
+  auto forget = [&] {  // On every return: nothing of this call stays behind.
+    for (uint64_t id : ids) {
+      connects_awaited_.erase(id);
+      auto it = connects_done_.find(id);
+      if (it == connects_done_.end()) continue;
+      answers[id] = it->second;
+      connects_done_.erase(it);
+    }
+  };
   const bool done = cv_.wait_for(lock, kConnectTimeout, [&] {
     if (halting() || epoch_ != epoch || failed()) return true;
     return std::all_of(ids.begin(), ids.end(),
                        [&](uint64_t id) { return connects_done_.count(id); });
   });
+  forget();
   if (halting()) return unavailable("shutting down");
   if (epoch_ != epoch) return aborted("membership changed (a rank was lost)");
   if (failed()) return unavailable("a rank failed while connecting");
   if (!done) return deadline_exceeded("transport connections not confirmed in time");
-  Status first;
   for (uint64_t id : ids) {
-    const proto::Connected c = connects_done_[id];
-    connects_done_.erase(id);
-    if (c.code != 0 && first.ok()) first = Status(static_cast<StatusCode>(c.code), c.message);
+    const proto::Connected& c = answers[id];
+    if (c.code != 0) return Status(static_cast<StatusCode>(c.code), c.message);
   }
-  return first;
+  return Status();
 }
 
 Status ClusterEngine::Impl::wait_applied(const std::vector<int>& ranks, uint64_t epoch,
@@ -383,7 +393,7 @@ void ClusterEngine::Impl::rollback_joiners(const std::vector<int>& joiners) {
     detach.ranks.push_back(r);
     detach.addresses.push_back("");
   }
-  detach.id = next_connect_id_++;  // Its answers are ignored.
+  detach.id = next_connect_id_++;  // Not awaited: its answers are dropped.
   for (int m : members_) post(m, detach);
   wake();
 }
@@ -737,7 +747,6 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target) {
                                    std::to_string(map_version_) + " yet");
       }
     }
-    connects_done_.clear();
     const int max = options_.max_ranks;
     const int now = static_cast<int>(members_.size());
     if (!target.remove.empty()) {
