@@ -98,15 +98,6 @@ class CudaDeepseekV3Model final : public Model {
     DeviceBuffer w_gu, w_down;
     int mlp_inter = 0;  // I above; 0: none.
   };
-  // Device addresses of a step's inputs (fixed, so graphs read them at replay).
-  struct StepInputs {
-    int32_t* ids;
-    int32_t* positions;
-    int32_t* kv_slots;
-    int32_t* last_rows;  // Token row of each logits row.
-    int32_t* num_valid;  // [1] tokens that are not padding.
-  };
-
   CudaDeepseekV3Model() = default;
   Status check_config(const ModelOptions& options);
   Status load_weights(const ModelOptions& options, const RopeTables& rope);
@@ -115,14 +106,10 @@ class CudaDeepseekV3Model final : public Model {
   // Expert `expert` of layer `layer` packed into a slot image (pack_expert's layout).
   Status pack_slot(int layer, int expert, uint8_t* image) const;
   Result<Tensor> weight(const std::string& name, const Shape& shape) const;
-  Status write_routing_tables(int layer, const std::vector<int>& slot_map);
   Status allocate_scratch();
-  Status validate(const std::vector<SequenceChunk>& batch) const;
-  Status upload_inputs(int num_tokens, int num_rows);
   Status enqueue_attention(Layer& L, int n);
   Status enqueue_swiglu(Layer& L, int n);
   Status enqueue_step(int num_tokens, int num_rows);
-  MoeLayerWeights moe_weights(Layer& layer);
   // Expert parallelism (cuda_deepseek_v3_ep.cc).
   Status enqueue_segment(int seg, int n, int num_rows);
 

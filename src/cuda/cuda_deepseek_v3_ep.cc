@@ -8,6 +8,7 @@
 
 #include "cuda/cuda_deepseek_v3.h"
 #include "cuda/kernels.h"
+#include "cuda/step_driver.h"
 
 namespace flexpert::cuda {
 
@@ -47,8 +48,8 @@ Status CudaDeepseekV3Model::enqueue_segment(int seg, int n, int num_rows) {
   }
   Layer& L = layers_[end];
   // DeepSeek's router only; the routed experts run wherever the slots are.
-  FLEX_RETURN_IF_ERROR(route_grouped(moe_dims_, router_, L.score_bias.as<float>(), moe_weights(L),
-                                     moe_, h_.data(), n, blas_, s));
+  FLEX_RETURN_IF_ERROR(route_grouped(moe_dims_, router_, L.score_bias.as<float>(),
+                                     StepDriver::moe_weights(L), moe_, h_.data(), n, blas_, s));
   return ep_moe_->enqueue_route_out(h_.data(), moe_, n);
 }
 

@@ -204,7 +204,8 @@ Status CudaQwen3MoeModel::load_layer(int index, Layer* layer) {
     FLEX_ASSIGN_OR_RETURN(layer->rep_count, DeviceBuffer::create(E * sizeof(int32_t)));
     FLEX_ASSIGN_OR_RETURN(layer->rep_slots, DeviceBuffer::create(num_slots * sizeof(int32_t)));
     FLEX_ASSIGN_OR_RETURN(layer->stats, DeviceBuffer::create_zeroed(num_slots * sizeof(int64_t)));
-    FLEX_RETURN_IF_ERROR(write_routing_tables(index, placement_.slot_map(index)));
+    FLEX_RETURN_IF_ERROR(
+        StepDriver::write_routing_tables(*this, index, placement_.slot_map(index)));
   } else {
     const int64_t I = c.intermediate_size;
     FLEX_ASSIGN_OR_RETURN(Tensor gate, ck.get(p + "mlp.gate_proj.weight", {I, H}));
@@ -297,53 +298,21 @@ Status CudaQwen3MoeModel::load_expert(int layer, int expert, int local_slot) {
 }
 
 ExpertSlots* CudaQwen3MoeModel::local_slots(int layer) {
-  if (layer < 0 || layer >= static_cast<int>(mirrors_.size())) return nullptr;
-  return mirrors_[layer].num_slots() > 0 ? &mirrors_[layer] : nullptr;
+  return StepDriver::local_slots(*this, layer);
 }
 
 Status CudaQwen3MoeModel::slots_written(int layer, int local_slot) {
-  ExpertSlots* mirror = local_slots(layer);
-  if (mirror == nullptr || local_slot < 0 || local_slot >= mirror->num_slots()) {
-    return invalid_argument("layer " + std::to_string(layer) + " has no host slot " +
-                            std::to_string(local_slot));
-  }
-  // The mover thread's own stream: never waits on (or blocks) the step's graphs.
-  const size_t bytes = mirror->slot_bytes();
-  FLEX_RETURN_IF_ERROR(set_device(device_));
-  FLEX_CUDA_TRY(cudaMemcpyAsync(layers_[layer].slots.as<uint8_t>() + local_slot * bytes,
-                                mirror->slot_data(local_slot), bytes, cudaMemcpyHostToDevice,
-                                upload_stream_.get()));
-  return upload_stream_.synchronize();
-}
-
-Status CudaQwen3MoeModel::write_routing_tables(int layer, const std::vector<int>& slot_map) {
-  const RoutingTables t = build_routing_tables(slot_map, config_.num_experts);
-  Layer& L = layers_[layer];
-  cudaStream_t s = stream_.get();
-  FLEX_CUDA_TRY(cudaMemcpyAsync(L.rep_start.data(), t.rep_start.data(),
-                                t.rep_start.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
-  FLEX_CUDA_TRY(cudaMemcpyAsync(L.rep_count.data(), t.rep_count.data(),
-                                t.rep_count.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
-  FLEX_CUDA_TRY(cudaMemcpyAsync(L.rep_slots.data(), t.rep_slots.data(),
-                                t.rep_slots.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
-  return stream_.synchronize();  // `t` dies here.
+  return StepDriver::slots_written(*this, layer, local_slot);
 }
 
 Status CudaQwen3MoeModel::allocate_scratch() {
   const ModelConfig& c = config_;
   const size_t esize = dtype_size(dtype_);
-  max_rows_ = next_pow2(max_sequences_);
-  max_step_tokens_ = std::max(kDefaultStepTokens, max_rows_);
+  FLEX_RETURN_IF_ERROR(StepDriver::allocate_io(*this, kDefaultStepTokens));
   const size_t T = static_cast<size_t>(max_step_tokens_);
-  const size_t R = static_cast<size_t>(max_rows_);
-  const size_t H = c.hidden_size, V = c.vocab_size;
+  const size_t H = c.hidden_size;
   const size_t q_dim = static_cast<size_t>(c.num_attention_heads) * c.head_dim;
   const size_t qkv_dim = q_dim + 2 * static_cast<size_t>(c.num_key_value_heads) * c.head_dim;
-  const size_t num_ints = 3 * T + R + 1;
-  FLEX_ASSIGN_OR_RETURN(inputs_, DeviceBuffer::create_zeroed(num_ints * sizeof(int32_t)));
-  FLEX_ASSIGN_OR_RETURN(host_in_, PinnedBuffer::create(num_ints * sizeof(int32_t)));
-  int32_t* base = inputs_.as<int32_t>();
-  in_ = {base, base + T, base + 2 * T, base + 3 * T, base + 3 * T + R};
   FLEX_ASSIGN_OR_RETURN(x_, DeviceBuffer::create(T * H * sizeof(float)));
   FLEX_ASSIGN_OR_RETURN(h_, DeviceBuffer::create(T * H * esize));
   FLEX_ASSIGN_OR_RETURN(qkv_, DeviceBuffer::create(T * qkv_dim * sizeof(float)));
@@ -359,63 +328,6 @@ Status CudaQwen3MoeModel::allocate_scratch() {
   if (any_moe) {
     FLEX_ASSIGN_OR_RETURN(moe_, MoeScratch::create(moe_dims_, max_step_tokens_));
   }
-  FLEX_ASSIGN_OR_RETURN(last_h_, DeviceBuffer::create(R * H * esize));
-  FLEX_ASSIGN_OR_RETURN(logits_, DeviceBuffer::create(R * V * sizeof(float)));
-  FLEX_ASSIGN_OR_RETURN(host_logits_, PinnedBuffer::create(R * V * sizeof(float)));
-  return Status();
-}
-
-MoeLayerWeights CudaQwen3MoeModel::moe_weights(Layer& layer) {
-  MoeLayerWeights w;
-  w.router = layer.router.data();
-  w.slots = layer.slots.data();
-  w.rep_start = layer.rep_start.as<int32_t>();
-  w.rep_count = layer.rep_count.as<int32_t>();
-  w.rep_slots = layer.rep_slots.as<int32_t>();
-  w.slot_stats = layer.stats.as<int64_t>();
-  return w;
-}
-
-Status CudaQwen3MoeModel::validate(const std::vector<SequenceChunk>& batch) const {
-  std::vector<bool> used(static_cast<size_t>(max_sequences_), false);
-  for (const SequenceChunk& chunk : batch) {
-    if (chunk.kv_slot < 0 || chunk.kv_slot >= max_sequences_) {
-      return invalid_argument("kv slot " + std::to_string(chunk.kv_slot) + " out of range [0, " +
-                              std::to_string(max_sequences_) + ")");
-    }
-    if (used[chunk.kv_slot]) {
-      return invalid_argument("kv slot " + std::to_string(chunk.kv_slot) + " used twice in a step");
-    }
-    used[chunk.kv_slot] = true;
-    if (chunk.tokens.empty()) return invalid_argument("a sequence chunk has no tokens");
-    if (chunk.start_pos < 0 ||
-        chunk.start_pos + static_cast<int64_t>(chunk.tokens.size()) > max_seq_len_) {
-      return invalid_argument("positions " + std::to_string(chunk.start_pos) + ".." +
-                              std::to_string(chunk.start_pos + chunk.tokens.size()) +
-                              " exceed the context length " + std::to_string(max_seq_len_));
-    }
-    for (int32_t id : chunk.tokens) {
-      if (id < 0 || id >= config_.vocab_size) {
-        return invalid_argument("token id " + std::to_string(id) + " outside the vocabulary [0, " +
-                                std::to_string(config_.vocab_size) + ")");
-      }
-    }
-  }
-  return Status();
-}
-
-Status CudaQwen3MoeModel::upload_inputs(int num_tokens, int num_rows) {
-  const size_t T = static_cast<size_t>(max_step_tokens_);
-  const int32_t* host = host_in_.as<int32_t>();
-  cudaStream_t s = stream_.get();
-  const size_t n = static_cast<size_t>(num_tokens) * sizeof(int32_t);
-  FLEX_CUDA_TRY(cudaMemcpyAsync(in_.ids, host, n, cudaMemcpyHostToDevice, s));
-  FLEX_CUDA_TRY(cudaMemcpyAsync(in_.positions, host + T, n, cudaMemcpyHostToDevice, s));
-  FLEX_CUDA_TRY(cudaMemcpyAsync(in_.kv_slots, host + 2 * T, n, cudaMemcpyHostToDevice, s));
-  FLEX_CUDA_TRY(cudaMemcpyAsync(in_.last_rows, host + 3 * T, num_rows * sizeof(int32_t),
-                                cudaMemcpyHostToDevice, s));
-  FLEX_CUDA_TRY(cudaMemcpyAsync(in_.num_valid, host + 3 * T + max_rows_, sizeof(int32_t),
-                                cudaMemcpyHostToDevice, s));
   return Status();
 }
 
@@ -473,7 +385,7 @@ Status CudaQwen3MoeModel::enqueue_mlp(Layer& L, int n) {
   const int H = c.hidden_size;
   float* x = x_.as<float>();
   if (L.is_moe) {
-    return run_moe(moe_dims_, moe_weights(L), moe_, h_.data(), n, in_.num_valid, x,
+    return run_moe(moe_dims_, StepDriver::moe_weights(L), moe_, h_.data(), n, in_.num_valid, x,
                    /*accumulate=*/true, blas_, s);
   }
   const int I = c.intermediate_size;

@@ -81,27 +81,13 @@ class CudaQwen3MoeModel final : public Model {
     DeviceBuffer w_gu, w_down;                     // Dense MLP: [2I, H] (gate; up), [H, I]
     DeviceBuffer k_cache, v_cache;                 // [max_sequences + 1, max_seq_len, nkv, D]
   };
-  // Device addresses of a step's inputs (fixed, so graphs read them at replay).
-  struct StepInputs {
-    int32_t* ids;
-    int32_t* positions;
-    int32_t* kv_slots;
-    int32_t* last_rows;  // Token row of each logits row.
-    int32_t* num_valid;  // [1] tokens that are not padding.
-  };
-
   CudaQwen3MoeModel() = default;
   Status load_weights(const ModelOptions& options);
   Status load_layer(int index, Layer* layer);
   Status load_slots(int index, Layer* layer);
-  Status write_routing_tables(int layer, const std::vector<int>& slot_map);
   Status allocate_scratch();
-  Status validate(const std::vector<SequenceChunk>& batch) const;
-  // Copies host_in_[0..num_tokens) and the row list to the device inputs.
-  Status upload_inputs(int num_tokens, int num_rows);
   // Enqueues the whole network for num_tokens tokens and num_rows logits rows.
   Status enqueue_step(int num_tokens, int num_rows);
-  MoeLayerWeights moe_weights(Layer& layer);
   // Parts of enqueue_step: x += attention(x) and h_ = post-norm(x); the local MoE or
   // dense MLP of a layer; final norm + LM head.
   Status enqueue_attention(Layer& L, int n);

@@ -7,6 +7,7 @@
 
 #include "cuda/cuda_qwen3_moe.h"
 #include "cuda/kernels.h"
+#include "cuda/step_driver.h"
 
 namespace flexpert::cuda {
 
@@ -30,9 +31,9 @@ Status CudaQwen3MoeModel::enqueue_segment(int seg, int n, int num_rows) {
   Layer& L = layers_[end];
   FLEX_RETURN_IF_ERROR(enqueue_attention(L, n));
   // Router and top-k with replica choice only; the experts run wherever the slots are.
-  FLEX_RETURN_IF_ERROR(run_moe(moe_dims_, moe_weights(L), moe_, h_.data(), n, nullptr, x,
-                               /*accumulate=*/true, blas_, stream_.get(), -1,
-                               kMoeRouter | kMoeTopk));
+  FLEX_RETURN_IF_ERROR(
+      run_moe(moe_dims_, StepDriver::moe_weights(L), moe_, h_.data(), n, nullptr, x,
+              /*accumulate=*/true, blas_, stream_.get(), -1, kMoeRouter | kMoeTopk));
   return ep_moe_->enqueue_route_out(h_.data(), moe_, n);
 }
 

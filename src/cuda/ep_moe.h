@@ -28,6 +28,17 @@
 
 namespace flexpert::cuda {
 
+// Device addresses of a step's inputs (fixed, so graphs read them at replay); the
+// pinned host copy (host_in_ of the models) has the same layout, filled by
+// fill_step_inputs.
+struct StepInputs {
+  int32_t* ids;
+  int32_t* positions;
+  int32_t* kv_slots;
+  int32_t* last_rows;  // Token row of each logits row.
+  int32_t* num_valid;  // [1] tokens that are not padding.
+};
+
 // Rows of an expert-parallel step as the models lay out their pinned step inputs (ids,
 // positions, KV slots at strides of max_tokens; logits rows at 3 * max_tokens; the
 // count of real rows at 3 * max_tokens + max_rows).

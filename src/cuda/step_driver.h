@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// The step driving the CUDA models share (CudaQwen3MoeModel, CudaDeepseekV3Model):
-// forward() dispatch, decode steps replayed from a graph per batch bucket, prefill
-// in pieces of max_step_tokens_, the expert-parallel step, slot statistics and
-// in-place placement switches.
+// What the CUDA models share (CudaQwen3MoeModel, CudaDeepseekV3Model): step inputs
+// and logits buffers, input validation, forward() dispatch, decode steps replayed from
+// a graph per batch bucket (and warm_up capturing them all), prefill in pieces of
+// max_step_tokens_, the expert-parallel step, slot statistics, routing tables and
+// in-place placement switches, the host slot mirror and its uploads.
 // Written once over the members both models have (each befriends StepDriver); the
-// model-specific parts are the members it calls: validate, upload_inputs,
-// enqueue_step (one process), enqueue_segment (expert parallel), write_routing_tables.
+// model-specific parts are the members it calls: enqueue_step (one process) and
+// enqueue_segment (expert parallel).
 #pragma once
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 
 #include "cuda/device.h"
 #include "cuda/ep_moe.h"
+#include "cuda/moe_layer.h"
 #include "flexpert/logging.h"
 #include "flexpert/model.h"
 
@@ -27,9 +29,105 @@ inline int next_pow2(int v) {
 }
 
 struct StepDriver {
+  // The step inputs (device and pinned host, StepInputs' layout) and outputs (last
+  // hidden rows, f32 logits and their pinned host copy), sized for steps of
+  // max(step_tokens, rows) tokens and one logits row per sequence (a decode bucket).
+  template <class M>
+  static Status allocate_io(M& m, int step_tokens) {
+    m.max_rows_ = next_pow2(m.max_sequences_);
+    m.max_step_tokens_ = std::max(step_tokens, m.max_rows_);
+    const size_t T = static_cast<size_t>(m.max_step_tokens_);
+    const size_t R = static_cast<size_t>(m.max_rows_);
+    const size_t H = m.config_.hidden_size, V = m.config_.vocab_size;
+    const size_t num_ints = 3 * T + R + 1;
+    FLEX_ASSIGN_OR_RETURN(m.inputs_, DeviceBuffer::create_zeroed(num_ints * sizeof(int32_t)));
+    FLEX_ASSIGN_OR_RETURN(m.host_in_, PinnedBuffer::create(num_ints * sizeof(int32_t)));
+    int32_t* base = m.inputs_.template as<int32_t>();
+    m.in_ = {base, base + T, base + 2 * T, base + 3 * T, base + 3 * T + R};
+    FLEX_ASSIGN_OR_RETURN(m.last_h_, DeviceBuffer::create(R * H * dtype_size(m.dtype_)));
+    FLEX_ASSIGN_OR_RETURN(m.logits_, DeviceBuffer::create(R * V * sizeof(float)));
+    FLEX_ASSIGN_OR_RETURN(m.host_logits_, PinnedBuffer::create(R * V * sizeof(float)));
+    return Status();
+  }
+
+  // The device routing tables and statistics of a MoE layer (any model's Layer).
+  template <class L>
+  static MoeLayerWeights moe_weights(L& layer) {
+    MoeLayerWeights w;
+    w.router = layer.router.data();
+    w.slots = layer.slots.data();
+    w.rep_start = layer.rep_start.template as<int32_t>();
+    w.rep_count = layer.rep_count.template as<int32_t>();
+    w.rep_slots = layer.rep_slots.template as<int32_t>();
+    w.slot_stats = layer.stats.template as<int64_t>();
+    return w;
+  }
+
+  template <class M>
+  static Status validate(const M& m, const std::vector<SequenceChunk>& batch) {
+    std::vector<bool> used(static_cast<size_t>(m.max_sequences_), false);
+    for (const SequenceChunk& chunk : batch) {
+      if (chunk.kv_slot < 0 || chunk.kv_slot >= m.max_sequences_) {
+        return invalid_argument("kv slot " + std::to_string(chunk.kv_slot) + " out of range [0, " +
+                                std::to_string(m.max_sequences_) + ")");
+      }
+      if (used[chunk.kv_slot]) {
+        return invalid_argument("kv slot " + std::to_string(chunk.kv_slot) +
+                                " used twice in a step");
+      }
+      used[chunk.kv_slot] = true;
+      if (chunk.tokens.empty()) return invalid_argument("a sequence chunk has no tokens");
+      if (chunk.start_pos < 0 ||
+          chunk.start_pos + static_cast<int64_t>(chunk.tokens.size()) > m.max_seq_len_) {
+        return invalid_argument("positions " + std::to_string(chunk.start_pos) + ".." +
+                                std::to_string(chunk.start_pos + chunk.tokens.size()) +
+                                " exceed the context length " + std::to_string(m.max_seq_len_));
+      }
+      for (int32_t id : chunk.tokens) {
+        if (id < 0 || id >= m.config_.vocab_size) {
+          return invalid_argument("token id " + std::to_string(id) +
+                                  " outside the vocabulary [0, " +
+                                  std::to_string(m.config_.vocab_size) + ")");
+        }
+      }
+    }
+    return Status();
+  }
+
+  // Copies host_in_'s first num_tokens tokens, num_rows logits rows and the count of
+  // real rows to the device inputs (enqueued; host_in_ must stay until it ran).
+  template <class M>
+  static Status upload_inputs(M& m, int num_tokens, int num_rows) {
+    const size_t T = static_cast<size_t>(m.max_step_tokens_);
+    const int32_t* host = m.host_in_.template as<int32_t>();
+    cudaStream_t s = m.stream_.get();
+    const size_t n = static_cast<size_t>(num_tokens) * sizeof(int32_t);
+    FLEX_CUDA_TRY(cudaMemcpyAsync(m.in_.ids, host, n, cudaMemcpyHostToDevice, s));
+    FLEX_CUDA_TRY(cudaMemcpyAsync(m.in_.positions, host + T, n, cudaMemcpyHostToDevice, s));
+    FLEX_CUDA_TRY(cudaMemcpyAsync(m.in_.kv_slots, host + 2 * T, n, cudaMemcpyHostToDevice, s));
+    FLEX_CUDA_TRY(cudaMemcpyAsync(m.in_.last_rows, host + 3 * T, num_rows * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, s));
+    FLEX_CUDA_TRY(cudaMemcpyAsync(m.in_.num_valid, host + 3 * T + m.max_rows_, sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, s));
+    return Status();
+  }
+
+  // The first `rows` logits rows to dst (after the step's work; synchronizes).
+  template <class M>
+  static Status download_logits(M& m, int rows, float* dst) {
+    const size_t bytes = static_cast<size_t>(rows) * m.config_.vocab_size * sizeof(float);
+    if (bytes > 0) {
+      FLEX_CUDA_TRY(cudaMemcpyAsync(m.host_logits_.data(), m.logits_.data(), bytes,
+                                    cudaMemcpyDeviceToHost, m.stream_.get()));
+    }
+    FLEX_RETURN_IF_ERROR(m.stream_.synchronize());
+    if (bytes > 0) std::memcpy(dst, m.host_logits_.data(), bytes);
+    return Status();
+  }
+
   template <class M>
   static Status forward(M& m, const std::vector<SequenceChunk>& batch, Tensor* logits) {
-    FLEX_RETURN_IF_ERROR(m.validate(batch));
+    FLEX_RETURN_IF_ERROR(validate(m, batch));
     const int64_t B = static_cast<int64_t>(batch.size());
     if (!logits->owned() || logits->dim() != 2 || logits->size(0) != B ||
         logits->size(1) != m.config_.vocab_size) {
@@ -51,7 +149,7 @@ struct StepDriver {
     FLEX_RETURN_IF_ERROR(fill_step_inputs(batch, bucket, m.max_step_tokens_, m.max_rows_,
                                           m.max_sequences_, m.host_in_.template as<int32_t>())
                              .status());
-    FLEX_RETURN_IF_ERROR(m.upload_inputs(bucket, bucket));
+    FLEX_RETURN_IF_ERROR(upload_inputs(m, bucket, bucket));
     cudaStream_t s = m.stream_.get();
     auto it = m.graphs_.find(bucket);
     if (it != m.graphs_.end()) {
@@ -59,12 +157,7 @@ struct StepDriver {
     } else {
       FLEX_RETURN_IF_ERROR(run_and_capture(m, bucket));
     }
-    const size_t bytes = static_cast<size_t>(B) * m.config_.vocab_size * sizeof(float);
-    FLEX_CUDA_TRY(
-        cudaMemcpyAsync(m.host_logits_.data(), m.logits_.data(), bytes, cudaMemcpyDeviceToHost, s));
-    FLEX_RETURN_IF_ERROR(m.stream_.synchronize());
-    std::memcpy(logits, m.host_logits_.data(), bytes);
-    return Status();
+    return download_logits(m, B, logits);
   }
 
   // A bucket's first decode step: eagerly (which also warms cuBLAS up for its shapes),
@@ -104,7 +197,7 @@ struct StepDriver {
       FLEX_RETURN_IF_ERROR(fill_step_inputs({}, bucket, m.max_step_tokens_, m.max_rows_,
                                             m.max_sequences_, m.host_in_.template as<int32_t>())
                                .status());
-      FLEX_RETURN_IF_ERROR(m.upload_inputs(bucket, bucket));
+      FLEX_RETURN_IF_ERROR(upload_inputs(m, bucket, bucket));
       if (m.ep_) {
         FLEX_RETURN_IF_ERROR(m.ep_moe_->warm_up(
             bucket, [&m, bucket](int seg) { return m.enqueue_segment(seg, bucket, bucket); }));
@@ -127,7 +220,7 @@ struct StepDriver {
     auto flush = [&]() -> Status {
       const int rows = static_cast<int>(row_chunk.size());
       host[3 * T + m.max_rows_] = n;
-      FLEX_RETURN_IF_ERROR(m.upload_inputs(n, rows));
+      FLEX_RETURN_IF_ERROR(upload_inputs(m, n, rows));
       FLEX_RETURN_IF_ERROR(m.enqueue_step(n, rows));
       if (rows > 0) {
         FLEX_CUDA_TRY(cudaMemcpyAsync(m.host_logits_.data(), m.logits_.data(),
@@ -193,6 +286,46 @@ struct StepDriver {
     (void)m.stream_.synchronize();
   }
 
+  // Layer `layer`'s routing tables (logical expert -> replica slots) to the device,
+  // in place (graphs keep reading the same addresses).
+  template <class M>
+  static Status write_routing_tables(M& m, int layer, const std::vector<int>& slot_map) {
+    const RoutingTables t = build_routing_tables(slot_map, m.config_.num_experts);
+    auto& L = m.layers_[layer];
+    cudaStream_t s = m.stream_.get();
+    FLEX_CUDA_TRY(cudaMemcpyAsync(L.rep_start.data(), t.rep_start.data(),
+                                  t.rep_start.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+    FLEX_CUDA_TRY(cudaMemcpyAsync(L.rep_count.data(), t.rep_count.data(),
+                                  t.rep_count.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+    FLEX_CUDA_TRY(cudaMemcpyAsync(L.rep_slots.data(), t.rep_slots.data(),
+                                  t.rep_slots.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+    return m.stream_.synchronize();  // `t` dies here.
+  }
+
+  // Model::local_slots: the host mirror of a MoE layer's local slots (null without).
+  template <class M>
+  static ExpertSlots* local_slots(M& m, int layer) {
+    if (layer < 0 || layer >= static_cast<int>(m.mirrors_.size())) return nullptr;
+    return m.mirrors_[layer].num_slots() > 0 ? &m.mirrors_[layer] : nullptr;
+  }
+
+  // Model::slots_written: the mirror's slot to the device, on the mover thread's own
+  // stream (never waits on, or blocks, the step's graphs); returns once it landed.
+  template <class M>
+  static Status slots_written(M& m, int layer, int local_slot) {
+    ExpertSlots* mirror = local_slots(m, layer);
+    if (mirror == nullptr || local_slot < 0 || local_slot >= mirror->num_slots()) {
+      return invalid_argument("layer " + std::to_string(layer) + " has no host slot " +
+                              std::to_string(local_slot));
+    }
+    const size_t bytes = mirror->slot_bytes();
+    FLEX_RETURN_IF_ERROR(set_device(m.device_));
+    FLEX_CUDA_TRY(cudaMemcpyAsync(
+        m.layers_[layer].slots.template as<uint8_t>() + local_slot * bytes,
+        mirror->slot_data(local_slot), bytes, cudaMemcpyHostToDevice, m.upload_stream_.get()));
+    return m.upload_stream_.synchronize();
+  }
+
   // Rewrites the device routing tables in place (no reallocation: graphs stay valid).
   template <class M>
   static Status set_placement(M& m, ExpertPlacement placement) {
@@ -213,7 +346,7 @@ struct StepDriver {
     FLEX_RETURN_IF_ERROR(set_device(m.device_));
     for (int l = 0; l < placement.num_layers(); ++l) {
       if (m.layers_[l].is_moe) {
-        FLEX_RETURN_IF_ERROR(m.write_routing_tables(l, placement.slot_map(l)));
+        FLEX_RETURN_IF_ERROR(write_routing_tables(m, l, placement.slot_map(l)));
       }
     }
     m.placement_ = std::move(placement);
@@ -250,7 +383,6 @@ struct StepDriver {
   template <class M>
   static Status run_ep(M& m, const std::vector<SequenceChunk>& batch, float* logits) {
     const int B = static_cast<int>(batch.size());
-    const size_t V = static_cast<size_t>(m.config_.vocab_size);
     const bool decode =
         B > 0 && std::all_of(batch.begin(), batch.end(),
                              [](const SequenceChunk& c) { return c.tokens.size() == 1; });
@@ -259,16 +391,12 @@ struct StepDriver {
                           fill_step_inputs(batch, bucket, m.max_step_tokens_, m.max_rows_,
                                            m.max_sequences_, m.host_in_.template as<int32_t>()));
     const int n = rows.num_tokens, num_rows = rows.num_rows;
-    if (n > 0) FLEX_RETURN_IF_ERROR(m.upload_inputs(n, num_rows));
+    if (n > 0) FLEX_RETURN_IF_ERROR(upload_inputs(m, n, num_rows));
     FLEX_RETURN_IF_ERROR(m.ep_moe_->run_step(
         n, rows.num_real, bucket, m.use_graphs_,
         [&m, n, num_rows](int seg) { return m.enqueue_segment(seg, n, num_rows); }));
     if (B == 0) return Status();
-    FLEX_CUDA_TRY(cudaMemcpyAsync(m.host_logits_.data(), m.logits_.data(), B * V * sizeof(float),
-                                  cudaMemcpyDeviceToHost, m.stream_.get()));
-    FLEX_RETURN_IF_ERROR(m.stream_.synchronize());
-    std::memcpy(logits, m.host_logits_.data(), B * V * sizeof(float));
-    return Status();
+    return download_logits(m, B, logits);
   }
 };
 
