@@ -7,17 +7,12 @@
 // decode graphs that survive set_placement without being captured again.
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <functional>
-#include <nlohmann/json.hpp>
 #include <random>
 
 #include "checkpoint/synth.h"
-#include "cuda_test_util.h"
-#include "flexpert/generate.h"
+#include "cuda_model_util.h"
 #include "flexpert/model.h"
 
 namespace flexpert {
@@ -25,130 +20,19 @@ namespace {
 
 const std::string kModelDir = std::string(FLEXPERT_TESTDATA_DIR) + "/deepseekv3-tiny";
 
-struct RefPrompt {
-  std::vector<int32_t> input_ids;
-  std::vector<float> logits;
-  std::vector<int32_t> greedy;
-};
-
-std::vector<RefPrompt> load_reference() {
-  std::ifstream in(kModelDir + "/reference.json");
-  auto j = nlohmann::json::parse(in);
-  std::vector<RefPrompt> out;
-  for (const auto& p : j["prompts"]) {
-    std::vector<double> l = p["last_logits_f64"].get<std::vector<double>>();
-    out.push_back({p["input_ids"].get<std::vector<int32_t>>(),
-                   std::vector<float>(l.begin(), l.end()),
-                   p["greedy"].get<std::vector<int32_t>>()});
-  }
-  return out;
-}
+using cuda_test::compare_with_cpu;
+using cuda_test::greedy_tokens;
+using cuda_test::step_logits;
 
 std::unique_ptr<Model> load(const std::string& dir, const std::string& device, DType dtype,
                             const std::string& placement, int max_seqs = 8) {
-  ModelOptions options;
-  options.device = device;
-  options.device_dtype = dtype;
-  options.placement = placement;
-  options.max_sequences = max_seqs;
-  auto model = Model::load(dir, options);
-  EXPECT_TRUE(model.ok()) << model.status().to_string();
-  return model.ok() ? std::move(model).value() : nullptr;
+  return cuda_test::load_on(dir, device, dtype, placement, max_seqs);
 }
 
-std::vector<float> logits_of(Model& model, const std::vector<SequenceChunk>& batch) {
-  Tensor logits;
-  Status s = model.forward(batch, &logits);
-  EXPECT_TRUE(s.ok()) << s.to_string();
-  if (!s.ok()) return {};
-  return std::vector<float>(logits.data<float>(), logits.data<float>() + logits.numel());
-}
-
-std::vector<std::vector<int32_t>> greedy(Model& model, const std::vector<RefPrompt>& ref,
-                                         int step_budget = 2048) {
-  std::vector<GenerationRequest> requests;
-  for (const auto& r : ref) {
-    SamplingParams params;
-    params.max_tokens = static_cast<int>(r.greedy.size());
-    params.ignore_eos = true;
-    requests.push_back({r.input_ids, params});
-  }
-  GeneratorOptions options;
-  options.max_tokens_per_step = step_budget;
-  Generator generator(model, options);
-  auto results = generator.run(requests);
-  EXPECT_TRUE(results.ok()) << results.status().to_string();
-  std::vector<std::vector<int32_t>> out;
-  if (results.ok()) {
-    for (const auto& r : results.value()) out.push_back(r.tokens);
-  }
-  return out;
-}
+std::vector<cuda_test::RefPrompt> load_reference() { return cuda_test::load_reference(kModelDir); }
 
 void check_reference(Model& model, double tol, bool tokens, int step_budget = 2048) {
-  const auto ref = load_reference();
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const std::vector<float> got = logits_of(model, {{0, 0, ref[i].input_ids}});
-    ASSERT_EQ(got.size(), ref[i].logits.size());
-    const double err = cuda_test::rel_l2(got, ref[i].logits);
-    std::printf("  deepseek prompt %zu: last-logit relative L2 vs float64 = %.3g\n", i, err);
-    EXPECT_LT(err, tol) << "prompt " << i;
-  }
-  if (!tokens) return;
-  const auto got = greedy(model, ref, step_budget);
-  ASSERT_EQ(got.size(), ref.size());
-  int same = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    EXPECT_EQ(got[i], ref[i].greedy) << "prompt " << i;
-    same += got[i] == ref[i].greedy;
-  }
-  std::printf("  deepseek greedy tokens: %d / %zu prompts identical to the reference\n", same,
-              ref.size());
-}
-
-// CPU and GPU (f32, and bf16 when bf16_tol > 0) on the same steps: mixed prefill chunks
-// in three KV slots, then decode steps of all three. Returns the largest f32 error.
-double compare_with_cpu(const std::string& dir, const std::string& placement, double bf16_tol,
-                        bool check_counts) {
-  auto cpu = load(dir, "cpu", DType::kF32, placement);
-  auto gpu = load(dir, "cuda", DType::kF32, placement);
-  auto gpu_bf16 = bf16_tol > 0 ? load(dir, "cuda", DType::kBF16, placement) : nullptr;
-  EXPECT_TRUE(cpu != nullptr && gpu != nullptr && (bf16_tol <= 0 || gpu_bf16 != nullptr));
-  if (cpu == nullptr || gpu == nullptr || (bf16_tol > 0 && gpu_bf16 == nullptr)) return INFINITY;
-  const int vocab = cpu->config().vocab_size;
-  std::mt19937 rng(5);
-  std::vector<SequenceChunk> batch = {{0, 0, {}}, {3, 0, {}}, {5, 0, {}}};
-  const int lens[3] = {9, 1, 23};
-  for (int b = 0; b < 3; ++b) {
-    for (int i = 0; i < lens[b]; ++i)
-      batch[b].tokens.push_back(static_cast<int32_t>(rng() % vocab));
-  }
-  double worst = 0;
-  for (int step = 0; step < 6; ++step) {
-    SCOPED_TRACE("step " + std::to_string(step));
-    const auto want = logits_of(*cpu, batch);
-    const auto got = logits_of(*gpu, batch);
-    EXPECT_EQ(got.size(), want.size());
-    const double err = cuda_test::rel_l2(got, want);
-    worst = std::max(worst, err);
-    EXPECT_LT(err, 1e-4);
-    if (bf16_tol > 0) {
-      const double err_bf16 = cuda_test::rel_l2(logits_of(*gpu_bf16, batch), want);
-      std::printf("  step %d: GPU f32 vs CPU %.3g, GPU bf16 vs CPU %.3g\n", step, err, err_bf16);
-      EXPECT_LT(err_bf16, bf16_tol);
-    } else {
-      std::printf("  step %d: GPU f32 vs CPU %.3g\n", step, err);
-    }
-    for (int b = 0; b < 3; ++b) {
-      batch[b].start_pos += static_cast<int>(batch[b].tokens.size());
-      batch[b].tokens = {static_cast<int32_t>(rng() % vocab)};
-    }
-  }
-  // Both count the same rows per slot (same routing, same replica choice).
-  if (check_counts) {
-    EXPECT_EQ(gpu->slot_counts(), cpu->slot_counts());
-  }
-  return worst;
+  cuda_test::check_reference(model, kModelDir, tol, tokens, step_budget);
 }
 
 // The deepseek-tiny shapes with the options under test (as tests/model/deepseek_naive_test.cc).
@@ -203,7 +87,7 @@ TEST(CudaDeepseekTest, Bf16WithinTolerance) {
   ASSERT_NE(model, nullptr);
   check_reference(*model, 2e-2, false);
   const auto ref = load_reference();
-  const auto got = greedy(*model, ref);
+  const auto got = greedy_tokens(*model, ref);
   ASSERT_EQ(got.size(), ref.size());
   int same = 0, total = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -290,9 +174,9 @@ TEST(CudaDeepseekTest, LongPrefillAgreesWithCpu) {
   std::vector<SequenceChunk> batch = {{0, 0, {}}, {1, 0, {}}};
   for (int i = 0; i < 600; ++i) batch[0].tokens.push_back(static_cast<int32_t>(rng() % 512));
   for (int i = 0; i < 37; ++i) batch[1].tokens.push_back(static_cast<int32_t>(rng() % 512));
-  const auto want = logits_of(*cpu, batch);
-  const double err = cuda_test::rel_l2(logits_of(*gpu, batch), want);
-  const double err32 = cuda_test::rel_l2(logits_of(*gpu32, batch), want);
+  const auto want = step_logits(*cpu, batch);
+  const double err = cuda_test::rel_l2(step_logits(*gpu, batch), want);
+  const double err32 = cuda_test::rel_l2(step_logits(*gpu32, batch), want);
   std::printf("  deepseek 600-token prefill: GPU bf16 vs CPU %.3g, GPU f32 vs CPU %.3g\n", err,
               err32);
   EXPECT_LT(err, 3e-2);
@@ -304,7 +188,7 @@ TEST(CudaDeepseekTest, SetPlacementKeepsCapturedGraphs) {
   auto model = load(kModelDir, "cuda", DType::kF32, "replicate:16:5");
   ASSERT_NE(model, nullptr);
   const auto ref = load_reference();
-  const auto first = greedy(*model, ref);
+  const auto first = greedy_tokens(*model, ref);
   const int64_t captures = model->num_graph_captures();
   EXPECT_GT(captures, 0);
   // Free the first replica of every expert that has two: outputs must not change.
@@ -327,7 +211,7 @@ TEST(CudaDeepseekTest, SetPlacementKeepsCapturedGraphs) {
   ASSERT_TRUE(next.ok()) << next.status().to_string();
   ASSERT_TRUE(model->set_placement(std::move(next).value()).ok());
   model->reset_slot_counts();
-  const auto second = greedy(*model, ref);
+  const auto second = greedy_tokens(*model, ref);
   EXPECT_EQ(second, first);
   for (size_t i = 0; i < ref.size(); ++i) EXPECT_EQ(second[i], ref[i].greedy);
   EXPECT_EQ(model->num_graph_captures(), captures) << "set_placement must not force a recapture";
@@ -340,16 +224,16 @@ TEST(CudaDeepseekTest, LoadExpertRestoresASlot) {
   ASSERT_NE(model, nullptr);
   const auto ref = load_reference();
   const std::vector<SequenceChunk> batch = {{0, 0, ref[1].input_ids}};
-  const auto before = logits_of(*model, batch);
+  const auto before = step_logits(*model, batch);
   // Slot 5 of layer 1 (identity: expert 5) overwritten with expert 6, then restored.
   model->reset_slot_counts();
   ASSERT_TRUE(model->load_expert(1, 6, 5).ok());
-  const auto wrong = logits_of(*model, batch);
+  const auto wrong = step_logits(*model, batch);
   if (model->slot_counts()[1][5] > 0) {
     EXPECT_GT(cuda_test::rel_l2(wrong, before), 1e-6);
   }
   ASSERT_TRUE(model->load_expert(1, 5, 5).ok());
-  EXPECT_LT(cuda_test::rel_l2(logits_of(*model, batch), before), 1e-6);
+  EXPECT_LT(cuda_test::rel_l2(step_logits(*model, batch), before), 1e-6);
   EXPECT_EQ(model->load_expert(0, 1, 1).code(), StatusCode::kInvalidArgument);  // Dense layer.
 }
 

@@ -9,10 +9,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
-#include <fstream>
-#include <nlohmann/json.hpp>
 
-#include "cuda_test_util.h"
+#include "cuda_model_util.h"
 #include "flexpert/generate.h"
 #include "flexpert/model.h"
 #include "moe/expert_slots.h"
@@ -62,37 +60,11 @@ class LoopbackExecutor final : public MoeExecutor {
   RowCompute compute_;
 };
 
-struct Ref {
-  std::vector<int32_t> input_ids, greedy;
-};
+using cuda_test::load_reference;
 
-std::vector<Ref> load_reference(const std::string& dir) {
-  std::ifstream in(dir + "/reference.json");
-  auto j = nlohmann::json::parse(in);
-  std::vector<Ref> out;
-  for (const auto& p : j["prompts"]) {
-    out.push_back(
-        {p["input_ids"].get<std::vector<int32_t>>(), p["greedy"].get<std::vector<int32_t>>()});
-  }
-  return out;
-}
-
-std::vector<std::vector<int32_t>> greedy(Model& model, const std::vector<Ref>& ref) {
-  std::vector<GenerationRequest> requests;
-  for (const auto& r : ref) {
-    SamplingParams params;
-    params.max_tokens = static_cast<int>(r.greedy.size());
-    params.ignore_eos = true;
-    requests.push_back({r.input_ids, params});
-  }
-  Generator generator(model, GeneratorOptions{});
-  auto results = generator.run(requests);
-  EXPECT_TRUE(results.ok()) << results.status().to_string();
-  std::vector<std::vector<int32_t>> out;
-  if (results.ok()) {
-    for (const auto& r : results.value()) out.push_back(r.tokens);
-  }
-  return out;
+std::vector<std::vector<int32_t>> greedy(Model& model,
+                                         const std::vector<cuda_test::RefPrompt>& ref) {
+  return cuda_test::greedy_tokens(model, ref);
 }
 
 // `num_experts` experts in slots 0.. of every layer, then a free local slot and a free

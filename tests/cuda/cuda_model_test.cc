@@ -6,14 +6,10 @@
 // set_placement without being captured again (and warm_up capturing them up front).
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <cstdio>
-#include <fstream>
-#include <nlohmann/json.hpp>
 #include <random>
 
-#include "cuda_test_util.h"
-#include "flexpert/generate.h"
+#include "cuda_model_util.h"
 #include "flexpert/model.h"
 
 namespace flexpert {
@@ -21,79 +17,18 @@ namespace {
 
 const std::string kModelDir = std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny";
 
-struct RefPrompt {
-  std::vector<int32_t> input_ids;
-  std::vector<float> logits;
-  std::vector<int32_t> greedy;
-};
-
-std::vector<RefPrompt> load_reference() {
-  std::ifstream in(kModelDir + "/reference.json");
-  auto j = nlohmann::json::parse(in);
-  std::vector<RefPrompt> out;
-  for (const auto& p : j["prompts"]) {
-    std::vector<double> l = p["last_logits_f64"].get<std::vector<double>>();
-    out.push_back({p["input_ids"].get<std::vector<int32_t>>(),
-                   std::vector<float>(l.begin(), l.end()),
-                   p["greedy"].get<std::vector<int32_t>>()});
-  }
-  return out;
-}
+using cuda_test::greedy_tokens;
+using cuda_test::step_logits;
 
 std::unique_ptr<Model> load(const std::string& device, DType dtype, const std::string& placement,
                             int max_seqs = 8) {
-  ModelOptions options;
-  options.device = device;
-  options.device_dtype = dtype;
-  options.placement = placement;
-  options.max_sequences = max_seqs;
-  auto model = Model::load(kModelDir, options);
-  EXPECT_TRUE(model.ok()) << model.status().to_string();
-  return model.ok() ? std::move(model).value() : nullptr;
+  return cuda_test::load_on(kModelDir, device, dtype, placement, max_seqs);
 }
 
-std::vector<float> logits_of(Model& model, const std::vector<SequenceChunk>& batch) {
-  Tensor logits;
-  Status s = model.forward(batch, &logits);
-  EXPECT_TRUE(s.ok()) << s.to_string();
-  if (!s.ok()) return {};
-  return std::vector<float>(logits.data<float>(), logits.data<float>() + logits.numel());
-}
-
-std::vector<std::vector<int32_t>> greedy(Model& model, const std::vector<RefPrompt>& ref,
-                                         int step_budget = 2048) {
-  std::vector<GenerationRequest> requests;
-  for (const auto& r : ref) {
-    SamplingParams params;
-    params.max_tokens = static_cast<int>(r.greedy.size());
-    params.ignore_eos = true;
-    requests.push_back({r.input_ids, params});
-  }
-  GeneratorOptions options;
-  options.max_tokens_per_step = step_budget;
-  Generator generator(model, options);
-  auto results = generator.run(requests);
-  EXPECT_TRUE(results.ok()) << results.status().to_string();
-  std::vector<std::vector<int32_t>> out;
-  if (results.ok()) {
-    for (const auto& r : results.value()) out.push_back(r.tokens);
-  }
-  return out;
-}
+std::vector<cuda_test::RefPrompt> load_reference() { return cuda_test::load_reference(kModelDir); }
 
 void check_reference(Model& model, double tol, bool tokens, int step_budget = 2048) {
-  const auto ref = load_reference();
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const std::vector<float> got = logits_of(model, {{0, 0, ref[i].input_ids}});
-    ASSERT_EQ(got.size(), ref[i].logits.size());
-    const double err = cuda_test::rel_l2(got, ref[i].logits);
-    std::printf("  prompt %zu: last-logit relative L2 vs float64 = %.3g\n", i, err);
-    EXPECT_LT(err, tol) << "prompt " << i;
-  }
-  if (!tokens) return;
-  const auto got = greedy(model, ref, step_budget);
-  ASSERT_EQ(got.size(), ref.size());
-  for (size_t i = 0; i < ref.size(); ++i) EXPECT_EQ(got[i], ref[i].greedy) << "prompt " << i;
+  cuda_test::check_reference(model, kModelDir, tol, tokens, step_budget);
 }
 
 TEST(CudaModelTest, F32MatchesReference) {
@@ -129,7 +64,7 @@ TEST(CudaModelTest, Bf16WithinTolerance) {
   check_reference(*model, 2e-2, false);
   // Greedy decoding runs (tokens may differ from the f64 reference in bf16).
   const auto ref = load_reference();
-  const auto got = greedy(*model, ref);
+  const auto got = greedy_tokens(*model, ref);
   ASSERT_EQ(got.size(), ref.size());
   int same = 0, total = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -143,37 +78,7 @@ TEST(CudaModelTest, Bf16WithinTolerance) {
 
 TEST(CudaModelTest, AgreesWithCpuOnTheSameBatches) {
   FLEX_SKIP_WITHOUT_GPU();
-  auto cpu = load("cpu", DType::kF32, "replicate:6:3");
-  auto gpu = load("cuda", DType::kF32, "replicate:6:3");
-  auto gpu_bf16 = load("cuda", DType::kBF16, "replicate:6:3");
-  ASSERT_NE(cpu, nullptr);
-  ASSERT_NE(gpu, nullptr);
-  ASSERT_NE(gpu_bf16, nullptr);
-  std::mt19937 rng(5);
-  // Mixed prefill chunks in three KV slots, then decode steps of all three.
-  std::vector<SequenceChunk> batch = {{0, 0, {}}, {3, 0, {}}, {5, 0, {}}};
-  const int lens[3] = {9, 1, 23};
-  for (int b = 0; b < 3; ++b) {
-    for (int i = 0; i < lens[b]; ++i) batch[b].tokens.push_back(static_cast<int32_t>(rng() % 512));
-  }
-  for (int step = 0; step < 6; ++step) {
-    SCOPED_TRACE("step " + std::to_string(step));
-    const auto want = logits_of(*cpu, batch);
-    const auto got = logits_of(*gpu, batch);
-    const auto got_bf16 = logits_of(*gpu_bf16, batch);
-    ASSERT_EQ(got.size(), want.size());
-    const double err = cuda_test::rel_l2(got, want);
-    const double err_bf16 = cuda_test::rel_l2(got_bf16, want);
-    std::printf("  step %d: GPU f32 vs CPU %.3g, GPU bf16 vs CPU %.3g\n", step, err, err_bf16);
-    EXPECT_LT(err, 1e-4);
-    EXPECT_LT(err_bf16, 3e-2);
-    for (int b = 0; b < 3; ++b) {
-      batch[b].start_pos += static_cast<int>(batch[b].tokens.size());
-      batch[b].tokens = {static_cast<int32_t>(rng() % 512)};
-    }
-  }
-  // Both count the same rows per slot (same routing, same replica choice).
-  EXPECT_EQ(gpu->slot_counts(), cpu->slot_counts());
+  cuda_test::compare_with_cpu(kModelDir, "replicate:6:3", /*bf16_tol=*/3e-2, /*check_counts=*/true);
 }
 
 TEST(CudaModelTest, LongPrefillAgreesWithCpu) {
@@ -189,9 +94,9 @@ TEST(CudaModelTest, LongPrefillAgreesWithCpu) {
   std::vector<SequenceChunk> batch = {{0, 0, {}}, {1, 0, {}}};
   for (int i = 0; i < 600; ++i) batch[0].tokens.push_back(static_cast<int32_t>(rng() % 512));
   for (int i = 0; i < 37; ++i) batch[1].tokens.push_back(static_cast<int32_t>(rng() % 512));
-  const auto want = logits_of(*cpu, batch);
-  const double err = cuda_test::rel_l2(logits_of(*gpu, batch), want);
-  const double err32 = cuda_test::rel_l2(logits_of(*gpu32, batch), want);
+  const auto want = step_logits(*cpu, batch);
+  const double err = cuda_test::rel_l2(step_logits(*gpu, batch), want);
+  const double err32 = cuda_test::rel_l2(step_logits(*gpu32, batch), want);
   std::printf("  600-token prefill: GPU bf16 vs CPU %.3g, GPU f32 vs CPU %.3g\n", err, err32);
   EXPECT_LT(err, 3e-2);
   EXPECT_LT(err32, 1e-4);
@@ -202,7 +107,7 @@ TEST(CudaModelTest, SetPlacementKeepsCapturedGraphs) {
   auto model = load("cuda", DType::kF32, "replicate:16:5");
   ASSERT_NE(model, nullptr);
   const auto ref = load_reference();
-  const auto first = greedy(*model, ref);
+  const auto first = greedy_tokens(*model, ref);
   const int64_t captures = model->num_graph_captures();
   EXPECT_GT(captures, 0);
   // Free the first replica of every expert that has two: outputs must not change.
@@ -225,7 +130,7 @@ TEST(CudaModelTest, SetPlacementKeepsCapturedGraphs) {
   ASSERT_TRUE(next.ok()) << next.status().to_string();
   ASSERT_TRUE(model->set_placement(std::move(next).value()).ok());
   model->reset_slot_counts();
-  const auto second = greedy(*model, ref);
+  const auto second = greedy_tokens(*model, ref);
   EXPECT_EQ(second, first);
   for (size_t i = 0; i < ref.size(); ++i) EXPECT_EQ(second[i], ref[i].greedy);
   EXPECT_EQ(model->num_graph_captures(), captures) << "set_placement must not force a recapture";
@@ -243,7 +148,7 @@ TEST(CudaModelTest, WarmUpCapturesEveryBucketAndChangesNothing) {
   }
   ASSERT_TRUE(model->warm_up().ok());  // Idempotent.
   const auto ref = load_reference();
-  const auto got = greedy(*model, ref);
+  const auto got = greedy_tokens(*model, ref);
   ASSERT_EQ(got.size(), ref.size());
   for (size_t i = 0; i < ref.size(); ++i) EXPECT_EQ(got[i], ref[i].greedy) << "prompt " << i;
   EXPECT_EQ(model->num_graph_captures(), 4) << "decode after warm_up must not capture";

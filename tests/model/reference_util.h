@@ -50,14 +50,56 @@ inline double rel_l2(const float* got, const std::vector<double>& want) {
   return std::sqrt(num / den);
 }
 
-inline std::unique_ptr<Model> load(const std::string& dir, const std::string& placement,
-                                   int max_seqs = 8) {
+// The model on `device` ("cpu", "cuda[:N]"; device_dtype on a GPU) with a placement.
+inline std::unique_ptr<Model> load_on(const std::string& dir, const std::string& device,
+                                      DType device_dtype, const std::string& placement,
+                                      int max_seqs = 8) {
   ModelOptions options;
+  options.device = device;
+  options.device_dtype = device_dtype;
   options.placement = placement;
   options.max_sequences = max_seqs;
   auto model = Model::load(dir, options);
   EXPECT_TRUE(model.ok()) << model.status().to_string();
   return model.ok() ? std::move(model).value() : nullptr;
+}
+
+inline std::unique_ptr<Model> load(const std::string& dir, const std::string& placement,
+                                   int max_seqs = 8) {
+  return load_on(dir, "cpu", DType::kBF16, placement, max_seqs);
+}
+
+// Every logits row of one step.
+inline std::vector<float> step_logits(Model& model, const std::vector<SequenceChunk>& batch) {
+  Tensor logits;
+  Status s = model.forward(batch, &logits);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  if (!s.ok()) return {};
+  return std::vector<float>(logits.data<float>(), logits.data<float>() + logits.numel());
+}
+
+// Greedy continuations of every prompt (all batched through the Generator, at most
+// `step_budget` tokens per step, so a small budget chunks the prefills).
+inline std::vector<std::vector<int32_t>> greedy_tokens(Model& model,
+                                                       const std::vector<RefPrompt>& ref,
+                                                       int step_budget = 2048) {
+  std::vector<GenerationRequest> requests;
+  for (const auto& r : ref) {
+    SamplingParams params;
+    params.max_tokens = static_cast<int>(r.greedy.size());
+    params.ignore_eos = true;
+    requests.push_back({r.input_ids, params});
+  }
+  GeneratorOptions gen_options;
+  gen_options.max_tokens_per_step = step_budget;
+  Generator generator(model, gen_options);
+  auto results = generator.run(requests);
+  EXPECT_TRUE(results.ok()) << results.status().to_string();
+  std::vector<std::vector<int32_t>> out;
+  if (results.ok()) {
+    for (const auto& r : results.value()) out.push_back(r.tokens);
+  }
+  return out;
 }
 
 // Last-position logits of one prompt, run as a single prefill step in KV slot 0.
@@ -83,21 +125,9 @@ inline void check_against_reference(Model& model, const std::vector<RefPrompt>& 
     std::printf("  prompt %zu: last-logit relative L2 vs float64 = %.3g\n", i, err);
   }
   if (!check_tokens) return;
-  std::vector<GenerationRequest> requests;
-  for (const auto& r : ref) {
-    SamplingParams params;
-    params.max_tokens = static_cast<int>(r.greedy.size());
-    params.ignore_eos = true;
-    requests.push_back({r.input_ids, params});
-  }
-  GeneratorOptions gen_options;
-  gen_options.max_tokens_per_step = step_budget;
-  Generator generator(model, gen_options);
-  auto results = generator.run(requests);
-  ASSERT_TRUE(results.ok()) << results.status().to_string();
-  for (size_t i = 0; i < ref.size(); ++i) {
-    EXPECT_EQ(results.value()[i].tokens, ref[i].greedy) << "prompt " << i;
-  }
+  const auto tokens = greedy_tokens(model, ref, step_budget);
+  ASSERT_EQ(tokens.size(), ref.size());
+  for (size_t i = 0; i < ref.size(); ++i) EXPECT_EQ(tokens[i], ref[i].greedy) << "prompt " << i;
 }
 
 // Copies checkpoint `src_dir` (config.json + tensors) to `dst_dir` as one
