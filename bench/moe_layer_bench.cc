@@ -12,7 +12,8 @@
 // inputs (so decode-sized calls touch different experts and do not run from L2),
 // replayed for ~0.15 s (median of 3); the time per call is reported. With --torch,
 // the PyTorch reference's times (bench/moe_layer_torch.py) are joined in; --sweep
-// also times every GEMM tile, --profile every kernel of the layer alone.
+// also times every GEMM tile, --profile every kernel of the layer alone (the decode
+// path's three kernels where run_moe takes it: tile "decode").
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -121,6 +122,7 @@ struct Row {
   std::string tile;
   std::map<std::string, double> sweep;   // Tile -> us.
   std::map<std::string, double> stages;  // Kernel -> us (one call of that kernel alone).
+  double unfused_us = 0;                  // Decode path: the unfused kGemv path, same run.
 };
 
 std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_counts, double bw,
@@ -192,7 +194,8 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
     row.tokens = T;
     const GemmTile tile = choose_tile(dims.dtype, static_cast<int64_t>(T) * sh.top_k, sh.experts,
                                       sh.hidden, sh.inter);
-    row.tile = tile_name(tile);
+    const bool decode = uses_decode_path(dims, T);
+    row.tile = decode ? "decode" : tile_name(tile);
     auto layer = [&](int i, int force_tile, unsigned stages) {
       BENCH_CHECK(run_moe(dims, w, scratch, inputs[i].data(), T, nullptr, out.as<float>(), false,
                           blas, stream, force_tile, stages));
@@ -215,6 +218,12 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
     std::printf("  %-14s %6d tokens: %10.1f us (floor %9.1f us, %5.1f%%) tile %s\n",
                 sh.name.c_str(), T, row.us, row.floor_us, 100.0 * row.floor_us / row.us,
                 row.tile.c_str());
+    if (decode) {
+      row.unfused_us = time_calls(
+          [&](int i) { layer(i, static_cast<int>(GemmTile::kGemv), kMoeAllStages); }, 150.0);
+      std::printf("    unfused path (router GEMM, top-k/permute, gemv tiles, combine): %.1f us\n",
+                  row.unfused_us);
+    }
     if (sweep) {
       std::printf("    tiles:");
       for (int t = 1; t < kNumGemmTiles; ++t) {
@@ -232,9 +241,13 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
     if (profile) {
       layer(0, -1, kMoeAllStages);  // Routing data for the single-stage runs.
       std::printf("    stages:");
-      const std::pair<unsigned, const char*> stages[] = {
-          {kMoeRouter, "router"},  {kMoeTopk, "topk"}, {kMoePermute, "permute"},
-          {kMoeGateUp, "gate_up"}, {kMoeDown, "down"}, {kMoeCombine, "combine"}};
+      const std::vector<std::pair<unsigned, const char*>> stages =
+          decode ? std::vector<std::pair<unsigned, const char*>>{{kMoeRouter, "route_topk"},
+                                                                 {kMoeGateUp, "gate_up"},
+                                                                 {kMoeDown, "down_combine"}}
+                 : std::vector<std::pair<unsigned, const char*>>{
+                       {kMoeRouter, "router"},  {kMoeTopk, "topk"}, {kMoePermute, "permute"},
+                       {kMoeGateUp, "gate_up"}, {kMoeDown, "down"}, {kMoeCombine, "combine"}};
       for (const auto& [bit, name] : stages) {
         // Same input for every call: the single stages reuse input 0's routing.
         const double us = time_calls([&](int) { layer(0, -1, bit); }, 30.0);
@@ -346,6 +359,7 @@ int run(int argc, char** argv) {
                     {"flops", r.flops},
                     {"experts_touched", r.experts_touched},
                     {"tile_sweep_us", r.sweep},
+                    {"unfused_us", r.unfused_us},
                     {"stage_us", r.stages}});
   }
   if (!json_path.empty()) {

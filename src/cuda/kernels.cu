@@ -9,6 +9,7 @@
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.h"
+#include "cuda/topk.cuh"
 
 namespace flexpert::cuda {
 namespace {
@@ -77,72 +78,6 @@ __global__ void silu_mul_kernel(const float* gu, int inter, T* out) {
   T* o = out + static_cast<int64_t>(r) * inter;
   for (int i = threadIdx.x; i < inter; i += blockDim.x)
     o[i] = from_f32<T>(silu(g[i]) * g[inter + i]);
-}
-
-// One warp per token; each lane holds experts lane, lane + 32, ...
-constexpr int kTopkMaxPerLane = 16;
-__device__ __forceinline__ void topk_token(const TopkArgs& a, int t, int lane) {
-  const float* l = a.logits + static_cast<int64_t>(t) * a.num_experts;
-  float prob[kTopkMaxPerLane];
-  float mx = -FLT_MAX;
-#pragma unroll
-  for (int i = 0; i < kTopkMaxPerLane; ++i) {
-    const int e = lane + 32 * i;
-    prob[i] = e < a.num_experts ? l[e] : -FLT_MAX;
-    mx = fmaxf(mx, prob[i]);
-  }
-  mx = warp_max(mx);
-  float sum = 0.f;
-#pragma unroll
-  for (int i = 0; i < kTopkMaxPerLane; ++i) {
-    const int e = lane + 32 * i;
-    prob[i] = e < a.num_experts ? expf(prob[i] - mx) : 0.f;
-    sum += prob[i];
-  }
-  sum = warp_sum(sum);
-#pragma unroll
-  for (int i = 0; i < kTopkMaxPerLane; ++i) {
-    const int e = lane + 32 * i;
-    prob[i] = e < a.num_experts ? prob[i] / sum : -1.f;  // -1: never chosen.
-  }
-  int my_expert = 0;
-  float my_prob = 0.f, top_sum = 0.f;
-  for (int j = 0; j < a.top_k; ++j) {
-    float best = -2.f;
-    int best_e = INT_MAX;
-#pragma unroll
-    for (int i = 0; i < kTopkMaxPerLane; ++i) {
-      if (prob[i] > best) {  // Ascending e within a lane: ties keep the lower index.
-        best = prob[i];
-        best_e = lane + 32 * i;
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
-      if (ob > best || (ob == best && oe < best_e)) {
-        best = ob;
-        best_e = oe;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kTopkMaxPerLane; ++i) {
-      if (lane + 32 * i == best_e) prob[i] = -1.f;
-    }
-    if (lane == j) {
-      my_expert = best_e;
-      my_prob = best;
-    }
-    top_sum += best;
-  }
-  if (lane < a.top_k) {
-    const int64_t p = static_cast<int64_t>(t) * a.top_k + lane;
-    a.expert[p] = my_expert;
-    a.weight[p] = a.norm_topk_prob ? my_prob / top_sum : my_prob;
-    const int count = a.rep_count[my_expert];
-    a.slot[p] = a.rep_slots[a.rep_start[my_expert] + (t + lane) % max(count, 1)];
-  }
 }
 
 __global__ void router_topk_kernel(TopkArgs a) {

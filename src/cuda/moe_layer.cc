@@ -4,6 +4,7 @@
 #include <cstring>
 #include <string>
 
+#include "cuda/decode_moe.h"
 #include "cuda/kernels.h"
 
 namespace flexpert::cuda {
@@ -101,8 +102,58 @@ Result<MoeScratch> MoeScratch::create(const MoeDims& dims, int max_tokens) {
   FLEX_ASSIGN_OR_RETURN(s.num_tiles, DeviceBuffer::create_zeroed(sizeof(int32_t)));
   FLEX_ASSIGN_OR_RETURN(s.act, DeviceBuffer::create(P * dims.intermediate * esize));
   FLEX_ASSIGN_OR_RETURN(s.y, DeviceBuffer::create(P * dims.hidden * esize));
+  FLEX_ASSIGN_OR_RETURN(s.ticket, DeviceBuffer::create_zeroed(sizeof(int32_t)));
   return s;
 }
+
+bool uses_decode_path(const MoeDims& dims, int num_tokens) {
+  if (dims.dtype != DType::kBF16 ||
+      !decode_moe_supported(num_tokens, dims.hidden, dims.intermediate, dims.num_experts,
+                            dims.top_k)) {
+    return false;
+  }
+  const int64_t pairs = static_cast<int64_t>(num_tokens) * dims.top_k;
+  return choose_tile(dims.dtype, pairs, dims.num_experts, dims.hidden, dims.intermediate) ==
+         GemmTile::kGemv;
+}
+
+namespace {
+
+Status run_decode(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
+                  const void* h, int num_tokens, const int32_t* num_valid_tokens, float* out,
+                  bool accumulate, cudaStream_t stream, unsigned stages) {
+  DecodeMoeArgs d;
+  d.h = h;
+  d.router = w.router;
+  d.weights = w.slots;
+  d.slot_stride = dims.slot_elems();
+  d.num_tokens = num_tokens;
+  d.hidden = dims.hidden;
+  d.inter = dims.intermediate;
+  d.topk = TopkArgs{scratch.logits.as<float>(),
+                    num_tokens,
+                    dims.num_experts,
+                    dims.top_k,
+                    dims.norm_topk_prob,
+                    w.rep_start,
+                    w.rep_count,
+                    w.rep_slots,
+                    scratch.expert.as<int32_t>(),
+                    scratch.weight.as<float>(),
+                    scratch.slot.as<int32_t>()};
+  d.ticket = scratch.ticket.as<int32_t>();
+  d.slot_stats = (stages & kMoePermute) ? w.slot_stats : nullptr;
+  d.num_valid_tokens = num_valid_tokens;
+  d.act = scratch.act.data();
+  d.out = out;
+  d.accumulate = accumulate;
+  if (stages & kMoeRouter) FLEX_CUDA_TRY(decode_route(d, stream));
+  if (stages & kMoeGateUp) FLEX_CUDA_TRY(decode_gate_up(d, stream));
+  if (stages & kMoeDown) FLEX_CUDA_TRY(decode_down_combine(d, stream));
+  return Status();
+}
+
+}  // namespace
 
 Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch, const void* h,
                int num_tokens, const int32_t* num_valid_tokens, float* out, bool accumulate,
@@ -112,6 +163,10 @@ Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratc
     return internal_error("MoE step of " + std::to_string(num_tokens) +
                           " tokens over the scratch capacity " +
                           std::to_string(scratch.max_tokens));
+  }
+  if (force_tile < 0 && w.router != nullptr && uses_decode_path(dims, num_tokens)) {
+    return run_decode(dims, w, scratch, h, num_tokens, num_valid_tokens, out, accumulate, stream,
+                      stages);
   }
   const int H = dims.hidden, I = dims.intermediate, K = dims.top_k;
   const int64_t P = static_cast<int64_t>(num_tokens) * K;

@@ -69,6 +69,7 @@ struct MoeScratch {
   DeviceBuffer tile_slot, tile_row0, num_tiles;  // i32 [max tiles], [max tiles], [1]
   DeviceBuffer act;                              // dtype [T * K, I]
   DeviceBuffer y;                                // dtype [T * K, H]
+  DeviceBuffer ticket;                           // i32 [1], zero between launches (decode)
 };
 
 // The kernels of run_moe, as a mask (profiling runs one stage on the previous run's data).
@@ -90,6 +91,14 @@ Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratc
                int num_tokens, const int32_t* num_valid_tokens, float* out, bool accumulate,
                Blas& blas, cudaStream_t stream, int force_tile = -1,
                unsigned stages = kMoeAllStages);
+
+// Whether run_moe (force_tile -1, router given) takes the decode path for this step:
+// bf16 steps where choose_tile picks kGemv (under a quarter row per expert) and
+// num_tokens <= kDecodeMaxTokens run three kernels (decode_moe.h) instead of the
+// router GEMM, top-k/permute, two grouped GEMMs and combine. Stage bits there:
+// kMoeRouter = router GEMV + top-k (+ slot statistics with kMoePermute), kMoeGateUp,
+// kMoeDown = down + combine; kMoeTopk, kMoePermute or kMoeCombine alone run nothing.
+bool uses_decode_path(const MoeDims& dims, int num_tokens);
 
 // Copies the last run's per-pair logical experts and slots to the host (tests,
 // benchmarks); synchronises `stream`.

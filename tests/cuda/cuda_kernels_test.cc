@@ -167,6 +167,144 @@ std::vector<MoeCase> moe_cases() {
 
 INSTANTIATE_TEST_SUITE_P(AllTiles, CudaMoeTest, ::testing::ValuesIn(moe_cases()));
 
+// The decode path (three kernels, decode_moe.h) against the unfused kGemv path on the
+// same data: same experts, slots and slot statistics, outputs equal up to the router
+// logits' rounding (cuBLAS there); then under a CUDA graph replayed twice, accumulating
+// (the route kernel's ticket must be reset for each launch), with padding tokens.
+struct DecodeCase {
+  int tokens, top_k;
+};
+
+class CudaDecodeMoeTest : public ::testing::TestWithParam<DecodeCase> {};
+
+TEST_P(CudaDecodeMoeTest, MatchesUnfusedPath) {
+  FLEX_SKIP_WITHOUT_GPU();
+  const DecodeCase c = GetParam();
+  const int H = 320, I = 96, E = 128, K = c.top_k, T = c.tokens;
+  std::vector<int> map;
+  for (int e = 0; e < E; ++e) map.push_back(e);
+  for (int e : {3, 7, 0, 3, 11, 7, 3, 15}) map.push_back(e);
+  const int S = static_cast<int>(map.size());
+  cuda::MoeDims dims;
+  dims.dtype = DType::kBF16;
+  dims.hidden = H;
+  dims.intermediate = I;
+  dims.num_experts = E;
+  dims.top_k = K;
+  dims.num_slots = S;
+  dims.norm_topk_prob = true;
+  ASSERT_TRUE(cuda::uses_decode_path(dims, T));
+
+  std::mt19937 rng(77 + T * 10 + K);
+  const std::vector<float> x = uniform(static_cast<size_t>(T) * H, 1.f, rng);
+  const std::vector<float> router = uniform(static_cast<size_t>(E) * H, 0.2f, rng);
+  const size_t slot_bytes = dims.slot_elems() * 2;
+  std::vector<uint8_t> image(S * slot_bytes);
+  std::vector<std::vector<float>> gate(E), up(E), down(E);
+  for (int e = 0; e < E; ++e) {
+    gate[e] = uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng);
+    up[e] = uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng);
+    down[e] = uniform(static_cast<size_t>(H) * I, 1.f / std::sqrt(I), rng);
+  }
+  for (int s = 0; s < S; ++s) {
+    cuda::pack_expert(gate[map[s]].data(), up[map[s]].data(), down[map[s]].data(), H, I,
+                      DType::kBF16, image.data() + s * slot_bytes);
+  }
+  auto slots = to_device_raw(image);
+  auto router_d = to_device(router, DType::kBF16);
+  auto x_d = to_device(x, DType::kBF16);
+  const cuda::RoutingTables tables = cuda::build_routing_tables(map, E);
+  auto rep_start = to_device_raw(tables.rep_start);
+  auto rep_count = to_device_raw(tables.rep_count);
+  auto rep_slots = to_device_raw(tables.rep_slots);
+  auto stream = cuda::Stream::create();
+  ASSERT_TRUE(stream.ok());
+  cudaStream_t s = stream.value().get();
+  auto blas = cuda::Blas::create(s);
+  ASSERT_TRUE(blas.ok());
+
+  struct Run {
+    std::vector<float> out;
+    std::vector<int32_t> experts, slots;
+    std::vector<int64_t> stats;
+  };
+  auto run = [&](int force_tile) {
+    Run r;
+    auto stats = cuda::DeviceBuffer::create_zeroed(S * sizeof(int64_t));
+    auto scratch = cuda::MoeScratch::create(dims, T);
+    EXPECT_TRUE(stats.ok() && scratch.ok());
+    auto out = to_device(std::vector<float>(static_cast<size_t>(T) * H, NAN), DType::kF32);
+    cuda::MoeLayerWeights w;
+    w.router = router_d.data();
+    w.slots = slots.data();
+    w.rep_start = rep_start.as<int32_t>();
+    w.rep_count = rep_count.as<int32_t>();
+    w.rep_slots = rep_slots.as<int32_t>();
+    w.slot_stats = stats.value().as<int64_t>();
+    const Status st = cuda::run_moe(dims, w, scratch.value(), x_d.data(), T, nullptr,
+                                    out.as<float>(), false, blas.value(), s, force_tile);
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    EXPECT_TRUE(stream.value().synchronize().ok());
+    r.out = to_host(out.data(), static_cast<size_t>(T) * H, DType::kF32);
+    EXPECT_TRUE(cuda::read_routing(scratch.value(), T * K, s, &r.experts, &r.slots).ok());
+    r.stats.resize(S);
+    EXPECT_EQ(cudaMemcpy(r.stats.data(), stats.value().data(), S * sizeof(int64_t),
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return r;
+  };
+  const Run fused = run(-1);
+  const Run unfused = run(static_cast<int>(cuda::GemmTile::kGemv));
+  EXPECT_EQ(fused.experts, unfused.experts);
+  EXPECT_EQ(fused.slots, unfused.slots);
+  EXPECT_EQ(fused.stats, unfused.stats);
+  const double err = rel_l2(fused.out, unfused.out);
+  std::printf("  decode T=%d K=%d: relative L2 vs unfused path = %.3g\n", T, K, err);
+  EXPECT_LT(err, 1e-5);
+
+  // A graph of two accumulating calls, replayed twice; tokens >= num_valid are padding.
+  auto stats = cuda::DeviceBuffer::create_zeroed(S * sizeof(int64_t));
+  auto scratch = cuda::MoeScratch::create(dims, T);
+  ASSERT_TRUE(stats.ok() && scratch.ok());
+  auto out = to_device(std::vector<float>(static_cast<size_t>(T) * H, 0.f), DType::kF32);
+  const int valid = T > 1 ? T - 1 : 1;
+  auto num_valid = to_device_raw(std::vector<int32_t>{valid});
+  cuda::MoeLayerWeights w;
+  w.router = router_d.data();
+  w.slots = slots.data();
+  w.rep_start = rep_start.as<int32_t>();
+  w.rep_count = rep_count.as<int32_t>();
+  w.rep_slots = rep_slots.as<int32_t>();
+  w.slot_stats = stats.value().as<int64_t>();
+  ASSERT_TRUE(cuda::GraphExec::begin_capture(s).ok());
+  for (int i = 0; i < 2; ++i) {
+    const Status st = cuda::run_moe(dims, w, scratch.value(), x_d.data(), T,
+                                    num_valid.as<int32_t>(), out.as<float>(), true, blas.value(), s);
+    if (!st.ok()) {
+      cuda::GraphExec::abandon_capture(s);
+      FAIL() << st.to_string();
+    }
+  }
+  auto graph = cuda::GraphExec::end_capture(s);
+  ASSERT_TRUE(graph.ok()) << graph.status().to_string();
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(graph.value().launch(s).ok());
+  ASSERT_TRUE(stream.value().synchronize().ok());
+  const std::vector<float> got = to_host(out.data(), static_cast<size_t>(T) * H, DType::kF32);
+  std::vector<float> want(fused.out.size());
+  for (size_t i = 0; i < want.size(); ++i) want[i] = 4.f * fused.out[i];
+  EXPECT_LT(rel_l2(got, want), 1e-6);
+  std::vector<int64_t> graph_stats(S), want_stats(S, 0);
+  ASSERT_EQ(cudaMemcpy(graph_stats.data(), stats.value().data(), S * sizeof(int64_t),
+                       cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  for (int p = 0; p < valid * K; ++p) want_stats[fused.slots[p]] += 4;
+  EXPECT_EQ(graph_stats, want_stats);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaDecodeMoeTest,
+                         ::testing::Values(DecodeCase{1, 4}, DecodeCase{3, 4}, DecodeCase{8, 4},
+                                           DecodeCase{1, 8}, DecodeCase{4, 8}));
+
 class CudaAttentionTest : public ::testing::TestWithParam<std::pair<DType, int>> {};
 
 TEST_P(CudaAttentionTest, MatchesCpuAttention) {

@@ -1,0 +1,55 @@
+// SPDX-License-Identifier: Apache-2.0
+// The MoE block for steps of a few tokens (decode) in three launches, bf16 only:
+//   1. decode_route: router GEMV (one warp per expert row, f32 logits), then the last
+//      block to finish (atomic ticket, reset for the next launch) runs the softmax top-k
+//      with replica choice for every token (topk.cuh, as router_topk) and the slot
+//      statistics. No permutation: the next two kernels work per (token, k) pair.
+//   2. decode_gate_up: act[p, :] = SwiGLU of pair p's token row through its slot's
+//      gate/up rows (a warp per gate/up row pair, as the kGemv tile).
+//   3. decode_down_combine: each block owns a token and 8 output columns; warp k
+//      computes pair k's down outputs for them (rounded to the element type, as the
+//      unfused y), then out[t, c] (+)= sum_k weight * y, summed in k order in f32.
+// The arithmetic per output is that of the kGemv tile and combine() (same per-lane
+// order and warp reduction), so only the router logits differ from the unfused path
+// (cuBLAS there), by rounding.
+// Launches use programmatic dependent launch (sm_90, also inside CUDA graphs): each
+// kernel waits (griddepcontrol.wait) before it reads its predecessor's outputs and
+// only then lets its successor start, so the successor may load weights early: the
+// router its weights, the down kernel its first rows (slot[] is final by then).
+// FLEXPERT_NO_PDL=1 in the environment launches them plainly.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cuda/kernels.h"
+
+namespace flexpert::cuda {
+
+constexpr int kDecodeMaxTokens = 8;
+
+struct DecodeMoeArgs {
+  const void* h = nullptr;       // bf16 [T, H]
+  const void* router = nullptr;  // bf16 [E, H]
+  const void* weights = nullptr; // slots, as GroupedGemmArgs::weights
+  int64_t slot_stride = 0;       // elements per slot (3 H I)
+  int num_tokens = 0, hidden = 0, inter = 0;
+  TopkArgs topk;                            // logits (f32 [T, E], written here) .. slot
+  int32_t* ticket = nullptr;                // zeroed i32; the route kernel leaves it 0
+  int64_t* slot_stats = nullptr;            // may be null
+  const int32_t* num_valid_tokens = nullptr;  // may be null (all tokens count)
+  void* act = nullptr;                      // bf16 [T * K, I]
+  float* out = nullptr;                     // f32 [T, H]
+  bool accumulate = false;
+};
+
+// Whether the three kernels take this shape (bf16; T <= kDecodeMaxTokens, H and I
+// multiples of 8, top-k and experts as router_topk).
+bool decode_moe_supported(int num_tokens, int hidden, int inter, int num_experts, int top_k);
+
+cudaError_t decode_route(const DecodeMoeArgs& args, cudaStream_t stream);
+cudaError_t decode_gate_up(const DecodeMoeArgs& args, cudaStream_t stream);
+cudaError_t decode_down_combine(const DecodeMoeArgs& args, cudaStream_t stream);
+
+}  // namespace flexpert::cuda
