@@ -122,7 +122,7 @@ struct Row {
   std::string tile;
   std::map<std::string, double> sweep;   // Tile -> us.
   std::map<std::string, double> stages;  // Kernel -> us (one call of that kernel alone).
-  double unfused_us = 0;                  // Decode path: the unfused kGemv path, same run.
+  double unfused_us = 0;                 // Decode path: the unfused kGemv path, same run.
 };
 
 std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_counts, double bw,

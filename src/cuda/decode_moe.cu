@@ -35,16 +35,6 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   return v;
 }
 
-__device__ __forceinline__ void bf16x8(const uint4& raw, float (&v)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-
 // ---- 1. Router GEMV + (last block) top-k and slot statistics.
 constexpr int kRouteWarps = 8, kRouteChunks = 8;
 
@@ -111,8 +101,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) decode_route_kernel(DecodeMo
   __syncthreads();  // slot[] of every pair visible to the block.
   if (a.slot_stats != nullptr) {
     const int K = a.topk.top_k;
-    const int valid =
-        a.num_valid_tokens != nullptr ? min(*a.num_valid_tokens, T) * K : T * K;
+    const int valid = a.num_valid_tokens != nullptr ? min(*a.num_valid_tokens, T) * K : T * K;
     for (int p = threadIdx.x; p < valid; p += blockDim.x) {
       atomicAdd(reinterpret_cast<unsigned long long*>(a.slot_stats + a.topk.slot[p]), 1ull);
     }
@@ -136,8 +125,8 @@ __global__ void __launch_bounds__(kGuWarps * 32, 1) decode_gate_up_kernel(Decode
   const bf16* W = static_cast<const bf16*>(a.weights) + slot * a.slot_stride;
   const uint4* w0p = reinterpret_cast<const uint4*>(W + static_cast<int64_t>(w_row0) * H);
   const uint4* w1p = reinterpret_cast<const uint4*>(W + static_cast<int64_t>(w_row1) * H);
-  const uint4* arow =
-      reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.h) + static_cast<int64_t>(p / K) * H);
+  const uint4* arow = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.h) +
+                                                     static_cast<int64_t>(p / K) * H);
   float acc0 = 0.f, acc1 = 0.f;
   for (int c0 = 0; c0 < kc; c0 += 32 * kGuChunks) {
     uint4 w0[kGuChunks], w1[kGuChunks];
@@ -282,8 +271,8 @@ cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream,
 
 bool decode_moe_supported(int num_tokens, int hidden, int inter, int num_experts, int top_k) {
   return num_tokens >= 1 && num_tokens <= kDecodeMaxTokens && hidden > 0 && hidden % 8 == 0 &&
-         inter > 0 && inter % 8 == 0 && top_k >= 1 && top_k <= kMaxTopk &&
-         top_k <= num_experts && num_experts <= 32 * kTopkMaxPerLane;
+         inter > 0 && inter % 8 == 0 && top_k >= 1 && top_k <= kMaxTopk && top_k <= num_experts &&
+         num_experts <= 32 * kTopkMaxPerLane;
 }
 
 cudaError_t decode_route(const DecodeMoeArgs& a, cudaStream_t stream) {

@@ -30,17 +30,17 @@ namespace flexpert::cuda {
 constexpr int kDecodeMaxTokens = 8;
 
 struct DecodeMoeArgs {
-  const void* h = nullptr;       // bf16 [T, H]
-  const void* router = nullptr;  // bf16 [E, H]
-  const void* weights = nullptr; // slots, as GroupedGemmArgs::weights
-  int64_t slot_stride = 0;       // elements per slot (3 H I)
+  const void* h = nullptr;        // bf16 [T, H]
+  const void* router = nullptr;   // bf16 [E, H]
+  const void* weights = nullptr;  // slots, as GroupedGemmArgs::weights
+  int64_t slot_stride = 0;        // elements per slot (3 H I)
   int num_tokens = 0, hidden = 0, inter = 0;
-  TopkArgs topk;                            // logits (f32 [T, E], written here) .. slot
-  int32_t* ticket = nullptr;                // zeroed i32; the route kernel leaves it 0
-  int64_t* slot_stats = nullptr;            // may be null
+  TopkArgs topk;                              // logits (f32 [T, E], written here) .. slot
+  int32_t* ticket = nullptr;                  // zeroed i32; the route kernel leaves it 0
+  int64_t* slot_stats = nullptr;              // may be null
   const int32_t* num_valid_tokens = nullptr;  // may be null (all tokens count)
-  void* act = nullptr;                      // bf16 [T * K, I]
-  float* out = nullptr;                     // f32 [T, H]
+  void* act = nullptr;                        // bf16 [T * K, I]
+  float* out = nullptr;                       // f32 [T, H]
   bool accumulate = false;
 };
 

@@ -35,8 +35,8 @@ __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
   v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
-__device__ __forceinline__ void load8(const bf16* p, float (&v)[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+// Eight bf16 (one 16-byte load) as f32.
+__device__ __forceinline__ void bf16x8(const uint4& raw, float (&v)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -44,6 +44,9 @@ __device__ __forceinline__ void load8(const bf16* p, float (&v)[8]) {
     v[2 * i] = f.x;
     v[2 * i + 1] = f.y;
   }
+}
+__device__ __forceinline__ void load8(const bf16* p, float (&v)[8]) {
+  bf16x8(*reinterpret_cast<const uint4*>(p), v);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -213,16 +213,6 @@ __global__ void __launch_bounds__(C::kThreads) mma_gemm_kernel(const GroupedGemm
 // hence bytes in flight per SM, is bounded by registers alone.
 constexpr int kGemvRows = 4, kGemvWarps = 4, kGemvChunks = 8;
 
-__device__ __forceinline__ void bf16x8(const uint4& raw, float (&v)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-
 __global__ void __launch_bounds__(kGemvWarps * 32) gemv_gemm_kernel(const GroupedGemmArgs g) {
   const int tile = blockIdx.x;
   if (tile >= *g.num_tiles) return;
