@@ -119,9 +119,9 @@ bool uses_decode_path(const MoeDims& dims, int num_tokens) {
 
 namespace {
 
-Status run_decode(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
-                  const void* h, int num_tokens, const int32_t* num_valid_tokens, float* out,
-                  bool accumulate, cudaStream_t stream, unsigned stages) {
+Status run_decode(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch, const void* h,
+                  int num_tokens, const int32_t* num_valid_tokens, float* out, bool accumulate,
+                  cudaStream_t stream, unsigned stages) {
   DecodeMoeArgs d;
   d.h = h;
   d.router = w.router;
