@@ -278,8 +278,9 @@ TEST_P(CudaDecodeMoeTest, MatchesUnfusedPath) {
   w.slot_stats = stats.value().as<int64_t>();
   ASSERT_TRUE(cuda::GraphExec::begin_capture(s).ok());
   for (int i = 0; i < 2; ++i) {
-    const Status st = cuda::run_moe(dims, w, scratch.value(), x_d.data(), T,
-                                    num_valid.as<int32_t>(), out.as<float>(), true, blas.value(), s);
+    const Status st =
+        cuda::run_moe(dims, w, scratch.value(), x_d.data(), T, num_valid.as<int32_t>(),
+                      out.as<float>(), true, blas.value(), s);
     if (!st.ok()) {
       cuda::GraphExec::abandon_capture(s);
       FAIL() << st.to_string();
