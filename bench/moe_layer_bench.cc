@@ -7,13 +7,15 @@
 //
 //   moe_layer_bench [--shapes qwen3-30b-a3b,deepseek-v3] [--tokens 1,4,16,...]
 //                   [--json out.json] [--torch torch.json] [--sweep] [--profile]
+//                   [--tiles wgmma64,ws128,...]
 //
 // Each configuration is timed as a CUDA graph of 4 layer calls on 4 different
 // inputs (so decode-sized calls touch different experts and do not run from L2),
 // replayed for ~0.15 s (median of 3); the time per call is reported. With --torch,
 // the PyTorch reference's times (bench/moe_layer_torch.py) are joined in; --sweep
-// also times every GEMM tile, --profile every kernel of the layer alone (the decode
-// path's three kernels where run_moe takes it: tile "decode").
+// also times every GEMM tile (or those named by --tiles), --profile every kernel of the
+// layer alone (with --sweep also each swept tile's two GEMMs alone; the decode path's
+// three kernels where run_moe takes it: tile "decode").
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -126,7 +128,8 @@ struct Row {
 };
 
 std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_counts, double bw,
-                             double rate, bool sweep, bool profile, cudaStream_t stream,
+                             double rate, bool sweep, bool profile,
+                             const std::set<std::string>& sweep_tiles, cudaStream_t stream,
                              Blas& blas) {
   MoeDims dims;
   dims.dtype = DType::kBF16;
@@ -229,12 +232,21 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
       for (int t = 1; t < kNumGemmTiles; ++t) {
         const GemmTile gt = static_cast<GemmTile>(t);
         if (!tile_supports(gt, dims.dtype, 2 * sh.inter, sh.hidden) ||
-            !tile_supports(gt, dims.dtype, sh.hidden, sh.inter)) {
+            !tile_supports(gt, dims.dtype, sh.hidden, sh.inter) ||
+            (!sweep_tiles.empty() && sweep_tiles.count(tile_name(gt)) == 0)) {
           continue;
         }
         const double us = time_calls([&](int i) { layer(i, t, kMoeAllStages); }, 40.0);
         row.sweep[tile_name(gt)] = us;
         std::printf(" %s %.1f", tile_name(gt), us);
+        if (profile) {  // Both GEMMs of this tile alone, on input 0's routing.
+          layer(0, t, kMoeAllStages);
+          const double gu = time_calls([&](int) { layer(0, t, kMoeGateUp); }, 20.0);
+          const double dn = time_calls([&](int) { layer(0, t, kMoeDown); }, 20.0);
+          row.stages[std::string(tile_name(gt)) + ":gate_up"] = gu;
+          row.stages[std::string(tile_name(gt)) + ":down"] = dn;
+          std::printf(" (gate_up %.1f down %.1f)", gu, dn);
+        }
       }
       std::printf("\n");
     }
@@ -265,7 +277,7 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
 int run(int argc, char** argv) {
   std::string shapes = "qwen3-30b-a3b,deepseek-v3";
   std::string tokens = "1,4,16,64,256,1024,4096,16384";
-  std::string json_path, torch_path;
+  std::string json_path, torch_path, tiles;
   bool sweep = false, profile = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -284,6 +296,8 @@ int run(int argc, char** argv) {
       json_path = next();
     } else if (a == "--torch") {
       torch_path = next();
+    } else if (a == "--tiles") {
+      tiles = next();
     } else if (a == "--sweep") {
       sweep = true;
     } else if (a == "--profile") {
@@ -291,7 +305,7 @@ int run(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: moe_layer_bench [--shapes a,b] [--tokens 1,4,...] [--json F] "
-                   "[--torch F] [--sweep] [--profile]\n");
+                   "[--torch F] [--sweep] [--profile] [--tiles a,b]\n");
       return 2;
     }
   }
@@ -320,7 +334,10 @@ int run(int argc, char** argv) {
       std::fprintf(stderr, "unknown shape %s\n", name.c_str());
       return 2;
     }
-    auto r = bench_shape(*sh, token_counts, bw, rate, sweep, profile, stream.get(), blas);
+    const std::vector<std::string> tile_list = split(tiles);
+    const std::set<std::string> sweep_tiles(tile_list.begin(), tile_list.end());
+    auto r = bench_shape(*sh, token_counts, bw, rate, sweep, profile, sweep_tiles, stream.get(),
+                         blas);
     rows.insert(rows.end(), r.begin(), r.end());
   }
   nlohmann::json torch = nlohmann::json::object();

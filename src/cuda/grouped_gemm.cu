@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Grouped expert GEMMs (grouped_gemm.h).
-// NOTE: the tensor-core path uses sm_80-style mma.sync with ldmatrix and a
-// 4-stage cp.async pipeline; rows of a shared-memory tile are padded by 16 bytes
-// so ldmatrix reads are free of bank conflicts. A Hopper wgmma/TMA kernel would
-// raise the compute-bound ceiling (large prefill); decode is bandwidth-bound.
+// NOTE: the mma.sync tiles use ldmatrix and a 4-stage cp.async pipeline; rows of a
+// shared-memory tile are padded by 16 bytes so ldmatrix reads are free of bank
+// conflicts. The Hopper tiles (wgmma_gemm.cu) serve sm_90a: kWgmmaWs64 / kWgmmaWs128
+// from a few rows per expert up, kWgmma64 around one or two.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -420,6 +420,10 @@ const char* tile_name(GemmTile tile) {
       return "gemv";
     case GemmTile::kWgmma128N256:
       return "wgmma128n256";
+    case GemmTile::kWgmmaWs128:
+      return "ws128";
+    case GemmTile::kWgmmaWs64:
+      return "ws64";
   }
   return "?";
 }
@@ -434,10 +438,12 @@ int tile_rows(GemmTile tile) {
       return 16;
     case GemmTile::kMma64:
     case GemmTile::kWgmma64:
+    case GemmTile::kWgmmaWs64:
       return 64;
     case GemmTile::kMma128:
     case GemmTile::kWgmma128:
     case GemmTile::kWgmma128N256:
+    case GemmTile::kWgmmaWs128:
       return 128;
     case GemmTile::kSimt:
       break;
@@ -463,6 +469,8 @@ bool tile_supports(GemmTile tile, DType dtype, int n, int k) {
     case GemmTile::kWgmma128:
       return wgmma_fits(n, k, 128) && wgmma_available();
     case GemmTile::kWgmma128N256:
+    case GemmTile::kWgmmaWs128:
+    case GemmTile::kWgmmaWs64:
       return wgmma_fits(n, k, 256) && wgmma_available();
     case GemmTile::kGemv:
       return n % (2 * kGemvWarps) == 0 && n % 16 == 0 && k % 8 == 0;
@@ -489,11 +497,15 @@ GemmTile choose_tile(DType dtype, int64_t num_pairs, int num_experts, int hidden
   std::vector<GemmTile> order;
   if (rows_per_expert <= 0.25) {
     order = {GemmTile::kGemv, GemmTile::kMma16K128, GemmTile::kMma16, GemmTile::kMma64};
-  } else if (rows_per_expert <= 64) {
+  } else if (rows_per_expert <= 2) {
     order = {GemmTile::kWgmma64, GemmTile::kMma16K128, GemmTile::kMma16, GemmTile::kMma64};
+  } else if (rows_per_expert <= 48) {
+    order = {GemmTile::kWgmmaWs64, GemmTile::kWgmma64, GemmTile::kMma16K128, GemmTile::kMma16,
+             GemmTile::kMma64};
   } else {
-    order = {GemmTile::kWgmma128N256, GemmTile::kWgmma128, GemmTile::kWgmma64,
-             GemmTile::kMma128,       GemmTile::kMma64,    GemmTile::kMma16};
+    order = {GemmTile::kWgmmaWs128, GemmTile::kWgmma128N256, GemmTile::kWgmma128,
+             GemmTile::kWgmma64,    GemmTile::kMma128,       GemmTile::kMma64,
+             GemmTile::kMma16};
   }
   for (GemmTile t : order) {
     if (fits_both(t, dtype, hidden, inter)) return t;
@@ -530,6 +542,10 @@ cudaError_t grouped_gemm(DType dtype, GemmTile tile, const GroupedGemmArgs& args
       return launch_wgmma_gemm(2, 128, args, stream);
     case GemmTile::kWgmma128N256:
       return launch_wgmma_gemm(2, 256, args, stream);
+    case GemmTile::kWgmmaWs128:
+      return launch_wgmma_ws_gemm(128, args, stream);
+    case GemmTile::kWgmmaWs64:
+      return launch_wgmma_ws_gemm(64, args, stream);
     case GemmTile::kGemv: {
       const dim3 grid(args.max_tiles, args.n / (2 * kGemvWarps));
       gemv_gemm_kernel<<<grid, kGemvWarps * 32, 0, stream>>>(args);

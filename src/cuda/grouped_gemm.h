@@ -12,9 +12,11 @@
 // 16b..16b+7 are gate rows 8b..8b+7 and rows 16b+8..16b+15 the up rows 8b..8b+7
 // (so one thread holds a gate and its up in registers). A[r] is a[gather[r] /
 // gather_div] when gather is set (token rows read in place), else a[r].
-// BF16 runs on tensor cores (mma.sync m16n8k16, f32 accumulation, cp.async
-// pipeline); F32 (verification) and shapes the tensor-core tiles do not divide run
-// a plain f32 kernel. Enqueue only; capturable in CUDA graphs.
+// BF16 runs on tensor cores (mma.sync m16n8k16, or Hopper wgmma on sm_90a, f32
+// accumulation); F32 (verification) and shapes the tensor-core tiles do not divide
+// run a plain f32 kernel. Enqueue only; capturable in CUDA graphs (the wgmma_ws tiles
+// encode a tensor map per weight / activation buffer on the host at launch and keep
+// it, keyed by the buffer's address and allocation).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -29,6 +31,9 @@ namespace flexpert::cuda {
 // kMma*: mma.sync, 16 x 64, 64 x 128, 128 x 128, 16 x 32 (decode: more, smaller blocks),
 // 16 x 64 with K steps of 128 (longer runs per weight row);
 // kWgmma*: Hopper wgmma, 64 x 128, 128 x 128 and 128 x 256 (sm_90a builds only);
+// kWgmmaWs*: Hopper wgmma, warp-specialised and persistent (a producer warpgroup
+// loading B by tensor copies and A by cp.async into an mbarrier ring, two consumer
+// warpgroups), 128 x 256 and 64 x 256;
 // kGemv: 4 rows per tile, one warp per pair of weight rows streaming whole rows with
 // 16-byte loads (decode: few rows per expert, bandwidth from many loads in flight).
 enum class GemmTile : int {
@@ -42,8 +47,10 @@ enum class GemmTile : int {
   kMma16K128 = 7,
   kGemv = 8,
   kWgmma128N256 = 9,
+  kWgmmaWs128 = 10,
+  kWgmmaWs64 = 11,
 };
-constexpr int kNumGemmTiles = 10;
+constexpr int kNumGemmTiles = 12;
 const char* tile_name(GemmTile tile);
 
 struct GroupedGemmArgs {
@@ -82,5 +89,7 @@ bool wgmma_available();
 bool wgmma_fits(int n, int k, int bn);
 cudaError_t launch_wgmma_gemm(int warpgroups, int bn, const GroupedGemmArgs& args,
                               cudaStream_t stream);
+// The warp-specialised persistent tiles (bm = 128 or 64 rows, 256 columns).
+cudaError_t launch_wgmma_ws_gemm(int bm, const GroupedGemmArgs& args, cudaStream_t stream);
 
 }  // namespace flexpert::cuda

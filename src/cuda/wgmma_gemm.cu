@@ -1,15 +1,23 @@
 // SPDX-License-Identifier: Apache-2.0
 // The Hopper tensor-core path of the grouped expert GEMM (grouped_gemm.h):
 // wgmma.mma_async m64n128k16 / m64n256k16 (bf16 in, f32 accumulators in registers)
-// on tiles of 64 x 128, 128 x 128 or 128 x 256, K in steps of 64, 4 or 5 stages.
+// on tiles of 64 x 128, 128 x 128 or 128 x 256, K in steps of 64, 4 or 5 stages;
+// below, the warp-specialised kernel (tiles ws128 / ws64), which the layer uses.
 // NOTE: A rows are gathered (token rows of each (token, k) pair), which the bulk
 // tensor copy engine cannot do on sm_90, so every thread copies 16-byte chunks
 // with cp.async straight into the 128-byte swizzled layout wgmma reads: row r,
 // chunk c lands at r * 128 + ((c ^ (r % 8)) * 16), 8-row groups 1024 bytes apart.
 // Compiled only for sm_90a (arch-specific wgmma); elsewhere the kernel is empty
 // and wgmma_available() says so, so the mma.sync tiles are used instead.
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "cuda/device_util.cuh"
 #include "cuda/grouped_gemm.h"
@@ -49,7 +57,8 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
 }
 
 #if FLEX_HAS_WGMMA
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                 int scale_d = 1) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
@@ -71,11 +80,11 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
         "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
         "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a,
-                                                 uint64_t desc_b) {
+                                                 uint64_t desc_b, int scale_d = 1) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
@@ -110,15 +119,16 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
         "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
         "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
         "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
 template <int BN>
-__device__ __forceinline__ void wgmma_tile(float (&d)[BN / 2], uint64_t desc_a, uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_tile(float (&d)[BN / 2], uint64_t desc_a, uint64_t desc_b,
+                                           int scale_d = 1) {
   if constexpr (BN == 256) {
-    wgmma_m64n256k16(d, desc_a, desc_b);
+    wgmma_m64n256k16(d, desc_a, desc_b, scale_d);
   } else {
-    wgmma_m64n128k16(d, desc_a, desc_b);
+    wgmma_m64n128k16(d, desc_a, desc_b, scale_d);
   }
 }
 #endif
@@ -238,6 +248,268 @@ __global__ void __launch_bounds__(WG * 128, 1) wgmma_gemm_kernel(const GroupedGe
 #endif
 }
 
+// ---------------------------------------------------------------------------
+// The warp-specialised persistent kernel (tiles kWgmmaWs128 / kWgmmaWs64):
+// 3 warpgroups. Warpgroup 0 (producer, registers lowered by setmaxnreg) fills a ring
+// of S stages: B (weights, contiguous rows of one slot) by the bulk tensor copy engine
+// from a tensor map over the weights buffer viewed as [rows, k], 128-byte swizzle;
+// A (gathered token rows) by cp.async from all 128 producer threads into the same
+// swizzled layout, completing on the stage's `full` mbarrier (cp.async.mbarrier.arrive
+// .noinc). Warpgroups 1 and 2 (consumers) wait on `full`, issue wgmma and free the
+// stage on its `empty` mbarrier once the next step's wgmma group has been issued and
+// the previous one retired (one group in flight). No __syncthreads in the K loop.
+// BM = 128: consumer c computes rows 64c..64c+63 x 256 columns (m64n256); a consumer
+// whose 64 rows all lie past the slot's end skips its wgmma (the other then has the
+// tensor cores to itself). BM = 64: both consumers share the 64 rows, consumer c takes
+// columns 128c..128c+127 (m64n128).
+// Persistent: grid = min(#SMs, max_tiles * n / 256); CTA b walks work units
+// b, b + grid, ... < *num_tiles * (n / 256), unit u = (tile u / nb, column block
+// u % nb), so that concurrent CTAs share A rows and a slot's B in L2. The producer
+// runs ahead into the next unit while the consumers store the last one.
+constexpr int kWsBN = 256, kWsThreads = 384;
+template <int BM>
+__host__ __device__ constexpr int ws_stages() {
+  return BM == 128 ? 4 : 5;
+}
+template <int BM>
+constexpr size_t ws_smem_bytes() {
+  return static_cast<size_t>(ws_stages<BM>()) * (BM + kWsBN) * 128 + 1024 +
+         2 * ws_stages<BM>() * 8;
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "WS_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra WS_DONE;\n"
+      "bra WS_WAIT;\n"
+      "WS_DONE:\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile(
+      "{\n"
+      ".reg .b64 st;\n"
+      "mbarrier.arrive.shared::cta.b64 st, [%0];\n"
+      "}\n" ::"r"(bar)
+      : "memory");
+}
+
+// Work unit u -> (tile, column block): tiles in groups of `group` (the last one may be
+// shorter), column-block-major inside a group, so that the tiles of one slot reading
+// the same B block run side by side and a tile's A rows stay in L2 across its blocks.
+__device__ __forceinline__ void ws_unit(int u, int num_tiles, int nb, int group, int& tile,
+                                        int& nblk) {
+  const int gi = u / (group * nb), r = u - gi * group * nb;
+  const int t0 = gi * group, gsz = min(group, num_tiles - t0);
+  nblk = r / gsz;
+  tile = t0 + (r - nblk * gsz);
+}
+
+template <int BM, bool TMA_A>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    wgmma_ws_kernel(const GroupedGemmArgs g, const __grid_constant__ CUtensorMap tmap_b,
+                    const __grid_constant__ CUtensorMap tmap_a, int group) {
+#if FLEX_HAS_WGMMA
+  constexpr int S = ws_stages<BM>();
+  constexpr int kABytes = BM * 128, kBBytes = kWsBN * 128, kStageBytes = kABytes + kBBytes;
+  constexpr int kARows = BM / 16;  // A rows per producer thread per stage.
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t smem = raw + ((1024 - (raw & 1023)) & 1023);  // Swizzle atoms: 1024-aligned.
+  const uint32_t full_bar = smem + S * kStageBytes;            // S mbarriers, then S more.
+  const uint32_t empty_bar = full_bar + S * 8;
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      // 128 producer arrivals (A by cp.async) + the expect_tx of the tensor copies.
+      mbar_init(full_bar + 8 * s, TMA_A ? 1 : 128 + 1);
+      mbar_init(empty_bar + 8 * s, 8);       // Lane 0 of each consumer warp.
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmap_b))
+                 : "memory");
+  }
+  __syncthreads();
+
+  const int nb = g.n / kWsBN;
+  const int num_tiles = *g.num_tiles;
+  const int total = num_tiles * nb;
+  const int K = g.k, num_k_tiles = K / kWgBK;
+
+  if (wg == 0) {
+    // Producer.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    const bf16* A = static_cast<const bf16*>(g.a);
+    const int ch = tid % 8, rbase = tid / 8;  // Rows rbase + 16 i, 16-byte chunk ch.
+    const uint32_t a_dst0 = rbase * 128 + ((ch ^ (rbase & 7)) << 4);
+    const int64_t rows_per_slot = g.slot_stride / K, row_off = g.weight_offset / K;
+    // cp.async copies of step j are fenced (generic -> async proxy) and signalled on
+    // full[j % S] by the copying thread kLag steps later, once they have landed; so the
+    // consumers need no proxy fence (one would also wait for their wgmma in flight).
+    constexpr int kLag = S - 2;
+    int stage = 0, j = 0;
+    uint32_t phase = 0;
+    for (int u = blockIdx.x; u < total; u += gridDim.x) {
+      if (TMA_A && tid != 0) break;
+      int tile, nblk;
+      ws_unit(u, num_tiles, nb, group, tile, nblk);
+      const int n0 = nblk * kWsBN;
+      const int slot = g.tile_slot[tile];
+      const int row0 = g.tile_row0[tile];
+      const int row_end = g.offsets[slot + 1];
+      const int b_row = static_cast<int>(slot * rows_per_slot + row_off) + n0;
+      const bf16* a_src[kARows];
+#pragma unroll
+      for (int i = 0; i < (TMA_A ? 0 : kARows); ++i) {
+        const int r = min(row0 + rbase + 16 * i, row_end - 1);
+        const int src = g.gather != nullptr ? g.gather[r] / g.gather_div : r;
+        a_src[i] = A + static_cast<int64_t>(src) * K + ch * 8;
+      }
+      for (int kt = 0; kt < num_k_tiles; ++kt) {
+        mbar_wait(empty_bar + 8 * stage, phase ^ 1);
+        const uint32_t base = smem + stage * kStageBytes;
+        const uint32_t fb = full_bar + 8 * stage;
+        if (TMA_A) {
+          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb),
+                       "n"(kABytes + kBBytes)
+                       : "memory");
+          asm volatile(
+              "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+              "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(base),
+              "l"(reinterpret_cast<uint64_t>(&tmap_a)), "r"(kt * kWgBK), "r"(row0), "r"(fb)
+              : "memory");
+        } else if (tid == 0) {
+          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb),
+                       "n"(kBBytes)
+                       : "memory");
+        }
+        if (tid == 0) {
+          asm volatile(
+              "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+              "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(base + kABytes),
+              "l"(reinterpret_cast<uint64_t>(&tmap_b)), "r"(kt * kWgBK), "r"(b_row), "r"(fb)
+              : "memory");
+        }
+        if (!TMA_A) {
+#pragma unroll
+          for (int i = 0; i < kARows; ++i) {
+            cp_async16(base + a_dst0 + i * 16 * 128, a_src[i] + kt * kWgBK);
+          }
+          asm volatile("cp.async.commit_group;\n" ::: "memory");
+          if (j >= kLag) {
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(kLag) : "memory");
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            mbar_arrive(full_bar + 8 * ((j - kLag) % S));
+          }
+        }
+        ++j;
+        if (++stage == S) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    if (!TMA_A) {
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      for (int i = max(j - kLag, 0); i < j; ++i) mbar_arrive(full_bar + 8 * (i % S));
+    }
+  } else {
+    // Consumers.
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+    constexpr int CN = BM == 128 ? 256 : 128;  // Columns per consumer.
+    const int c = wg - 1;
+    const int warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
+    const uint32_t a_off = BM == 128 ? c * 64 * 128 : 0;
+    const uint32_t b_off = kABytes + (BM == 128 ? 0 : c * 128 * 128);
+    bf16* out = static_cast<bf16*>(g.out);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int u = blockIdx.x; u < total; u += gridDim.x) {
+      int tile, nblk;
+      ws_unit(u, num_tiles, nb, group, tile, nblk);
+      const int n0 = nblk * kWsBN + (BM == 128 ? 0 : c * 128);
+      const int slot = g.tile_slot[tile];
+      const int m0 = g.tile_row0[tile] + (BM == 128 ? c * 64 : 0);
+      const int row_end = g.offsets[slot + 1];
+      if (m0 >= row_end) {
+        // No rows here: only pass the stages on.
+        for (int kt = 0; kt < num_k_tiles; ++kt) {
+          mbar_wait(full_bar + 8 * stage, phase);
+          if (lane == 0) mbar_arrive(empty_bar + 8 * stage);
+          if (++stage == S) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+        continue;
+      }
+      float d[CN / 2];
+      int prev = 0;
+      for (int kt = 0; kt < num_k_tiles; ++kt) {
+        mbar_wait(full_bar + 8 * stage, phase);
+        const uint32_t base = smem + stage * kStageBytes;
+        const uint64_t da = smem_desc(base + a_off);
+        const uint64_t db = smem_desc(base + b_off);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int kk = 0; kk < kWgBK / 16; ++kk) {
+          wgmma_tile<CN>(d, da + 2 * kk, db + 2 * kk, kt > 0 || kk > 0 ? 1 : 0);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        if (kt > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev);
+        prev = stage;
+        if (++stage == S) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      if (lane == 0) mbar_arrive(empty_bar + 8 * prev);
+
+      // Accumulator i: row 16 * warp + lane / 4 + 8 * ((i / 2) % 2), column
+      // 8 * (i / 4) + 2 * (lane % 4) + i % 2 of the consumer's 64 x CN block.
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = m0 + warp * 16 + lane / 4 + half * 8;
+        if (r >= row_end) continue;
+        if (g.swiglu) {
+          bf16* o = out + static_cast<int64_t>(r) * (g.n / 2);
+#pragma unroll
+          for (int j = 0; j < CN / 8; j += 2) {
+            const int gn = n0 + 8 * j;  // Gate block; j + 1 holds the up block.
+            const float* gate = &d[4 * j + 2 * half];
+            const float* up = &d[4 * (j + 1) + 2 * half];
+            *reinterpret_cast<__nv_bfloat162*>(o + (gn / 16) * 8 + 2 * q) =
+                __floats2bfloat162_rn(silu(gate[0]) * up[0], silu(gate[1]) * up[1]);
+          }
+        } else {
+          bf16* o = out + static_cast<int64_t>(r) * g.n;
+#pragma unroll
+          for (int j = 0; j < CN / 8; ++j) {
+            *reinterpret_cast<__nv_bfloat162*>(o + n0 + 8 * j + 2 * q) =
+                __floats2bfloat162_rn(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+          }
+        }
+      }
+    }
+  }
+#endif
+}
+
 __global__ void wgmma_probe_kernel(int* out) { *out = FLEX_HAS_WGMMA; }
 
 template <int WG, int BN>
@@ -260,6 +532,128 @@ cudaError_t launch(const GroupedGemmArgs& g, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Tensor maps over weight buffers, encoded once per (buffer, k) and kept: weights
+// never move, and launches captured into graphs copy the map into the graph node.
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+using AddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+
+template <typename Fn>
+Fn driver_fn(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(fn);
+}
+
+// A map over the rows of k bf16 elements from `ptr` to the end of its allocation,
+// boxes of 64 x box_rows, 128-byte swizzle; nullptr if it cannot be made. Keyed by the
+// allocation too, so that a buffer freed and another allocated at the same address
+// never reuse a stale map.
+const CUtensorMap* rows_tensor_map(const void* ptr, int k, int box_rows) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int, uint64_t, size_t>, CUtensorMap> cache;
+  static const EncodeTiledFn encode = driver_fn<EncodeTiledFn>("cuTensorMapEncodeTiled");
+  static const AddressRangeFn range = driver_fn<AddressRangeFn>("cuMemGetAddressRange");
+  if (encode == nullptr || range == nullptr) return nullptr;
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  const CUdeviceptr p = reinterpret_cast<CUdeviceptr>(ptr);
+  if (range(&base, &size, p) != CUDA_SUCCESS || p % 16 != 0) return nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(ptr, k, box_rows, static_cast<uint64_t>(base), size);
+  auto it = cache.find(key);
+  if (it != cache.end()) return &it->second;
+  const uint64_t row_bytes = static_cast<uint64_t>(k) * 2;
+  const uint64_t rows = (base + size - p) / row_bytes;
+  if (rows == 0 || rows > (uint64_t{1} << 31)) return nullptr;
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), rows};
+  const cuuint64_t strides[1] = {row_bytes};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kWgBK), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  if (encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides,
+             box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+    return nullptr;
+  }
+  return &cache.emplace(key, map).first->second;
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::atoi(v) : fallback;
+}
+
+int sm_count() {
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 132;
+  }
+  // FLEXPERT_GEMM_MAX_CTAS caps the persistent grid (tests: several units per CTA).
+  static const int cap = [] {
+    const char* v = std::getenv("FLEXPERT_GEMM_MAX_CTAS");
+    return v != nullptr ? std::atoi(v) : 0;
+  }();
+  return cap > 0 && cap < count ? cap : count;
+}
+
+template <int BM, bool TMA_A>
+cudaError_t launch_ws_kernel(const GroupedGemmArgs& g, const CUtensorMap& map_b,
+                             const CUtensorMap& map_a, cudaStream_t stream) {
+  static bool attribute_set = false;  // Set at the first (eager) launch.
+  if (!attribute_set) {
+    const cudaError_t err = cudaFuncSetAttribute(wgmma_ws_kernel<BM, TMA_A>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(ws_smem_bytes<BM>()));
+    if (err != cudaSuccess) return err;
+    attribute_set = true;
+  }
+  const int nb = g.n / kWsBN;
+  const int64_t units = static_cast<int64_t>(g.max_tiles) * nb;
+  // Persistent (grid = #SMs) while a slot's B is small against L2. When it is not
+  // (DeepSeek-V3: 29-59 MB per slot and projection), the CTAs sharing a B block must
+  // run side by side for L2 to serve it once; in-order block launch keeps them so, a
+  // persistent loop lets them drift apart (H200, 16384 tokens: 23.3 ms against 30.4 ms
+  // per layer), so there every unit gets its own CTA.
+  // Knobs (experiments, tests): FLEXPERT_WS_PERSIST=0/1 forces either;
+  // FLEXPERT_WS_GROUP=N groups N tiles (N < 0: all, i.e. tile-fastest order).
+  static const int persist_env = env_int("FLEXPERT_WS_PERSIST", -1);
+  static const int group_env = env_int("FLEXPERT_WS_GROUP", 0);
+  const bool persist = persist_env >= 0
+                           ? persist_env != 0
+                           : static_cast<int64_t>(g.n) * g.k * 2 <= (int64_t{16} << 20);
+  const int grid = static_cast<int>(persist ? std::min<int64_t>(units, sm_count()) : units);
+  const int group = group_env > 0   ? group_env
+                    : group_env < 0 ? std::max(1, g.max_tiles)
+                                    : std::max(1, std::min(grid, sm_count()) / nb);
+  wgmma_ws_kernel<BM, TMA_A>
+      <<<grid, kWsThreads, ws_smem_bytes<BM>(), stream>>>(g, map_b, map_a, group);
+  return cudaGetLastError();
+}
+
+template <int BM>
+cudaError_t launch_ws(const GroupedGemmArgs& g, cudaStream_t stream) {
+  const CUtensorMap* map_b = g.slot_stride % g.k == 0 && g.weight_offset % g.k == 0
+                                 ? rows_tensor_map(g.weights, g.k, kWsBN)
+                                 : nullptr;
+  if (map_b == nullptr) {  // Same tile rows, no tensor map.
+    return BM == 128 ? launch<2, 256>(g, stream) : launch<1, 128>(g, stream);
+  }
+  // Contiguous A rows (no gather) come by tensor copies too.
+  const CUtensorMap* map_a = g.gather == nullptr ? rows_tensor_map(g.a, g.k, BM) : nullptr;
+  if (map_a != nullptr) return launch_ws_kernel<BM, true>(g, *map_b, *map_a, stream);
+  return launch_ws_kernel<BM, false>(g, *map_b, *map_b, stream);
+}
+
 int probe() {
   int* flag = nullptr;
   int host = 0;
@@ -279,6 +673,10 @@ bool wgmma_available() {
 }
 
 bool wgmma_fits(int n, int k, int bn) { return n % bn == 0 && k % kWgBK == 0; }
+
+cudaError_t launch_wgmma_ws_gemm(int bm, const GroupedGemmArgs& args, cudaStream_t stream) {
+  return bm == 128 ? launch_ws<128>(args, stream) : launch_ws<64>(args, stream);
+}
 
 cudaError_t launch_wgmma_gemm(int warpgroups, int bn, const GroupedGemmArgs& args,
                               cudaStream_t stream) {

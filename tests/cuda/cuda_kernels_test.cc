@@ -161,6 +161,8 @@ std::vector<MoeCase> moe_cases() {
     cases.push_back({DType::kBF16, cuda::GemmTile::kMma16K128, t});
     cases.push_back({DType::kBF16, cuda::GemmTile::kGemv, t});
     cases.push_back({DType::kBF16, cuda::GemmTile::kWgmma128N256, t});
+    cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWs128, t});
+    cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWs64, t});
   }
   return cases;
 }
