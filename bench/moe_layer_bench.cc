@@ -336,8 +336,8 @@ int run(int argc, char** argv) {
     }
     const std::vector<std::string> tile_list = split(tiles);
     const std::set<std::string> sweep_tiles(tile_list.begin(), tile_list.end());
-    auto r = bench_shape(*sh, token_counts, bw, rate, sweep, profile, sweep_tiles, stream.get(),
-                         blas);
+    auto r =
+        bench_shape(*sh, token_counts, bw, rate, sweep, profile, sweep_tiles, stream.get(), blas);
     rows.insert(rows.end(), r.begin(), r.end());
   }
   nlohmann::json torch = nlohmann::json::object();

@@ -83,8 +83,8 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a,
-                                                 uint64_t desc_b, int scale_d = 1) {
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
+                                                 int scale_d = 1) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
@@ -132,6 +132,40 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[BN / 2], uint64_t desc_a, 
   }
 }
 #endif
+
+// Stores a warpgroup's 64 x CN accumulator block at rows m0.. (below row_end) and
+// columns n0..: accumulator i of a thread is row 16 * warp + lane / 4 + 8 * ((i / 2) % 2),
+// column 8 * (i / 4) + 2 * (lane % 4) + i % 2; SwiGLU pairs gate block j with up block
+// j + 1 (grouped_gemm.h's interleave) into one output block of 8 columns.
+template <int CN>
+__device__ __forceinline__ void store_block(const GroupedGemmArgs& g, const float (&d)[CN / 2],
+                                            int m0, int row_end, int n0, int warp, int lane) {
+  const int q = lane % 4;
+  bf16* out = static_cast<bf16*>(g.out);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = m0 + warp * 16 + lane / 4 + half * 8;
+    if (r >= row_end) continue;
+    if (g.swiglu) {
+      bf16* o = out + static_cast<int64_t>(r) * (g.n / 2);
+#pragma unroll
+      for (int j = 0; j < CN / 8; j += 2) {
+        const int gn = n0 + 8 * j;  // Gate block; j + 1 holds the up block.
+        const float* gate = &d[4 * j + 2 * half];
+        const float* up = &d[4 * (j + 1) + 2 * half];
+        *reinterpret_cast<__nv_bfloat162*>(o + (gn / 16) * 8 + 2 * q) =
+            __floats2bfloat162_rn(silu(gate[0]) * up[0], silu(gate[1]) * up[1]);
+      }
+    } else {
+      bf16* o = out + static_cast<int64_t>(r) * g.n;
+#pragma unroll
+      for (int j = 0; j < CN / 8; ++j) {
+        *reinterpret_cast<__nv_bfloat162*>(o + n0 + 8 * j + 2 * q) =
+            __floats2bfloat162_rn(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+      }
+    }
+  }
+}
 
 template <int WG, int BN>
 __global__ void __launch_bounds__(WG * 128, 1) wgmma_gemm_kernel(const GroupedGemmArgs g) {
@@ -217,34 +251,7 @@ __global__ void __launch_bounds__(WG * 128, 1) wgmma_gemm_kernel(const GroupedGe
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
   asm volatile("cp.async.wait_group 0;\n" ::);
 
-  // Accumulator i of a thread: row 16 * warp + lane / 4 + 8 * ((i / 2) % 2),
-  // column 8 * (i / 4) + 2 * (lane % 4) + i % 2 of the warpgroup's 64 x 128 tile.
-  const int warp = (tid % 128) / 32, lane = tid % 32;
-  const int q = lane % 4;
-  bf16* out = static_cast<bf16*>(g.out);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = row0 + wg * 64 + warp * 16 + lane / 4 + half * 8;
-    if (r >= row_end) continue;
-    if (g.swiglu) {
-      bf16* o = out + static_cast<int64_t>(r) * (g.n / 2);
-#pragma unroll
-      for (int j = 0; j < BN / 8; j += 2) {
-        const int gn = n0 + 8 * j;  // Gate block; j + 1 holds the up block.
-        const float* gate = &d[4 * j + 2 * half];
-        const float* up = &d[4 * (j + 1) + 2 * half];
-        *reinterpret_cast<__nv_bfloat162*>(o + (gn / 16) * 8 + 2 * q) =
-            __floats2bfloat162_rn(silu(gate[0]) * up[0], silu(gate[1]) * up[1]);
-      }
-    } else {
-      bf16* o = out + static_cast<int64_t>(r) * g.n;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        *reinterpret_cast<__nv_bfloat162*>(o + n0 + 8 * j + 2 * q) =
-            __floats2bfloat162_rn(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
-      }
-    }
-  }
+  store_block<BN>(g, d, row0 + wg * 64, row_end, n0, (tid % 128) / 32, tid % 32);
 #endif
 }
 
@@ -273,8 +280,7 @@ __host__ __device__ constexpr int ws_stages() {
 }
 template <int BM>
 constexpr size_t ws_smem_bytes() {
-  return static_cast<size_t>(ws_stages<BM>()) * (BM + kWsBN) * 128 + 1024 +
-         2 * ws_stages<BM>() * 8;
+  return static_cast<size_t>(ws_stages<BM>()) * (BM + kWsBN) * 128 + 1024 + 2 * ws_stages<BM>() * 8;
 }
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
@@ -335,7 +341,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     for (int s = 0; s < S; ++s) {
       // 128 producer arrivals (A by cp.async) + the expect_tx of the tensor copies.
       mbar_init(full_bar + 8 * s, TMA_A ? 1 : 128 + 1);
-      mbar_init(empty_bar + 8 * s, 8);       // Lane 0 of each consumer warp.
+      mbar_init(empty_bar + 8 * s, 8);  // Lane 0 of each consumer warp.
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmap_b))
@@ -431,10 +437,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
     constexpr int CN = BM == 128 ? 256 : 128;  // Columns per consumer.
     const int c = wg - 1;
-    const int warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
+    const int warp = (tid % 128) / 32, lane = tid % 32;
     const uint32_t a_off = BM == 128 ? c * 64 * 128 : 0;
     const uint32_t b_off = kABytes + (BM == 128 ? 0 : c * 128 * 128);
-    bf16* out = static_cast<bf16*>(g.out);
     int stage = 0;
     uint32_t phase = 0;
     for (int u = blockIdx.x; u < total; u += gridDim.x) {
@@ -479,32 +484,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       }
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       if (lane == 0) mbar_arrive(empty_bar + 8 * prev);
-
-      // Accumulator i: row 16 * warp + lane / 4 + 8 * ((i / 2) % 2), column
-      // 8 * (i / 4) + 2 * (lane % 4) + i % 2 of the consumer's 64 x CN block.
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = m0 + warp * 16 + lane / 4 + half * 8;
-        if (r >= row_end) continue;
-        if (g.swiglu) {
-          bf16* o = out + static_cast<int64_t>(r) * (g.n / 2);
-#pragma unroll
-          for (int j = 0; j < CN / 8; j += 2) {
-            const int gn = n0 + 8 * j;  // Gate block; j + 1 holds the up block.
-            const float* gate = &d[4 * j + 2 * half];
-            const float* up = &d[4 * (j + 1) + 2 * half];
-            *reinterpret_cast<__nv_bfloat162*>(o + (gn / 16) * 8 + 2 * q) =
-                __floats2bfloat162_rn(silu(gate[0]) * up[0], silu(gate[1]) * up[1]);
-          }
-        } else {
-          bf16* o = out + static_cast<int64_t>(r) * g.n;
-#pragma unroll
-          for (int j = 0; j < CN / 8; ++j) {
-            *reinterpret_cast<__nv_bfloat162*>(o + n0 + 8 * j + 2 * q) =
-                __floats2bfloat162_rn(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
-          }
-        }
-      }
+      store_block<CN>(g, d, m0, row_end, n0, warp, lane);
     }
   }
 #endif
@@ -578,9 +558,10 @@ const CUtensorMap* rows_tensor_map(const void* ptr, int k, int box_rows) {
   const cuuint64_t strides[1] = {row_bytes};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(kWgBK), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
-  if (encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides,
-             box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+  if (encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box,
+             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
     return nullptr;
   }
   return &cache.emplace(key, map).first->second;
