@@ -72,7 +72,8 @@ Status run_grouped_moe(const MoeDims& dims, const GroupedRouter& router, const f
                    scratch.num_tiles.as<int32_t>(),
                    scratch.row_of_pair.as<int32_t>(),
                    scratch.pair_of_row.as<int32_t>(),
-                   w.slot_stats};
+                   w.slot_stats,
+                   scratch.permute_counts.as<int32_t>()};
   FLEX_CUDA_TRY(permute(perm, stream));
 
   GroupedGemmArgs g;

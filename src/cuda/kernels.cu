@@ -86,33 +86,14 @@ __global__ void router_topk_kernel(TopkArgs a) {
 }
 
 constexpr int kPermuteThreads = 1024;
-// With `topk` set (small steps), the block first runs the router top-k itself (one
-// warp per token), saving a launch on the decode path.
-__global__ void __launch_bounds__(kPermuteThreads)
-    permute_kernel(PermuteArgs a, TopkArgs topk, bool with_topk) {
-  if (with_topk) {
-    for (int t = threadIdx.x / 32; t < topk.num_tokens; t += kPermuteThreads / 32) {
-      topk_token(topk, t, threadIdx.x % 32);
-    }
-    __syncthreads();  // The block's global writes of slot[] are visible to it after this.
-  }
-  extern __shared__ int smem[];
-  int* count = smem;                   // [num_slots] rows per slot
-  int* valid = count + a.num_slots;    // [num_slots] rows of valid tokens
-  int* cursor = valid + a.num_slots;   // [num_slots]
-  int* offset = cursor + a.num_slots;  // [num_slots]
+
+// Given rows `count` and valid rows `valid` per slot (shared memory), writes offsets,
+// the tile table, *num_tiles and slot statistics, and each slot's first row to
+// `first` (shared memory). All kPermuteThreads threads of the block call it.
+__device__ void lay_out_slots(const PermuteArgs& a, const int* count, const int* valid,
+                              int* first) {
   __shared__ int scan_rows[kPermuteThreads], scan_tiles[kPermuteThreads];
   const int tid = threadIdx.x;
-  for (int s = tid; s < a.num_slots; s += kPermuteThreads) count[s] = valid[s] = cursor[s] = 0;
-  __syncthreads();
-  const int valid_pairs =
-      a.num_valid_tokens != nullptr ? *a.num_valid_tokens * a.top_k : a.num_pairs;
-  for (int p = tid; p < a.num_pairs; p += kPermuteThreads) {
-    const int s = a.slot[p];
-    atomicAdd(&count[s], 1);
-    if (p < valid_pairs) atomicAdd(&valid[s], 1);
-  }
-  __syncthreads();
   // Each thread owns a contiguous range of slots; a block scan gives its first row and tile.
   const int per = (a.num_slots + kPermuteThreads - 1) / kPermuteThreads;
   const int s0 = min(tid * per, a.num_slots), s1 = min(s0 + per, a.num_slots);
@@ -134,7 +115,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
   }
   int row = scan_rows[tid] - rows, tile = scan_tiles[tid] - tiles;
   for (int s = s0; s < s1; ++s) {
-    offset[s] = row;
+    first[s] = row;
     a.offsets[s] = row;
     for (int r0 = 0; r0 < count[s]; r0 += a.block_m) {
       a.tile_slot[tile] = s;
@@ -149,9 +130,112 @@ __global__ void __launch_bounds__(kPermuteThreads)
     *a.num_tiles = scan_tiles[tid];
   }
   __syncthreads();
+}
+
+__device__ __forceinline__ int valid_pairs(const PermuteArgs& a) {
+  return a.num_valid_tokens != nullptr ? *a.num_valid_tokens * a.top_k : a.num_pairs;
+}
+
+// With `topk` set (small steps), the block first runs the router top-k itself (one
+// warp per token), saving a launch on the decode path.
+__global__ void __launch_bounds__(kPermuteThreads)
+    permute_kernel(PermuteArgs a, TopkArgs topk, bool with_topk) {
+  if (with_topk) {
+    for (int t = threadIdx.x / 32; t < topk.num_tokens; t += kPermuteThreads / 32) {
+      topk_token(topk, t, threadIdx.x % 32);
+    }
+    __syncthreads();  // The block's global writes of slot[] are visible to it after this.
+  }
+  extern __shared__ int smem[];
+  int* count = smem;                   // [num_slots] rows per slot
+  int* valid = count + a.num_slots;    // [num_slots] rows of valid tokens
+  int* cursor = valid + a.num_slots;   // [num_slots]
+  int* offset = cursor + a.num_slots;  // [num_slots]
+  const int tid = threadIdx.x;
+  for (int s = tid; s < a.num_slots; s += kPermuteThreads) count[s] = valid[s] = cursor[s] = 0;
+  __syncthreads();
+  const int num_valid = valid_pairs(a);
+  for (int p = tid; p < a.num_pairs; p += kPermuteThreads) {
+    const int s = a.slot[p];
+    atomicAdd(&count[s], 1);
+    if (p < num_valid) atomicAdd(&valid[s], 1);
+  }
+  __syncthreads();
+  lay_out_slots(a, count, valid, offset);
   for (int p = tid; p < a.num_pairs; p += kPermuteThreads) {
     const int s = a.slot[p];
     const int r = offset[s] + atomicAdd(&cursor[s], 1);
+    a.row_of_pair[p] = r;
+    a.pair_of_row[r] = p;
+  }
+}
+
+// The many-block path: a.counts holds rows, valid rows and the next free row per slot.
+constexpr int kScatterThreads = 256, kScatterPairs = 4;  // Pairs per thread.
+constexpr int kScatterBlockPairs = kScatterThreads * kScatterPairs;
+
+// 1. Rows and valid rows per slot: block histograms added to a.counts (zeroed before).
+__global__ void __launch_bounds__(kScatterThreads) permute_count_kernel(PermuteArgs a) {
+  extern __shared__ int smem[];
+  int* count = smem;
+  int* valid = smem + a.num_slots;
+  for (int s = threadIdx.x; s < 2 * a.num_slots; s += kScatterThreads) smem[s] = 0;
+  __syncthreads();
+  const int num_valid = valid_pairs(a);
+  const int end = min((blockIdx.x + 1) * kScatterBlockPairs, a.num_pairs);
+  for (int p = blockIdx.x * kScatterBlockPairs + threadIdx.x; p < end; p += kScatterThreads) {
+    const int s = a.slot[p];
+    atomicAdd(&count[s], 1);
+    if (p < num_valid) atomicAdd(&valid[s], 1);
+  }
+  __syncthreads();
+  for (int s = threadIdx.x; s < a.num_slots; s += kScatterThreads) {
+    if (count[s] > 0) atomicAdd(&a.counts[s], count[s]);
+    if (valid[s] > 0) atomicAdd(&a.counts[a.num_slots + s], valid[s]);
+  }
+}
+
+// 2. One block: offsets, tile table, statistics; the next free row of slot s := its first.
+__global__ void __launch_bounds__(kPermuteThreads) permute_scan_kernel(PermuteArgs a) {
+  extern __shared__ int smem[];
+  int* count = smem;
+  int* valid = count + a.num_slots;
+  int* first = valid + a.num_slots;
+  for (int s = threadIdx.x; s < 2 * a.num_slots; s += kPermuteThreads) smem[s] = a.counts[s];
+  __syncthreads();
+  lay_out_slots(a, count, valid, first);
+  for (int s = threadIdx.x; s < a.num_slots; s += kPermuteThreads) {
+    a.counts[2 * a.num_slots + s] = first[s];
+  }
+}
+
+// 3. Rows: ranks within the block (shared atomics), then one reservation per (block,
+// slot) from the next free rows. A row's place within its slot does not change any
+// result (each GEMM row is computed alone), only which tile holds it.
+__global__ void __launch_bounds__(kScatterThreads) permute_scatter_kernel(PermuteArgs a) {
+  extern __shared__ int smem[];
+  int* local = smem;               // [num_slots] rows of this block per slot
+  int* base = smem + a.num_slots;  // [num_slots] their first row
+  for (int s = threadIdx.x; s < a.num_slots; s += kScatterThreads) local[s] = 0;
+  __syncthreads();
+  const int p0 = blockIdx.x * kScatterBlockPairs + threadIdx.x;
+  int slot[kScatterPairs], rank[kScatterPairs];
+#pragma unroll
+  for (int i = 0; i < kScatterPairs; ++i) {
+    const int p = p0 + i * kScatterThreads;
+    slot[i] = p < a.num_pairs ? a.slot[p] : -1;
+    rank[i] = slot[i] >= 0 ? atomicAdd(&local[slot[i]], 1) : 0;
+  }
+  __syncthreads();
+  for (int s = threadIdx.x; s < a.num_slots; s += kScatterThreads) {
+    base[s] = local[s] > 0 ? atomicAdd(&a.counts[2 * a.num_slots + s], local[s]) : 0;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kScatterPairs; ++i) {
+    if (slot[i] < 0) continue;
+    const int p = p0 + i * kScatterThreads;
+    const int r = base[slot[i]] + rank[i];
     a.row_of_pair[p] = r;
     a.pair_of_row[r] = p;
   }
@@ -258,8 +342,17 @@ cudaError_t permute(const PermuteArgs& args, cudaStream_t stream) {
   if (args.num_slots > kMaxPermuteSlots || args.num_slots < 1 || args.block_m < 1) {
     return cudaErrorInvalidValue;
   }
-  const size_t smem = 4 * sizeof(int) * static_cast<size_t>(args.num_slots);
-  permute_kernel<<<1, kPermuteThreads, smem, stream>>>(args, TopkArgs{}, false);
+  const size_t slot_ints = static_cast<size_t>(args.num_slots) * sizeof(int);
+  if (args.counts == nullptr || args.num_pairs <= kPermuteMultiBlockPairs) {
+    permute_kernel<<<1, kPermuteThreads, 4 * slot_ints, stream>>>(args, TopkArgs{}, false);
+    return cudaGetLastError();
+  }
+  const int blocks = (args.num_pairs + kScatterBlockPairs - 1) / kScatterBlockPairs;
+  cudaError_t err = cudaMemsetAsync(args.counts, 0, 2 * slot_ints, stream);
+  if (err != cudaSuccess) return err;
+  permute_count_kernel<<<blocks, kScatterThreads, 2 * slot_ints, stream>>>(args);
+  permute_scan_kernel<<<1, kPermuteThreads, 3 * slot_ints, stream>>>(args);
+  permute_scatter_kernel<<<blocks, kScatterThreads, 2 * slot_ints, stream>>>(args);
   return cudaGetLastError();
 }
 

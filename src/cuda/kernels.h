@@ -85,13 +85,17 @@ struct TopkArgs {
 };
 cudaError_t router_topk(const TopkArgs& args, cudaStream_t stream);
 
-// Groups the T * K pairs by slot (one block): offsets [num_slots + 1], row_of_pair /
-// pair_of_row (rows of a slot are contiguous, in no particular order), and the tile
-// table of the grouped GEMM: tile i covers rows [tile_row0[i], min(+block_m, end of
-// tile_slot[i])), *num_tiles of them. slot_stats[s] (if given) += pairs of slot s among
-// the first *num_valid_tokens tokens (all tokens when num_valid_tokens is null).
-// num_slots <= kMaxPermuteSlots.
+// Groups the T * K pairs by slot: offsets [num_slots + 1], row_of_pair / pair_of_row
+// (rows of a slot are contiguous, in no particular order), and the tile table of the
+// grouped GEMM: tile i covers rows [tile_row0[i], min(+block_m, end of tile_slot[i])),
+// *num_tiles of them. slot_stats[s] (if given) += pairs of slot s among the first
+// *num_valid_tokens tokens (all tokens when num_valid_tokens is null).
+// num_slots <= kMaxPermuteSlots. One block, or with `counts` (device scratch of
+// kPermuteCountInts * num_slots) and more than kPermuteMultiBlockPairs pairs, three
+// launches over many blocks (count, scan, scatter; large prefill steps).
 constexpr int kMaxPermuteSlots = 2048;
+constexpr int kPermuteCountInts = 3;
+constexpr int kPermuteMultiBlockPairs = 8192;
 struct PermuteArgs {
   const int32_t* slot;
   int num_pairs, top_k, num_slots, block_m;
@@ -103,6 +107,7 @@ struct PermuteArgs {
   int32_t* row_of_pair;
   int32_t* pair_of_row;
   int64_t* slot_stats;
+  int32_t* counts = nullptr;  // Scratch of the many-block path (see above).
 };
 cudaError_t permute(const PermuteArgs& args, cudaStream_t stream);
 // router_topk then permute in one single-block launch (steps of a few tokens: decode).

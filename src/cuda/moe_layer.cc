@@ -97,6 +97,8 @@ Result<MoeScratch> MoeScratch::create(const MoeDims& dims, int max_tokens) {
   FLEX_ASSIGN_OR_RETURN(s.row_of_pair, DeviceBuffer::create(P * sizeof(int32_t)));
   FLEX_ASSIGN_OR_RETURN(s.pair_of_row, DeviceBuffer::create(P * sizeof(int32_t)));
   FLEX_ASSIGN_OR_RETURN(s.offsets, DeviceBuffer::create((dims.num_slots + 1) * sizeof(int32_t)));
+  FLEX_ASSIGN_OR_RETURN(s.permute_counts,
+                        DeviceBuffer::create(kPermuteCountInts * dims.num_slots * sizeof(int32_t)));
   FLEX_ASSIGN_OR_RETURN(s.tile_slot, DeviceBuffer::create(tiles * sizeof(int32_t)));
   FLEX_ASSIGN_OR_RETURN(s.tile_row0, DeviceBuffer::create(tiles * sizeof(int32_t)));
   FLEX_ASSIGN_OR_RETURN(s.num_tiles, DeviceBuffer::create_zeroed(sizeof(int32_t)));
@@ -210,7 +212,8 @@ Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratc
                    scratch.num_tiles.as<int32_t>(),
                    scratch.row_of_pair.as<int32_t>(),
                    scratch.pair_of_row.as<int32_t>(),
-                   w.slot_stats};
+                   w.slot_stats,
+                   scratch.permute_counts.as<int32_t>()};
   if (fuse) {
     FLEX_CUDA_TRY(router_topk_permute(topk, perm, stream));
   } else if (stages & kMoePermute) {

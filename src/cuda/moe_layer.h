@@ -66,6 +66,7 @@ struct MoeScratch {
   DeviceBuffer expert, weight, slot;             // [T * K] i32, f32, i32
   DeviceBuffer row_of_pair, pair_of_row;         // i32 [T * K]
   DeviceBuffer offsets;                          // i32 [num_slots + 1]
+  DeviceBuffer permute_counts;                   // i32 [kPermuteCountInts * num_slots]
   DeviceBuffer tile_slot, tile_row0, num_tiles;  // i32 [max tiles], [max tiles], [1]
   DeviceBuffer act;                              // dtype [T * K, I]
   DeviceBuffer y;                                // dtype [T * K, H]

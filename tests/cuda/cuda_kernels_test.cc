@@ -164,10 +164,90 @@ std::vector<MoeCase> moe_cases() {
     cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWs128, t});
     cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWs64, t});
   }
+  // 12000 pairs: the many-block permutation (kernels.h).
+  cases.push_back({DType::kF32, cuda::GemmTile::kSimt, 3000});
+  cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWs128, 3000});
   return cases;
 }
 
 INSTANTIATE_TEST_SUITE_P(AllTiles, CudaMoeTest, ::testing::ValuesIn(moe_cases()));
+
+// The many-block permutation against the one-block one and a host reference: same
+// offsets, tile table and statistics; rows of a slot in its range, each pair once.
+TEST(CudaPermuteTest, ManyBlocksMatchOneBlock) {
+  FLEX_SKIP_WITHOUT_GPU();
+  const int S = 300, K = 8, T = 6250, P = T * K, valid_tokens = 6000, block_m = 64;
+  ASSERT_GT(P, cuda::kPermuteMultiBlockPairs);
+  std::mt19937 rng(7);
+  std::vector<int32_t> slot(P);
+  for (int32_t& s : slot) s = static_cast<int32_t>(rng() % 3 == 0 ? rng() % 20 : rng() % S);
+  for (int32_t& s : slot) s = s % 7 == 5 ? 6 : s;  // Some slots stay empty.
+  std::vector<int32_t> count(S, 0);
+  std::vector<int64_t> want_stats(S, 0);
+  for (int p = 0; p < P; ++p) {
+    ++count[slot[p]];
+    if (p < valid_tokens * K) ++want_stats[slot[p]];
+  }
+  std::vector<int32_t> want_offsets(S + 1, 0);
+  for (int s = 0; s < S; ++s) want_offsets[s + 1] = want_offsets[s] + count[s];
+  auto slot_d = to_device_raw(slot);
+  auto valid_d = to_device_raw(std::vector<int32_t>{valid_tokens});
+  auto stream = cuda::Stream::create();
+  ASSERT_TRUE(stream.ok());
+  struct Out {
+    cuda::DeviceBuffer offsets, tile_slot, tile_row0, num_tiles, row_of_pair, pair_of_row, stats;
+  };
+  const int tiles = cuda::max_tiles(P, S, block_m);
+  auto run = [&](bool many) {
+    Out o{to_device_raw(std::vector<int32_t>(S + 1)), to_device_raw(std::vector<int32_t>(tiles)),
+          to_device_raw(std::vector<int32_t>(tiles)), to_device_raw(std::vector<int32_t>(1)),
+          to_device_raw(std::vector<int32_t>(P)),     to_device_raw(std::vector<int32_t>(P)),
+          to_device_raw(std::vector<int64_t>(S))};
+    auto counts = to_device_raw(std::vector<int32_t>(cuda::kPermuteCountInts * S, 12345));
+    cuda::PermuteArgs a{slot_d.as<int32_t>(),
+                        P,
+                        K,
+                        S,
+                        block_m,
+                        valid_d.as<int32_t>(),
+                        o.offsets.as<int32_t>(),
+                        o.tile_slot.as<int32_t>(),
+                        o.tile_row0.as<int32_t>(),
+                        o.num_tiles.as<int32_t>(),
+                        o.row_of_pair.as<int32_t>(),
+                        o.pair_of_row.as<int32_t>(),
+                        o.stats.as<int64_t>(),
+                        many ? counts.as<int32_t>() : nullptr};
+    EXPECT_EQ(cuda::permute(a, stream.value().get()), cudaSuccess);
+    EXPECT_TRUE(stream.value().synchronize().ok());
+    return o;
+  };
+  const Out one = run(false), many = run(true);
+  auto ints = [](const cuda::DeviceBuffer& b, size_t n) {
+    std::vector<int32_t> v(n);
+    EXPECT_EQ(cudaMemcpy(v.data(), b.data(), n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    return v;
+  };
+  std::vector<int64_t> stats(S);
+  ASSERT_EQ(cudaMemcpy(stats.data(), many.stats.data(), S * 8, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(stats, want_stats);
+  EXPECT_EQ(ints(many.offsets, S + 1), want_offsets);
+  EXPECT_EQ(ints(one.offsets, S + 1), want_offsets);
+  const int num_tiles = ints(many.num_tiles, 1)[0];
+  EXPECT_EQ(num_tiles, ints(one.num_tiles, 1)[0]);
+  ASSERT_LE(num_tiles, tiles);
+  EXPECT_EQ(ints(many.tile_slot, num_tiles), ints(one.tile_slot, num_tiles));
+  EXPECT_EQ(ints(many.tile_row0, num_tiles), ints(one.tile_row0, num_tiles));
+  const std::vector<int32_t> row_of_pair = ints(many.row_of_pair, P);
+  const std::vector<int32_t> pair_of_row = ints(many.pair_of_row, P);
+  int bad = 0;
+  for (int p = 0; p < P; ++p) {
+    const int r = row_of_pair[p];
+    bad += r < want_offsets[slot[p]] || r >= want_offsets[slot[p] + 1] || pair_of_row[r] != p;
+  }
+  EXPECT_EQ(bad, 0) << "pairs outside their slot's rows or not inverse";
+}
 
 // The decode path (three kernels, decode_moe.h) against the unfused kGemv path on the
 // same data: same experts, slots and slot statistics, outputs equal up to the router
