@@ -12,7 +12,8 @@
 // Each configuration is timed as a CUDA graph of 4 layer calls on 4 different
 // inputs (so decode-sized calls touch different experts and do not run from L2),
 // replayed for ~0.15 s (median of 3); the time per call is reported. With --torch,
-// the PyTorch reference's times (bench/moe_layer_torch.py) are joined in; --sweep
+// the PyTorch reference's times (bench/moe_layer_torch.py, or this bench's earlier
+// --json) are joined in; --sweep
 // also times every GEMM tile (or those named by --tiles), --profile every kernel of the
 // layer alone (with --sweep also each swept tile's two GEMMs alone; the decode path's
 // three kernels where run_moe takes it: tile "decode").
@@ -350,7 +351,8 @@ int run(int argc, char** argv) {
     if (!torch.contains("runs")) return 0;
     for (const auto& t : torch["runs"]) {
       if (t.value("shape", "") == r.shape && t.value("tokens", 0) == r.tokens) {
-        return t.value("best_us", 0.0);
+        // moe_layer_torch.py's best_us, or torch_us of an earlier --json of this bench.
+        return t.contains("best_us") ? t.value("best_us", 0.0) : t.value("torch_us", 0.0);
       }
     }
     return 0;
