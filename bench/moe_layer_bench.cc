@@ -13,10 +13,10 @@
 // inputs (so decode-sized calls touch different experts and do not run from L2),
 // replayed for ~0.15 s (median of 3); the time per call is reported. With --torch,
 // the PyTorch reference's times (bench/moe_layer_torch.py, or this bench's earlier
-// --json) are joined in; --sweep
-// also times every GEMM tile (or those named by --tiles), --profile every kernel of the
-// layer alone (with --sweep also each swept tile's two GEMMs alone; the decode path's
-// three kernels where run_moe takes it: tile "decode").
+// --json) are joined in; --sweep also times every GEMM tile (or those named by
+// --tiles), --profile every kernel of the layer alone (with --sweep also each swept
+// tile's two GEMMs alone; the decode path's three kernels where run_moe takes it:
+// tile "decode").
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
