@@ -163,6 +163,8 @@ std::vector<MoeCase> moe_cases() {
     cases.push_back({DType::kBF16, cuda::GemmTile::kWgmma128N256, t});
     cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWs128, t});
     cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWs64, t});
+    cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaPp128, t});
+    cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWs128Pp, t});
   }
   return cases;
 }
