@@ -2,8 +2,8 @@
 // Grouped expert GEMMs (grouped_gemm.h).
 // NOTE: the mma.sync tiles use ldmatrix and a 4-stage cp.async pipeline; rows of a
 // shared-memory tile are padded by 16 bytes so ldmatrix reads are free of bank
-// conflicts. The Hopper tiles (wgmma_gemm.cu) serve sm_90a: kWgmmaWs64 / kWgmmaWs128
-// from a few rows per expert up, kWgmma64 around one or two.
+// conflicts. The Hopper tiles (wgmma_gemm.cu) serve sm_90a: kWgmmaWs64 from a quarter
+// row per expert up, kWgmmaWs128Pp / kWgmmaWs128 above 48.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -424,6 +424,10 @@ const char* tile_name(GemmTile tile) {
       return "ws128";
     case GemmTile::kWgmmaWs64:
       return "ws64";
+    case GemmTile::kWgmmaPp128:
+      return "pp128";
+    case GemmTile::kWgmmaWs128Pp:
+      return "ws128pp";
   }
   return "?";
 }
@@ -444,6 +448,8 @@ int tile_rows(GemmTile tile) {
     case GemmTile::kWgmma128:
     case GemmTile::kWgmma128N256:
     case GemmTile::kWgmmaWs128:
+    case GemmTile::kWgmmaPp128:
+    case GemmTile::kWgmmaWs128Pp:
       return 128;
     case GemmTile::kSimt:
       break;
@@ -467,10 +473,12 @@ bool tile_supports(GemmTile tile, DType dtype, int n, int k) {
       return mma_fits<Mma16K128>(n, k);
     case GemmTile::kWgmma64:
     case GemmTile::kWgmma128:
+    case GemmTile::kWgmmaPp128:
       return wgmma_fits(n, k, 128) && wgmma_available();
     case GemmTile::kWgmma128N256:
     case GemmTile::kWgmmaWs128:
     case GemmTile::kWgmmaWs64:
+    case GemmTile::kWgmmaWs128Pp:
       return wgmma_fits(n, k, 256) && wgmma_available();
     case GemmTile::kGemv:
       return n % (2 * kGemvWarps) == 0 && n % 16 == 0 && k % 8 == 0;
@@ -497,12 +505,19 @@ GemmTile choose_tile(DType dtype, int64_t num_pairs, int num_experts, int hidden
   std::vector<GemmTile> order;
   if (rows_per_expert <= 0.25) {
     order = {GemmTile::kGemv, GemmTile::kMma16K128, GemmTile::kMma16, GemmTile::kMma64};
-  } else if (rows_per_expert <= 2) {
-    order = {GemmTile::kWgmma64, GemmTile::kMma16K128, GemmTile::kMma16, GemmTile::kMma64};
   } else if (rows_per_expert <= 48) {
+    // From a quarter row per expert up (H200: Qwen3 16 tokens 213 vs 231 us for
+    // wgmma64, DeepSeek-V3 16 tokens 2077 vs 2194 us).
     order = {GemmTile::kWgmmaWs64, GemmTile::kWgmma64, GemmTile::kMma16K128, GemmTile::kMma16,
              GemmTile::kMma64};
   } else {
+    // The ping-pong down projection wins while a slot's down weights are small
+    // (persistent; H200 Qwen3 4096 tokens: 283 against 322 us, 16384: 944 against
+    // 995), not at DeepSeek-V3's 29 MB (16384: 8804 against 8213 us).
+    if (static_cast<int64_t>(hidden) * inter * 2 <= (int64_t{16} << 20) &&
+        fits_both(GemmTile::kWgmmaWs128Pp, dtype, hidden, inter)) {
+      return GemmTile::kWgmmaWs128Pp;
+    }
     order = {GemmTile::kWgmmaWs128, GemmTile::kWgmma128N256, GemmTile::kWgmma128,
              GemmTile::kWgmma64,    GemmTile::kMma128,       GemmTile::kMma64,
              GemmTile::kMma16};
@@ -546,6 +561,11 @@ cudaError_t grouped_gemm(DType dtype, GemmTile tile, const GroupedGemmArgs& args
       return launch_wgmma_ws_gemm(128, args, stream);
     case GemmTile::kWgmmaWs64:
       return launch_wgmma_ws_gemm(64, args, stream);
+    case GemmTile::kWgmmaPp128:
+      return launch_wgmma_pp_gemm(args, stream);
+    case GemmTile::kWgmmaWs128Pp:
+      return args.gather != nullptr ? launch_wgmma_ws_gemm(128, args, stream)
+                                    : launch_wgmma_pp_gemm(args, stream);
     case GemmTile::kGemv: {
       const dim3 grid(args.max_tiles, args.n / (2 * kGemvWarps));
       gemv_gemm_kernel<<<grid, kGemvWarps * 32, 0, stream>>>(args);

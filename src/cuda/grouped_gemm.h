@@ -34,6 +34,10 @@ namespace flexpert::cuda {
 // kWgmmaWs*: Hopper wgmma, warp-specialised and persistent (a producer warpgroup
 // loading B by tensor copies and A by cp.async into an mbarrier ring, two consumer
 // warpgroups), 128 x 256 and 64 x 256;
+// kWgmmaPp128: the same producer, consumers in ping-pong (each warpgroup on its own
+// 128 x 128 unit, one's epilogue under the other's mainloop);
+// kWgmmaWs128Pp: kWgmmaWs128 where A is gathered (gate/up), kWgmmaPp128 where A is
+// contiguous and comes by tensor copies (down); same 128-row tile table;
 // kGemv: 4 rows per tile, one warp per pair of weight rows streaming whole rows with
 // 16-byte loads (decode: few rows per expert, bandwidth from many loads in flight).
 enum class GemmTile : int {
@@ -49,8 +53,10 @@ enum class GemmTile : int {
   kWgmma128N256 = 9,
   kWgmmaWs128 = 10,
   kWgmmaWs64 = 11,
+  kWgmmaPp128 = 12,
+  kWgmmaWs128Pp = 13,
 };
-constexpr int kNumGemmTiles = 12;
+constexpr int kNumGemmTiles = 14;
 const char* tile_name(GemmTile tile);
 
 struct GroupedGemmArgs {
@@ -91,5 +97,7 @@ cudaError_t launch_wgmma_gemm(int warpgroups, int bn, const GroupedGemmArgs& arg
                               cudaStream_t stream);
 // The warp-specialised persistent tiles (bm = 128 or 64 rows, 256 columns).
 cudaError_t launch_wgmma_ws_gemm(int bm, const GroupedGemmArgs& args, cudaStream_t stream);
+// The ping-pong tile (128 x 128 units, one per consumer warpgroup).
+cudaError_t launch_wgmma_pp_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
 }  // namespace flexpert::cuda

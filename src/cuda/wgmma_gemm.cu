@@ -18,6 +18,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 
 #include "cuda/device_util.cuh"
 #include "cuda/grouped_gemm.h"
@@ -490,6 +491,211 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #endif
 }
 
+// ---------------------------------------------------------------------------
+// The ping-pong kernel (tile kWgmmaPp128): the same producer warpgroup and ring as
+// wgmma_ws_kernel, but each consumer warpgroup owns whole units of 128 x 128 (two
+// m64n128 accumulator blocks, 128 registers) and the two consumers alternate: the
+// CTA walks unit pairs p = blockIdx.x, + gridDim.x, ... (units 2p, 2p + 1: adjacent
+// tiles of one column block, so they share B in L2); consumer c takes unit 2p + c.
+// The producer fills the ring in unit order, so while one consumer stores its unit
+// (epilogue) the other one's stages are already there and the tensor cores keep
+// running. Named barriers order the mainloops (consumer 0, 1, 0, ...): a consumer
+// starts waiting on its stages only after the other has passed all of its own, which
+// keeps every `full` wait within one phase of the barrier (the parity rule). A unit
+// whose rows 64..127 lie past the slot's end issues only its first block.
+constexpr int kPpBM = 128, kPpBN = 128, kPpStages = 6;
+constexpr size_t pp_smem_bytes() {
+  return static_cast<size_t>(kPpStages) * (kPpBM + kPpBN) * 128 + 1024 + 2 * kPpStages * 8;
+}
+
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+template <bool TMA_A>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    wgmma_pp_kernel(const GroupedGemmArgs g, const __grid_constant__ CUtensorMap tmap_b,
+                    const __grid_constant__ CUtensorMap tmap_a, int group) {
+#if FLEX_HAS_WGMMA
+  constexpr int S = kPpStages, BM = kPpBM, BN = kPpBN;
+  constexpr int kABytes = BM * 128, kBBytes = BN * 128, kStageBytes = kABytes + kBBytes;
+  constexpr int kARows = BM / 16;  // A rows per producer thread per stage.
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t smem = raw + ((1024 - (raw & 1023)) & 1023);  // Swizzle atoms: 1024-aligned.
+  const uint32_t full_bar = smem + S * kStageBytes;            // S mbarriers, then S more.
+  const uint32_t empty_bar = full_bar + S * 8;
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full_bar + 8 * s, TMA_A ? 1 : 128 + 1);
+      mbar_init(empty_bar + 8 * s, 4);  // Lane 0 of each warp of the consumer using it.
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmap_b))
+                 : "memory");
+  }
+  __syncthreads();
+
+  const int nb = g.n / BN;
+  const int num_tiles = *g.num_tiles;
+  const int total = num_tiles * nb;
+  const int K = g.k, num_k_tiles = K / kWgBK;
+
+  if (wg == 0) {
+    // Producer (as in wgmma_ws_kernel), units in pair order.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    const bf16* A = static_cast<const bf16*>(g.a);
+    const int ch = tid % 8, rbase = tid / 8;  // Rows rbase + 16 i, 16-byte chunk ch.
+    const uint32_t a_dst0 = rbase * 128 + ((ch ^ (rbase & 7)) << 4);
+    const int64_t rows_per_slot = g.slot_stride / K, row_off = g.weight_offset / K;
+    constexpr int kLag = S - 2;
+    int stage = 0, j = 0;
+    uint32_t phase = 0;
+    if (!TMA_A || tid == 0) {
+      for (int u = 2 * blockIdx.x; u < total; u += (u & 1) ? 2 * gridDim.x - 1 : 1) {
+        int tile, nblk;
+        ws_unit(u, num_tiles, nb, group, tile, nblk);
+        const int n0 = nblk * BN;
+        const int slot = g.tile_slot[tile];
+        const int row0 = g.tile_row0[tile];
+        const int row_end = g.offsets[slot + 1];
+        const int b_row = static_cast<int>(slot * rows_per_slot + row_off) + n0;
+        const bf16* a_src[kARows];
+#pragma unroll
+        for (int i = 0; i < (TMA_A ? 0 : kARows); ++i) {
+          const int r = min(row0 + rbase + 16 * i, row_end - 1);
+          const int src = g.gather != nullptr ? g.gather[r] / g.gather_div : r;
+          a_src[i] = A + static_cast<int64_t>(src) * K + ch * 8;
+        }
+        for (int kt = 0; kt < num_k_tiles; ++kt) {
+          mbar_wait(empty_bar + 8 * stage, phase ^ 1);
+          const uint32_t base = smem + stage * kStageBytes;
+          const uint32_t fb = full_bar + 8 * stage;
+          if (TMA_A) {
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb),
+                         "n"(kABytes + kBBytes)
+                         : "memory");
+            asm volatile(
+                "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(base),
+                "l"(reinterpret_cast<uint64_t>(&tmap_a)), "r"(kt * kWgBK), "r"(row0), "r"(fb)
+                : "memory");
+          } else if (tid == 0) {
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb),
+                         "n"(kBBytes)
+                         : "memory");
+          }
+          if (tid == 0) {
+            asm volatile(
+                "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(base + kABytes),
+                "l"(reinterpret_cast<uint64_t>(&tmap_b)), "r"(kt * kWgBK), "r"(b_row), "r"(fb)
+                : "memory");
+          }
+          if (!TMA_A) {
+#pragma unroll
+            for (int i = 0; i < kARows; ++i) {
+              cp_async16(base + a_dst0 + i * 16 * 128, a_src[i] + kt * kWgBK);
+            }
+            asm volatile("cp.async.commit_group;\n" ::: "memory");
+            if (j >= kLag) {
+              asm volatile("cp.async.wait_group %0;\n" ::"n"(kLag) : "memory");
+              asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+              mbar_arrive(full_bar + 8 * ((j - kLag) % S));
+            }
+          }
+          ++j;
+          if (++stage == S) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+    if (!TMA_A) {
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      for (int i = max(j - kLag, 0); i < j; ++i) mbar_arrive(full_bar + 8 * (i % S));
+    }
+  } else {
+    // Consumers.
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int c = wg - 1;
+    const int warp = (tid % 128) / 32, lane = tid % 32;
+    int it = 0;
+    for (int p = blockIdx.x; 2 * p < total; p += gridDim.x, ++it) {
+      const int u = 2 * p + c;
+      if (u >= total) break;
+      int tile, nblk;
+      ws_unit(u, num_tiles, nb, group, tile, nblk);
+      const int n0 = nblk * BN;
+      const int slot = g.tile_slot[tile];
+      const int m0 = g.tile_row0[tile];
+      const int row_end = g.offsets[slot + 1];
+      const bool two = m0 + 64 < row_end;
+      // This consumer's first ring position: units 0 .. 2 it + c - 1 of this CTA came first.
+      const int j0 = (2 * it + c) * num_k_tiles;
+      int stage = j0 % S;
+      uint32_t phase = (j0 / S) & 1;
+      // Wait for the other consumer to pass its mainloop (consumer 0's first unit: none).
+      if (c == 1) {
+        named_bar_sync(1, 256);
+      } else if (it > 0) {
+        named_bar_sync(2, 256);
+      }
+      float d0[64], d1[64];
+      int prev = 0;
+      auto mainloop = [&](auto two_c) {
+        constexpr bool kTwo = decltype(two_c)::value;
+        for (int kt = 0; kt < num_k_tiles; ++kt) {
+          mbar_wait(full_bar + 8 * stage, phase);
+          const uint32_t base = smem + stage * kStageBytes;
+          const uint64_t da = smem_desc(base);
+          const uint64_t db = smem_desc(base + kABytes);
+          asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+          for (int kk = 0; kk < kWgBK / 16; ++kk) {
+            const int sc = kt > 0 || kk > 0 ? 1 : 0;
+            wgmma_m64n128k16(d0, da + 2 * kk, db + 2 * kk, sc);
+            // Rows 64..127: 64 * 128 bytes further (>> 4 in the descriptor).
+            if (kTwo) wgmma_m64n128k16(d1, da + 2 * kk + (64 * 128 >> 4), db + 2 * kk, sc);
+          }
+          asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+          asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+          if (kt > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev);
+          prev = stage;
+          if (++stage == S) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      };
+      if (two) {
+        mainloop(std::true_type{});
+      } else {
+        mainloop(std::false_type{});
+      }
+      // Let the other consumer's mainloop start while these wgmma drain and store.
+      if (c == 0) {
+        if (u + 1 < total) named_bar_arrive(1, 256);
+      } else if (2 * (p + static_cast<int>(gridDim.x)) < total) {
+        named_bar_arrive(2, 256);
+      }
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      if (lane == 0) mbar_arrive(empty_bar + 8 * prev);
+      store_block<kPpBN>(g, d0, m0, row_end, n0, warp, lane);
+      if (two) store_block<kPpBN>(g, d1, m0 + 64, row_end, n0, warp, lane);
+    }
+  }
+#endif
+}
+
 __global__ void wgmma_probe_kernel(int* out) { *out = FLEX_HAS_WGMMA; }
 
 template <int WG, int BN>
@@ -572,6 +778,15 @@ int env_int(const char* name, int fallback) {
   return v != nullptr ? std::atoi(v) : fallback;
 }
 
+// FLEXPERT_GEMM_MAX_CTAS caps the persistent grid (tests: several units per CTA).
+int max_ctas_env() {
+  static const int cap = [] {
+    const char* v = std::getenv("FLEXPERT_GEMM_MAX_CTAS");
+    return v != nullptr ? std::atoi(v) : 0;
+  }();
+  return cap;
+}
+
 int sm_count() {
   int device = 0, count = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -579,11 +794,7 @@ int sm_count() {
     (void)cudaGetLastError();
     return 132;
   }
-  // FLEXPERT_GEMM_MAX_CTAS caps the persistent grid (tests: several units per CTA).
-  static const int cap = [] {
-    const char* v = std::getenv("FLEXPERT_GEMM_MAX_CTAS");
-    return v != nullptr ? std::atoi(v) : 0;
-  }();
+  const int cap = max_ctas_env();
   return cap > 0 && cap < count ? cap : count;
 }
 
@@ -607,11 +818,17 @@ cudaError_t launch_ws_kernel(const GroupedGemmArgs& g, const CUtensorMap& map_b,
   // per layer), so there every unit gets its own CTA.
   // Knobs (experiments, tests): FLEXPERT_WS_PERSIST=0/1 forces either;
   // FLEXPERT_WS_GROUP=N groups N tiles (N < 0: all, i.e. tile-fastest order).
+  // With few units (BM = 128: under 32 per SM), in-order block launch also balances
+  // better than the static walk (units differ: a tile's second consumer may have no
+  // rows): Qwen3 4096 tokens gate/up 475 against 523 us, down 305 against 322; at
+  // 16384 (52 / 70 units per SM) persistent wins, 1584 against 1625 and 995 against 1097.
   static const int persist_env = env_int("FLEXPERT_WS_PERSIST", -1);
   static const int group_env = env_int("FLEXPERT_WS_GROUP", 0);
-  const bool persist = persist_env >= 0
-                           ? persist_env != 0
-                           : static_cast<int64_t>(g.n) * g.k * 2 <= (int64_t{16} << 20);
+  const bool persist =
+      persist_env >= 0
+          ? persist_env != 0
+          : static_cast<int64_t>(g.n) * g.k * 2 <= (int64_t{16} << 20) &&
+                (BM != 128 || units >= 32 * static_cast<int64_t>(sm_count()) || max_ctas_env() > 0);
   const int grid = static_cast<int>(persist ? std::min<int64_t>(units, sm_count()) : units);
   const int group = group_env > 0   ? group_env
                     : group_env < 0 ? std::max(1, g.max_tiles)
@@ -633,6 +850,45 @@ cudaError_t launch_ws(const GroupedGemmArgs& g, cudaStream_t stream) {
   const CUtensorMap* map_a = g.gather == nullptr ? rows_tensor_map(g.a, g.k, BM) : nullptr;
   if (map_a != nullptr) return launch_ws_kernel<BM, true>(g, *map_b, *map_a, stream);
   return launch_ws_kernel<BM, false>(g, *map_b, *map_b, stream);
+}
+
+template <bool TMA_A>
+cudaError_t launch_pp_kernel(const GroupedGemmArgs& g, const CUtensorMap& map_b,
+                             const CUtensorMap& map_a, cudaStream_t stream) {
+  static bool attribute_set = false;  // Set at the first (eager) launch.
+  if (!attribute_set) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(wgmma_pp_kernel<TMA_A>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(pp_smem_bytes()));
+    if (err != cudaSuccess) return err;
+    attribute_set = true;
+  }
+  const int nb = g.n / kPpBN;
+  const int64_t pairs = (static_cast<int64_t>(g.max_tiles) * nb + 1) / 2;
+  // Persistent under the same rule as wgmma_ws (a slot's B <= 16 MB); otherwise one
+  // CTA per unit pair. FLEXPERT_PP_PERSIST=0/1 forces either.
+  static const int persist_env = env_int("FLEXPERT_PP_PERSIST", -1);
+  static const int group_env = env_int("FLEXPERT_WS_GROUP", 0);
+  const bool persist = persist_env >= 0
+                           ? persist_env != 0
+                           : static_cast<int64_t>(g.n) * g.k * 2 <= (int64_t{16} << 20);
+  const int grid = static_cast<int>(persist ? std::min<int64_t>(pairs, sm_count()) : pairs);
+  // About 2 units per CTA are in flight (one in its mainloop, one storing).
+  const int group = group_env > 0   ? group_env
+                    : group_env < 0 ? std::max(1, g.max_tiles)
+                                    : std::max(1, 2 * std::min(grid, sm_count()) / nb);
+  wgmma_pp_kernel<TMA_A><<<grid, kWsThreads, pp_smem_bytes(), stream>>>(g, map_b, map_a, group);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_pp(const GroupedGemmArgs& g, cudaStream_t stream) {
+  const CUtensorMap* map_b = g.slot_stride % g.k == 0 && g.weight_offset % g.k == 0
+                                 ? rows_tensor_map(g.weights, g.k, kPpBN)
+                                 : nullptr;
+  if (map_b == nullptr) return launch<2, 128>(g, stream);  // Same tile rows, no tensor map.
+  const CUtensorMap* map_a = g.gather == nullptr ? rows_tensor_map(g.a, g.k, kPpBM) : nullptr;
+  if (map_a != nullptr) return launch_pp_kernel<true>(g, *map_b, *map_a, stream);
+  return launch_pp_kernel<false>(g, *map_b, *map_b, stream);
 }
 
 int probe() {
@@ -657,6 +913,10 @@ bool wgmma_fits(int n, int k, int bn) { return n % bn == 0 && k % kWgBK == 0; }
 
 cudaError_t launch_wgmma_ws_gemm(int bm, const GroupedGemmArgs& args, cudaStream_t stream) {
   return bm == 128 ? launch_ws<128>(args, stream) : launch_ws<64>(args, stream);
+}
+
+cudaError_t launch_wgmma_pp_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
+  return launch_pp(args, stream);
 }
 
 cudaError_t launch_wgmma_gemm(int warpgroups, int bn, const GroupedGemmArgs& args,

@@ -163,6 +163,8 @@ std::vector<MoeCase> moe_cases() {
     cases.push_back({DType::kBF16, cuda::GemmTile::kWgmma128N256, t});
     cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWs128, t});
     cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWs64, t});
+    cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaPp128, t});
+    cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWs128Pp, t});
   }
   // 12000 pairs: the many-block permutation (kernels.h).
   cases.push_back({DType::kF32, cuda::GemmTile::kSimt, 3000});
