@@ -322,6 +322,124 @@ __device__ __forceinline__ void ws_unit(int u, int num_tiles, int nb, int group,
   tile = t0 + (r - nblk * gsz);
 }
 
+// Shared by the warp-specialised kernels: the S-stage ring in shared memory, and the
+// producer's part of one unit.
+struct Ring {
+  uint32_t smem;       // Stage s at smem + s * stage bytes.
+  uint32_t full_bar;   // S mbarriers: the stage holds data (producer arrivals + tx bytes).
+  uint32_t empty_bar;  // S mbarriers: the consumers are done with the stage.
+};
+// The dynamic shared memory of a warp-specialised kernel: S stages of kStageBytes
+// (1024-aligned: swizzle atoms), then the 2 S mbarriers, initialised by thread 0. Every
+// thread calls it (it ends with __syncthreads).
+template <int S, int kStageBytes>
+__device__ __forceinline__ Ring setup_ring(int full_count, int empty_count,
+                                           const CUtensorMap& tmap_b) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  Ring r;
+  r.smem = raw + ((1024 - (raw & 1023)) & 1023);
+  r.full_bar = r.smem + S * kStageBytes;
+  r.empty_bar = r.full_bar + S * 8;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(r.full_bar + 8 * s, full_count);
+      mbar_init(r.empty_bar + 8 * s, empty_count);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmap_b))
+                 : "memory");
+  }
+  __syncthreads();
+  return r;
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+// 2D tensor copy of box (x, y) into shared memory, completing on mbarrier `bar`.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap& map, int x, int y,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+      "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+// The producer warpgroup's loads of one unit (rows of `tile` x columns n0 .. n0 + BN):
+// per K step, once the stage is free, B (and A when contiguous) by TMA from thread 0,
+// gathered A rows by cp.async from all 128 threads. cp.async copies of ring step j are
+// fenced (generic -> async proxy) and signalled on full[j % S] by the copying thread
+// kLag = S - 2 steps later, once they have landed, so the consumers need no proxy
+// fence (one would also wait for their wgmma in flight); produce_done() signals the
+// last ones. With TMA_A only thread 0 calls these.
+template <int S, int BM, int BN, bool TMA_A>
+__device__ __forceinline__ void produce_unit(const GroupedGemmArgs& g, const CUtensorMap& tmap_a,
+                                             const CUtensorMap& tmap_b, int tile, int n0,
+                                             uint32_t smem, uint32_t full_bar, uint32_t empty_bar,
+                                             int& stage, uint32_t& phase, int& j) {
+  constexpr int kABytes = BM * 128, kBBytes = BN * 128, kStageBytes = kABytes + kBBytes;
+  constexpr int kARows = BM / 16;  // A rows per producer thread per stage.
+  constexpr int kLag = S - 2;
+  const int tid = threadIdx.x;
+  const int K = g.k, num_k_tiles = K / kWgBK;
+  const int ch = tid % 8, rbase = tid / 8;  // Rows rbase + 16 i, 16-byte chunk ch.
+  const uint32_t a_dst0 = rbase * 128 + ((ch ^ (rbase & 7)) << 4);
+  const int slot = g.tile_slot[tile];
+  const int row0 = g.tile_row0[tile];
+  const int row_end = g.offsets[slot + 1];
+  const int b_row = static_cast<int>(slot * (g.slot_stride / K) + g.weight_offset / K) + n0;
+  const bf16* A = static_cast<const bf16*>(g.a);
+  const bf16* a_src[kARows];
+#pragma unroll
+  for (int i = 0; i < (TMA_A ? 0 : kARows); ++i) {
+    const int r = min(row0 + rbase + 16 * i, row_end - 1);
+    const int src = g.gather != nullptr ? g.gather[r] / g.gather_div : r;
+    a_src[i] = A + static_cast<int64_t>(src) * K + ch * 8;
+  }
+  for (int kt = 0; kt < num_k_tiles; ++kt) {
+    mbar_wait(empty_bar + 8 * stage, phase ^ 1);
+    const uint32_t base = smem + stage * kStageBytes;
+    const uint32_t fb = full_bar + 8 * stage;
+    if (TMA_A) {
+      mbar_expect_tx(fb, kABytes + kBBytes);
+      tma_load_2d(base, tmap_a, kt * kWgBK, row0, fb);
+    } else if (tid == 0) {
+      mbar_expect_tx(fb, kBBytes);
+    }
+    if (tid == 0) tma_load_2d(base + kABytes, tmap_b, kt * kWgBK, b_row, fb);
+    if (!TMA_A) {
+#pragma unroll
+      for (int i = 0; i < kARows; ++i) {
+        cp_async16(base + a_dst0 + i * 16 * 128, a_src[i] + kt * kWgBK);
+      }
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+      if (j >= kLag) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(kLag) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        mbar_arrive(full_bar + 8 * ((j - kLag) % S));
+      }
+    }
+    ++j;
+    if (++stage == S) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+}
+
+// After the producer's last unit: signal the cp.async steps not signalled yet.
+template <int S, bool TMA_A>
+__device__ __forceinline__ void produce_done(uint32_t full_bar, int j) {
+  if (TMA_A) return;
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  for (int i = max(j - (S - 2), 0); i < j; ++i) mbar_arrive(full_bar + 8 * (i % S));
+}
+
 template <int BM, bool TMA_A>
 __global__ void __launch_bounds__(kWsThreads, 1)
     wgmma_ws_kernel(const GroupedGemmArgs g, const __grid_constant__ CUtensorMap tmap_b,
@@ -329,26 +447,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #if FLEX_HAS_WGMMA
   constexpr int S = ws_stages<BM>();
   constexpr int kABytes = BM * 128, kBBytes = kWsBN * 128, kStageBytes = kABytes + kBBytes;
-  constexpr int kARows = BM / 16;  // A rows per producer thread per stage.
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw = smem_u32(smem_raw);
-  const uint32_t smem = raw + ((1024 - (raw & 1023)) & 1023);  // Swizzle atoms: 1024-aligned.
-  const uint32_t full_bar = smem + S * kStageBytes;            // S mbarriers, then S more.
-  const uint32_t empty_bar = full_bar + S * 8;
-
+  // full: 128 producer arrivals (A by cp.async) + the expect_tx of the tensor copies;
+  // empty: lane 0 of each consumer warp.
+  const Ring ring = setup_ring<S, kStageBytes>(TMA_A ? 1 : 128 + 1, 8, tmap_b);
+  const uint32_t smem = ring.smem, full_bar = ring.full_bar, empty_bar = ring.empty_bar;
   const int tid = threadIdx.x;
   const int wg = tid / 128;
-  if (tid == 0) {
-    for (int s = 0; s < S; ++s) {
-      // 128 producer arrivals (A by cp.async) + the expect_tx of the tensor copies.
-      mbar_init(full_bar + 8 * s, TMA_A ? 1 : 128 + 1);
-      mbar_init(empty_bar + 8 * s, 8);  // Lane 0 of each consumer warp.
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmap_b))
-                 : "memory");
-  }
-  __syncthreads();
 
   const int nb = g.n / kWsBN;
   const int num_tiles = *g.num_tiles;
@@ -358,81 +462,16 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   if (wg == 0) {
     // Producer.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
-    const bf16* A = static_cast<const bf16*>(g.a);
-    const int ch = tid % 8, rbase = tid / 8;  // Rows rbase + 16 i, 16-byte chunk ch.
-    const uint32_t a_dst0 = rbase * 128 + ((ch ^ (rbase & 7)) << 4);
-    const int64_t rows_per_slot = g.slot_stride / K, row_off = g.weight_offset / K;
-    // cp.async copies of step j are fenced (generic -> async proxy) and signalled on
-    // full[j % S] by the copying thread kLag steps later, once they have landed; so the
-    // consumers need no proxy fence (one would also wait for their wgmma in flight).
-    constexpr int kLag = S - 2;
     int stage = 0, j = 0;
     uint32_t phase = 0;
     for (int u = blockIdx.x; u < total; u += gridDim.x) {
       if (TMA_A && tid != 0) break;
       int tile, nblk;
       ws_unit(u, num_tiles, nb, group, tile, nblk);
-      const int n0 = nblk * kWsBN;
-      const int slot = g.tile_slot[tile];
-      const int row0 = g.tile_row0[tile];
-      const int row_end = g.offsets[slot + 1];
-      const int b_row = static_cast<int>(slot * rows_per_slot + row_off) + n0;
-      const bf16* a_src[kARows];
-#pragma unroll
-      for (int i = 0; i < (TMA_A ? 0 : kARows); ++i) {
-        const int r = min(row0 + rbase + 16 * i, row_end - 1);
-        const int src = g.gather != nullptr ? g.gather[r] / g.gather_div : r;
-        a_src[i] = A + static_cast<int64_t>(src) * K + ch * 8;
-      }
-      for (int kt = 0; kt < num_k_tiles; ++kt) {
-        mbar_wait(empty_bar + 8 * stage, phase ^ 1);
-        const uint32_t base = smem + stage * kStageBytes;
-        const uint32_t fb = full_bar + 8 * stage;
-        if (TMA_A) {
-          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb),
-                       "n"(kABytes + kBBytes)
-                       : "memory");
-          asm volatile(
-              "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
-              "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(base),
-              "l"(reinterpret_cast<uint64_t>(&tmap_a)), "r"(kt * kWgBK), "r"(row0), "r"(fb)
-              : "memory");
-        } else if (tid == 0) {
-          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb),
-                       "n"(kBBytes)
-                       : "memory");
-        }
-        if (tid == 0) {
-          asm volatile(
-              "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
-              "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(base + kABytes),
-              "l"(reinterpret_cast<uint64_t>(&tmap_b)), "r"(kt * kWgBK), "r"(b_row), "r"(fb)
-              : "memory");
-        }
-        if (!TMA_A) {
-#pragma unroll
-          for (int i = 0; i < kARows; ++i) {
-            cp_async16(base + a_dst0 + i * 16 * 128, a_src[i] + kt * kWgBK);
-          }
-          asm volatile("cp.async.commit_group;\n" ::: "memory");
-          if (j >= kLag) {
-            asm volatile("cp.async.wait_group %0;\n" ::"n"(kLag) : "memory");
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            mbar_arrive(full_bar + 8 * ((j - kLag) % S));
-          }
-        }
-        ++j;
-        if (++stage == S) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
+      produce_unit<S, BM, kWsBN, TMA_A>(g, tmap_a, tmap_b, tile, nblk * kWsBN, smem, full_bar,
+                                        empty_bar, stage, phase, j);
     }
-    if (!TMA_A) {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      for (int i = max(j - kLag, 0); i < j; ++i) mbar_arrive(full_bar + 8 * (i % S));
-    }
+    produce_done<S, TMA_A>(full_bar, j);
   } else {
     // Consumers.
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
@@ -522,25 +561,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #if FLEX_HAS_WGMMA
   constexpr int S = kPpStages, BM = kPpBM, BN = kPpBN;
   constexpr int kABytes = BM * 128, kBBytes = BN * 128, kStageBytes = kABytes + kBBytes;
-  constexpr int kARows = BM / 16;  // A rows per producer thread per stage.
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw = smem_u32(smem_raw);
-  const uint32_t smem = raw + ((1024 - (raw & 1023)) & 1023);  // Swizzle atoms: 1024-aligned.
-  const uint32_t full_bar = smem + S * kStageBytes;            // S mbarriers, then S more.
-  const uint32_t empty_bar = full_bar + S * 8;
-
+  // empty: lane 0 of each warp of the consumer using the stage.
+  const Ring ring = setup_ring<S, kStageBytes>(TMA_A ? 1 : 128 + 1, 4, tmap_b);
+  const uint32_t smem = ring.smem, full_bar = ring.full_bar, empty_bar = ring.empty_bar;
   const int tid = threadIdx.x;
   const int wg = tid / 128;
-  if (tid == 0) {
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full_bar + 8 * s, TMA_A ? 1 : 128 + 1);
-      mbar_init(empty_bar + 8 * s, 4);  // Lane 0 of each warp of the consumer using it.
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmap_b))
-                 : "memory");
-  }
-  __syncthreads();
 
   const int nb = g.n / BN;
   const int num_tiles = *g.num_tiles;
@@ -550,79 +575,17 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   if (wg == 0) {
     // Producer (as in wgmma_ws_kernel), units in pair order.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    const bf16* A = static_cast<const bf16*>(g.a);
-    const int ch = tid % 8, rbase = tid / 8;  // Rows rbase + 16 i, 16-byte chunk ch.
-    const uint32_t a_dst0 = rbase * 128 + ((ch ^ (rbase & 7)) << 4);
-    const int64_t rows_per_slot = g.slot_stride / K, row_off = g.weight_offset / K;
-    constexpr int kLag = S - 2;
     int stage = 0, j = 0;
     uint32_t phase = 0;
     if (!TMA_A || tid == 0) {
       for (int u = 2 * blockIdx.x; u < total; u += (u & 1) ? 2 * gridDim.x - 1 : 1) {
         int tile, nblk;
         ws_unit(u, num_tiles, nb, group, tile, nblk);
-        const int n0 = nblk * BN;
-        const int slot = g.tile_slot[tile];
-        const int row0 = g.tile_row0[tile];
-        const int row_end = g.offsets[slot + 1];
-        const int b_row = static_cast<int>(slot * rows_per_slot + row_off) + n0;
-        const bf16* a_src[kARows];
-#pragma unroll
-        for (int i = 0; i < (TMA_A ? 0 : kARows); ++i) {
-          const int r = min(row0 + rbase + 16 * i, row_end - 1);
-          const int src = g.gather != nullptr ? g.gather[r] / g.gather_div : r;
-          a_src[i] = A + static_cast<int64_t>(src) * K + ch * 8;
-        }
-        for (int kt = 0; kt < num_k_tiles; ++kt) {
-          mbar_wait(empty_bar + 8 * stage, phase ^ 1);
-          const uint32_t base = smem + stage * kStageBytes;
-          const uint32_t fb = full_bar + 8 * stage;
-          if (TMA_A) {
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb),
-                         "n"(kABytes + kBBytes)
-                         : "memory");
-            asm volatile(
-                "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
-                "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(base),
-                "l"(reinterpret_cast<uint64_t>(&tmap_a)), "r"(kt * kWgBK), "r"(row0), "r"(fb)
-                : "memory");
-          } else if (tid == 0) {
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fb),
-                         "n"(kBBytes)
-                         : "memory");
-          }
-          if (tid == 0) {
-            asm volatile(
-                "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
-                "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(base + kABytes),
-                "l"(reinterpret_cast<uint64_t>(&tmap_b)), "r"(kt * kWgBK), "r"(b_row), "r"(fb)
-                : "memory");
-          }
-          if (!TMA_A) {
-#pragma unroll
-            for (int i = 0; i < kARows; ++i) {
-              cp_async16(base + a_dst0 + i * 16 * 128, a_src[i] + kt * kWgBK);
-            }
-            asm volatile("cp.async.commit_group;\n" ::: "memory");
-            if (j >= kLag) {
-              asm volatile("cp.async.wait_group %0;\n" ::"n"(kLag) : "memory");
-              asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-              mbar_arrive(full_bar + 8 * ((j - kLag) % S));
-            }
-          }
-          ++j;
-          if (++stage == S) {
-            stage = 0;
-            phase ^= 1;
-          }
-        }
+        produce_unit<S, BM, BN, TMA_A>(g, tmap_a, tmap_b, tile, nblk * BN, smem, full_bar,
+                                       empty_bar, stage, phase, j);
       }
     }
-    if (!TMA_A) {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      for (int i = max(j - kLag, 0); i < j; ++i) mbar_arrive(full_bar + 8 * (i % S));
-    }
+    produce_done<S, TMA_A>(full_bar, j);
   } else {
     // Consumers.
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
