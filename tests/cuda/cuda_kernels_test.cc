@@ -174,6 +174,74 @@ std::vector<MoeCase> moe_cases() {
 
 INSTANTIATE_TEST_SUITE_P(AllTiles, CudaMoeTest, ::testing::ValuesIn(moe_cases()));
 
+// The Hopper tiles at the shapes of a real model (Qwen3-30B-A3B: hidden 2048, inter
+// 768, top-8; 32 experts to keep it small): every tile against kMma64 (mma.sync) on the
+// same bf16 data, several rows per expert (the small-shape test above cannot reach
+// K = 768 / 2048 or several column blocks).
+TEST(CudaMoeTest, HopperTilesAgreeAtModelShapes) {
+  FLEX_SKIP_WITHOUT_GPU();
+  if (!cuda::wgmma_available()) GTEST_SKIP() << "no wgmma on this build/device";
+  const int H = 2048, I = 768, E = 32, K = 8;
+  std::mt19937 rng(99);
+  cuda::MoeDims dims;
+  dims.dtype = DType::kBF16;
+  dims.hidden = H;
+  dims.intermediate = I;
+  dims.num_experts = E;
+  dims.top_k = K;
+  dims.num_slots = E;
+  dims.norm_topk_prob = true;
+  const size_t slot_bytes = dims.slot_elems() * 2;
+  std::vector<uint8_t> image(E * slot_bytes);
+  for (int e = 0; e < E; ++e) {
+    const auto gate = uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng);
+    const auto up = uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng);
+    const auto down = uniform(static_cast<size_t>(H) * I, 1.f / std::sqrt(I), rng);
+    cuda::pack_expert(gate.data(), up.data(), down.data(), H, I, DType::kBF16,
+                      image.data() + e * slot_bytes);
+  }
+  std::vector<int> map(E);
+  for (int e = 0; e < E; ++e) map[e] = e;
+  const cuda::RoutingTables tables = cuda::build_routing_tables(map, E);
+  auto slots = to_device_raw(image);
+  auto router = to_device(uniform(static_cast<size_t>(E) * H, 0.05f, rng), DType::kBF16);
+  auto rep_start = to_device_raw(tables.rep_start);
+  auto rep_count = to_device_raw(tables.rep_count);
+  auto rep_slots = to_device_raw(tables.rep_slots);
+  auto stream = cuda::Stream::create();
+  ASSERT_TRUE(stream.ok());
+  auto blas = cuda::Blas::create(stream.value().get());
+  ASSERT_TRUE(blas.ok());
+  cuda::MoeLayerWeights w;
+  w.router = router.data();
+  w.slots = slots.data();
+  w.rep_start = rep_start.as<int32_t>();
+  w.rep_count = rep_count.as<int32_t>();
+  w.rep_slots = rep_slots.as<int32_t>();
+  for (int T : {64, 700}) {  // 16 and 175 rows per expert.
+    auto x = to_device(uniform(static_cast<size_t>(T) * H, 1.f, rng), DType::kBF16);
+    auto scratch = cuda::MoeScratch::create(dims, T);
+    ASSERT_TRUE(scratch.ok());
+    auto run = [&](cuda::GemmTile tile) {
+      auto out = to_device(std::vector<float>(static_cast<size_t>(T) * H, NAN), DType::kF32);
+      const Status st =
+          cuda::run_moe(dims, w, scratch.value(), x.data(), T, nullptr, out.as<float>(), false,
+                        blas.value(), stream.value().get(), static_cast<int>(tile));
+      EXPECT_TRUE(st.ok()) << st.to_string();
+      EXPECT_TRUE(stream.value().synchronize().ok());
+      return to_host(out.data(), static_cast<size_t>(T) * H, DType::kF32);
+    };
+    const std::vector<float> want = run(cuda::GemmTile::kMma64);
+    for (cuda::GemmTile tile : {cuda::GemmTile::kWgmma64, cuda::GemmTile::kWgmma128N256,
+                                cuda::GemmTile::kWgmmaWs64, cuda::GemmTile::kWgmmaWs128,
+                                cuda::GemmTile::kWgmmaPp128, cuda::GemmTile::kWgmmaWs128Pp}) {
+      const double err = rel_l2(run(tile), want);
+      std::printf("  %d tokens, %s vs mma64: relative L2 %.3g\n", T, cuda::tile_name(tile), err);
+      EXPECT_LT(err, 5e-3) << cuda::tile_name(tile) << " at " << T << " tokens";
+    }
+  }
+}
+
 // The many-block permutation against the one-block one and a host reference: same
 // offsets, tile table and statistics; rows of a slot in its range, each pair once.
 TEST(CudaPermuteTest, ManyBlocksMatchOneBlock) {
