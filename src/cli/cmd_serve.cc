@@ -71,6 +71,10 @@ Status run_serve(const Flags& flags) {
       return invalid_argument("--cuda-dtype must be bf16 or f32");
     }
     options.device_f32 = flags.str("cuda-dtype") == "f32";
+    FLEX_ASSIGN_OR_RETURN(options.gpus, int_flag(flags, "gpus", 1));
+    if (options.gpus > 1 && options.device != "cuda") {
+      return invalid_argument("--gpus spreads ranks over GPUs: it needs --device cuda");
+    }
     if (options.reconfigure != "live" && options.reconfigure != "stop-the-world") {
       return invalid_argument("--reconfigure must be live or stop-the-world");
     }
@@ -164,6 +168,7 @@ int cmd_serve(const Args& args) {
       .value("min-replicas", "1", "replicas every expert keeps (more: a lost rank needs no reload)")
       .value("device", "cpu", "where workers run the model: cpu, cuda, cuda:N")
       .value("cuda-dtype", "bf16", "weights and activations on the GPU: bf16 or f32")
+      .value("gpus", "1", "with --device cuda: rank r runs on cuda:(r mod N) of this host")
       .value("reconfigure", "live", "membership changes: live, or stop-the-world (baseline)")
       .value("heartbeat-timeout-ms", "60000", "a worker silent this long is declared lost")
       .value("start-timeout-ms", "120000", "for a starting or joining worker to be ready")

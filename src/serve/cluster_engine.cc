@@ -309,6 +309,11 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
   start_recovery(survivors, calls);
 }
 
+std::string rank_device(const ClusterOptions& options, int rank) {
+  if (options.device != "cuda" || options.gpus <= 1) return options.device;
+  return "cuda:" + std::to_string(rank % options.gpus);
+}
+
 void ClusterEngine::Impl::handle(const std::string& routing_id, const std::string& type,
                                  const std::string& body, Calls* calls) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -344,7 +349,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     cfg.max_tokens_per_step = options_.max_tokens_per_step;
     cfg.max_seq_len = max_seq_len_;
     cfg.timeout_ms = options_.transport_timeout_ms;
-    cfg.device = options_.device;
+    cfg.device = rank_device(options_, r);
     cfg.device_f32 = options_.device_f32;
     post(r, cfg);
     return;

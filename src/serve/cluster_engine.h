@@ -56,7 +56,12 @@ struct ClusterOptions {
 
   std::string device = "cpu";  // Workers' ModelOptions::device: cpu, cuda, cuda:N.
   bool device_f32 = false;     // f32 on the GPU (verification) instead of bf16.
+  int gpus = 1;                // device "cuda": rank r runs on cuda:(r mod gpus).
 };
+
+// The device rank `rank` runs on: options.device, or with device "cuda" and gpus > 1,
+// cuda:(rank mod gpus) (ranks spread over the host's GPUs; joiners reuse freed ids).
+std::string rank_device(const ClusterOptions& options, int rank);
 
 // POST /v1/scale: {"ranks": N} (which ranks leave is chosen: least loaded) or
 // {"remove": [ranks]}.

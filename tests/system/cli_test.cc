@@ -57,6 +57,8 @@ TEST(CliTest, BadInputExitsWithTwoAndAMessage) {
       {"serve --model " + kModel + " --ranks 0 --port 0", "--ranks"},
       {"serve --model " + kModel + " --ranks 2 --max-ranks 1 --port 0", "--max-ranks"},
       {"serve --model " + kModel + " --placement replicate:x --port 0", "placement"},
+      {"serve --model " + kModel + " --gpus 2 --port 0", "--device cuda"},
+      {"serve --model " + kModel + " --device cuda --gpus 0 --port 0", "--gpus"},
       {"worker --rank 0", "--join"},
       {"bench serve --concurrency x", "integer"},
   };
