@@ -60,54 +60,9 @@ Status run_grouped_moe(const MoeDims& dims, const GroupedRouter& router, const f
   const int block_m = tile_rows(tile);
   FLEX_RETURN_IF_ERROR(
       route_grouped(dims, router, score_bias, w, scratch, h, num_tokens, blas, stream));
-  PermuteArgs perm{scratch.slot.as<int32_t>(),
-                   static_cast<int>(P),
-                   K,
-                   dims.num_slots,
-                   block_m,
-                   num_valid_tokens,
-                   scratch.offsets.as<int32_t>(),
-                   scratch.tile_slot.as<int32_t>(),
-                   scratch.tile_row0.as<int32_t>(),
-                   scratch.num_tiles.as<int32_t>(),
-                   scratch.row_of_pair.as<int32_t>(),
-                   scratch.pair_of_row.as<int32_t>(),
-                   w.slot_stats,
-                   scratch.permute_counts.as<int32_t>()};
-  FLEX_CUDA_TRY(permute(perm, stream));
-
-  GroupedGemmArgs g;
-  g.offsets = scratch.offsets.as<int32_t>();
-  g.tile_slot = scratch.tile_slot.as<int32_t>();
-  g.tile_row0 = scratch.tile_row0.as<int32_t>();
-  g.num_tiles = scratch.num_tiles.as<int32_t>();
-  g.max_tiles = max_tiles(P, dims.num_slots, block_m);
-  g.weights = w.slots;
-  g.slot_stride = dims.slot_elems();
-  // gate/up with SwiGLU, rows gathered from h in place.
-  g.a = h;
-  g.gather = scratch.pair_of_row.as<int32_t>();
-  g.gather_div = K;
-  g.weight_offset = 0;
-  g.n = 2 * I;
-  g.k = H;
-  g.swiglu = true;
-  g.out = scratch.act.data();
-  FLEX_CUDA_TRY(grouped_gemm(dims.dtype, tile, g, stream));
-  // down.
-  g.a = scratch.act.data();
-  g.gather = nullptr;
-  g.gather_div = 1;
-  g.weight_offset = 2 * static_cast<int64_t>(I) * H;
-  g.n = H;
-  g.k = I;
-  g.swiglu = false;
-  g.out = scratch.y.data();
-  FLEX_CUDA_TRY(grouped_gemm(dims.dtype, tile, g, stream));
-  FLEX_CUDA_TRY(combine(dims.dtype, scratch.y.data(), scratch.weight.as<float>(),
-                        scratch.row_of_pair.as<int32_t>(), num_tokens, K, H, accumulate, out,
-                        stream));
-  return Status();
+  FLEX_CUDA_TRY(
+      permute(permute_args(dims, w, scratch, num_tokens, block_m, num_valid_tokens), stream));
+  return run_expert_gemms(dims, w, scratch, h, num_tokens, tile, out, accumulate, stream);
 }
 
 }  // namespace flexpert::cuda

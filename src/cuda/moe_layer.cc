@@ -121,6 +121,22 @@ bool uses_decode_path(const MoeDims& dims, int num_tokens) {
 
 namespace {
 
+// Softmax top-k over scratch.logits with replica choice into scratch.expert/weight/slot.
+TopkArgs topk_args(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
+                   int num_tokens) {
+  return TopkArgs{scratch.logits.as<float>(),
+                  num_tokens,
+                  dims.num_experts,
+                  dims.top_k,
+                  dims.norm_topk_prob,
+                  w.rep_start,
+                  w.rep_count,
+                  w.rep_slots,
+                  scratch.expert.as<int32_t>(),
+                  scratch.weight.as<float>(),
+                  scratch.slot.as<int32_t>()};
+}
+
 Status run_decode(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch, const void* h,
                   int num_tokens, const int32_t* num_valid_tokens, float* out, bool accumulate,
                   cudaStream_t stream, unsigned stages) {
@@ -132,17 +148,7 @@ Status run_decode(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scr
   d.num_tokens = num_tokens;
   d.hidden = dims.hidden;
   d.inter = dims.intermediate;
-  d.topk = TopkArgs{scratch.logits.as<float>(),
-                    num_tokens,
-                    dims.num_experts,
-                    dims.top_k,
-                    dims.norm_topk_prob,
-                    w.rep_start,
-                    w.rep_count,
-                    w.rep_slots,
-                    scratch.expert.as<int32_t>(),
-                    scratch.weight.as<float>(),
-                    scratch.slot.as<int32_t>()};
+  d.topk = topk_args(dims, w, scratch, num_tokens);
   d.ticket = scratch.ticket.as<int32_t>();
   d.slot_stats = (stages & kMoePermute) ? w.slot_stats : nullptr;
   d.num_valid_tokens = num_valid_tokens;
@@ -156,6 +162,64 @@ Status run_decode(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scr
 }
 
 }  // namespace
+
+PermuteArgs permute_args(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
+                         int num_tokens, int block_m, const int32_t* num_valid_tokens) {
+  return PermuteArgs{scratch.slot.as<int32_t>(),
+                     num_tokens * dims.top_k,
+                     dims.top_k,
+                     dims.num_slots,
+                     block_m,
+                     num_valid_tokens,
+                     scratch.offsets.as<int32_t>(),
+                     scratch.tile_slot.as<int32_t>(),
+                     scratch.tile_row0.as<int32_t>(),
+                     scratch.num_tiles.as<int32_t>(),
+                     scratch.row_of_pair.as<int32_t>(),
+                     scratch.pair_of_row.as<int32_t>(),
+                     w.slot_stats,
+                     scratch.permute_counts.as<int32_t>()};
+}
+
+Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
+                        const void* h, int num_tokens, GemmTile tile, float* out, bool accumulate,
+                        cudaStream_t stream, unsigned stages) {
+  const int H = dims.hidden, I = dims.intermediate, K = dims.top_k;
+  const int64_t P = static_cast<int64_t>(num_tokens) * K;
+  GroupedGemmArgs g;
+  g.offsets = scratch.offsets.as<int32_t>();
+  g.tile_slot = scratch.tile_slot.as<int32_t>();
+  g.tile_row0 = scratch.tile_row0.as<int32_t>();
+  g.num_tiles = scratch.num_tiles.as<int32_t>();
+  g.max_tiles = max_tiles(P, dims.num_slots, tile_rows(tile));
+  g.weights = w.slots;
+  g.slot_stride = dims.slot_elems();
+  // gate/up with SwiGLU, rows gathered from h in place.
+  g.a = h;
+  g.gather = scratch.pair_of_row.as<int32_t>();
+  g.gather_div = K;
+  g.weight_offset = 0;
+  g.n = 2 * I;
+  g.k = H;
+  g.swiglu = true;
+  g.out = scratch.act.data();
+  if (stages & kMoeGateUp) FLEX_CUDA_TRY(grouped_gemm(dims.dtype, tile, g, stream));
+  // down, over the contiguous SwiGLU output.
+  g.a = scratch.act.data();
+  g.gather = nullptr;
+  g.gather_div = 1;
+  g.weight_offset = 2 * static_cast<int64_t>(I) * H;
+  g.n = H;
+  g.k = I;
+  g.swiglu = false;
+  g.out = scratch.y.data();
+  if (stages & kMoeDown) FLEX_CUDA_TRY(grouped_gemm(dims.dtype, tile, g, stream));
+  if (!(stages & kMoeCombine)) return Status();
+  FLEX_CUDA_TRY(combine(dims.dtype, scratch.y.data(), scratch.weight.as<float>(),
+                        scratch.row_of_pair.as<int32_t>(), num_tokens, K, H, accumulate, out,
+                        stream));
+  return Status();
+}
 
 Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch, const void* h,
                int num_tokens, const int32_t* num_valid_tokens, float* out, bool accumulate,
@@ -179,80 +243,23 @@ Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratc
                             " does not fit the expert shapes");
   }
   const int block_m = tile_rows(tile);
-  const int tiles = max_tiles(P, dims.num_slots, block_m);
-
   if (stages & kMoeRouter) {
     FLEX_RETURN_IF_ERROR(blas.gemm_nt(dims.dtype, h, num_tokens, H, w.router, dims.num_experts,
                                       DType::kF32, scratch.logits.data()));
   }
-  TopkArgs topk{scratch.logits.as<float>(),
-                num_tokens,
-                dims.num_experts,
-                K,
-                dims.norm_topk_prob,
-                w.rep_start,
-                w.rep_count,
-                w.rep_slots,
-                scratch.expert.as<int32_t>(),
-                scratch.weight.as<float>(),
-                scratch.slot.as<int32_t>()};
+  const TopkArgs topk = topk_args(dims, w, scratch, num_tokens);
   // Up to this many tokens, top-k runs inside the (single-block) permutation launch.
   constexpr int kFusedTopkTokens = 64;
   const bool fuse = num_tokens <= kFusedTopkTokens && (stages & kMoeTopk) && (stages & kMoePermute);
   if ((stages & kMoeTopk) && !fuse) FLEX_CUDA_TRY(router_topk(topk, stream));
-  PermuteArgs perm{scratch.slot.as<int32_t>(),
-                   static_cast<int>(P),
-                   K,
-                   dims.num_slots,
-                   block_m,
-                   num_valid_tokens,
-                   scratch.offsets.as<int32_t>(),
-                   scratch.tile_slot.as<int32_t>(),
-                   scratch.tile_row0.as<int32_t>(),
-                   scratch.num_tiles.as<int32_t>(),
-                   scratch.row_of_pair.as<int32_t>(),
-                   scratch.pair_of_row.as<int32_t>(),
-                   w.slot_stats,
-                   scratch.permute_counts.as<int32_t>()};
+  const PermuteArgs perm = permute_args(dims, w, scratch, num_tokens, block_m, num_valid_tokens);
   if (fuse) {
     FLEX_CUDA_TRY(router_topk_permute(topk, perm, stream));
   } else if (stages & kMoePermute) {
     FLEX_CUDA_TRY(permute(perm, stream));
   }
 
-  GroupedGemmArgs g;
-  g.offsets = scratch.offsets.as<int32_t>();
-  g.tile_slot = scratch.tile_slot.as<int32_t>();
-  g.tile_row0 = scratch.tile_row0.as<int32_t>();
-  g.num_tiles = scratch.num_tiles.as<int32_t>();
-  g.max_tiles = tiles;
-  g.weights = w.slots;
-  g.slot_stride = dims.slot_elems();
-
-  g.a = h;
-  g.gather = scratch.pair_of_row.as<int32_t>();
-  g.gather_div = K;
-  g.weight_offset = 0;
-  g.n = 2 * I;
-  g.k = H;
-  g.swiglu = true;
-  g.out = scratch.act.data();
-  if (stages & kMoeGateUp) FLEX_CUDA_TRY(grouped_gemm(dims.dtype, tile, g, stream));
-
-  g.a = scratch.act.data();
-  g.gather = nullptr;
-  g.gather_div = 1;
-  g.weight_offset = 2 * static_cast<int64_t>(I) * H;
-  g.n = H;
-  g.k = I;
-  g.swiglu = false;
-  g.out = scratch.y.data();
-  if (stages & kMoeDown) FLEX_CUDA_TRY(grouped_gemm(dims.dtype, tile, g, stream));
-  if (!(stages & kMoeCombine)) return Status();
-  FLEX_CUDA_TRY(combine(dims.dtype, scratch.y.data(), scratch.weight.as<float>(),
-                        scratch.row_of_pair.as<int32_t>(), num_tokens, K, H, accumulate, out,
-                        stream));
-  return Status();
+  return run_expert_gemms(dims, w, scratch, h, num_tokens, tile, out, accumulate, stream, stages);
 }
 
 Status read_routing(const MoeScratch& scratch, int num_pairs, cudaStream_t stream,

@@ -17,6 +17,7 @@
 #include "cuda/blas.h"
 #include "cuda/device.h"
 #include "cuda/grouped_gemm.h"
+#include "cuda/kernels.h"
 #include "flexpert/dtype.h"
 #include "flexpert/status.h"
 
@@ -92,6 +93,17 @@ Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratc
                int num_tokens, const int32_t* num_valid_tokens, float* out, bool accumulate,
                Blas& blas, cudaStream_t stream, int force_tile = -1,
                unsigned stages = kMoeAllStages);
+
+// The parts of run_moe after the routing (scratch.expert / weight / slot of num_tokens *
+// top_k pairs), shared with the DeepSeek routing (grouped_moe.h): the permutation of the
+// pairs by slot for tiles of block_m rows, and the two grouped expert GEMMs (gate/up
+// with SwiGLU over rows gathered from h; down) plus the weighted combine into out, as
+// `stages` selects (kMoeGateUp, kMoeDown, kMoeCombine).
+PermuteArgs permute_args(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
+                         int num_tokens, int block_m, const int32_t* num_valid_tokens);
+Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
+                        const void* h, int num_tokens, GemmTile tile, float* out, bool accumulate,
+                        cudaStream_t stream, unsigned stages = kMoeAllStages);
 
 // Whether run_moe (force_tile -1, router given) takes the decode path for this step:
 // bf16 steps where choose_tile picks kGemv (under a quarter row per expert) and
