@@ -18,38 +18,8 @@
 namespace flexpert::cuda {
 namespace {
 
-// Tokens per step piece: a prefill longer than this runs as consecutive pieces.
-constexpr int kDefaultStepTokens = 2048;
 // transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps.
 constexpr float kLoraNormEps = 1e-6f;
-
-Result<DeviceBuffer> upload(const void* data, size_t num_bytes) {
-  FLEX_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::create(num_bytes));
-  if (num_bytes > 0) {
-    FLEX_CUDA_TRY(cudaMemcpy(b.data(), data, num_bytes, cudaMemcpyHostToDevice));
-  }
-  return b;
-}
-
-Result<DeviceBuffer> upload_tensor(const Tensor& t, DType dtype) {
-  if (t.dtype() == dtype && t.is_contiguous()) return upload(t.raw(), t.num_bytes());
-  Tensor c = t.to(dtype);
-  return upload(c.raw(), c.num_bytes());
-}
-
-// Tensors of one width stacked along rows, converted to `dtype`.
-Result<DeviceBuffer> upload_rows(const std::vector<const Tensor*>& parts, DType dtype) {
-  size_t total = 0;
-  for (const Tensor* t : parts) total += static_cast<size_t>(t->numel()) * dtype_size(dtype);
-  FLEX_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::create(total));
-  size_t at = 0;
-  for (const Tensor* t : parts) {
-    Tensor c = t->to(dtype);
-    FLEX_CUDA_TRY(cudaMemcpy(b.as<char>() + at, c.raw(), c.num_bytes(), cudaMemcpyHostToDevice));
-    at += c.num_bytes();
-  }
-  return b;
-}
 
 }  // namespace
 
@@ -398,7 +368,7 @@ Status CudaDeepseekV3Model::slots_written(int layer, int local_slot) {
 Status CudaDeepseekV3Model::allocate_scratch() {
   const ModelConfig& c = config_;
   const size_t esize = dtype_size(dtype_);
-  FLEX_RETURN_IF_ERROR(StepDriver::allocate_io(*this, kDefaultStepTokens));
+  FLEX_RETURN_IF_ERROR(StepDriver::allocate_io(*this));
   const size_t T = static_cast<size_t>(max_step_tokens_);
   const size_t H = c.hidden_size, nh = c.num_attention_heads;
   const size_t r = c.kv_lora_rank, dr = c.qk_rope_head_dim;

@@ -210,4 +210,32 @@ void GraphExec::reset() {
   exec_ = nullptr;
 }
 
+Result<DeviceBuffer> upload(const void* data, size_t num_bytes) {
+  FLEX_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::create(num_bytes));
+  if (num_bytes > 0) {
+    FLEX_CUDA_TRY(cudaMemcpy(b.data(), data, num_bytes, cudaMemcpyHostToDevice));
+  }
+  return b;
+}
+
+Result<DeviceBuffer> upload_tensor(const Tensor& t, DType dtype) {
+  if (t.dtype() == dtype && t.is_contiguous()) return upload(t.raw(), t.num_bytes());
+  Tensor c = t.to(dtype);
+  return upload(c.raw(), c.num_bytes());
+}
+
+// Tensors of one width stacked along rows, converted to `dtype`.
+Result<DeviceBuffer> upload_rows(const std::vector<const Tensor*>& parts, DType dtype) {
+  size_t total = 0;
+  for (const Tensor* t : parts) total += static_cast<size_t>(t->numel()) * dtype_size(dtype);
+  FLEX_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::create(total));
+  size_t at = 0;
+  for (const Tensor* t : parts) {
+    Tensor c = t->to(dtype);
+    FLEX_CUDA_TRY(cudaMemcpy(b.as<char>() + at, c.raw(), c.num_bytes(), cudaMemcpyHostToDevice));
+    at += c.num_bytes();
+  }
+  return b;
+}
+
 }  // namespace flexpert::cuda

@@ -15,8 +15,10 @@
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "flexpert/status.h"
+#include "flexpert/tensor.h"
 
 namespace flexpert::cuda {
 
@@ -143,6 +145,12 @@ class GraphExec {
 
 // Makes `device` current for the calling thread.
 Status set_device(int device);
+
+// New device buffers filled from the host (synchronous: model loading): raw bytes, a
+// tensor converted to `dtype`, or tensors of one width stacked along rows.
+Result<DeviceBuffer> upload(const void* data, size_t num_bytes);
+Result<DeviceBuffer> upload_tensor(const Tensor& t, DType dtype);
+Result<DeviceBuffer> upload_rows(const std::vector<const Tensor*>& parts, DType dtype);
 
 }  // namespace flexpert::cuda
 

@@ -32,8 +32,11 @@ struct StepDriver {
   // The step inputs (device and pinned host, StepInputs' layout) and outputs (last
   // hidden rows, f32 logits and their pinned host copy), sized for steps of
   // max(step_tokens, rows) tokens and one logits row per sequence (a decode bucket).
+  // Tokens per step piece: a prefill longer than this runs as consecutive pieces.
+  static constexpr int kDefaultStepTokens = 2048;
+
   template <class M>
-  static Status allocate_io(M& m, int step_tokens) {
+  static Status allocate_io(M& m, int step_tokens = kDefaultStepTokens) {
     m.max_rows_ = next_pow2(m.max_sequences_);
     m.max_step_tokens_ = std::max(step_tokens, m.max_rows_);
     const size_t T = static_cast<size_t>(m.max_step_tokens_);
