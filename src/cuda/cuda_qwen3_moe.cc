@@ -117,25 +117,7 @@ Status CudaQwen3MoeModel::load_weights(const ModelOptions& options) {
   }
   FLEX_ASSIGN_OR_RETURN(rope_cos_, upload(cosv.data(), cosv.size() * sizeof(float)));
   FLEX_ASSIGN_OR_RETURN(rope_sin_, upload(sinv.data(), sinv.size() * sizeof(float)));
-  layers_.resize(c.num_hidden_layers);
-  mirrors_.resize(c.num_hidden_layers);
-  FLEX_ASSIGN_OR_RETURN(upload_stream_, Stream::create());
-  for (int l = 0; l < c.num_hidden_layers; ++l) {
-    // The host mirror: where peers read from (allocate_slots), or the heap when expert
-    // parallel without one (the executor still needs the slots' shape).
-    const int hidden = static_cast<int>(c.hidden_size);
-    const int inter = static_cast<int>(c.moe_intermediate_size);
-    if (c.is_moe_layer(l) && options.allocate_slots) {
-      const size_t bytes = ExpertSlots::bytes_for(dtype_, num_local_slots_, hidden, inter);
-      FLEX_ASSIGN_OR_RETURN(void* mem, options.allocate_slots(l, bytes));
-      mirrors_[l] = ExpertSlots(dtype_, num_local_slots_, hidden, inter, mem);
-    } else if (c.is_moe_layer(l) && ep_) {
-      mirrors_[l] = ExpertSlots(dtype_, num_local_slots_, hidden, inter);
-    }
-    FLEX_RETURN_IF_ERROR(load_layer(l, &layers_[l]).annotate("layer " + std::to_string(l)));
-    if (options.progress) options.progress(l + 1, c.num_hidden_layers);
-  }
-  return Status();
+  return StepDriver::load_layers(*this, options);
 }
 
 Status CudaQwen3MoeModel::load_layer(int index, Layer* layer) {

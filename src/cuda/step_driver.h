@@ -53,6 +53,31 @@ struct StepDriver {
     return Status();
   }
 
+  // Every layer through the model's load_layer, each MoE layer with its host slot
+  // mirror: in the region peers read from (options.allocate_slots), or on the heap
+  // when expert parallel without one (the executor still needs the slots' shape).
+  template <class M>
+  static Status load_layers(M& m, const ModelOptions& options) {
+    const ModelConfig& c = m.config_;
+    m.layers_.resize(c.num_hidden_layers);
+    m.mirrors_.resize(c.num_hidden_layers);
+    FLEX_ASSIGN_OR_RETURN(m.upload_stream_, Stream::create());
+    const int hidden = static_cast<int>(c.hidden_size);
+    const int inter = static_cast<int>(c.moe_intermediate_size);
+    for (int l = 0; l < c.num_hidden_layers; ++l) {
+      if (c.is_moe_layer(l) && options.allocate_slots) {
+        const size_t bytes = ExpertSlots::bytes_for(m.dtype_, m.num_local_slots_, hidden, inter);
+        FLEX_ASSIGN_OR_RETURN(void* mem, options.allocate_slots(l, bytes));
+        m.mirrors_[l] = ExpertSlots(m.dtype_, m.num_local_slots_, hidden, inter, mem);
+      } else if (c.is_moe_layer(l) && m.ep_) {
+        m.mirrors_[l] = ExpertSlots(m.dtype_, m.num_local_slots_, hidden, inter);
+      }
+      FLEX_RETURN_IF_ERROR(m.load_layer(l, &m.layers_[l]).annotate("layer " + std::to_string(l)));
+      if (options.progress) options.progress(l + 1, c.num_hidden_layers);
+    }
+    return Status();
+  }
+
   // The device routing tables and statistics of a MoE layer (any model's Layer).
   template <class L>
   static MoeLayerWeights moe_weights(L& layer) {
