@@ -31,6 +31,13 @@ du -sh "$DIR"
 stamp "bench generate --device cuda (bf16)"
 timeout 300 $BIN/flexpert bench generate --model "$DIR" --device cuda --batches 1,16,128,1,16,128 \
   --prompt-len 64 --gen-tokens 32 --json "$OUT/qwen3-30b-a3b-L$LAYERS.json" 2>&1 | tail -9
+# GPU_FULL_BASELINE=path/to/flexpert: the same benchmark with another build (an A/B in one run).
+if [ -n "${GPU_FULL_BASELINE:-}" ]; then
+  stamp "baseline $GPU_FULL_BASELINE: bench generate --device cuda (bf16)"
+  timeout 300 "$GPU_FULL_BASELINE" bench generate --model "$DIR" --device cuda \
+    --batches 1,16,128,1,16,128 --prompt-len 64 --gen-tokens 32 \
+    --json "$OUT/qwen3-30b-a3b-L$LAYERS-baseline.json" 2>&1 | tail -9
+fi
 rm -rf "$DIR"
 if [ -z "${GPU_FULL_NO_ELASTIC:-}" ]; then
   stamp "bench elastic (CPU path, $(nproc) cores)"

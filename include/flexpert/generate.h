@@ -36,6 +36,8 @@ class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);
   int32_t sample(const float* logits, int64_t vocab);
+  // Temperature 0: sample() is the argmax of the logits, whatever the rest says.
+  bool greedy() const { return params_.temperature == 0.0f; }
 
  private:
   SamplingParams params_;

@@ -83,6 +83,14 @@ class Model {
   // Errors of the MoE executor (a dead peer, an epoch change) are returned as is;
   // the KV cache of the batch's sequences is then undefined for this step.
   virtual Status forward(const std::vector<SequenceChunk>& batch, Tensor* logits) = 0;
+  // Runs one step as forward() does, and returns per batch row its greedy token in
+  // (*greedy)[b] (the argmax of the row's logits, the lowest id on ties; NaN never
+  // wins) and its logits row only where want_logits[b] is set (other rows of *logits
+  // are unspecified). A GPU model then copies out B token ids instead of B x vocab
+  // floats when every row samples greedily. The default runs forward() and an argmax.
+  virtual Status forward_step(const std::vector<SequenceChunk>& batch,
+                              const std::vector<uint8_t>& want_logits, Tensor* logits,
+                              std::vector<int32_t>* greedy);
 
   // Rows computed per [layer][slot] since the last reset (EPLB load statistics).
   virtual const std::vector<std::vector<int64_t>>& slot_counts() const = 0;

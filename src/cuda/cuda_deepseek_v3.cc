@@ -474,6 +474,12 @@ Status CudaDeepseekV3Model::forward(const std::vector<SequenceChunk>& batch, Ten
   return StepDriver::forward(*this, batch, logits);
 }
 
+Status CudaDeepseekV3Model::forward_step(const std::vector<SequenceChunk>& batch,
+                                         const std::vector<uint8_t>& want_logits, Tensor* logits,
+                                         std::vector<int32_t>* greedy) {
+  return StepDriver::forward(*this, batch, logits, &want_logits, greedy);
+}
+
 const std::vector<std::vector<int64_t>>& CudaDeepseekV3Model::slot_counts() const {
   return StepDriver::slot_counts(*this);
 }

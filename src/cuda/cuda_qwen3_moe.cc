@@ -367,6 +367,12 @@ Status CudaQwen3MoeModel::forward(const std::vector<SequenceChunk>& batch, Tenso
   return StepDriver::forward(*this, batch, logits);
 }
 
+Status CudaQwen3MoeModel::forward_step(const std::vector<SequenceChunk>& batch,
+                                       const std::vector<uint8_t>& want_logits, Tensor* logits,
+                                       std::vector<int32_t>* greedy) {
+  return StepDriver::forward(*this, batch, logits, &want_logits, greedy);
+}
+
 const std::vector<std::vector<int64_t>>& CudaQwen3MoeModel::slot_counts() const {
   return StepDriver::slot_counts(*this);
 }

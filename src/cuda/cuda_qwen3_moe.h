@@ -53,6 +53,9 @@ class CudaQwen3MoeModel final : public Model {
   int max_sequences() const override { return max_sequences_; }
   int max_seq_len() const override { return max_seq_len_; }
   Status forward(const std::vector<SequenceChunk>& batch, Tensor* logits) override;
+  Status forward_step(const std::vector<SequenceChunk>& batch,
+                      const std::vector<uint8_t>& want_logits, Tensor* logits,
+                      std::vector<int32_t>* greedy) override;
   const std::vector<std::vector<int64_t>>& slot_counts() const override;
   void reset_slot_counts() override;
   ExpertSlots* local_slots(int layer) override;
@@ -118,6 +121,8 @@ class CudaQwen3MoeModel final : public Model {
   PinnedBuffer host_in_;  // Same layout as inputs_.
   DeviceBuffer x_, h_, qkv_, q_, attn_, gu_, act_, last_h_, logits_;
   PinnedBuffer host_logits_;
+  DeviceBuffer greedy_keys_;  // argmax_rows' keys per logits row, and their host copy.
+  PinnedBuffer host_greedy_keys_;
   MoeScratch moe_;
   mutable std::vector<std::vector<int64_t>> slot_counts_;
   // Expert parallelism / host mirror of the local slots.

@@ -286,6 +286,41 @@ __global__ void copy_kernel(const uint4* src, uint4* dst, size_t n) {
   }
 }
 
+// Order-preserving map of a float's bits to an unsigned int (larger float, larger key).
+__device__ __forceinline__ uint32_t ordered_bits(float v) {
+  const uint32_t u = __float_as_uint(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+constexpr int kArgmaxThreads = 256;
+constexpr int kArgmaxPerThread = 16;  // A block covers 4096 values of its row.
+
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_rows_kernel(const float* logits, int vocab, unsigned long long* keys) {
+  const float* row = logits + static_cast<size_t>(blockIdx.y) * vocab;
+  const int begin = blockIdx.x * kArgmaxThreads * kArgmaxPerThread;
+  const int end = min(vocab, begin + kArgmaxThreads * kArgmaxPerThread);
+  unsigned long long best = 0;
+  for (int i = begin + threadIdx.x; i < end; i += kArgmaxThreads) {
+    const float v = row[i] == 0.f ? 0.f : row[i];  // -0 ties with +0, as on the host.
+    const unsigned long long key =
+        isnan(v) ? 0ull
+                 : (static_cast<unsigned long long>(ordered_bits(v)) << 32) | (0xffffffffu - i);
+    best = key > best ? key : best;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
+    best = other > best ? other : best;
+  }
+  __shared__ unsigned long long warp_best[kArgmaxThreads / 32];
+  if (threadIdx.x % 32 == 0) warp_best[threadIdx.x / 32] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kArgmaxThreads / 32; ++w) best = warp_best[w] > best ? warp_best[w] : best;
+    if (best != 0) atomicMax(&keys[blockIdx.y], best);
+  }
+}
+
 int blocks_for(size_t n, int threads) {
   const size_t b = (n + threads - 1) / threads;
   return static_cast<int>(b < 65536 ? (b == 0 ? 1 : b) : 65536);
@@ -376,6 +411,18 @@ cudaError_t combine(DType dtype, const void* y, const float* weight, const int32
   FLEX_DISPATCH_DTYPE(
       dtype, combine_kernel<T><<<num_tokens, threads, 0, stream>>>(
                  static_cast<const T*>(y), weight, row_of_pair, top_k, hidden, accumulate, out));
+  return cudaGetLastError();
+}
+
+cudaError_t argmax_rows(const float* logits, int rows, int vocab, unsigned long long* keys,
+                        cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  if (vocab <= 0 || rows > 65535) return cudaErrorInvalidValue;
+  const cudaError_t err = cudaMemsetAsync(keys, 0, rows * sizeof(unsigned long long), stream);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(
+      (vocab + kArgmaxThreads * kArgmaxPerThread - 1) / (kArgmaxThreads * kArgmaxPerThread), rows);
+  argmax_rows_kernel<<<grid, kArgmaxThreads, 0, stream>>>(logits, vocab, keys);
   return cudaGetLastError();
 }
 

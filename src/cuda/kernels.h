@@ -119,6 +119,18 @@ cudaError_t combine(DType dtype, const void* y, const float* weight, const int32
                     int num_tokens, int top_k, int hidden, bool accumulate, float* out,
                     cudaStream_t stream);
 
+// Greedy sampling on the device: keys[r] = the row's largest (value, -index) pair of
+// f32 logits row r (r < rows, `vocab` values per row) packed in 64 bits, so one
+// atomicMax per block reduces a row split over many blocks; NaN never wins (the key
+// of an all-NaN row is 0). keys (rows entries) is zeroed here first. argmax_key_index
+// decodes the token id: the lowest index among equal maxima, 0 for an all-NaN row,
+// as kernels::argmax on the host.
+cudaError_t argmax_rows(const float* logits, int rows, int vocab, unsigned long long* keys,
+                        cudaStream_t stream);
+inline int32_t argmax_key_index(unsigned long long key) {
+  return key == 0 ? 0 : static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(key));
+}
+
 // Fills n elements with deterministic pseudo-random values uniform in [-scale, scale].
 cudaError_t fill_uniform(DType dtype, void* data, size_t n, uint64_t seed, float scale,
                          cudaStream_t stream);

@@ -16,6 +16,7 @@
 
 #include "cuda/device.h"
 #include "cuda/ep_moe.h"
+#include "cuda/kernels.h"
 #include "cuda/moe_layer.h"
 #include "flexpert/logging.h"
 #include "flexpert/model.h"
@@ -50,6 +51,9 @@ struct StepDriver {
     FLEX_ASSIGN_OR_RETURN(m.last_h_, DeviceBuffer::create(R * H * dtype_size(m.dtype_)));
     FLEX_ASSIGN_OR_RETURN(m.logits_, DeviceBuffer::create(R * V * sizeof(float)));
     FLEX_ASSIGN_OR_RETURN(m.host_logits_, PinnedBuffer::create(R * V * sizeof(float)));
+    FLEX_ASSIGN_OR_RETURN(m.greedy_keys_, DeviceBuffer::create(R * sizeof(unsigned long long)));
+    FLEX_ASSIGN_OR_RETURN(m.host_greedy_keys_,
+                          PinnedBuffer::create(R * sizeof(unsigned long long)));
     return Status();
   }
 
@@ -140,38 +144,82 @@ struct StepDriver {
     return Status();
   }
 
-  // The first `rows` logits rows to dst (after the step's work; synchronizes).
+  // Where a step's results go (Model::forward_step): logits rows to `logits` (every
+  // row, or those flagged in *want), and with `greedy` every row's greedy token.
+  struct StepOut {
+    float* logits = nullptr;
+    const std::vector<uint8_t>* want = nullptr;
+    int32_t* greedy = nullptr;
+  };
+
+  // The results of the step's first `rows` logits rows (row r is batch row
+  // batch_row[r], or r without a map): greedy tokens by argmax_rows on the device (8
+  // bytes a row cross), logits rows only where wanted, one copy per run of wanted rows.
+  // After the step's work; synchronizes.
   template <class M>
-  static Status download_logits(M& m, int rows, float* dst) {
-    const size_t bytes = static_cast<size_t>(rows) * m.config_.vocab_size * sizeof(float);
-    if (bytes > 0) {
-      FLEX_CUDA_TRY(cudaMemcpyAsync(m.host_logits_.data(), m.logits_.data(), bytes,
-                                    cudaMemcpyDeviceToHost, m.stream_.get()));
+  static Status download(M& m, int rows, const int* batch_row, const StepOut& out) {
+    const size_t V = static_cast<size_t>(m.config_.vocab_size);
+    cudaStream_t s = m.stream_.get();
+    auto row_of = [batch_row](int r) { return batch_row ? batch_row[r] : r; };
+    auto wanted = [&](int r) { return out.want == nullptr || (*out.want)[row_of(r)] != 0; };
+    auto* keys = m.host_greedy_keys_.template as<unsigned long long>();
+    float* host_logits = m.host_logits_.template as<float>();
+    if (rows > 0 && out.greedy != nullptr) {
+      auto* dev_keys = m.greedy_keys_.template as<unsigned long long>();
+      FLEX_CUDA_TRY(
+          argmax_rows(m.logits_.template as<float>(), rows, static_cast<int>(V), dev_keys, s));
+      FLEX_CUDA_TRY(cudaMemcpyAsync(keys, dev_keys, rows * sizeof(unsigned long long),
+                                    cudaMemcpyDeviceToHost, s));
+    }
+    for (int r = 0; r < rows;) {
+      if (!wanted(r)) {
+        ++r;
+        continue;
+      }
+      int end = r + 1;
+      while (end < rows && wanted(end)) ++end;
+      FLEX_CUDA_TRY(cudaMemcpyAsync(host_logits + r * V, m.logits_.template as<float>() + r * V,
+                                    (end - r) * V * sizeof(float), cudaMemcpyDeviceToHost, s));
+      r = end;
     }
     FLEX_RETURN_IF_ERROR(m.stream_.synchronize());
-    if (bytes > 0) std::memcpy(dst, m.host_logits_.data(), bytes);
+    for (int r = 0; r < rows; ++r) {
+      if (wanted(r)) {
+        std::memcpy(out.logits + row_of(r) * V, host_logits + r * V, V * sizeof(float));
+      }
+      if (out.greedy != nullptr) out.greedy[row_of(r)] = argmax_key_index(keys[r]);
+    }
     return Status();
   }
 
+  // Model::forward (want and greedy null) and Model::forward_step.
   template <class M>
-  static Status forward(M& m, const std::vector<SequenceChunk>& batch, Tensor* logits) {
+  static Status forward(M& m, const std::vector<SequenceChunk>& batch, Tensor* logits,
+                        const std::vector<uint8_t>* want = nullptr,
+                        std::vector<int32_t>* greedy = nullptr) {
     FLEX_RETURN_IF_ERROR(validate(m, batch));
     const int64_t B = static_cast<int64_t>(batch.size());
+    if (want != nullptr && want->size() != batch.size()) {
+      return invalid_argument("want_logits has " + std::to_string(want->size()) +
+                              " rows for a batch of " + std::to_string(B));
+    }
     if (!logits->owned() || logits->dim() != 2 || logits->size(0) != B ||
         logits->size(1) != m.config_.vocab_size) {
       *logits = Tensor::empty(DType::kF32, {B, m.config_.vocab_size});
     }
+    if (greedy != nullptr) greedy->resize(batch.size());
+    const StepOut out{logits->data<float>(), want, greedy ? greedy->data() : nullptr};
     FLEX_RETURN_IF_ERROR(set_device(m.device_));
-    if (m.ep_) return run_ep(m, batch, logits->data<float>());  // Joins exchanges even when empty.
+    if (m.ep_) return run_ep(m, batch, out);  // Joins exchanges even when empty.
     if (B == 0) return Status();
     const bool decode = std::all_of(batch.begin(), batch.end(),
                                     [](const SequenceChunk& c) { return c.tokens.size() == 1; });
-    if (decode && m.use_graphs_) return run_decode(m, batch, logits->data<float>());
-    return run_pieces(m, batch, logits->data<float>());
+    if (decode && m.use_graphs_) return run_decode(m, batch, out);
+    return run_pieces(m, batch, out);
   }
 
   template <class M>
-  static Status run_decode(M& m, const std::vector<SequenceChunk>& batch, float* logits) {
+  static Status run_decode(M& m, const std::vector<SequenceChunk>& batch, const StepOut& out) {
     const int B = static_cast<int>(batch.size());
     const int bucket = next_pow2(B);
     FLEX_RETURN_IF_ERROR(fill_step_inputs(batch, bucket, m.max_step_tokens_, m.max_rows_,
@@ -185,7 +233,7 @@ struct StepDriver {
     } else {
       FLEX_RETURN_IF_ERROR(run_and_capture(m, bucket));
     }
-    return download_logits(m, B, logits);
+    return download(m, B, nullptr, out);
   }
 
   // A bucket's first decode step: eagerly (which also warms cuBLAS up for its shapes),
@@ -239,9 +287,8 @@ struct StepDriver {
   }
 
   template <class M>
-  static Status run_pieces(M& m, const std::vector<SequenceChunk>& batch, float* logits) {
+  static Status run_pieces(M& m, const std::vector<SequenceChunk>& batch, const StepOut& out) {
     const size_t T = static_cast<size_t>(m.max_step_tokens_);
-    const size_t V = static_cast<size_t>(m.config_.vocab_size);
     int32_t* host = m.host_in_.template as<int32_t>();
     int n = 0;
     std::vector<int> row_chunk;  // Logits row -> chunk index.
@@ -250,16 +297,8 @@ struct StepDriver {
       host[3 * T + m.max_rows_] = n;
       FLEX_RETURN_IF_ERROR(upload_inputs(m, n, rows));
       FLEX_RETURN_IF_ERROR(m.enqueue_step(n, rows));
-      if (rows > 0) {
-        FLEX_CUDA_TRY(cudaMemcpyAsync(m.host_logits_.data(), m.logits_.data(),
-                                      rows * V * sizeof(float), cudaMemcpyDeviceToHost,
-                                      m.stream_.get()));
-      }
-      FLEX_RETURN_IF_ERROR(m.stream_.synchronize());  // Also frees host_in_ for the next piece.
-      for (int r = 0; r < rows; ++r) {
-        std::memcpy(logits + row_chunk[r] * V, m.host_logits_.template as<float>() + r * V,
-                    V * sizeof(float));
-      }
+      // Synchronizes, which also frees host_in_ for the next piece.
+      FLEX_RETURN_IF_ERROR(download(m, rows, row_chunk.data(), out));
       n = 0;
       row_chunk.clear();
       return Status();
@@ -409,7 +448,7 @@ struct StepDriver {
   // One expert-parallel step: the model's device segments (enqueue_segment) between
   // the MoE layers' exchanges; decode steps replay a graph per (bucket, segment).
   template <class M>
-  static Status run_ep(M& m, const std::vector<SequenceChunk>& batch, float* logits) {
+  static Status run_ep(M& m, const std::vector<SequenceChunk>& batch, const StepOut& out) {
     const int B = static_cast<int>(batch.size());
     const bool decode =
         B > 0 && std::all_of(batch.begin(), batch.end(),
@@ -424,7 +463,7 @@ struct StepDriver {
         n, rows.num_real, bucket, m.use_graphs_,
         [&m, n, num_rows](int seg) { return m.enqueue_segment(seg, n, num_rows); }));
     if (B == 0) return Status();
-    return download_logits(m, B, logits);
+    return download(m, B, nullptr, out);
   }
 };
 

@@ -84,14 +84,15 @@ Result<std::vector<GenerationResult>> Generator::run(
   std::vector<GenerationResult> results(requests.size());
   std::vector<TokenEvent> events;
   Tensor logits;
+  std::vector<int32_t> greedy;
   while (!scheduler.idle()) {
     const std::vector<SequenceChunk>& batch = scheduler.build_step();
     int64_t step_tokens = 0;
     for (const auto& chunk : batch) step_tokens += static_cast<int64_t>(chunk.tokens.size());
     const auto t0 = std::chrono::steady_clock::now();
-    FLEX_RETURN_IF_ERROR(model_.forward(batch, &logits));
+    FLEX_RETURN_IF_ERROR(model_.forward_step(batch, scheduler.want_logits(), &logits, &greedy));
     events.clear();
-    scheduler.complete_step(logits, &events);
+    scheduler.complete_step(logits, &events, &greedy);
     if (options_.on_step) {
       options_.on_step(
           step_tokens,

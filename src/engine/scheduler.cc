@@ -91,10 +91,18 @@ const std::vector<SequenceChunk>& Scheduler::build_step() {
     batch_owner_.push_back(i);
     budget -= n;
   }
+  want_logits_.assign(batch_.size(), 0);
+  for (size_t b = 0; b < batch_.size(); ++b) {
+    const Sequence& s = running_[batch_owner_[b]];
+    const bool completes = s.prefilled + static_cast<int>(batch_[b].tokens.size()) >=
+                           static_cast<int>(s.prompt.size());
+    want_logits_[b] = completes && !s.sampler->greedy() ? 1 : 0;
+  }
   return batch_;
 }
 
-void Scheduler::complete_step(const Tensor& logits, std::vector<TokenEvent>* events) {
+void Scheduler::complete_step(const Tensor& logits, std::vector<TokenEvent>* events,
+                              const std::vector<int32_t>* greedy) {
   const int vocab = limits_.vocab_size;
   for (size_t b = 0; b < batch_.size(); ++b) {
     Sequence& s = running_[batch_owner_[b]];
@@ -102,7 +110,9 @@ void Scheduler::complete_step(const Tensor& logits, std::vector<TokenEvent>* eve
       s.prefilled += static_cast<int>(batch_[b].tokens.size());
       if (s.prefilled < static_cast<int>(s.prompt.size())) continue;  // More chunks to go.
     }
-    const int32_t next = s.sampler->sample(logits.data<float>() + b * vocab, vocab);
+    const int32_t next = greedy != nullptr && s.sampler->greedy()
+                             ? (*greedy)[b]
+                             : s.sampler->sample(logits.data<float>() + b * vocab, vocab);
     s.output.push_back(next);
     TokenEvent ev{s.id, next, false, ""};
     const auto& stops = s.params.stop_token_ids;

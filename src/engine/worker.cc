@@ -127,6 +127,7 @@ class Worker {
   bool halted_ = false;
   bool idle_ = true;
   Tensor logits_;
+  std::vector<int32_t> greedy_;  // Per batch row: the greedy token (Model::forward_step).
   std::vector<TokenEvent> events_;
   std::unordered_map<uint64_t, uint32_t> attempts_;  // Request id -> AddRequest::attempt.
   uint64_t steps_ = 0;
@@ -425,9 +426,10 @@ Status Worker::step() {
   idle_ = total_tokens == 0;
   if (!idle_) {
     const auto t0 = std::chrono::steady_clock::now();
-    FLEX_RETURN_IF_ERROR(model_->forward(batch, &logits_));
+    FLEX_RETURN_IF_ERROR(
+        model_->forward_step(batch, scheduler_->want_logits(), &logits_, &greedy_));
     events_.clear();
-    scheduler_->complete_step(logits_, &events_);
+    scheduler_->complete_step(logits_, &events_, &greedy_);
     busy_ms_ +=
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     ++busy_steps_;

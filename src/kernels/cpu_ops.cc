@@ -277,6 +277,12 @@ void embedding(const Tensor& table, const int32_t* ids, int64_t num_tokens, floa
   }
 }
 
-int64_t argmax(const float* x, int64_t n) { return std::max_element(x, x + n) - x; }
+int64_t argmax(const float* x, int64_t n) {
+  int64_t best = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isnan(x[i]) && (best < 0 || x[i] > x[best])) best = i;
+  }
+  return best < 0 ? 0 : best;
+}
 
 }  // namespace flexpert::kernels

@@ -77,7 +77,7 @@ void router_topk(const float* logits, int64_t num_tokens, int64_t num_experts, i
 // out[t, :] = table[ids[t], :] converted to f32. `table` is [vocab, dim] of any dtype.
 void embedding(const Tensor& table, const int32_t* ids, int64_t num_tokens, float* out);
 
-// Index of the largest value (lowest index on ties).
+// Index of the largest value (lowest index on ties; NaN never wins; 0 when all are NaN).
 int64_t argmax(const float* x, int64_t n);
 
 }  // namespace flexpert::kernels

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "kernels/cpu_ops.h"
 #include "model/deepseek_v3.h"
 #include "model/qwen3_moe.h"
 #include "model/rope.h"
@@ -52,6 +53,18 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
     return std::unique_ptr<Model>(std::move(model));
   }
   return unimplemented("model_type '" + config.model_type + "' has no implementation");
+}
+
+Status Model::forward_step(const std::vector<SequenceChunk>& batch,
+                           const std::vector<uint8_t>& /*want_logits*/, Tensor* logits,
+                           std::vector<int32_t>* greedy) {
+  FLEX_RETURN_IF_ERROR(forward(batch, logits));
+  const int64_t vocab = config().vocab_size;
+  greedy->resize(batch.size());
+  for (size_t b = 0; b < batch.size(); ++b) {
+    (*greedy)[b] = static_cast<int32_t>(kernels::argmax(logits->data<float>() + b * vocab, vocab));
+  }
+  return Status();
 }
 
 }  // namespace flexpert

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -518,6 +519,49 @@ INSTANTIATE_TEST_SUITE_P(HeadDims, CudaAttentionTest,
                                            std::make_pair(DType::kF32, 128),
                                            std::make_pair(DType::kBF16, 128),
                                            std::make_pair(DType::kBF16, 32)));
+
+TEST(CudaArgmaxTest, MatchesHostArgmax) {
+  FLEX_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(std::random_device{}());
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int vocab : {1, 7, 4097, 151936}) {
+    std::vector<std::vector<float>> rows;
+    std::normal_distribution<float> normal(0.f, 3.f);
+    std::uniform_int_distribution<int> few(-2, 1);
+    for (int r = 0; r < 3; ++r) {  // Random rows.
+      rows.emplace_back(vocab);
+      for (float& x : rows.back()) x = normal(rng);
+    }
+    rows.emplace_back(vocab);  // Ties: the maximum repeats across blocks.
+    for (float& x : rows.back()) x = static_cast<float>(few(rng));
+    rows.emplace_back(vocab, -inf);
+    rows.emplace_back(vocab, nan);
+    rows.emplace_back(vocab, -0.f);  // -0 and +0 tie: the lowest index wins.
+    rows.back()[vocab - 1] = 0.f;
+    rows.emplace_back(vocab);  // NaN first, the maximum last.
+    for (float& x : rows.back()) x = normal(rng);
+    rows.back()[0] = nan;
+    rows.back()[vocab - 1] = 100.f;
+    std::vector<float> flat;
+    for (const auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
+    const int R = static_cast<int>(rows.size());
+    cuda::DeviceBuffer logits = to_device(flat, DType::kF32);
+    auto keys = cuda::DeviceBuffer::create(R * sizeof(unsigned long long));
+    ASSERT_TRUE(keys.ok());
+    ASSERT_EQ(cuda::argmax_rows(logits.as<float>(), R, vocab, keys.value().as<unsigned long long>(),
+                                nullptr),
+              cudaSuccess);
+    std::vector<unsigned long long> got(R);
+    ASSERT_EQ(cudaMemcpy(got.data(), keys.value().data(), R * sizeof(unsigned long long),
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    for (int r = 0; r < R; ++r) {
+      EXPECT_EQ(cuda::argmax_key_index(got[r]), kernels::argmax(rows[r].data(), vocab))
+          << "vocab " << vocab << " row " << r;
+    }
+  }
+}
 
 TEST(CudaDeviceTest, ParsesDeviceStrings) {
   EXPECT_EQ(cuda::parse_device("gpu").status().code(), StatusCode::kInvalidArgument);

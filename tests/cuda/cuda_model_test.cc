@@ -11,6 +11,7 @@
 
 #include "cuda_model_util.h"
 #include "flexpert/model.h"
+#include "kernels/cpu_ops.h"
 
 namespace flexpert {
 namespace {
@@ -152,6 +153,47 @@ TEST(CudaModelTest, WarmUpCapturesEveryBucketAndChangesNothing) {
   ASSERT_EQ(got.size(), ref.size());
   for (size_t i = 0; i < ref.size(); ++i) EXPECT_EQ(got[i], ref[i].greedy) << "prompt " << i;
   EXPECT_EQ(model->num_graph_captures(), 4) << "decode after warm_up must not capture";
+}
+
+// forward_step: greedy tokens from the device argmax, logits rows only where wanted,
+// on a prefill (pieces) and a decode step (graph); both equal forward()'s.
+TEST(CudaModelTest, ForwardStepReturnsGreedyTokensAndWantedRows) {
+  FLEX_SKIP_WITHOUT_GPU();
+  auto model = load("cuda", DType::kF32, "identity", 4);
+  ASSERT_NE(model, nullptr);
+  const auto ref = load_reference();
+  ASSERT_GE(ref.size(), 3u);
+  const int64_t V = model->config().vocab_size;
+  std::vector<SequenceChunk> prefill, decode;
+  for (int i = 0; i < 3; ++i) {
+    prefill.push_back({i, 0, ref[i].input_ids});
+    decode.push_back({i, static_cast<int>(ref[i].input_ids.size()), {ref[i].greedy[0]}});
+  }
+  const std::vector<uint8_t> want = {1, 0, 1};
+  for (const auto* batch : {&prefill, &decode}) {
+    const std::vector<float> full = step_logits(*model, *batch);
+    ASSERT_EQ(full.size(), 3 * static_cast<size_t>(V));
+    Tensor logits;
+    std::vector<int32_t> greedy;
+    ASSERT_TRUE(model->forward_step(*batch, want, &logits, &greedy).ok());
+    ASSERT_EQ(greedy.size(), 3u);
+    for (int b = 0; b < 3; ++b) {
+      const float* row = full.data() + b * V;
+      EXPECT_EQ(greedy[b], kernels::argmax(row, V)) << "row " << b;
+      if (want[b]) {
+        const std::vector<float> got(logits.data<float>() + b * V,
+                                     logits.data<float>() + (b + 1) * V);
+        EXPECT_LT(cuda_test::rel_l2(got, std::vector<float>(row, row + V)), 1e-6) << "row " << b;
+      }
+    }
+    if (batch == &prefill) {
+      for (int b = 0; b < 3; ++b) EXPECT_EQ(greedy[b], ref[b].greedy[0]) << "prompt " << b;
+    }
+  }
+  Tensor logits;
+  std::vector<int32_t> greedy;
+  EXPECT_EQ(model->forward_step(decode, {1}, &logits, &greedy).code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(CudaModelTest, RejectsBadInput) {

@@ -283,6 +283,11 @@ TEST(ArgmaxTest, EdgePositionsAndInfinities) {
   EXPECT_EQ(argmax(pos_inf.data(), 4), 1);
   const std::vector<float> one = {7.f};
   EXPECT_EQ(argmax(one.data(), 1), 0);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> first_nan = {nan, -3.f, 2.f, nan};
+  EXPECT_EQ(argmax(first_nan.data(), 4), 2);  // std::max_element would answer 0.
+  const std::vector<float> all_nan = {nan, nan};
+  EXPECT_EQ(argmax(all_nan.data(), 2), 0);
 }
 
 }  // namespace
