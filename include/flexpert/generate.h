@@ -43,6 +43,7 @@ class Sampler {
   SamplingParams params_;
   std::mt19937_64 rng_;
   std::vector<std::pair<float, int32_t>> candidates_;
+  std::vector<double> prob_;  // Softmax weights of candidates_ (not normalised).
 };
 
 struct GenerationRequest {

@@ -30,36 +30,51 @@ int32_t Sampler::sample(const float* logits, int64_t vocab) {
   auto by_logit = [](const auto& a, const auto& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);
   };
+  // The support: the top_k largest logits, sorted (O(vocab log top_k)); without a limit
+  // the whole vocabulary in id order: a full sort of 152 k candidates per token costs ~8 ms,
+  // and only a top-p cut needs an order (below, sorted as far as the cut reaches).
   size_t keep = static_cast<size_t>(vocab);
-  if (params_.top_k > 0) keep = std::min(keep, static_cast<size_t>(params_.top_k));
-  std::partial_sort(candidates_.begin(), candidates_.begin() + keep, candidates_.end(), by_logit);
-  candidates_.resize(keep);
-  // Softmax at the temperature, in double for a stable cumulative sum.
-  std::vector<double> prob(keep);
-  const double mx = candidates_[0].first;
-  double sum = 0.0;
-  for (size_t i = 0; i < keep; ++i) {
-    prob[i] = std::exp((candidates_[i].first - mx) / params_.temperature);
-    sum += prob[i];
+  size_t sorted = 0;  // candidates_[0, sorted) is in by_logit order.
+  if (params_.top_k > 0 && static_cast<size_t>(params_.top_k) < keep) {
+    keep = static_cast<size_t>(params_.top_k);
+    std::partial_sort(candidates_.begin(), candidates_.begin() + keep, candidates_.end(), by_logit);
+    candidates_.resize(keep);
+    sorted = keep;
   }
-  // top-p: the smallest prefix whose mass reaches top_p (at least one token).
+  // Softmax at the temperature, in double for a stable cumulative sum.
+  float mx = candidates_[0].first;
+  for (const auto& c : candidates_) mx = std::max(mx, c.first);
+  const double inv_t = 1.0 / params_.temperature;
+  auto weight = [&](size_t i) { return std::exp((candidates_[i].first - mx) * inv_t); };
+  prob_.resize(keep);
+  double sum = 0.0;
+  for (size_t i = 0; i < keep; ++i) sum += prob_[i] = weight(i);
+  // top-p: the smallest prefix in logit order whose mass reaches top_p (at least one
+  // token). Sorts the first 64, 512, ... candidates until the prefix reaches it.
   size_t cut = keep;
   if (params_.top_p < 1.0f) {
-    double acc = 0.0;
-    for (size_t i = 0; i < keep; ++i) {
-      acc += prob[i] / sum;
-      if (acc >= params_.top_p) {
-        cut = i + 1;
+    for (size_t m = std::min<size_t>(keep, 64);; m = std::min(keep, m * 8)) {
+      if (m > sorted) {
+        std::partial_sort(candidates_.begin() + sorted, candidates_.begin() + m,
+                          candidates_.begin() + keep, by_logit);
+        sorted = m;
+      }
+      double acc = 0.0;
+      size_t i = 0;
+      while (i < m && acc < params_.top_p) acc += weight(i++) / sum;
+      if (acc >= params_.top_p || m == keep) {
+        cut = std::max<size_t>(i, 1);
         break;
       }
     }
+    for (size_t i = 0; i < cut; ++i) prob_[i] = weight(i);  // The prefix was reordered.
   }
   double mass = 0.0;
-  for (size_t i = 0; i < cut; ++i) mass += prob[i];
+  for (size_t i = 0; i < cut; ++i) mass += prob_[i];
   const double u = std::uniform_real_distribution<double>(0.0, mass)(rng_);
   double acc = 0.0;
   for (size_t i = 0; i < cut; ++i) {
-    acc += prob[i];
+    acc += prob_[i];
     if (u < acc) return candidates_[i].second;
   }
   return candidates_[cut - 1].second;

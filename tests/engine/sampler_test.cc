@@ -3,6 +3,7 @@
 // stopping and queueing rules on the tiny fixture.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -63,6 +64,59 @@ TEST(SamplerTest, TopKAndTopPRestrictTheSupport) {
   p.top_p = 0.01f;  // Only the most likely token reaches the mass.
   Sampler topp(p);
   for (int i = 0; i < 200; ++i) EXPECT_EQ(topp.sample(logits.data(), 5), 0);
+}
+
+// A vocabulary where the top-p prefix spans hundreds of tokens (the sampler sorts it
+// in growing pieces): the support must be exactly the sorted prefix whose mass reaches
+// top_p, and the draws must follow the softmax renormalised over it; with top_p = 1 the
+// whole vocabulary (no sort at all).
+TEST(SamplerTest, LargeVocabularyFollowsTheSortedTopPPrefix) {
+  std::mt19937 rng(std::random_device{}());
+  const int V = 4000;
+  std::vector<float> logits(V);
+  std::normal_distribution<float> dist(0.f, 0.5f);
+  for (float& x : logits) x = dist(rng);
+  for (float top_p : {0.2f, 0.6f, 1.0f}) {
+    SamplingParams p;
+    p.temperature = 0.8f;
+    p.top_p = top_p;
+    p.seed = rng();
+    // Reference: full sort (logit desc, id asc), softmax in double, prefix by mass.
+    std::vector<int> order(V);
+    for (int i = 0; i < V; ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](int a, int b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    });
+    std::vector<double> w(V);
+    double sum = 0;
+    for (int i = 0; i < V; ++i) sum += w[i] = std::exp((logits[i] - logits[order[0]]) / 0.8);
+    size_t cut = V;
+    double acc = 0;
+    for (int i = 0; i < V && top_p < 1.0f; ++i) {
+      acc += w[order[i]] / sum;
+      if (acc >= top_p) {
+        cut = i + 1;
+        break;
+      }
+    }
+    std::vector<char> in_support(V, 0);
+    double mass = 0;
+    for (size_t i = 0; i < cut; ++i) in_support[order[i]] = 1, mass += w[order[i]];
+    if (top_p < 1.0f) EXPECT_GT(cut, 64u) << "the prefix must need more than one piece";
+    Sampler s(p);
+    std::vector<int> count(V, 0);
+    const int n = 20000;
+    for (int i = 0; i < n; ++i) {
+      const int32_t t = s.sample(logits.data(), V);
+      ASSERT_TRUE(t >= 0 && t < V && in_support[t]) << "top_p " << top_p << " drew " << t;
+      ++count[t];
+    }
+    for (int k = 0; k < 5; ++k) {  // The five most likely tokens.
+      const double pi = w[order[k]] / mass;
+      EXPECT_NEAR(count[order[k]] / static_cast<double>(n), pi, 5 * std::sqrt(pi * (1 - pi) / n))
+          << "top_p " << top_p << " rank " << k;
+    }
+  }
 }
 
 TEST(SamplerTest, SameSeedSameDraws) {
