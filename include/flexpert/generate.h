@@ -38,6 +38,15 @@ class Sampler {
   int32_t sample(const float* logits, int64_t vocab);
   // Temperature 0: sample() is the argmax of the logits, whatever the rest says.
   bool greedy() const { return params_.temperature == 0.0f; }
+  // Temperature > 0 without a top-k or top-p limit: sample() is
+  // kernels::sample_softmax(logits, vocab, temperature, next_uniform()), which a model
+  // can compute where the logits are (RowOutput::kSample).
+  bool plain_softmax() const {
+    return params_.temperature > 0.0f && params_.top_k == 0 && params_.top_p >= 1.0f;
+  }
+  float temperature() const { return params_.temperature; }
+  // The next uniform draw in [0, 1) (what sample() would consume).
+  double next_uniform() { return std::generate_canonical<double, 53>(rng_); }
 
  private:
   SamplingParams params_;

@@ -59,6 +59,19 @@ struct ModelOptions {
   bool cuda_graphs = true;
 };
 
+// What Model::forward_step returns for one batch row: a token always, and the row's
+// logits for kLogits.
+struct RowOutput {
+  enum Kind : uint8_t {
+    kGreedy,  // The argmax of the row's logits (the lowest id on ties; NaN never wins).
+    kSample,  // kernels::sample_softmax(row, temperature, u01): softmax(logits / T) drawn at u01.
+    kLogits,  // The greedy token and the logits row (the caller samples on the host).
+  };
+  Kind kind = kGreedy;
+  float temperature = 1.0f;  // kSample: > 0.
+  double u01 = 0.0;          // kSample: the uniform draw, in [0, 1).
+};
+
 // The new tokens of one sequence in a step.
 struct SequenceChunk {
   int kv_slot = 0;    // Which KV-cache slot the sequence owns.
@@ -83,14 +96,13 @@ class Model {
   // Errors of the MoE executor (a dead peer, an epoch change) are returned as is;
   // the KV cache of the batch's sequences is then undefined for this step.
   virtual Status forward(const std::vector<SequenceChunk>& batch, Tensor* logits) = 0;
-  // Runs one step as forward() does, and returns per batch row its greedy token in
-  // (*greedy)[b] (the argmax of the row's logits, the lowest id on ties; NaN never
-  // wins) and its logits row only where want_logits[b] is set (other rows of *logits
-  // are unspecified). A GPU model then copies out B token ids instead of B x vocab
-  // floats when every row samples greedily. The default runs forward() and an argmax.
+  // Runs one step as forward() does, and returns per batch row (rows[b]) its token in
+  // (*tokens)[b] and, for kLogits rows only, its logits row in *logits (other rows are
+  // unspecified). A GPU model picks the tokens on the device and copies out B ids
+  // instead of B x vocab floats. The default runs forward() and picks on the host.
   virtual Status forward_step(const std::vector<SequenceChunk>& batch,
-                              const std::vector<uint8_t>& want_logits, Tensor* logits,
-                              std::vector<int32_t>* greedy);
+                              const std::vector<RowOutput>& rows, Tensor* logits,
+                              std::vector<int32_t>* tokens);
 
   // Rows computed per [layer][slot] since the last reset (EPLB load statistics).
   virtual const std::vector<std::vector<int64_t>>& slot_counts() const = 0;

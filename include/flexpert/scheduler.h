@@ -48,15 +48,15 @@ class Scheduler {
 
   // The next step's batch (empty when nothing is runnable). Valid until the next call.
   const std::vector<SequenceChunk>& build_step();
-  // Per row of the batch last built: whether its sampler needs the logits row (a
-  // sampled, non-greedy request whose prompt is complete after this step). Rows not
-  // flagged need at most the row's greedy token (Model::forward_step).
-  const std::vector<uint8_t>& want_logits() const { return want_logits_; }
-  // Consumes the logits of the batch last built ([batch, vocab]); appends events.
-  // With `greedy` (per row, Model::forward_step's), greedy requests take their token
-  // from it and only rows flagged by want_logits() are read from `logits`.
-  void complete_step(const Tensor& logits, std::vector<TokenEvent>* events,
-                     const std::vector<int32_t>* greedy = nullptr);
+  // Per row of the batch last built, what Model::forward_step must return: the greedy
+  // token (greedy requests, and prompt chunks that produce no token), a token drawn at
+  // the sampler's next uniform draw (temperature without top-k / top-p: the draw is
+  // taken here), or the logits row (top-k / top-p: sampled on the host).
+  const std::vector<RowOutput>& row_outputs() const { return row_outputs_; }
+  // Consumes the step's results for the batch last built (Model::forward_step's tokens
+  // and logits, whose kLogits rows are read); appends events.
+  void complete_step(const Tensor& logits, const std::vector<int32_t>& tokens,
+                     std::vector<TokenEvent>* events);
 
   size_t num_running() const { return running_.size(); }
   size_t num_waiting() const { return waiting_.size(); }
@@ -82,7 +82,7 @@ class Scheduler {
   std::vector<int> free_slots_;
   std::vector<SequenceChunk> batch_;
   std::vector<size_t> batch_owner_;  // running_ index of each chunk.
-  std::vector<uint8_t> want_logits_;
+  std::vector<RowOutput> row_outputs_;
 };
 
 }  // namespace flexpert

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -58,6 +59,11 @@ Status run_generate_bench(const Flags& flags) {
   FLEX_ASSIGN_OR_RETURN(int64_t prompt_len, flags.integer("prompt-len"));
   FLEX_ASSIGN_OR_RETURN(int64_t gen_tokens, flags.integer("gen-tokens"));
   if (prompt_len < 1 || gen_tokens < 1) return invalid_argument("lengths must be >= 1");
+  FLEX_ASSIGN_OR_RETURN(double temperature, flags.number("temperature"));
+  if (!(temperature >= 0.0) || !std::isfinite(temperature)) {
+    return invalid_argument("--temperature must be a finite number >= 0");
+  }
+  const bool sample_on_host = flags.flag("sample-on-host");
   for (int64_t b : batches) {
     if (b < 1) return invalid_argument("--batches items must be >= 1");
   }
@@ -78,7 +84,8 @@ Status run_generate_bench(const Flags& flags) {
   nlohmann::json runs = nlohmann::json::array();
   std::printf("%-6s %12s %12s %14s\n", "batch", "prefill tok/s", "decode tok/s", "decode ms/step");
   Tensor logits;
-  std::vector<int32_t> greedy;
+  std::vector<int32_t> tokens;
+  std::mt19937_64 draws(7);
   for (int64_t b : batches) {
     std::vector<SequenceChunk> batch(static_cast<size_t>(b));
     for (int64_t i = 0; i < b; ++i) {
@@ -88,18 +95,37 @@ Status run_generate_bench(const Flags& flags) {
         batch[i].tokens.push_back(static_cast<int32_t>(rng() % c.vocab_size));
       }
     }
-    // Greedy decoding: only the rows' greedy tokens leave the model (no logits rows).
-    const std::vector<uint8_t> no_logits(static_cast<size_t>(b), 0);
+    // Greedy, or softmax sampling at --temperature: tokens are picked where the logits
+    // are (Model::forward_step), no logits row is copied out; with --sample-on-host the
+    // rows' logits come out and the host draws (kernels::sample_softmax).
+    std::vector<RowOutput> rows(static_cast<size_t>(b));
+    std::vector<double> u(static_cast<size_t>(b));
+    auto step = [&]() -> Status {
+      for (int64_t i = 0; i < b; ++i) {
+        RowOutput& r = rows[i];
+        r.kind = temperature == 0 ? RowOutput::kGreedy
+                 : sample_on_host ? RowOutput::kLogits
+                                  : RowOutput::kSample;
+        r.temperature = static_cast<float>(temperature);
+        r.u01 = u[i] = std::generate_canonical<double, 53>(draws);
+      }
+      FLEX_RETURN_IF_ERROR(model->forward_step(batch, rows, &logits, &tokens));
+      for (int64_t i = 0; i < b && rows[0].kind == RowOutput::kLogits; ++i) {
+        tokens[i] = kernels::sample_softmax(logits.data<float>() + i * c.vocab_size, c.vocab_size,
+                                            static_cast<float>(temperature), u[i]);
+      }
+      return Status();
+    };
     auto t0 = std::chrono::steady_clock::now();
-    FLEX_RETURN_IF_ERROR(model->forward_step(batch, no_logits, &logits, &greedy));
+    FLEX_RETURN_IF_ERROR(step());
     const double prefill_s = seconds_since(t0);
     t0 = std::chrono::steady_clock::now();
-    for (int64_t step = 0; step < gen_tokens; ++step) {
+    for (int64_t s = 0; s < gen_tokens; ++s) {
       for (int64_t i = 0; i < b; ++i) {
-        batch[i].start_pos = static_cast<int>(prompt_len + step);
-        batch[i].tokens = {greedy[i]};
+        batch[i].start_pos = static_cast<int>(prompt_len + s);
+        batch[i].tokens = {tokens[i]};
       }
-      FLEX_RETURN_IF_ERROR(model->forward_step(batch, no_logits, &logits, &greedy));
+      FLEX_RETURN_IF_ERROR(step());
     }
     const double decode_s = seconds_since(t0);
     const double prefill_tps = static_cast<double>(b * prompt_len) / prefill_s;
@@ -123,6 +149,8 @@ Status run_generate_bench(const Flags& flags) {
                         {"top_k", c.num_experts_per_tok},
                         {"prompt_len", prompt_len},
                         {"gen_tokens", gen_tokens},
+                        {"temperature", temperature},
+                        {"sample_on_host", sample_on_host},
                         {"threads", ThreadPool::global().num_threads()},
                         {"hardware_threads", std::thread::hardware_concurrency()},
                         {"runs", runs}};
@@ -203,6 +231,8 @@ int cmd_bench(const Args& args) {
       .value("batches", "1,8,32", "batch sizes")
       .value("prompt-len", "64", "prompt tokens per sequence")
       .value("gen-tokens", "16", "decode steps")
+      .value("temperature", "0", "0: greedy; > 0: sample from softmax(logits / T)")
+      .boolean("sample-on-host", "with --temperature: copy the logits out and draw on the host")
       .value("device", "cpu", "cpu, cuda or cuda:N")
       .value("cuda-dtype", "bf16", "weights and activations on the GPU: bf16 or f32")
       .value("json", "", "write results to this file")

@@ -368,9 +368,9 @@ Status CudaQwen3MoeModel::forward(const std::vector<SequenceChunk>& batch, Tenso
 }
 
 Status CudaQwen3MoeModel::forward_step(const std::vector<SequenceChunk>& batch,
-                                       const std::vector<uint8_t>& want_logits, Tensor* logits,
-                                       std::vector<int32_t>* greedy) {
-  return StepDriver::forward(*this, batch, logits, &want_logits, greedy);
+                                       const std::vector<RowOutput>& rows, Tensor* logits,
+                                       std::vector<int32_t>* tokens) {
+  return StepDriver::forward(*this, batch, logits, &rows, tokens);
 }
 
 const std::vector<std::vector<int64_t>>& CudaQwen3MoeModel::slot_counts() const {

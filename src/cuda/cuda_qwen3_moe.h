@@ -53,9 +53,8 @@ class CudaQwen3MoeModel final : public Model {
   int max_sequences() const override { return max_sequences_; }
   int max_seq_len() const override { return max_seq_len_; }
   Status forward(const std::vector<SequenceChunk>& batch, Tensor* logits) override;
-  Status forward_step(const std::vector<SequenceChunk>& batch,
-                      const std::vector<uint8_t>& want_logits, Tensor* logits,
-                      std::vector<int32_t>* greedy) override;
+  Status forward_step(const std::vector<SequenceChunk>& batch, const std::vector<RowOutput>& rows,
+                      Tensor* logits, std::vector<int32_t>* tokens) override;
   const std::vector<std::vector<int64_t>>& slot_counts() const override;
   void reset_slot_counts() override;
   ExpertSlots* local_slots(int layer) override;
@@ -123,6 +122,9 @@ class CudaQwen3MoeModel final : public Model {
   PinnedBuffer host_logits_;
   DeviceBuffer greedy_keys_;  // argmax_rows' keys per logits row, and their host copy.
   PinnedBuffer host_greedy_keys_;
+  DeviceBuffer sample_args_;  // sample_rows' arguments (StepDriver::SampleArgsLayout).
+  PinnedBuffer host_sample_args_;
+  DeviceBuffer sample_partials_;
   MoeScratch moe_;
   mutable std::vector<std::vector<int64_t>> slot_counts_;
   // Expert parallelism / host mirror of the local slots.

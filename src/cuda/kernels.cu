@@ -321,6 +321,118 @@ __global__ void __launch_bounds__(kArgmaxThreads)
   }
 }
 
+__device__ __forceinline__ int argmax_key_index_device(unsigned long long key) {
+  return key == 0 ? 0 : static_cast<int>(0xffffffffu - static_cast<uint32_t>(key));
+}
+
+// The float whose ordered_bits are the high half of an argmax_rows key.
+__device__ __forceinline__ float key_value(unsigned long long key) {
+  const uint32_t o = static_cast<uint32_t>(key >> 32);
+  return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
+}
+
+constexpr int kSampleChunk = kArgmaxThreads * kArgmaxPerThread;  // 4096 ids per partial sum.
+
+__device__ __forceinline__ double sample_weight(float logit, float mx, double inv_t) {
+  return exp(static_cast<double>(logit - mx) * inv_t);
+}
+
+// Sums a block's values of `v` (any thread count <= 1024, a multiple of 32).
+__device__ __forceinline__ double block_sum(double v, double* scratch) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  double total = 0.0;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += scratch[w];
+  return total;
+}
+
+// Block (chunk c, draw i): the sum of the weights of ids [4096 c, 4096 (c + 1)).
+__global__ void __launch_bounds__(kArgmaxThreads) sample_partials_kernel(SampleRowsArgs a) {
+  const int i = blockIdx.y, c = blockIdx.x;
+  const float* row = a.logits + static_cast<size_t>(a.rows[i]) * a.vocab;
+  const float mx = key_value(a.keys[a.rows[i]]);
+  const double inv_t = a.inv_temperature[i];
+  const int end = min(a.vocab, (c + 1) * kSampleChunk);
+  double s = 0.0;
+  for (int id = c * kSampleChunk + threadIdx.x; id < end; id += kArgmaxThreads) {
+    s += sample_weight(row[id], mx, inv_t);
+  }
+  __shared__ double scratch[kArgmaxThreads / 32];
+  const double total = block_sum(s, scratch);
+  if (threadIdx.x == 0) a.partials[static_cast<size_t>(i) * gridDim.x + c] = total;
+}
+
+// Block i: the chunk where the cumulative sum crosses u01 x total (thread 0 walks the
+// partials), then the id inside it: each thread owns 16 consecutive ids, an exclusive
+// scan of the threads' sums finds the one whose range holds the target, and it walks
+// its ids.
+__global__ void __launch_bounds__(kArgmaxThreads) sample_pick_kernel(SampleRowsArgs a, int chunks) {
+  const int i = blockIdx.x;
+  const int r = a.rows[i];
+  const float* row = a.logits + static_cast<size_t>(r) * a.vocab;
+  const float mx = key_value(a.keys[r]);
+  const double inv_t = a.inv_temperature[i];
+  const double* part = a.partials + static_cast<size_t>(i) * chunks;
+  __shared__ int chunk;
+  __shared__ double rem;
+  __shared__ double warp_sums[kArgmaxThreads / 32];
+  __shared__ int token;
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+    for (int c = 0; c < chunks; ++c) total += part[c];
+    const double target = a.u01[i] * total;
+    double acc = 0.0;
+    chunk = -1;
+    for (int c = 0; c < chunks && chunk < 0; ++c) {
+      if (target < acc + part[c]) {
+        chunk = c;
+        rem = target - acc;
+      }
+      acc += part[c];
+    }
+    token = argmax_key_index_device(a.keys[r]);  // Rounding left no chunk: the argmax.
+  }
+  __syncthreads();
+  if (chunk < 0) {
+    if (threadIdx.x == 0) a.tokens[i] = token;
+    return;
+  }
+  const int first = chunk * kSampleChunk + threadIdx.x * kArgmaxPerThread;
+  const int last = min(a.vocab, first + kArgmaxPerThread);
+  double mine = 0.0;
+  for (int id = first; id < last; ++id) mine += sample_weight(row[id], mx, inv_t);
+  // Scan of `mine` over the block: thread t owns [lower, upper), where a thread's upper
+  // is bitwise its successor's lower (no gap, no overlap: one thread claims the target).
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  double incl = mine;
+  for (int o = 1; o < 32; o <<= 1) {
+    const double up = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += up;
+  }
+  double excl = __shfl_up_sync(0xffffffffu, incl, 1);
+  if (lane == 0) excl = 0.0;
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  double base = 0.0;
+  for (int w = 0; w < warp; ++w) base += warp_sums[w];
+  const double lower = base + excl, upper = base + incl;
+  if (rem >= lower && rem < upper) {
+    double acc = lower;
+    int pick = last - 1;
+    for (int id = first; id < last; ++id) {
+      acc += sample_weight(row[id], mx, inv_t);
+      if (rem < acc) {
+        pick = id;
+        break;
+      }
+    }
+    token = pick;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) a.tokens[i] = token;
+}
+
 int blocks_for(size_t n, int threads) {
   const size_t b = (n + threads - 1) / threads;
   return static_cast<int>(b < 65536 ? (b == 0 ? 1 : b) : 65536);
@@ -423,6 +535,15 @@ cudaError_t argmax_rows(const float* logits, int rows, int vocab, unsigned long 
   const dim3 grid(
       (vocab + kArgmaxThreads * kArgmaxPerThread - 1) / (kArgmaxThreads * kArgmaxPerThread), rows);
   argmax_rows_kernel<<<grid, kArgmaxThreads, 0, stream>>>(logits, vocab, keys);
+  return cudaGetLastError();
+}
+
+cudaError_t sample_rows(const SampleRowsArgs& args, cudaStream_t stream) {
+  if (args.n == 0) return cudaSuccess;
+  if (args.vocab <= 0 || args.n > 65535) return cudaErrorInvalidValue;
+  const int chunks = sample_rows_chunks(args.vocab);
+  sample_partials_kernel<<<dim3(chunks, args.n), kArgmaxThreads, 0, stream>>>(args);
+  sample_pick_kernel<<<args.n, kArgmaxThreads, 0, stream>>>(args, chunks);
   return cudaGetLastError();
 }
 

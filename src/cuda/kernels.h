@@ -131,6 +131,27 @@ inline int32_t argmax_key_index(unsigned long long key) {
   return key == 0 ? 0 : static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(key));
 }
 
+// Softmax sampling on the device, after argmax_rows on the same logits (its keys give
+// each row's maximum): for i < n, tokens[i] = kernels::sample_softmax(logits row
+// rows[i], 1 / inv_temperature[i], u01[i]) (the first id whose cumulative weight
+// exp((logit - max) * inv_temperature) exceeds u01 times the total; partial sums per
+// 4096 ids in double, so a draw within rounding of a boundary may pick the neighbour
+// the host would not; the row's argmax if rounding leaves none). `partials` holds n x
+// ceil(vocab / 4096) doubles.
+struct SampleRowsArgs {
+  const float* logits;
+  int vocab;
+  const unsigned long long* keys;  // argmax_rows' output for the logits rows.
+  const int32_t* rows;             // [n] logits row of each draw.
+  const double* inv_temperature;   // [n]
+  const double* u01;               // [n]
+  int n;
+  double* partials;
+  int32_t* tokens;  // [n]
+};
+cudaError_t sample_rows(const SampleRowsArgs& args, cudaStream_t stream);
+inline int sample_rows_chunks(int vocab) { return (vocab + 4095) / 4096; }
+
 // Fills n elements with deterministic pseudo-random values uniform in [-scale, scale].
 cudaError_t fill_uniform(DType dtype, void* data, size_t n, uint64_t seed, float scale,
                          cudaStream_t stream);

@@ -54,8 +54,29 @@ struct StepDriver {
     FLEX_ASSIGN_OR_RETURN(m.greedy_keys_, DeviceBuffer::create(R * sizeof(unsigned long long)));
     FLEX_ASSIGN_OR_RETURN(m.host_greedy_keys_,
                           PinnedBuffer::create(R * sizeof(unsigned long long)));
+    const size_t args = SampleArgsLayout(m.max_rows_).bytes;
+    FLEX_ASSIGN_OR_RETURN(m.sample_args_, DeviceBuffer::create(args));
+    FLEX_ASSIGN_OR_RETURN(m.host_sample_args_, PinnedBuffer::create(args));
+    FLEX_ASSIGN_OR_RETURN(
+        m.sample_partials_,
+        DeviceBuffer::create(R * sample_rows_chunks(static_cast<int>(V)) * sizeof(double)));
     return Status();
   }
+
+  // The arguments of sample_rows for up to max_rows draws in one buffer (device, and its
+  // pinned host copy): inverse temperatures and draws (double), then logits rows and
+  // tokens (int32).
+  struct SampleArgsLayout {
+    size_t inv_t, u01, rows, tokens, bytes;
+    explicit SampleArgsLayout(int max_rows) {
+      const size_t R = static_cast<size_t>(max_rows);
+      inv_t = 0;
+      u01 = R * sizeof(double);
+      rows = 2 * R * sizeof(double);
+      tokens = rows + R * sizeof(int32_t);
+      bytes = tokens + R * sizeof(int32_t);
+    }
+  };
 
   // Every layer through the model's load_layer, each MoE layer with its host slot
   // mirror: in the region peers read from (options.allocate_slots), or on the heap
@@ -145,31 +166,65 @@ struct StepDriver {
   }
 
   // Where a step's results go (Model::forward_step): logits rows to `logits` (every
-  // row, or those flagged in *want), and with `greedy` every row's greedy token.
+  // row without `spec`, else the kLogits rows), and with `tokens` every row's token.
   struct StepOut {
     float* logits = nullptr;
-    const std::vector<uint8_t>* want = nullptr;
-    int32_t* greedy = nullptr;
+    const std::vector<RowOutput>* spec = nullptr;
+    int32_t* tokens = nullptr;
   };
 
   // The results of the step's first `rows` logits rows (row r is batch row
-  // batch_row[r], or r without a map): greedy tokens by argmax_rows on the device (8
-  // bytes a row cross), logits rows only where wanted, one copy per run of wanted rows.
-  // After the step's work; synchronizes.
+  // batch_row[r], or r without a map): tokens picked on the device (argmax_rows, and
+  // sample_rows for kSample rows: 8 + 4 bytes a row cross), logits rows only where
+  // wanted, one copy per run of wanted rows. After the step's work; synchronizes.
   template <class M>
   static Status download(M& m, int rows, const int* batch_row, const StepOut& out) {
     const size_t V = static_cast<size_t>(m.config_.vocab_size);
     cudaStream_t s = m.stream_.get();
     auto row_of = [batch_row](int r) { return batch_row ? batch_row[r] : r; };
-    auto wanted = [&](int r) { return out.want == nullptr || (*out.want)[row_of(r)] != 0; };
+    auto kind = [&](int r) {
+      return out.spec == nullptr ? RowOutput::kLogits : (*out.spec)[row_of(r)].kind;
+    };
+    auto wanted = [&](int r) { return kind(r) == RowOutput::kLogits; };
     auto* keys = m.host_greedy_keys_.template as<unsigned long long>();
     float* host_logits = m.host_logits_.template as<float>();
-    if (rows > 0 && out.greedy != nullptr) {
+    const SampleArgsLayout layout(m.max_rows_);
+    auto* host_args = m.host_sample_args_.template as<uint8_t>();
+    int draws = 0;
+    if (rows > 0 && out.tokens != nullptr) {
       auto* dev_keys = m.greedy_keys_.template as<unsigned long long>();
       FLEX_CUDA_TRY(
           argmax_rows(m.logits_.template as<float>(), rows, static_cast<int>(V), dev_keys, s));
       FLEX_CUDA_TRY(cudaMemcpyAsync(keys, dev_keys, rows * sizeof(unsigned long long),
                                     cudaMemcpyDeviceToHost, s));
+      auto* inv_t = reinterpret_cast<double*>(host_args + layout.inv_t);
+      auto* u01 = reinterpret_cast<double*>(host_args + layout.u01);
+      auto* sample_row = reinterpret_cast<int32_t*>(host_args + layout.rows);
+      for (int r = 0; r < rows; ++r) {
+        if (kind(r) != RowOutput::kSample) continue;
+        const RowOutput& spec = (*out.spec)[row_of(r)];
+        inv_t[draws] = 1.0 / spec.temperature;
+        u01[draws] = spec.u01;
+        sample_row[draws++] = r;
+      }
+    }
+    if (draws > 0) {
+      // The host arguments sit at max_rows strides: one copy takes them all.
+      uint8_t* dev_args = m.sample_args_.template as<uint8_t>();
+      FLEX_CUDA_TRY(cudaMemcpyAsync(dev_args, host_args, layout.tokens, cudaMemcpyHostToDevice, s));
+      SampleRowsArgs a;
+      a.logits = m.logits_.template as<float>();
+      a.vocab = static_cast<int>(V);
+      a.keys = m.greedy_keys_.template as<unsigned long long>();
+      a.rows = reinterpret_cast<const int32_t*>(dev_args + layout.rows);
+      a.inv_temperature = reinterpret_cast<const double*>(dev_args + layout.inv_t);
+      a.u01 = reinterpret_cast<const double*>(dev_args + layout.u01);
+      a.n = draws;
+      a.partials = m.sample_partials_.template as<double>();
+      a.tokens = reinterpret_cast<int32_t*>(dev_args + layout.tokens);
+      FLEX_CUDA_TRY(sample_rows(a, s));
+      FLEX_CUDA_TRY(cudaMemcpyAsync(host_args + layout.tokens, dev_args + layout.tokens,
+                                    draws * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
     }
     for (int r = 0; r < rows;) {
       if (!wanted(r)) {
@@ -183,32 +238,44 @@ struct StepDriver {
       r = end;
     }
     FLEX_RETURN_IF_ERROR(m.stream_.synchronize());
-    for (int r = 0; r < rows; ++r) {
+    const auto* sampled = reinterpret_cast<const int32_t*>(host_args + layout.tokens);
+    for (int r = 0, d = 0; r < rows; ++r) {
       if (wanted(r)) {
         std::memcpy(out.logits + row_of(r) * V, host_logits + r * V, V * sizeof(float));
       }
-      if (out.greedy != nullptr) out.greedy[row_of(r)] = argmax_key_index(keys[r]);
+      if (out.tokens == nullptr) continue;
+      out.tokens[row_of(r)] =
+          kind(r) == RowOutput::kSample ? sampled[d++] : argmax_key_index(keys[r]);
     }
     return Status();
   }
 
-  // Model::forward (want and greedy null) and Model::forward_step.
+  // Model::forward (spec and tokens null) and Model::forward_step.
   template <class M>
   static Status forward(M& m, const std::vector<SequenceChunk>& batch, Tensor* logits,
-                        const std::vector<uint8_t>* want = nullptr,
-                        std::vector<int32_t>* greedy = nullptr) {
+                        const std::vector<RowOutput>* spec = nullptr,
+                        std::vector<int32_t>* tokens = nullptr) {
     FLEX_RETURN_IF_ERROR(validate(m, batch));
     const int64_t B = static_cast<int64_t>(batch.size());
-    if (want != nullptr && want->size() != batch.size()) {
-      return invalid_argument("want_logits has " + std::to_string(want->size()) +
-                              " rows for a batch of " + std::to_string(B));
+    if (spec != nullptr) {
+      if (spec->size() != batch.size()) {
+        return invalid_argument("forward_step: " + std::to_string(spec->size()) +
+                                " row outputs for a batch of " + std::to_string(B));
+      }
+      for (const RowOutput& r : *spec) {
+        if (r.kind == RowOutput::kSample &&
+            (!(r.temperature > 0.0f) || !(r.u01 >= 0.0 && r.u01 < 1.0))) {
+          return invalid_argument(
+              "forward_step: a kSample row needs temperature > 0 and u01 in [0, 1)");
+        }
+      }
     }
     if (!logits->owned() || logits->dim() != 2 || logits->size(0) != B ||
         logits->size(1) != m.config_.vocab_size) {
       *logits = Tensor::empty(DType::kF32, {B, m.config_.vocab_size});
     }
-    if (greedy != nullptr) greedy->resize(batch.size());
-    const StepOut out{logits->data<float>(), want, greedy ? greedy->data() : nullptr};
+    if (tokens != nullptr) tokens->resize(batch.size());
+    const StepOut out{logits->data<float>(), spec, tokens ? tokens->data() : nullptr};
     FLEX_RETURN_IF_ERROR(set_device(m.device_));
     if (m.ep_) return run_ep(m, batch, out);  // Joins exchanges even when empty.
     if (B == 0) return Status();

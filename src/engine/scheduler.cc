@@ -91,18 +91,26 @@ const std::vector<SequenceChunk>& Scheduler::build_step() {
     batch_owner_.push_back(i);
     budget -= n;
   }
-  want_logits_.assign(batch_.size(), 0);
+  row_outputs_.assign(batch_.size(), RowOutput{});
   for (size_t b = 0; b < batch_.size(); ++b) {
-    const Sequence& s = running_[batch_owner_[b]];
+    Sequence& s = running_[batch_owner_[b]];
     const bool completes = s.prefilled + static_cast<int>(batch_[b].tokens.size()) >=
                            static_cast<int>(s.prompt.size());
-    want_logits_[b] = completes && !s.sampler->greedy() ? 1 : 0;
+    if (!completes || s.sampler->greedy()) continue;
+    RowOutput& out = row_outputs_[b];
+    if (s.sampler->plain_softmax()) {
+      out.kind = RowOutput::kSample;
+      out.temperature = s.sampler->temperature();
+      out.u01 = s.sampler->next_uniform();
+    } else {
+      out.kind = RowOutput::kLogits;
+    }
   }
   return batch_;
 }
 
-void Scheduler::complete_step(const Tensor& logits, std::vector<TokenEvent>* events,
-                              const std::vector<int32_t>* greedy) {
+void Scheduler::complete_step(const Tensor& logits, const std::vector<int32_t>& tokens,
+                              std::vector<TokenEvent>* events) {
   const int vocab = limits_.vocab_size;
   for (size_t b = 0; b < batch_.size(); ++b) {
     Sequence& s = running_[batch_owner_[b]];
@@ -110,9 +118,9 @@ void Scheduler::complete_step(const Tensor& logits, std::vector<TokenEvent>* eve
       s.prefilled += static_cast<int>(batch_[b].tokens.size());
       if (s.prefilled < static_cast<int>(s.prompt.size())) continue;  // More chunks to go.
     }
-    const int32_t next = greedy != nullptr && s.sampler->greedy()
-                             ? (*greedy)[b]
-                             : s.sampler->sample(logits.data<float>() + b * vocab, vocab);
+    const int32_t next = row_outputs_[b].kind == RowOutput::kLogits
+                             ? s.sampler->sample(logits.data<float>() + b * vocab, vocab)
+                             : tokens[b];
     s.output.push_back(next);
     TokenEvent ev{s.id, next, false, ""};
     const auto& stops = s.params.stop_token_ids;

@@ -127,7 +127,7 @@ class Worker {
   bool halted_ = false;
   bool idle_ = true;
   Tensor logits_;
-  std::vector<int32_t> greedy_;  // Per batch row: the greedy token (Model::forward_step).
+  std::vector<int32_t> tokens_;  // Per batch row: Model::forward_step's token.
   std::vector<TokenEvent> events_;
   std::unordered_map<uint64_t, uint32_t> attempts_;  // Request id -> AddRequest::attempt.
   uint64_t steps_ = 0;
@@ -427,9 +427,9 @@ Status Worker::step() {
   if (!idle_) {
     const auto t0 = std::chrono::steady_clock::now();
     FLEX_RETURN_IF_ERROR(
-        model_->forward_step(batch, scheduler_->want_logits(), &logits_, &greedy_));
+        model_->forward_step(batch, scheduler_->row_outputs(), &logits_, &tokens_));
     events_.clear();
-    scheduler_->complete_step(logits_, &events_, &greedy_);
+    scheduler_->complete_step(logits_, tokens_, &events_);
     busy_ms_ +=
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     ++busy_steps_;

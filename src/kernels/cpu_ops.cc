@@ -285,4 +285,18 @@ int64_t argmax(const float* x, int64_t n) {
   return best < 0 ? 0 : best;
 }
 
+int32_t sample_softmax(const float* logits, int64_t vocab, float temperature, double u01) {
+  const float mx = logits[argmax(logits, vocab)];
+  const double inv_t = 1.0 / temperature;
+  double total = 0.0;
+  for (int64_t i = 0; i < vocab; ++i) total += std::exp((logits[i] - mx) * inv_t);
+  const double target = u01 * total;
+  double acc = 0.0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    acc += std::exp((logits[i] - mx) * inv_t);
+    if (target < acc) return static_cast<int32_t>(i);
+  }
+  return static_cast<int32_t>(vocab - 1);
+}
+
 }  // namespace flexpert::kernels

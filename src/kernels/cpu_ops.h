@@ -80,4 +80,9 @@ void embedding(const Tensor& table, const int32_t* ids, int64_t num_tokens, floa
 // Index of the largest value (lowest index on ties; NaN never wins; 0 when all are NaN).
 int64_t argmax(const float* x, int64_t n);
 
+// A draw from softmax(logits / temperature) by inverse transform at u01 in [0, 1): the
+// first id, in id order, whose cumulative weight exp((logit - max) / temperature)
+// (summed in double) exceeds u01 times the total; the last id if rounding leaves none.
+int32_t sample_softmax(const float* logits, int64_t vocab, float temperature, double u01);
+
 }  // namespace flexpert::kernels

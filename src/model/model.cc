@@ -56,13 +56,20 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
 }
 
 Status Model::forward_step(const std::vector<SequenceChunk>& batch,
-                           const std::vector<uint8_t>& /*want_logits*/, Tensor* logits,
-                           std::vector<int32_t>* greedy) {
+                           const std::vector<RowOutput>& rows, Tensor* logits,
+                           std::vector<int32_t>* tokens) {
+  if (rows.size() != batch.size()) {
+    return invalid_argument("forward_step: " + std::to_string(rows.size()) +
+                            " row outputs for a batch of " + std::to_string(batch.size()));
+  }
   FLEX_RETURN_IF_ERROR(forward(batch, logits));
   const int64_t vocab = config().vocab_size;
-  greedy->resize(batch.size());
+  tokens->resize(batch.size());
   for (size_t b = 0; b < batch.size(); ++b) {
-    (*greedy)[b] = static_cast<int32_t>(kernels::argmax(logits->data<float>() + b * vocab, vocab));
+    const float* row = logits->data<float>() + b * vocab;
+    (*tokens)[b] = rows[b].kind == RowOutput::kSample
+                       ? kernels::sample_softmax(row, vocab, rows[b].temperature, rows[b].u01)
+                       : static_cast<int32_t>(kernels::argmax(row, vocab));
   }
   return Status();
 }

@@ -174,7 +174,7 @@ void LocalEngine::step() {
   for (const SequenceChunk& chunk : batch) num_tokens += static_cast<int64_t>(chunk.tokens.size());
 
   const auto t0 = std::chrono::steady_clock::now();
-  Status s = model_->forward_step(batch, scheduler_.want_logits(), &logits_, &greedy_);
+  Status s = model_->forward_step(batch, scheduler_.row_outputs(), &logits_, &tokens_);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!s.ok()) {
@@ -185,7 +185,7 @@ void LocalEngine::step() {
     return;
   }
   events_.clear();
-  scheduler_.complete_step(logits_, &events_, &greedy_);
+  scheduler_.complete_step(logits_, tokens_, &events_);
 
   steps_total_.inc();
   step_tokens_total_.inc(static_cast<double>(num_tokens));

@@ -79,7 +79,7 @@ class LocalEngine : public ServingEngine {
   Scheduler scheduler_;                                         // Engine thread only.
   std::unordered_map<uint64_t, CompletionCallback> callbacks_;  // Engine thread only.
   Tensor logits_;                                               // Engine thread only.
-  std::vector<int32_t> greedy_;                                 // Engine thread only.
+  std::vector<int32_t> tokens_;                                 // Engine thread only.
   std::vector<TokenEvent> events_;                              // Engine thread only.
 
   mutable std::mutex mu_;

@@ -563,6 +563,59 @@ TEST(CudaArgmaxTest, MatchesHostArgmax) {
   }
 }
 
+// sample_rows against the host's sample_softmax on the same logits and draws: several
+// 4096-id chunks per row, temperatures from peaked to flat, draws at both ends.
+TEST(CudaArgmaxTest, SampleRowsMatchesHostSampling) {
+  FLEX_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> normal(0.f, 3.f);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  for (int vocab : {100, 10000, 151936}) {
+    const int R = 6;
+    std::vector<float> flat(static_cast<size_t>(R) * vocab);
+    for (float& x : flat) x = normal(rng);
+    cuda::DeviceBuffer logits = to_device(flat, DType::kF32);
+    auto keys = cuda::DeviceBuffer::create(R * sizeof(unsigned long long));
+    ASSERT_TRUE(keys.ok());
+    ASSERT_EQ(cuda::argmax_rows(logits.as<float>(), R, vocab, keys.value().as<unsigned long long>(),
+                                nullptr),
+              cudaSuccess);
+    // Draw i samples row rows[i] (row 4 twice, row 1 not at all).
+    const std::vector<int32_t> rows = {0, 2, 3, 4, 4, 5};
+    const std::vector<double> temps = {0.05, 0.5, 1.0, 2.0, 2.0, 7.0};
+    std::vector<double> inv_t,
+        u01 = {0.0, uniform(rng), uniform(rng), uniform(rng), 0.999999, uniform(rng)};
+    for (double t : temps) inv_t.push_back(1.0 / static_cast<float>(t));  // As the models do.
+    const int n = static_cast<int>(rows.size());
+    cuda::DeviceBuffer d_rows = to_device_raw(rows), d_inv_t = to_device_raw(inv_t),
+                       d_u01 = to_device_raw(u01);
+    auto partials =
+        cuda::DeviceBuffer::create(n * cuda::sample_rows_chunks(vocab) * sizeof(double));
+    auto tokens = cuda::DeviceBuffer::create(n * sizeof(int32_t));
+    ASSERT_TRUE(partials.ok() && tokens.ok());
+    cuda::SampleRowsArgs a;
+    a.logits = logits.as<float>();
+    a.vocab = vocab;
+    a.keys = keys.value().as<unsigned long long>();
+    a.rows = d_rows.as<int32_t>();
+    a.inv_temperature = d_inv_t.as<double>();
+    a.u01 = d_u01.as<double>();
+    a.n = n;
+    a.partials = partials.value().as<double>();
+    a.tokens = tokens.value().as<int32_t>();
+    ASSERT_EQ(cuda::sample_rows(a, nullptr), cudaSuccess);
+    std::vector<int32_t> got(n);
+    ASSERT_EQ(
+        cudaMemcpy(got.data(), tokens.value().data(), n * sizeof(int32_t), cudaMemcpyDeviceToHost),
+        cudaSuccess);
+    for (int i = 0; i < n; ++i) {
+      const float* row = flat.data() + static_cast<size_t>(rows[i]) * vocab;
+      EXPECT_EQ(got[i], kernels::sample_softmax(row, vocab, static_cast<float>(temps[i]), u01[i]))
+          << "vocab " << vocab << " draw " << i << " u " << u01[i];
+    }
+  }
+}
+
 TEST(CudaDeviceTest, ParsesDeviceStrings) {
   EXPECT_EQ(cuda::parse_device("gpu").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(cuda::parse_device("cuda:x").status().code(), StatusCode::kInvalidArgument);

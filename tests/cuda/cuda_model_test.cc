@@ -155,9 +155,10 @@ TEST(CudaModelTest, WarmUpCapturesEveryBucketAndChangesNothing) {
   EXPECT_EQ(model->num_graph_captures(), 4) << "decode after warm_up must not capture";
 }
 
-// forward_step: greedy tokens from the device argmax, logits rows only where wanted,
-// on a prefill (pieces) and a decode step (graph); both equal forward()'s.
-TEST(CudaModelTest, ForwardStepReturnsGreedyTokensAndWantedRows) {
+// forward_step: greedy tokens from the device argmax, softmax draws on the device, logits
+// rows only where wanted, on a prefill (pieces) and a decode step (graph); all equal
+// what the host computes from forward()'s logits.
+TEST(CudaModelTest, ForwardStepPicksTokensOnTheDevice) {
   FLEX_SKIP_WITHOUT_GPU();
   auto model = load("cuda", DType::kF32, "identity", 4);
   ASSERT_NE(model, nullptr);
@@ -169,30 +170,43 @@ TEST(CudaModelTest, ForwardStepReturnsGreedyTokensAndWantedRows) {
     prefill.push_back({i, 0, ref[i].input_ids});
     decode.push_back({i, static_cast<int>(ref[i].input_ids.size()), {ref[i].greedy[0]}});
   }
-  const std::vector<uint8_t> want = {1, 0, 1};
+  std::vector<RowOutput> want(3);
+  want[0].kind = RowOutput::kLogits;
+  want[2].kind = RowOutput::kSample;
+  want[2].temperature = 1.7f;
   for (const auto* batch : {&prefill, &decode}) {
     const std::vector<float> full = step_logits(*model, *batch);
     ASSERT_EQ(full.size(), 3 * static_cast<size_t>(V));
+    for (double u : {0.0, 0.3, 0.77, 0.999}) {  // Draws on the device vs the host.
+      want[2].u01 = u;
+      Tensor logits;
+      std::vector<int32_t> tokens;
+      ASSERT_TRUE(model->forward_step(*batch, want, &logits, &tokens).ok());
+      EXPECT_EQ(tokens[2], kernels::sample_softmax(full.data() + 2 * V, V, 1.7f, u)) << u;
+    }
     Tensor logits;
     std::vector<int32_t> greedy;
     ASSERT_TRUE(model->forward_step(*batch, want, &logits, &greedy).ok());
     ASSERT_EQ(greedy.size(), 3u);
     for (int b = 0; b < 3; ++b) {
       const float* row = full.data() + b * V;
-      EXPECT_EQ(greedy[b], kernels::argmax(row, V)) << "row " << b;
-      if (want[b]) {
+      if (b < 2) EXPECT_EQ(greedy[b], kernels::argmax(row, V)) << "row " << b;
+      if (want[b].kind == RowOutput::kLogits) {
         const std::vector<float> got(logits.data<float>() + b * V,
                                      logits.data<float>() + (b + 1) * V);
         EXPECT_LT(cuda_test::rel_l2(got, std::vector<float>(row, row + V)), 1e-6) << "row " << b;
       }
     }
     if (batch == &prefill) {
-      for (int b = 0; b < 3; ++b) EXPECT_EQ(greedy[b], ref[b].greedy[0]) << "prompt " << b;
+      for (int b = 0; b < 2; ++b) EXPECT_EQ(greedy[b], ref[b].greedy[0]) << "prompt " << b;
     }
   }
   Tensor logits;
-  std::vector<int32_t> greedy;
-  EXPECT_EQ(model->forward_step(decode, {1}, &logits, &greedy).code(),
+  std::vector<int32_t> tokens;
+  EXPECT_EQ(model->forward_step(decode, {RowOutput{}}, &logits, &tokens).code(),
+            StatusCode::kInvalidArgument);
+  want[2].u01 = 1.0;
+  EXPECT_EQ(model->forward_step(decode, want, &logits, &tokens).code(),
             StatusCode::kInvalidArgument);
 }
 

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Which rows of a step need their logits (Scheduler::want_logits) and where each
-// row's token comes from (the greedy tokens of Model::forward_step, or the logits).
+// What each row of a step asks of the model (Scheduler::row_outputs: the greedy token, a
+// softmax draw, or the logits) and where each row's token comes from.
 #include "flexpert/scheduler.h"
 
 #include <gtest/gtest.h>
@@ -9,6 +9,12 @@
 
 namespace flexpert {
 namespace {
+
+std::vector<int> kinds(const std::vector<RowOutput>& rows) {
+  std::vector<int> k;
+  for (const RowOutput& r : rows) k.push_back(r.kind);
+  return k;
+}
 
 // Logits rows whose argmax is argmax[b] (every other entry 0).
 Tensor peaked_logits(const std::vector<int>& argmax, int vocab) {
@@ -20,7 +26,7 @@ Tensor peaked_logits(const std::vector<int>& argmax, int vocab) {
   return t;
 }
 
-TEST(SchedulerTest, OnlyCompletingSampledRowsWantLogits) {
+TEST(SchedulerTest, RowOutputsFollowTheSamplers) {
   constexpr int kVocab = 8;
   Scheduler sched(SchedulerLimits{kVocab, 4, 64, 6, {}});
   SamplingParams greedy;
@@ -28,6 +34,9 @@ TEST(SchedulerTest, OnlyCompletingSampledRowsWantLogits) {
   SamplingParams sampled = greedy;
   sampled.temperature = 1.0f;
   sampled.top_k = 1;  // Sampled, yet deterministic: the logits' argmax.
+  SamplingParams plain = greedy;
+  plain.temperature = 0.7f;
+  plain.seed = 11;
   sched.add(1, {1, 2, 3, 4}, greedy);
   sched.add(2, {1, 2, 3, 4, 5}, sampled);
 
@@ -35,10 +44,9 @@ TEST(SchedulerTest, OnlyCompletingSampledRowsWantLogits) {
   const auto& b1 = sched.build_step();
   ASSERT_EQ(b1.size(), 2u);
   EXPECT_EQ(b1[1].tokens.size(), 2u);
-  EXPECT_EQ(sched.want_logits(), (std::vector<uint8_t>{0, 0}));
+  EXPECT_EQ(kinds(sched.row_outputs()), (std::vector<int>{RowOutput::kGreedy, RowOutput::kGreedy}));
   std::vector<TokenEvent> events;
-  const std::vector<int32_t> greedy1 = {5, 0};
-  sched.complete_step(peaked_logits({3, 3}, kVocab), &events, &greedy1);
+  sched.complete_step(peaked_logits({3, 3}, kVocab), {5, 0}, &events);
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].request_id, 1u);
   EXPECT_EQ(events[0].token, 5);  // From the greedy tokens, not the logits (3).
@@ -47,21 +55,27 @@ TEST(SchedulerTest, OnlyCompletingSampledRowsWantLogits) {
   const auto& b2 = sched.build_step();
   ASSERT_EQ(b2.size(), 2u);
   EXPECT_EQ(b2[0].tokens, (std::vector<int32_t>{5}));
-  EXPECT_EQ(sched.want_logits(), (std::vector<uint8_t>{0, 1}));
+  EXPECT_EQ(kinds(sched.row_outputs()), (std::vector<int>{RowOutput::kGreedy, RowOutput::kLogits}));
   events.clear();
-  const std::vector<int32_t> greedy2 = {2, 7};
-  sched.complete_step(peaked_logits({4, 6}, kVocab), &events, &greedy2);
+  sched.complete_step(peaked_logits({4, 6}, kVocab), {2, 7}, &events);
   ASSERT_EQ(events.size(), 2u);
   EXPECT_EQ(events[0].token, 2);
-  EXPECT_EQ(events[1].token, 6);  // Sampled from its logits row, not greedy2[1].
+  EXPECT_EQ(events[1].token, 6);  // Sampled from its logits row, not the token 7.
 
-  // Without greedy tokens every row samples from the logits.
+  // A plain-softmax request: its row carries the temperature and the sampler's next
+  // draw (the same draw a Sampler with that seed makes first), and takes the token.
+  sched.add(3, {1, 2}, plain);
   sched.build_step();
+  const auto& outs = sched.row_outputs();
+  ASSERT_EQ(outs.size(), 3u);
+  EXPECT_EQ(outs[2].kind, RowOutput::kSample);
+  EXPECT_EQ(outs[2].temperature, 0.7f);
+  Sampler twin(plain);
+  EXPECT_EQ(outs[2].u01, twin.next_uniform());
   events.clear();
-  sched.complete_step(peaked_logits({1, 6}, kVocab), &events);
-  ASSERT_EQ(events.size(), 2u);
-  EXPECT_EQ(events[0].token, 1);
-  EXPECT_EQ(events[1].token, 6);
+  sched.complete_step(peaked_logits({1, 6, 0}, kVocab), {1, 4, 3}, &events);
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[2].token, 3);
 }
 
 }  // namespace

@@ -290,5 +290,24 @@ TEST(ArgmaxTest, EdgePositionsAndInfinities) {
   EXPECT_EQ(argmax(all_nan.data(), 2), 0);
 }
 
+// sample_softmax is the inverse CDF in id order: weights 1, 2, 3 (logits 0, ln 2, ln 3
+// at T = 1; ln 4, ln 8, ln 12 at T = 2 give the same) split [0, 1) at 1/6 and 1/2.
+TEST(SampleSoftmaxTest, InverseTransformInIdOrder) {
+  const std::vector<float> w123 = {0.f, std::log(2.f), std::log(3.f)};
+  const std::vector<float> w123_t2 = {2 * std::log(2.f), 2 * std::log(4.f), 2 * std::log(6.f)};
+  for (const auto& [logits, t] : {std::pair{&w123, 1.0f}, std::pair{&w123_t2, 2.0f}}) {
+    EXPECT_EQ(sample_softmax(logits->data(), 3, t, 0.0), 0);
+    EXPECT_EQ(sample_softmax(logits->data(), 3, t, 0.16), 0);
+    EXPECT_EQ(sample_softmax(logits->data(), 3, t, 0.17), 1);
+    EXPECT_EQ(sample_softmax(logits->data(), 3, t, 0.49), 1);
+    EXPECT_EQ(sample_softmax(logits->data(), 3, t, 0.51), 2);
+    EXPECT_EQ(sample_softmax(logits->data(), 3, t, 0.999999), 2);
+  }
+  // A very low temperature is the argmax; -inf never gets drawn.
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> peaked = {-inf, 1.f, 3.f, 2.f};
+  for (double u : {0.0, 0.5, 0.999}) EXPECT_EQ(sample_softmax(peaked.data(), 4, 1e-3f, u), 2);
+}
+
 }  // namespace
 }  // namespace flexpert::kernels
