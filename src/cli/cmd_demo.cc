@@ -35,12 +35,14 @@ Result<std::string> demo_model(const Flags& flags) {
   return synth.out_dir;
 }
 
-// Prompts, and their greedy continuations from one in-process model (the reference
-// every completion of the group must equal).
+// Prompts, and their greedy continuations from one in-process model on the workers'
+// device and dtype (the reference every completion of the group must equal).
 Status make_workload(const std::string& model_dir, int num_prompts, int max_tokens,
                      ElasticRunOptions* o) {
   ModelOptions mopts;
   mopts.max_sequences = num_prompts;
+  mopts.device = o->cluster.device == "cpu" ? "cpu" : "cuda";
+  mopts.device_dtype = o->cluster.device_f32 ? DType::kF32 : DType::kBF16;
   FLEX_ASSIGN_OR_RETURN(auto model, Model::load(model_dir, mopts));
   std::mt19937 rng(11);
   std::vector<GenerationRequest> requests;
@@ -87,6 +89,19 @@ Result<ElasticRunOptions> scenario(const Flags& flags, const std::string& model_
   o.cluster.transport_timeout_ms = 5000;
   o.concurrency = static_cast<int>(concurrency);
   o.max_tokens = static_cast<int>(max_tokens);
+  o.cluster.device = flags.str("device");
+  if (o.cluster.device != "cpu" && o.cluster.device != "cuda") {
+    return invalid_argument("--device must be cpu or cuda (ranks spread with --gpus)");
+  }
+  if (flags.str("cuda-dtype") != "bf16" && flags.str("cuda-dtype") != "f32") {
+    return invalid_argument("--cuda-dtype must be bf16 or f32");
+  }
+  o.cluster.device_f32 = flags.str("cuda-dtype") == "f32";
+  FLEX_ASSIGN_OR_RETURN(int64_t gpus, flags.integer("gpus"));
+  if (gpus < 1 || (gpus > 1 && o.cluster.device != "cuda")) {
+    return invalid_argument("--gpus must be >= 1, and > 1 only with --device cuda");
+  }
+  o.cluster.gpus = static_cast<int>(gpus);
   FLEX_RETURN_IF_ERROR(make_workload(model_dir, 16, o.max_tokens, &o));
   o.log = [](const std::string& line) {
     std::printf("%s\n", line.c_str());
@@ -148,6 +163,10 @@ void common_flags(Flags& flags, const char* events, const char* duration) {
       .value("duration", duration, "seconds of load")
       .value("concurrency", "6", "client threads")
       .value("max-tokens", "24", "tokens per request (greedy)")
+      .value("device", "cpu", "where workers run the model: cpu or cuda")
+      .value("cuda-dtype", "f32",
+             "with --device cuda: f32 (completions checked against one process) or bf16")
+      .value("gpus", "1", "with --device cuda: rank r runs on cuda:(r mod N)")
       .boolean("help", "show this help");
 }
 

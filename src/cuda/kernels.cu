@@ -80,9 +80,10 @@ __global__ void silu_mul_kernel(const float* gu, int inter, T* out) {
     o[i] = from_f32<T>(silu(g[i]) * g[inter + i]);
 }
 
+template <int PER>
 __global__ void router_topk_kernel(TopkArgs a) {
   const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (t < a.num_tokens) topk_token(a, t, threadIdx.x % 32);
+  if (t < a.num_tokens) topk_token<PER>(a, t, threadIdx.x % 32);
 }
 
 constexpr int kPermuteThreads = 1024;
@@ -481,7 +482,18 @@ cudaError_t router_topk(const TopkArgs& args, cudaStream_t stream) {
   if (args.num_tokens == 0) return cudaSuccess;
   if (!topk_args_ok(args)) return cudaErrorInvalidValue;
   constexpr int kWarps = 4;
-  router_topk_kernel<<<(args.num_tokens + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(args);
+  const int blocks = (args.num_tokens + kWarps - 1) / kWarps;
+  if (args.num_experts <= 32) {
+    router_topk_kernel<1><<<blocks, kWarps * 32, 0, stream>>>(args);
+  } else if (args.num_experts <= 64) {
+    router_topk_kernel<2><<<blocks, kWarps * 32, 0, stream>>>(args);
+  } else if (args.num_experts <= 128) {
+    router_topk_kernel<4><<<blocks, kWarps * 32, 0, stream>>>(args);
+  } else if (args.num_experts <= 256) {
+    router_topk_kernel<8><<<blocks, kWarps * 32, 0, stream>>>(args);
+  } else {
+    router_topk_kernel<kTopkMaxPerLane><<<blocks, kWarps * 32, 0, stream>>>(args);
+  }
   return cudaGetLastError();
 }
 

@@ -10,14 +10,16 @@
 
 namespace flexpert::cuda {
 
-// One warp per token; each lane holds experts lane, lane + 32, ...
+// One warp per token; each lane holds experts lane, lane + 32, ... (PER of them: a
+// kernel compiled for its expert count keeps fewer registers and shorter loops).
 constexpr int kTopkMaxPerLane = 16;
+template <int PER = kTopkMaxPerLane>
 __device__ __forceinline__ void topk_token(const TopkArgs& a, int t, int lane) {
   const float* l = a.logits + static_cast<int64_t>(t) * a.num_experts;
-  float prob[kTopkMaxPerLane];
+  float prob[PER];
   float mx = -FLT_MAX;
 #pragma unroll
-  for (int i = 0; i < kTopkMaxPerLane; ++i) {
+  for (int i = 0; i < PER; ++i) {
     const int e = lane + 32 * i;
     prob[i] = e < a.num_experts ? __ldcg(l + e) : -FLT_MAX;  // L2: other blocks may write l.
     mx = fmaxf(mx, prob[i]);
@@ -25,14 +27,14 @@ __device__ __forceinline__ void topk_token(const TopkArgs& a, int t, int lane) {
   mx = warp_max(mx);
   float sum = 0.f;
 #pragma unroll
-  for (int i = 0; i < kTopkMaxPerLane; ++i) {
+  for (int i = 0; i < PER; ++i) {
     const int e = lane + 32 * i;
     prob[i] = e < a.num_experts ? expf(prob[i] - mx) : 0.f;
     sum += prob[i];
   }
   sum = warp_sum(sum);
 #pragma unroll
-  for (int i = 0; i < kTopkMaxPerLane; ++i) {
+  for (int i = 0; i < PER; ++i) {
     const int e = lane + 32 * i;
     prob[i] = e < a.num_experts ? prob[i] / sum : -1.f;  // -1: never chosen.
   }
@@ -42,7 +44,7 @@ __device__ __forceinline__ void topk_token(const TopkArgs& a, int t, int lane) {
     float best = -2.f;
     int best_e = INT_MAX;
 #pragma unroll
-    for (int i = 0; i < kTopkMaxPerLane; ++i) {
+    for (int i = 0; i < PER; ++i) {
       if (prob[i] > best) {  // Ascending e within a lane: ties keep the lower index.
         best = prob[i];
         best_e = lane + 32 * i;
@@ -58,7 +60,7 @@ __device__ __forceinline__ void topk_token(const TopkArgs& a, int t, int lane) {
       }
     }
 #pragma unroll
-    for (int i = 0; i < kTopkMaxPerLane; ++i) {
+    for (int i = 0; i < PER; ++i) {
       if (lane + 32 * i == best_e) prob[i] = -1.f;
     }
     if (lane == j) {
