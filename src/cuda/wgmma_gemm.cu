@@ -459,6 +459,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int total = num_tiles * nb;
   const int K = g.k, num_k_tiles = K / kWgBK;
 
+  // setmaxnreg: the consumers' increase must be covered by what the producer releases
+  // from the 168 registers a thread starts with (P + 2 C <= 3 x 168), else it waits
+  // forever (a 96 / 208 split hung a GPU run).
+  static_assert(56 + 2 * 224 <= 3 * 168, "setmaxnreg budget");
   if (wg == 0) {
     // Producer.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
@@ -572,6 +576,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int total = num_tiles * nb;
   const int K = g.k, num_k_tiles = K / kWgBK;
 
+  static_assert(40 + 2 * 232 <= 3 * 168, "setmaxnreg budget (see wgmma_ws_kernel)");
   if (wg == 0) {
     // Producer (as in wgmma_ws_kernel), units in pair order.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
