@@ -63,9 +63,9 @@ Status make_workload(const std::string& model_dir, int num_prompts, int max_toke
   return Status();
 }
 
-Result<ElasticRunOptions> scenario(const Flags& flags, const std::string& model_dir) {
+// Validates every flag, then makes the model (demo_model) and the workload.
+Result<ElasticRunOptions> scenario(const Flags& flags) {
   ElasticRunOptions o;
-  o.cluster.model_dir = model_dir;
   FLEX_ASSIGN_OR_RETURN(int64_t ranks, flags.integer("ranks"));
   FLEX_ASSIGN_OR_RETURN(int64_t max_ranks, flags.integer("max-ranks"));
   FLEX_ASSIGN_OR_RETURN(int64_t concurrency, flags.integer("concurrency"));
@@ -102,7 +102,8 @@ Result<ElasticRunOptions> scenario(const Flags& flags, const std::string& model_
     return invalid_argument("--gpus must be >= 1, and > 1 only with --device cuda");
   }
   o.cluster.gpus = static_cast<int>(gpus);
-  FLEX_RETURN_IF_ERROR(make_workload(model_dir, 16, o.max_tokens, &o));
+  FLEX_ASSIGN_OR_RETURN(o.cluster.model_dir, demo_model(flags));
+  FLEX_RETURN_IF_ERROR(make_workload(o.cluster.model_dir, 16, o.max_tokens, &o));
   o.log = [](const std::string& line) {
     std::printf("%s\n", line.c_str());
     std::fflush(stdout);
@@ -186,8 +187,7 @@ int cmd_demo(const Args& args) {
     return 0;
   }
   Status s = [&]() -> Status {
-    FLEX_ASSIGN_OR_RETURN(std::string model, demo_model(flags));
-    FLEX_ASSIGN_OR_RETURN(ElasticRunOptions o, scenario(flags, model));
+    FLEX_ASSIGN_OR_RETURN(ElasticRunOptions o, scenario(flags));
     o.cluster.reconfigure = "live";
     FLEX_ASSIGN_OR_RETURN(nlohmann::json report, run_elastic(o));
     print_report(report);
@@ -216,8 +216,7 @@ int cmd_bench_elastic(const Args& args) {
     return 0;
   }
   Status s = [&]() -> Status {
-    FLEX_ASSIGN_OR_RETURN(std::string model, demo_model(flags));
-    FLEX_ASSIGN_OR_RETURN(ElasticRunOptions o, scenario(flags, model));
+    FLEX_ASSIGN_OR_RETURN(ElasticRunOptions o, scenario(flags));
     std::vector<nlohmann::json> reports;
     std::stringstream modes(flags.str("modes"));
     std::string mode;

@@ -53,6 +53,10 @@ TEST(CliTest, BadInputExitsWithTwoAndAMessage) {
       {"generate --model " + kModel + " --prompt-ids 1 --placement replicate:q", "placement"},
       {"synth --preset nope --out /tmp/x", "preset"},
       {"bench generate --batches 0", "batches"},
+      {"bench generate --temperature -1", "--temperature"},
+      {"bench elastic --device tpu", "--device"},
+      {"bench elastic --gpus 2", "--gpus"},
+      {"demo --cuda-dtype f16", "--cuda-dtype"},
       {"serve --model /no/such/dir --port 0", "/no/such/dir"},
       {"serve --model " + kModel + " --ranks 0 --port 0", "--ranks"},
       {"serve --model " + kModel + " --ranks 2 --max-ranks 1 --port 0", "--max-ranks"},
@@ -99,6 +103,17 @@ TEST(CliTest, BenchGenerateWritesJson) {
   auto j = nlohmann::json::parse(in);
   ASSERT_EQ(j["runs"].size(), 2u);
   EXPECT_GT(j["runs"][1]["decode_tokens_per_s"].get<double>(), 0.0);
+  // Sampled decoding: the draws are taken by the model (or on the host) and reported.
+  for (const char* where : {"", " --sample-on-host"}) {
+    CliRun t =
+        run("bench generate --preset tiny --layers 2 --cache " + dir +
+            " --batches 2 --prompt-len 8 --gen-tokens 4 --temperature 0.7 --json " + json + where);
+    ASSERT_EQ(t.exit_code, 0) << t.out;
+    std::ifstream tin(json);
+    auto tj = nlohmann::json::parse(tin);
+    EXPECT_EQ(tj["temperature"].get<double>(), 0.7);
+    EXPECT_EQ(tj["sample_on_host"].get<bool>(), where[0] != '\0');
+  }
   std::filesystem::remove_all(dir);
 }
 
