@@ -62,7 +62,26 @@ __global__ void __launch_bounds__(kWarps * 32) attention_kernel(AttentionArgs a)
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) acc[i] *= corr;
     const int count = min(32, len - c0);
-    for (int jj = 0; jj < count; ++jj) {
+    int jj = 0;
+    // Eight positions' V loads in flight before their FMAs (a loop of one position at a
+    // time waits out a load per position: decode attention was latency-bound); the
+    // FMAs keep the position order, so the sums are the same.
+    for (; jj + 8 <= count; jj += 8) {
+      float v[8][kPerLane];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const T* vr = vc + (c0 + jj + u) * pos_stride;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) v[u][i] = to_f32(vr[lane + 32 * i]);
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const float pj = __shfl_sync(0xffffffffu, p, jj + u);
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) acc[i] += pj * v[u][i];
+      }
+    }
+    for (; jj < count; ++jj) {
       const float pj = __shfl_sync(0xffffffffu, p, jj);
       const T* vr = vc + (c0 + jj) * pos_stride;
 #pragma unroll
