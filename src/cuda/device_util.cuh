@@ -52,7 +52,8 @@ __device__ __forceinline__ void load8(const bf16* p, float (&v)[8]) {
   bf16x8(raw, v);
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+template <typename T>  // float, double
+__device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
@@ -64,15 +65,16 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets it.
-__device__ __forceinline__ float block_sum(float v) {
-  __shared__ float partial[32];
+template <typename T>  // float, double
+__device__ __forceinline__ T block_sum(T v) {
+  __shared__ T partial[32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   v = warp_sum(v);
   __syncthreads();  // partial may still be read by a previous call.
   if (lane == 0) partial[warp] = v;
   __syncthreads();
   const int num_warps = blockDim.x / 32;
-  float t = lane < num_warps ? partial[lane] : 0.f;
+  T t = lane < num_warps ? partial[lane] : T(0);
   return warp_sum(t);
 }
 

@@ -322,10 +322,6 @@ __global__ void __launch_bounds__(kArgmaxThreads)
   }
 }
 
-__device__ __forceinline__ int argmax_key_index_device(unsigned long long key) {
-  return key == 0 ? 0 : static_cast<int>(0xffffffffu - static_cast<uint32_t>(key));
-}
-
 // The float whose ordered_bits are the high half of an argmax_rows key.
 __device__ __forceinline__ float key_value(unsigned long long key) {
   const uint32_t o = static_cast<uint32_t>(key >> 32);
@@ -336,16 +332,6 @@ constexpr int kSampleChunk = kArgmaxThreads * kArgmaxPerThread;  // 4096 ids per
 
 __device__ __forceinline__ double sample_weight(float logit, float mx, double inv_t) {
   return exp(static_cast<double>(logit - mx) * inv_t);
-}
-
-// Sums a block's values of `v` (any thread count <= 1024, a multiple of 32).
-__device__ __forceinline__ double block_sum(double v, double* scratch) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  __syncthreads();
-  double total = 0.0;
-  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += scratch[w];
-  return total;
 }
 
 // Block (chunk c, draw i): the sum of the weights of ids [4096 c, 4096 (c + 1)).
@@ -359,8 +345,7 @@ __global__ void __launch_bounds__(kArgmaxThreads) sample_partials_kernel(SampleR
   for (int id = c * kSampleChunk + threadIdx.x; id < end; id += kArgmaxThreads) {
     s += sample_weight(row[id], mx, inv_t);
   }
-  __shared__ double scratch[kArgmaxThreads / 32];
-  const double total = block_sum(s, scratch);
+  const double total = block_sum(s);
   if (threadIdx.x == 0) a.partials[static_cast<size_t>(i) * gridDim.x + c] = total;
 }
 
@@ -392,7 +377,7 @@ __global__ void __launch_bounds__(kArgmaxThreads) sample_pick_kernel(SampleRowsA
       }
       acc += part[c];
     }
-    token = argmax_key_index_device(a.keys[r]);  // Rounding left no chunk: the argmax.
+    token = argmax_key_index(a.keys[r]);  // Rounding left no chunk: the argmax.
   }
   __syncthreads();
   if (chunk < 0) {

@@ -127,7 +127,11 @@ cudaError_t combine(DType dtype, const void* y, const float* weight, const int32
 // as kernels::argmax on the host.
 cudaError_t argmax_rows(const float* logits, int rows, int vocab, unsigned long long* keys,
                         cudaStream_t stream);
-inline int32_t argmax_key_index(unsigned long long key) {
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+    inline int32_t
+    argmax_key_index(unsigned long long key) {
   return key == 0 ? 0 : static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(key));
 }
 
