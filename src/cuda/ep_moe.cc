@@ -1,20 +1,55 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "cuda/ep_moe.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "cuda/kernels.h"
 #include "flexpert/logging.h"
+#include "transport/cuda_ipc/cuda_ipc_runtime.h"
 
 namespace flexpert::cuda {
 namespace {
 
 // Rows of one row-compute launch (more are computed in several).
 constexpr int kChunkRows = 8192;
+// Rows one owner may receive in a device exchange step (more: the host exchange).
+constexpr int64_t kMaxDeviceRows = 65536;
+
+// What a rank publishes (transport region kWindowRegion) so that peers map its buffers.
+constexpr int kWindowRegion = 1 << 20;
+constexpr uint64_t kWindowMagic = 0x3157504558454c46ULL;  // "FLEXEPW1", little-endian.
+enum WindowBuffer { kWindow, kRouteH, kRouteSlot, kY, kRowOfPair, kNumWindowBuffers };
+struct WindowInfo {
+  uint64_t magic;
+  int32_t pid;
+  int32_t pad;
+  struct Buffer {
+    uint64_t address;  // In the owner's process (peers of the same process use it).
+    cudaIpcMemHandle_t handle;
+  } buffers[kNumWindowBuffers];
+};
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 }  // namespace
+
+// A member's buffers as mapped into this process.
+struct DeviceEpMoe::PeerMapping {
+  WindowInfo info{};
+  std::vector<std::unique_ptr<cuda_ipc::IpcMapping>> maps;
+  EpPeer peer;
+};
 
 Result<EpStepRows> fill_step_inputs(const std::vector<SequenceChunk>& batch, int bucket,
                                     int max_tokens, int max_rows, int spare_kv_slot,
@@ -70,8 +105,22 @@ Result<std::unique_ptr<DeviceEpMoe>> DeviceEpMoe::create(Config config, Blas& bl
   m->local_dims_.num_slots = m->config_.num_local_slots;
   m->chunk_rows_ = kChunkRows;
   const size_t C = static_cast<size_t>(m->chunk_rows_);
-  FLEX_ASSIGN_OR_RETURN(m->scratch_, MoeScratch::create(m->local_dims_, m->chunk_rows_));
-  FLEX_ASSIGN_OR_RETURN(m->rows_, DeviceBuffer::create(C * H * esize));
+  // The device exchange: an owner's rows of one step and its GEMM scratch (the host
+  // exchange's chunks fit in them too).
+  auto* ep = dynamic_cast<EpMoeExecutor*>(m->config_.executor);
+  const char* mode = std::getenv("FLEXPERT_EP_EXCHANGE");
+  const bool host_only = mode != nullptr && std::string(mode) == "host";
+  const bool device_exchange =
+      ep != nullptr && !host_only && m->config_.route_h != nullptr &&
+      m->config_.route_slot != nullptr && m->config_.route_weight != nullptr &&
+      ep->transport().max_ranks() <= kEpMaxRanks && d.top_k <= 64 && d.hidden % 8 == 0;
+  if (device_exchange) {
+    m->device_cap_ = static_cast<int>(std::min<int64_t>(
+        static_cast<int64_t>(T * K) * ep->transport().max_ranks(), kMaxDeviceRows));
+  }
+  const int rows_cap = std::max(m->chunk_rows_, m->device_cap_);
+  FLEX_ASSIGN_OR_RETURN(m->scratch_, MoeScratch::create(m->local_dims_, rows_cap));
+  FLEX_ASSIGN_OR_RETURN(m->rows_, DeviceBuffer::create(static_cast<size_t>(rows_cap) * H * esize));
   FLEX_ASSIGN_OR_RETURN(m->results_, DeviceBuffer::create(C * H * sizeof(float)));
   FLEX_ASSIGN_OR_RETURN(m->rows_host_, PinnedBuffer::create(C * H * esize));
   FLEX_ASSIGN_OR_RETURN(m->slot_host_, PinnedBuffer::create(C * sizeof(int32_t)));
@@ -94,6 +143,7 @@ Result<std::unique_ptr<DeviceEpMoe>> DeviceEpMoe::create(Config config, Blas& bl
   FLEX_CUDA_TRY(cudaMemcpy(m->scratch_.weight.data(), ones.data(), C * sizeof(float),
                            cudaMemcpyHostToDevice));
   m->routing_.top_k = d.top_k;
+  if (device_exchange) FLEX_RETURN_IF_ERROR(m->init_device_exchange(*ep));
   DeviceEpMoe* self = m.get();
   if (!m->config_.executor->set_row_compute([self](int layer, const int32_t* local_slot,
                                                    const float* const* rows, int64_t count,
@@ -104,6 +154,9 @@ Result<std::unique_ptr<DeviceEpMoe>> DeviceEpMoe::create(Config config, Blas& bl
   }
   return m;
 }
+
+DeviceEpMoe::DeviceEpMoe(Config config, Blas& blas, cudaStream_t stream)
+    : config_(std::move(config)), blas_(blas), stream_(stream) {}
 
 DeviceEpMoe::~DeviceEpMoe() {
   if (config_.executor != nullptr) (void)config_.executor->set_row_compute(nullptr);
@@ -151,6 +204,11 @@ Status DeviceEpMoe::compute_rows(int layer, const int32_t* local_slot, const flo
 }
 
 Status DeviceEpMoe::enqueue_route_out(const void* h, const MoeScratch& routing, int n) {
+  if (h != config_.route_h && config_.route_h != nullptr) {
+    return internal_error("routed rows outside the buffer the device exchange exports");
+  }
+  // The device exchange reads them in place; its host fallback copies them itself.
+  if (device_exchange_) return Status();
   const size_t pairs = static_cast<size_t>(n) * config_.dims.top_k;
   FLEX_CUDA_TRY(
       cudaMemcpyAsync(h_host_.data(), h,
@@ -163,11 +221,27 @@ Status DeviceEpMoe::enqueue_route_out(const void* h, const MoeScratch& routing, 
   return Status();
 }
 
+Status DeviceEpMoe::enqueue_route_copies(int n) {
+  const size_t pairs = static_cast<size_t>(n) * config_.dims.top_k;
+  FLEX_CUDA_TRY(
+      cudaMemcpyAsync(h_host_.data(), config_.route_h,
+                      static_cast<size_t>(n) * config_.dims.hidden * dtype_size(config_.dims.dtype),
+                      cudaMemcpyDeviceToHost, stream_));
+  FLEX_CUDA_TRY(cudaMemcpyAsync(route_slot_host_.data(), config_.route_slot,
+                                pairs * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  FLEX_CUDA_TRY(cudaMemcpyAsync(route_weight_host_.data(), config_.route_weight,
+                                pairs * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  return Status();
+}
+
 Status DeviceEpMoe::enqueue_add_output(float* x, int n) {
   const int H = config_.dims.hidden;
-  FLEX_CUDA_TRY(cudaMemcpyAsync(out_.data(), out_host_.data(),
-                                static_cast<size_t>(n) * H * sizeof(float), cudaMemcpyHostToDevice,
-                                stream_));
+  // The device exchange's combine wrote out_ (its host fallback copies out_host_ there).
+  if (!device_exchange_) {
+    FLEX_CUDA_TRY(cudaMemcpyAsync(out_.data(), out_host_.data(),
+                                  static_cast<size_t>(n) * H * sizeof(float),
+                                  cudaMemcpyHostToDevice, stream_));
+  }
   FLEX_CUDA_TRY(combine(DType::kF32, out_.data(), ones_.as<float>(), iota_.as<int32_t>(), n, 1, H,
                         /*accumulate=*/true, x, stream_));
   return Status();
@@ -249,12 +323,269 @@ Status DeviceEpMoe::run_step(int n, int num_real, int bucket, bool graphs,
     if (!complete) capture = bucket_steps_[bucket]++ > 0;
   }
   const int num_segments = static_cast<int>(config_.moe_layers.size()) + 1;
+  // The device exchange, unless the group's rows may exceed what an owner can hold.
+  bool on_device = false;
+  int bound = 0;
+  if (device_exchange_) {
+    const int64_t tokens = ep_->step_tokens();
+    const int64_t pairs = tokens > 0 ? tokens * config_.dims.top_k : device_cap_;
+    on_device = pairs <= device_cap_;
+    bound = static_cast<int>(std::min<int64_t>(pairs, device_cap_));
+    if (on_device) FLEX_RETURN_IF_ERROR(map_peers(ep_->group()));
+  }
   for (int seg = 0; seg < num_segments; ++seg) {
     if (n > 0) FLEX_RETURN_IF_ERROR(run_segment(seg, bucket, capture, enqueue_segment));
     if (seg + 1 == num_segments) break;
+    if (on_device) {
+      FLEX_RETURN_IF_ERROR(enqueue_device_exchange(seg, n, num_real, bound, ep_->group()));
+      continue;
+    }
+    if (device_exchange_ && n > 0) FLEX_RETURN_IF_ERROR(enqueue_route_copies(n));
     if (n > 0) FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));  // Routed rows on the host.
     FLEX_RETURN_IF_ERROR(exchange(seg, num_real));
+    if (device_exchange_ && n > 0) {
+      FLEX_CUDA_TRY(cudaMemcpyAsync(out_.data(), out_host_.data(),
+                                    static_cast<size_t>(n) * config_.dims.hidden * sizeof(float),
+                                    cudaMemcpyHostToDevice, stream_));
+    }
   }
+  if (on_device) return finish_device_step(ep_->group());
+  return Status();
+}
+
+Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
+  const MoeDims& d = config_.dims;
+  const int n = executor.transport().max_ranks();
+  const int64_t max_pairs = static_cast<int64_t>(config_.max_tokens) * d.top_k;
+  FLEX_ASSIGN_OR_RETURN(
+      window_, DeviceBuffer::create_zeroed(sizeof(EpWindow) + max_pairs * sizeof(int32_t)));
+  FLEX_ASSIGN_OR_RETURN(peer_table_, DeviceBuffer::create_zeroed(kEpMaxRanks * sizeof(EpPeer)));
+  FLEX_ASSIGN_OR_RETURN(status_, DeviceBuffer::create_zeroed(sizeof(EpStatus)));
+  FLEX_ASSIGN_OR_RETURN(num_rows_, DeviceBuffer::create_zeroed(sizeof(int32_t)));
+  FLEX_ASSIGN_OR_RETURN(
+      stats_, DeviceBuffer::create_zeroed(config_.moe_layers.size() * config_.num_local_slots *
+                                          sizeof(int64_t)));
+  FLEX_ASSIGN_OR_RETURN(status_host_, PinnedBuffer::create(sizeof(EpStatus)));
+  FLEX_ASSIGN_OR_RETURN(abort_, PinnedBuffer::create(sizeof(int32_t)));
+  std::memset(status_host_.data(), 0, sizeof(EpStatus));
+  std::memset(abort_.data(), 0, sizeof(int32_t));
+  FLEX_ASSIGN_OR_RETURN(step_done_, Event::create());
+  self_.window = window_.as<EpWindow>();
+  self_.pos = reinterpret_cast<const int32_t*>(self_.window + 1);
+  self_.h = config_.route_h;
+  self_.slot = config_.route_slot;
+  self_.y = scratch_.y.data();
+  self_.row_of_pair = scratch_.row_of_pair.as<int32_t>();
+
+  // Publish the handles before this rank reports ready: peers map them in their first
+  // device step of an epoch that has this rank.
+  WindowInfo info{};
+  info.magic = kWindowMagic;
+  info.pid = static_cast<int32_t>(getpid());
+  const void* buffers[kNumWindowBuffers] = {self_.window, self_.h, self_.slot, self_.y,
+                                            self_.row_of_pair};
+  for (int b = 0; b < kNumWindowBuffers; ++b) {
+    info.buffers[b].address = reinterpret_cast<uint64_t>(buffers[b]);
+    FLEX_CUDA_TRY(cudaIpcGetMemHandle(&info.buffers[b].handle, const_cast<void*>(buffers[b])));
+  }
+  FLEX_ASSIGN_OR_RETURN(Region region,
+                        executor.transport().allocate_region(kWindowRegion, sizeof(WindowInfo)));
+  std::memcpy(region.data, &info, sizeof(info));
+  mapped_.resize(static_cast<size_t>(n));
+  ep_ = &executor;
+  device_exchange_ = true;
+  return Status();
+}
+
+Status DeviceEpMoe::map_peers(const Group& group) {
+  if (peers_mapped_ && group.epoch == mapped_group_.epoch && group.ranks == mapped_group_.ranks) {
+    return Status();
+  }
+  Transport& transport = ep_->transport();
+  const int me = transport.rank();
+  std::vector<EpPeer> table(kEpMaxRanks);
+  std::vector<bool> member(mapped_.size(), false);
+  for (int r : group.ranks) {
+    if (r < 0 || r >= static_cast<int>(mapped_.size())) {
+      return invalid_argument("rank " + std::to_string(r) + " out of range");
+    }
+    member[r] = true;
+    if (r == me) {
+      table[r] = self_;
+      continue;
+    }
+    WindowInfo info{};
+    FLEX_RETURN_IF_ERROR(transport.read(r, kWindowRegion, 0, &info, sizeof(info))
+                             .annotate("EP window of rank " + std::to_string(r)));
+    if (info.magic != kWindowMagic) {
+      return data_loss("rank " + std::to_string(r) + " published no EP window");
+    }
+    std::unique_ptr<PeerMapping>& m = mapped_[r];
+    if (m == nullptr || std::memcmp(&m->info, &info, sizeof(info)) != 0) {
+      m = std::make_unique<PeerMapping>();  // A new rank or incarnation: map it afresh.
+      m->info = info;
+      void* at[kNumWindowBuffers];
+      for (int b = 0; b < kNumWindowBuffers; ++b) {
+        if (info.pid == static_cast<int32_t>(getpid())) {
+          at[b] = reinterpret_cast<void*>(info.buffers[b].address);  // A rank of this process.
+          continue;
+        }
+        auto mapped = cuda_ipc::IpcMapping::open(config_.device, info.buffers[b].handle);
+        if (!mapped.ok()) {
+          m.reset();
+          return mapped.status().annotate("mapping rank " + std::to_string(r) + "'s EP buffers");
+        }
+        at[b] = mapped.value()->data();
+        m->maps.push_back(std::move(mapped).value());
+      }
+      m->peer.window = static_cast<EpWindow*>(at[kWindow]);
+      m->peer.pos = reinterpret_cast<const int32_t*>(m->peer.window + 1);
+      m->peer.h = at[kRouteH];
+      m->peer.slot = static_cast<const int32_t*>(at[kRouteSlot]);
+      m->peer.y = at[kY];
+      m->peer.row_of_pair = static_cast<const int32_t*>(at[kRowOfPair]);
+    }
+    table[r] = m->peer;
+  }
+  // Departed ranks: nothing runs that reads them (the last step finished).
+  for (size_t r = 0; r < mapped_.size(); ++r) {
+    if (!member[r]) mapped_[r].reset();
+  }
+  FLEX_CUDA_TRY(cudaMemcpyAsync(peer_table_.data(), table.data(), kEpMaxRanks * sizeof(EpPeer),
+                                cudaMemcpyHostToDevice, stream_));
+  FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));
+  if (!peers_mapped_ || group.epoch != mapped_group_.epoch) exchange_index_ = 0;
+  mapped_group_ = group;
+  peers_mapped_ = true;
+  return Status();
+}
+
+EpArgs DeviceEpMoe::exchange_args(const Group& group) const {
+  EpArgs a;
+  a.peers = peer_table_.as<EpPeer>();
+  a.me = ep_->transport().rank();
+  for (int r : group.ranks) a.members |= uint64_t{1} << r;
+  a.slots_per_rank = ep_->slots_per_rank();
+  a.top_k = config_.dims.top_k;
+  a.hidden = config_.dims.hidden;
+  a.dtype = config_.dims.dtype;
+  a.status = status_.as<EpStatus>();
+  a.abort = abort_.as<int32_t>();
+  // The host aborts waits on a dead peer or at the transport's timeout; this is a backstop.
+  a.timeout_ns = int64_t{2} * ep_->transport().timeout_ms() * 1'000'000;
+  return a;
+}
+
+Status DeviceEpMoe::enqueue_device_exchange(int seg, int n, int num_real, int bound,
+                                            const Group& group) {
+  const int layer = config_.moe_layers[seg];
+  const MoeDims& d = config_.dims;
+  EpArgs a = exchange_args(group);
+  a.value = (group.epoch << 32) | ++exchange_index_;
+  int32_t* pos = reinterpret_cast<int32_t*>(window_.as<EpWindow>() + 1);
+  FLEX_CUDA_TRY(ep_publish(a, num_real * d.top_k, pos, stream_));
+  FLEX_CUDA_TRY(ep_wait(a, /*which=*/0, stream_));
+  FLEX_CUDA_TRY(ep_gather(a, bound, rows_.data(), scratch_.slot.as<int32_t>(),
+                          num_rows_.as<int32_t>(), stream_));
+  MoeLayerWeights w;
+  w.slots = config_.layer_slots(layer);
+  if (w.slots == nullptr) {
+    return invalid_argument("rows for layer " + std::to_string(layer) + " without experts");
+  }
+  w.slot_stats = stats_.as<int64_t>() + static_cast<size_t>(seg) * config_.num_local_slots;
+  // Tiles sized for the rows an owner expects (a share of the bound), not the bound.
+  const int members = std::max<int>(1, static_cast<int>(group.ranks.size()));
+  const GemmTile tile = choose_tile(d.dtype, std::max(1, bound / members), config_.num_local_slots,
+                                    d.hidden, d.intermediate);
+  FLEX_RETURN_IF_ERROR(run_moe(local_dims_, w, scratch_, rows_.data(), bound,
+                               num_rows_.as<int32_t>(), nullptr, /*accumulate=*/false, blas_,
+                               stream_, static_cast<int>(tile),
+                               kMoePermute | kMoeGateUp | kMoeDown));
+  FLEX_CUDA_TRY(ep_signal_done(a, stream_));
+  FLEX_CUDA_TRY(ep_wait(a, /*which=*/1, stream_));
+  FLEX_CUDA_TRY(ep_combine(a, config_.route_weight, pos, num_real, n, out_.as<float>(), stream_));
+  return Status();
+}
+
+Status DeviceEpMoe::finish_device_step(const Group& group) {
+  Transport& transport = ep_->transport();
+  FLEX_CUDA_TRY(cudaMemcpyAsync(status_host_.data(), status_.data(), sizeof(EpStatus),
+                                cudaMemcpyDeviceToHost, stream_));
+  FLEX_RETURN_IF_ERROR(step_done_.record(stream_));
+  volatile int32_t* abort = abort_.as<int32_t>();
+  const int64_t start = now_ns();
+  const int64_t deadline = start + int64_t{transport.timeout_ms()} * 1'000'000;
+  int64_t next_check = start + 1'000'000;
+  Status gone;  // A member the transport saw end.
+  for (;;) {
+    const cudaError_t q = cudaEventQuery(step_done_.get());
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) return cuda_status(q, "expert-parallel step");
+    const int64_t now = now_ns();
+    if (*abort == 0 && now >= next_check) {
+      for (int r : group.ranks) {
+        if (r == transport.rank()) continue;
+        if (Status s = transport.peer_status(r); !s.ok()) {
+          gone = std::move(s);
+          *abort = 1;  // The waits give up; the rest of the step does no peer work.
+          break;
+        }
+      }
+      next_check = now + 1'000'000;
+    }
+    if (*abort == 0 && now >= deadline) *abort = 1;
+    if (now - start < 1'000'000) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  EpStatus st;
+  std::memcpy(&st, status_host_.data(), sizeof(st));
+  *abort = 0;
+  if (st.failed == 0) return Status();
+  FLEX_CUDA_TRY(cudaMemsetAsync(status_.data(), 0, sizeof(EpStatus), stream_));
+  FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));
+  if (!gone.ok()) return gone;
+  if (st.overflow < 0) {
+    return failed_precondition("a routed slot lives on a rank outside epoch " +
+                               std::to_string(group.epoch));
+  }
+  if (st.overflow > 0) {
+    return internal_error("expert-parallel step: " + std::to_string(st.overflow) +
+                          " rows for this rank, over the step's bound");
+  }
+  std::string silent;
+  for (int r = 0; r < kEpMaxRanks; ++r) {
+    if (((st.missing >> r) & 1) == 0) continue;
+    if (Status s = transport.peer_status(r); !s.ok()) return s;
+    silent += (silent.empty() ? "" : ", ") + std::to_string(r);
+  }
+  return deadline_exceeded("expert-parallel exchange (epoch " + std::to_string(group.epoch) +
+                           ", exchange " + std::to_string(exchange_index_) +
+                           " of the epoch so far): no word from rank(s) " + silent + " within " +
+                           std::to_string(transport.timeout_ms()) + " ms");
+}
+
+Status DeviceEpMoe::collect_counts() {
+  if (!device_exchange_) return Status();
+  const size_t L = config_.moe_layers.size(), S = config_.num_local_slots;
+  std::vector<int64_t> rows(L * S);
+  FLEX_CUDA_TRY(cudaMemcpyAsync(rows.data(), stats_.data(), rows.size() * sizeof(int64_t),
+                                cudaMemcpyDeviceToHost, stream_));
+  FLEX_CUDA_TRY(cudaMemsetAsync(stats_.data(), 0, stats_.num_bytes(), stream_));
+  FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));
+  for (size_t seg = 0; seg < L; ++seg) {
+    std::vector<int64_t>& counts = (*config_.counts)[config_.moe_layers[seg]];
+    for (size_t s = 0; s < S; ++s) counts[config_.first_slot + s] += rows[seg * S + s];
+  }
+  return Status();
+}
+
+Status DeviceEpMoe::reset_counts() {
+  if (!device_exchange_) return Status();
+  FLEX_CUDA_TRY(cudaMemsetAsync(stats_.data(), 0, stats_.num_bytes(), stream_));
+  FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));
   return Status();
 }
 

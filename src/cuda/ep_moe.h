@@ -12,6 +12,22 @@
 // one graph per segment, captured on the bucket's second step (the first warms cuBLAS
 // up); nothing captured depends on the expert map or the membership epoch, so neither
 // recaptures. The model keeps its slot mirrors and counts; this class only reads them.
+//
+// Device exchange (ep_exchange.h; the default with an EpMoeExecutor, unless
+// FLEXPERT_EP_EXCHANGE=host): the rows never leave the GPU. Between segments the model's
+// stream runs publish, wait, gather, the grouped GEMMs over the rows this rank owns, done,
+// wait and combine, reading the peers' buffers through CUDA IPC mappings made once per
+// membership epoch (handles in a transport region every rank publishes at load); the host
+// enqueues the whole step and only waits at its end, watching the members' liveness
+// (Transport::peer_status) meanwhile: a death sets the kernels' abort word and the step
+// fails with the transport's "rank R (pid P) died". An owner receives at most the group's
+// step tokens * top_k rows (EpMoeExecutor::step_tokens, from the step headers); a step whose
+// bound exceeds the capacity sized at load takes the host exchange (every member decides
+// the same from the same headers). Ranks are meant to be processes (under MPS when they
+// share a GPU); ranks of one process wait on each other inside one CUDA context, so they
+// need CUDA_MODULE_LOADING=EAGER (a lazy kernel load waits for the context's running
+// kernels, the peer's spinning wait among them), streams on separate hardware queues
+// (CUDA_DEVICE_MAX_CONNECTIONS) and nothing that synchronises the device mid-step.
 #pragma once
 
 #include <functional>
@@ -21,8 +37,10 @@
 
 #include "cuda/blas.h"
 #include "cuda/device.h"
+#include "cuda/ep_exchange.h"
 #include "cuda/moe_layer.h"
 #include "flexpert/model.h"
+#include "moe/ep_executor.h"
 #include "moe/expert_slots.h"
 #include "moe/moe_executor.h"
 
@@ -66,6 +84,13 @@ class DeviceEpMoe {
     MoeExecutor* executor = nullptr;                      // Not owned.
     const std::vector<ExpertSlots>* mirrors = nullptr;    // [layer] host slots (executor shape).
     std::vector<std::vector<int64_t>>* counts = nullptr;  // [layer][global slot] rows computed.
+    // The device exchange reads these model buffers (each the base of a cudaMalloc, which
+    // CUDA IPC exports): routed rows [max_tokens, H] in dims.dtype, and the routing's slots
+    // and weights [max_tokens * top_k]. Null: the host exchange only.
+    const void* route_h = nullptr;
+    const int32_t* route_slot = nullptr;
+    const float* route_weight = nullptr;
+    int device = 0;
   };
   // Installs compute_rows() as the executor's RowCompute; Unimplemented if it takes none.
   static Result<std::unique_ptr<DeviceEpMoe>> create(Config config, Blas& blas,
@@ -91,15 +116,29 @@ class DeviceEpMoe {
 
   int64_t num_graph_captures() const { return captures_; }
   bool graphs_failed() const { return graphs_failed_; }
+  bool device_exchange() const { return device_exchange_; }
+
+  // Adds the rows the device exchange counted per slot into Config::counts and zeroes them
+  // (synchronises the stream); reset_counts() zeroes them only.
+  Status collect_counts();
+  Status reset_counts();
 
  private:
-  DeviceEpMoe(Config config, Blas& blas, cudaStream_t stream)
-      : config_(std::move(config)), blas_(blas), stream_(stream) {}
+  DeviceEpMoe(Config config, Blas& blas, cudaStream_t stream);
   Status run_segment(int seg, int bucket, bool capture,
                      const std::function<Status(int seg)>& enqueue_segment);
   Status exchange(int seg, int num_real);
   Status compute_rows(int layer, const int32_t* local_slot, const float* const* rows, int64_t count,
                       float* results);
+  Status enqueue_route_copies(int num_tokens);
+  // Device exchange.
+  struct PeerMapping;
+  Status init_device_exchange(EpMoeExecutor& executor);
+  Status map_peers(const Group& group);
+  EpArgs exchange_args(const Group& group) const;
+  Status enqueue_device_exchange(int seg, int num_tokens, int num_real, int bound,
+                                 const Group& group);
+  Status finish_device_step(const Group& group);
 
   Config config_;
   Blas& blas_;
@@ -117,6 +156,23 @@ class DeviceEpMoe {
   std::map<int, int> bucket_steps_;               // Bucket -> steps run.
   int64_t captures_ = 0;
   bool graphs_failed_ = false;
+
+  // Device exchange (device_exchange_ false: the executor's host exchange).
+  bool device_exchange_ = false;
+  EpMoeExecutor* ep_ = nullptr;
+  int device_cap_ = 0;       // Rows an owner may receive in one device step.
+  DeviceBuffer window_;      // EpWindow, then pos [max_tokens * top_k].
+  DeviceBuffer peer_table_;  // EpPeer [kEpMaxRanks]
+  DeviceBuffer status_;      // EpStatus
+  DeviceBuffer num_rows_;    // i32: rows received this layer
+  DeviceBuffer stats_;       // i64 [MoE layer][local slot]: rows computed
+  PinnedBuffer status_host_, abort_;
+  Event step_done_;
+  EpPeer self_;
+  std::vector<std::unique_ptr<PeerMapping>> mapped_;  // [rank]; null: not mapped
+  bool peers_mapped_ = false;
+  Group mapped_group_;
+  uint64_t exchange_index_ = 0;  // Exchanges of this epoch so far.
 };
 
 }  // namespace flexpert::cuda

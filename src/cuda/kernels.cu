@@ -158,6 +158,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
   const int num_valid = valid_pairs(a);
   for (int p = tid; p < a.num_pairs; p += kPermuteThreads) {
     const int s = a.slot[p];
+    if (s < 0) continue;  // No row (the EP exchange's rows past those received).
     atomicAdd(&count[s], 1);
     if (p < num_valid) atomicAdd(&valid[s], 1);
   }
@@ -165,6 +166,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
   lay_out_slots(a, count, valid, offset);
   for (int p = tid; p < a.num_pairs; p += kPermuteThreads) {
     const int s = a.slot[p];
+    if (s < 0) continue;
     const int r = offset[s] + atomicAdd(&cursor[s], 1);
     a.row_of_pair[p] = r;
     a.pair_of_row[r] = p;
@@ -186,6 +188,7 @@ __global__ void __launch_bounds__(kScatterThreads) permute_count_kernel(PermuteA
   const int end = min((blockIdx.x + 1) * kScatterBlockPairs, a.num_pairs);
   for (int p = blockIdx.x * kScatterBlockPairs + threadIdx.x; p < end; p += kScatterThreads) {
     const int s = a.slot[p];
+    if (s < 0) continue;
     atomicAdd(&count[s], 1);
     if (p < num_valid) atomicAdd(&valid[s], 1);
   }

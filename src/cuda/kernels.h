@@ -89,10 +89,11 @@ cudaError_t router_topk(const TopkArgs& args, cudaStream_t stream);
 // (rows of a slot are contiguous, in no particular order), and the tile table of the
 // grouped GEMM: tile i covers rows [tile_row0[i], min(+block_m, end of tile_slot[i])),
 // *num_tiles of them. slot_stats[s] (if given) += pairs of slot s among the first
-// *num_valid_tokens tokens (all tokens when num_valid_tokens is null).
-// num_slots <= kMaxPermuteSlots. One block, or with `counts` (device scratch of
-// kPermuteCountInts * num_slots) and more than kPermuteMultiBlockPairs pairs, three
-// launches over many blocks (count, scan, scatter; large prefill steps).
+// *num_valid_tokens tokens (all tokens when num_valid_tokens is null). A pair of slot -1
+// gets no row (its row_of_pair entry is left as it was). num_slots <= kMaxPermuteSlots. One block,
+// or with `counts` (device scratch of kPermuteCountInts * num_slots) and more than
+// kPermuteMultiBlockPairs pairs, three launches over many blocks (count, scan, scatter; large
+// prefill steps).
 constexpr int kMaxPermuteSlots = 2048;
 constexpr int kPermuteCountInts = 3;
 constexpr int kPermuteMultiBlockPairs = 8192;

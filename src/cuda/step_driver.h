@@ -392,7 +392,14 @@ struct StepDriver {
   // executor.
   template <class M>
   static const std::vector<std::vector<int64_t>>& slot_counts(const M& m) {
-    if (m.ep_) return m.slot_counts_;
+    if (m.ep_) {
+      // Rows the device exchange counted join the host's (the counts vector is the
+      // model's cache of them, as below).
+      Status s = set_device(m.device_);
+      if (s.ok()) s = m.ep_moe_->collect_counts();
+      if (!s.ok()) FLEX_LOG(WARN) << "slot counts: " << s.to_string();
+      return m.slot_counts_;
+    }
     if (set_device(m.device_).ok()) {
       for (size_t l = 0; l < m.layers_.size(); ++l) {
         if (!m.layers_[l].is_moe) continue;
@@ -411,6 +418,10 @@ struct StepDriver {
   static void reset_slot_counts(M& m) {
     if (m.ep_) {
       for (auto& layer : m.slot_counts_) std::fill(layer.begin(), layer.end(), 0);
+      if (set_device(m.device_).ok()) {
+        if (Status s = m.ep_moe_->reset_counts(); !s.ok())
+          FLEX_LOG(WARN) << "slot counts: " << s.to_string();
+      }
       return;
     }
     if (!set_device(m.device_).ok()) return;
@@ -508,6 +519,10 @@ struct StepDriver {
     ep.executor = options.moe_executor;
     ep.mirrors = &m.mirrors_;
     ep.counts = &m.slot_counts_;
+    ep.route_h = m.h_.data();
+    ep.route_slot = m.moe_.slot.template as<int32_t>();
+    ep.route_weight = m.moe_.weight.template as<float>();
+    ep.device = m.device_;
     FLEX_ASSIGN_OR_RETURN(m.ep_moe_, DeviceEpMoe::create(std::move(ep), m.blas_, m.stream_.get()));
     return Status();
   }

@@ -424,6 +424,7 @@ Status Worker::step() {
     return Status();
   }
   idle_ = total_tokens == 0;
+  executor_->set_step_tokens(static_cast<int64_t>(total_tokens));
   if (!idle_) {
     const auto t0 = std::chrono::steady_clock::now();
     FLEX_RETURN_IF_ERROR(

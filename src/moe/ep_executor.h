@@ -25,6 +25,12 @@ class EpMoeExecutor final : public MoeExecutor {
   // The members and epoch the next execute() calls exchange with.
   void set_group(Group group) { group_ = std::move(group); }
   const Group& group() const { return group_; }
+  // Real tokens of the whole group in the coming step (the sum of the step headers), or 0
+  // when unknown: a bound on the rows one rank may receive, for device exchanges.
+  void set_step_tokens(int64_t tokens) { step_tokens_ = tokens; }
+  int64_t step_tokens() const { return step_tokens_; }
+  Transport& transport() const { return transport_; }
+  int slots_per_rank() const { return slots_per_rank_; }
 
   // Bytes one rank may send another in one exchange for `max_tokens` tokens per
   // rank and step: the capacity a transport must be created with.
@@ -42,6 +48,7 @@ class EpMoeExecutor final : public MoeExecutor {
   const int slots_per_rank_;
   ThreadPool& pool_;
   Group group_;
+  int64_t step_tokens_ = 0;
   RowCompute compute_;  // Empty: compute_slots() on the CPU.
 
   // Scratch, reused across calls.

@@ -50,6 +50,8 @@ class FaultInjectingTransport final : public Transport {
   Result<std::vector<ByteSpan>> exchange(const Group& group,
                                          const std::vector<ByteSpan>& send) override;
   Status shutdown() override;
+  Status peer_status(int peer) const override { return inner_->peer_status(peer); }
+  int timeout_ms() const override { return inner_->timeout_ms(); }
 
  private:
   struct Fault {

@@ -102,6 +102,14 @@ class Transport {
 
   // Releases everything this rank created (segments, mappings). No peer is waited on.
   virtual Status shutdown() = 0;
+
+  // Liveness of a connected peer without a collective (for waits that happen elsewhere, e.g.
+  // in device kernels): Unavailable "rank R (pid P) died" / "... shut down" once it is gone,
+  // as the collectives report it; OK otherwise. Driving thread. Backends that cannot tell
+  // answer OK (their waits still time out).
+  virtual Status peer_status(int peer) const { return Status(); }
+  // options.timeout_ms: how long any wait on a peer may take.
+  virtual int timeout_ms() const = 0;
 };
 
 // Creates a backend by name: "shm" (POSIX shared memory, CPU, one host), or "cuda_ipc"

@@ -6,18 +6,35 @@
 // without peers. Greedy tokens must equal the Hugging Face reference, also after a map
 // that moves experts into slots filled through the mirror, without a graph recapture.
 // Qwen3-MoE and DeepSeek-V3 (shared experts beside the exchanged routed ones).
+// Then two ranks of one process (a thread each) over real shm transports and EpMoeExecutors:
+// the device exchange (rows read from the peer's buffers by kernels) against the reference
+// and against the host exchange, and a silent or departed peer ending a step with an error.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "cuda_model_util.h"
 #include "flexpert/generate.h"
 #include "flexpert/model.h"
+#include "moe/ep_executor.h"
 #include "moe/expert_slots.h"
 #include "moe/moe_executor.h"
+#include "transport/fault_injecting_transport.h"
 
 namespace flexpert {
 namespace {
+
+// Ranks of one process wait for each other in kernels on their own streams, so (set before
+// anything initialises CUDA): kernels load at start-up, not lazily at first launch (loading
+// one waits for the kernels running in the context, among them the other rank's spinning
+// wait: a deadlock until the timeout, seen on the H200), and the streams get hardware queues
+// of their own.
+const bool kQueues = setenv("CUDA_MODULE_LOADING", "EAGER", 0) == 0 &&
+                     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0;
 
 // One rank holding local slots [first_slot, ...): every pair is computed here.
 class LoopbackExecutor final : public MoeExecutor {
@@ -138,6 +155,159 @@ TEST(CudaEpTest, Qwen3RowComputeMatchesReferenceAndMapsDoNotRecapture) {
 TEST(CudaEpTest, DeepseekRowComputeMatchesReferenceAndMapsDoNotRecapture) {
   FLEX_SKIP_WITHOUT_GPU();
   check_ep_model("deepseekv3-tiny", 32, 3);
+}
+
+// Two ranks of one process, each holding half the slots of qwen3moe-tiny (f32).
+struct TwoRanks {
+  static constexpr int kRanks = 2, kExperts = 16, kSlotsPerRank = kExperts / kRanks;
+
+  explicit TwoRanks(const std::string& tag, int timeout_ms = 20000) {
+    const std::string dir = std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny";
+    for (int r = 0; r < kRanks; ++r) {
+      TransportOptions o;
+      o.session = "cuda-ep-" + tag + "-" + std::to_string(getpid());
+      o.rank = r;
+      o.max_ranks = kRanks;
+      o.max_exchange_bytes = EpMoeExecutor::max_exchange_bytes(2048, 8, 64);
+      o.timeout_ms = timeout_ms;
+      auto created = create_transport("shm", o);
+      EXPECT_TRUE(created.ok()) << created.status().to_string();
+      if (!created.ok()) return;
+      transports[r] = std::make_unique<FaultInjectingTransport>(std::move(created).value());
+    }
+    for (int r = 0; r < kRanks; ++r) {
+      for (int p = 0; p < kRanks; ++p) {
+        if (p != r) EXPECT_TRUE(transports[r]->connect(p, transports[p]->address()).ok());
+      }
+    }
+    for (int r = 0; r < kRanks; ++r) {
+      executors[r] = std::make_unique<EpMoeExecutor>(*transports[r], kSlotsPerRank, pool);
+      executors[r]->set_group(Group{1, {0, 1}});
+      ModelOptions options;
+      options.device = "cuda";
+      options.device_dtype = DType::kF32;
+      options.max_sequences = 8;
+      options.first_slot = r * kSlotsPerRank;
+      options.num_local_slots = kSlotsPerRank;
+      options.moe_executor = executors[r].get();
+      auto loaded = Model::load(dir, options);
+      EXPECT_TRUE(loaded.ok()) << loaded.status().to_string();
+      if (!loaded.ok()) return;
+      models[r] = std::move(loaded).value();
+      // As a worker does before serving: every graph captured up front, none later.
+      const Status warm = models[r]->warm_up();
+      EXPECT_TRUE(warm.ok()) << warm.to_string();
+      if (!warm.ok()) return;
+    }
+    ready = kQueues;
+  }
+  ~TwoRanks() {
+    models[0].reset();
+    models[1].reset();
+    for (auto& t : transports) {
+      if (t != nullptr) (void)t->shutdown();
+    }
+  }
+
+  ThreadPool pool{1};
+  std::unique_ptr<FaultInjectingTransport> transports[kRanks];
+  std::unique_ptr<EpMoeExecutor> executors[kRanks];
+  std::unique_ptr<Model> models[kRanks];
+  bool ready = false;
+};
+
+// Both ranks generate the reference continuations (same prompts, so the same steps);
+// returns each rank's tokens and slot counts, and the collectives its transport ran.
+struct TwoRankRun {
+  std::vector<std::vector<int32_t>> tokens[TwoRanks::kRanks];
+  std::vector<std::vector<int64_t>> counts[TwoRanks::kRanks];
+  int64_t collectives = 0;
+};
+TwoRankRun run_two_ranks(const std::string& tag) {
+  TwoRankRun run;
+  TwoRanks g(tag);
+  if (!g.ready) return run;
+  const auto ref = load_reference(std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny");
+  std::thread peer([&] { run.tokens[1] = greedy(*g.models[1], ref); });
+  run.tokens[0] = greedy(*g.models[0], ref);
+  peer.join();
+  for (int r = 0; r < TwoRanks::kRanks; ++r) {
+    run.counts[r] = g.models[r]->slot_counts();
+    run.collectives += g.transports[r]->num_collectives();
+  }
+  return run;
+}
+
+TEST(CudaEpTest, DeviceExchangeBetweenTwoRanksMatchesReferenceAndHostExchange) {
+  FLEX_SKIP_WITHOUT_GPU();
+  unsetenv("FLEXPERT_EP_EXCHANGE");
+  const TwoRankRun device = run_two_ranks("dev");
+  setenv("FLEXPERT_EP_EXCHANGE", "host", 1);
+  const TwoRankRun host = run_two_ranks("host");
+  unsetenv("FLEXPERT_EP_EXCHANGE");
+  const auto ref = load_reference(std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny");
+  for (int r = 0; r < TwoRanks::kRanks; ++r) {
+    ASSERT_EQ(device.tokens[r].size(), ref.size()) << "rank " << r;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      EXPECT_EQ(device.tokens[r][i], ref[i].greedy) << "rank " << r << " prompt " << i;
+    }
+    EXPECT_EQ(host.tokens[r], device.tokens[r]) << "rank " << r;
+    // The same rows reached the same slots, counted on the device or by the executor.
+    EXPECT_EQ(device.counts[r], host.counts[r]) << "rank " << r;
+  }
+  int64_t rows = 0;
+  for (const auto& layer : device.counts[0]) {
+    for (int s = 0; s < TwoRanks::kSlotsPerRank; ++s) rows += layer[s];
+  }
+  EXPECT_GT(rows, 0) << "rank 0 computed no rows";
+  EXPECT_EQ(device.collectives, 0) << "the device exchange used the host transport";
+  EXPECT_GT(host.collectives, 0);
+}
+
+// One rank steps while its peer stays silent, then while its peer has shut down: the step
+// fails (DeadlineExceeded after the transport's timeout; Unavailable at once), never hangs,
+// and the model steps again once the peer is back.
+TEST(CudaEpTest, DeviceExchangeWithASilentOrDepartedPeerFailsTheStep) {
+  FLEX_SKIP_WITHOUT_GPU();
+  unsetenv("FLEXPERT_EP_EXCHANGE");
+  TwoRanks g("silent", /*timeout_ms=*/1500);
+  ASSERT_TRUE(g.ready);
+  const std::vector<SequenceChunk> batch = {{0, 0, {1, 2, 3, 4}}};
+  const std::vector<RowOutput> rows(1);
+  Tensor logits;
+  std::vector<int32_t> tokens;
+  auto t0 = std::chrono::steady_clock::now();
+  Status s = g.models[0]->forward_step(batch, rows, &logits, &tokens);
+  double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.to_string();
+  EXPECT_NE(s.message().find("rank(s) 1"), std::string::npos) << s.to_string();
+  EXPECT_GE(ms, 1400);
+  EXPECT_LT(ms, 6000);
+
+  // Both ranks step together in a new epoch: the failure left nothing behind.
+  for (auto& e : g.executors) e->set_group(Group{2, {0, 1}});
+  std::vector<int32_t> peer_tokens;
+  Status peer_status;
+  std::thread peer([&] {
+    Tensor peer_logits;
+    peer_status = g.models[1]->forward_step(batch, rows, &peer_logits, &peer_tokens);
+  });
+  s = g.models[0]->forward_step(batch, rows, &logits, &tokens);
+  peer.join();
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  EXPECT_TRUE(peer_status.ok()) << peer_status.to_string();
+  EXPECT_EQ(tokens, peer_tokens);
+
+  // The peer shuts down: seen by peer_status within a millisecond or so, not the timeout.
+  ASSERT_TRUE(g.transports[1]->shutdown().ok());
+  for (auto& e : g.executors) e->set_group(Group{3, {0, 1}});
+  t0 = std::chrono::steady_clock::now();
+  s = g.models[0]->forward_step({{1, 0, {5, 6}}}, rows, &logits, &tokens);
+  ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
+  EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s.to_string();
+  EXPECT_LT(ms, 1000);
 }
 
 }  // namespace

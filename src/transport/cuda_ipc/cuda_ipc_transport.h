@@ -70,6 +70,8 @@ class CudaIpcTransport final : public Transport {
                                          const std::vector<ByteSpan>& send) override;
 
   Status shutdown() override;
+  Status peer_status(int peer) const override;
+  int timeout_ms() const override { return options_.timeout_ms; }
 
  private:
   // Device memory readable by read(): an own allocation or an imported mapping, kept alive

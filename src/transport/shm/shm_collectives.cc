@@ -373,4 +373,21 @@ Status ShmTransport::wait_for(std::vector<Awaited>& pending, OpKind kind, ByteSp
   }
 }
 
+Status ShmTransport::peer_status(int peer) const {
+  if (peer < 0 || peer >= options_.max_ranks) {
+    return invalid_argument("rank " + std::to_string(peer) + " out of range");
+  }
+  const Peer* p = peers_[peer].get();
+  if (p == nullptr || peer == options_.rank) return Status();
+  if (p->header->closed.load(std::memory_order_seq_cst) != 0) {
+    return unavailable("rank " + std::to_string(peer) + " (pid " + std::to_string(p->pid) +
+                       ") shut down");
+  }
+  if (p->watch.exited()) {
+    return unavailable("rank " + std::to_string(peer) + " (pid " + std::to_string(p->pid) +
+                       ") died");
+  }
+  return Status();
+}
+
 }  // namespace flexpert

@@ -55,6 +55,8 @@ class ShmTransport final : public Transport {
                                          const std::vector<ByteSpan>& send) override;
 
   Status shutdown() override;
+  Status peer_status(int peer) const override;
+  int timeout_ms() const override { return options_.timeout_ms; }
 
  private:
   // A mapped control segment (a peer's, or this rank's own) and the regions read from it.

@@ -1,0 +1,245 @@
+// SPDX-License-Identifier: Apache-2.0
+#include <algorithm>
+
+#include "cuda/device_util.cuh"
+#include "cuda/ep_exchange.h"
+
+namespace flexpert::cuda {
+namespace {
+
+constexpr int kMaxTopK = 64;
+
+__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ int64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return static_cast<int64_t>(t);
+}
+// Peers' data bypasses L1 (the wait that made it visible ran in an earlier kernel).
+__device__ __forceinline__ int load_peer(const int32_t* p) { return __ldcg(p); }
+__device__ __forceinline__ bool is_member(uint64_t members, int r) {
+  return r >= 0 && r < kEpMaxRanks && ((members >> r) & 1) != 0;
+}
+__device__ __forceinline__ bool step_failed(const EpStatus* s) {
+  return *reinterpret_cast<const volatile int32_t*>(&s->failed) != 0;
+}
+__device__ __forceinline__ void fail(EpStatus* s) { atomicExch(&s->failed, 1); }
+
+// Sets flag `which` (0 ready, 1 done) of this rank to a.value in every member's window,
+// after this block's earlier writes (threads < kEpMaxRanks call it after a barrier).
+__device__ __forceinline__ void signal_members(const EpArgs& a, int which) {
+  const int r = threadIdx.x;
+  if (!is_member(a.members, r)) return;
+  __threadfence_system();
+  EpWindow* w = a.peers[r].window;
+  store_release_sys(which == 0 ? &w->ready[a.me] : &w->done[a.me], a.value);
+}
+
+__global__ void __launch_bounds__(1024) ep_publish_kernel(EpArgs a, int num_pairs, int32_t* pos) {
+  if (step_failed(a.status)) return;
+  __shared__ int cnt[kEpMaxRanks];
+  __shared__ int bad;
+  const int tid = threadIdx.x;
+  if (tid < kEpMaxRanks) cnt[tid] = 0;
+  if (tid == 0) bad = 0;
+  __syncthreads();
+  const int32_t* slot = a.peers[a.me].slot;
+  // A pair's place among this rank's pairs to its owner: any order works, as long as the
+  // owner puts the row where pos says (each GEMM row is computed alone).
+  for (int p = tid; p < num_pairs; p += blockDim.x) {
+    const int s = slot[p];
+    const int o = s >= 0 ? s / a.slots_per_rank : -1;
+    if (!is_member(a.members, o)) {
+      bad = 1;
+      continue;
+    }
+    pos[p] = atomicAdd(&cnt[o], 1);
+  }
+  __syncthreads();
+  if (bad) {
+    if (tid == 0) {
+      a.status->overflow = -1;
+      fail(a.status);
+    }
+    return;
+  }
+  EpWindow* w = a.peers[a.me].window;
+  if (tid < kEpMaxRanks) w->cnt[tid] = cnt[tid];
+  if (tid == 0) w->num_pairs = num_pairs;
+  __syncthreads();
+  signal_members(a, 0);
+}
+
+__global__ void ep_wait_kernel(EpArgs a, int which) {
+  const int r = threadIdx.x;
+  if (!is_member(a.members, r) || step_failed(a.status)) return;
+  const EpWindow* w = a.peers[a.me].window;
+  const uint64_t* flag = which == 0 ? &w->ready[r] : &w->done[r];
+  const int64_t start = global_ns();
+  while (load_acquire_sys(flag) < a.value) {
+    if (step_failed(a.status)) return;  // Another member's wait gave up.
+    if (*a.abort != 0 || global_ns() - start > a.timeout_ns) {
+      atomicOr(reinterpret_cast<unsigned long long*>(&a.status->missing), 1ull << r);
+      fail(a.status);
+      return;
+    }
+    __nanosleep(100);
+  }
+}
+
+constexpr int kGatherThreads = 256;
+
+__global__ void __launch_bounds__(kGatherThreads)
+    ep_gather_kernel(EpArgs a, int bound, char* rows, int32_t* local_slot, int32_t* num_rows) {
+  __shared__ int first[kEpMaxRanks + 1];
+  if (threadIdx.x == 0) {
+    const bool failed = step_failed(a.status);
+    int acc = 0;
+    for (int src = 0; src < kEpMaxRanks; ++src) {
+      first[src] = acc;
+      if (!failed && is_member(a.members, src)) acc += load_peer(&a.peers[src].window->cnt[a.me]);
+    }
+    first[kEpMaxRanks] = failed ? -1 : acc;
+  }
+  __syncthreads();
+  const int received = first[kEpMaxRanks];
+  const bool ok = received >= 0 && received <= bound;
+  const int total = ok ? received : 0;
+  if (blockIdx.x == 0) {
+    if (threadIdx.x < kEpMaxRanks)
+      a.peers[a.me].window->res_first[threadIdx.x] = first[threadIdx.x];
+    if (threadIdx.x == 0) {
+      *num_rows = total;
+      if (received > bound) {
+        a.status->overflow = received;
+        fail(a.status);
+      }
+    }
+  }
+  const int stride = gridDim.x * blockDim.x;
+  for (int r = total + blockIdx.x * blockDim.x + threadIdx.x; r < bound; r += stride) {
+    local_slot[r] = -1;  // Skipped by the permutation.
+  }
+  if (total == 0) return;
+  const int num_warps = gridDim.x * (blockDim.x / 32);
+  const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int first_slot = a.me * a.slots_per_rank;
+  const int row_vecs = a.hidden * (a.dtype == DType::kF32 ? 4 : 2) / 16;
+  for (int src = 0; src < kEpMaxRanks; ++src) {
+    if (!is_member(a.members, src)) continue;
+    const EpPeer& peer = a.peers[src];
+    const int np = load_peer(&peer.window->num_pairs);
+    for (int p = warp; p < np; p += num_warps) {
+      const int s = load_peer(peer.slot + p);
+      if (s < first_slot || s >= first_slot + a.slots_per_rank) continue;
+      const int row = first[src] + load_peer(peer.pos + p);
+      if (lane == 0) local_slot[row] = s - first_slot;
+      const uint4* from =
+          static_cast<const uint4*>(peer.h) + static_cast<int64_t>(p / a.top_k) * row_vecs;
+      uint4* to = reinterpret_cast<uint4*>(rows) + static_cast<int64_t>(row) * row_vecs;
+      for (int i = lane; i < row_vecs; i += 32) to[i] = __ldcg(from + i);
+    }
+  }
+}
+
+__global__ void ep_signal_done_kernel(EpArgs a) {
+  if (step_failed(a.status)) return;
+  signal_members(a, 1);
+}
+
+__device__ __forceinline__ void load8_peer(const float* p, float (&v)[8]) {
+  const float4 x = __ldcg(reinterpret_cast<const float4*>(p));
+  const float4 y = __ldcg(reinterpret_cast<const float4*>(p + 4));
+  v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+  v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
+}
+__device__ __forceinline__ void load8_peer(const bf16* p, float (&v)[8]) {
+  const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p));
+  bf16x8(raw, v);
+}
+
+constexpr int kCombineThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads)
+    ep_combine_kernel(EpArgs a, const float* weight, const int32_t* pos, int num_real, float* out) {
+  __shared__ const T* row[kMaxTopK];
+  __shared__ float w[kMaxTopK];
+  const int t = blockIdx.x, H = a.hidden, K = a.top_k;
+  float* o = out + static_cast<int64_t>(t) * H;
+  if (t >= num_real || step_failed(a.status)) {
+    for (int c = threadIdx.x; c < H; c += blockDim.x) o[c] = 0.f;
+    return;
+  }
+  if (threadIdx.x < K) {
+    const int p = t * K + threadIdx.x;
+    const int owner = a.peers[a.me].slot[p] / a.slots_per_rank;
+    const EpPeer& peer = a.peers[owner];
+    const int r = load_peer(&peer.window->res_first[a.me]) + pos[p];
+    row[threadIdx.x] =
+        static_cast<const T*>(peer.y) + static_cast<int64_t>(load_peer(peer.row_of_pair + r)) * H;
+    w[threadIdx.x] = weight[p];
+  }
+  __syncthreads();
+  for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int k = 0; k < K; ++k) {
+      float v[8];
+      load8_peer(row[k] + c, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += w[k] * v[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[c + i] = acc[i];
+  }
+}
+
+}  // namespace
+
+cudaError_t ep_publish(const EpArgs& a, int num_pairs, int32_t* pos, cudaStream_t stream) {
+  ep_publish_kernel<<<1, 1024, 0, stream>>>(a, num_pairs, pos);
+  return cudaGetLastError();
+}
+
+cudaError_t ep_wait(const EpArgs& a, int which, cudaStream_t stream) {
+  ep_wait_kernel<<<1, kEpMaxRanks, 0, stream>>>(a, which);
+  return cudaGetLastError();
+}
+
+cudaError_t ep_gather(const EpArgs& a, int bound, void* rows, int32_t* local_slot,
+                      int32_t* num_rows, cudaStream_t stream) {
+  if (a.hidden % 8 != 0) return cudaErrorInvalidValue;  // 16-byte row pieces.
+  // A warp per pair; about a block per 8 rows of the bound (padding slots too), <= 4 per SM.
+  const int blocks = std::max(1, std::min((bound + 7) / 8, 528));
+  ep_gather_kernel<<<blocks, kGatherThreads, 0, stream>>>(a, bound, static_cast<char*>(rows),
+                                                          local_slot, num_rows);
+  return cudaGetLastError();
+}
+
+cudaError_t ep_signal_done(const EpArgs& a, cudaStream_t stream) {
+  ep_signal_done_kernel<<<1, kEpMaxRanks, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t ep_combine(const EpArgs& a, const float* weight, const int32_t* pos, int num_real,
+                       int num_tokens, float* out, cudaStream_t stream) {
+  if (num_tokens == 0) return cudaSuccess;
+  if (a.top_k > kMaxTopK || a.hidden % 8 != 0) return cudaErrorInvalidValue;
+  if (a.dtype == DType::kF32) {
+    ep_combine_kernel<float>
+        <<<num_tokens, kCombineThreads, 0, stream>>>(a, weight, pos, num_real, out);
+  } else {
+    ep_combine_kernel<bf16>
+        <<<num_tokens, kCombineThreads, 0, stream>>>(a, weight, pos, num_real, out);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace flexpert::cuda
