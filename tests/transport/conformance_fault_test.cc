@@ -89,6 +89,52 @@ TEST_P(FaultConformanceTest, PeerKilledMidExchange) {
   EXPECT_TRUE(leftover_segments(result.session).empty());
 }
 
+// Transport::peer_status, outside any collective (what a device exchange polls while its
+// kernels wait): OK for live peers, then Unavailable "rank R (pid P) died" soon after the
+// last rank's process ends; timeout_ms() is the option's.
+TEST_P(FaultConformanceTest, PeerStatusSeesADeathOutsideCollectives) {
+  const int victim = num_ranks() - 1;
+  const RunResult result = run_cluster(backend(), spec(1500), [victim](RankContext& ctx) -> Status {
+    CT_REQUIRE(ctx.t().timeout_ms() == ctx.options.timeout_ms, ctx.t().timeout_ms());
+    for (int r = 0; r < ctx.num_ranks; ++r) CT_REQUIRE_OK(ctx.t().peer_status(r));
+    CT_REQUIRE_OK(ctx.t().barrier(ctx.group(1)));  // Everyone looked before the death.
+    if (ctx.rank == victim) ::raise(SIGKILL);
+    const int64_t start = mono_now_ns();
+    for (;;) {
+      const Status st = ctx.t().peer_status(victim);
+      if (!st.ok()) {
+        CT_REQUIRE(st.code() == StatusCode::kUnavailable, st.to_string());
+        CT_REQUIRE(st.message().rfind(cat("rank ", victim, " (pid "), 0) == 0 &&
+                       st.message().find(") died") != std::string::npos,
+                   st.to_string());
+        std::fprintf(stderr, "[rank %d] %.1f ms after the barrier: %s\n", ctx.rank, ms_since(start),
+                     st.to_string().c_str());
+        break;
+      }
+      CT_REQUIRE(ms_since(start) < 3000, "no death seen after ", ms_since(start), " ms");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    Group survivors{2, {}};
+    for (int r = 0; r < ctx.num_ranks; ++r) {
+      if (r == victim) continue;
+      CT_REQUIRE_OK(ctx.t().peer_status(r));
+      survivors.ranks.push_back(r);
+    }
+    return ctx.t().barrier(survivors);  // Nobody shuts down before all have looked.
+  });
+  EXPECT_FALSE(result.timed_out) << "hang";
+  for (int r = 0; r < num_ranks(); ++r) {
+    if (r == victim) {
+      EXPECT_TRUE(WIFSIGNALED(result.wait_status[r]) && WTERMSIG(result.wait_status[r]) == SIGKILL)
+          << describe_wait_status(result.wait_status[r]);
+    } else {
+      EXPECT_TRUE(exited_ok(result.wait_status[r]))
+          << "rank " << r << ": " << describe_wait_status(result.wait_status[r]);
+    }
+  }
+  cleanup_session(backend(), result.session);
+}
+
 // The last rank stays alive but stops calling: the others get DeadlineExceeded naming it,
 // after about timeout_ms.
 TEST_P(FaultConformanceTest, SilentPeerTimesOut) {
