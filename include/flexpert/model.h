@@ -124,6 +124,15 @@ class Model {
   // a map that points at the slot may be committed once this returns. Called by the
   // weight mover thread beside forward(), under the same rule as load_expert.
   virtual Status slots_written(int layer, int local_slot) { return Status(); }
+  // Copies local slot `src_slot` of rank `src_rank` (this rank too) of MoE layer `layer`
+  // into local slot `local_slot` between device memories, on a copy engine (GPU ranks with
+  // the device exchange, whose peers export their slots through CUDA IPC), refreshes the
+  // host mirror of the slot, and returns once both landed; a map may then use the slot.
+  // Unimplemented when the model cannot: the caller copies host mirrors (transport read()
+  // and slots_written). The weight mover's call, under the same rule as load_expert.
+  virtual Status copy_slot(int layer, int local_slot, int src_rank, int src_slot) {
+    return unimplemented("this model copies slots through host memory");
+  }
   // CUDA graphs captured so far (0 on the CPU): stays flat across set_placement().
   virtual int64_t num_graph_captures() const { return 0; }
   // Prepares what steps replay, in isolation from any group: a GPU model captures the

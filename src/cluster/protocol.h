@@ -151,7 +151,8 @@ struct PullDone {
   double seconds = 0;
   int code = 0;  // StatusCode; 0 = OK.
   std::string message;
-  MSGPACK_DEFINE_MAP(id, num_bytes, seconds, code, message);
+  uint64_t device_copies = 0;  // Slots copied device to device (Model::copy_slot).
+  MSGPACK_DEFINE_MAP(id, num_bytes, seconds, code, message, device_copies);
 };
 
 // A new expert placement (all layers, all slots). Members switch at the step

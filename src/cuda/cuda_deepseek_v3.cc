@@ -347,6 +347,10 @@ Status CudaDeepseekV3Model::slots_written(int layer, int local_slot) {
   return StepDriver::slots_written(*this, layer, local_slot);
 }
 
+Status CudaDeepseekV3Model::copy_slot(int layer, int local_slot, int src_rank, int src_slot) {
+  return StepDriver::copy_slot(*this, layer, local_slot, src_rank, src_slot);
+}
+
 Status CudaDeepseekV3Model::allocate_scratch() {
   const ModelConfig& c = config_;
   const size_t esize = dtype_size(dtype_);

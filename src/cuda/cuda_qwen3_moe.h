@@ -61,6 +61,7 @@ class CudaQwen3MoeModel final : public Model {
   Status set_placement(ExpertPlacement placement) override;
   Status load_expert(int layer, int expert, int local_slot) override;
   Status slots_written(int layer, int local_slot) override;
+  Status copy_slot(int layer, int local_slot, int src_rank, int src_slot) override;
   Status warm_up() override;
   int64_t num_graph_captures() const override {
     return graph_captures_ + (ep_moe_ ? ep_moe_->num_graph_captures() : 0);

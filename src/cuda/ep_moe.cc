@@ -36,6 +36,22 @@ struct WindowInfo {
   } buffers[kNumWindowBuffers];
 };
 
+// A rank's slot buffers (transport region kSlotsRegion): one per MoE layer.
+constexpr int kSlotsRegion = kWindowRegion + 1;
+constexpr uint64_t kSlotsMagic = 0x3153504558454c46ULL;  // "FLEXEPS1", little-endian.
+struct SlotsInfo {
+  uint64_t magic;
+  int32_t pid;
+  int32_t num_layers;
+  // Followed by num_layers entries.
+};
+struct SlotsEntry {
+  int32_t layer;
+  int32_t pad;
+  uint64_t address;
+  cudaIpcMemHandle_t handle;
+};
+
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -43,6 +59,13 @@ int64_t now_ns() {
 }
 
 }  // namespace
+
+// A rank's slot buffers as mapped by the weight mover.
+struct DeviceEpMoe::SlotMapping {
+  std::vector<uint8_t> info;  // The region as read (a new incarnation differs).
+  std::map<int, std::unique_ptr<cuda_ipc::IpcMapping>> maps;  // Layer -> mapping.
+  std::map<int, const uint8_t*> base;                         // Layer -> slots.
+};
 
 // A member's buffers as mapped into this process.
 struct DeviceEpMoe::PeerMapping {
@@ -391,6 +414,22 @@ Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
   FLEX_ASSIGN_OR_RETURN(Region region,
                         executor.transport().allocate_region(kWindowRegion, sizeof(WindowInfo)));
   std::memcpy(region.data, &info, sizeof(info));
+  // And the slot buffers of every MoE layer, for peers' weight movers.
+  std::vector<uint8_t> slots(sizeof(SlotsInfo) + config_.moe_layers.size() * sizeof(SlotsEntry));
+  SlotsInfo head{kSlotsMagic, info.pid, static_cast<int32_t>(config_.moe_layers.size())};
+  std::memcpy(slots.data(), &head, sizeof(head));
+  for (size_t i = 0; i < config_.moe_layers.size(); ++i) {
+    SlotsEntry e{};
+    e.layer = config_.moe_layers[i];
+    const void* base = config_.layer_slots(e.layer);
+    e.address = reinterpret_cast<uint64_t>(base);
+    FLEX_CUDA_TRY(cudaIpcGetMemHandle(&e.handle, const_cast<void*>(base)));
+    std::memcpy(slots.data() + sizeof(SlotsInfo) + i * sizeof(SlotsEntry), &e, sizeof(e));
+  }
+  FLEX_ASSIGN_OR_RETURN(Region slots_region,
+                        executor.transport().allocate_region(kSlotsRegion, slots.size()));
+  std::memcpy(slots_region.data, slots.data(), slots.size());
+  slot_maps_.resize(static_cast<size_t>(n));
   mapped_.resize(static_cast<size_t>(n));
   ep_ = &executor;
   device_exchange_ = true;
@@ -565,6 +604,57 @@ Status DeviceEpMoe::finish_device_step(const Group& group) {
                            ", exchange " + std::to_string(exchange_index_) +
                            " of the epoch so far): no word from rank(s) " + silent + " within " +
                            std::to_string(transport.timeout_ms()) + " ms");
+}
+
+Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst, size_t bytes,
+                              cudaStream_t stream) {
+  if (!device_exchange_) return unimplemented("no device exchange");
+  Transport& transport = ep_->transport();
+  const uint8_t* src = nullptr;
+  if (src_rank == transport.rank()) {
+    src = static_cast<const uint8_t*>(config_.layer_slots(layer));
+  } else {
+    if (src_rank < 0 || src_rank >= static_cast<int>(slot_maps_.size())) {
+      return invalid_argument("rank " + std::to_string(src_rank) + " out of range");
+    }
+    const size_t size = sizeof(SlotsInfo) + config_.moe_layers.size() * sizeof(SlotsEntry);
+    std::vector<uint8_t> info(size);
+    FLEX_RETURN_IF_ERROR(transport.read(src_rank, kSlotsRegion, 0, info.data(), size)
+                             .annotate("slot buffers of rank " + std::to_string(src_rank)));
+    SlotsInfo head;
+    std::memcpy(&head, info.data(), sizeof(head));
+    if (head.magic != kSlotsMagic ||
+        head.num_layers != static_cast<int32_t>(config_.moe_layers.size())) {
+      return data_loss("rank " + std::to_string(src_rank) + " published no slot buffers");
+    }
+    std::lock_guard<std::mutex> lock(slots_mu_);
+    std::unique_ptr<SlotMapping>& m = slot_maps_[src_rank];
+    if (m == nullptr || m->info != info) {
+      m = std::make_unique<SlotMapping>();  // A new rank or incarnation.
+      m->info = info;
+    }
+    if (const auto it = m->base.find(layer); it != m->base.end()) {
+      src = it->second;
+    } else {
+      for (int32_t i = 0; i < head.num_layers && src == nullptr; ++i) {
+        SlotsEntry e;
+        std::memcpy(&e, info.data() + sizeof(SlotsInfo) + i * sizeof(SlotsEntry), sizeof(e));
+        if (e.layer != layer) continue;
+        if (head.pid == static_cast<int32_t>(getpid())) {
+          src = reinterpret_cast<const uint8_t*>(e.address);  // A rank of this process.
+        } else {
+          FLEX_ASSIGN_OR_RETURN(std::unique_ptr<cuda_ipc::IpcMapping> mapped,
+                                cuda_ipc::IpcMapping::open(config_.device, e.handle));
+          src = reinterpret_cast<const uint8_t*>(mapped->data());
+          m->maps[layer] = std::move(mapped);
+        }
+        m->base[layer] = src;
+      }
+    }
+  }
+  if (src == nullptr) return invalid_argument("layer " + std::to_string(layer) + " has no slots");
+  FLEX_CUDA_TRY(cudaMemcpyAsync(dst, src + offset, bytes, cudaMemcpyDeviceToDevice, stream));
+  return Status();
 }
 
 Status DeviceEpMoe::collect_counts() {

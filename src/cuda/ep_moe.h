@@ -33,6 +33,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "cuda/blas.h"
@@ -118,6 +119,13 @@ class DeviceEpMoe {
   bool graphs_failed() const { return graphs_failed_; }
   bool device_exchange() const { return device_exchange_; }
 
+  // Enqueues on `stream` a device-to-device copy of `bytes` at `offset` of rank src_rank's
+  // slots of `layer` (this rank's own too) into `dst`. The weight mover's thread: it maps
+  // peers' slot buffers itself (handles in the transport region kSlotsRegion, published at
+  // load), apart from the step's mappings.
+  Status copy_slot(int layer, int src_rank, size_t offset, void* dst, size_t bytes,
+                   cudaStream_t stream);
+
   // Adds the rows the device exchange counted per slot into Config::counts and zeroes them
   // (synchronises the stream); reset_counts() zeroes them only.
   Status collect_counts();
@@ -173,6 +181,10 @@ class DeviceEpMoe {
   bool peers_mapped_ = false;
   Group mapped_group_;
   uint64_t exchange_index_ = 0;  // Exchanges of this epoch so far.
+  // The weight mover's mappings of peers' slot buffers ([rank], guarded by slots_mu_).
+  struct SlotMapping;
+  std::mutex slots_mu_;
+  std::vector<std::unique_ptr<SlotMapping>> slot_maps_;
 };
 
 }  // namespace flexpert::cuda

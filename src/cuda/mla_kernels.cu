@@ -118,7 +118,33 @@ __global__ void __launch_bounds__(kWarps * 32) mla_attention_kernel(MlaAttention
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) acc[i] *= corr;
     const int count = min(32, len - c0);
-    for (int jj = 0; jj < count; ++jj) {
+    int jj = 0;
+    if constexpr (kPerLane % 8 == 0 && kPerLane <= 16) {
+      // Four positions' latent loads in flight before their FMAs (as attention.cu's value
+      // pass: one position at a time waits out its loads); same order of sums.
+      constexpr int kGroup = 4;
+      for (; jj + kGroup <= count; jj += kGroup) {
+        float v[kGroup][kPerLane];
+#pragma unroll
+        for (int u = 0; u < kGroup; ++u) {
+          const T* vr = cache + static_cast<int64_t>(c0 + jj + u) * row + lane * kPerLane;
+#pragma unroll
+          for (int i = 0; i < kPerLane; i += 8) {
+            float w[8];
+            load8(vr + i, w);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[u][i + e] = w[e];
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kGroup; ++u) {
+          const float pj = __shfl_sync(0xffffffffu, p, jj + u);
+#pragma unroll
+          for (int i = 0; i < kPerLane; ++i) acc[i] += pj * v[u][i];
+        }
+      }
+    }
+    for (; jj < count; ++jj) {
       const float pj = __shfl_sync(0xffffffffu, p, jj);
       const T* vr = cache + static_cast<int64_t>(c0 + jj) * row + lane * kPerLane;
       if constexpr (kPerLane % 8 == 0) {

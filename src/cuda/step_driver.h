@@ -471,6 +471,29 @@ struct StepDriver {
     return m.upload_stream_.synchronize();
   }
 
+  // Model::copy_slot: device to device (the peer's slots mapped through CUDA IPC), then
+  // the mirror, on the mover thread's stream.
+  template <class M>
+  static Status copy_slot(M& m, int layer, int local_slot, int src_rank, int src_slot) {
+    if (!m.ep_ || !m.ep_moe_->device_exchange()) {
+      return unimplemented("slots move between device memories with the device exchange only");
+    }
+    ExpertSlots* mirror = local_slots(m, layer);
+    if (mirror == nullptr || local_slot < 0 || local_slot >= mirror->num_slots() || src_slot < 0 ||
+        src_slot >= mirror->num_slots()) {
+      return invalid_argument("layer " + std::to_string(layer) + ": no slot " +
+                              std::to_string(local_slot) + " <- " + std::to_string(src_slot));
+    }
+    const size_t bytes = mirror->slot_bytes();
+    FLEX_RETURN_IF_ERROR(set_device(m.device_));
+    uint8_t* dst = m.layers_[layer].slots.template as<uint8_t>() + local_slot * bytes;
+    cudaStream_t s = m.upload_stream_.get();
+    FLEX_RETURN_IF_ERROR(m.ep_moe_->copy_slot(layer, src_rank, src_slot * bytes, dst, bytes, s));
+    FLEX_CUDA_TRY(
+        cudaMemcpyAsync(mirror->slot_data(local_slot), dst, bytes, cudaMemcpyDeviceToHost, s));
+    return m.upload_stream_.synchronize();
+  }
+
   // Rewrites the device routing tables in place (no reallocation: graphs stay valid).
   template <class M>
   static Status set_placement(M& m, ExpertPlacement placement) {

@@ -488,14 +488,21 @@ proto::PullDone Worker::pull(const proto::PullCommand& cmd) {
     // Regions are per layer; a slot's weights are one contiguous block in it.
     if (cmd.src_ranks[i] == proto::PullCommand::kFromCheckpoint) {
       s = model_->load_expert(cmd.layer, cmd.src_slots[i], dst);
-    } else if (cmd.src_ranks[i] == options_.rank) {
-      std::memcpy(slots->slot_data(dst), slots->slot_data(cmd.src_slots[i]), bytes);
-      s = model_->slots_written(cmd.layer, dst);
     } else {
-      s = transport_->read(cmd.src_ranks[i], cmd.layer, cmd.src_slots[i] * bytes,
-                           slots->slot_data(dst), bytes);
-      // A GPU model uploads the slot now: PullDone (and so any map using it) comes after.
-      if (s.ok()) s = model_->slots_written(cmd.layer, dst);
+      // Device to device where the model can (GPU ranks: a copy engine reads the peer's
+      // slot through CUDA IPC), else through the host mirrors.
+      s = model_->copy_slot(cmd.layer, dst, cmd.src_ranks[i], cmd.src_slots[i]);
+      if (s.code() != StatusCode::kUnimplemented) {
+        if (s.ok()) ++done.device_copies;
+      } else if (cmd.src_ranks[i] == options_.rank) {
+        std::memcpy(slots->slot_data(dst), slots->slot_data(cmd.src_slots[i]), bytes);
+        s = model_->slots_written(cmd.layer, dst);
+      } else {
+        s = transport_->read(cmd.src_ranks[i], cmd.layer, cmd.src_slots[i] * bytes,
+                             slots->slot_data(dst), bytes);
+        // A GPU model uploads the slot now: PullDone (and so any map using it) comes after.
+        if (s.ok()) s = model_->slots_written(cmd.layer, dst);
+      }
     }
     if (s.ok()) done.num_bytes += bytes;
   }

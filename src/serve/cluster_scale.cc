@@ -537,14 +537,16 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
     return fail(unavailable("rank " + std::to_string(r) + " failed while receiving experts"));
   }
   if (!pulled) return fail(deadline_exceeded("expert copies to the joiners timed out"));
-  uint64_t bytes = 0;
+  uint64_t bytes = 0, device_copies = 0;
   for (uint64_t id : ids) {
     const proto::PullDone d = pulls_done_[id];
     pulls_done_.erase(id);
     if (d.code != 0) return fail(Status(static_cast<StatusCode>(d.code), "pull: " + d.message));
     bytes += d.num_bytes;
+    device_copies += d.device_copies;
   }
   (*report)["expert_copies"] = copies;
+  (*report)["device_copies"] = device_copies;
   (*report)["copied_bytes"] = bytes;
   (*report)["copy_s"] = seconds_since(t_pull);
   moved_bytes_total_ += bytes;

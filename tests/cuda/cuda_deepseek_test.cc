@@ -124,6 +124,19 @@ TEST(CudaDeepseekTest, V2LiteStyleAgreesWithCpu) {
   std::filesystem::remove_all(dir);
 }
 
+// Latent widths of the real models (DeepSeek-V2-Lite / V3: 512): the attention's grouped
+// value loads (kv_lora_rank / 32 = 8 or 16 dims per lane) against the CPU.
+TEST(CudaDeepseekTest, WideLatentAttentionAgreesWithCpu) {
+  FLEX_SKIP_WITHOUT_GPU();
+  for (int rank : {256, 512}) {
+    SCOPED_TRACE("kv_lora_rank " + std::to_string(rank));
+    const std::string dir = write_variant("latent" + std::to_string(rank),
+                                          [rank](ModelConfig* c) { c->kv_lora_rank = rank; });
+    compare_with_cpu(dir, "identity", 3e-2, true);
+    std::filesystem::remove_all(dir);
+  }
+}
+
 TEST(CudaDeepseekTest, V2GroupLimitedGreedyAgreesWithCpu) {
   FLEX_SKIP_WITHOUT_GPU();
   const std::string dir = write_variant("v2group", [](ModelConfig* c) {

@@ -264,6 +264,30 @@ TEST(CudaEpTest, DeviceExchangeBetweenTwoRanksMatchesReferenceAndHostExchange) {
   EXPECT_GT(host.collectives, 0);
 }
 
+// Model::copy_slot: a peer's slot and one of this rank's own, device to device; the host
+// mirror of the destination is refreshed from the device, so it equals the source.
+TEST(CudaEpTest, CopySlotMovesWeightsBetweenDevices) {
+  FLEX_SKIP_WITHOUT_GPU();
+  unsetenv("FLEXPERT_EP_EXCHANGE");
+  TwoRanks g("copy");
+  ASSERT_TRUE(g.ready);
+  Model& m = *g.models[0];
+  const int layer = 1;
+  ExpertSlots* mine = m.local_slots(layer);
+  ExpertSlots* theirs = g.models[1]->local_slots(layer);
+  ASSERT_TRUE(mine != nullptr && theirs != nullptr);
+  const size_t bytes = mine->slot_bytes();
+  ASSERT_NE(std::memcmp(mine->slot_data(5), theirs->slot_data(3), bytes), 0);
+  Status s = m.copy_slot(layer, 5, /*src_rank=*/1, 3);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(std::memcmp(mine->slot_data(5), theirs->slot_data(3), bytes), 0);
+  s = m.copy_slot(layer, 6, /*src_rank=*/0, 2);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(std::memcmp(mine->slot_data(6), mine->slot_data(2), bytes), 0);
+  EXPECT_EQ(m.copy_slot(layer, 8, 1, 3).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(m.copy_slot(layer, 5, 7, 3).code(), StatusCode::kInvalidArgument);
+}
+
 // One rank steps while its peer stays silent, then while its peer has shut down: the step
 // fails (DeadlineExceeded after the transport's timeout; Unavailable at once), never hangs,
 // and the model steps again once the peer is back.
