@@ -38,21 +38,19 @@ class Sampler {
   int32_t sample(const float* logits, int64_t vocab);
   // Temperature 0: sample() is the argmax of the logits, whatever the rest says.
   bool greedy() const { return params_.temperature == 0.0f; }
-  // Temperature > 0 without a top-k or top-p limit: sample() is
-  // kernels::sample_softmax(logits, vocab, temperature, next_uniform()), which a model
-  // can compute where the logits are (RowOutput::kSample).
-  bool plain_softmax() const {
-    return params_.temperature > 0.0f && params_.top_k == 0 && params_.top_p >= 1.0f;
-  }
+  // Temperature > 0: sample() is kernels::sample_truncated(logits, vocab, temperature,
+  // top_k, top_p, next_uniform()), which a model can compute where the logits are
+  // (RowOutput::kSample).
   float temperature() const { return params_.temperature; }
+  int top_k() const { return params_.top_k; }
+  float top_p() const { return params_.top_p; }
   // The next uniform draw in [0, 1) (what sample() would consume).
   double next_uniform() { return std::generate_canonical<double, 53>(rng_); }
 
  private:
   SamplingParams params_;
   std::mt19937_64 rng_;
-  std::vector<std::pair<float, int32_t>> candidates_;
-  std::vector<double> prob_;  // Softmax weights of candidates_ (not normalised).
+  std::vector<std::pair<uint32_t, int32_t>> candidates_;  // sample_truncated's scratch.
 };
 
 struct GenerationRequest {

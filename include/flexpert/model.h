@@ -64,11 +64,14 @@ struct ModelOptions {
 struct RowOutput {
   enum Kind : uint8_t {
     kGreedy,  // The argmax of the row's logits (the lowest id on ties; NaN never wins).
-    kSample,  // kernels::sample_softmax(row, temperature, u01): softmax(logits / T) drawn at u01.
+    kSample,  // kernels::sample_truncated(row, temperature, top_k, top_p, u01): softmax(logits /
+              // T) cut to top-k / top-p, drawn at u01.
     kLogits,  // The greedy token and the logits row (the caller samples on the host).
   };
   Kind kind = kGreedy;
   float temperature = 1.0f;  // kSample: > 0.
+  int top_k = 0;             // kSample: 0 (no limit) or the candidates kept.
+  float top_p = 1.0f;        // kSample: in (0, 1]; 1: no limit.
   double u01 = 0.0;          // kSample: the uniform draw, in [0, 1).
 };
 

@@ -64,6 +64,10 @@ Status run_generate_bench(const Flags& flags) {
     return invalid_argument("--temperature must be a finite number >= 0");
   }
   const bool sample_on_host = flags.flag("sample-on-host");
+  FLEX_ASSIGN_OR_RETURN(int64_t top_k, flags.integer("top-k"));
+  FLEX_ASSIGN_OR_RETURN(double top_p, flags.number("top-p"));
+  if (top_k < 0 || top_k > INT32_MAX) return invalid_argument("--top-k must be >= 0");
+  if (!(top_p > 0.0 && top_p <= 1.0)) return invalid_argument("--top-p must be in (0, 1]");
   for (int64_t b : batches) {
     if (b < 1) return invalid_argument("--batches items must be >= 1");
   }
@@ -95,9 +99,10 @@ Status run_generate_bench(const Flags& flags) {
         batch[i].tokens.push_back(static_cast<int32_t>(rng() % c.vocab_size));
       }
     }
-    // Greedy, or softmax sampling at --temperature: tokens are picked where the logits
-    // are (Model::forward_step), no logits row is copied out; with --sample-on-host the
-    // rows' logits come out and the host draws (kernels::sample_softmax).
+    // Greedy, or softmax sampling at --temperature (cut to --top-k / --top-p): tokens are
+    // picked where the logits are (Model::forward_step), no logits row is copied out;
+    // with --sample-on-host the rows' logits come out and the host draws
+    // (kernels::sample_truncated).
     std::vector<RowOutput> rows(static_cast<size_t>(b));
     std::vector<double> u(static_cast<size_t>(b));
     auto step = [&]() -> Status {
@@ -107,12 +112,15 @@ Status run_generate_bench(const Flags& flags) {
                  : sample_on_host ? RowOutput::kLogits
                                   : RowOutput::kSample;
         r.temperature = static_cast<float>(temperature);
+        r.top_k = static_cast<int>(top_k);
+        r.top_p = static_cast<float>(top_p);
         r.u01 = u[i] = std::generate_canonical<double, 53>(draws);
       }
       FLEX_RETURN_IF_ERROR(model->forward_step(batch, rows, &logits, &tokens));
       for (int64_t i = 0; i < b && rows[0].kind == RowOutput::kLogits; ++i) {
-        tokens[i] = kernels::sample_softmax(logits.data<float>() + i * c.vocab_size, c.vocab_size,
-                                            static_cast<float>(temperature), u[i]);
+        tokens[i] = kernels::sample_truncated(logits.data<float>() + i * c.vocab_size, c.vocab_size,
+                                              static_cast<float>(temperature), rows[i].top_k,
+                                              rows[i].top_p, u[i]);
       }
       return Status();
     };
@@ -150,6 +158,8 @@ Status run_generate_bench(const Flags& flags) {
                         {"prompt_len", prompt_len},
                         {"gen_tokens", gen_tokens},
                         {"temperature", temperature},
+                        {"sample_top_k", top_k},
+                        {"sample_top_p", top_p},
                         {"sample_on_host", sample_on_host},
                         {"threads", ThreadPool::global().num_threads()},
                         {"hardware_threads", std::thread::hardware_concurrency()},
@@ -232,6 +242,8 @@ int cmd_bench(const Args& args) {
       .value("prompt-len", "64", "prompt tokens per sequence")
       .value("gen-tokens", "16", "decode steps")
       .value("temperature", "0", "0: greedy; > 0: sample from softmax(logits / T)")
+      .value("top-k", "0", "with --temperature: keep the k most likely tokens (0: all)")
+      .value("top-p", "1", "with --temperature: keep the smallest prefix reaching this mass")
       .boolean("sample-on-host", "with --temperature: copy the logits out and draw on the host")
       .value("device", "cpu", "cpu, cuda or cuda:N")
       .value("cuda-dtype", "bf16", "weights and activations on the GPU: bf16 or f32")

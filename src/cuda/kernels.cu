@@ -422,6 +422,189 @@ __global__ void __launch_bounds__(kArgmaxThreads) sample_pick_kernel(SampleRowsA
   if (threadIdx.x == 0) a.tokens[i] = token;
 }
 
+// Truncated sampling (kernels::sample_truncated), one block of kTruncThreads per draw.
+constexpr int kTruncThreads = 1024;
+
+// Rank order of a logit: a larger key ranks first; NaN last (0), -0 as +0.
+__device__ __forceinline__ uint32_t rank_key(float v) {
+  return isnan(v) ? 0u : ordered_bits(v == 0.f ? 0.f : v);
+}
+
+// A cut: the members are the candidates ranking up to (key, id) (key descending, then id).
+struct Cut {
+  uint32_t key;
+  int id;
+  __device__ bool has(uint32_t k, int i) const { return k > key || (k == key && i <= id); }
+};
+
+struct TruncRow {
+  const float* logits;
+  int vocab;
+  float mx;
+  double inv_t;
+  __device__ double weight(int i) const {
+    const float l = logits[i];
+    return isnan(l) ? 0.0 : exp(static_cast<double>(l - mx) * inv_t);
+  }
+  // This thread's contiguous ids (thread order is id order).
+  __device__ int seg_begin() const {
+    const int per = (vocab + kTruncThreads - 1) / kTruncThreads;
+    return min(vocab, static_cast<int>(threadIdx.x) * per);
+  }
+  __device__ int seg_end() const {
+    const int per = (vocab + kTruncThreads - 1) / kTruncThreads;
+    return min(vocab, (static_cast<int>(threadIdx.x) + 1) * per);
+  }
+};
+
+// Exclusive scan of one double per thread in thread order; *total gets the sum.
+__device__ double block_exclusive_scan(double v, double* total) {
+  __shared__ double warp_sums[kTruncThreads / 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  double incl = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const double up = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += up;
+  }
+  __syncthreads();  // warp_sums may still be read by a previous call.
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  double base = 0.0, all = 0.0;
+  for (int w = 0; w < kTruncThreads / 32; ++w) {
+    if (w < warp) base += warp_sums[w];
+    all += warp_sums[w];
+  }
+  *total = all;
+  return base + incl - v;
+}
+
+// The cut at the candidate (in rank order, among the members of `within`) at which the
+// running count (by_mass false) or weight reaches `target`: radix selection of its key,
+// 8 bits a pass, then the ties of that key in id order. Rounding that never reaches the
+// target keeps every member. All threads call it; all get the same cut.
+__device__ Cut select_cut(const TruncRow& row, Cut within, bool by_mass, double target) {
+  __shared__ unsigned int hist_n[256];
+  __shared__ double hist_w[256];
+  __shared__ uint32_t s_prefix;
+  __shared__ double s_above;
+  __shared__ int s_id;
+  const int tid = threadIdx.x;
+  uint32_t prefix = 0, mask = 0;
+  double above = 0.0;  // Count or weight of the members ranking above the prefix's keys.
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = tid; b < 256; b += kTruncThreads) hist_n[b] = 0, hist_w[b] = 0.0;
+    __syncthreads();
+    for (int i = tid; i < row.vocab; i += kTruncThreads) {
+      const uint32_t k = rank_key(row.logits[i]);
+      if ((k & mask) != prefix || !within.has(k, i)) continue;
+      const int bin = (k >> shift) & 255;
+      atomicAdd(&hist_n[bin], 1u);
+      if (by_mass) atomicAdd(&hist_w[bin], row.weight(i));
+    }
+    __syncthreads();
+    if (tid == 0) {
+      double cum = above, last_before = above;
+      int chosen = -1, lowest = -1;
+      for (int b = 255; b >= 0 && chosen < 0; --b) {
+        if (hist_n[b] == 0) continue;
+        const double h = by_mass ? hist_w[b] : static_cast<double>(hist_n[b]);
+        lowest = b;
+        last_before = cum;
+        if (cum + h >= target) chosen = b;
+        cum += h;
+      }
+      if (chosen < 0) chosen = lowest;  // Rounding: everything down to the last bin.
+      s_prefix = prefix | (static_cast<uint32_t>(chosen) << shift);
+      s_above = last_before;
+    }
+    __syncthreads();
+    prefix = s_prefix;
+    above = s_above;
+    mask |= 255u << shift;
+  }
+  // Ties of key `prefix` in id order: the one at which above + running reaches target.
+  const int b = row.seg_begin(), e = row.seg_end();
+  double mine = 0.0;
+  for (int i = b; i < e; ++i) {
+    const uint32_t k = rank_key(row.logits[i]);
+    if (k == prefix && within.has(k, i)) mine += by_mass ? row.weight(i) : 1.0;
+  }
+  double total;
+  const double base = above + block_exclusive_scan(mine, &total);
+  if (tid == 0) s_id = row.vocab;  // Not reached (rounding): every tie.
+  __syncthreads();
+  // above < target holds (every pass chose the first bin reaching it), so one thread's
+  // range [base, base + mine) holds the crossing, unless rounding left it unreached.
+  if (mine > 0.0 && base < target && base + mine >= target) {
+    double acc = base;
+    for (int i = b; i < e; ++i) {
+      const uint32_t k = rank_key(row.logits[i]);
+      if (k != prefix || !within.has(k, i)) continue;
+      acc += by_mass ? row.weight(i) : 1.0;
+      if (acc >= target) {
+        s_id = i;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  const Cut cut{prefix, s_id};
+  __syncthreads();  // s_id is rewritten by the next call.
+  return cut;
+}
+
+__global__ void __launch_bounds__(kTruncThreads) sample_truncated_kernel(SampleRowsArgs a) {
+  const int d = blockIdx.x;
+  const int top_k = a.top_k[d];
+  const float top_p = a.top_p[d];
+  const bool cut_k = top_k > 0 && top_k < a.vocab;
+  if (!cut_k && !(top_p < 1.0f)) return;  // A plain draw: sample_pick_kernel's.
+  const int r = a.rows[d];
+  TruncRow row{a.logits + static_cast<size_t>(r) * a.vocab, a.vocab, key_value(a.keys[r]),
+               a.inv_temperature[d]};
+  Cut cut{0u, a.vocab};  // Everything.
+  if (cut_k) cut = select_cut(row, cut, /*by_mass=*/false, static_cast<double>(top_k));
+  const int b = row.seg_begin(), e = row.seg_end();
+  double total;
+  if (top_p < 1.0f) {
+    double mine = 0.0;
+    for (int i = b; i < e; ++i) {
+      if (cut.has(rank_key(row.logits[i]), i)) mine += row.weight(i);
+    }
+    (void)block_exclusive_scan(mine, &total);
+    cut = select_cut(row, cut, /*by_mass=*/true, static_cast<double>(top_p) * total);
+  }
+  // The draw: inverse transform over the members in id order.
+  double mine = 0.0;
+  int last = -1;
+  for (int i = b; i < e; ++i) {
+    if (!cut.has(rank_key(row.logits[i]), i)) continue;
+    mine += row.weight(i);
+    last = i;
+  }
+  const double base = block_exclusive_scan(mine, &total);
+  __shared__ int pick, last_member;
+  if (threadIdx.x == 0) pick = -1, last_member = -1;
+  __syncthreads();
+  atomicMax(&last_member, last);
+  const double target = a.u01[d] * total;
+  if (last >= 0 && target >= base && target < base + mine) {
+    double acc = base;
+    int p = last;
+    for (int i = b; i < e; ++i) {
+      if (!cut.has(rank_key(row.logits[i]), i)) continue;
+      acc += row.weight(i);
+      if (target < acc) {
+        p = i;
+        break;
+      }
+    }
+    pick = p;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) a.tokens[d] = pick >= 0 ? pick : last_member;
+}
+
 int blocks_for(size_t n, int threads) {
   const size_t b = (n + threads - 1) / threads;
   return static_cast<int>(b < 65536 ? (b == 0 ? 1 : b) : 65536);
@@ -544,6 +727,10 @@ cudaError_t sample_rows(const SampleRowsArgs& args, cudaStream_t stream) {
   const int chunks = sample_rows_chunks(args.vocab);
   sample_partials_kernel<<<dim3(chunks, args.n), kArgmaxThreads, 0, stream>>>(args);
   sample_pick_kernel<<<args.n, kArgmaxThreads, 0, stream>>>(args, chunks);
+  // Draws with a cut overwrite their token (the others return at once).
+  if (args.top_k != nullptr && args.top_p != nullptr) {
+    sample_truncated_kernel<<<args.n, kTruncThreads, 0, stream>>>(args);
+  }
   return cudaGetLastError();
 }
 

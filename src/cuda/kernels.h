@@ -142,7 +142,12 @@ __host__ __device__
 // exp((logit - max) * inv_temperature) exceeds u01 times the total; partial sums per
 // 4096 ids in double, so a draw within rounding of a boundary may pick the neighbour
 // the host would not; the row's argmax if rounding leaves none). `partials` holds n x
-// ceil(vocab / 4096) doubles.
+// ceil(vocab / 4096) doubles. Draws with a top-k or top-p cut (top_k / top_p given, and
+// 0 < top_k[i] < vocab or top_p[i] < 1) are kernels::sample_truncated instead: one block
+// per draw finds the cut's last candidate by radix selection over the ordered logit bits
+// (8 bits a pass; counts for top-k, weights in double for top-p), ties in id order, then
+// draws over the members in id order; the weights' sums differ from the host's order, so
+// again only a draw within rounding of a boundary may differ.
 struct SampleRowsArgs {
   const float* logits;
   int vocab;
@@ -152,7 +157,9 @@ struct SampleRowsArgs {
   const double* u01;               // [n]
   int n;
   double* partials;
-  int32_t* tokens;  // [n]
+  int32_t* tokens;                 // [n]
+  const int32_t* top_k = nullptr;  // [n] 0: no limit (null: none for every draw).
+  const float* top_p = nullptr;    // [n] 1: no limit.
 };
 cudaError_t sample_rows(const SampleRowsArgs& args, cudaStream_t stream);
 inline int sample_rows_chunks(int vocab) { return (vocab + 4095) / 4096; }

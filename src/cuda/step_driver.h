@@ -67,13 +67,15 @@ struct StepDriver {
   // pinned host copy): inverse temperatures and draws (double), then logits rows and
   // tokens (int32).
   struct SampleArgsLayout {
-    size_t inv_t, u01, rows, tokens, bytes;
+    size_t inv_t, u01, rows, top_k, top_p, tokens, bytes;
     explicit SampleArgsLayout(int max_rows) {
       const size_t R = static_cast<size_t>(max_rows);
       inv_t = 0;
       u01 = R * sizeof(double);
       rows = 2 * R * sizeof(double);
-      tokens = rows + R * sizeof(int32_t);
+      top_k = rows + R * sizeof(int32_t);
+      top_p = top_k + R * sizeof(int32_t);
+      tokens = top_p + R * sizeof(float);
       bytes = tokens + R * sizeof(int32_t);
     }
   };
@@ -200,11 +202,15 @@ struct StepDriver {
       auto* inv_t = reinterpret_cast<double*>(host_args + layout.inv_t);
       auto* u01 = reinterpret_cast<double*>(host_args + layout.u01);
       auto* sample_row = reinterpret_cast<int32_t*>(host_args + layout.rows);
+      auto* top_k = reinterpret_cast<int32_t*>(host_args + layout.top_k);
+      auto* top_p = reinterpret_cast<float*>(host_args + layout.top_p);
       for (int r = 0; r < rows; ++r) {
         if (kind(r) != RowOutput::kSample) continue;
         const RowOutput& spec = (*out.spec)[row_of(r)];
         inv_t[draws] = 1.0 / spec.temperature;
         u01[draws] = spec.u01;
+        top_k[draws] = spec.top_k;
+        top_p[draws] = spec.top_p;
         sample_row[draws++] = r;
       }
     }
@@ -222,6 +228,8 @@ struct StepDriver {
       a.n = draws;
       a.partials = m.sample_partials_.template as<double>();
       a.tokens = reinterpret_cast<int32_t*>(dev_args + layout.tokens);
+      a.top_k = reinterpret_cast<const int32_t*>(dev_args + layout.top_k);
+      a.top_p = reinterpret_cast<const float*>(dev_args + layout.top_p);
       FLEX_CUDA_TRY(sample_rows(a, s));
       FLEX_CUDA_TRY(cudaMemcpyAsync(host_args + layout.tokens, dev_args + layout.tokens,
                                     draws * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
@@ -264,9 +272,11 @@ struct StepDriver {
       }
       for (const RowOutput& r : *spec) {
         if (r.kind == RowOutput::kSample &&
-            (!(r.temperature > 0.0f) || !(r.u01 >= 0.0 && r.u01 < 1.0))) {
+            (!(r.temperature > 0.0f) || !(r.u01 >= 0.0 && r.u01 < 1.0) || r.top_k < 0 ||
+             !(r.top_p > 0.0f && r.top_p <= 1.0f))) {
           return invalid_argument(
-              "forward_step: a kSample row needs temperature > 0 and u01 in [0, 1)");
+              "forward_step: a kSample row needs temperature > 0, u01 in [0, 1), top_k >= 0 "
+              "and top_p in (0, 1]");
         }
       }
     }

@@ -25,62 +25,8 @@ Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.se
 
 int32_t Sampler::sample(const float* logits, int64_t vocab) {
   if (params_.temperature == 0.0f) return static_cast<int32_t>(kernels::argmax(logits, vocab));
-  if (plain_softmax()) {
-    return kernels::sample_softmax(logits, vocab, params_.temperature, next_uniform());
-  }
-  candidates_.resize(static_cast<size_t>(vocab));
-  for (int64_t i = 0; i < vocab; ++i) candidates_[i] = {logits[i], static_cast<int32_t>(i)};
-  auto by_logit = [](const auto& a, const auto& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  };
-  // The support: the top_k largest logits, sorted (O(vocab log top_k)); without a limit
-  // the whole vocabulary, sorted below only as far as the top-p cut reaches (a full
-  // sort of 152 k candidates costs ~19 ms per token).
-  size_t keep = static_cast<size_t>(vocab);
-  size_t sorted = 0;  // candidates_[0, sorted) is in by_logit order.
-  if (params_.top_k > 0 && static_cast<size_t>(params_.top_k) < keep) {
-    keep = static_cast<size_t>(params_.top_k);
-    std::partial_sort(candidates_.begin(), candidates_.begin() + keep, candidates_.end(), by_logit);
-    candidates_.resize(keep);
-    sorted = keep;
-  }
-  // Softmax at the temperature, in double for a stable cumulative sum.
-  float mx = candidates_[0].first;
-  for (const auto& c : candidates_) mx = std::max(mx, c.first);
-  const double inv_t = 1.0 / params_.temperature;
-  auto weight = [&](size_t i) { return std::exp((candidates_[i].first - mx) * inv_t); };
-  prob_.resize(keep);
-  double sum = 0.0;
-  for (size_t i = 0; i < keep; ++i) sum += prob_[i] = weight(i);
-  // top-p: the smallest prefix in logit order whose mass reaches top_p (at least one
-  // token). Sorts the first 64, 512, ... candidates until the prefix reaches it.
-  size_t cut = keep;
-  if (params_.top_p < 1.0f) {
-    for (size_t m = std::min<size_t>(keep, 64);; m = std::min(keep, m * 8)) {
-      if (m > sorted) {
-        std::partial_sort(candidates_.begin() + sorted, candidates_.begin() + m,
-                          candidates_.begin() + keep, by_logit);
-        sorted = m;
-      }
-      double acc = 0.0;
-      size_t i = 0;
-      while (i < m && acc < params_.top_p) acc += weight(i++) / sum;
-      if (acc >= params_.top_p || m == keep) {
-        cut = std::max<size_t>(i, 1);
-        break;
-      }
-    }
-    for (size_t i = 0; i < cut; ++i) prob_[i] = weight(i);  // The prefix was reordered.
-  }
-  double mass = 0.0;
-  for (size_t i = 0; i < cut; ++i) mass += prob_[i];
-  const double u = next_uniform() * mass;
-  double acc = 0.0;
-  for (size_t i = 0; i < cut; ++i) {
-    acc += prob_[i];
-    if (u < acc) return candidates_[i].second;
-  }
-  return candidates_[cut - 1].second;
+  return kernels::sample_truncated(logits, vocab, params_.temperature, params_.top_k, params_.top_p,
+                                   next_uniform(), &candidates_);
 }
 
 Generator::Generator(Model& model, GeneratorOptions options)

@@ -98,13 +98,11 @@ const std::vector<SequenceChunk>& Scheduler::build_step() {
                            static_cast<int>(s.prompt.size());
     if (!completes || s.sampler->greedy()) continue;
     RowOutput& out = row_outputs_[b];
-    if (s.sampler->plain_softmax()) {
-      out.kind = RowOutput::kSample;
-      out.temperature = s.sampler->temperature();
-      out.u01 = s.sampler->next_uniform();
-    } else {
-      out.kind = RowOutput::kLogits;
-    }
+    out.kind = RowOutput::kSample;
+    out.temperature = s.sampler->temperature();
+    out.top_k = s.sampler->top_k();
+    out.top_p = s.sampler->top_p();
+    out.u01 = s.sampler->next_uniform();
   }
   return batch_;
 }

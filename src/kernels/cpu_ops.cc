@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -283,6 +284,83 @@ int64_t argmax(const float* x, int64_t n) {
     if (!std::isnan(x[i]) && (best < 0 || x[i] > x[best])) best = i;
   }
   return best < 0 ? 0 : best;
+}
+
+int32_t sample_truncated(const float* logits, int64_t vocab, float temperature, int top_k,
+                         float top_p, double u01,
+                         std::vector<std::pair<uint32_t, int32_t>>* scratch) {
+  const bool cut_k = top_k > 0 && top_k < vocab;
+  if (!cut_k && !(top_p < 1.0f)) return sample_softmax(logits, vocab, temperature, u01);
+  // Rank order as a key: the float's bits mapped so that a larger key ranks first; NaN
+  // lowest (below -inf), -0 as +0 (the device's order too).
+  auto rank_key = [](float v) -> uint32_t {
+    if (std::isnan(v)) return 0u;
+    const float f = v == 0.f ? 0.f : v;
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof(u));
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  };
+  using Candidate = std::pair<uint32_t, int32_t>;  // (rank key, id)
+  auto before = [](const Candidate& a, const Candidate& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  const float mx = logits[argmax(logits, vocab)];
+  const double inv_t = 1.0 / temperature;
+  auto weight = [&](int64_t i) {
+    return std::isnan(logits[i]) ? 0.0 : std::exp((logits[i] - mx) * inv_t);
+  };
+  // Members of a cut after candidate `last`: every id not ranking after it.
+  auto member = [&](int64_t i, const Candidate& last) {
+    return !before(last, {rank_key(logits[i]), static_cast<int32_t>(i)});
+  };
+  std::vector<Candidate> local;
+  std::vector<Candidate>& cand = scratch != nullptr ? *scratch : local;
+  cand.resize(static_cast<size_t>(vocab));
+  for (int64_t i = 0; i < vocab; ++i) cand[i] = {rank_key(logits[i]), static_cast<int32_t>(i)};
+  size_t keep = static_cast<size_t>(vocab), sorted = 0;
+  if (cut_k) {
+    keep = static_cast<size_t>(top_k);
+    std::partial_sort(cand.begin(), cand.begin() + keep, cand.end(), before);
+    sorted = keep;
+  }
+  Candidate last{0u, static_cast<int32_t>(vocab)};  // Everything.
+  if (cut_k) last = cand[keep - 1];
+  if (top_p < 1.0f) {
+    double total = 0.0;  // K's weight, in id order.
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (member(i, last)) total += weight(i);
+    }
+    const double target = static_cast<double>(top_p) * total;
+    // The first candidate at which the running weight reaches the target: sort the first
+    // 64, 512, ... of K until the prefix reaches it (no full sort of the vocabulary).
+    for (size_t m = std::min<size_t>(keep, 64);; m = std::min(keep, m * 8)) {
+      if (m > sorted) {
+        std::partial_sort(cand.begin() + sorted, cand.begin() + m, cand.begin() + keep, before);
+        sorted = m;
+      }
+      double acc = 0.0;
+      size_t i = 0;
+      while (i < m && acc < target) acc += weight(cand[i++].second);
+      if (acc >= target || m == keep) {
+        last = cand[std::max<size_t>(i, 1) - 1];
+        break;
+      }
+    }
+  }
+  double mass = 0.0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (member(i, last)) mass += weight(i);
+  }
+  const double target = u01 * mass;
+  double acc = 0.0;
+  int32_t pick = last.second;
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (!member(i, last)) continue;
+    acc += weight(i);
+    pick = static_cast<int32_t>(i);
+    if (target < acc) break;
+  }
+  return pick;
 }
 
 int32_t sample_softmax(const float* logits, int64_t vocab, float temperature, double u01) {

@@ -9,6 +9,10 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
+#include <vector>
+
+#include <cstdint>
 
 #include "flexpert/tensor.h"
 #include "flexpert/thread_pool.h"
@@ -84,5 +88,16 @@ int64_t argmax(const float* x, int64_t n);
 // first id, in id order, whose cumulative weight exp((logit - max) / temperature)
 // (summed in double) exceeds u01 times the total; the last id if rounding leaves none.
 int32_t sample_softmax(const float* logits, int64_t vocab, float temperature, double u01);
+
+// A draw from softmax(logits / temperature) cut to top_k (0: no limit) and top_p (1: no
+// limit), at u01 in [0, 1). Candidates rank by (logit descending, id ascending); NaN ranks
+// last with weight 0, -0 ties with +0. The top-k set K is the first top_k of them; the
+// top-p set P the shortest prefix of K whose weight w = exp((logit - max) / temperature)
+// (double) reaches top_p times K's total (an element is in while the weight before it is
+// below that). The draw is sample_softmax's inverse transform over P's members in id
+// order. Without a cut it is sample_softmax. `scratch` is reused across calls.
+int32_t sample_truncated(const float* logits, int64_t vocab, float temperature, int top_k,
+                         float top_p, double u01,
+                         std::vector<std::pair<uint32_t, int32_t>>* scratch = nullptr);
 
 }  // namespace flexpert::kernels

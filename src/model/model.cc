@@ -67,9 +67,11 @@ Status Model::forward_step(const std::vector<SequenceChunk>& batch,
   tokens->resize(batch.size());
   for (size_t b = 0; b < batch.size(); ++b) {
     const float* row = logits->data<float>() + b * vocab;
-    (*tokens)[b] = rows[b].kind == RowOutput::kSample
-                       ? kernels::sample_softmax(row, vocab, rows[b].temperature, rows[b].u01)
-                       : static_cast<int32_t>(kernels::argmax(row, vocab));
+    const RowOutput& r = rows[b];
+    (*tokens)[b] =
+        r.kind == RowOutput::kSample
+            ? kernels::sample_truncated(row, vocab, r.temperature, r.top_k, r.top_p, r.u01)
+            : static_cast<int32_t>(kernels::argmax(row, vocab));
   }
   return Status();
 }

@@ -177,7 +177,9 @@ struct TwoRanks {
     }
     for (int r = 0; r < kRanks; ++r) {
       for (int p = 0; p < kRanks; ++p) {
-        if (p != r) EXPECT_TRUE(transports[r]->connect(p, transports[p]->address()).ok());
+        if (p != r) {
+          EXPECT_TRUE(transports[r]->connect(p, transports[p]->address()).ok());
+        }
       }
     }
     for (int r = 0; r < kRanks; ++r) {

@@ -616,6 +616,100 @@ TEST(CudaArgmaxTest, SampleRowsMatchesHostSampling) {
   }
 }
 
+// Draws with top-k / top-p cuts (sample_truncated_kernel) against the host's
+// kernels::sample_truncated, beside plain draws in the same launch: normal logits, logits
+// with many ties (multiples of 1/8), and rows with NaN, -inf and -0; cuts from 1 to past
+// the vocabulary, top_p from 0.05 to 1; a mismatch is allowed only within rounding of a
+// boundary (then both tokens are neighbours in the draw order), and must stay rare.
+TEST(CudaArgmaxTest, SampleRowsWithCutsMatchHostSampling) {
+  FLEX_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(23);
+  std::normal_distribution<float> normal(0.f, 3.f);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  int draws = 0, mismatches = 0;
+  for (int vocab : {7, 100, 5000, 151936}) {
+    for (int kind = 0; kind < 3; ++kind) {
+      const int R = 4;
+      std::vector<float> flat(static_cast<size_t>(R) * vocab);
+      for (float& x : flat) {
+        x = kind == 1 ? static_cast<float>(static_cast<int>(rng() % 48)) / 8.f : normal(rng);
+      }
+      if (kind == 2) {
+        for (int r = 0; r < R; ++r) {
+          float* row = flat.data() + static_cast<size_t>(r) * vocab;
+          row[rng() % vocab] = std::numeric_limits<float>::quiet_NaN();
+          row[rng() % vocab] = -std::numeric_limits<float>::infinity();
+          row[rng() % vocab] = -0.f;
+          row[rng() % vocab] = 0.f;
+        }
+      }
+      cuda::DeviceBuffer logits = to_device(flat, DType::kF32);
+      auto keys = cuda::DeviceBuffer::create(R * sizeof(unsigned long long));
+      ASSERT_TRUE(keys.ok());
+      ASSERT_EQ(cuda::argmax_rows(logits.as<float>(), R, vocab,
+                                  keys.value().as<unsigned long long>(), nullptr),
+                cudaSuccess);
+      std::vector<int32_t> rows, top_k;
+      std::vector<float> top_p, temps;
+      std::vector<double> inv_t, u01;
+      for (int i = 0; i < 24; ++i) {
+        rows.push_back(static_cast<int32_t>(rng() % R));
+        const int kc = static_cast<int>(rng() % 4);
+        top_k.push_back(kc == 0 ? 0 : kc == 1 ? 1 : kc == 2 ? 1 + rng() % 64 : 1 + rng() % vocab);
+        const int pc = static_cast<int>(rng() % 3);
+        top_p.push_back(pc == 0 ? 1.f : 0.05f + static_cast<float>(rng() % 95) / 100.f);
+        temps.push_back(0.2f + static_cast<float>(rng() % 30) / 10.f);
+        inv_t.push_back(1.0 / temps.back());
+        u01.push_back(i == 0 ? 0.0 : i == 1 ? 0.999999 : uniform(rng));
+      }
+      const int n = static_cast<int>(rows.size());
+      cuda::DeviceBuffer d_rows = to_device_raw(rows), d_inv_t = to_device_raw(inv_t),
+                         d_u01 = to_device_raw(u01), d_k = to_device_raw(top_k),
+                         d_p = to_device_raw(top_p);
+      auto partials =
+          cuda::DeviceBuffer::create(n * cuda::sample_rows_chunks(vocab) * sizeof(double));
+      auto tokens = cuda::DeviceBuffer::create(n * sizeof(int32_t));
+      ASSERT_TRUE(partials.ok() && tokens.ok());
+      cuda::SampleRowsArgs a;
+      a.logits = logits.as<float>();
+      a.vocab = vocab;
+      a.keys = keys.value().as<unsigned long long>();
+      a.rows = d_rows.as<int32_t>();
+      a.inv_temperature = d_inv_t.as<double>();
+      a.u01 = d_u01.as<double>();
+      a.n = n;
+      a.partials = partials.value().as<double>();
+      a.tokens = tokens.value().as<int32_t>();
+      a.top_k = d_k.as<int32_t>();
+      a.top_p = d_p.as<float>();
+      ASSERT_EQ(cuda::sample_rows(a, nullptr), cudaSuccess);
+      std::vector<int32_t> got(n);
+      ASSERT_EQ(cudaMemcpy(got.data(), tokens.value().data(), n * sizeof(int32_t),
+                           cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      for (int i = 0; i < n; ++i) {
+        const float* row = flat.data() + static_cast<size_t>(rows[i]) * vocab;
+        const int32_t want =
+            kernels::sample_truncated(row, vocab, temps[i], top_k[i], top_p[i], u01[i]);
+        ++draws;
+        if (got[i] == want) continue;
+        ++mismatches;
+        // Only a neighbour within rounding: the host at a nudged draw gives the device's.
+        const int32_t lo = kernels::sample_truncated(row, vocab, temps[i], top_k[i], top_p[i],
+                                                     std::max(0.0, u01[i] - 1e-9));
+        const int32_t hi = kernels::sample_truncated(row, vocab, temps[i], top_k[i], top_p[i],
+                                                     std::min(0.9999999999, u01[i] + 1e-9));
+        EXPECT_TRUE(got[i] == lo || got[i] == hi)
+            << "vocab " << vocab << " kind " << kind << " draw " << i << ": device " << got[i]
+            << ", host " << want << " (top_k " << top_k[i] << ", top_p " << top_p[i] << ", T "
+            << temps[i] << ", u " << u01[i] << ")";
+      }
+    }
+  }
+  std::printf("  %d draws with cuts, %d within rounding of a boundary\n", draws, mismatches);
+  EXPECT_LE(mismatches, draws / 50);
+}
+
 TEST(CudaDeviceTest, ParsesDeviceStrings) {
   EXPECT_EQ(cuda::parse_device("gpu").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(cuda::parse_device("cuda:x").status().code(), StatusCode::kInvalidArgument);

@@ -51,16 +51,19 @@ TEST(SchedulerTest, RowOutputsFollowTheSamplers) {
   EXPECT_EQ(events[0].request_id, 1u);
   EXPECT_EQ(events[0].token, 5);  // From the greedy tokens, not the logits (3).
 
-  // Step 2: request 1 decodes, request 2's prompt completes: its row wants logits.
+  // Step 2: request 1 decodes, request 2's prompt completes: its row is a draw with its
+  // top-k cut, which the model makes (the token comes from `tokens`, not the logits).
   const auto& b2 = sched.build_step();
   ASSERT_EQ(b2.size(), 2u);
   EXPECT_EQ(b2[0].tokens, (std::vector<int32_t>{5}));
-  EXPECT_EQ(kinds(sched.row_outputs()), (std::vector<int>{RowOutput::kGreedy, RowOutput::kLogits}));
+  EXPECT_EQ(kinds(sched.row_outputs()), (std::vector<int>{RowOutput::kGreedy, RowOutput::kSample}));
+  EXPECT_EQ(sched.row_outputs()[1].top_k, 1);
+  EXPECT_EQ(sched.row_outputs()[1].top_p, 1.0f);
   events.clear();
   sched.complete_step(peaked_logits({4, 6}, kVocab), {2, 7}, &events);
   ASSERT_EQ(events.size(), 2u);
   EXPECT_EQ(events[0].token, 2);
-  EXPECT_EQ(events[1].token, 6);  // Sampled from its logits row, not the token 7.
+  EXPECT_EQ(events[1].token, 7);
 
   // A plain-softmax request: its row carries the temperature and the sampler's next
   // draw (the same draw a Sampler with that seed makes first), and takes the token.

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <random>
 #include <set>
 #include <string>
 #include <tuple>
@@ -307,6 +308,83 @@ TEST(SampleSoftmaxTest, InverseTransformInIdOrder) {
   const float inf = std::numeric_limits<float>::infinity();
   const std::vector<float> peaked = {-inf, 1.f, 3.f, 2.f};
   for (double u : {0.0, 0.5, 0.999}) EXPECT_EQ(sample_softmax(peaked.data(), 4, 1e-3f, u), 2);
+}
+
+// sample_truncated on small hand-made rows: the cut sets and the id-order draw.
+TEST(SampleTruncatedTest, CutsAndDrawsInIdOrder) {
+  // Weights 1, 2, 3, 4 at ids 0..3 (T = 1): rank order 3, 2, 1, 0.
+  const std::vector<float> w = {0.f, std::log(2.f), std::log(3.f), std::log(4.f)};
+  // top_k 2: ids 2 and 3 (weights 3, 4), drawn in id order: [0, 3/7) -> 2, then 3.
+  EXPECT_EQ(sample_truncated(w.data(), 4, 1.f, 2, 1.f, 0.0), 2);
+  EXPECT_EQ(sample_truncated(w.data(), 4, 1.f, 2, 1.f, 0.42), 2);
+  EXPECT_EQ(sample_truncated(w.data(), 4, 1.f, 2, 1.f, 0.43), 3);
+  // top_p: total 10; 0.4 is reached by id 3 alone (4 >= 4), 0.41 needs id 2 too.
+  EXPECT_EQ(sample_truncated(w.data(), 4, 1.f, 0, 0.4f, 0.99), 3);
+  EXPECT_EQ(sample_truncated(w.data(), 4, 1.f, 0, 0.41f, 0.0), 2);
+  // top_k 3 then top_p 0.5 of K's 9: 4 < 4.5, 4 + 3 >= 4.5: ids 2 and 3.
+  EXPECT_EQ(sample_truncated(w.data(), 4, 1.f, 3, 0.5f, 0.0), 2);
+  EXPECT_EQ(sample_truncated(w.data(), 4, 1.f, 3, 0.5f, 0.99), 3);
+  // Ties rank by id: four equal logits, top_k 2 keeps ids 0 and 1.
+  const std::vector<float> flat = {1.f, 1.f, 1.f, 1.f};
+  EXPECT_EQ(sample_truncated(flat.data(), 4, 1.f, 2, 1.f, 0.99), 1);
+  EXPECT_EQ(sample_truncated(flat.data(), 4, 1.f, 0, 0.5f, 0.99), 1);  // 0.25 < 0.5 <= 0.5.
+  // NaN ranks last with weight 0; -0 ties with +0 (ids decide).
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> odd = {nan, -0.f, 0.f, -1.f};
+  EXPECT_EQ(sample_truncated(odd.data(), 4, 1.f, 1, 1.f, 0.5), 1);
+  EXPECT_EQ(sample_truncated(odd.data(), 4, 1.f, 3, 1.f, 0.999), 3);
+  // No cut: sample_softmax exactly.
+  EXPECT_EQ(sample_truncated(w.data(), 4, 1.f, 0, 1.f, 0.5), sample_softmax(w.data(), 4, 1.f, 0.5));
+  EXPECT_EQ(sample_truncated(w.data(), 4, 1.f, 4, 1.f, 0.5), sample_softmax(w.data(), 4, 1.f, 0.5));
+}
+
+// Against a brute force of the definition (full sort, K, P by running weight, id-order
+// inverse transform) on random rows with many ties, for many cuts and draws.
+TEST(SampleTruncatedTest, MatchesTheDefinitionOnRandomRows) {
+  std::mt19937 rng(17);
+  for (int trial = 0; trial < 60; ++trial) {
+    const int V = 50 + static_cast<int>(rng() % 3000);
+    std::vector<float> l(V);
+    for (float& x : l) x = static_cast<float>(static_cast<int>(rng() % 40)) / 8.f;  // Ties.
+    const float t = 0.3f + static_cast<float>(rng() % 100) / 50.f;
+    const int k = static_cast<int>(rng() % 3) == 0 ? 0 : 1 + static_cast<int>(rng() % V);
+    const float p = static_cast<int>(rng() % 3) == 0 ? 1.f : 0.05f + (rng() % 90) / 100.f;
+    std::vector<int> order(V);
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(),
+              [&](int a, int b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+    const float mx = l[order[0]];
+    auto w = [&](int i) { return std::exp((l[i] - mx) * (1.0 / t)); };
+    const int nk = k > 0 && k < V ? k : V;
+    std::vector<char> in(V, 0);
+    for (int i = 0; i < nk; ++i) in[order[i]] = 1;
+    if (p < 1.f) {
+      double total = 0;
+      for (int i = 0; i < V; ++i) total += in[i] ? w(i) : 0.0;
+      double acc = 0;
+      int cut = 0;
+      while (cut < nk && acc < p * total) acc += w(order[cut++]);
+      std::fill(in.begin(), in.end(), 0);
+      for (int i = 0; i < std::max(cut, 1); ++i) in[order[i]] = 1;
+    }
+    double mass = 0;
+    for (int i = 0; i < V; ++i) mass += in[i] ? w(i) : 0.0;
+    for (int d = 0; d < 20; ++d) {
+      const double u = std::generate_canonical<double, 53>(rng);
+      int want = -1;
+      double acc = 0;
+      for (int i = 0; i < V && want < 0; ++i) {
+        if (!in[i]) continue;
+        acc += w(i);
+        if (u * mass < acc) want = i;
+      }
+      if (want < 0) {  // Rounding left none: the last member.
+        want = V - 1 - static_cast<int>(std::find(in.rbegin(), in.rend(), 1) - in.rbegin());
+      }
+      ASSERT_EQ(sample_truncated(l.data(), V, t, k, p, u), want)
+          << "V " << V << " T " << t << " top_k " << k << " top_p " << p << " u " << u;
+    }
+  }
 }
 
 }  // namespace
