@@ -334,7 +334,7 @@ __device__ __forceinline__ float key_value(unsigned long long key) {
 constexpr int kSampleChunk = kArgmaxThreads * kArgmaxPerThread;  // 4096 ids per partial sum.
 
 __device__ __forceinline__ double sample_weight(float logit, float mx, double inv_t) {
-  return exp(static_cast<double>(logit - mx) * inv_t);
+  return isnan(logit) ? 0.0 : exp(static_cast<double>(logit - mx) * inv_t);  // As the host.
 }
 
 // Block (chunk c, draw i): the sum of the weights of ids [4096 c, 4096 (c + 1)).
@@ -442,10 +442,7 @@ struct TruncRow {
   int vocab;
   float mx;
   double inv_t;
-  __device__ double weight(int i) const {
-    const float l = logits[i];
-    return isnan(l) ? 0.0 : exp(static_cast<double>(l - mx) * inv_t);
-  }
+  __device__ double weight(int i) const { return sample_weight(logits[i], mx, inv_t); }
   // This thread's contiguous ids (thread order is id order).
   __device__ int seg_begin() const {
     const int per = (vocab + kTruncThreads - 1) / kTruncThreads;

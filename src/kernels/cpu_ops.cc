@@ -366,12 +366,15 @@ int32_t sample_truncated(const float* logits, int64_t vocab, float temperature, 
 int32_t sample_softmax(const float* logits, int64_t vocab, float temperature, double u01) {
   const float mx = logits[argmax(logits, vocab)];
   const double inv_t = 1.0 / temperature;
+  auto weight = [&](int64_t i) {  // NaN: weight 0 (never drawn while another id can be).
+    return std::isnan(logits[i]) ? 0.0 : std::exp((logits[i] - mx) * inv_t);
+  };
   double total = 0.0;
-  for (int64_t i = 0; i < vocab; ++i) total += std::exp((logits[i] - mx) * inv_t);
+  for (int64_t i = 0; i < vocab; ++i) total += weight(i);
   const double target = u01 * total;
   double acc = 0.0;
   for (int64_t i = 0; i < vocab; ++i) {
-    acc += std::exp((logits[i] - mx) * inv_t);
+    acc += weight(i);
     if (target < acc) return static_cast<int32_t>(i);
   }
   return static_cast<int32_t>(vocab - 1);

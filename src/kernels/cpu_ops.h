@@ -86,7 +86,8 @@ int64_t argmax(const float* x, int64_t n);
 
 // A draw from softmax(logits / temperature) by inverse transform at u01 in [0, 1): the
 // first id, in id order, whose cumulative weight exp((logit - max) / temperature)
-// (summed in double) exceeds u01 times the total; the last id if rounding leaves none.
+// (summed in double; 0 for NaN) exceeds u01 times the total; the last id if rounding
+// leaves none.
 int32_t sample_softmax(const float* logits, int64_t vocab, float temperature, double u01);
 
 // A draw from softmax(logits / temperature) cut to top_k (0: no limit) and top_p (1: no

@@ -308,6 +308,12 @@ TEST(SampleSoftmaxTest, InverseTransformInIdOrder) {
   const float inf = std::numeric_limits<float>::infinity();
   const std::vector<float> peaked = {-inf, 1.f, 3.f, 2.f};
   for (double u : {0.0, 0.5, 0.999}) EXPECT_EQ(sample_softmax(peaked.data(), 4, 1e-3f, u), 2);
+  // NaN weighs nothing: never drawn beside a number.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> holes = {nan, 0.f, nan, 0.f, nan};
+  for (double u : {0.0, 0.49, 0.51, 0.999}) {
+    EXPECT_EQ(sample_softmax(holes.data(), 5, 1.f, u), u < 0.5 ? 1 : 3) << u;
+  }
 }
 
 // sample_truncated on small hand-made rows: the cut sets and the id-order draw.
