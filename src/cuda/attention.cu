@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cfloat>
 
 #include "cuda/device_util.cuh"
@@ -16,13 +17,20 @@ namespace flexpert::cuda {
 namespace {
 
 constexpr int kWarps = 4;
+// Split steps of few (token, head) pairs until about this many warps run.
+constexpr int kSplitTargetWarps = 2048;
+constexpr int kMaxSplits = 64;
 
+// Warp (pair idx, split sp of `splits`) takes the chunks sp, sp + splits, ... of 32
+// positions; with splits > 1 it leaves (m, l, unnormalised acc) for the merge.
 template <typename T, int D>
-__global__ void __launch_bounds__(kWarps * 32) attention_kernel(AttentionArgs a) {
+__global__ void __launch_bounds__(kWarps * 32) attention_kernel(AttentionArgs a, int splits) {
   constexpr int kPerLane = D / 32;
   __shared__ __align__(16) float sq[kWarps][D];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const int64_t task = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const int64_t idx = task / splits;
+  const int sp = static_cast<int>(task % splits);
   if (idx >= static_cast<int64_t>(a.num_tokens) * a.num_q_heads) return;
   const int t = static_cast<int>(idx / a.num_q_heads);
   const int h = static_cast<int>(idx % a.num_q_heads);
@@ -40,7 +48,7 @@ __global__ void __launch_bounds__(kWarps * 32) attention_kernel(AttentionArgs a)
   float acc[kPerLane];
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) acc[i] = 0.f;
-  for (int c0 = 0; c0 < len; c0 += 32) {
+  for (int c0 = sp * 32; c0 < len; c0 += splits * 32) {
     const int j = c0 + lane;
     float s = -FLT_MAX;
     if (j < len) {
@@ -89,36 +97,89 @@ __global__ void __launch_bounds__(kWarps * 32) attention_kernel(AttentionArgs a)
     }
     m = m_new;
   }
+  if (splits > 1) {
+    float* part = a.split_scratch + task * (D + 2);
+    if (lane == 0) part[0] = m, part[1] = l;  // A split without positions: -FLT_MAX, 0.
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) part[2 + lane + 32 * i] = acc[i];
+    return;
+  }
   T* o = static_cast<T*>(a.out) + idx * D;
   const float inv = 1.0f / l;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) o[lane + 32 * i] = from_f32<T>(acc[i] * inv);
 }
 
-template <typename T>
-cudaError_t launch(const AttentionArgs& a, cudaStream_t stream) {
-  const int64_t warps = static_cast<int64_t>(a.num_tokens) * a.num_q_heads;
-  const unsigned blocks = static_cast<unsigned>((warps + kWarps - 1) / kWarps);
-  switch (a.head_dim) {
-    case 32:
-      attention_kernel<T, 32><<<blocks, kWarps * 32, 0, stream>>>(a);
-      break;
-    case 64:
-      attention_kernel<T, 64><<<blocks, kWarps * 32, 0, stream>>>(a);
-      break;
-    case 128:
-      attention_kernel<T, 128><<<blocks, kWarps * 32, 0, stream>>>(a);
-      break;
-    case 256:
-      attention_kernel<T, 256><<<blocks, kWarps * 32, 0, stream>>>(a);
-      break;
-    default:
-      return cudaErrorInvalidValue;
+// One warp per (token, head): the splits' softmaxes rescaled to their common maximum.
+template <typename T, int D>
+__global__ void __launch_bounds__(kWarps * 32) attention_merge_kernel(AttentionArgs a, int splits) {
+  constexpr int kPerLane = D / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (idx >= static_cast<int64_t>(a.num_tokens) * a.num_q_heads) return;
+  const float* part = a.split_scratch + idx * splits * (D + 2);
+  float mx = -FLT_MAX;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part[s * (D + 2)]);
+  float l = 0.f, acc[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) acc[i] = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const float* p = part + s * (D + 2);
+    const float w = expf(p[0] - mx);
+    l += p[1] * w;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) acc[i] += p[2 + lane + 32 * i] * w;
+  }
+  T* o = static_cast<T*>(a.out) + idx * D;
+  const float inv = 1.0f / l;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) o[lane + 32 * i] = from_f32<T>(acc[i] * inv);
+}
+
+template <typename T, int D>
+cudaError_t launch_dim(const AttentionArgs& a, cudaStream_t stream) {
+  const int splits = attention_splits(a);
+  const int64_t pairs = static_cast<int64_t>(a.num_tokens) * a.num_q_heads;
+  const unsigned blocks = static_cast<unsigned>((pairs * splits + kWarps - 1) / kWarps);
+  attention_kernel<T, D><<<blocks, kWarps * 32, 0, stream>>>(a, splits);
+  if (splits > 1) {
+    const unsigned merge_blocks = static_cast<unsigned>((pairs + kWarps - 1) / kWarps);
+    attention_merge_kernel<T, D><<<merge_blocks, kWarps * 32, 0, stream>>>(a, splits);
   }
   return cudaGetLastError();
 }
 
+template <typename T>
+cudaError_t launch(const AttentionArgs& a, cudaStream_t stream) {
+  switch (a.head_dim) {
+    case 32:
+      return launch_dim<T, 32>(a, stream);
+    case 64:
+      return launch_dim<T, 64>(a, stream);
+    case 128:
+      return launch_dim<T, 128>(a, stream);
+    case 256:
+      return launch_dim<T, 256>(a, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
 }  // namespace
+
+int64_t attention_split_floats(int head_dim) {
+  // splits > 1 only below the target, so pairs * splits < 2 * target.
+  return int64_t{2} * kSplitTargetWarps * (head_dim + 2);
+}
+
+int attention_splits(const AttentionArgs& a) {
+  const int64_t pairs = static_cast<int64_t>(a.num_tokens) * a.num_q_heads;
+  if (a.split_scratch == nullptr || pairs <= 0 || pairs >= kSplitTargetWarps) return 1;
+  int splits =
+      static_cast<int>(std::min<int64_t>(kMaxSplits, (kSplitTargetWarps + pairs - 1) / pairs));
+  while (splits > 1 && pairs * splits * (a.head_dim + 2) > a.split_capacity) --splits;
+  return splits;
+}
 
 cudaError_t attention(DType dtype, const AttentionArgs& args, cudaStream_t stream) {
   if (args.num_tokens == 0) return cudaSuccess;

@@ -270,6 +270,8 @@ Status CudaQwen3MoeModel::allocate_scratch() {
   FLEX_ASSIGN_OR_RETURN(qkv_, DeviceBuffer::create(T * qkv_dim * sizeof(float)));
   FLEX_ASSIGN_OR_RETURN(q_, DeviceBuffer::create(T * q_dim * esize));
   FLEX_ASSIGN_OR_RETURN(attn_, DeviceBuffer::create(T * q_dim * esize));
+  FLEX_ASSIGN_OR_RETURN(attn_split_,
+                        DeviceBuffer::create(attention_split_floats(c.head_dim) * sizeof(float)));
   bool any_moe = false, any_dense = false;
   for (const Layer& l : layers_) (l.is_moe ? any_moe : any_dense) = true;
   if (any_dense) {
@@ -322,7 +324,9 @@ Status CudaQwen3MoeModel::enqueue_attention(Layer& L, int n) {
                    D,
                    max_seq_len_,
                    static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))),
-                   attn_.data()};
+                   attn_.data(),
+                   attn_split_.as<float>(),
+                   static_cast<int64_t>(attn_split_.num_bytes() / sizeof(float))};
   FLEX_CUDA_TRY(attention(dtype_, aa, s));
   // x += attn @ o_proj^T.
   FLEX_RETURN_IF_ERROR(

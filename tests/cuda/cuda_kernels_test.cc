@@ -512,6 +512,18 @@ TEST_P(CudaAttentionTest, MatchesCpuAttention) {
   const double err = rel_l2(got, want);
   std::printf("  attention %s D=%d: relative L2 vs CPU = %.3g\n", dtype_name(dtype).data(), D, err);
   EXPECT_LT(err, bf ? 1e-2 : 1e-5);
+  // Split over warps (41 tokens x 8 heads -> 7 splits; the decode token's 71 positions
+  // span 3 chunks, so most of its splits are empty) and merged.
+  auto scratch = cuda::DeviceBuffer::create(cuda::attention_split_floats(D) * sizeof(float));
+  ASSERT_TRUE(scratch.ok());
+  a.split_scratch = scratch.value().as<float>();
+  a.split_capacity = cuda::attention_split_floats(D);
+  ASSERT_EQ(cuda::attention_splits(a), 7);
+  ASSERT_EQ(cuda::attention(dtype, a, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const double err_split = rel_l2(to_host(out_d.value().data(), q.size(), dtype), want);
+  std::printf("  split over 7 warps: relative L2 vs CPU = %.3g\n", err_split);
+  EXPECT_LT(err_split, bf ? 1e-2 : 1e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(HeadDims, CudaAttentionTest,
