@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Causal grouped-query attention over the paged-by-slot KV cache (kernels.h).
-// NOTE: one warp per (token, query head) with an online softmax over chunks of
+// NOTE: one warp per (token, query head, split) with an online softmax over chunks of
 // 32 keys (a lane scores one key, then the warp accumulates the 32 values with
-// each lane owning D / 32 output dims). Correct for prefill and decode alike;
+// each lane owning D / 32 output dims); steps of few pairs split the chunks over
+// several warps and merge (kernels.h). Correct for prefill and decode alike;
 // a tensor-core flash kernel would be the next step for long prompts.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
