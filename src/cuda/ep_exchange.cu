@@ -79,19 +79,22 @@ __global__ void __launch_bounds__(1024) ep_publish_kernel(EpArgs a, int num_pair
 
 __global__ void ep_wait_kernel(EpArgs a, int which) {
   const int r = threadIdx.x;
-  if (!is_member(a.members, r) || step_failed(a.status)) return;
-  const EpWindow* w = a.peers[a.me].window;
-  const uint64_t* flag = which == 0 ? &w->ready[r] : &w->done[r];
-  const int64_t start = global_ns();
-  while (load_acquire_sys(flag) < a.value) {
-    if (step_failed(a.status)) return;  // Another member's wait gave up.
-    if (*a.abort != 0 || global_ns() - start > a.timeout_ns) {
-      atomicOr(reinterpret_cast<unsigned long long*>(&a.status->missing), 1ull << r);
-      fail(a.status);
-      return;
+  if (is_member(a.members, r) && !step_failed(a.status)) {
+    const EpWindow* w = a.peers[a.me].window;
+    const uint64_t* flag = which == 0 ? &w->ready[r] : &w->done[r];
+    const int64_t start = global_ns();
+    while (load_acquire_sys(flag) < a.value) {
+      if (step_failed(a.status)) break;  // Another member's wait gave up.
+      if (*a.abort != 0 || global_ns() - start > a.timeout_ns) {
+        atomicOr(reinterpret_cast<unsigned long long*>(&a.status->missing), 1ull << r);
+        fail(a.status);
+        break;
+      }
+      __nanosleep(100);
     }
-    __nanosleep(100);
   }
+  __syncthreads();
+  if (r == 0 && !step_failed(a.status)) *a.progress = 2 * a.value + which;
 }
 
 constexpr int kGatherThreads = 256;
@@ -136,10 +139,18 @@ __global__ void __launch_bounds__(kGatherThreads)
     if (!is_member(a.members, src)) continue;
     const EpPeer& peer = a.peers[src];
     const int np = load_peer(&peer.window->num_pairs);
+    const int cnt = first[src + 1] - first[src];  // What src announced for this owner.
     for (int p = warp; p < np; p += num_warps) {
       const int s = load_peer(peer.slot + p);
       if (s < first_slot || s >= first_slot + a.slots_per_rank) continue;
-      const int row = first[src] + load_peer(peer.pos + p);
+      const int at = load_peer(peer.pos + p);
+      if (at < 0 || at >= cnt) {
+        // Inconsistent with its counts (a source past a failed wait already rewriting its
+        // slots): never write outside this source's rows.
+        if (lane == 0) fail(a.status);
+        continue;
+      }
+      const int row = first[src] + at;
       if (lane == 0) local_slot[row] = s - first_slot;
       const uint4* from =
           static_cast<const uint4*>(peer.h) + static_cast<int64_t>(p / a.top_k) * row_vecs;

@@ -6,7 +6,7 @@
 // Every rank owns one EpWindow (device memory peers map) and exposes, besides it, its
 // routed rows h ([T, H], the model's dtype), its pairs' global slots, and, as the owner of
 // slots, its computed rows y and their row_of_pair table. One MoE layer, with v the
-// exchange's value ((epoch << 32) | exchange index in that epoch):
+// exchange's value ((epoch << 40) | exchange index in that epoch):
 //   1. ep_publish (source): pos[p] := place of pair p among this rank's pairs to the owner
 //      of its slot, cnt[o] := pairs to owner o; then ready[me] := v in every member's window.
 //   2. ep_wait (ready): every member's ready entry in this window reaches v.
@@ -74,6 +74,7 @@ struct EpArgs {
   uint64_t value = 0;
   EpStatus* status = nullptr;               // Device memory, zero while the step is sound.
   const volatile int32_t* abort = nullptr;  // Pinned host memory the host sets.
+  volatile uint64_t* progress = nullptr;    // Pinned host memory: the last wait passed.
   int64_t timeout_ns = 0;
 };
 

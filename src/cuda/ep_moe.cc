@@ -22,6 +22,9 @@ constexpr int kChunkRows = 8192;
 // Rows one owner may receive in a device exchange step (more: the host exchange).
 constexpr int64_t kMaxDeviceRows = 65536;
 
+// Exchanges of one epoch (the value's low 40 bits): years at thousands a second.
+constexpr uint64_t kExchangesPerEpoch = uint64_t{1} << 40;
+
 // What a rank publishes (transport region kWindowRegion) so that peers map its buffers.
 constexpr int kWindowRegion = 1 << 20;
 constexpr uint64_t kWindowMagic = 0x3157504558454c46ULL;  // "FLEXEPW1", little-endian.
@@ -356,13 +359,26 @@ Status DeviceEpMoe::run_step(int n, int num_real, int bucket, bool graphs,
     bound = static_cast<int>(std::min<int64_t>(pairs, device_cap_));
     if (on_device) FLEX_RETURN_IF_ERROR(map_peers(ep_->group()));
   }
+  if (on_device) {
+    Status s;
+    for (int seg = 0; s.ok() && seg < num_segments; ++seg) {
+      if (n > 0) s = run_segment(seg, bucket, capture, enqueue_segment);
+      if (s.ok() && seg + 1 < num_segments) {
+        s = enqueue_device_exchange(seg, n, num_real, bound, ep_->group());
+      }
+    }
+    if (s.ok()) return finish_device_step(ep_->group());
+    // Exchanges already enqueued must not outlive the step: abort their waits, drain.
+    *abort_.as<int32_t>() = 1;
+    (void)cudaStreamSynchronize(stream_);
+    *abort_.as<int32_t>() = 0;
+    (void)cudaMemsetAsync(status_.data(), 0, sizeof(EpStatus), stream_);
+    (void)cudaStreamSynchronize(stream_);
+    return s;
+  }
   for (int seg = 0; seg < num_segments; ++seg) {
     if (n > 0) FLEX_RETURN_IF_ERROR(run_segment(seg, bucket, capture, enqueue_segment));
     if (seg + 1 == num_segments) break;
-    if (on_device) {
-      FLEX_RETURN_IF_ERROR(enqueue_device_exchange(seg, n, num_real, bound, ep_->group()));
-      continue;
-    }
     if (device_exchange_ && n > 0) FLEX_RETURN_IF_ERROR(enqueue_route_copies(n));
     if (n > 0) FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));  // Routed rows on the host.
     FLEX_RETURN_IF_ERROR(exchange(seg, num_real));
@@ -372,7 +388,6 @@ Status DeviceEpMoe::run_step(int n, int num_real, int bucket, bool graphs,
                                     cudaMemcpyHostToDevice, stream_));
     }
   }
-  if (on_device) return finish_device_step(ep_->group());
   return Status();
 }
 
@@ -390,8 +405,10 @@ Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
                                           sizeof(int64_t)));
   FLEX_ASSIGN_OR_RETURN(status_host_, PinnedBuffer::create(sizeof(EpStatus)));
   FLEX_ASSIGN_OR_RETURN(abort_, PinnedBuffer::create(sizeof(int32_t)));
+  FLEX_ASSIGN_OR_RETURN(progress_, PinnedBuffer::create(sizeof(uint64_t)));
   std::memset(status_host_.data(), 0, sizeof(EpStatus));
   std::memset(abort_.data(), 0, sizeof(int32_t));
+  std::memset(progress_.data(), 0, sizeof(uint64_t));
   FLEX_ASSIGN_OR_RETURN(step_done_, Event::create());
   self_.window = window_.as<EpWindow>();
   self_.pos = reinterpret_cast<const int32_t*>(self_.window + 1);
@@ -442,6 +459,7 @@ Status DeviceEpMoe::map_peers(const Group& group) {
   }
   Transport& transport = ep_->transport();
   const int me = transport.rank();
+  FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));  // Nothing reads the mappings replaced below.
   std::vector<EpPeer> table(kEpMaxRanks);
   std::vector<bool> member(mapped_.size(), false);
   for (int r : group.ranks) {
@@ -510,6 +528,7 @@ EpArgs DeviceEpMoe::exchange_args(const Group& group) const {
   a.dtype = config_.dims.dtype;
   a.status = status_.as<EpStatus>();
   a.abort = abort_.as<int32_t>();
+  a.progress = progress_.as<uint64_t>();
   // The host aborts waits on a dead peer or at the transport's timeout; this is a backstop.
   a.timeout_ns = int64_t{2} * ep_->transport().timeout_ms() * 1'000'000;
   return a;
@@ -520,7 +539,11 @@ Status DeviceEpMoe::enqueue_device_exchange(int seg, int n, int num_real, int bo
   const int layer = config_.moe_layers[seg];
   const MoeDims& d = config_.dims;
   EpArgs a = exchange_args(group);
-  a.value = (group.epoch << 32) | ++exchange_index_;
+  if (exchange_index_ + 1 >= kExchangesPerEpoch || group.epoch >= (uint64_t{1} << 24)) {
+    return resource_exhausted("expert-parallel exchange values of epoch " +
+                              std::to_string(group.epoch) + " are used up (a new epoch resets)");
+  }
+  a.value = (group.epoch << 40) | ++exchange_index_;
   int32_t* pos = reinterpret_cast<int32_t*>(window_.as<EpWindow>() + 1);
   FLEX_CUDA_TRY(ep_publish(a, num_real * d.top_k, pos, stream_));
   FLEX_CUDA_TRY(ep_wait(a, /*which=*/0, stream_));
@@ -552,8 +575,11 @@ Status DeviceEpMoe::finish_device_step(const Group& group) {
                                 cudaMemcpyDeviceToHost, stream_));
   FLEX_RETURN_IF_ERROR(step_done_.record(stream_));
   volatile int32_t* abort = abort_.as<int32_t>();
+  const volatile uint64_t* progress = progress_.as<uint64_t>();
   const int64_t start = now_ns();
-  const int64_t deadline = start + int64_t{transport.timeout_ms()} * 1'000'000;
+  const int64_t timeout_ns = int64_t{transport.timeout_ms()} * 1'000'000;
+  int64_t deadline = start + timeout_ns;  // Moved on by every wait that passes.
+  uint64_t seen = *progress;
   int64_t next_check = start + 1'000'000;
   Status gone;  // A member the transport saw end.
   for (;;) {
@@ -571,6 +597,10 @@ Status DeviceEpMoe::finish_device_step(const Group& group) {
         }
       }
       next_check = now + 1'000'000;
+    }
+    if (const uint64_t p = *progress; p != seen) {
+      seen = p;
+      deadline = now + timeout_ns;
     }
     if (*abort == 0 && now >= deadline) *abort = 1;
     if (now - start < 1'000'000) {
@@ -609,6 +639,13 @@ Status DeviceEpMoe::finish_device_step(const Group& group) {
 Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst, size_t bytes,
                               cudaStream_t stream) {
   if (!device_exchange_) return unimplemented("no device exchange");
+  // Every rank's slot buffer of a layer has this rank's shape (one configuration).
+  const size_t buffer_bytes = static_cast<size_t>(config_.num_local_slots) *
+                              config_.dims.slot_elems() * dtype_size(config_.dims.dtype);
+  if (offset + bytes > buffer_bytes || offset + bytes < offset) {
+    return invalid_argument("slot copy of " + std::to_string(bytes) + " bytes at " +
+                            std::to_string(offset) + " past the slot buffer");
+  }
   Transport& transport = ep_->transport();
   const uint8_t* src = nullptr;
   if (src_rank == transport.rank()) {

@@ -174,7 +174,7 @@ class DeviceEpMoe {
   DeviceBuffer status_;      // EpStatus
   DeviceBuffer num_rows_;    // i32: rows received this layer
   DeviceBuffer stats_;       // i64 [MoE layer][local slot]: rows computed
-  PinnedBuffer status_host_, abort_;
+  PinnedBuffer status_host_, abort_, progress_;
   Event step_done_;
   EpPeer self_;
   std::vector<std::unique_ptr<PeerMapping>> mapped_;  // [rank]; null: not mapped

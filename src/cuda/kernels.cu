@@ -454,8 +454,13 @@ struct TruncRow {
   }
 };
 
-// Exclusive scan of one double per thread in thread order; *total gets the sum.
-__device__ double block_exclusive_scan(double v, double* total) {
+// Scan of one double per thread in thread order: this thread's [lower, upper), where a
+// thread's upper is bitwise its successor's lower (no gap, no overlap: exactly one
+// thread holds any point below the total). *total gets the sum.
+struct ScanRange {
+  double lower, upper;
+};
+__device__ ScanRange block_scan(double v, double* total) {
   __shared__ double warp_sums[kTruncThreads / 32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   double incl = v;
@@ -463,16 +468,18 @@ __device__ double block_exclusive_scan(double v, double* total) {
     const double up = __shfl_up_sync(0xffffffffu, incl, o);
     if (lane >= o) incl += up;
   }
+  double excl = __shfl_up_sync(0xffffffffu, incl, 1);
+  if (lane == 0) excl = 0.0;
   __syncthreads();  // warp_sums may still be read by a previous call.
   if (lane == 31) warp_sums[warp] = incl;
   __syncthreads();
-  double base = 0.0, all = 0.0;
+  double base = 0.0, all = 0.0;  // base: the sum before this warp, as `all` passes it.
   for (int w = 0; w < kTruncThreads / 32; ++w) {
-    if (w < warp) base += warp_sums[w];
+    if (w == warp) base = all;
     all += warp_sums[w];
   }
   *total = all;
-  return base + incl - v;
+  return {base + excl, base + incl};
 }
 
 // The cut at the candidate (in rank order, among the members of `within`) at which the
@@ -480,6 +487,10 @@ __device__ double block_exclusive_scan(double v, double* total) {
 // 8 bits a pass, then the ties of that key in id order. Rounding that never reaches the
 // target keeps every member. All threads call it; all get the same cut.
 __device__ Cut select_cut(const TruncRow& row, Cut within, bool by_mass, double target) {
+  if (by_mass && !(target > 0.0)) {
+    by_mass = false;  // No weight to reach (all NaN): the first candidate, as the host.
+    target = 1.0;
+  }
   __shared__ unsigned int hist_n[256];
   __shared__ double hist_w[256];
   __shared__ uint32_t s_prefix;
@@ -491,12 +502,28 @@ __device__ Cut select_cut(const TruncRow& row, Cut within, bool by_mass, double 
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = tid; b < 256; b += kTruncThreads) hist_n[b] = 0, hist_w[b] = 0.0;
     __syncthreads();
-    for (int i = tid; i < row.vocab; i += kTruncThreads) {
-      const uint32_t k = rank_key(row.logits[i]);
-      if ((k & mask) != prefix || !within.has(k, i)) continue;
-      const int bin = (k >> shift) & 255;
-      atomicAdd(&hist_n[bin], 1u);
-      if (by_mass) atomicAdd(&hist_w[bin], row.weight(i));
+    // Lanes of a warp that hit one bin add up first (__match_any_sync): logits crowd into
+    // few bins on the first passes, and one shared atomic per lane there serialises.
+    for (int i0 = tid - tid % 32; i0 < row.vocab; i0 += kTruncThreads) {
+      const int i = i0 + tid % 32;
+      int bin = 256 + tid % 32;  // Unique: no bin.
+      if (i < row.vocab) {
+        const uint32_t k = rank_key(row.logits[i]);
+        if ((k & mask) == prefix && within.has(k, i)) bin = (k >> shift) & 255;
+      }
+      const unsigned same = __match_any_sync(0xffffffffu, bin);
+      const double w = bin < 256 && by_mass ? row.weight(i) : 0.0;
+      double sum = 0.0;
+      if (by_mass) {
+        for (int l = 0; l < 32; ++l) {  // The lanes of `same`, in lane order.
+          const double x = __shfl_sync(0xffffffffu, w, l);
+          if ((same >> l) & 1) sum += x;
+        }
+      }
+      if (bin < 256 && tid % 32 == __ffs(same) - 1) {
+        atomicAdd(&hist_n[bin], static_cast<unsigned>(__popc(same)));
+        if (by_mass) atomicAdd(&hist_w[bin], sum);
+      }
     }
     __syncthreads();
     if (tid == 0) {
@@ -527,22 +554,24 @@ __device__ Cut select_cut(const TruncRow& row, Cut within, bool by_mass, double 
     if (k == prefix && within.has(k, i)) mine += by_mass ? row.weight(i) : 1.0;
   }
   double total;
-  const double base = above + block_exclusive_scan(mine, &total);
-  if (tid == 0) s_id = row.vocab;  // Not reached (rounding): every tie.
+  const ScanRange range = block_scan(mine, &total);
+  const double lower = above + range.lower, upper = above + range.upper;
+  // Not reached (rounding): every tie that `within` has.
+  if (tid == 0) s_id = prefix == within.key ? within.id : row.vocab;
   __syncthreads();
-  // above < target holds (every pass chose the first bin reaching it), so one thread's
-  // range [base, base + mine) holds the crossing, unless rounding left it unreached.
-  if (mine > 0.0 && base < target && base + mine >= target) {
-    double acc = base;
+  // above < target holds (every pass chose the first bin reaching it), so exactly one
+  // thread's (lower, upper] holds the crossing, unless rounding left it unreached.
+  if (lower < target && upper >= target) {
+    double acc = lower;
+    int id = -1;
     for (int i = b; i < e; ++i) {
       const uint32_t k = rank_key(row.logits[i]);
       if (k != prefix || !within.has(k, i)) continue;
       acc += by_mass ? row.weight(i) : 1.0;
-      if (acc >= target) {
-        s_id = i;
-        break;
-      }
+      id = i;
+      if (acc >= target) break;  // Else (the walk's rounding): its last tie.
     }
+    s_id = id;
   }
   __syncthreads();
   const Cut cut{prefix, s_id};
@@ -568,7 +597,7 @@ __global__ void __launch_bounds__(kTruncThreads) sample_truncated_kernel(SampleR
     for (int i = b; i < e; ++i) {
       if (cut.has(rank_key(row.logits[i]), i)) mine += row.weight(i);
     }
-    (void)block_exclusive_scan(mine, &total);
+    (void)block_scan(mine, &total);
     cut = select_cut(row, cut, /*by_mass=*/true, static_cast<double>(top_p) * total);
   }
   // The draw: inverse transform over the members in id order.
@@ -579,14 +608,14 @@ __global__ void __launch_bounds__(kTruncThreads) sample_truncated_kernel(SampleR
     mine += row.weight(i);
     last = i;
   }
-  const double base = block_exclusive_scan(mine, &total);
+  const ScanRange range = block_scan(mine, &total);
   __shared__ int pick, last_member;
   if (threadIdx.x == 0) pick = -1, last_member = -1;
   __syncthreads();
   atomicMax(&last_member, last);
   const double target = a.u01[d] * total;
-  if (last >= 0 && target >= base && target < base + mine) {
-    double acc = base;
+  if (last >= 0 && target >= range.lower && target < range.upper) {
+    double acc = range.lower;
     int p = last;
     for (int i = b; i < e; ++i) {
       if (!cut.has(rank_key(row.logits[i]), i)) continue;

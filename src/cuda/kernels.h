@@ -156,8 +156,9 @@ __host__ __device__
 // 0 < top_k[i] < vocab or top_p[i] < 1) are kernels::sample_truncated instead: one block
 // per draw finds the cut's last candidate by radix selection over the ordered logit bits
 // (8 bits a pass; counts for top-k, weights in double for top-p), ties in id order, then
-// draws over the members in id order; the weights' sums differ from the host's order, so
-// again only a draw within rounding of a boundary may differ.
+// draws over the members in id order; the weights' sums differ from the host's order (and
+// the top-p histograms' atomic sums from run to run), so again only a draw within
+// rounding of a boundary may differ.
 struct SampleRowsArgs {
   const float* logits;
   int vocab;

@@ -3,6 +3,7 @@
 // every GEMM tile, f32 and bf16, several token counts, replicated slots.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -647,7 +648,10 @@ TEST(CudaArgmaxTest, SampleRowsWithCutsMatchHostSampling) {
         x = kind == 1 ? static_cast<float>(static_cast<int>(rng() % 48)) / 8.f : normal(rng);
       }
       if (kind == 2) {
-        for (int r = 0; r < R; ++r) {
+        // Row 3 all NaN (no weight anywhere), the others with a few odd values.
+        std::fill(flat.begin() + 3 * static_cast<size_t>(vocab), flat.end(),
+                  std::numeric_limits<float>::quiet_NaN());
+        for (int r = 0; r < R - 1; ++r) {
           float* row = flat.data() + static_cast<size_t>(r) * vocab;
           row[rng() % vocab] = std::numeric_limits<float>::quiet_NaN();
           row[rng() % vocab] = -std::numeric_limits<float>::infinity();
@@ -670,6 +674,9 @@ TEST(CudaArgmaxTest, SampleRowsWithCutsMatchHostSampling) {
         top_k.push_back(kc == 0 ? 0 : kc == 1 ? 1 : kc == 2 ? 1 + rng() % 64 : 1 + rng() % vocab);
         const int pc = static_cast<int>(rng() % 3);
         top_p.push_back(pc == 0 ? 1.f : 0.05f + static_cast<float>(rng() % 95) / 100.f);
+        if (kind == 2 && rows.back() == 3 && top_k.back() == 0 && top_p.back() >= 1.f) {
+          top_k.back() = 1 + static_cast<int32_t>(rng() % 4);  // Plain draws need a number.
+        }
         temps.push_back(0.2f + static_cast<float>(rng() % 30) / 10.f);
         inv_t.push_back(1.0 / temps.back());
         u01.push_back(i == 0 ? 0.0 : i == 1 ? 0.999999 : uniform(rng));

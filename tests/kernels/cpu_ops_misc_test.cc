@@ -339,6 +339,9 @@ TEST(SampleTruncatedTest, CutsAndDrawsInIdOrder) {
   const std::vector<float> odd = {nan, -0.f, 0.f, -1.f};
   EXPECT_EQ(sample_truncated(odd.data(), 4, 1.f, 1, 1.f, 0.5), 1);
   EXPECT_EQ(sample_truncated(odd.data(), 4, 1.f, 3, 1.f, 0.999), 3);
+  // All NaN: no weight anywhere; the cut keeps the first candidate (id 0).
+  const std::vector<float> none(4, nan);
+  EXPECT_EQ(sample_truncated(none.data(), 4, 1.f, 2, 0.5f, 0.7), 0);
   // No cut: sample_softmax exactly.
   EXPECT_EQ(sample_truncated(w.data(), 4, 1.f, 0, 1.f, 0.5), sample_softmax(w.data(), 4, 1.f, 0.5));
   EXPECT_EQ(sample_truncated(w.data(), 4, 1.f, 4, 1.f, 0.5), sample_softmax(w.data(), 4, 1.f, 0.5));
