@@ -674,7 +674,8 @@ TEST(CudaArgmaxTest, SampleRowsWithCutsMatchHostSampling) {
         top_k.push_back(kc == 0 ? 0 : kc == 1 ? 1 : kc == 2 ? 1 + rng() % 64 : 1 + rng() % vocab);
         const int pc = static_cast<int>(rng() % 3);
         top_p.push_back(pc == 0 ? 1.f : 0.05f + static_cast<float>(rng() % 95) / 100.f);
-        if (kind == 2 && rows.back() == 3 && top_k.back() == 0 && top_p.back() >= 1.f) {
+        const bool cut = (top_k.back() > 0 && top_k.back() < vocab) || top_p.back() < 1.f;
+        if (kind == 2 && rows.back() == 3 && !cut) {
           top_k.back() = 1 + static_cast<int32_t>(rng() % 4);  // Plain draws need a number.
         }
         temps.push_back(0.2f + static_cast<float>(rng() % 30) / 10.f);
