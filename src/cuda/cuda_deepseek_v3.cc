@@ -368,6 +368,8 @@ Status CudaDeepseekV3Model::allocate_scratch() {
   FLEX_ASSIGN_OR_RETURN(q_, DeviceBuffer::create(T * nh * (c.qk_nope_head_dim + dr) * esize));
   FLEX_ASSIGN_OR_RETURN(q_latent_, DeviceBuffer::create(T * nh * (r + dr) * sizeof(float)));
   FLEX_ASSIGN_OR_RETURN(latent_, DeviceBuffer::create(T * nh * r * esize));
+  FLEX_ASSIGN_OR_RETURN(latent_split_,
+                        DeviceBuffer::create(mla_attention_split_floats(r) * sizeof(float)));
   FLEX_ASSIGN_OR_RETURN(attn_, DeviceBuffer::create(T * nh * c.v_head_dim * esize));
   size_t inter = 0;
   bool any_moe = false;
@@ -426,9 +428,19 @@ Status CudaDeepseekV3Model::enqueue_attention(Layer& L, int n) {
   // Absorb: q_latent[t, h, :r] = W_uk[h]^T q_nope[t, h].
   FLEX_RETURN_IF_ERROR(head_gemm_.run(dtype_, q_.data(), n, nh * q_head, q_head, L.w_uk_t.data(),
                                       nh, r, dn, DType::kF32, q_latent_.data(), nh * row, row));
-  MlaAttentionArgs aa{
-      q_latent_.as<float>(), L.kv_cache.data(), in_.positions, in_.kv_slots, n, nh, r, dr,
-      max_seq_len_,          softmax_scale_,    latent_.data()};
+  MlaAttentionArgs aa{q_latent_.as<float>(),
+                      L.kv_cache.data(),
+                      in_.positions,
+                      in_.kv_slots,
+                      n,
+                      nh,
+                      r,
+                      dr,
+                      max_seq_len_,
+                      softmax_scale_,
+                      latent_.data(),
+                      latent_split_.as<float>(),
+                      static_cast<int64_t>(latent_split_.num_bytes() / sizeof(float))};
   FLEX_CUDA_TRY(mla_attention(dtype_, aa, s));
   // Out of the latent space: attn[t, h] = W_uv[h] latent[t, h]; then x += attn @ o_proj^T.
   FLEX_RETURN_IF_ERROR(head_gemm_.run(dtype_, latent_.data(), n, nh * r, r, L.w_uv.data(), nh, dv,

@@ -140,6 +140,7 @@ class CudaDeepseekV3Model final : public Model {
   StepInputs in_{};
   PinnedBuffer host_in_;  // Same layout as inputs_.
   DeviceBuffer x_, h_, a_, qa_, q_, q_latent_, latent_, attn_, gu_, act_, last_h_, logits_;
+  DeviceBuffer latent_split_;  // Partial softmaxes of split MLA attention (mla_kernels.h).
   PinnedBuffer host_logits_;
   DeviceBuffer greedy_keys_;  // argmax_rows' keys per logits row, and their host copy.
   PinnedBuffer host_greedy_keys_;

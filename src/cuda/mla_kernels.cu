@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <climits>
 
@@ -19,6 +20,9 @@ namespace flexpert::cuda {
 namespace {
 
 constexpr int kWarps = 4;
+// Split steps of few (token, head) pairs until about this many blocks run (two per SM).
+constexpr int kMlaSplitTargetBlocks = 264;
+constexpr int kMlaMaxSplits = 32;
 
 template <typename T>
 __global__ void rms_norm_rows_kernel(const float* x, int64_t x_stride, const float* weight, int dim,
@@ -77,12 +81,14 @@ __global__ void mla_rope_store_kernel(MlaRopeArgs a) {
 // with its own online softmax, and the block merges the four partial results. Lane l
 // owns latent dims [l * kPerLane, (l + 1) * kPerLane).
 template <typename T, int kPerLane>
-__global__ void __launch_bounds__(kWarps * 32) mla_attention_kernel(MlaAttentionArgs a) {
+__global__ void __launch_bounds__(kWarps * 32)
+    mla_attention_kernel(MlaAttentionArgs a, int splits) {
   extern __shared__ __align__(16) float smem_q[];  // [row] query, then [kWarps][r] partials
   __shared__ float part_m[kWarps], part_l[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = a.kv_lora_rank + a.rope_dim;
-  const int64_t idx = blockIdx.x;  // t * heads + h
+  const int64_t idx = blockIdx.x / splits;  // t * heads + h
+  const int sp = static_cast<int>(blockIdx.x % splits);
   const int t = static_cast<int>(idx / a.num_heads);
   const int len = a.positions[t] + 1;
   float* q = smem_q;
@@ -96,7 +102,7 @@ __global__ void __launch_bounds__(kWarps * 32) mla_attention_kernel(MlaAttention
   float acc[kPerLane];
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) acc[i] = 0.f;
-  for (int c0 = warp * 32; c0 < len; c0 += kWarps * 32) {
+  for (int c0 = (sp * kWarps + warp) * 32; c0 < len; c0 += splits * kWarps * 32) {
     const int j = c0 + lane;
     float s = -FLT_MAX;
     if (j < len) {
@@ -178,12 +184,46 @@ __global__ void __launch_bounds__(kWarps * 32) mla_attention_kernel(MlaAttention
   float total = 0.f;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) total += part_l[w] * expf(part_m[w] - mx);
+  if (splits > 1) {
+    // This split's (max, sum, unnormalised latent) for mla_merge_kernel; a split without
+    // rows leaves (-FLT_MAX, 0, 0).
+    float* out = a.split_scratch + static_cast<int64_t>(blockIdx.x) * (a.kv_lora_rank + 2);
+    if (threadIdx.x == 0) out[0] = mx, out[1] = total;
+    for (int d = threadIdx.x; d < a.kv_lora_rank; d += kWarps * 32) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sum += part[w * a.kv_lora_rank + d];
+      out[2 + d] = sum;
+    }
+    return;
+  }
   const float inv = 1.0f / total;
   T* o = static_cast<T*>(a.out) + idx * a.kv_lora_rank;
   for (int d = threadIdx.x; d < a.kv_lora_rank; d += kWarps * 32) {
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) sum += part[w * a.kv_lora_rank + d];
+    o[d] = from_f32<T>(sum * inv);
+  }
+}
+
+// One block per (token, head): the splits' partial softmaxes at their common maximum.
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32) mla_merge_kernel(MlaAttentionArgs a, int splits) {
+  const int64_t idx = blockIdx.x;
+  const int r = a.kv_lora_rank;
+  const float* part = a.split_scratch + idx * splits * (r + 2);
+  float mx = -FLT_MAX;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part[s * (r + 2)]);
+  float total = 0.f;
+  for (int s = 0; s < splits; ++s) total += part[s * (r + 2) + 1] * expf(part[s * (r + 2)] - mx);
+  const float inv = 1.0f / total;
+  T* o = static_cast<T*>(a.out) + idx * r;
+  for (int d = threadIdx.x; d < r; d += kWarps * 32) {
+    float sum = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      sum += part[s * (r + 2) + 2 + d] * expf(part[s * (r + 2)] - mx);
+    }
     o[d] = from_f32<T>(sum * inv);
   }
 }
@@ -301,32 +341,51 @@ __global__ void grouped_topk_kernel(GroupedTopkArgs a) {
 
 template <typename T>
 cudaError_t launch_attention(const MlaAttentionArgs& a, cudaStream_t stream) {
-  const unsigned blocks = static_cast<unsigned>(static_cast<int64_t>(a.num_tokens) * a.num_heads);
+  const int splits = mla_attention_splits(a);
+  const int64_t pairs = static_cast<int64_t>(a.num_tokens) * a.num_heads;
+  const unsigned blocks = static_cast<unsigned>(pairs * splits);
   const size_t smem =
       (static_cast<size_t>(a.kv_lora_rank + a.rope_dim) + kWarps * a.kv_lora_rank) * sizeof(float);
   switch (a.kv_lora_rank) {
     case 32:
-      mla_attention_kernel<T, 1><<<blocks, kWarps * 32, smem, stream>>>(a);
+      mla_attention_kernel<T, 1><<<blocks, kWarps * 32, smem, stream>>>(a, splits);
       break;
     case 64:
-      mla_attention_kernel<T, 2><<<blocks, kWarps * 32, smem, stream>>>(a);
+      mla_attention_kernel<T, 2><<<blocks, kWarps * 32, smem, stream>>>(a, splits);
       break;
     case 128:
-      mla_attention_kernel<T, 4><<<blocks, kWarps * 32, smem, stream>>>(a);
+      mla_attention_kernel<T, 4><<<blocks, kWarps * 32, smem, stream>>>(a, splits);
       break;
     case 256:
-      mla_attention_kernel<T, 8><<<blocks, kWarps * 32, smem, stream>>>(a);
+      mla_attention_kernel<T, 8><<<blocks, kWarps * 32, smem, stream>>>(a, splits);
       break;
     case 512:
-      mla_attention_kernel<T, 16><<<blocks, kWarps * 32, smem, stream>>>(a);
+      mla_attention_kernel<T, 16><<<blocks, kWarps * 32, smem, stream>>>(a, splits);
       break;
     default:
       return cudaErrorInvalidValue;
+  }
+  if (splits > 1) {
+    mla_merge_kernel<T><<<static_cast<unsigned>(pairs), kWarps * 32, 0, stream>>>(a, splits);
   }
   return cudaGetLastError();
 }
 
 }  // namespace
+
+int64_t mla_attention_split_floats(int kv_lora_rank) {
+  // splits > 1 only below the target, so pairs * splits < 2 * target.
+  return int64_t{2} * kMlaSplitTargetBlocks * (kv_lora_rank + 2);
+}
+
+int mla_attention_splits(const MlaAttentionArgs& a) {
+  const int64_t pairs = static_cast<int64_t>(a.num_tokens) * a.num_heads;
+  if (a.split_scratch == nullptr || pairs <= 0 || pairs >= kMlaSplitTargetBlocks) return 1;
+  int splits = static_cast<int>(
+      std::min<int64_t>(kMlaMaxSplits, (kMlaSplitTargetBlocks + pairs - 1) / pairs));
+  while (splits > 1 && pairs * splits * (a.kv_lora_rank + 2) > a.split_capacity) --splits;
+  return splits;
+}
 
 cudaError_t rms_norm_rows(DType dtype, const float* x, int64_t x_stride, const float* weight,
                           int rows, int dim, float eps, void* out, cudaStream_t stream) {

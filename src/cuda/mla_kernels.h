@@ -52,6 +52,10 @@ cudaError_t mla_rope_store(DType dtype, const MlaRopeArgs& args, cudaStream_t st
 // rope_dim) against rows [0, positions[t]] of cache slot kv_slots[t] (scale * dot),
 // softmax, and writes the weighted sum of the latents to out[t, h, :kv_lora_rank] (dtype).
 // kv_lora_rank 32, 64, 128, 256 or 512; rope_dim a multiple of 8.
+// With split_scratch (split_capacity floats; mla_attention_split_floats(kv_lora_rank)
+// suffice), steps of few (token, head) pairs split each one's rows over several blocks
+// (their number depends on the step's tokens only: graph-safe) and a second kernel
+// merges them (flash-decoding).
 struct MlaAttentionArgs {
   const float* q_latent;
   const void* cache;
@@ -60,8 +64,12 @@ struct MlaAttentionArgs {
   int num_tokens, num_heads, kv_lora_rank, rope_dim, max_seq_len;
   float scale;
   void* out;
+  float* split_scratch = nullptr;
+  int64_t split_capacity = 0;
 };
 cudaError_t mla_attention(DType dtype, const MlaAttentionArgs& args, cudaStream_t stream);
+int64_t mla_attention_split_floats(int kv_lora_rank);
+int mla_attention_splits(const MlaAttentionArgs& args);
 
 // DeepSeek's router on f32 logits [T, E], as select_experts_grouped (moe/moe_layer.h):
 // scores = sigmoid or softmax; choice = scores + bias (method kNoauxTc) else scores;
