@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // MLA and DeepSeek router kernels (see mla_kernels.h).
-// NOTE: mla_attention is one block per (token, head), its four warps splitting the
-// cached rows (chunks of 32: a lane scores one row, then the warp accumulates the 32
+// NOTE: mla_attention is one block per (token, head, split), its four warps splitting
+// the cached rows (chunks of 32: a lane scores one row, then the warp accumulates the 32
 // latents, each lane owning kv_lora_rank / 32 consecutive dims), each with an online
-// softmax, merged at the end (split-K as flash-decoding does). Correct for prefill and
+// softmax, merged at the end (split-K as flash-decoding does); steps of few pairs split
+// over several blocks and a second kernel merges them. Correct for prefill and
 // decode; a tensor-core kernel sharing rows across all heads of a token would be the
 // next step for long contexts and large batches.
 #include <cuda_bf16.h>
