@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <thread>
 
@@ -31,6 +32,7 @@ constexpr uint64_t kWindowMagic = 0x3157504558454c46ULL;  // "FLEXEPW1", little-
 enum WindowBuffer { kWindow, kRouteH, kRouteSlot, kY, kRowOfPair, kNumWindowBuffers };
 struct WindowInfo {
   uint64_t magic;
+  uint64_t process;  // process_token() of the owner: same process, same addresses.
   int32_t pid;
   int32_t pad;
   struct Buffer {
@@ -44,6 +46,7 @@ constexpr int kSlotsRegion = kWindowRegion + 1;
 constexpr uint64_t kSlotsMagic = 0x3153504558454c46ULL;  // "FLEXEPS1", little-endian.
 struct SlotsInfo {
   uint64_t magic;
+  uint64_t process;
   int32_t pid;
   int32_t num_layers;
   // Followed by num_layers entries.
@@ -54,6 +57,16 @@ struct SlotsEntry {
   uint64_t address;
   cudaIpcMemHandle_t handle;
 };
+
+// Tells this process apart from every other on the host (a pid alone does not across PID
+// namespaces): ranks of one process use each other's addresses, not IPC handles.
+uint64_t process_token() {
+  static const uint64_t token = [] {
+    std::random_device rd;
+    return (uint64_t{rd()} << 32) ^ rd() ^ static_cast<uint64_t>(getpid());
+  }();
+  return token;
+}
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -421,6 +434,7 @@ Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
   // device step of an epoch that has this rank.
   WindowInfo info{};
   info.magic = kWindowMagic;
+  info.process = process_token();
   info.pid = static_cast<int32_t>(getpid());
   const void* buffers[kNumWindowBuffers] = {self_.window, self_.h, self_.slot, self_.y,
                                             self_.row_of_pair};
@@ -433,7 +447,8 @@ Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
   std::memcpy(region.data, &info, sizeof(info));
   // And the slot buffers of every MoE layer, for peers' weight movers.
   std::vector<uint8_t> slots(sizeof(SlotsInfo) + config_.moe_layers.size() * sizeof(SlotsEntry));
-  SlotsInfo head{kSlotsMagic, info.pid, static_cast<int32_t>(config_.moe_layers.size())};
+  SlotsInfo head{kSlotsMagic, info.process, info.pid,
+                 static_cast<int32_t>(config_.moe_layers.size())};
   std::memcpy(slots.data(), &head, sizeof(head));
   for (size_t i = 0; i < config_.moe_layers.size(); ++i) {
     SlotsEntry e{};
@@ -483,7 +498,7 @@ Status DeviceEpMoe::map_peers(const Group& group) {
       m->info = info;
       void* at[kNumWindowBuffers];
       for (int b = 0; b < kNumWindowBuffers; ++b) {
-        if (info.pid == static_cast<int32_t>(getpid())) {
+        if (info.process == process_token()) {
           at[b] = reinterpret_cast<void*>(info.buffers[b].address);  // A rank of this process.
           continue;
         }
@@ -504,9 +519,15 @@ Status DeviceEpMoe::map_peers(const Group& group) {
     }
     table[r] = m->peer;
   }
-  // Departed ranks: nothing runs that reads them (the last step finished).
-  for (size_t r = 0; r < mapped_.size(); ++r) {
-    if (!member[r]) mapped_[r].reset();
+  // Departed ranks: nothing runs that reads them (the last step finished; a slot copy
+  // holds slots_mu_ until it landed).
+  {
+    std::lock_guard<std::mutex> lock(slots_mu_);
+    for (size_t r = 0; r < mapped_.size(); ++r) {
+      if (member[r]) continue;
+      mapped_[r].reset();
+      slot_maps_[r].reset();
+    }
   }
   FLEX_CUDA_TRY(cudaMemcpyAsync(peer_table_.data(), table.data(), kEpMaxRanks * sizeof(EpPeer),
                                 cudaMemcpyHostToDevice, stream_));
@@ -648,6 +669,8 @@ Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst,
   }
   Transport& transport = ep_->transport();
   const uint8_t* src = nullptr;
+  // Held until the copy landed: map_peers releases a departed rank's mappings under it.
+  std::lock_guard<std::mutex> lock(slots_mu_);
   if (src_rank == transport.rank()) {
     src = static_cast<const uint8_t*>(config_.layer_slots(layer));
   } else {
@@ -664,7 +687,6 @@ Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst,
         head.num_layers != static_cast<int32_t>(config_.moe_layers.size())) {
       return data_loss("rank " + std::to_string(src_rank) + " published no slot buffers");
     }
-    std::lock_guard<std::mutex> lock(slots_mu_);
     std::unique_ptr<SlotMapping>& m = slot_maps_[src_rank];
     if (m == nullptr || m->info != info) {
       m = std::make_unique<SlotMapping>();  // A new rank or incarnation.
@@ -677,7 +699,7 @@ Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst,
         SlotsEntry e;
         std::memcpy(&e, info.data() + sizeof(SlotsInfo) + i * sizeof(SlotsEntry), sizeof(e));
         if (e.layer != layer) continue;
-        if (head.pid == static_cast<int32_t>(getpid())) {
+        if (head.process == process_token()) {
           src = reinterpret_cast<const uint8_t*>(e.address);  // A rank of this process.
         } else {
           FLEX_ASSIGN_OR_RETURN(std::unique_ptr<cuda_ipc::IpcMapping> mapped,
@@ -690,7 +712,9 @@ Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst,
     }
   }
   if (src == nullptr) return invalid_argument("layer " + std::to_string(layer) + " has no slots");
+  if (src + offset == dst) return Status();  // A slot onto itself.
   FLEX_CUDA_TRY(cudaMemcpyAsync(dst, src + offset, bytes, cudaMemcpyDeviceToDevice, stream));
+  FLEX_CUDA_TRY(cudaStreamSynchronize(stream));
   return Status();
 }
 

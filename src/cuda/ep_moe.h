@@ -119,10 +119,11 @@ class DeviceEpMoe {
   bool graphs_failed() const { return graphs_failed_; }
   bool device_exchange() const { return device_exchange_; }
 
-  // Enqueues on `stream` a device-to-device copy of `bytes` at `offset` of rank src_rank's
-  // slots of `layer` (this rank's own too) into `dst`. The weight mover's thread: it maps
-  // peers' slot buffers itself (handles in the transport region kSlotsRegion, published at
-  // load), apart from the step's mappings.
+  // Copies `bytes` at `offset` of rank src_rank's slots of `layer` (this rank's own too)
+  // into `dst`, device to device on `stream`, and returns once it landed. The weight
+  // mover's thread: it maps peers' slot buffers itself (handles in the transport region
+  // kSlotsRegion, published at load), apart from the step's mappings; a departed rank's
+  // are released at the next epoch's map_peers.
   Status copy_slot(int layer, int src_rank, size_t offset, void* dst, size_t bytes,
                    cudaStream_t stream);
 

@@ -499,9 +499,11 @@ struct StepDriver {
     uint8_t* dst = m.layers_[layer].slots.template as<uint8_t>() + local_slot * bytes;
     cudaStream_t s = m.upload_stream_.get();
     FLEX_RETURN_IF_ERROR(m.ep_moe_->copy_slot(layer, src_rank, src_slot * bytes, dst, bytes, s));
-    FLEX_CUDA_TRY(
-        cudaMemcpyAsync(mirror->slot_data(local_slot), dst, bytes, cudaMemcpyDeviceToHost, s));
-    return m.upload_stream_.synchronize();
+    const cudaError_t err =
+        cudaMemcpyAsync(mirror->slot_data(local_slot), dst, bytes, cudaMemcpyDeviceToHost, s);
+    const Status landed = m.upload_stream_.synchronize();  // Also after a failed enqueue.
+    FLEX_CUDA_TRY(err);
+    return landed;
   }
 
   // Rewrites the device routing tables in place (no reallocation: graphs stay valid).
