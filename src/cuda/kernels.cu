@@ -352,6 +352,35 @@ __global__ void __launch_bounds__(kArgmaxThreads) sample_partials_kernel(SampleR
   if (threadIdx.x == 0) a.partials[static_cast<size_t>(i) * gridDim.x + c] = total;
 }
 
+// Scan of one double per thread in thread order: this thread's [lower, upper), where a
+// thread's upper is bitwise its successor's lower (no gap, no overlap: exactly one
+// thread holds any point below the total). *total gets the sum. blockDim.x: a multiple of
+// 32; every thread calls it.
+struct ScanRange {
+  double lower, upper;
+};
+__device__ ScanRange block_scan(double v, double* total) {
+  __shared__ double warp_sums[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  double incl = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const double up = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += up;
+  }
+  double excl = __shfl_up_sync(0xffffffffu, incl, 1);
+  if (lane == 0) excl = 0.0;
+  __syncthreads();  // warp_sums may still be read by a previous call.
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  double base = 0.0, all = 0.0;  // base: the sum before this warp, as `all` passes it.
+  for (int w = 0; w < static_cast<int>(blockDim.x) / 32; ++w) {
+    if (w == warp) base = all;
+    all += warp_sums[w];
+  }
+  *total = all;
+  return {base + excl, base + incl};
+}
+
 // Block i: the chunk where the cumulative sum crosses u01 x total (thread 0 walks the
 // partials), then the id inside it: each thread owns 16 consecutive ids, an exclusive
 // scan of the threads' sums finds the one whose range holds the target, and it walks
@@ -365,7 +394,6 @@ __global__ void __launch_bounds__(kArgmaxThreads) sample_pick_kernel(SampleRowsA
   const double* part = a.partials + static_cast<size_t>(i) * chunks;
   __shared__ int chunk;
   __shared__ double rem;
-  __shared__ double warp_sums[kArgmaxThreads / 32];
   __shared__ int token;
   if (threadIdx.x == 0) {
     double total = 0.0;
@@ -391,21 +419,9 @@ __global__ void __launch_bounds__(kArgmaxThreads) sample_pick_kernel(SampleRowsA
   const int last = min(a.vocab, first + kArgmaxPerThread);
   double mine = 0.0;
   for (int id = first; id < last; ++id) mine += sample_weight(row[id], mx, inv_t);
-  // Scan of `mine` over the block: thread t owns [lower, upper), where a thread's upper
-  // is bitwise its successor's lower (no gap, no overlap: one thread claims the target).
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  double incl = mine;
-  for (int o = 1; o < 32; o <<= 1) {
-    const double up = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += up;
-  }
-  double excl = __shfl_up_sync(0xffffffffu, incl, 1);
-  if (lane == 0) excl = 0.0;
-  if (lane == 31) warp_sums[warp] = incl;
-  __syncthreads();
-  double base = 0.0;
-  for (int w = 0; w < warp; ++w) base += warp_sums[w];
-  const double lower = base + excl, upper = base + incl;
+  double sum;
+  const ScanRange range = block_scan(mine, &sum);
+  const double lower = range.lower, upper = range.upper;
   if (rem >= lower && rem < upper) {
     double acc = lower;
     int pick = last - 1;
@@ -453,34 +469,6 @@ struct TruncRow {
     return min(vocab, (static_cast<int>(threadIdx.x) + 1) * per);
   }
 };
-
-// Scan of one double per thread in thread order: this thread's [lower, upper), where a
-// thread's upper is bitwise its successor's lower (no gap, no overlap: exactly one
-// thread holds any point below the total). *total gets the sum.
-struct ScanRange {
-  double lower, upper;
-};
-__device__ ScanRange block_scan(double v, double* total) {
-  __shared__ double warp_sums[kTruncThreads / 32];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  double incl = v;
-  for (int o = 1; o < 32; o <<= 1) {
-    const double up = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += up;
-  }
-  double excl = __shfl_up_sync(0xffffffffu, incl, 1);
-  if (lane == 0) excl = 0.0;
-  __syncthreads();  // warp_sums may still be read by a previous call.
-  if (lane == 31) warp_sums[warp] = incl;
-  __syncthreads();
-  double base = 0.0, all = 0.0;  // base: the sum before this warp, as `all` passes it.
-  for (int w = 0; w < kTruncThreads / 32; ++w) {
-    if (w == warp) base = all;
-    all += warp_sums[w];
-  }
-  *total = all;
-  return {base + excl, base + incl};
-}
 
 // The cut at the candidate (in rank order, among the members of `within`) at which the
 // running count (by_mass false) or weight reaches `target`: radix selection of its key,

@@ -578,6 +578,43 @@ TEST(CudaArgmaxTest, MatchesHostArgmax) {
 
 // sample_rows against the host's sample_softmax on the same logits and draws: several
 // 4096-id chunks per row, temperatures from peaked to flat, draws at both ends.
+// sample_rows over `logits` (argmax_rows' keys given): draw i from row rows[i].
+std::vector<int32_t> sample_on_device(const cuda::DeviceBuffer& logits, int vocab,
+                                      const cuda::DeviceBuffer& keys,
+                                      const std::vector<int32_t>& rows,
+                                      const std::vector<double>& inv_t,
+                                      const std::vector<double>& u01,
+                                      const std::vector<int32_t>* top_k = nullptr,
+                                      const std::vector<float>* top_p = nullptr) {
+  const int n = static_cast<int>(rows.size());
+  cuda::DeviceBuffer d_rows = to_device_raw(rows), d_inv_t = to_device_raw(inv_t),
+                     d_u01 = to_device_raw(u01);
+  cuda::DeviceBuffer d_k = top_k != nullptr ? to_device_raw(*top_k) : cuda::DeviceBuffer(),
+                     d_p = top_p != nullptr ? to_device_raw(*top_p) : cuda::DeviceBuffer();
+  auto partials = cuda::DeviceBuffer::create(n * cuda::sample_rows_chunks(vocab) * sizeof(double));
+  auto tokens = cuda::DeviceBuffer::create(n * sizeof(int32_t));
+  EXPECT_TRUE(partials.ok() && tokens.ok());
+  if (!partials.ok() || !tokens.ok()) return {};
+  cuda::SampleRowsArgs a;
+  a.logits = logits.as<float>();
+  a.vocab = vocab;
+  a.keys = keys.as<unsigned long long>();
+  a.rows = d_rows.as<int32_t>();
+  a.inv_temperature = d_inv_t.as<double>();
+  a.u01 = d_u01.as<double>();
+  a.n = n;
+  a.partials = partials.value().as<double>();
+  a.tokens = tokens.value().as<int32_t>();
+  a.top_k = d_k.as<int32_t>();
+  a.top_p = d_p.as<float>();
+  EXPECT_EQ(cuda::sample_rows(a, nullptr), cudaSuccess);
+  std::vector<int32_t> got(n);
+  EXPECT_EQ(
+      cudaMemcpy(got.data(), tokens.value().data(), n * sizeof(int32_t), cudaMemcpyDeviceToHost),
+      cudaSuccess);
+  return got;
+}
+
 TEST(CudaArgmaxTest, SampleRowsMatchesHostSampling) {
   FLEX_SKIP_WITHOUT_GPU();
   std::mt19937 rng(std::random_device{}());
@@ -600,27 +637,9 @@ TEST(CudaArgmaxTest, SampleRowsMatchesHostSampling) {
         u01 = {0.0, uniform(rng), uniform(rng), uniform(rng), 0.999999, uniform(rng)};
     for (double t : temps) inv_t.push_back(1.0 / static_cast<float>(t));  // As the models do.
     const int n = static_cast<int>(rows.size());
-    cuda::DeviceBuffer d_rows = to_device_raw(rows), d_inv_t = to_device_raw(inv_t),
-                       d_u01 = to_device_raw(u01);
-    auto partials =
-        cuda::DeviceBuffer::create(n * cuda::sample_rows_chunks(vocab) * sizeof(double));
-    auto tokens = cuda::DeviceBuffer::create(n * sizeof(int32_t));
-    ASSERT_TRUE(partials.ok() && tokens.ok());
-    cuda::SampleRowsArgs a;
-    a.logits = logits.as<float>();
-    a.vocab = vocab;
-    a.keys = keys.value().as<unsigned long long>();
-    a.rows = d_rows.as<int32_t>();
-    a.inv_temperature = d_inv_t.as<double>();
-    a.u01 = d_u01.as<double>();
-    a.n = n;
-    a.partials = partials.value().as<double>();
-    a.tokens = tokens.value().as<int32_t>();
-    ASSERT_EQ(cuda::sample_rows(a, nullptr), cudaSuccess);
-    std::vector<int32_t> got(n);
-    ASSERT_EQ(
-        cudaMemcpy(got.data(), tokens.value().data(), n * sizeof(int32_t), cudaMemcpyDeviceToHost),
-        cudaSuccess);
+    const std::vector<int32_t> got =
+        sample_on_device(logits, vocab, keys.value(), rows, inv_t, u01);
+    ASSERT_EQ(got.size(), rows.size());
     for (int i = 0; i < n; ++i) {
       const float* row = flat.data() + static_cast<size_t>(rows[i]) * vocab;
       EXPECT_EQ(got[i], kernels::sample_softmax(row, vocab, static_cast<float>(temps[i]), u01[i]))
@@ -683,30 +702,9 @@ TEST(CudaArgmaxTest, SampleRowsWithCutsMatchHostSampling) {
         u01.push_back(i == 0 ? 0.0 : i == 1 ? 0.999999 : uniform(rng));
       }
       const int n = static_cast<int>(rows.size());
-      cuda::DeviceBuffer d_rows = to_device_raw(rows), d_inv_t = to_device_raw(inv_t),
-                         d_u01 = to_device_raw(u01), d_k = to_device_raw(top_k),
-                         d_p = to_device_raw(top_p);
-      auto partials =
-          cuda::DeviceBuffer::create(n * cuda::sample_rows_chunks(vocab) * sizeof(double));
-      auto tokens = cuda::DeviceBuffer::create(n * sizeof(int32_t));
-      ASSERT_TRUE(partials.ok() && tokens.ok());
-      cuda::SampleRowsArgs a;
-      a.logits = logits.as<float>();
-      a.vocab = vocab;
-      a.keys = keys.value().as<unsigned long long>();
-      a.rows = d_rows.as<int32_t>();
-      a.inv_temperature = d_inv_t.as<double>();
-      a.u01 = d_u01.as<double>();
-      a.n = n;
-      a.partials = partials.value().as<double>();
-      a.tokens = tokens.value().as<int32_t>();
-      a.top_k = d_k.as<int32_t>();
-      a.top_p = d_p.as<float>();
-      ASSERT_EQ(cuda::sample_rows(a, nullptr), cudaSuccess);
-      std::vector<int32_t> got(n);
-      ASSERT_EQ(cudaMemcpy(got.data(), tokens.value().data(), n * sizeof(int32_t),
-                           cudaMemcpyDeviceToHost),
-                cudaSuccess);
+      const std::vector<int32_t> got =
+          sample_on_device(logits, vocab, keys.value(), rows, inv_t, u01, &top_k, &top_p);
+      ASSERT_EQ(got.size(), rows.size());
       for (int i = 0; i < n; ++i) {
         const float* row = flat.data() + static_cast<size_t>(rows[i]) * vocab;
         const int32_t want =

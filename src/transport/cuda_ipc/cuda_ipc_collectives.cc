@@ -421,15 +421,7 @@ Status CudaIpcTransport::peer_status(int peer) const {
   }
   const Peer* p = peers_[peer].get();
   if (p == nullptr || peer == options_.rank) return Status();
-  if (p->header->closed.load(std::memory_order_seq_cst) != 0) {
-    return unavailable("rank " + std::to_string(peer) + " (pid " + std::to_string(p->pid) +
-                       ") shut down");
-  }
-  if (p->watch.exited()) {
-    return unavailable("rank " + std::to_string(peer) + " (pid " + std::to_string(p->pid) +
-                       ") died");
-  }
-  return Status();
+  return shm::peer_liveness(peer, p->pid, *p->header, p->watch);
 }
 
 }  // namespace flexpert

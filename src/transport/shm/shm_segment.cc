@@ -18,6 +18,8 @@
 #include <sstream>
 #include <vector>
 
+#include "transport/shm/shm_layout.h"
+
 namespace flexpert::shm {
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<uint32_t>) == 4,
@@ -170,6 +172,14 @@ int64_t now_ns() {
   timespec ts{};
   ::clock_gettime(CLOCK_MONOTONIC, &ts);
   return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
+Status peer_liveness(int rank, int32_t pid, const SegmentHeader& header,
+                     const ProcessWatch& watch) {
+  const std::string who = "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";
+  if (header.closed.load(std::memory_order_seq_cst) != 0) return unavailable(who + " shut down");
+  if (watch.exited()) return unavailable(who + " died");
+  return Status();
 }
 
 }  // namespace flexpert::shm

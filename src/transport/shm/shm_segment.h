@@ -106,6 +106,11 @@ class ProcessWatch {
   ScopedFd pidfd_;
 };
 
+struct SegmentHeader;
+// Transport::peer_status of the backends built on these segments: Unavailable "rank R (pid
+// P) shut down" once the peer's segment is closed, "... died" once its process ended.
+Status peer_liveness(int rank, int32_t pid, const SegmentHeader& header, const ProcessWatch& watch);
+
 // CLOCK_MONOTONIC in ns: comparable across processes of one host.
 int64_t now_ns();
 
