@@ -30,6 +30,20 @@ Status all_gather_checked(RankContext& ctx, const Group& g, uint64_t seed_base, 
   return Status();
 }
 
+// No hang; the victim ended by SIGKILL, every other rank exited cleanly.
+void expect_only_victim_killed(const RunResult& result, int num_ranks, int victim) {
+  EXPECT_FALSE(result.timed_out) << "hang";
+  for (int r = 0; r < num_ranks; ++r) {
+    if (r == victim) {
+      EXPECT_TRUE(WIFSIGNALED(result.wait_status[r]) && WTERMSIG(result.wait_status[r]) == SIGKILL)
+          << describe_wait_status(result.wait_status[r]);
+    } else {
+      EXPECT_TRUE(exited_ok(result.wait_status[r]))
+          << "rank " << r << ": " << describe_wait_status(result.wait_status[r]);
+    }
+  }
+}
+
 class FaultConformanceTest : public ConformanceTest {};
 
 // The last rank is SIGKILLed by the parent while all ranks exchange 64 KiB per pair in a
@@ -71,16 +85,7 @@ TEST_P(FaultConformanceTest, PeerKilledMidExchange) {
     }
     return internal_error("the exchange loop ended without an error");
   });
-  EXPECT_FALSE(result.timed_out) << "hang";
-  for (int r = 0; r < num_ranks(); ++r) {
-    if (r == victim) {
-      EXPECT_TRUE(WIFSIGNALED(result.wait_status[r]) && WTERMSIG(result.wait_status[r]) == SIGKILL)
-          << describe_wait_status(result.wait_status[r]);
-    } else {
-      EXPECT_TRUE(exited_ok(result.wait_status[r]))
-          << "rank " << r << ": " << describe_wait_status(result.wait_status[r]);
-    }
-  }
+  expect_only_victim_killed(result, num_ranks(), victim);
   // The victim could not clean up; the survivors did. A supervisor removes the rest.
   for (const std::string& name : leftover_segments(result.session)) {
     EXPECT_NE(name.find("-r" + std::to_string(victim) + "-"), std::string::npos) << name;
@@ -122,16 +127,7 @@ TEST_P(FaultConformanceTest, PeerStatusSeesADeathOutsideCollectives) {
     }
     return ctx.t().barrier(survivors);  // Nobody shuts down before all have looked.
   });
-  EXPECT_FALSE(result.timed_out) << "hang";
-  for (int r = 0; r < num_ranks(); ++r) {
-    if (r == victim) {
-      EXPECT_TRUE(WIFSIGNALED(result.wait_status[r]) && WTERMSIG(result.wait_status[r]) == SIGKILL)
-          << describe_wait_status(result.wait_status[r]);
-    } else {
-      EXPECT_TRUE(exited_ok(result.wait_status[r]))
-          << "rank " << r << ": " << describe_wait_status(result.wait_status[r]);
-    }
-  }
+  expect_only_victim_killed(result, num_ranks(), victim);
   cleanup_session(backend(), result.session);
 }
 
