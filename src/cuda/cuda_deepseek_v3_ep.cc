@@ -50,7 +50,7 @@ Status CudaDeepseekV3Model::enqueue_segment(int seg, int n, int num_rows) {
   // DeepSeek's router only; the routed experts run wherever the slots are.
   FLEX_RETURN_IF_ERROR(route_grouped(moe_dims_, router_, L.score_bias.as<float>(),
                                      StepDriver::moe_weights(L), moe_, h_.data(), n, blas_, s));
-  return ep_moe_->enqueue_route_out(h_.data(), moe_, n);
+  return ep_moe_->enqueue_route_out(n);
 }
 
 }  // namespace flexpert::cuda

@@ -34,7 +34,7 @@ Status CudaQwen3MoeModel::enqueue_segment(int seg, int n, int num_rows) {
   FLEX_RETURN_IF_ERROR(
       run_moe(moe_dims_, StepDriver::moe_weights(L), moe_, h_.data(), n, nullptr, x,
               /*accumulate=*/true, blas_, stream_.get(), -1, kMoeRouter | kMoeTopk));
-  return ep_moe_->enqueue_route_out(h_.data(), moe_, n);
+  return ep_moe_->enqueue_route_out(n);
 }
 
 }  // namespace flexpert::cuda

@@ -130,8 +130,10 @@ Result<EpStepRows> fill_step_inputs(const std::vector<SequenceChunk>& batch, int
 Result<std::unique_ptr<DeviceEpMoe>> DeviceEpMoe::create(Config config, Blas& blas,
                                                          cudaStream_t stream) {
   if (config.executor == nullptr || config.mirrors == nullptr || config.counts == nullptr ||
-      !config.layer_slots) {
-    return invalid_argument("expert parallelism on CUDA needs an executor, slots and counts");
+      !config.layer_slots || config.route_h == nullptr || config.route_slot == nullptr ||
+      config.route_weight == nullptr) {
+    return invalid_argument(
+        "expert parallelism on CUDA needs an executor, slots, counts and the routing buffers");
   }
   std::unique_ptr<DeviceEpMoe> m(new DeviceEpMoe(std::move(config), blas, stream));
   const MoeDims& d = m->config_.dims;
@@ -149,10 +151,9 @@ Result<std::unique_ptr<DeviceEpMoe>> DeviceEpMoe::create(Config config, Blas& bl
   auto* ep = dynamic_cast<EpMoeExecutor*>(m->config_.executor);
   const char* mode = std::getenv("FLEXPERT_EP_EXCHANGE");
   const bool host_only = mode != nullptr && std::string(mode) == "host";
-  const bool device_exchange =
-      ep != nullptr && !host_only && m->config_.route_h != nullptr &&
-      m->config_.route_slot != nullptr && m->config_.route_weight != nullptr &&
-      ep->transport().max_ranks() <= kEpMaxRanks && d.top_k <= 64 && d.hidden % 8 == 0;
+  const bool device_exchange = ep != nullptr && !host_only &&
+                               ep->transport().max_ranks() <= kEpMaxRanks && d.top_k <= 64 &&
+                               d.hidden % 8 == 0;
   if (device_exchange) {
     m->device_cap_ = static_cast<int>(std::min<int64_t>(
         static_cast<int64_t>(T * K) * ep->transport().max_ranks(), kMaxDeviceRows));
@@ -242,22 +243,10 @@ Status DeviceEpMoe::compute_rows(int layer, const int32_t* local_slot, const flo
   return Status();
 }
 
-Status DeviceEpMoe::enqueue_route_out(const void* h, const MoeScratch& routing, int n) {
-  if (h != config_.route_h && config_.route_h != nullptr) {
-    return internal_error("routed rows outside the buffer the device exchange exports");
-  }
-  // The device exchange reads them in place; its host fallback copies them itself.
-  if (device_exchange_) return Status();
-  const size_t pairs = static_cast<size_t>(n) * config_.dims.top_k;
-  FLEX_CUDA_TRY(
-      cudaMemcpyAsync(h_host_.data(), h,
-                      static_cast<size_t>(n) * config_.dims.hidden * dtype_size(config_.dims.dtype),
-                      cudaMemcpyDeviceToHost, stream_));
-  FLEX_CUDA_TRY(cudaMemcpyAsync(route_slot_host_.data(), routing.slot.data(),
-                                pairs * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
-  FLEX_CUDA_TRY(cudaMemcpyAsync(route_weight_host_.data(), routing.weight.data(),
-                                pairs * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  return Status();
+Status DeviceEpMoe::enqueue_route_out(int n) {
+  // The device exchange reads the routing buffers in place; its host fallback copies
+  // them itself.
+  return device_exchange_ ? Status() : enqueue_route_copies(n);
 }
 
 Status DeviceEpMoe::enqueue_route_copies(int n) {

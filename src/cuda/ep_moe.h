@@ -85,9 +85,10 @@ class DeviceEpMoe {
     MoeExecutor* executor = nullptr;                      // Not owned.
     const std::vector<ExpertSlots>* mirrors = nullptr;    // [layer] host slots (executor shape).
     std::vector<std::vector<int64_t>>* counts = nullptr;  // [layer][global slot] rows computed.
-    // The device exchange reads these model buffers (each the base of a cudaMalloc, which
-    // CUDA IPC exports): routed rows [max_tokens, H] in dims.dtype, and the routing's slots
-    // and weights [max_tokens * top_k]. Null: the host exchange only.
+    // The model's routing buffers, which every segment ending in a MoE layer fills:
+    // routed rows [max_tokens, H] in dims.dtype, and the routing's slots and weights
+    // [max_tokens * top_k]; each the base of a cudaMalloc (CUDA IPC exports them to the
+    // device exchange's peers; the host exchange copies them out).
     const void* route_h = nullptr;
     const int32_t* route_slot = nullptr;
     const float* route_weight = nullptr;
@@ -102,7 +103,8 @@ class DeviceEpMoe {
   DeviceEpMoe& operator=(const DeviceEpMoe&) = delete;
 
   // Enqueued by the model inside its segments (capturable).
-  Status enqueue_route_out(const void* h, const MoeScratch& routing, int num_tokens);
+  // The routing of the segment's MoE layer (Config::route_h / route_slot / route_weight).
+  Status enqueue_route_out(int num_tokens);
   Status enqueue_add_output(float* x, int num_tokens);
 
   // One step of num_tokens device rows (num_real of them real, the rest decode padding);
