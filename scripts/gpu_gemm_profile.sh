@@ -11,8 +11,8 @@ OUT=${OUT:-/tmp/gemm_profile}
 mkdir -p "$OUT"
 stamp() { echo "== $(date +%T) $*"; }
 
-stamp "SASS: wgmma_ws_kernel<128, gathered A, 1 CTA>"
-fn=$(cuobjdump -symbols "$BIN/moe_layer_bench" 2>/dev/null | grep -o '_ZN[^ ]*wgmma_ws_kernelILi128ELb0ELi1E[^ ]*' | head -1)
+stamp "SASS: wgmma_ws_kernel<128, gathered A>"
+fn=$(cuobjdump -symbols "$BIN/moe_layer_bench" 2>/dev/null | grep -o '_ZN[^ ]*wgmma_ws_kernelILi128ELb0E[^ ]*' | head -1)
 cuobjdump -sass -fun "$fn" "$BIN/moe_layer_bench" >"$OUT/ws128.sass" 2>&1
 echo "HGMMA $(grep -c HGMMA "$OUT/ws128.sass"), WARPGROUP $(grep -c WARPGROUP "$OUT/ws128.sass")," \
   "SYNCS $(grep -c SYNCS "$OUT/ws128.sass"), lines $(wc -l <"$OUT/ws128.sass")"

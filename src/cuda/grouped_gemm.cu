@@ -3,7 +3,7 @@
 // NOTE: the mma.sync tiles use ldmatrix and a 4-stage cp.async pipeline; rows of a
 // shared-memory tile are padded by 16 bytes so ldmatrix reads are free of bank
 // conflicts. The Hopper tiles (wgmma_gemm.cu) serve sm_90a: kWgmmaWs64 from a quarter
-// row per expert up, kWgmmaWs128Pp / kWgmmaWc128 above 48.
+// row per expert up, kWgmmaWs128Pp / kWgmmaWs128 above 48.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -428,10 +428,6 @@ const char* tile_name(GemmTile tile) {
       return "pp128";
     case GemmTile::kWgmmaWs128Pp:
       return "ws128pp";
-    case GemmTile::kWgmmaWc128:
-      return "wc128";
-    case GemmTile::kWgmmaWc128Pp:
-      return "wc128pp";
   }
   return "?";
 }
@@ -454,17 +450,11 @@ int tile_rows(GemmTile tile) {
     case GemmTile::kWgmmaWs128:
     case GemmTile::kWgmmaPp128:
     case GemmTile::kWgmmaWs128Pp:
-    case GemmTile::kWgmmaWc128:
-    case GemmTile::kWgmmaWc128Pp:
       return 128;
     case GemmTile::kSimt:
       break;
   }
   return kSimtBM;
-}
-
-bool tile_pairs(GemmTile tile) {
-  return tile == GemmTile::kWgmmaWc128 || tile == GemmTile::kWgmmaWc128Pp;
 }
 
 bool tile_supports(GemmTile tile, DType dtype, int n, int k) {
@@ -489,8 +479,6 @@ bool tile_supports(GemmTile tile, DType dtype, int n, int k) {
     case GemmTile::kWgmmaWs128:
     case GemmTile::kWgmmaWs64:
     case GemmTile::kWgmmaWs128Pp:
-    case GemmTile::kWgmmaWc128:
-    case GemmTile::kWgmmaWc128Pp:
       return wgmma_fits(n, k, 256) && wgmma_available();
     case GemmTile::kGemv:
       return n % (2 * kGemvWarps) == 0 && n % 16 == 0 && k % 8 == 0;
@@ -530,12 +518,9 @@ GemmTile choose_tile(DType dtype, int64_t num_pairs, int num_experts, int hidden
         fits_both(GemmTile::kWgmmaWs128Pp, dtype, hidden, inter)) {
       return GemmTile::kWgmmaWs128Pp;
     }
-    // Larger slots (DeepSeek-V3): CTA pairs on a slot's adjacent tiles, which read its
-    // B once (H200 4096 tokens: 8138 against 8779 us per layer, 16384: 23325 against
-    // 24055).
-    order = {GemmTile::kWgmmaWc128, GemmTile::kWgmmaWs128, GemmTile::kWgmma128N256,
-             GemmTile::kWgmma128,   GemmTile::kWgmma64,    GemmTile::kMma128,
-             GemmTile::kMma64,      GemmTile::kMma16};
+    order = {GemmTile::kWgmmaWs128, GemmTile::kWgmma128N256, GemmTile::kWgmma128,
+             GemmTile::kWgmma64,    GemmTile::kMma128,       GemmTile::kMma64,
+             GemmTile::kMma16};
   }
   for (GemmTile t : order) {
     if (fits_both(t, dtype, hidden, inter)) return t;
@@ -580,11 +565,6 @@ cudaError_t grouped_gemm(DType dtype, GemmTile tile, const GroupedGemmArgs& args
       return launch_wgmma_pp_gemm(args, stream);
     case GemmTile::kWgmmaWs128Pp:
       return args.gather != nullptr ? launch_wgmma_ws_gemm(128, args, stream)
-                                    : launch_wgmma_pp_gemm(args, stream);
-    case GemmTile::kWgmmaWc128:
-      return launch_wgmma_ws_gemm(128, args, stream, 2);
-    case GemmTile::kWgmmaWc128Pp:
-      return args.gather != nullptr ? launch_wgmma_ws_gemm(128, args, stream, 2)
                                     : launch_wgmma_pp_gemm(args, stream);
     case GemmTile::kGemv: {
       const dim3 grid(args.max_tiles, args.n / (2 * kGemvWarps));

@@ -38,10 +38,6 @@ namespace flexpert::cuda {
 // 128 x 128 unit, one's epilogue under the other's mainloop);
 // kWgmmaWs128Pp: kWgmmaWs128 where A is gathered (gate/up), kWgmmaPp128 where A is
 // contiguous and comes by tensor copies (down); same 128-row tile table;
-// kWgmmaWc128: kWgmmaWs128 run by clusters of two CTAs on a slot's adjacent tiles: each
-// loads half of the B block by tensor copy and multicasts it to both (a slot's weights
-// cross L2 -> SM once per tile pair); kWgmmaWc128Pp: kWgmmaWc128 where A is gathered,
-// kWgmmaPp128 where it is contiguous;
 // kGemv: 4 rows per tile, one warp per pair of weight rows streaming whole rows with
 // 16-byte loads (decode: few rows per expert, bandwidth from many loads in flight).
 enum class GemmTile : int {
@@ -59,10 +55,8 @@ enum class GemmTile : int {
   kWgmmaWs64 = 11,
   kWgmmaPp128 = 12,
   kWgmmaWs128Pp = 13,
-  kWgmmaWc128 = 14,
-  kWgmmaWc128Pp = 15,
 };
-constexpr int kNumGemmTiles = 16;
+constexpr int kNumGemmTiles = 14;
 const char* tile_name(GemmTile tile);
 
 struct GroupedGemmArgs {
@@ -83,9 +77,6 @@ struct GroupedGemmArgs {
 };
 
 int tile_rows(GemmTile tile);
-// Whether `tile` runs on CTA pairs that share a slot's B (kWgmmaWc128*): its tile table
-// then lists whole pairs first (PermuteArgs::pair_tiles).
-bool tile_pairs(GemmTile tile);
 // Whether `tile` can run a GEMM of this dtype and shape.
 bool tile_supports(GemmTile tile, DType dtype, int n, int k);
 // Picks the tile for both expert GEMMs of a layer (gate/up: n = 2 * inter, k = hidden;
@@ -104,10 +95,8 @@ bool wgmma_available();
 bool wgmma_fits(int n, int k, int bn);
 cudaError_t launch_wgmma_gemm(int warpgroups, int bn, const GroupedGemmArgs& args,
                               cudaStream_t stream);
-// The warp-specialised persistent tiles (bm = 128 or 64 rows, 256 columns); cluster 2
-// (bm = 128 only): CTA pairs on a slot's adjacent tiles multicasting its B blocks.
-cudaError_t launch_wgmma_ws_gemm(int bm, const GroupedGemmArgs& args, cudaStream_t stream,
-                                 int cluster = 1);
+// The warp-specialised persistent tiles (bm = 128 or 64 rows, 256 columns).
+cudaError_t launch_wgmma_ws_gemm(int bm, const GroupedGemmArgs& args, cudaStream_t stream);
 // The ping-pong tile (128 x 128 units, one per consumer warpgroup).
 cudaError_t launch_wgmma_pp_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 

@@ -57,10 +57,11 @@ Status run_grouped_moe(const MoeDims& dims, const GroupedRouter& router, const f
     return invalid_argument("GEMM tile " + std::to_string(static_cast<int>(tile)) +
                             " does not fit the expert shapes");
   }
+  const int block_m = tile_rows(tile);
   FLEX_RETURN_IF_ERROR(
       route_grouped(dims, router, score_bias, w, scratch, h, num_tokens, blas, stream));
   FLEX_CUDA_TRY(
-      permute(permute_args(dims, w, scratch, num_tokens, tile, num_valid_tokens), stream));
+      permute(permute_args(dims, w, scratch, num_tokens, block_m, num_valid_tokens), stream));
   return run_expert_gemms(dims, w, scratch, h, num_tokens, tile, out, accumulate, stream);
 }
 

@@ -93,48 +93,35 @@ constexpr int kPermuteThreads = 1024;
 // `first` (shared memory). All kPermuteThreads threads of the block call it.
 __device__ void lay_out_slots(const PermuteArgs& a, const int* count, const int* valid,
                               int* first) {
-  __shared__ int scan_rows[kPermuteThreads], scan_tiles[kPermuteThreads],
-      scan_pairs[kPermuteThreads];
+  __shared__ int scan_rows[kPermuteThreads], scan_tiles[kPermuteThreads];
   const int tid = threadIdx.x;
   // Each thread owns a contiguous range of slots; a block scan gives its first row and tile.
   const int per = (a.num_slots + kPermuteThreads - 1) / kPermuteThreads;
   const int s0 = min(tid * per, a.num_slots), s1 = min(s0 + per, a.num_slots);
-  int rows = 0, tiles = 0, pairs = 0;
+  int rows = 0, tiles = 0;
   for (int s = s0; s < s1; ++s) {
-    const int n = (count[s] + a.block_m - 1) / a.block_m;
     rows += count[s];
-    tiles += n;
-    pairs += a.pair_tiles ? n / 2 : 0;
+    tiles += (count[s] + a.block_m - 1) / a.block_m;
   }
   scan_rows[tid] = rows;
   scan_tiles[tid] = tiles;
-  scan_pairs[tid] = pairs;
   __syncthreads();
   for (int o = 1; o < kPermuteThreads; o <<= 1) {
     const int r = tid >= o ? scan_rows[tid - o] : 0;
     const int tl = tid >= o ? scan_tiles[tid - o] : 0;
-    const int pr = tid >= o ? scan_pairs[tid - o] : 0;
     __syncthreads();
     scan_rows[tid] += r;
     scan_tiles[tid] += tl;
-    scan_pairs[tid] += pr;
     __syncthreads();
   }
-  // Paired tiles from 0, the odd ones after all pairs (without pairs: all in slot order).
-  const int pairs_before = scan_pairs[tid] - pairs;
-  const int tiles_before = scan_tiles[tid] - tiles;
-  int row = scan_rows[tid] - rows;
-  int paired = 2 * pairs_before;
-  int odd = 2 * scan_pairs[kPermuteThreads - 1] + tiles_before - 2 * pairs_before;
+  int row = scan_rows[tid] - rows, tile = scan_tiles[tid] - tiles;
   for (int s = s0; s < s1; ++s) {
     first[s] = row;
     a.offsets[s] = row;
-    const int n = (count[s] + a.block_m - 1) / a.block_m;
-    const int whole = a.pair_tiles ? n - n % 2 : 0;
-    for (int i = 0; i < n; ++i) {
-      const int tile = i < whole ? paired++ : odd++;
+    for (int r0 = 0; r0 < count[s]; r0 += a.block_m) {
       a.tile_slot[tile] = s;
-      a.tile_row0[tile] = row + i * a.block_m;
+      a.tile_row0[tile] = row + r0;
+      ++tile;
     }
     row += count[s];
     if (a.slot_stats != nullptr) a.slot_stats[s] += valid[s];

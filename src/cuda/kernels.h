@@ -119,10 +119,6 @@ struct PermuteArgs {
   int32_t* pair_of_row;
   int64_t* slot_stats;
   int32_t* counts = nullptr;  // Scratch of the many-block path (see above).
-  // Tiles for CTA pairs (grouped_gemm.h's tile_pairs): the tiles of every slot's whole
-  // pairs first (tiles 2i, 2i + 1 of one slot at 2j, 2j + 1), then each slot's odd last
-  // tile; otherwise slot by slot.
-  bool pair_tiles = false;
 };
 cudaError_t permute(const PermuteArgs& args, cudaStream_t stream);
 // router_topk then permute in one single-block launch (steps of a few tokens: decode).

@@ -164,12 +164,12 @@ Status run_decode(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scr
 }  // namespace
 
 PermuteArgs permute_args(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
-                         int num_tokens, GemmTile tile, const int32_t* num_valid_tokens) {
+                         int num_tokens, int block_m, const int32_t* num_valid_tokens) {
   return PermuteArgs{scratch.slot.as<int32_t>(),
                      num_tokens * dims.top_k,
                      dims.top_k,
                      dims.num_slots,
-                     tile_rows(tile),
+                     block_m,
                      num_valid_tokens,
                      scratch.offsets.as<int32_t>(),
                      scratch.tile_slot.as<int32_t>(),
@@ -178,8 +178,7 @@ PermuteArgs permute_args(const MoeDims& dims, const MoeLayerWeights& w, MoeScrat
                      scratch.row_of_pair.as<int32_t>(),
                      scratch.pair_of_row.as<int32_t>(),
                      w.slot_stats,
-                     scratch.permute_counts.as<int32_t>(),
-                     tile_pairs(tile)};
+                     scratch.permute_counts.as<int32_t>()};
 }
 
 Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
@@ -243,6 +242,7 @@ Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratc
     return invalid_argument("GEMM tile " + std::to_string(static_cast<int>(tile)) +
                             " does not fit the expert shapes");
   }
+  const int block_m = tile_rows(tile);
   if (stages & kMoeRouter) {
     FLEX_RETURN_IF_ERROR(blas.gemm_nt(dims.dtype, h, num_tokens, H, w.router, dims.num_experts,
                                       DType::kF32, scratch.logits.data()));
@@ -252,7 +252,7 @@ Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratc
   constexpr int kFusedTopkTokens = 64;
   const bool fuse = num_tokens <= kFusedTopkTokens && (stages & kMoeTopk) && (stages & kMoePermute);
   if ((stages & kMoeTopk) && !fuse) FLEX_CUDA_TRY(router_topk(topk, stream));
-  const PermuteArgs perm = permute_args(dims, w, scratch, num_tokens, tile, num_valid_tokens);
+  const PermuteArgs perm = permute_args(dims, w, scratch, num_tokens, block_m, num_valid_tokens);
   if (fuse) {
     FLEX_CUDA_TRY(router_topk_permute(topk, perm, stream));
   } else if (stages & kMoePermute) {

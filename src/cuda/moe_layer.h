@@ -96,11 +96,11 @@ Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratc
 
 // The parts of run_moe after the routing (scratch.expert / weight / slot of num_tokens *
 // top_k pairs), shared with the DeepSeek routing (grouped_moe.h): the permutation of the
-// pairs by slot for `tile`'s tiles, and the two grouped expert GEMMs (gate/up
+// pairs by slot for tiles of block_m rows, and the two grouped expert GEMMs (gate/up
 // with SwiGLU over rows gathered from h; down) plus the weighted combine into out, as
 // `stages` selects (kMoeGateUp, kMoeDown, kMoeCombine).
 PermuteArgs permute_args(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
-                         int num_tokens, GemmTile tile, const int32_t* num_valid_tokens);
+                         int num_tokens, int block_m, const int32_t* num_valid_tokens);
 Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                         const void* h, int num_tokens, GemmTile tile, float* out, bool accumulate,
                         cudaStream_t stream, unsigned stages = kMoeAllStages);

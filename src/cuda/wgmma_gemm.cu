@@ -274,16 +274,6 @@ __global__ void __launch_bounds__(WG * 128, 1) wgmma_gemm_kernel(const GroupedGe
 // b, b + grid, ... < *num_tiles * (n / 256), unit u = (tile u / nb, column block
 // u % nb), so that concurrent CTAs share A rows and a slot's B in L2. The producer
 // runs ahead into the next unit while the consumers store the last one.
-// CL = 2 (tile kWgmmaWc128): clusters of two CTAs take units (tile pair, column block),
-// CTA r the pair's tile 2p + r; when both tiles are of one slot (the tile table lists
-// whole pairs first: PermuteArgs::pair_tiles) each CTA loads half of the B block and
-// multicasts it to both, else each loads its own. A stage is refilled in both CTAs at
-// once, so its `empty` barrier counts the consumer warps of both (remote arrivals by
-// mapa; with .release.cluster semantics they cost ~30 %, with the default .cta, as
-// CUTLASS's ClusterBarrier, nothing measurable). H200: the multicast itself gains
-// ~2 % (FLEXPERT_WC_MODE=1 loads without it, =2 also drops the coupling); the pairing
-// gains where a slot's B exceeds L2's reach (DeepSeek-V3: the two tiles of a slot run
-// side by side, 4096 tokens 8138 against 8779 us per layer).
 constexpr int kWsBN = 256, kWsThreads = 384;
 template <int BM>
 __host__ __device__ constexpr int ws_stages() {
@@ -379,48 +369,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap& map
       : "memory");
 }
 
-// The same copy delivered to every CTA of the cluster in `mask` (each gets it at the
-// same shared-memory offset, completing on its own mbarrier at `bar`'s offset).
-__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap& map, int x,
-                                                      int y, uint32_t bar, uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(&map)), "r"(x), "r"(y), "r"(bar), "h"(mask)
-      : "memory");
-}
-
-// An arrival on the mbarrier at `bar`'s offset in the shared memory of cluster CTA `cta`.
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
-  asm volatile(
-      "{\n"
-      ".reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
-      "}\n" ::"r"(bar),
-      "r"(cta)
-      : "memory");
-}
-
-// Every thread of every CTA of the cluster (mbarrier inits visible before peers use them;
-// no CTA exits while a peer may still write into its shared memory).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-
-// How a unit's B block reaches the ring (CL = 2: a cluster of two CTAs on two tiles).
-enum class BLoad : int {
-  kOwn = 0,     // This CTA loads its whole B block.
-  kShared = 1,  // Both CTAs' tiles are of one slot: each loads half and multicasts it.
-  kNone = 2,    // No tile (the cluster's second CTA past the last tile): no loads.
-};
-
 // The producer warpgroup's loads of one unit (rows of `tile` x columns n0 .. n0 + BN):
 // per K step, once the stage is free, B (and A when contiguous) by TMA from thread 0,
 // gathered A rows by cp.async from all 128 threads. cp.async copies of ring step j are
@@ -428,12 +376,11 @@ enum class BLoad : int {
 // kLag = S - 2 steps later, once they have landed, so the consumers need no proxy
 // fence (one would also wait for their wgmma in flight); produce_done() signals the
 // last ones. With TMA_A only thread 0 calls these.
-template <int S, int BM, int BN, bool TMA_A, int CL = 1>
+template <int S, int BM, int BN, bool TMA_A>
 __device__ __forceinline__ void produce_unit(const GroupedGemmArgs& g, const CUtensorMap& tmap_a,
                                              const CUtensorMap& tmap_b, int tile, int n0,
                                              uint32_t smem, uint32_t full_bar, uint32_t empty_bar,
-                                             int& stage, uint32_t& phase, int& j,
-                                             BLoad mode = BLoad::kOwn, uint32_t rank = 0) {
+                                             int& stage, uint32_t& phase, int& j) {
   constexpr int kABytes = BM * 128, kBBytes = BN * 128, kStageBytes = kABytes + kBBytes;
   constexpr int kARows = BM / 16;  // A rows per producer thread per stage.
   constexpr int kLag = S - 2;
@@ -441,44 +388,33 @@ __device__ __forceinline__ void produce_unit(const GroupedGemmArgs& g, const CUt
   const int K = g.k, num_k_tiles = K / kWgBK;
   const int ch = tid % 8, rbase = tid / 8;  // Rows rbase + 16 i, 16-byte chunk ch.
   const uint32_t a_dst0 = rbase * 128 + ((ch ^ (rbase & 7)) << 4);
-  const bool load = mode != BLoad::kNone;
-  const int slot = load ? g.tile_slot[tile] : 0;
-  const int row0 = load ? g.tile_row0[tile] : 0;
-  const int row_end = load ? g.offsets[slot + 1] : 1;
+  const int slot = g.tile_slot[tile];
+  const int row0 = g.tile_row0[tile];
+  const int row_end = g.offsets[slot + 1];
   const int b_row = static_cast<int>(slot * (g.slot_stride / K) + g.weight_offset / K) + n0;
-  const uint32_t tx = load ? (TMA_A ? kABytes : 0) + kBBytes : 0;
   const bf16* A = static_cast<const bf16*>(g.a);
   const bf16* a_src[kARows];
 #pragma unroll
   for (int i = 0; i < (TMA_A ? 0 : kARows); ++i) {
     const int r = min(row0 + rbase + 16 * i, row_end - 1);
-    const int src = load ? (g.gather != nullptr ? g.gather[r] / g.gather_div : r) : 0;
+    const int src = g.gather != nullptr ? g.gather[r] / g.gather_div : r;
     a_src[i] = A + static_cast<int64_t>(src) * K + ch * 8;
   }
   for (int kt = 0; kt < num_k_tiles; ++kt) {
     mbar_wait(empty_bar + 8 * stage, phase ^ 1);
     const uint32_t base = smem + stage * kStageBytes;
     const uint32_t fb = full_bar + 8 * stage;
-    const int x = kt * kWgBK;
-    if (tid == 0) {
-      mbar_expect_tx(fb, tx);
-      if (TMA_A && load) tma_load_2d(base, tmap_a, x, row0, fb);
-      if (CL == 1) {
-        tma_load_2d(base + kABytes, tmap_b, x, b_row, fb);
-      } else if (mode == BLoad::kShared) {  // Boxes of BN / 2 rows.
-        tma_load_2d_multicast(base + kABytes + rank * (kBBytes / 2), tmap_b, x,
-                              b_row + static_cast<int>(rank) * (BN / 2), fb, 0x3);
-      } else if (mode == BLoad::kOwn) {
-        tma_load_2d(base + kABytes, tmap_b, x, b_row, fb);
-        tma_load_2d(base + kABytes + kBBytes / 2, tmap_b, x, b_row + BN / 2, fb);
-      }
+    if (TMA_A) {
+      mbar_expect_tx(fb, kABytes + kBBytes);
+      tma_load_2d(base, tmap_a, kt * kWgBK, row0, fb);
+    } else if (tid == 0) {
+      mbar_expect_tx(fb, kBBytes);
     }
+    if (tid == 0) tma_load_2d(base + kABytes, tmap_b, kt * kWgBK, b_row, fb);
     if (!TMA_A) {
-      if (load) {
 #pragma unroll
-        for (int i = 0; i < kARows; ++i) {
-          cp_async16(base + a_dst0 + i * 16 * 128, a_src[i] + x);
-        }
+      for (int i = 0; i < kARows; ++i) {
+        cp_async16(base + a_dst0 + i * 16 * 128, a_src[i] + kt * kWgBK);
       }
       asm volatile("cp.async.commit_group;\n" ::: "memory");
       if (j >= kLag) {
@@ -504,41 +440,24 @@ __device__ __forceinline__ void produce_done(uint32_t full_bar, int j) {
   for (int i = max(j - (S - 2), 0); i < j; ++i) mbar_arrive(full_bar + 8 * (i % S));
 }
 
-template <int BM, bool TMA_A, int CL>
+template <int BM, bool TMA_A>
 __global__ void __launch_bounds__(kWsThreads, 1)
     wgmma_ws_kernel(const GroupedGemmArgs g, const __grid_constant__ CUtensorMap tmap_b,
-                    const __grid_constant__ CUtensorMap tmap_a, int group, int wc_mode) {
+                    const __grid_constant__ CUtensorMap tmap_a, int group) {
 #if FLEX_HAS_WGMMA
   constexpr int S = ws_stages<BM>();
   constexpr int kABytes = BM * 128, kBBytes = kWsBN * 128, kStageBytes = kABytes + kBBytes;
   // full: 128 producer arrivals (A by cp.async) + the expect_tx of the tensor copies;
-  // empty: lane 0 of each consumer warp of every CTA of the cluster (with CL = 2 a
-  // stage is refilled in both CTAs at once by the multicast halves of B).
-  const Ring ring = setup_ring<S, kStageBytes>(TMA_A ? 1 : 128 + 1, 8 * CL, tmap_b);
-  if constexpr (CL > 1) cluster_sync();
+  // empty: lane 0 of each consumer warp.
+  const Ring ring = setup_ring<S, kStageBytes>(TMA_A ? 1 : 128 + 1, 8, tmap_b);
   const uint32_t smem = ring.smem, full_bar = ring.full_bar, empty_bar = ring.empty_bar;
   const int tid = threadIdx.x;
   const int wg = tid / 128;
-  const uint32_t rank = CL > 1 ? cluster_ctarank() : 0;
 
   const int nb = g.n / kWsBN;
   const int num_tiles = *g.num_tiles;
-  // A cluster takes tiles CL p .. CL p + CL - 1 of a unit (p, column block); CTA `rank`
-  // the tile CL p + rank.
-  const int groups = (num_tiles + CL - 1) / CL;
-  const int total = groups * nb;
-  const int first = blockIdx.x / CL, stride = gridDim.x / CL;
+  const int total = num_tiles * nb;
   const int K = g.k, num_k_tiles = K / kWgBK;
-  // This CTA's tile of the unit's group (-1: none) and how B comes.
-  auto unit_tile = [&](int gi, BLoad& mode) {
-    const int tile = gi * CL + static_cast<int>(rank);
-    mode = tile >= num_tiles ? BLoad::kNone : BLoad::kOwn;
-    if (CL > 1 && wc_mode == 0 && gi * CL + 1 < num_tiles &&
-        g.tile_slot[gi * CL] == g.tile_slot[gi * CL + 1]) {
-      mode = BLoad::kShared;
-    }
-    return tile < num_tiles ? tile : -1;
-  };
 
   // setmaxnreg: the consumers' increase must be covered by what the producer releases
   // from the 168 registers a thread starts with (P + 2 C <= 3 x 168), else it waits
@@ -549,14 +468,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
     int stage = 0, j = 0;
     uint32_t phase = 0;
-    for (int u = first; u < total; u += stride) {
+    for (int u = blockIdx.x; u < total; u += gridDim.x) {
       if (TMA_A && tid != 0) break;
-      int gi, nblk;
-      ws_unit(u, groups, nb, group, gi, nblk);
-      BLoad mode;
-      const int tile = unit_tile(gi, mode);
-      produce_unit<S, BM, kWsBN, TMA_A, CL>(g, tmap_a, tmap_b, tile, nblk * kWsBN, smem, full_bar,
-                                            empty_bar, stage, phase, j, mode, rank);
+      int tile, nblk;
+      ws_unit(u, num_tiles, nb, group, tile, nblk);
+      produce_unit<S, BM, kWsBN, TMA_A>(g, tmap_a, tmap_b, tile, nblk * kWsBN, smem, full_bar,
+                                        empty_bar, stage, phase, j);
     }
     produce_done<S, TMA_A>(full_bar, j);
   } else {
@@ -567,33 +484,20 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const int warp = (tid % 128) / 32, lane = tid % 32;
     const uint32_t a_off = BM == 128 ? c * 64 * 128 : 0;
     const uint32_t b_off = kABytes + (BM == 128 ? 0 : c * 128 * 128);
-    auto release = [&](int s) {
-      if (lane != 0) return;
-      mbar_arrive(empty_bar + 8 * s);
-      if constexpr (CL > 1) {
-        if (wc_mode == 2) {
-          mbar_arrive(empty_bar + 8 * s);
-        } else {
-          mbar_arrive_cluster(empty_bar + 8 * s, rank ^ 1);
-        }
-      }
-    };
     int stage = 0;
     uint32_t phase = 0;
-    for (int u = first; u < total; u += stride) {
-      int gi, nblk;
-      ws_unit(u, groups, nb, group, gi, nblk);
-      BLoad mode;
-      const int tile = unit_tile(gi, mode);
+    for (int u = blockIdx.x; u < total; u += gridDim.x) {
+      int tile, nblk;
+      ws_unit(u, num_tiles, nb, group, tile, nblk);
       const int n0 = nblk * kWsBN + (BM == 128 ? 0 : c * 128);
-      const int slot = tile >= 0 ? g.tile_slot[tile] : 0;
-      const int m0 = tile >= 0 ? g.tile_row0[tile] + (BM == 128 ? c * 64 : 0) : 0;
-      const int row_end = tile >= 0 ? g.offsets[slot + 1] : 0;
+      const int slot = g.tile_slot[tile];
+      const int m0 = g.tile_row0[tile] + (BM == 128 ? c * 64 : 0);
+      const int row_end = g.offsets[slot + 1];
       if (m0 >= row_end) {
         // No rows here: only pass the stages on.
         for (int kt = 0; kt < num_k_tiles; ++kt) {
           mbar_wait(full_bar + 8 * stage, phase);
-          release(stage);
+          if (lane == 0) mbar_arrive(empty_bar + 8 * stage);
           if (++stage == S) {
             stage = 0;
             phase ^= 1;
@@ -615,7 +519,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        if (kt > 0) release(prev);
+        if (kt > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev);
         prev = stage;
         if (++stage == S) {
           stage = 0;
@@ -623,11 +527,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         }
       }
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-      release(prev);
+      if (lane == 0) mbar_arrive(empty_bar + 8 * prev);
       store_block<CN>(g, d, m0, row_end, n0, warp, lane);
     }
   }
-  if constexpr (CL > 1) cluster_sync();
 #endif
 }
 
@@ -863,44 +766,24 @@ int sm_count() {
   return cap > 0 && cap < count ? cap : count;
 }
 
-template <int BM, bool TMA_A, int CL>
+template <int BM, bool TMA_A>
 cudaError_t launch_ws_kernel(const GroupedGemmArgs& g, const CUtensorMap& map_b,
                              const CUtensorMap& map_a, cudaStream_t stream) {
-  const auto kernel = wgmma_ws_kernel<BM, TMA_A, CL>;
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1] = {};
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = CL;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.blockDim = dim3(kWsThreads);
-  cfg.dynamicSmemBytes = ws_smem_bytes<BM>();
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  // Set at the first (eager) launch: the shared memory, and how many clusters fit at once.
-  static int max_clusters = 0;
-  if (max_clusters == 0) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(cfg.dynamicSmemBytes));
+  static bool attribute_set = false;  // Set at the first (eager) launch.
+  if (!attribute_set) {
+    const cudaError_t err = cudaFuncSetAttribute(wgmma_ws_kernel<BM, TMA_A>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(ws_smem_bytes<BM>()));
     if (err != cudaSuccess) return err;
-    int fit = 0;
-    cfg.gridDim = dim3(CL * (sm_count() / CL));
-    if (CL == 1 || cudaOccupancyMaxActiveClusters(&fit, kernel, &cfg) != cudaSuccess || fit < 1) {
-      (void)cudaGetLastError();
-      fit = sm_count() / CL;
-    }
-    max_clusters = fit;
+    attribute_set = true;
   }
   const int nb = g.n / kWsBN;
   const int64_t units = static_cast<int64_t>(g.max_tiles) * nb;
-  const int64_t cluster_units = static_cast<int64_t>((g.max_tiles + CL - 1) / CL) * nb;
   // Persistent (grid = #SMs) while a slot's B is small against L2. When it is not
   // (DeepSeek-V3: 29-59 MB per slot and projection), the CTAs sharing a B block must
   // run side by side for L2 to serve it once; in-order block launch keeps them so, a
   // persistent loop lets them drift apart (H200, 16384 tokens: 23.3 ms against 30.4 ms
-  // per layer), so there every unit gets its own CTA (cluster).
+  // per layer), so there every unit gets its own CTA.
   // Knobs (experiments, tests): FLEXPERT_WS_PERSIST=0/1 forces either;
   // FLEXPERT_WS_GROUP=N groups N tiles (N < 0: all, i.e. tile-fastest order).
   // With few units (BM = 128: under 32 per SM), in-order block launch also balances
@@ -909,41 +792,32 @@ cudaError_t launch_ws_kernel(const GroupedGemmArgs& g, const CUtensorMap& map_b,
   // 16384 (52 / 70 units per SM) persistent wins, 1584 against 1625 and 995 against 1097.
   static const int persist_env = env_int("FLEXPERT_WS_PERSIST", -1);
   static const int group_env = env_int("FLEXPERT_WS_GROUP", 0);
-  // Experiment (CL = 2): 1 = no multicast (every CTA loads its own B, stages still
-  // released in both CTAs), 2 = neither (CTAs independent inside their cluster).
-  static const int wc_mode = env_int("FLEXPERT_WC_MODE", 0);
   const bool persist =
       persist_env >= 0
           ? persist_env != 0
           : static_cast<int64_t>(g.n) * g.k * 2 <= (int64_t{16} << 20) &&
                 (BM != 128 || units >= 32 * static_cast<int64_t>(sm_count()) || max_ctas_env() > 0);
-  const int clusters_now = std::max(1, std::min(max_clusters, sm_count() / CL));
-  const int clusters =
-      static_cast<int>(persist ? std::min<int64_t>(cluster_units, clusters_now) : cluster_units);
+  const int grid = static_cast<int>(persist ? std::min<int64_t>(units, sm_count()) : units);
   const int group = group_env > 0   ? group_env
                     : group_env < 0 ? std::max(1, g.max_tiles)
-                                    : std::max(1, std::min(clusters, clusters_now) / nb);
-  cfg.gridDim = dim3(CL * clusters);
-  if (CL == 1) {
-    kernel<<<cfg.gridDim, cfg.blockDim, cfg.dynamicSmemBytes, stream>>>(g, map_b, map_a, group, 0);
-    return cudaGetLastError();
-  }
-  return cudaLaunchKernelEx(&cfg, kernel, g, map_b, map_a, group, wc_mode);
+                                    : std::max(1, std::min(grid, sm_count()) / nb);
+  wgmma_ws_kernel<BM, TMA_A>
+      <<<grid, kWsThreads, ws_smem_bytes<BM>(), stream>>>(g, map_b, map_a, group);
+  return cudaGetLastError();
 }
 
-template <int BM, int CL>
+template <int BM>
 cudaError_t launch_ws(const GroupedGemmArgs& g, cudaStream_t stream) {
-  // A cluster's CTAs load half a B block each (boxes of 128 rows).
   const CUtensorMap* map_b = g.slot_stride % g.k == 0 && g.weight_offset % g.k == 0
-                                 ? rows_tensor_map(g.weights, g.k, kWsBN / CL)
+                                 ? rows_tensor_map(g.weights, g.k, kWsBN)
                                  : nullptr;
   if (map_b == nullptr) {  // Same tile rows, no tensor map.
     return BM == 128 ? launch<2, 256>(g, stream) : launch<1, 128>(g, stream);
   }
   // Contiguous A rows (no gather) come by tensor copies too.
   const CUtensorMap* map_a = g.gather == nullptr ? rows_tensor_map(g.a, g.k, BM) : nullptr;
-  if (map_a != nullptr) return launch_ws_kernel<BM, true, CL>(g, *map_b, *map_a, stream);
-  return launch_ws_kernel<BM, false, CL>(g, *map_b, *map_b, stream);
+  if (map_a != nullptr) return launch_ws_kernel<BM, true>(g, *map_b, *map_a, stream);
+  return launch_ws_kernel<BM, false>(g, *map_b, *map_b, stream);
 }
 
 template <bool TMA_A>
@@ -1005,10 +879,8 @@ bool wgmma_available() {
 
 bool wgmma_fits(int n, int k, int bn) { return n % bn == 0 && k % kWgBK == 0; }
 
-cudaError_t launch_wgmma_ws_gemm(int bm, const GroupedGemmArgs& args, cudaStream_t stream,
-                                 int cluster) {
-  if (bm != 128) return launch_ws<64, 1>(args, stream);
-  return cluster == 2 ? launch_ws<128, 2>(args, stream) : launch_ws<128, 1>(args, stream);
+cudaError_t launch_wgmma_ws_gemm(int bm, const GroupedGemmArgs& args, cudaStream_t stream) {
+  return bm == 128 ? launch_ws<128>(args, stream) : launch_ws<64>(args, stream);
 }
 
 cudaError_t launch_wgmma_pp_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {

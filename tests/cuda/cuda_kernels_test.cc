@@ -12,7 +12,6 @@
 
 #include "cuda/blas.h"
 #include "cuda/device.h"
-#include "cuda/grouped_gemm.h"
 #include "cuda/kernels.h"
 #include "cuda/moe_layer.h"
 #include "cuda_test_util.h"
@@ -168,13 +167,10 @@ std::vector<MoeCase> moe_cases() {
     cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWs64, t});
     cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaPp128, t});
     cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWs128Pp, t});
-    cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWc128, t});
-    cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWc128Pp, t});
   }
   // 12000 pairs: the many-block permutation (kernels.h).
   cases.push_back({DType::kF32, cuda::GemmTile::kSimt, 3000});
   cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWs128, 3000});
-  cases.push_back({DType::kBF16, cuda::GemmTile::kWgmmaWc128, 3000});
   return cases;
 }
 
@@ -238,10 +234,9 @@ TEST(CudaMoeTest, HopperTilesAgreeAtModelShapes) {
       return to_host(out.data(), static_cast<size_t>(T) * H, DType::kF32);
     };
     const std::vector<float> want = run(cuda::GemmTile::kMma64);
-    for (cuda::GemmTile tile :
-         {cuda::GemmTile::kWgmma64, cuda::GemmTile::kWgmma128N256, cuda::GemmTile::kWgmmaWs64,
-          cuda::GemmTile::kWgmmaWs128, cuda::GemmTile::kWgmmaPp128, cuda::GemmTile::kWgmmaWs128Pp,
-          cuda::GemmTile::kWgmmaWc128, cuda::GemmTile::kWgmmaWc128Pp}) {
+    for (cuda::GemmTile tile : {cuda::GemmTile::kWgmma64, cuda::GemmTile::kWgmma128N256,
+                                cuda::GemmTile::kWgmmaWs64, cuda::GemmTile::kWgmmaWs128,
+                                cuda::GemmTile::kWgmmaPp128, cuda::GemmTile::kWgmmaWs128Pp}) {
       const double err = rel_l2(run(tile), want);
       std::printf("  %d tokens, %s vs mma64: relative L2 %.3g\n", T, cuda::tile_name(tile), err);
       EXPECT_LT(err, 5e-3) << cuda::tile_name(tile) << " at " << T << " tokens";
@@ -249,108 +244,9 @@ TEST(CudaMoeTest, HopperTilesAgreeAtModelShapes) {
   }
 }
 
-// The cluster tile (kWgmmaWc128: CTA pairs, B multicast within a slot's tile pairs) against
-// the single-CTA tile (kWgmmaWs128) on one grouped GEMM: bitwise equal outputs (same
-// wgmma order along K), for gathered and contiguous A, plain and SwiGLU, on slots whose
-// row counts give whole tile pairs, odd last tiles, single rows and empty slots. A
-// mismatch is reported by slot and tile parity.
-TEST(CudaGemmTest, ClusterTileEqualsSingleCtaTile) {
-  FLEX_SKIP_WITHOUT_GPU();
-  if (!cuda::wgmma_available()) GTEST_SKIP() << "no wgmma on this build/device";
-  const std::vector<int> count = {16, 130, 256, 300, 0, 1, 129, 128, 383, 64, 257, 5, 512};
-  const int S = static_cast<int>(count.size()), BM = 128;
-  std::vector<int32_t> offsets(S + 1, 0);
-  for (int s = 0; s < S; ++s) offsets[s + 1] = offsets[s] + count[s];
-  const int rows = offsets[S];
-  // Tile tables: slot by slot (ws128), whole pairs first (wc128).
-  std::vector<int32_t> slot_of, row0_of, pslot, prow0, oslot, orow0;
-  for (int s = 0; s < S; ++s) {
-    const int n = (count[s] + BM - 1) / BM;
-    for (int i = 0; i < n; ++i) {
-      slot_of.push_back(s);
-      row0_of.push_back(offsets[s] + i * BM);
-      (i < n - n % 2 ? pslot : oslot).push_back(s);
-      (i < n - n % 2 ? prow0 : orow0).push_back(offsets[s] + i * BM);
-    }
-  }
-  pslot.insert(pslot.end(), oslot.begin(), oslot.end());
-  prow0.insert(prow0.end(), orow0.begin(), orow0.end());
-  const int tiles = static_cast<int>(slot_of.size());
-  auto offsets_d = to_device_raw(offsets);
-  auto num_tiles_d = to_device_raw(std::vector<int32_t>{tiles});
-  auto slot_d = to_device_raw(slot_of), row0_d = to_device_raw(row0_of);
-  auto pslot_d = to_device_raw(pslot), prow0_d = to_device_raw(prow0);
-  auto stream = cuda::Stream::create();
-  ASSERT_TRUE(stream.ok());
-  // Small; Qwen3-30B-A3B's gate/up (A rows of tokens, 8 pairs each, three matrices per
-  // slot) and its down projection (B after the gate/up rows of the slot).
-  struct Shape {
-    int n, k, gather_div, matrices, offset_rows;
-  };
-  std::mt19937 rng(5);
-  for (const Shape& sh :
-       {Shape{512, 448, 1, 1, 0}, Shape{1536, 2048, 8, 2, 0}, Shape{2048, 768, 1, 3, 2048 * 2}}) {
-    const int N = sh.n, K = sh.k;
-    const int64_t slot_elems = static_cast<int64_t>(sh.matrices) * N * K;
-    auto a = to_device(uniform(static_cast<size_t>(rows) * K, 1.f, rng), DType::kBF16);
-    auto w = to_device(uniform(static_cast<size_t>(S * slot_elems), 0.05f, rng), DType::kBF16);
-    std::vector<int32_t> gather(rows);
-    for (int r = 0; r < rows; ++r) gather[r] = ((r * 7 + 3) % rows) * sh.gather_div;
-    auto gather_d = to_device_raw(gather);
-    for (bool gathered : {true, false}) {
-      for (bool swiglu : {false, true}) {
-        auto run = [&](cuda::GemmTile tile) {
-          const bool paired = cuda::tile_pairs(tile);
-          const int out_n = swiglu ? N / 2 : N;
-          auto out =
-              to_device(std::vector<float>(static_cast<size_t>(rows) * out_n, NAN), DType::kBF16);
-          cuda::GroupedGemmArgs g;
-          g.a = a.data();
-          g.gather = gathered ? gather_d.as<int32_t>() : nullptr;
-          g.gather_div = sh.gather_div;
-          g.weights = w.data();
-          g.slot_stride = slot_elems;
-          g.weight_offset = static_cast<int64_t>(sh.offset_rows) * K;
-          g.n = N;
-          g.k = K;
-          g.swiglu = swiglu;
-          g.offsets = offsets_d.as<int32_t>();
-          g.tile_slot = (paired ? pslot_d : slot_d).as<int32_t>();
-          g.tile_row0 = (paired ? prow0_d : row0_d).as<int32_t>();
-          g.num_tiles = num_tiles_d.as<int32_t>();
-          g.max_tiles = tiles + 1;
-          g.out = out.data();
-          EXPECT_EQ(cuda::grouped_gemm(DType::kBF16, tile, g, stream.value().get()), cudaSuccess);
-          EXPECT_TRUE(stream.value().synchronize().ok());
-          return to_host(out.data(), static_cast<size_t>(rows) * out_n, DType::kBF16);
-        };
-        const std::vector<float> want = run(cuda::GemmTile::kWgmmaWs128);
-        const std::vector<float> got = run(cuda::GemmTile::kWgmmaWc128);
-        const size_t row_len = want.size() / rows;
-        int bad_rows = 0;
-        std::string where;
-        for (int t = 0; t < tiles; ++t) {
-          const int s = slot_of[t], r0 = row0_of[t], r1 = std::min(r0 + BM, offsets[s + 1]);
-          int bad = 0;
-          for (int r = r0; r < r1; ++r) {
-            bad += !std::equal(want.begin() + r * row_len, want.begin() + (r + 1) * row_len,
-                               got.begin() + r * row_len);
-          }
-          bad_rows += bad;
-          if (bad > 0) {
-            where += " slot " + std::to_string(s) + " tile " +
-                     std::to_string((r0 - offsets[s]) / BM) + " (" + std::to_string(bad) + " rows)";
-          }
-        }
-        EXPECT_EQ(bad_rows, 0) << N << " x " << K << ", " << (gathered ? "gathered" : "contiguous")
-                               << " A, " << (swiglu ? "swiglu" : "plain") << ":" << where;
-      }
-    }
-  }
-}
-
 // The many-block permutation against the one-block one and a host reference: same
-// offsets, tile table and statistics; rows of a slot in its range, each pair once.
+// offsets, tile table (both equal to the host's) and statistics; rows of a slot in its range, each
+// pair once.
 TEST(CudaPermuteTest, ManyBlocksMatchOneBlock) {
   FLEX_SKIP_WITHOUT_GPU();
   const int S = 300, K = 8, T = 6250, P = T * K, valid_tokens = 6000, block_m = 64;
@@ -375,7 +271,7 @@ TEST(CudaPermuteTest, ManyBlocksMatchOneBlock) {
     cuda::DeviceBuffer offsets, tile_slot, tile_row0, num_tiles, row_of_pair, pair_of_row, stats;
   };
   const int tiles = cuda::max_tiles(P, S, block_m);
-  auto run = [&](bool many, bool paired) {
+  auto run = [&](bool many) {
     Out o{to_device_raw(std::vector<int32_t>(S + 1)), to_device_raw(std::vector<int32_t>(tiles)),
           to_device_raw(std::vector<int32_t>(tiles)), to_device_raw(std::vector<int32_t>(1)),
           to_device_raw(std::vector<int32_t>(P)),     to_device_raw(std::vector<int32_t>(P)),
@@ -394,13 +290,12 @@ TEST(CudaPermuteTest, ManyBlocksMatchOneBlock) {
                         o.row_of_pair.as<int32_t>(),
                         o.pair_of_row.as<int32_t>(),
                         o.stats.as<int64_t>(),
-                        many ? counts.as<int32_t>() : nullptr,
-                        paired};
+                        many ? counts.as<int32_t>() : nullptr};
     EXPECT_EQ(cuda::permute(a, stream.value().get()), cudaSuccess);
     EXPECT_TRUE(stream.value().synchronize().ok());
     return o;
   };
-  const Out one = run(false, false), many = run(true, false);
+  const Out one = run(false), many = run(true);
   auto ints = [](const cuda::DeviceBuffer& b, size_t n) {
     std::vector<int32_t> v(n);
     EXPECT_EQ(cudaMemcpy(v.data(), b.data(), n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
@@ -415,33 +310,19 @@ TEST(CudaPermuteTest, ManyBlocksMatchOneBlock) {
   const int num_tiles = ints(many.num_tiles, 1)[0];
   EXPECT_EQ(num_tiles, ints(one.num_tiles, 1)[0]);
   ASSERT_LE(num_tiles, tiles);
-  // The tile tables from the host: slot by slot, and with pair_tiles every slot's whole
-  // pairs first, then the odd last tiles.
-  std::vector<int32_t> want_slot, want_row0, odd_slot, odd_row0, pair_slot, pair_row0;
+  // The tile table from the host: slot by slot, block_m rows per tile.
+  std::vector<int32_t> want_slot, want_row0;
   for (int s = 0; s < S; ++s) {
-    const int n = (count[s] + block_m - 1) / block_m;
-    for (int i = 0; i < n; ++i) {
-      const int32_t row0 = want_offsets[s] + i * block_m;
+    for (int r0 = 0; r0 < count[s]; r0 += block_m) {
       want_slot.push_back(s);
-      want_row0.push_back(row0);
-      (i < n - n % 2 ? pair_slot : odd_slot).push_back(s);
-      (i < n - n % 2 ? pair_row0 : odd_row0).push_back(row0);
+      want_row0.push_back(want_offsets[s] + r0);
     }
   }
-  pair_slot.insert(pair_slot.end(), odd_slot.begin(), odd_slot.end());
-  pair_row0.insert(pair_row0.end(), odd_row0.begin(), odd_row0.end());
   ASSERT_EQ(num_tiles, static_cast<int>(want_slot.size()));
-  ASSERT_GT(odd_slot.size(), 0u);
   EXPECT_EQ(ints(many.tile_slot, num_tiles), want_slot);
   EXPECT_EQ(ints(many.tile_row0, num_tiles), want_row0);
   EXPECT_EQ(ints(one.tile_slot, num_tiles), want_slot);
   EXPECT_EQ(ints(one.tile_row0, num_tiles), want_row0);
-  for (bool many_blocks : {false, true}) {
-    const Out paired = run(many_blocks, true);
-    EXPECT_EQ(ints(paired.num_tiles, 1)[0], num_tiles);
-    EXPECT_EQ(ints(paired.tile_slot, num_tiles), pair_slot) << "many blocks " << many_blocks;
-    EXPECT_EQ(ints(paired.tile_row0, num_tiles), pair_row0) << "many blocks " << many_blocks;
-  }
   const std::vector<int32_t> row_of_pair = ints(many.row_of_pair, P);
   const std::vector<int32_t> pair_of_row = ints(many.pair_of_row, P);
   int bad = 0;
