@@ -32,14 +32,16 @@ __device__ __forceinline__ bool step_failed(const EpStatus* s) {
 }
 __device__ __forceinline__ void fail(EpStatus* s) { atomicExch(&s->failed, 1); }
 
-// Sets flag `which` (0 ready, 1 done) of this rank to a.value in every member's window,
-// after this block's earlier writes (threads < kEpMaxRanks call it after a barrier).
-__device__ __forceinline__ void signal_members(const EpArgs& a, int which) {
+// Sets flag `which` (0 ready, 1 done) of this rank to a.value (with kEpAbortFlag when
+// this rank gives the exchange up) in every member's window, after this block's earlier
+// writes (threads < kEpMaxRanks call it after a barrier).
+__device__ __forceinline__ void signal_members(const EpArgs& a, int which, bool abort = false) {
   const int r = threadIdx.x;
   if (!is_member(a.members, r)) return;
   __threadfence_system();
   EpWindow* w = a.peers[r].window;
-  store_release_sys(which == 0 ? &w->ready[a.me] : &w->done[a.me], a.value);
+  const uint64_t v = a.value | (abort ? kEpAbortFlag : 0);
+  store_release_sys(which == 0 ? &w->ready[a.me] : &w->done[a.me], v);
 }
 
 __global__ void __launch_bounds__(1024) ep_publish_kernel(EpArgs a, int num_pairs, int32_t* pos) {
@@ -68,6 +70,7 @@ __global__ void __launch_bounds__(1024) ep_publish_kernel(EpArgs a, int num_pair
       a.status->overflow = -1;
       fail(a.status);
     }
+    signal_members(a, 0, /*abort=*/true);  // The owners wait for this rank's rows.
     return;
   }
   EpWindow* w = a.peers[a.me].window;
@@ -83,7 +86,15 @@ __global__ void ep_wait_kernel(EpArgs a, int which) {
     const EpWindow* w = a.peers[a.me].window;
     const uint64_t* flag = which == 0 ? &w->ready[r] : &w->done[r];
     const int64_t start = global_ns();
-    while (load_acquire_sys(flag) < a.value) {
+    for (;;) {
+      const uint64_t f = load_acquire_sys(flag);
+      if ((f & ~kEpAbortFlag) >= a.value) {
+        if (f == (a.value | kEpAbortFlag)) {  // r gave this exchange up.
+          atomicOr(reinterpret_cast<unsigned long long*>(&a.status->aborted), 1ull << r);
+          fail(a.status);
+        }
+        break;
+      }
       if (step_failed(a.status)) break;  // Another member's wait gave up.
       if (*a.abort != 0 || global_ns() - start > a.timeout_ns) {
         atomicOr(reinterpret_cast<unsigned long long*>(&a.status->missing), 1ull << r);
@@ -160,10 +171,8 @@ __global__ void __launch_bounds__(kGatherThreads)
   }
 }
 
-__global__ void ep_signal_done_kernel(EpArgs a) {
-  if (step_failed(a.status)) return;
-  signal_members(a, 1);
-}
+// Done, or (the exchange failed here) given up: the sources wait for it either way.
+__global__ void ep_signal_done_kernel(EpArgs a) { signal_members(a, 1, step_failed(a.status)); }
 
 __device__ __forceinline__ void load8_peer(const float* p, float (&v)[8]) {
   const float4 x = __ldcg(reinterpret_cast<const float4*>(p));

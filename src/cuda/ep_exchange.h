@@ -23,6 +23,11 @@
 // signalled done. Waits give up when *abort (host memory the host sets, e.g. on a dead
 // peer) is non-zero or after timeout_ns, and then set *failed: every later kernel of the
 // exchange sees it and does no work that depends on peers (combine writes zeros).
+// A rank whose exchange fails (its own error, e.g. a pair routed to a non-member, or a
+// wait that gave up) says so instead of going silent: it writes the flag its peers wait
+// for next, ready (publish) or done, as v | kEpAbortFlag, and a wait for exactly v that
+// finds it fails at once (status->aborted names the member) rather than at the timeout.
+// A later exchange's value is larger, so the next normal signal overwrites it.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -33,7 +38,8 @@
 
 namespace flexpert::cuda {
 
-inline constexpr int kEpMaxRanks = 64;  // Members are a 64-bit mask.
+inline constexpr int kEpMaxRanks = 64;                       // Members are a 64-bit mask.
+inline constexpr uint64_t kEpAbortFlag = uint64_t{1} << 63;  // Values stay below 2^63.
 
 struct EpWindow {
   uint64_t ready[kEpMaxRanks];     // [src] the value of src's latest published rows.
@@ -59,6 +65,7 @@ struct EpPeer {
 // A step's error state (device memory; the host copies it after the step).
 struct EpStatus {
   uint64_t missing;  // Members a wait gave up on.
+  uint64_t aborted;  // Members whose flag said they gave up the exchange.
   int32_t failed;    // Non-zero: the exchange is broken for the rest of the step.
   int32_t overflow;  // Rows an owner received past its bound, or -1: a slot of a non-member.
 };

@@ -634,15 +634,23 @@ Status DeviceEpMoe::finish_device_step(const Group& group) {
     return internal_error("expert-parallel step: " + std::to_string(st.overflow) +
                           " rows for this rank, over the step's bound");
   }
+  const std::string where = "expert-parallel exchange (epoch " + std::to_string(group.epoch) +
+                            ", exchange " + std::to_string(exchange_index_) +
+                            " of the epoch so far)";
+  if (st.aborted != 0) {
+    std::string quit;
+    for (int r = 0; r < kEpMaxRanks; ++r) {
+      if (((st.aborted >> r) & 1) != 0) quit += (quit.empty() ? "" : ", ") + std::to_string(r);
+    }
+    return aborted(where + ": rank(s) " + quit + " gave the step up (an error of their own)");
+  }
   std::string silent;
   for (int r = 0; r < kEpMaxRanks; ++r) {
     if (((st.missing >> r) & 1) == 0) continue;
     if (Status s = transport.peer_status(r); !s.ok()) return s;
     silent += (silent.empty() ? "" : ", ") + std::to_string(r);
   }
-  return deadline_exceeded("expert-parallel exchange (epoch " + std::to_string(group.epoch) +
-                           ", exchange " + std::to_string(exchange_index_) +
-                           " of the epoch so far): no word from rank(s) " + silent + " within " +
+  return deadline_exceeded(where + ": no word from rank(s) " + silent + " within " +
                            std::to_string(transport.timeout_ms()) + " ms");
 }
 

@@ -17,6 +17,8 @@
 #include <cstring>
 #include <thread>
 
+#include "cuda/device.h"
+#include "cuda/ep_exchange.h"
 #include "cuda_model_util.h"
 #include "flexpert/generate.h"
 #include "flexpert/model.h"
@@ -333,6 +335,125 @@ TEST(CudaEpTest, DeviceExchangeWithASilentOrDepartedPeerFailsTheStep) {
   ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
   EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s.to_string();
+  EXPECT_LT(ms, 1000);
+}
+
+// The exchange kernels alone, two ranks of this process sharing plain device pointers:
+// rank 1 routes a pair to a rank outside the group (its own error), gives the exchange up
+// and says so in its ready flag; rank 0, waiting for its rows, fails at once naming rank 1
+// instead of at the timeout. The next exchange (a larger value) passes normally. Then the
+// same for done: a rank whose exchange failed signals done given up, and its sources,
+// waiting for its results, fail at once.
+TEST(CudaEpTest, AnExchangeGivenUpFailsItsPeersAtOnce) {
+  FLEX_SKIP_WITHOUT_GPU();
+  constexpr int kRanks = 2, kPairs = 4, kSlotsPerRank = 4, kHidden = 8;
+  const size_t window_bytes = sizeof(cuda::EpWindow) + kPairs * sizeof(int32_t);
+  struct Rank {
+    cuda::DeviceBuffer window, h, slot, y, row_of_pair, status;
+    cuda::Stream stream;
+  };
+  Rank ranks[kRanks];
+  std::vector<cuda::EpPeer> peers(cuda::kEpMaxRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    Rank& k = ranks[r];
+    k.window = std::move(cuda::DeviceBuffer::create_zeroed(window_bytes)).value();
+    k.h = std::move(cuda::DeviceBuffer::create_zeroed(kPairs * kHidden * 4)).value();
+    k.slot = std::move(cuda::DeviceBuffer::create_zeroed(kPairs * 4)).value();
+    k.y = std::move(cuda::DeviceBuffer::create_zeroed(kRanks * kPairs * kHidden * 4)).value();
+    k.row_of_pair = std::move(cuda::DeviceBuffer::create_zeroed(kRanks * kPairs * 4)).value();
+    k.status = std::move(cuda::DeviceBuffer::create_zeroed(sizeof(cuda::EpStatus))).value();
+    k.stream = std::move(cuda::Stream::create()).value();
+    peers[r].window = k.window.as<cuda::EpWindow>();
+    peers[r].pos = reinterpret_cast<const int32_t*>(k.window.as<char>() + sizeof(cuda::EpWindow));
+    peers[r].h = k.h.data();
+    peers[r].slot = k.slot.as<int32_t>();
+    peers[r].y = k.y.data();
+    peers[r].row_of_pair = k.row_of_pair.as<int32_t>();
+  }
+  auto peers_d = cuda_test::to_device_raw(peers);
+  auto abort_word = std::move(cuda::PinnedBuffer::create(sizeof(int32_t))).value();
+  auto progress = std::move(cuda::PinnedBuffer::create(2 * sizeof(uint64_t))).value();
+  *abort_word.as<int32_t>() = 0;
+  auto args = [&](int r, uint64_t value) {
+    cuda::EpArgs a;
+    a.peers = peers_d.as<cuda::EpPeer>();
+    a.me = r;
+    a.members = 0b11;
+    a.slots_per_rank = kSlotsPerRank;
+    a.top_k = 1;
+    a.hidden = kHidden;
+    a.dtype = DType::kF32;
+    a.value = value;
+    a.status = ranks[r].status.as<cuda::EpStatus>();
+    a.abort = abort_word.as<int32_t>();
+    a.progress = progress.as<uint64_t>() + r;
+    a.timeout_ns = 5'000'000'000;  // The failure must come long before this.
+    return a;
+  };
+  auto set_slots = [&](int r, std::vector<int32_t> slots) {
+    ASSERT_EQ(cudaMemcpy(ranks[r].slot.data(), slots.data(), kPairs * 4, cudaMemcpyHostToDevice),
+              cudaSuccess);
+  };
+  auto status_of = [&](int r) {
+    cuda::EpStatus st{};
+    EXPECT_EQ(cudaStreamSynchronize(ranks[r].stream.get()), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(&st, ranks[r].status.data(), sizeof(st), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(cudaMemset(ranks[r].status.data(), 0, sizeof(st)), cudaSuccess);
+    return st;
+  };
+  auto publish = [&](int r, uint64_t value) {
+    const cuda::EpArgs a = args(r, value);
+    int32_t* pos = reinterpret_cast<int32_t*>(ranks[r].window.as<char>() + sizeof(cuda::EpWindow));
+    ASSERT_EQ(cuda::ep_publish(a, kPairs, pos, ranks[r].stream.get()), cudaSuccess);
+  };
+  const uint64_t v = (uint64_t{7} << 40) | 1;
+  set_slots(0, {0, 1, 4, 5});
+  set_slots(1, {2, 6, 4 * kSlotsPerRank + 1, 3});  // Slot 17: rank 4's, not a member.
+
+  // Ready given up.
+  publish(1, v);
+  cuda::EpStatus st1 = status_of(1);
+  EXPECT_EQ(st1.failed, 1);
+  EXPECT_EQ(st1.overflow, -1);
+  auto t0 = std::chrono::steady_clock::now();
+  publish(0, v);
+  ASSERT_EQ(cuda::ep_wait(args(0, v), 0, ranks[0].stream.get()), cudaSuccess);
+  cuda::EpStatus st0 = status_of(0);
+  double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(st0.failed, 1);
+  EXPECT_EQ(st0.aborted, uint64_t{1} << 1);
+  EXPECT_EQ(st0.missing, 0u);
+  EXPECT_LT(ms, 1000);
+
+  // The next exchange: both publish sound pairs, the waits pass.
+  set_slots(1, {2, 6, 1, 3});
+  for (int r : {1, 0}) publish(r, v + 1);
+  for (int r : {0, 1}) {
+    ASSERT_EQ(cuda::ep_wait(args(r, v + 1), 0, ranks[r].stream.get()), cudaSuccess);
+    const cuda::EpStatus st = status_of(r);
+    EXPECT_EQ(st.failed, 0) << "rank " << r;
+    EXPECT_EQ(st.aborted, 0u) << "rank " << r;
+  }
+
+  // Done given up: rank 1's exchange fails after publishing (here: set by hand, as a
+  // failed gather would), it signals done given up; rank 0 waiting for done fails at once.
+  for (int r : {1, 0}) publish(r, v + 2);
+  const int32_t one = 1;
+  ASSERT_EQ(cudaMemcpy(&ranks[1].status.as<cuda::EpStatus>()->failed, &one, sizeof(one),
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cuda::ep_signal_done(args(1, v + 2), ranks[1].stream.get()), cudaSuccess);
+  (void)status_of(1);
+  t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(cuda::ep_wait(args(0, v + 2), 0, ranks[0].stream.get()), cudaSuccess);
+  ASSERT_EQ(cuda::ep_signal_done(args(0, v + 2), ranks[0].stream.get()), cudaSuccess);
+  ASSERT_EQ(cuda::ep_wait(args(0, v + 2), 1, ranks[0].stream.get()), cudaSuccess);
+  st0 = status_of(0);
+  ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(st0.failed, 1);
+  EXPECT_EQ(st0.aborted, uint64_t{1} << 1);
   EXPECT_LT(ms, 1000);
 }
 
