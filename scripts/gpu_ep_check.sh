@@ -6,7 +6,9 @@
 # FLEXPERT_EP_EXCHANGE=host, and `bench serve` on a synthetic Qwen3-30B-A3B (bf16, LAYERS
 # layers) with 1 GPU rank, 4 (device exchange) and 4 (host exchange). Starts and stops MPS.
 # TESTS=0: the benchmarks only. BUILT_AT=/path: where the packed binaries were built (the
-# system test runs the flexpert binary and reads testdata at that build's paths). Logs
+# system test runs the flexpert binary and reads testdata at that build's paths).
+# RUNS="1 4 4host" (default): the serve runs, ranks each, "host" = the host exchange;
+# GPUS=N spreads the ranks over N GPUs (`serve --gpus N`, rank r on GPU r mod N). Logs
 # under $OUT; summary last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +16,8 @@ OUT=${OUT:-out/gpu-ep}
 PACK=${PACK:-.gpu-gep}
 BIN=${BIN:-$PACK/bin}
 LAYERS=${LAYERS:-4}
+RUNS=${RUNS:-1 4 4host}
+GPUS=${GPUS:-1}
 mkdir -p "$OUT"
 export FLEXPERT_LOG=warn
 t0=$(date +%s)
@@ -57,12 +61,13 @@ stamp "synth qwen3-30b-a3b --layers $LAYERS"
 DIR=/dev/shm/q30b-L$LAYERS
 timeout 120 "$BIN/flexpert" synth --preset qwen3-30b-a3b --layers "$LAYERS" --out "$DIR" 2>&1 | tail -1
 port=8300
-for run in 1 4 4host; do
+for run in $RUNS; do
   ranks=${run%host}
   mode=device && [ "$run" != "$ranks" ] && mode=host
   port=$((port + 1))
-  stamp "serve --ranks $ranks (bf16, $mode exchange) + bench serve"
-  FLEXPERT_EP_EXCHANGE=$mode setsid "$BIN/flexpert" serve --model "$DIR" --device cuda --ranks "$ranks" --port $port \
+  stamp "serve --ranks $ranks --gpus $GPUS (bf16, $mode exchange) + bench serve"
+  FLEXPERT_EP_EXCHANGE=$mode setsid "$BIN/flexpert" serve --model "$DIR" --device cuda --ranks "$ranks" \
+    --gpus "$GPUS" --port $port \
     --max-sequences 64 --max-seq-len 512 --transport-timeout-ms 60000 >"$OUT/serve$run.log" 2>&1 &
   spid=$!
   for _ in $(seq 240); do
@@ -89,14 +94,14 @@ echo quit | nvidia-cuda-mps-control
 stamp "summary"
 printf "%-40s %s\n" "GPU unit tests (rc)" "$rc_unit" "system test, 4 ranks f32 (rc)" "$rc_system" \
   "system test, host exchange (rc)" "$rc_system_host"
-for run in 1 4 4host; do
+for run in $RUNS; do
   for c in 64 8; do
-    python3 - "$OUT/bench$run-c$c.json" "$run" "$c" <<'PY'
+    python3 - "$OUT/bench$run-c$c.json" "$run" "$c" "$GPUS" <<'PY'
 import json, sys
 try:
     j = json.load(open(sys.argv[1]))
     print("%-44s %.1f output tok/s, ITL p50 %.1f ms, %s failed" % (
-        "bench serve, %s GPU rank(s), c=%s, bf16" % (sys.argv[2], sys.argv[3]),
+        "bench serve, %s rank(s) on %s GPU(s), c=%s, bf16" % (sys.argv[2], sys.argv[4], sys.argv[3]),
         j.get("output_tokens_per_s", 0.0), 1e3 * j.get("itl_s", {}).get("p50", 0.0),
         j.get("failed", "?")))
 except Exception as e:
