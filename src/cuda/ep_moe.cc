@@ -637,20 +637,22 @@ Status DeviceEpMoe::finish_device_step(const Group& group) {
   const std::string where = "expert-parallel exchange (epoch " + std::to_string(group.epoch) +
                             ", exchange " + std::to_string(exchange_index_) +
                             " of the epoch so far)";
-  if (st.aborted != 0) {
-    std::string quit;
+  auto rank_list = [](uint64_t mask) {
+    std::string text;
     for (int r = 0; r < kEpMaxRanks; ++r) {
-      if (((st.aborted >> r) & 1) != 0) quit += (quit.empty() ? "" : ", ") + std::to_string(r);
+      if (((mask >> r) & 1) != 0) text += (text.empty() ? "" : ", ") + std::to_string(r);
     }
-    return aborted(where + ": rank(s) " + quit + " gave the step up (an error of their own)");
+    return text;
+  };
+  if (st.aborted != 0) {
+    return aborted(where + ": rank(s) " + rank_list(st.aborted) +
+                   " gave the step up (an error of their own, or a peer they lost)");
   }
-  std::string silent;
   for (int r = 0; r < kEpMaxRanks; ++r) {
     if (((st.missing >> r) & 1) == 0) continue;
     if (Status s = transport.peer_status(r); !s.ok()) return s;
-    silent += (silent.empty() ? "" : ", ") + std::to_string(r);
   }
-  return deadline_exceeded(where + ": no word from rank(s) " + silent + " within " +
+  return deadline_exceeded(where + ": no word from rank(s) " + rank_list(st.missing) + " within " +
                            std::to_string(transport.timeout_ms()) + " ms");
 }
 
