@@ -45,7 +45,10 @@ __device__ __forceinline__ void signal_members(const EpArgs& a, int which, bool 
 }
 
 __global__ void __launch_bounds__(1024) ep_publish_kernel(EpArgs a, int num_pairs, int32_t* pos) {
-  if (step_failed(a.status)) return;
+  if (step_failed(a.status)) {  // An earlier exchange of the step failed here.
+    signal_members(a, 0, /*abort=*/true);
+    return;
+  }
   __shared__ int cnt[kEpMaxRanks];
   __shared__ int bad;
   const int tid = threadIdx.x;

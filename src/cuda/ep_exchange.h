@@ -24,10 +24,11 @@
 // peer) is non-zero or after timeout_ns, and then set *failed: every later kernel of the
 // exchange sees it and does no work that depends on peers (combine writes zeros).
 // A rank whose exchange fails (its own error, e.g. a pair routed to a non-member, or a
-// wait that gave up) says so instead of going silent: it writes the flag its peers wait
-// for next, ready (publish) or done, as v | kEpAbortFlag, and a wait for exactly v that
-// finds it fails at once (status->aborted names the member) rather than at the timeout.
-// A later exchange's value is larger, so the next normal signal overwrites it.
+// wait that gave up) says so instead of going silent: it writes the flags its peers wait
+// for, ready (publish, also of every later exchange of the step) and done, as
+// v | kEpAbortFlag, and a wait for exactly v that finds it fails at once
+// (status->aborted names the member) rather than at the timeout. A later exchange's
+// value is larger, so the next normal signal overwrites it.
 #pragma once
 
 #include <cuda_runtime_api.h>

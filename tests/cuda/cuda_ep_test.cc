@@ -343,7 +343,8 @@ TEST(CudaEpTest, DeviceExchangeWithASilentOrDepartedPeerFailsTheStep) {
 // and says so in its ready flag; rank 0, waiting for its rows, fails at once naming rank 1
 // instead of at the timeout. The next exchange (a larger value) passes normally. Then the
 // same for done: a rank whose exchange failed signals done given up, and its sources,
-// waiting for its results, fail at once.
+// waiting for its results, fail at once; and for a later exchange of a step that failed
+// earlier on the rank: its publish gives that one up too.
 TEST(CudaEpTest, AnExchangeGivenUpFailsItsPeersAtOnce) {
   FLEX_SKIP_WITHOUT_GPU();
   constexpr int kRanks = 2, kPairs = 4, kSlotsPerRank = 4, kHidden = 8;
@@ -450,6 +451,21 @@ TEST(CudaEpTest, AnExchangeGivenUpFailsItsPeersAtOnce) {
   ASSERT_EQ(cuda::ep_wait(args(0, v + 2), 0, ranks[0].stream.get()), cudaSuccess);
   ASSERT_EQ(cuda::ep_signal_done(args(0, v + 2), ranks[0].stream.get()), cudaSuccess);
   ASSERT_EQ(cuda::ep_wait(args(0, v + 2), 1, ranks[0].stream.get()), cudaSuccess);
+  st0 = status_of(0);
+  ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(st0.failed, 1);
+  EXPECT_EQ(st0.aborted, uint64_t{1} << 1);
+  EXPECT_LT(ms, 1000);
+
+  // A later exchange of a step that failed earlier on rank 1: its publish gives it up.
+  ASSERT_EQ(cudaMemcpy(&ranks[1].status.as<cuda::EpStatus>()->failed, &one, sizeof(one),
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  publish(1, v + 3);
+  (void)status_of(1);
+  t0 = std::chrono::steady_clock::now();
+  publish(0, v + 3);
+  ASSERT_EQ(cuda::ep_wait(args(0, v + 3), 0, ranks[0].stream.get()), cudaSuccess);
   st0 = status_of(0);
   ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(st0.failed, 1);
