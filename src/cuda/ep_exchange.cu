@@ -38,6 +38,8 @@ __device__ __forceinline__ void fail(EpStatus* s) { atomicExch(&s->failed, 1); }
 __device__ __forceinline__ void signal_members(const EpArgs& a, int which, bool abort = false) {
   const int r = threadIdx.x;
   if (!is_member(a.members, r)) return;
+  // Not into the window of a member this step lost (it may have died with its memory).
+  if (abort && ((a.status->missing >> r) & 1) != 0) return;
   __threadfence_system();
   EpWindow* w = a.peers[r].window;
   const uint64_t v = a.value | (abort ? kEpAbortFlag : 0);
@@ -92,7 +94,10 @@ __global__ void ep_wait_kernel(EpArgs a, int which) {
     for (;;) {
       const uint64_t f = load_acquire_sys(flag);
       if ((f & ~kEpAbortFlag) >= a.value) {
-        if (f == (a.value | kEpAbortFlag)) {  // r gave this exchange up.
+        // r gave this exchange up, or a later one of the step: a rank whose exchange
+        // failed skips its waits and runs ahead through the step's later exchanges,
+        // giving each up (a lower given-up value is an earlier step's: keep waiting).
+        if ((f & kEpAbortFlag) != 0) {
           atomicOr(reinterpret_cast<unsigned long long*>(&a.status->aborted), 1ull << r);
           fail(a.status);
         }

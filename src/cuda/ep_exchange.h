@@ -26,9 +26,10 @@
 // A rank whose exchange fails (its own error, e.g. a pair routed to a non-member, or a
 // wait that gave up) says so instead of going silent: it writes the flags its peers wait
 // for, ready (publish, also of every later exchange of the step) and done, as
-// v | kEpAbortFlag, and a wait for exactly v that finds it fails at once
-// (status->aborted names the member) rather than at the timeout. A later exchange's
-// value is larger, so the next normal signal overwrites it.
+// v | kEpAbortFlag, and a wait for v that finds a given-up value >= v fails at once
+// (status->aborted names the member) rather than at the timeout: the failed rank skips
+// its waits and may already be giving up later exchanges of the step. A given-up value
+// below v is an earlier step's; the next normal signal (a larger value) overwrites it.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -549,7 +549,8 @@ Status DeviceEpMoe::enqueue_device_exchange(int seg, int n, int num_real, int bo
   const int layer = config_.moe_layers[seg];
   const MoeDims& d = config_.dims;
   EpArgs a = exchange_args(group);
-  if (exchange_index_ + 1 >= kExchangesPerEpoch || group.epoch >= (uint64_t{1} << 24)) {
+  // Values stay below 2^63: bit 63 marks a given-up exchange (ep_exchange.h).
+  if (exchange_index_ + 1 >= kExchangesPerEpoch || group.epoch >= (uint64_t{1} << 23)) {
     return resource_exhausted("expert-parallel exchange values of epoch " +
                               std::to_string(group.epoch) + " are used up (a new epoch resets)");
   }
@@ -645,6 +646,13 @@ Status DeviceEpMoe::finish_device_step(const Group& group) {
     return text;
   };
   if (st.aborted != 0) {
+    // A member that gave up may have seen a peer die before this rank's own check did:
+    // name the dead peer (the front end recovers from that report) rather than only
+    // the member that gave up.
+    for (int r : group.ranks) {
+      if (r == transport.rank()) continue;
+      if (Status s = transport.peer_status(r); !s.ok()) return s;
+    }
     return aborted(where + ": rank(s) " + rank_list(st.aborted) +
                    " gave the step up (an error of their own, or a peer they lost)");
   }

@@ -338,13 +338,13 @@ TEST(CudaEpTest, DeviceExchangeWithASilentOrDepartedPeerFailsTheStep) {
   EXPECT_LT(ms, 1000);
 }
 
-// The exchange kernels alone, two ranks of this process sharing plain device pointers:
-// rank 1 routes a pair to a rank outside the group (its own error), gives the exchange up
-// and says so in its ready flag; rank 0, waiting for its rows, fails at once naming rank 1
-// instead of at the timeout. The next exchange (a larger value) passes normally. Then the
-// same for done: a rank whose exchange failed signals done given up, and its sources,
-// waiting for its results, fail at once; and for a later exchange of a step that failed
-// earlier on the rank: its publish gives that one up too.
+// The exchange kernels alone, two ranks of this process sharing plain device pointers
+// (each on its own stream; every host write goes on the rank's stream). Rank 1 routes a
+// pair to a rank outside the group (its own error) and, its step failed, runs ahead into
+// the next exchange, giving that up too; rank 0, waiting for the first, fails at once
+// naming rank 1 instead of at the timeout. A wait that finds only that earlier given-up
+// value keeps waiting, and passes when rank 1 publishes normally. Then done: a rank whose
+// exchange failed signals done given up, and its sources fail at once.
 TEST(CudaEpTest, AnExchangeGivenUpFailsItsPeersAtOnce) {
   FLEX_SKIP_WITHOUT_GPU();
   constexpr int kRanks = 2, kPairs = 4, kSlotsPerRank = 4, kHidden = 8;
@@ -372,6 +372,7 @@ TEST(CudaEpTest, AnExchangeGivenUpFailsItsPeersAtOnce) {
     peers[r].row_of_pair = k.row_of_pair.as<int32_t>();
   }
   auto peers_d = cuda_test::to_device_raw(peers);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // The zeroing and copies above landed.
   auto abort_word = std::move(cuda::PinnedBuffer::create(sizeof(int32_t))).value();
   auto progress = std::move(cuda::PinnedBuffer::create(2 * sizeof(uint64_t))).value();
   *abort_word.as<int32_t>() = 0;
@@ -392,15 +393,27 @@ TEST(CudaEpTest, AnExchangeGivenUpFailsItsPeersAtOnce) {
     return a;
   };
   auto set_slots = [&](int r, std::vector<int32_t> slots) {
-    ASSERT_EQ(cudaMemcpy(ranks[r].slot.data(), slots.data(), kPairs * 4, cudaMemcpyHostToDevice),
+    ASSERT_EQ(cudaMemcpyAsync(ranks[r].slot.data(), slots.data(), kPairs * 4,
+                              cudaMemcpyHostToDevice, ranks[r].stream.get()),
               cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(ranks[r].stream.get()), cudaSuccess);
   };
+  auto set_failed = [&](int r) {
+    static const int32_t one = 1;
+    ASSERT_EQ(cudaMemcpyAsync(&ranks[r].status.as<cuda::EpStatus>()->failed, &one, sizeof(one),
+                              cudaMemcpyHostToDevice, ranks[r].stream.get()),
+              cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(ranks[r].stream.get()), cudaSuccess);
+  };
+  // The rank's status after its stream drained; then cleared for the next exchange.
   auto status_of = [&](int r) {
     cuda::EpStatus st{};
-    EXPECT_EQ(cudaStreamSynchronize(ranks[r].stream.get()), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(&st, ranks[r].status.data(), sizeof(st), cudaMemcpyDeviceToHost),
+    EXPECT_EQ(cudaMemcpyAsync(&st, ranks[r].status.data(), sizeof(st), cudaMemcpyDeviceToHost,
+                              ranks[r].stream.get()),
               cudaSuccess);
-    EXPECT_EQ(cudaMemset(ranks[r].status.data(), 0, sizeof(st)), cudaSuccess);
+    EXPECT_EQ(cudaMemsetAsync(ranks[r].status.data(), 0, sizeof(st), ranks[r].stream.get()),
+              cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(ranks[r].stream.get()), cudaSuccess);
     return st;
   };
   auto publish = [&](int r, uint64_t value) {
@@ -408,12 +421,16 @@ TEST(CudaEpTest, AnExchangeGivenUpFailsItsPeersAtOnce) {
     int32_t* pos = reinterpret_cast<int32_t*>(ranks[r].window.as<char>() + sizeof(cuda::EpWindow));
     ASSERT_EQ(cuda::ep_publish(a, kPairs, pos, ranks[r].stream.get()), cudaSuccess);
   };
+  auto since = [](std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
   const uint64_t v = (uint64_t{7} << 40) | 1;
   set_slots(0, {0, 1, 4, 5});
   set_slots(1, {2, 6, 4 * kSlotsPerRank + 1, 3});  // Slot 17: rank 4's, not a member.
 
-  // Ready given up.
+  // Ready given up, and rank 1 already past it (the next exchange given up too).
   publish(1, v);
+  publish(1, v + 1);
   cuda::EpStatus st1 = status_of(1);
   EXPECT_EQ(st1.failed, 1);
   EXPECT_EQ(st1.overflow, -1);
@@ -421,56 +438,41 @@ TEST(CudaEpTest, AnExchangeGivenUpFailsItsPeersAtOnce) {
   publish(0, v);
   ASSERT_EQ(cuda::ep_wait(args(0, v), 0, ranks[0].stream.get()), cudaSuccess);
   cuda::EpStatus st0 = status_of(0);
-  double ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(st0.failed, 1);
   EXPECT_EQ(st0.aborted, uint64_t{1} << 1);
   EXPECT_EQ(st0.missing, 0u);
-  EXPECT_LT(ms, 1000);
+  EXPECT_LT(since(t0), 1000);
 
-  // The next exchange: both publish sound pairs, the waits pass.
+  // The exchange after those: rank 0 waits while rank 1's flag still holds the given-up
+  // v + 1, then rank 1 publishes sound pairs and both waits pass.
   set_slots(1, {2, 6, 1, 3});
-  for (int r : {1, 0}) publish(r, v + 1);
+  publish(0, v + 2);
+  ASSERT_EQ(cuda::ep_wait(args(0, v + 2), 0, ranks[0].stream.get()), cudaSuccess);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(cudaStreamQuery(ranks[0].stream.get()), cudaErrorNotReady)
+      << "a wait passed on an earlier exchange's given-up flag";
+  publish(1, v + 2);
+  ASSERT_EQ(cuda::ep_wait(args(1, v + 2), 0, ranks[1].stream.get()), cudaSuccess);
   for (int r : {0, 1}) {
-    ASSERT_EQ(cuda::ep_wait(args(r, v + 1), 0, ranks[r].stream.get()), cudaSuccess);
     const cuda::EpStatus st = status_of(r);
     EXPECT_EQ(st.failed, 0) << "rank " << r;
     EXPECT_EQ(st.aborted, 0u) << "rank " << r;
   }
 
-  // Done given up: rank 1's exchange fails after publishing (here: set by hand, as a
-  // failed gather would), it signals done given up; rank 0 waiting for done fails at once.
-  for (int r : {1, 0}) publish(r, v + 2);
-  const int32_t one = 1;
-  ASSERT_EQ(cudaMemcpy(&ranks[1].status.as<cuda::EpStatus>()->failed, &one, sizeof(one),
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
-  ASSERT_EQ(cuda::ep_signal_done(args(1, v + 2), ranks[1].stream.get()), cudaSuccess);
+  // Done given up: rank 1's exchange fails after publishing (set here as a failed gather
+  // would), it signals done given up; rank 0 waiting for done fails at once.
+  for (int r : {1, 0}) publish(r, v + 3);
+  set_failed(1);
+  ASSERT_EQ(cuda::ep_signal_done(args(1, v + 3), ranks[1].stream.get()), cudaSuccess);
   (void)status_of(1);
   t0 = std::chrono::steady_clock::now();
-  ASSERT_EQ(cuda::ep_wait(args(0, v + 2), 0, ranks[0].stream.get()), cudaSuccess);
-  ASSERT_EQ(cuda::ep_signal_done(args(0, v + 2), ranks[0].stream.get()), cudaSuccess);
-  ASSERT_EQ(cuda::ep_wait(args(0, v + 2), 1, ranks[0].stream.get()), cudaSuccess);
-  st0 = status_of(0);
-  ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  EXPECT_EQ(st0.failed, 1);
-  EXPECT_EQ(st0.aborted, uint64_t{1} << 1);
-  EXPECT_LT(ms, 1000);
-
-  // A later exchange of a step that failed earlier on rank 1: its publish gives it up.
-  ASSERT_EQ(cudaMemcpy(&ranks[1].status.as<cuda::EpStatus>()->failed, &one, sizeof(one),
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
-  publish(1, v + 3);
-  (void)status_of(1);
-  t0 = std::chrono::steady_clock::now();
-  publish(0, v + 3);
   ASSERT_EQ(cuda::ep_wait(args(0, v + 3), 0, ranks[0].stream.get()), cudaSuccess);
+  ASSERT_EQ(cuda::ep_signal_done(args(0, v + 3), ranks[0].stream.get()), cudaSuccess);
+  ASSERT_EQ(cuda::ep_wait(args(0, v + 3), 1, ranks[0].stream.get()), cudaSuccess);
   st0 = status_of(0);
-  ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(st0.failed, 1);
   EXPECT_EQ(st0.aborted, uint64_t{1} << 1);
-  EXPECT_LT(ms, 1000);
+  EXPECT_LT(since(t0), 1000);
 }
 
 }  // namespace
