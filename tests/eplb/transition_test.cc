@@ -68,7 +68,9 @@ TEST(TransitionTest, ReachesTheTargetThroughValidMaps) {
         const bool copied =
             std::any_of(step->copies.begin(), step->copies.end(),
                         [&](const auto& c) { return c.first == static_cast<int>(s); });
-        if (step->map[s] != current[s]) EXPECT_TRUE(copied || step->map[s] == -1);
+        if (step->map[s] != current[s]) {
+          EXPECT_TRUE(copied || step->map[s] == -1);
+        }
       }
       for (int e = 0; e < experts; ++e) {
         ASSERT_GE(std::count(step->map.begin(), step->map.end(), e), 1)
