@@ -190,7 +190,9 @@ TEST(CudaModelTest, ForwardStepPicksTokensOnTheDevice) {
     ASSERT_EQ(greedy.size(), 3u);
     for (int b = 0; b < 3; ++b) {
       const float* row = full.data() + b * V;
-      if (b < 2) EXPECT_EQ(greedy[b], kernels::argmax(row, V)) << "row " << b;
+      if (b < 2) {
+        EXPECT_EQ(greedy[b], kernels::argmax(row, V)) << "row " << b;
+      }
       if (want[b].kind == RowOutput::kLogits) {
         const std::vector<float> got(logits.data<float>() + b * V,
                                      logits.data<float>() + (b + 1) * V);

@@ -102,7 +102,9 @@ TEST(SamplerTest, LargeVocabularyFollowsTheSortedTopPPrefix) {
     std::vector<char> in_support(V, 0);
     double mass = 0;
     for (size_t i = 0; i < cut; ++i) in_support[order[i]] = 1, mass += w[order[i]];
-    if (top_p < 1.0f) EXPECT_GT(cut, 64u) << "the prefix must need more than one piece";
+    if (top_p < 1.0f) {
+      EXPECT_GT(cut, 64u) << "the prefix must need more than one piece";
+    }
     Sampler s(p);
     std::vector<int> count(V, 0);
     const int n = 20000;

@@ -46,7 +46,9 @@ Outcome run_group(const std::vector<RankData>& data, bool row_compute, const std
   }
   for (int r = 0; r < kRanks; ++r) {
     for (int p = 0; p < kRanks; ++p) {
-      if (p != r) EXPECT_TRUE(transports[r]->connect(p, transports[p]->address()).ok());
+      if (p != r) {
+        EXPECT_TRUE(transports[r]->connect(p, transports[p]->address()).ok());
+      }
     }
   }
   Outcome result;
