@@ -74,6 +74,10 @@ struct GroupedGemmArgs {
   const int32_t* num_tiles = nullptr;
   int max_tiles = 0;
   void* out = nullptr;
+  // Two ints, zero between launches (null: none). The persistent warp-specialised tiles
+  // then hand out work units from a counter instead of a fixed walk; launches sharing
+  // it must not overlap (one stream).
+  int32_t* sched = nullptr;
 };
 
 int tile_rows(GemmTile tile);

@@ -105,6 +105,7 @@ Result<MoeScratch> MoeScratch::create(const MoeDims& dims, int max_tokens) {
   FLEX_ASSIGN_OR_RETURN(s.act, DeviceBuffer::create(P * dims.intermediate * esize));
   FLEX_ASSIGN_OR_RETURN(s.y, DeviceBuffer::create(P * dims.hidden * esize));
   FLEX_ASSIGN_OR_RETURN(s.ticket, DeviceBuffer::create_zeroed(sizeof(int32_t)));
+  FLEX_ASSIGN_OR_RETURN(s.gemm_sched, DeviceBuffer::create_zeroed(2 * sizeof(int32_t)));
   return s;
 }
 
@@ -192,6 +193,7 @@ Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratc
   g.tile_row0 = scratch.tile_row0.as<int32_t>();
   g.num_tiles = scratch.num_tiles.as<int32_t>();
   g.max_tiles = max_tiles(P, dims.num_slots, tile_rows(tile));
+  g.sched = scratch.gemm_sched.as<int32_t>();
   g.weights = w.slots;
   g.slot_stride = dims.slot_elems();
   // gate/up with SwiGLU, rows gathered from h in place.

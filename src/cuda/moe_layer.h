@@ -72,6 +72,7 @@ struct MoeScratch {
   DeviceBuffer act;                              // dtype [T * K, I]
   DeviceBuffer y;                                // dtype [T * K, H]
   DeviceBuffer ticket;                           // i32 [1], zero between launches (decode)
+  DeviceBuffer gemm_sched;                       // i32 [2], GroupedGemmArgs::sched
 };
 
 // The kernels of run_moe, as a mask (profiling runs one stage on the previous run's data).
