@@ -3,7 +3,7 @@
 // NOTE: the mma.sync tiles use ldmatrix and a 4-stage cp.async pipeline; rows of a
 // shared-memory tile are padded by 16 bytes so ldmatrix reads are free of bank
 // conflicts. The Hopper tiles (wgmma_gemm.cu) serve sm_90a: kWgmmaWs64 from a quarter
-// row per expert up, kWgmmaWs128Pp / kWgmmaWs128 above 48.
+// row per expert up, kWgmmaWs128 above 48.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -511,13 +511,10 @@ GemmTile choose_tile(DType dtype, int64_t num_pairs, int num_experts, int hidden
     order = {GemmTile::kWgmmaWs64, GemmTile::kWgmma64, GemmTile::kMma16K128, GemmTile::kMma16,
              GemmTile::kMma64};
   } else {
-    // The ping-pong down projection wins while a slot's down weights are small
-    // (persistent; H200 Qwen3 4096 tokens: 283 against 322 us, 16384: 944 against
-    // 995), not at DeepSeek-V3's 29 MB (16384: 8804 against 8213 us).
-    if (static_cast<int64_t>(hidden) * inter * 2 <= (int64_t{16} << 20) &&
-        fits_both(GemmTile::kWgmmaWs128Pp, dtype, hidden, inter)) {
-      return GemmTile::kWgmmaWs128Pp;
-    }
+    // ws128 for both projections: since its epilogue overlaps the next unit (TMA
+    // stores, dynamic units) it also beats the ping-pong down projection, which won
+    // before for Qwen3 (H200 down: 2048 tokens 150 against 172 us, 4096 228 against
+    // 278, 16384 774 against 888).
     order = {GemmTile::kWgmmaWs128, GemmTile::kWgmma128N256, GemmTile::kWgmma128,
              GemmTile::kWgmma64,    GemmTile::kMma128,       GemmTile::kMma64,
              GemmTile::kMma16};
