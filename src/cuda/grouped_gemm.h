@@ -76,7 +76,7 @@ struct GroupedGemmArgs {
   void* out = nullptr;
   // Two ints, zero between launches (null: none). The persistent warp-specialised tiles
   // then hand out work units from a counter instead of a fixed walk; launches sharing
-  // it must not overlap (one stream).
+  // it must not overlap (one stream, no programmatic dependent launch).
   int32_t* sched = nullptr;
 };
 

@@ -433,8 +433,8 @@ __device__ __forceinline__ void ws_unit(int u, int num_tiles, int nb, int group,
   tile = t0 + (r - nblk * gsz);
 }
 
-// The CTA's unit queue (wgmma_ws_kernel): producer thread 0 takes the CTA's n-th work
-// unit (from GroupedGemmArgs::sched, or the fixed walk) and posts it in slot
+// The CTA's unit queue (wgmma_ws_kernel): producer thread 0 posts the CTA's n-th work
+// unit `unit` (taken from GroupedGemmArgs::sched, or the fixed walk) in slot
 // n % kUnitSlots (`full`, one arrival); each reader warp frees the slot (`empty`, lane 0
 // after the warp's reads), or a lone reader thread. 12 bytes per slot after the ring's
 // mbarriers.
@@ -442,13 +442,13 @@ constexpr int kUnitSlots = 2;
 struct UnitQueue {
   uint32_t full, empty, val;  // kUnitSlots mbarriers, kUnitSlots mbarriers, kUnitSlots ints.
 };
-__device__ __forceinline__ int take_unit(const UnitQueue& q, int n, bool poster, int32_t* counter,
-                                         int fixed_unit, bool lone) {
+__device__ __forceinline__ int take_unit(const UnitQueue& q, int n, bool poster, int unit,
+                                         bool lone) {
   const int i = n % kUnitSlots;
   const uint32_t parity = (n / kUnitSlots) & 1;
   if (poster) {
     mbar_wait(q.empty + 8 * i, parity ^ 1);
-    const int u = counter != nullptr ? atomicAdd(counter, 1) : fixed_unit;
+    const int u = unit;
     asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(q.val + 4 * i), "r"(u) : "memory");
     mbar_arrive(q.full + 8 * i);
   }
@@ -522,12 +522,15 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap& map
 // fenced (generic -> async proxy) and signalled on full[j % S] by the copying thread
 // kLag = S - 2 steps later, once they have landed, so the consumers need no proxy
 // fence (one would also wait for their wgmma in flight); produce_done() signals the
-// last ones. With TMA_A only thread 0 calls these.
+// last ones. With TMA_A only thread 0 calls these. With `counter`, thread 0 takes the
+// CTA's next unit into `next` at the last K step: the atomic's latency hides behind
+// the step's loads instead of delaying the lagged signals of this unit's last stages.
 template <int S, int BM, int BN, bool TMA_A>
 __device__ __forceinline__ void produce_unit(const GroupedGemmArgs& g, const CUtensorMap& tmap_a,
                                              const CUtensorMap& tmap_b, int tile, int n0,
                                              uint32_t smem, uint32_t full_bar, uint32_t empty_bar,
-                                             int& stage, uint32_t& phase, int& j) {
+                                             int& stage, uint32_t& phase, int& j,
+                                             int32_t* counter = nullptr, int* next = nullptr) {
   constexpr int kABytes = BM * 128, kBBytes = BN * 128, kStageBytes = kABytes + kBBytes;
   constexpr int kARows = BM / 16;  // A rows per producer thread per stage.
   constexpr int kLag = S - 2;
@@ -548,6 +551,7 @@ __device__ __forceinline__ void produce_unit(const GroupedGemmArgs& g, const CUt
     a_src[i] = A + static_cast<int64_t>(src) * K + ch * 8;
   }
   for (int kt = 0; kt < num_k_tiles; ++kt) {
+    if (counter != nullptr && tid == 0 && kt == num_k_tiles - 1) *next = atomicAdd(counter, 1);
     mbar_wait(empty_bar + 8 * stage, phase ^ 1);
     const uint32_t base = smem + stage * kStageBytes;
     const uint32_t fb = full_bar + 8 * stage;
@@ -621,24 +625,28 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
     int stage = 0, j = 0;
     uint32_t phase = 0;
+    int next = tid == 0 && counter != nullptr ? atomicAdd(counter, 1) : blockIdx.x;
     for (int n = 0; !TMA_A || tid == 0; ++n) {
-      const int u = take_unit(queue, n, tid == 0, counter, blockIdx.x + n * gridDim.x, TMA_A);
+      const int u = take_unit(queue, n, tid == 0, next, TMA_A);
       if (u >= total) break;
+      if (counter == nullptr) next = u + gridDim.x;
       int tile, nblk;
       ws_unit(u, num_tiles, nb, group, tile, nblk);
       produce_unit<S, BM, kWsBN, TMA_A>(g, tmap_a, tmap_b, tile, nblk * kWsBN, smem, full_bar,
-                                        empty_bar, stage, phase, j);
+                                        empty_bar, stage, phase, j, counter, &next);
     }
+    produce_done<S, TMA_A>(full_bar, j);
     if (counter != nullptr && tid == 0) {
       // The last CTA past the end zeroes the counter for the next launch: every other
-      // CTA's last take came before its ticket.
+      // CTA's last take came before its ticket. (Launches sharing the counter must not
+      // overlap: no programmatic dependent launch here.)
       __threadfence();
       if (atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+        __threadfence();
         atomicExch(counter, 0);
         atomicExch(counter + 1, 0);
       }
     }
-    produce_done<S, TMA_A>(full_bar, j);
   } else {
     // Consumers.
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
@@ -651,7 +659,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     int stage = 0;
     uint32_t phase = 0;
     for (int n = 0;; ++n) {
-      const int u = take_unit(queue, n, false, nullptr, 0, false);
+      const int u = take_unit(queue, n, false, 0, false);
       if (u >= total) break;
       int tile, nblk;
       ws_unit(u, num_tiles, nb, group, tile, nblk);
@@ -951,26 +959,24 @@ cudaError_t launch_ws_kernel(const GroupedGemmArgs& g, const CUtensorMap& map_b,
   }
   const int nb = g.n / kWsBN;
   const int64_t units = static_cast<int64_t>(g.max_tiles) * nb;
-  // Persistent (grid = #SMs) while a slot's B is small against L2. When it is not
-  // (DeepSeek-V3: 29-59 MB per slot and projection), the CTAs sharing a B block must
-  // run side by side for L2 to serve it once; in-order block launch keeps them so, a
-  // persistent loop lets them drift apart (H200, 16384 tokens: 23.3 ms against 30.4 ms
-  // per layer), so there every unit gets its own CTA.
-  // Knobs (experiments, tests): FLEXPERT_WS_PERSIST=0/1 forces either;
-  // FLEXPERT_WS_GROUP=N groups N tiles (N < 0: all, i.e. tile-fastest order).
-  // With few units (BM = 128: under 32 per SM), in-order block launch also balances
-  // better than the static walk (units differ: a tile's second consumer may have no
-  // rows): Qwen3 4096 tokens gate/up 475 against 523 us, down 305 against 322; at
-  // 16384 (52 / 70 units per SM) persistent wins, 1584 against 1625 and 995 against 1097.
+  // With a unit counter (GroupedGemmArgs::sched) the grid is persistent (#SMs CTAs) and
+  // the CTAs take units in order as they get to them, like the block scheduler, so the
+  // units in flight stay together and the epilogue overlaps the next unit everywhere
+  // (H200, TMA stores on both, fixed walk against the counter: DeepSeek-V3 16384
+  // tokens down 7215 -> 6830 us, layer 22527 -> 21774; Qwen3 1024 gate/up 222 -> 214).
+  // Without one, the fixed walk b, b + grid, ...: persistent only while a slot's B is
+  // small against L2, since above (DeepSeek-V3: 29-59 MB per slot and projection) the
+  // CTAs sharing a B block drift apart (16384 tokens: 30.4 ms against 23.3 ms per layer
+  // with a CTA per unit), and for ws128 with >= 32 units per SM, since with fewer the
+  // fixed walk balances worse than in-order block launch (Qwen3 4096 tokens gate/up
+  // 523 against 475 us). Knobs (experiments, tests): FLEXPERT_WS_DYNAMIC=0 drops the
+  // counter; FLEXPERT_WS_PERSIST=0/1 forces either grid for the fixed walk (0 also
+  // drops the counter); FLEXPERT_WS_GROUP=N groups N tiles (N < 0: all, i.e.
+  // tile-fastest order).
   static const int persist_env = env_int("FLEXPERT_WS_PERSIST", -1);
   static const int group_env = env_int("FLEXPERT_WS_GROUP", 0);
-  // With a unit counter (GroupedGemmArgs::sched) the CTAs take units in order as they
-  // get to them, like the block scheduler, so the grid is persistent whatever the size
-  // and the epilogue overlaps the next unit everywhere (H200, TMA stores on both, fixed
-  // against dynamic: DeepSeek-V3 16384 tokens down 7215 -> 6830 us, layer 22527 ->
-  // 21774; Qwen3 1024 tokens gate/up 222 -> 214). FLEXPERT_WS_DYNAMIC=0: the fixed walk.
   static const int dynamic_env = env_int("FLEXPERT_WS_DYNAMIC", 1);
-  const bool dynamic = g.sched != nullptr && dynamic_env != 0;
+  const bool dynamic = g.sched != nullptr && dynamic_env != 0 && persist_env != 0;
   const bool persist =
       dynamic ||
       (persist_env >= 0 ? persist_env != 0
@@ -997,6 +1003,13 @@ cudaError_t launch_ws(const GroupedGemmArgs& g, cudaStream_t stream) {
   }
   // Contiguous A rows (no gather) come by tensor copies too.
   const CUtensorMap* map_a = g.gather == nullptr ? rows_tensor_map(g.a, g.k, BM) : nullptr;
+  // Gathered A is signalled S - 2 ring steps late, and the producer posts a unit only
+  // once every warp has read the one two units back: units of fewer than (S - 2) / 2 K
+  // steps would wait on each other (not at model shapes: the tiles want n % 256 == 0,
+  // so K >= 256 on both projections). The same tile rows without the ring, then.
+  if (map_a == nullptr && 2 * (g.k / kWgBK) < ws_stages<BM>() - 2) {
+    return BM == 128 ? launch<2, 256>(g, stream) : launch<1, 128>(g, stream);
+  }
   if (map_a != nullptr) return launch_ws_kernel<BM, true>(g, *map_b, *map_a, stream);
   return launch_ws_kernel<BM, false>(g, *map_b, *map_b, stream);
 }
