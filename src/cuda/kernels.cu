@@ -1,11 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // Element-wise, normalisation, routing and permutation kernels (see kernels.h).
 // NOTE: simple one-pass kernels; the time of a step is in the GEMMs.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cfloat>
 #include <climits>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.h"
@@ -13,6 +16,8 @@
 
 namespace flexpert::cuda {
 namespace {
+
+namespace cg = cooperative_groups;
 
 template <typename T>
 __global__ void embedding_kernel(const T* table, const int32_t* ids, int dim, float* out) {
@@ -438,8 +443,83 @@ __global__ void __launch_bounds__(kArgmaxThreads) sample_pick_kernel(SampleRowsA
   if (threadIdx.x == 0) a.tokens[i] = token;
 }
 
-// Truncated sampling (kernels::sample_truncated), one block of kTruncThreads per draw.
+// Truncated sampling (kernels::sample_truncated): a group of CS blocks of kTruncThreads
+// per draw, CS = 1 or a thread block cluster of kTruncCluster (few draws: one block per
+// draw left all but a few SMs idle, ~1.2 ms for a top-p draw over a flat 152 k row).
+// The blocks of a cluster split the row, add their histograms up through distributed
+// shared memory and take the same decisions from the same sums.
 constexpr int kTruncThreads = 1024;
+constexpr int kTruncCluster = 8;        // Portable cluster size.
+constexpr int kTruncClusterDraws = 16;  // Up to this many draws a launch, clusters.
+
+// The group's barrier (the cluster's, which orders its shared memory, or the block's),
+// this block's rank in it, and a pointer to the same shared variable in block `rank`.
+// Clusters need sm_90; below it only CS = 1 is launched (sample_rows asks the device).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define FLEX_TRUNC_CLUSTERS 0
+#else
+#define FLEX_TRUNC_CLUSTERS 1
+#endif
+template <int CS>
+__device__ __forceinline__ void group_sync() {
+  if constexpr (CS > 1) {
+#if FLEX_TRUNC_CLUSTERS
+    cg::this_cluster().sync();
+#endif
+  } else {
+    __syncthreads();
+  }
+}
+template <int CS>
+__device__ __forceinline__ int group_rank() {
+  if constexpr (CS > 1) {
+#if FLEX_TRUNC_CLUSTERS
+    return static_cast<int>(cg::this_cluster().block_rank());
+#else
+    return 0;
+#endif
+  } else {
+    return 0;
+  }
+}
+template <int CS, typename T>
+__device__ __forceinline__ T* at_rank(T* p, int rank) {
+  if constexpr (CS > 1) {
+#if FLEX_TRUNC_CLUSTERS
+    return cg::this_cluster().map_shared_rank(p, rank);
+#else
+    return p;
+#endif
+  } else {
+    return p;
+  }
+}
+
+// block_scan over the group's threads in (block rank, thread) order, with the same
+// property: a thread's upper is bitwise its successor's lower (block offsets are one
+// running sum in rank order, computed alike by every block).
+template <int CS>
+__device__ ScanRange group_scan(double v, double* total) {
+  double all;
+  const ScanRange r = block_scan(v, &all);
+  if constexpr (CS == 1) {
+    *total = all;
+    return r;
+  } else {
+    __shared__ double block_total;
+    if (threadIdx.x == 0) block_total = all;
+    group_sync<CS>();
+    const int me = group_rank<CS>();
+    double base = 0.0, sum = 0.0;
+    for (int b = 0; b < CS; ++b) {
+      if (b == me) base = sum;
+      sum += *at_rank<CS>(&block_total, b);
+    }
+    group_sync<CS>();  // block_total is rewritten by the next call.
+    *total = sum;
+    return {base + r.lower, base + r.upper};
+  }
+}
 
 // Rank order of a logit: a larger key ranks first; NaN last (0), -0 as +0.
 __device__ __forceinline__ uint32_t rank_key(float v) {
@@ -453,27 +533,30 @@ struct Cut {
   __device__ bool has(uint32_t k, int i) const { return k > key || (k == key && i <= id); }
 };
 
+// A draw's row, seen by thread `gtid` of the group's `threads`.
 struct TruncRow {
   const float* logits;
   int vocab;
   float mx;
   double inv_t;
+  int gtid, threads;
   __device__ double weight(int i) const { return sample_weight(logits[i], mx, inv_t); }
-  // This thread's contiguous ids (thread order is id order).
+  // This thread's contiguous ids (group thread order is id order).
   __device__ int seg_begin() const {
-    const int per = (vocab + kTruncThreads - 1) / kTruncThreads;
-    return min(vocab, static_cast<int>(threadIdx.x) * per);
+    const int per = (vocab + threads - 1) / threads;
+    return min(vocab, gtid * per);
   }
   __device__ int seg_end() const {
-    const int per = (vocab + kTruncThreads - 1) / kTruncThreads;
-    return min(vocab, (static_cast<int>(threadIdx.x) + 1) * per);
+    const int per = (vocab + threads - 1) / threads;
+    return min(vocab, (gtid + 1) * per);
   }
 };
 
 // The cut at the candidate (in rank order, among the members of `within`) at which the
 // running count (by_mass false) or weight reaches `target`: radix selection of its key,
 // 8 bits a pass, then the ties of that key in id order. Rounding that never reaches the
-// target keeps every member. All threads call it; all get the same cut.
+// target keeps every member. All threads of the group call it; all get the same cut.
+template <int CS>
 __device__ Cut select_cut(const TruncRow& row, Cut within, bool by_mass, double target) {
   if (by_mass && !(target > 0.0)) {
     by_mass = false;  // No weight to reach (all NaN): the first candidate, as the host.
@@ -481,6 +564,9 @@ __device__ Cut select_cut(const TruncRow& row, Cut within, bool by_mass, double 
   }
   __shared__ unsigned int hist_n[256];
   __shared__ double hist_w[256];
+  // The group's sums (a cluster adds its blocks' histograms up in rank order).
+  __shared__ unsigned int sum_n[CS > 1 ? 256 : 1];
+  __shared__ double sum_w[CS > 1 ? 256 : 1];
   __shared__ uint32_t s_prefix;
   __shared__ double s_above;
   __shared__ int s_id;
@@ -494,11 +580,11 @@ __device__ Cut select_cut(const TruncRow& row, Cut within, bool by_mass, double 
     // up first (__match_any_sync): logits crowd into few bins on the first passes, and a
     // double atomic per lane there serialises (H200: a top-p draw 1.9 -> 1.2 ms); for the
     // counts the matching cost more than it saved (top-k 50: 0.19 -> 0.7 ms).
-    for (int i = tid; !by_mass && i < row.vocab; i += kTruncThreads) {
+    for (int i = row.gtid; !by_mass && i < row.vocab; i += row.threads) {
       const uint32_t k = rank_key(row.logits[i]);
       if ((k & mask) == prefix && within.has(k, i)) atomicAdd(&hist_n[(k >> shift) & 255], 1u);
     }
-    for (int i0 = tid - tid % 32; by_mass && i0 < row.vocab; i0 += kTruncThreads) {
+    for (int i0 = row.gtid - tid % 32; by_mass && i0 < row.vocab; i0 += row.threads) {
       const int i = i0 + tid % 32;
       int bin = 256 + tid % 32;  // Unique: no bin.
       if (i < row.vocab) {
@@ -517,13 +603,30 @@ __device__ Cut select_cut(const TruncRow& row, Cut within, bool by_mass, double 
         atomicAdd(&hist_w[bin], sum);
       }
     }
+    const unsigned int* cnt = hist_n;
+    const double* wsum = hist_w;
+    if constexpr (CS > 1) {
+      group_sync<CS>();  // Every block's histogram is complete.
+      for (int b = tid; b < 256; b += kTruncThreads) {
+        unsigned int n = 0;
+        double w = 0.0;
+        for (int r = 0; r < CS; ++r) {
+          n += *at_rank<CS>(&hist_n[b], r);
+          w += *at_rank<CS>(&hist_w[b], r);
+        }
+        sum_n[b] = n;
+        sum_w[b] = w;
+      }
+      cnt = sum_n;
+      wsum = sum_w;
+    }
     __syncthreads();
     if (tid == 0) {
       double cum = above, last_before = above;
       int chosen = -1, lowest = -1;
       for (int b = 255; b >= 0 && chosen < 0; --b) {
-        if (hist_n[b] == 0) continue;
-        const double h = by_mass ? hist_w[b] : static_cast<double>(hist_n[b]);
+        if (cnt[b] == 0) continue;
+        const double h = by_mass ? wsum[b] : static_cast<double>(cnt[b]);
         lowest = b;
         last_before = cum;
         if (cum + h >= target) chosen = b;
@@ -533,7 +636,8 @@ __device__ Cut select_cut(const TruncRow& row, Cut within, bool by_mass, double 
       s_prefix = prefix | (static_cast<uint32_t>(chosen) << shift);
       s_above = last_before;
     }
-    __syncthreads();
+    // (A cluster: also every block is done reading the others' histograms.)
+    group_sync<CS>();
     prefix = s_prefix;
     above = s_above;
     mask |= 255u << shift;
@@ -546,11 +650,11 @@ __device__ Cut select_cut(const TruncRow& row, Cut within, bool by_mass, double 
     if (k == prefix && within.has(k, i)) mine += by_mass ? row.weight(i) : 1.0;
   }
   double total;
-  const ScanRange range = block_scan(mine, &total);
+  const ScanRange range = group_scan<CS>(mine, &total);
   const double lower = above + range.lower, upper = above + range.upper;
   // Not reached (rounding): every tie that `within` has.
   if (tid == 0) s_id = prefix == within.key ? within.id : row.vocab;
-  __syncthreads();
+  group_sync<CS>();
   // above < target holds (every pass chose the first bin reaching it), so exactly one
   // thread's (lower, upper] holds the crossing, unless rounding left it unreached.
   if (lower < target && upper >= target) {
@@ -563,25 +667,31 @@ __device__ Cut select_cut(const TruncRow& row, Cut within, bool by_mass, double 
       id = i;
       if (acc >= target) break;  // Else (the walk's rounding): its last tie.
     }
-    s_id = id;
+    for (int r = 0; r < CS; ++r) *at_rank<CS>(&s_id, r) = id;
   }
-  __syncthreads();
+  group_sync<CS>();
   const Cut cut{prefix, s_id};
-  __syncthreads();  // s_id is rewritten by the next call.
+  group_sync<CS>();  // s_id is rewritten by the next call.
   return cut;
 }
 
-__global__ void __launch_bounds__(kTruncThreads) sample_truncated_kernel(SampleRowsArgs a) {
-  const int d = blockIdx.x;
+template <int CS>
+__global__ void __launch_bounds__(kTruncThreads, 1) sample_truncated_kernel(SampleRowsArgs a) {
+  const int d = blockIdx.x / CS;  // A cluster's blocks are consecutive.
+  const int me = group_rank<CS>();
   const int top_k = a.top_k[d];
   const float top_p = a.top_p[d];
   const bool cut_k = top_k > 0 && top_k < a.vocab;
-  if (!cut_k && !(top_p < 1.0f)) return;  // A plain draw: sample_pick_kernel's.
+  if (!cut_k && !(top_p < 1.0f)) return;  // A plain draw: sample_pick_kernel's (whole group).
   const int r = a.rows[d];
-  TruncRow row{a.logits + static_cast<size_t>(r) * a.vocab, a.vocab, key_value(a.keys[r]),
-               a.inv_temperature[d]};
+  TruncRow row{a.logits + static_cast<size_t>(r) * a.vocab,
+               a.vocab,
+               key_value(a.keys[r]),
+               a.inv_temperature[d],
+               me * kTruncThreads + static_cast<int>(threadIdx.x),
+               CS * kTruncThreads};
   Cut cut{0u, a.vocab};  // Everything.
-  if (cut_k) cut = select_cut(row, cut, /*by_mass=*/false, static_cast<double>(top_k));
+  if (cut_k) cut = select_cut<CS>(row, cut, /*by_mass=*/false, static_cast<double>(top_k));
   const int b = row.seg_begin(), e = row.seg_end();
   double total;
   if (top_p < 1.0f) {
@@ -589,8 +699,8 @@ __global__ void __launch_bounds__(kTruncThreads) sample_truncated_kernel(SampleR
     for (int i = b; i < e; ++i) {
       if (cut.has(rank_key(row.logits[i]), i)) mine += row.weight(i);
     }
-    (void)block_scan(mine, &total);
-    cut = select_cut(row, cut, /*by_mass=*/true, static_cast<double>(top_p) * total);
+    (void)group_scan<CS>(mine, &total);
+    cut = select_cut<CS>(row, cut, /*by_mass=*/true, static_cast<double>(top_p) * total);
   }
   // The draw: inverse transform over the members in id order.
   double mine = 0.0;
@@ -600,11 +710,12 @@ __global__ void __launch_bounds__(kTruncThreads) sample_truncated_kernel(SampleR
     mine += row.weight(i);
     last = i;
   }
-  const ScanRange range = block_scan(mine, &total);
+  const ScanRange range = group_scan<CS>(mine, &total);
+  // In block 0 of the group.
   __shared__ int pick, last_member;
-  if (threadIdx.x == 0) pick = -1, last_member = -1;
-  __syncthreads();
-  atomicMax(&last_member, last);
+  if (threadIdx.x == 0 && me == 0) pick = -1, last_member = -1;
+  group_sync<CS>();
+  atomicMax(at_rank<CS>(&last_member, 0), last);
   const double target = a.u01[d] * total;
   if (last >= 0 && target >= range.lower && target < range.upper) {
     double acc = range.lower;
@@ -617,10 +728,10 @@ __global__ void __launch_bounds__(kTruncThreads) sample_truncated_kernel(SampleR
         break;
       }
     }
-    pick = p;
+    *at_rank<CS>(&pick, 0) = p;
   }
-  __syncthreads();
-  if (threadIdx.x == 0) a.tokens[d] = pick >= 0 ? pick : last_member;
+  group_sync<CS>();
+  if (threadIdx.x == 0 && me == 0) a.tokens[d] = pick >= 0 ? pick : last_member;
 }
 
 int blocks_for(size_t n, int threads) {
@@ -746,8 +857,30 @@ cudaError_t sample_rows(const SampleRowsArgs& args, cudaStream_t stream) {
   sample_partials_kernel<<<dim3(chunks, args.n), kArgmaxThreads, 0, stream>>>(args);
   sample_pick_kernel<<<args.n, kArgmaxThreads, 0, stream>>>(args, chunks);
   // Draws with a cut overwrite their token (the others return at once).
-  if (args.top_k != nullptr && args.top_p != nullptr) {
-    sample_truncated_kernel<<<args.n, kTruncThreads, 0, stream>>>(args);
+  if (args.top_k == nullptr || args.top_p == nullptr) return cudaGetLastError();
+  // Few draws: a cluster of blocks each (FLEXPERT_SAMPLE_CLUSTER=0: one block, tests).
+  static const bool clusters = [] {
+    const char* v = std::getenv("FLEXPERT_SAMPLE_CLUSTER");
+    int device = 0, ok = 0;
+    return !(v != nullptr && std::strcmp(v, "0") == 0) && cudaGetDevice(&device) == cudaSuccess &&
+           cudaDeviceGetAttribute(&ok, cudaDevAttrClusterLaunch, device) == cudaSuccess && ok != 0;
+  }();
+  if (clusters && args.n <= kTruncClusterDraws) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(args.n * kTruncCluster);
+    cfg.blockDim = dim3(kTruncThreads);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kTruncCluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, sample_truncated_kernel<kTruncCluster>, args);
+    if (err != cudaSuccess) return err;
+  } else {
+    sample_truncated_kernel<1><<<args.n, kTruncThreads, 0, stream>>>(args);
   }
   return cudaGetLastError();
 }

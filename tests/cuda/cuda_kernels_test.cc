@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <limits>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/blas.h"
@@ -663,8 +664,9 @@ TEST(CudaArgmaxTest, SampleRowsMatchesHostSampling) {
 // Draws with top-k / top-p cuts (sample_truncated_kernel) against the host's
 // kernels::sample_truncated, beside plain draws in the same launch: normal logits, logits
 // with many ties (multiples of 1/8), and rows with NaN, -inf and -0; cuts from 1 to past
-// the vocabulary, top_p from 0.05 to 1; a mismatch is allowed only within rounding of a
-// boundary (then both tokens are neighbours in the draw order), and must stay rare.
+// the vocabulary, top_p from 0.05 to 1, each draw by a block and by a cluster of blocks;
+// a mismatch is allowed only within rounding of a boundary (then both tokens are
+// neighbours in the draw order), and must stay rare.
 TEST(CudaArgmaxTest, SampleRowsWithCutsMatchHostSampling) {
   FLEX_SKIP_WITHOUT_GPU();
   std::mt19937 rng(23);
@@ -714,25 +716,41 @@ TEST(CudaArgmaxTest, SampleRowsWithCutsMatchHostSampling) {
         u01.push_back(i == 0 ? 0.0 : i == 1 ? 0.999999 : uniform(rng));
       }
       const int n = static_cast<int>(rows.size());
-      const std::vector<int32_t> got =
+      // All 24 draws in one launch (a block per draw), then in halves of 12 (few draws: a
+      // cluster of blocks per draw); every draw is checked both ways.
+      std::vector<int32_t> got =
           sample_on_device(logits, vocab, keys.value(), rows, inv_t, u01, &top_k, &top_p);
       ASSERT_EQ(got.size(), rows.size());
-      for (int i = 0; i < n; ++i) {
+      for (int h = 0; h < 2; ++h) {
+        auto part = [&](const auto& v) {
+          return std::vector<typename std::decay_t<decltype(v)>::value_type>(
+              v.begin() + h * n / 2, v.begin() + (h + 1) * n / 2);
+        };
+        const auto k = part(top_k);
+        const auto p = part(top_p);
+        const std::vector<int32_t> half = sample_on_device(logits, vocab, keys.value(), part(rows),
+                                                           part(inv_t), part(u01), &k, &p);
+        ASSERT_EQ(half.size(), static_cast<size_t>(n / 2));
+        got.insert(got.end(), half.begin(), half.end());
+      }
+      for (int j = 0; j < 2 * n; ++j) {
+        const int i = j % n;
         const float* row = flat.data() + static_cast<size_t>(rows[i]) * vocab;
         const int32_t want =
             kernels::sample_truncated(row, vocab, temps[i], top_k[i], top_p[i], u01[i]);
         ++draws;
-        if (got[i] == want) continue;
+        if (got[j] == want) continue;
         ++mismatches;
         // Only a neighbour within rounding: the host at a nudged draw gives the device's.
         const int32_t lo = kernels::sample_truncated(row, vocab, temps[i], top_k[i], top_p[i],
                                                      std::max(0.0, u01[i] - 1e-9));
         const int32_t hi = kernels::sample_truncated(row, vocab, temps[i], top_k[i], top_p[i],
                                                      std::min(0.9999999999, u01[i] + 1e-9));
-        EXPECT_TRUE(got[i] == lo || got[i] == hi)
-            << "vocab " << vocab << " kind " << kind << " draw " << i << ": device " << got[i]
-            << ", host " << want << " (top_k " << top_k[i] << ", top_p " << top_p[i] << ", T "
-            << temps[i] << ", u " << u01[i] << ")";
+        EXPECT_TRUE(got[j] == lo || got[j] == hi)
+            << "vocab " << vocab << " kind " << kind << " draw " << i
+            << (j >= n ? " (cluster)" : "") << ": device " << got[j] << ", host " << want
+            << " (top_k " << top_k[i] << ", top_p " << top_p[i] << ", T " << temps[i] << ", u "
+            << u01[i] << ")";
       }
     }
   }
