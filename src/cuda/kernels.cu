@@ -444,13 +444,11 @@ __global__ void __launch_bounds__(kArgmaxThreads) sample_pick_kernel(SampleRowsA
 }
 
 // Truncated sampling (kernels::sample_truncated): a group of CS blocks of kTruncThreads
-// per draw, CS = 1 or a thread block cluster of kTruncCluster (few draws: one block per
-// draw left all but a few SMs idle, ~1.2 ms for a top-p draw over a flat 152 k row).
-// The blocks of a cluster split the row, add their histograms up through distributed
-// shared memory and take the same decisions from the same sums.
+// per draw, CS = 1 or a thread block cluster of 2, 4 or 8 (few draws: one block per draw
+// left all but a few SMs idle, ~1.2 ms for a top-p draw over a flat 152 k row). The
+// blocks of a cluster split the row, add their histograms up through distributed shared
+// memory and take the same decisions from the same sums.
 constexpr int kTruncThreads = 1024;
-constexpr int kTruncCluster = 8;        // Portable cluster size.
-constexpr int kTruncClusterDraws = 16;  // Up to this many draws a launch, clusters.
 
 // The group's barrier (the cluster's, which orders its shared memory, or the block's),
 // this block's rank in it, and a pointer to the same shared variable in block `rank`.
@@ -610,6 +608,7 @@ __device__ Cut select_cut(const TruncRow& row, Cut within, bool by_mass, double 
       for (int b = tid; b < 256; b += kTruncThreads) {
         unsigned int n = 0;
         double w = 0.0;
+#pragma unroll 2
         for (int r = 0; r < CS; ++r) {
           n += *at_rank<CS>(&hist_n[b], r);
           w += *at_rank<CS>(&hist_w[b], r);
@@ -732,6 +731,28 @@ __global__ void __launch_bounds__(kTruncThreads, 1) sample_truncated_kernel(Samp
   }
   group_sync<CS>();
   if (threadIdx.x == 0 && me == 0) a.tokens[d] = pick >= 0 ? pick : last_member;
+}
+
+template <int CS>
+cudaError_t launch_truncated(const SampleRowsArgs& a, cudaStream_t stream) {
+  if constexpr (CS == 1) {
+    sample_truncated_kernel<1><<<a.n, kTruncThreads, 0, stream>>>(a);
+  } else {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(a.n * CS);
+    cfg.blockDim = dim3(kTruncThreads);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CS;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, sample_truncated_kernel<CS>, a);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaGetLastError();
 }
 
 int blocks_for(size_t n, int threads) {
@@ -858,31 +879,22 @@ cudaError_t sample_rows(const SampleRowsArgs& args, cudaStream_t stream) {
   sample_pick_kernel<<<args.n, kArgmaxThreads, 0, stream>>>(args, chunks);
   // Draws with a cut overwrite their token (the others return at once).
   if (args.top_k == nullptr || args.top_p == nullptr) return cudaGetLastError();
-  // Few draws: a cluster of blocks each (FLEXPERT_SAMPLE_CLUSTER=0: one block, tests).
-  static const bool clusters = [] {
+  // Few draws: a cluster of CS blocks each, the largest CS of 8, 4, 2 with n x CS blocks
+  // within the SMs, else a block each (FLEXPERT_SAMPLE_CLUSTER=0: always, experiments).
+  static const int sms = [] {
     const char* v = std::getenv("FLEXPERT_SAMPLE_CLUSTER");
-    int device = 0, ok = 0;
-    return !(v != nullptr && std::strcmp(v, "0") == 0) && cudaGetDevice(&device) == cudaSuccess &&
-           cudaDeviceGetAttribute(&ok, cudaDevAttrClusterLaunch, device) == cudaSuccess && ok != 0;
+    int device = 0, ok = 0, count = 0;
+    const bool usable =
+        !(v != nullptr && std::strcmp(v, "0") == 0) && cudaGetDevice(&device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&ok, cudaDevAttrClusterLaunch, device) == cudaSuccess && ok != 0 &&
+        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess;
+    return usable ? count : 0;
   }();
-  if (clusters && args.n <= kTruncClusterDraws) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(args.n * kTruncCluster);
-    cfg.blockDim = dim3(kTruncThreads);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = kTruncCluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    const cudaError_t err = cudaLaunchKernelEx(&cfg, sample_truncated_kernel<kTruncCluster>, args);
-    if (err != cudaSuccess) return err;
-  } else {
-    sample_truncated_kernel<1><<<args.n, kTruncThreads, 0, stream>>>(args);
-  }
-  return cudaGetLastError();
+  const int fit = sms / args.n;
+  if (fit >= 8) return launch_truncated<8>(args, stream);
+  if (fit >= 4) return launch_truncated<4>(args, stream);
+  if (fit >= 2) return launch_truncated<2>(args, stream);
+  return launch_truncated<1>(args, stream);
 }
 
 cudaError_t fill_uniform(DType dtype, void* data, size_t n, uint64_t seed, float scale,

@@ -154,7 +154,7 @@ __host__ __device__
 // the host would not; the row's argmax if rounding leaves none). `partials` holds n x
 // ceil(vocab / 4096) doubles. Draws with a top-k or top-p cut (top_k / top_p given, and
 // 0 < top_k[i] < vocab or top_p[i] < 1) are kernels::sample_truncated instead: one block
-// per draw (up to 16 draws: a cluster of 8 blocks splitting the row) finds the cut's
+// per draw (few draws: a cluster of 2-8 blocks splitting the row) finds the cut's
 // last candidate by radix selection over the ordered logit bits (8 bits a pass; counts
 // for top-k, weights in double for top-p), ties in id order, then draws over the members
 // in id order; the weights' sums differ from the host's order (and

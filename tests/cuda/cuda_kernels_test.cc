@@ -245,6 +245,36 @@ TEST(CudaMoeTest, HopperTilesAgreeAtModelShapes) {
   }
 }
 
+// choose_tile by expected rows per expert at the shapes of Qwen3-30B-A3B and DeepSeek-V3:
+// the GEMV tile up to a quarter row per expert, ws64 up to 48 rows, ws128 for both
+// projections above (since its TMA epilogue it beats the ping-pong down projection)
+// where the build and the device run wgmma, 128-row mma.sync tiles above 48 elsewhere;
+// f32 always the simt tile.
+TEST(CudaGemmTileTest, ChoosesByRowsPerExpert) {
+  struct Shape {
+    int hidden, inter, experts, top_k;
+  };
+  for (const Shape& s : {Shape{2048, 768, 128, 8}, Shape{7168, 2048, 256, 8}}) {
+    auto pick = [&](int tokens, DType dtype = DType::kBF16) {
+      return cuda::choose_tile(dtype, static_cast<int64_t>(tokens) * s.top_k, s.experts, s.hidden,
+                               s.inter);
+    };
+    const int rows48 = s.experts * 48 / s.top_k, rows64 = s.experts * 64 / s.top_k;
+    EXPECT_EQ(pick(4096, DType::kF32), cuda::GemmTile::kSimt);
+    EXPECT_EQ(pick(1), cuda::GemmTile::kGemv);
+    if (cuda::wgmma_available()) {
+      EXPECT_EQ(pick(16), cuda::GemmTile::kWgmmaWs64);
+      EXPECT_EQ(pick(rows48), cuda::GemmTile::kWgmmaWs64);
+      EXPECT_EQ(pick(rows64), cuda::GemmTile::kWgmmaWs128);
+      EXPECT_EQ(pick(16384), cuda::GemmTile::kWgmmaWs128);
+    } else {
+      EXPECT_LE(cuda::tile_rows(pick(rows48)), 64);
+      EXPECT_EQ(cuda::tile_rows(pick(rows64)), 128);
+      EXPECT_EQ(cuda::tile_rows(pick(16384)), 128);
+    }
+  }
+}
+
 // The many-block permutation against the one-block one and a host reference: same
 // offsets, tile table (both equal to the host's) and statistics; rows of a slot in its range, each
 // pair once.
@@ -664,8 +694,8 @@ TEST(CudaArgmaxTest, SampleRowsMatchesHostSampling) {
 // Draws with top-k / top-p cuts (sample_truncated_kernel) against the host's
 // kernels::sample_truncated, beside plain draws in the same launch: normal logits, logits
 // with many ties (multiples of 1/8), and rows with NaN, -inf and -0; cuts from 1 to past
-// the vocabulary, top_p from 0.05 to 1, each draw by a block and by a cluster of blocks;
-// a mismatch is allowed only within rounding of a boundary (then both tokens are
+// the vocabulary, top_p from 0.05 to 1, each draw by a block and by clusters of 2, 4 and
+// 8 blocks; a mismatch is allowed only within rounding of a boundary (then both tokens are
 // neighbours in the draw order), and must stay rare.
 TEST(CudaArgmaxTest, SampleRowsWithCutsMatchHostSampling) {
   FLEX_SKIP_WITHOUT_GPU();
@@ -716,41 +746,44 @@ TEST(CudaArgmaxTest, SampleRowsWithCutsMatchHostSampling) {
         u01.push_back(i == 0 ? 0.0 : i == 1 ? 0.999999 : uniform(rng));
       }
       const int n = static_cast<int>(rows.size());
-      // All 24 draws in one launch (a block per draw), then in halves of 12 (few draws: a
-      // cluster of blocks per draw); every draw is checked both ways.
-      std::vector<int32_t> got =
-          sample_on_device(logits, vocab, keys.value(), rows, inv_t, u01, &top_k, &top_p);
-      ASSERT_EQ(got.size(), rows.size());
-      for (int h = 0; h < 2; ++h) {
-        auto part = [&](const auto& v) {
-          return std::vector<typename std::decay_t<decltype(v)>::value_type>(
-              v.begin() + h * n / 2, v.begin() + (h + 1) * n / 2);
-        };
-        const auto k = part(top_k);
-        const auto p = part(top_p);
-        const std::vector<int32_t> half = sample_on_device(logits, vocab, keys.value(), part(rows),
-                                                           part(inv_t), part(u01), &k, &p);
-        ASSERT_EQ(half.size(), static_cast<size_t>(n / 2));
-        got.insert(got.end(), half.begin(), half.end());
-      }
-      for (int j = 0; j < 2 * n; ++j) {
-        const int i = j % n;
+      // The 24 draws in launches of 80, 48, 24 and 12 (draw i at every i + 24 m): fewer
+      // draws get more blocks each (on the H200's 132 SMs one block, then clusters of 2,
+      // 4 and 8), so every draw is checked every way.
+      std::vector<int32_t> want(n);
+      for (int i = 0; i < n; ++i) {
         const float* row = flat.data() + static_cast<size_t>(rows[i]) * vocab;
-        const int32_t want =
-            kernels::sample_truncated(row, vocab, temps[i], top_k[i], top_p[i], u01[i]);
-        ++draws;
-        if (got[j] == want) continue;
-        ++mismatches;
-        // Only a neighbour within rounding: the host at a nudged draw gives the device's.
-        const int32_t lo = kernels::sample_truncated(row, vocab, temps[i], top_k[i], top_p[i],
-                                                     std::max(0.0, u01[i] - 1e-9));
-        const int32_t hi = kernels::sample_truncated(row, vocab, temps[i], top_k[i], top_p[i],
-                                                     std::min(0.9999999999, u01[i] + 1e-9));
-        EXPECT_TRUE(got[j] == lo || got[j] == hi)
-            << "vocab " << vocab << " kind " << kind << " draw " << i
-            << (j >= n ? " (cluster)" : "") << ": device " << got[j] << ", host " << want
-            << " (top_k " << top_k[i] << ", top_p " << top_p[i] << ", T " << temps[i] << ", u "
-            << u01[i] << ")";
+        want[i] = kernels::sample_truncated(row, vocab, temps[i], top_k[i], top_p[i], u01[i]);
+      }
+      for (int size : {80, 48, 24, 12}) {
+        for (int first = 0; first == 0 || first + size <= n; first += size) {
+          const int count = size;
+          auto take = [&](const auto& v) {
+            std::decay_t<decltype(v)> out;
+            for (int j = 0; j < count; ++j) out.push_back(v[(first + j) % n]);
+            return out;
+          };
+          const auto k = take(top_k);
+          const auto p = take(top_p);
+          const std::vector<int32_t> got = sample_on_device(logits, vocab, keys.value(), take(rows),
+                                                            take(inv_t), take(u01), &k, &p);
+          ASSERT_EQ(got.size(), static_cast<size_t>(count));
+          for (int j = 0; j < count; ++j) {
+            const int i = (first + j) % n;
+            ++draws;
+            if (got[j] == want[i]) continue;
+            ++mismatches;
+            // Only a neighbour within rounding: the host at a nudged draw gives the device's.
+            const float* row = flat.data() + static_cast<size_t>(rows[i]) * vocab;
+            const int32_t lo = kernels::sample_truncated(row, vocab, temps[i], top_k[i], top_p[i],
+                                                         std::max(0.0, u01[i] - 1e-9));
+            const int32_t hi = kernels::sample_truncated(row, vocab, temps[i], top_k[i], top_p[i],
+                                                         std::min(0.9999999999, u01[i] + 1e-9));
+            EXPECT_TRUE(got[j] == lo || got[j] == hi)
+                << "vocab " << vocab << " kind " << kind << " draw " << i << " in a launch of "
+                << count << ": device " << got[j] << ", host " << want[i] << " (top_k " << top_k[i]
+                << ", top_p " << top_p[i] << ", T " << temps[i] << ", u " << u01[i] << ")";
+          }
+        }
       }
     }
   }
