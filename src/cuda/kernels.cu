@@ -452,7 +452,9 @@ constexpr int kTruncThreads = 1024;
 
 // The group's barrier (the cluster's, which orders its shared memory, or the block's),
 // this block's rank in it, and a pointer to the same shared variable in block `rank`.
-// Clusters need sm_90; below it only CS = 1 is launched (sample_rows asks the device).
+// Clusters need sm_90; code compiled for less (and run there or JIT-compiled) only runs
+// CS = 1: sample_rows checks the device and the kernel's PTX version, and the helpers
+// trap should a cluster instance run anyway.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define FLEX_TRUNC_CLUSTERS 0
 #else
@@ -463,6 +465,8 @@ __device__ __forceinline__ void group_sync() {
   if constexpr (CS > 1) {
 #if FLEX_TRUNC_CLUSTERS
     cg::this_cluster().sync();
+#else
+    __trap();
 #endif
   } else {
     __syncthreads();
@@ -474,6 +478,7 @@ __device__ __forceinline__ int group_rank() {
 #if FLEX_TRUNC_CLUSTERS
     return static_cast<int>(cg::this_cluster().block_rank());
 #else
+    __trap();
     return 0;
 #endif
   } else {
@@ -486,6 +491,7 @@ __device__ __forceinline__ T* at_rank(T* p, int rank) {
 #if FLEX_TRUNC_CLUSTERS
     return cg::this_cluster().map_shared_rank(p, rank);
 #else
+    __trap();
     return p;
 #endif
   } else {
@@ -714,7 +720,9 @@ __global__ void __launch_bounds__(kTruncThreads, 1) sample_truncated_kernel(Samp
   __shared__ int pick, last_member;
   if (threadIdx.x == 0 && me == 0) pick = -1, last_member = -1;
   group_sync<CS>();
-  atomicMax(at_rank<CS>(&last_member, 0), last);
+  // One atomic per warp (a cluster's go to block 0).
+  const int warp_last = __reduce_max_sync(0xffffffffu, last);
+  if (threadIdx.x % 32 == 0) atomicMax(at_rank<CS>(&last_member, 0), warp_last);
   const double target = a.u01[d] * total;
   if (last >= 0 && target >= range.lower && target < range.upper) {
     double acc = range.lower;
@@ -749,8 +757,11 @@ cudaError_t launch_truncated(const SampleRowsArgs& a, cudaStream_t stream) {
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    const cudaError_t err = cudaLaunchKernelEx(&cfg, sample_truncated_kernel<CS>, a);
-    if (err != cudaSuccess) return err;
+    if (cudaLaunchKernelEx(&cfg, sample_truncated_kernel<CS>, a) != cudaSuccess) {
+      // No room for the cluster (e.g. SMs limited by MPS): a block per draw.
+      (void)cudaGetLastError();
+      return launch_truncated<1>(a, stream);
+    }
   }
   return cudaGetLastError();
 }
@@ -884,10 +895,14 @@ cudaError_t sample_rows(const SampleRowsArgs& args, cudaStream_t stream) {
   static const int sms = [] {
     const char* v = std::getenv("FLEXPERT_SAMPLE_CLUSTER");
     int device = 0, ok = 0, count = 0;
+    cudaFuncAttributes fa{};
     const bool usable =
         !(v != nullptr && std::strcmp(v, "0") == 0) && cudaGetDevice(&device) == cudaSuccess &&
         cudaDeviceGetAttribute(&ok, cudaDevAttrClusterLaunch, device) == cudaSuccess && ok != 0 &&
-        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess;
+        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
+        cudaFuncGetAttributes(&fa, sample_truncated_kernel<2>) == cudaSuccess &&
+        fa.ptxVersion >= 90;  // Compiled with clusters (not JIT-compiled from older PTX).
+    (void)cudaGetLastError();
     return usable ? count : 0;
   }();
   const int fit = sms / args.n;
