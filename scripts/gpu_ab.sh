@@ -8,7 +8,7 @@
 #   VARIANTS="fixed:FLEXPERT_WS_DYNAMIC=0 counter:FLEXPERT_WS_DYNAMIC=1" \
 #     TOKENS=4096,16384 REPS=2 OUT=$OUT bash scripts/gpu_ab.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 BIN=${BIN:-.gpu/bin}
 OUT=${OUT:-/tmp/gpu_ab}
 TOKENS=${TOKENS:-4096,16384}
