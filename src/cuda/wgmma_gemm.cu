@@ -448,8 +448,7 @@ __device__ __forceinline__ int take_unit(const UnitQueue& q, int n, bool poster,
   const uint32_t parity = (n / kUnitSlots) & 1;
   if (poster) {
     mbar_wait(q.empty + 8 * i, parity ^ 1);
-    const int u = unit;
-    asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(q.val + 4 * i), "r"(u) : "memory");
+    st_shared_u32(q.val + 4 * i, static_cast<uint32_t>(unit));
     mbar_arrive(q.full + 8 * i);
   }
   mbar_wait(q.full + 8 * i, parity);
