@@ -4,12 +4,17 @@
 //
 //   transport_bench [--backend shm] [--ranks 2,4] [--gather-sizes 8,64,512,4096]
 //                   [--exchange-sizes 4096,65536,1048576,4194304] [--gather-iters 20000]
-//                   [--exchange-mb 512] [--json out.json]
+//                   [--exchange-mb 512] [--death-mb 0,1024,4096] [--json out.json]
+// (--ranks '' --death-mb ...: only the death runs.)
 //
 // all_gather: µs per op (slowest rank's average over the timed loop, after a warm-up).
 // exchange: every rank sends `size` bytes to every other rank per op; GB/s per rank counts
 // the bytes one rank sends per second ((ranks - 1) * size / time per op); aggregate = x ranks.
 // memcpy GB/s is one thread copying `size` bytes in this process, for reference.
+// death (--death-mb): two ranks exchange 4 KiB in a loop, rank 1 holding `MB` of touched
+// private memory, until the parent SIGKILLs rank 1; "reported" is when rank 0's exchange
+// failed with the death, "exited" when the parent's waitpid returned (the kernel has torn
+// the victim's memory down; a GPU context adds tens of ms more).
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -29,6 +34,7 @@
 #include <thread>
 #include <vector>
 
+#include "transport/shm/shm_transport.h"
 #include "transport/transport.h"
 
 namespace flexpert {
@@ -58,6 +64,9 @@ struct Shared {
   std::atomic<int> num_results;
   Result_ results[kMaxResults];
   char error[512];
+  // --death-mb: rounds done by rank 0, when the victim was killed / the death reported.
+  std::atomic<int64_t> rounds, killed_ns, reported_ns;
+  char reported[256];
 };
 
 struct Config {
@@ -66,7 +75,8 @@ struct Config {
   std::vector<size_t> gather_sizes = {8, 64, 512, 4096};
   std::vector<size_t> exchange_sizes = {4096, 65536, 1 << 20, 4 << 20};
   int gather_iters = 20000;
-  size_t exchange_mb = 512;  // Bytes each rank sends per exchange size, roughly.
+  size_t exchange_mb = 512;      // Bytes each rank sends per exchange size, roughly.
+  std::vector<size_t> death_mb;  // Victim sizes of the death runs (none: skipped).
   std::string json_path;
 };
 
@@ -186,6 +196,84 @@ bool run_ranks(const Config& cfg, int n, std::vector<Result_>* results) {
   return ok;
 }
 
+int64_t mono_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
+Status run_death_rank(const Config& cfg, int rank, size_t victim_mb, const std::string& session,
+                      Shared* shared) {
+  if (rank == 1 && victim_mb > 0) {
+    const size_t bytes = victim_mb << 20;
+    void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return resource_exhausted("cannot map the victim's memory");
+    for (size_t i = 0; i < bytes; i += 4096) static_cast<volatile char*>(m)[i] = 1;
+  }
+  TransportOptions o;
+  o.session = session;
+  o.rank = rank;
+  o.max_ranks = 2;
+  o.max_gather_bytes = 64;
+  o.max_exchange_bytes = 4096;
+  o.timeout_ms = 10000;
+  FLEX_ASSIGN_OR_RETURN(auto t, create_transport(cfg.backend, o));
+  std::snprintf(shared->addresses[rank], 256, "%s", t->address().c_str());
+  shared->address_ready[rank].store(1);
+  while (shared->address_ready[1 - rank].load() == 0) ::usleep(100);
+  FLEX_RETURN_IF_ERROR(t->connect(1 - rank, shared->addresses[1 - rank]));
+  Group g;
+  g.epoch = 1;
+  g.ranks = {0, 1};
+  std::vector<uint8_t> payload(4096, static_cast<uint8_t>(rank));
+  std::vector<ByteSpan> send = {ByteSpan{payload.data(), 4096}, ByteSpan{payload.data(), 4096}};
+  for (;;) {
+    auto got = t->exchange(g, send);
+    if (!got.ok()) {
+      shared->reported_ns.store(mono_ns());
+      std::snprintf(shared->reported, sizeof(shared->reported), "%s",
+                    got.status().to_string().c_str());
+      return t->shutdown();
+    }
+    if (rank == 0) shared->rounds.fetch_add(1);
+  }
+}
+
+// Kill-to-report and kill-to-exit in ms for a victim of `mb` MB; false on a failure.
+bool run_death(const Config& cfg, size_t mb, double* reported_ms, double* exited_ms,
+               std::string* what) {
+  void* mem =
+      ::mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) return false;
+  auto* shared = new (mem) Shared();
+  const std::string session = "death" + std::to_string(::getpid()) + "m" + std::to_string(mb);
+  std::fflush(nullptr);
+  pid_t pids[2];
+  for (int r = 0; r < 2; ++r) {
+    pids[r] = ::fork();
+    if (pids[r] == 0) {
+      const Status s = run_death_rank(cfg, r, mb, session, shared);
+      if (!s.ok()) std::fprintf(stderr, "rank %d: %s\n", r, s.to_string().c_str());
+      std::fflush(nullptr);
+      ::_exit(s.ok() ? 0 : 1);
+    }
+  }
+  while (shared->rounds.load() < 1000 && shared->reported_ns.load() == 0) ::usleep(1000);
+  const int64_t killed = mono_ns();
+  ::kill(pids[1], SIGKILL);
+  int status = 0;
+  ::waitpid(pids[1], &status, 0);
+  const int64_t exited = mono_ns();
+  ::waitpid(pids[0], &status, 0);
+  const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0 && shared->reported_ns.load() > 0;
+  *reported_ms = static_cast<double>(shared->reported_ns.load() - killed) / 1e6;
+  *exited_ms = static_cast<double>(exited - killed) / 1e6;
+  *what = shared->reported;
+  (void)remove_shm_session(session);  // The victim's segments (both host backends).
+  ::munmap(mem, sizeof(Shared));
+  return ok;
+}
+
 double memcpy_gbps(size_t size) {
   std::vector<uint8_t> a(size, 1), b(size, 2);
   const int iters = static_cast<int>(std::clamp<size_t>((size_t{1} << 30) / size, 10, 100000));
@@ -225,18 +313,21 @@ int main(int argc, char** argv) {
       cfg.gather_iters = std::atoi(value().c_str());
     } else if (arg == "--exchange-mb") {
       cfg.exchange_mb = std::strtoull(value().c_str(), nullptr, 10);
+    } else if (arg == "--death-mb") {
+      cfg.death_mb = parse_list(value());
     } else if (arg == "--json") {
       cfg.json_path = value();
     } else {
       std::fprintf(stderr,
                    "usage: %s [--backend shm] [--ranks 2,4] [--gather-sizes a,b] "
-                   "[--exchange-sizes a,b] [--gather-iters N] [--exchange-mb N] [--json PATH]\n",
+                   "[--exchange-sizes a,b] [--gather-iters N] [--exchange-mb N] [--death-mb a,b] "
+                   "[--json PATH]\n",
                    argv[0]);
       return 2;
     }
   }
-  if (cfg.ranks.empty() || cfg.gather_sizes.empty() || cfg.exchange_sizes.empty() ||
-      cfg.gather_iters <= 0) {
+  if ((cfg.ranks.empty() && cfg.death_mb.empty()) || cfg.gather_sizes.empty() ||
+      cfg.exchange_sizes.empty() || cfg.gather_iters <= 0) {
     std::fprintf(stderr, "empty rank or size list\n");
     return 2;
   }
@@ -255,8 +346,10 @@ int main(int argc, char** argv) {
   }
   const long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
   std::printf("backend %s, %ld CPUs online\n\n", cfg.backend.c_str(), cpus);
-  std::printf("%-10s %5s %12s %8s %12s %14s %14s %12s\n", "op", "ranks", "bytes", "iters", "us/op",
-              "GB/s/rank", "GB/s total", "memcpy GB/s");
+  if (!results.empty()) {
+    std::printf("%-10s %5s %12s %8s %12s %14s %14s %12s\n", "op", "ranks", "bytes", "iters",
+                "us/op", "GB/s/rank", "GB/s total", "memcpy GB/s");
+  }
   std::ostringstream json;
   json << "{\"backend\": \"" << cfg.backend << "\", \"cpus\": " << cpus << ", \"results\": [";
   bool first = true;
@@ -281,7 +374,26 @@ int main(int argc, char** argv) {
     json << "}";
     first = false;
   }
-  json << "]}\n";
+  json << "]";
+  if (!cfg.death_mb.empty()) {
+    std::printf("\n%-10s %10s %14s %14s  %s\n", "death", "victim MB", "reported ms", "exited ms",
+                "what the survivor got");
+    json << ", \"death\": [";
+    for (size_t i = 0; i < cfg.death_mb.size(); ++i) {
+      double reported = 0, exited = 0;
+      std::string what;
+      if (!run_death(cfg, cfg.death_mb[i], &reported, &exited, &what)) {
+        std::fprintf(stderr, "the death run of %zu MB failed\n", cfg.death_mb[i]);
+        return 1;
+      }
+      std::printf("%-10s %10zu %14.2f %14.2f  %s\n", "death", cfg.death_mb[i], reported, exited,
+                  what.c_str());
+      json << (i == 0 ? "" : ", ") << "{\"victim_mb\": " << cfg.death_mb[i]
+           << ", \"reported_ms\": " << reported << ", \"exited_ms\": " << exited << "}";
+    }
+    json << "]";
+  }
+  json << "}\n";
   if (!cfg.json_path.empty()) {
     std::ofstream out(cfg.json_path);
     out << json.str();

@@ -9,14 +9,17 @@ cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-cuda}
 PACK=${PACK:-.gpu}
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$BUILD" -j2 --target cuda_test moe_layer_bench flexpert system_cuda_serve_test
+cmake --build "$BUILD" -j2 --target cuda_test moe_layer_bench flexpert system_cuda_serve_test \
+  transport_conformance_fault_test transport_bench
 rm -rf "$PACK" && mkdir -p "$PACK/bin" "$PACK/lib"
 cp "$BUILD/tests/cuda/cuda_test" "$BUILD/src/cuda/moe_layer_bench" "$BUILD/flexpert" \
-  "$BUILD/tests/system/system_cuda_serve_test" "$PACK/bin/"
+  "$BUILD/tests/system/system_cuda_serve_test" \
+  "$BUILD/tests/transport/transport_conformance_fault_test" "$BUILD/src/transport/transport_bench" \
+  "$PACK/bin/"
 strip "$PACK"/bin/*
 skip='linux-vdso|ld-linux|libc\.so|libm\.so|libpthread|libdl\.so|librt\.so|libresolv|libstdc\+\+|libgcc_s|libcublas|libcudart'
 for b in "$PACK"/bin/*; do
   ldd "$b" | awk '/=>/ {print $3}' | grep -Ev "$skip" || true
 done | sort -u | while read -r lib; do cp -L "$lib" "$PACK/lib/"; done
-tar -C "$PACK" -cJf "$PACK/libs.tar.xz" lib && rm -rf "$PACK/lib"
+tar -C "$PACK" -cJf "$PACK/libs.tar.xz" lib && rm -rf "${PACK:?}/lib"
 du -sh "$PACK/bin" "$PACK/libs.tar.xz"

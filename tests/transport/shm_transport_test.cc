@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "transport/shm/shm_layout.h"
+#include "transport/shm/shm_segment.h"
 
 namespace flexpert {
 namespace {
@@ -295,6 +297,63 @@ TEST(ShmLayoutTest, MailboxesAreDisjointAndAligned) {
   EXPECT_EQ(layout->total_bytes % 4096, 0u);
   EXPECT_FALSE(shm::Layout::compute(0, 1, 1).ok());
   EXPECT_FALSE(shm::Layout::compute(1 << 20, 1, 1).ok());
+}
+
+// /proc/<pid>/stat lines as the kernel writes them: the name may hold spaces and ')'.
+TEST(ProcessWatchTest, ParsesStateFlagsAndStartTime) {
+  shm::ProcStat st;
+  ASSERT_TRUE(shm::parse_proc_stat(
+      "4242 (flexpert worker) S 1 4242 4242 0 -1 4194560 120 0 0 0 3 1 0 0 20 0 3 0 "
+      "987654 1000 200\n",
+      &st));
+  EXPECT_EQ(st.state, 'S');
+  EXPECT_EQ(st.flags, 4194560u);  // PF_RANDOMIZE | PF_FORKNOEXEC: not exiting.
+  EXPECT_EQ(st.flags & shm::kProcFlagExiting, 0u);
+  EXPECT_EQ(st.start_time, 987654u);
+  ASSERT_TRUE(shm::parse_proc_stat(
+      "77 (a) b) (c) R 1 77 77 0 -1 4194564 0 0 0 0 0 0 0 0 20 0 1 0 31337 0 0", &st));
+  EXPECT_EQ(st.state, 'R');
+  EXPECT_NE(st.flags & shm::kProcFlagExiting, 0u);
+  EXPECT_EQ(st.start_time, 31337u);
+  EXPECT_FALSE(shm::parse_proc_stat("77 (short) R 1 77", &st));
+  EXPECT_FALSE(shm::parse_proc_stat("no name here", &st));
+  EXPECT_FALSE(shm::parse_proc_stat("7 (x) R 1 7 7 0 -1 flags 0 0 0 0 0 0 0 0 20 0 1 0 5", &st));
+}
+
+// A process whose main thread has gone through exit (a zombie leader, PF_EXITING) while
+// another thread still runs: its pidfd is not readable yet, so exited() says no, but it
+// has ended(), as a SIGKILLed rank has from the moment its threads enter the exit path
+// (which lasts while the kernel tears down its memory and GPU context).
+TEST(ProcessWatchTest, EndedWhileTheExitIsUnderway) {
+  shm::ProcessWatch self =
+      shm::ProcessWatch::watch(::getpid(), shm::process_start_time(::getpid()));
+  ASSERT_TRUE(self.watching());
+  EXPECT_FALSE(self.exited());
+  EXPECT_FALSE(self.ended());
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    std::thread([] {
+      for (;;) ::pause();
+    }).detach();
+    ::syscall(SYS_exit, 0);  // This thread only; the other keeps the process.
+    ::_exit(3);
+  }
+  const shm::ProcessWatch watch = shm::ProcessWatch::watch(pid, shm::process_start_time(pid));
+  ASSERT_TRUE(watch.watching());
+  bool ended = false;
+  for (int i = 0; i < 5000 && !ended; ++i) {
+    ended = watch.ended();
+    if (!ended) ::usleep(1000);
+  }
+  EXPECT_TRUE(ended);
+  EXPECT_FALSE(watch.exited());  // The process lives on in its other thread.
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(watch.exited());
+  EXPECT_TRUE(watch.ended());
 }
 
 }  // namespace

@@ -327,7 +327,7 @@ Status CudaIpcTransport::check_peer(const Peer& peer, OpKind kind, bool check_pi
     return aborted(op_label(kind) + ": rank " + std::to_string(peer.rank) +
                    " has moved to newer epoch " + std::to_string(peer_epoch));
   }
-  if (check_pid && peer.watch.exited()) {
+  if (check_pid && peer.watch.ended()) {
     return unavailable("rank " + std::to_string(peer.rank) + " (pid " + std::to_string(peer.pid) +
                        ") died during " + op_label(kind));
   }

@@ -11,12 +11,12 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <climits>
 #include <cstring>
 #include <fstream>
-#include <sstream>
-#include <vector>
 
 #include "transport/shm/shm_layout.h"
 
@@ -117,39 +117,65 @@ void futex_wake_shared(std::atomic<uint32_t>* word) {
 
 namespace {
 
-// Fields of /proc/<pid>/stat after the command name (which may contain spaces and ')').
-bool read_proc_stat(int pid, char* state, uint64_t* start_time) {
+bool read_proc_stat(int pid, ProcStat* stat) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
   std::string line;
-  if (!in || !std::getline(in, line)) return false;
-  const size_t paren = line.rfind(')');
-  if (paren == std::string::npos) return false;
-  std::istringstream fields(line.substr(paren + 1));
-  std::vector<std::string> rest;  // rest[0] is field 3 (state).
-  std::string field;
-  while (rest.size() < 20 && fields >> field) rest.push_back(field);
-  if (rest.size() < 20) return false;
-  *state = rest[0].empty() ? '?' : rest[0][0];
-  *start_time = std::strtoull(rest[19].c_str(), nullptr, 10);  // Field 22.
-  return true;
+  return in && std::getline(in, line) && parse_proc_stat(line, stat);
+}
+
+// Reads the stat line through a held descriptor; false once the process is reaped.
+bool read_proc_stat_fd(int fd, ProcStat* stat) {
+  char buf[2048];  // The whole line is < 1.2 KB; the fields read here come first.
+  const ssize_t n = ::pread(fd, buf, sizeof(buf), 0);
+  return n > 0 && parse_proc_stat(std::string_view(buf, static_cast<size_t>(n)), stat);
 }
 
 }  // namespace
 
+bool parse_proc_stat(std::string_view line, ProcStat* stat) {
+  const size_t paren = line.rfind(')');
+  if (paren == std::string_view::npos) return false;
+  // Fields 3, 4, ... after the name; rest[i] is field i + 3.
+  std::string_view rest = line.substr(paren + 1);
+  std::string_view field[20];
+  int count = 0;
+  while (count < 20) {
+    const size_t start = rest.find_first_not_of(" \n");
+    if (start == std::string_view::npos) break;
+    const size_t end = std::min(rest.find_first_of(" \n", start), rest.size());
+    field[count++] = rest.substr(start, end - start);
+    rest = rest.substr(end);
+  }
+  if (count < 20) return false;
+  auto number = [](std::string_view f, uint64_t* v) {
+    return std::from_chars(f.data(), f.data() + f.size(), *v).ec == std::errc();
+  };
+  ProcStat out;
+  out.state = field[0].empty() ? '?' : field[0][0];
+  if (!number(field[6], &out.flags) || !number(field[19], &out.start_time)) return false;
+  *stat = out;
+  return true;
+}
+
 uint64_t process_start_time(int pid) {
-  char state = 0;
-  uint64_t start_time = 0;
-  return read_proc_stat(pid, &state, &start_time) ? start_time : 0;
+  ProcStat stat;
+  return read_proc_stat(pid, &stat) ? stat.start_time : 0;
 }
 
 ProcessWatch ProcessWatch::watch(int pid, uint64_t start_time) {
   ProcessWatch w;
   if (pid <= 0 || start_time == 0) return w;
 #ifdef SYS_pidfd_open
-  // Open first, then check the start time: if they match, the fd is that very process.
+  // Open first, then check the start time: if they match, the fds are that very process.
   w.pidfd_ = ScopedFd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
 #endif
-  if (process_start_time(pid) != start_time) return ProcessWatch();
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  w.stat_fd_ = ScopedFd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  ProcStat stat;
+  if (!w.stat_fd_.valid() || !read_proc_stat_fd(w.stat_fd_.get(), &stat) ||
+      stat.start_time != start_time) {
+    return ProcessWatch();
+  }
   w.pid_ = pid;
   w.start_time_ = start_time;
   return w;
@@ -162,10 +188,17 @@ bool ProcessWatch::exited() const {
     return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLHUP)) != 0;
   }
   if (::kill(pid_, 0) != 0 && errno == ESRCH) return true;
-  char state = 0;
-  uint64_t start_time = 0;
-  if (!read_proc_stat(pid_, &state, &start_time)) return true;
-  return state == 'Z' || state == 'X' || start_time != start_time_;
+  ProcStat stat;
+  if (!read_proc_stat_fd(stat_fd_.get(), &stat)) return true;
+  return stat.state == 'Z' || stat.state == 'X' || stat.start_time != start_time_;
+}
+
+bool ProcessWatch::ended() const {
+  if (pid_ <= 0) return false;
+  if (exited()) return true;
+  ProcStat stat;
+  if (!read_proc_stat_fd(stat_fd_.get(), &stat)) return true;  // Reaped meanwhile.
+  return (stat.flags & kProcFlagExiting) != 0 || stat.state == 'Z' || stat.state == 'X';
 }
 
 int64_t now_ns() {
@@ -178,7 +211,7 @@ Status peer_liveness(int rank, int32_t pid, const SegmentHeader& header,
                      const ProcessWatch& watch) {
   const std::string who = "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";
   if (header.closed.load(std::memory_order_seq_cst) != 0) return unavailable(who + " shut down");
-  if (watch.exited()) return unavailable(who + " died");
+  if (watch.ended()) return unavailable(who + " died");
   return Status();
 }
 

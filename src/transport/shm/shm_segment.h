@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "flexpert/status.h"
@@ -89,9 +90,25 @@ void futex_wake_shared(std::atomic<uint32_t>* word);
 // Together with the pid it names one process: a reused pid has another start time.
 uint64_t process_start_time(int pid);
 
-// Tells whether another process has exited (a zombie counts as exited). Uses a pidfd where
-// the kernel has them, else kill(pid, 0) plus /proc. Watches nothing (never reports an exit)
-// when the pid is not that process: another PID namespace, or a pid already reused.
+// The fields of a /proc/<pid>/stat line this file reads (the command name, field 2, may
+// hold spaces and ')'). parse_proc_stat: false if the line is not one.
+struct ProcStat {
+  char state = '?';         // Field 3: R, S, D, Z (zombie), X (dead), ...
+  uint64_t flags = 0;       // Field 9: the kernel's PF_* flags of the task.
+  uint64_t start_time = 0;  // Field 22: clock ticks since boot.
+};
+bool parse_proc_stat(std::string_view line, ProcStat* stat);
+// PF_EXITING (include/linux/sched.h): set as the task enters do_exit, long before the
+// process has torn its memory (and a GPU context) down and its pidfd turns readable.
+inline constexpr uint64_t kProcFlagExiting = 0x4;
+
+// Watches another process. exited(): it has ended (a zombie counts; a pidfd where the
+// kernel has them, else kill(pid, 0) plus /proc). ended(): exited, or on its way out: in
+// the kernel's exit path (PF_EXITING), which for a process with gigabytes mapped or a
+// CUDA context lasts tens to hundreds of milliseconds (a SIGKILLed rank is dead from
+// its start); read from /proc/<pid>/stat through a descriptor held since watch(), ~3 us,
+// so for liveness checks, not per message. Watches nothing (never reports an end) when
+// the pid is not that process: another PID namespace, or a pid already reused.
 class ProcessWatch {
  public:
   ProcessWatch() = default;
@@ -99,11 +116,13 @@ class ProcessWatch {
 
   bool watching() const { return pid_ > 0; }
   bool exited() const;
+  bool ended() const;
 
  private:
   int pid_ = -1;
   uint64_t start_time_ = 0;
   ScopedFd pidfd_;
+  ScopedFd stat_fd_;  // /proc/<pid>/stat of this very process (reads fail once reaped).
 };
 
 struct SegmentHeader;
