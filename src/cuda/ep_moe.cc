@@ -457,12 +457,56 @@ Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
   return Status();
 }
 
+Status DeviceEpMoe::map_peer(int r) {
+  if (r < 0 || r >= static_cast<int>(mapped_.size())) {
+    return invalid_argument("rank " + std::to_string(r) + " out of range");
+  }
+  WindowInfo info{};
+  FLEX_RETURN_IF_ERROR(ep_->transport()
+                           .read(r, kWindowRegion, 0, &info, sizeof(info))
+                           .annotate("EP window of rank " + std::to_string(r)));
+  if (info.magic != kWindowMagic) {
+    return data_loss("rank " + std::to_string(r) + " published no EP window");
+  }
+  std::unique_ptr<PeerMapping>& m = mapped_[r];
+  if (m != nullptr && std::memcmp(&m->info, &info, sizeof(info)) == 0) return Status();
+  m = std::make_unique<PeerMapping>();  // A new rank or incarnation: map it afresh.
+  m->info = info;
+  void* at[kNumWindowBuffers];
+  for (int b = 0; b < kNumWindowBuffers; ++b) {
+    if (info.process == process_token()) {
+      at[b] = reinterpret_cast<void*>(info.buffers[b].address);  // A rank of this process.
+      continue;
+    }
+    auto mapped = cuda_ipc::IpcMapping::open(config_.device, info.buffers[b].handle);
+    if (!mapped.ok()) {
+      m.reset();
+      return mapped.status().annotate("mapping rank " + std::to_string(r) + "'s EP buffers");
+    }
+    at[b] = mapped.value()->data();
+    m->maps.push_back(std::move(mapped).value());
+  }
+  m->peer.window = static_cast<EpWindow*>(at[kWindow]);
+  m->peer.pos = reinterpret_cast<const int32_t*>(m->peer.window + 1);
+  m->peer.h = at[kRouteH];
+  m->peer.slot = static_cast<const int32_t*>(at[kRouteSlot]);
+  m->peer.y = at[kY];
+  m->peer.row_of_pair = static_cast<const int32_t*>(at[kRowOfPair]);
+  ++peer_mappings_;
+  return Status();
+}
+
+Status DeviceEpMoe::map_peer_ahead(int rank) {
+  if (!device_exchange_ || rank == ep_->transport().rank()) return Status();
+  if (peers_mapped_ && mapped_group_.contains(rank)) return Status();  // In use: as it is.
+  return map_peer(rank);
+}
+
 Status DeviceEpMoe::map_peers(const Group& group) {
   if (peers_mapped_ && group.epoch == mapped_group_.epoch && group.ranks == mapped_group_.ranks) {
     return Status();
   }
-  Transport& transport = ep_->transport();
-  const int me = transport.rank();
+  const int me = ep_->transport().rank();
   FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));  // Nothing reads the mappings replaced below.
   std::vector<EpPeer> table(kEpMaxRanks);
   std::vector<bool> member(mapped_.size(), false);
@@ -475,38 +519,9 @@ Status DeviceEpMoe::map_peers(const Group& group) {
       table[r] = self_;
       continue;
     }
-    WindowInfo info{};
-    FLEX_RETURN_IF_ERROR(transport.read(r, kWindowRegion, 0, &info, sizeof(info))
-                             .annotate("EP window of rank " + std::to_string(r)));
-    if (info.magic != kWindowMagic) {
-      return data_loss("rank " + std::to_string(r) + " published no EP window");
-    }
-    std::unique_ptr<PeerMapping>& m = mapped_[r];
-    if (m == nullptr || std::memcmp(&m->info, &info, sizeof(info)) != 0) {
-      m = std::make_unique<PeerMapping>();  // A new rank or incarnation: map it afresh.
-      m->info = info;
-      void* at[kNumWindowBuffers];
-      for (int b = 0; b < kNumWindowBuffers; ++b) {
-        if (info.process == process_token()) {
-          at[b] = reinterpret_cast<void*>(info.buffers[b].address);  // A rank of this process.
-          continue;
-        }
-        auto mapped = cuda_ipc::IpcMapping::open(config_.device, info.buffers[b].handle);
-        if (!mapped.ok()) {
-          m.reset();
-          return mapped.status().annotate("mapping rank " + std::to_string(r) + "'s EP buffers");
-        }
-        at[b] = mapped.value()->data();
-        m->maps.push_back(std::move(mapped).value());
-      }
-      m->peer.window = static_cast<EpWindow*>(at[kWindow]);
-      m->peer.pos = reinterpret_cast<const int32_t*>(m->peer.window + 1);
-      m->peer.h = at[kRouteH];
-      m->peer.slot = static_cast<const int32_t*>(at[kRouteSlot]);
-      m->peer.y = at[kY];
-      m->peer.row_of_pair = static_cast<const int32_t*>(at[kRowOfPair]);
-    }
-    table[r] = m->peer;
+    // Mapped already when the rank was connected ahead of this epoch (map_peer_ahead).
+    FLEX_RETURN_IF_ERROR(map_peer(r));
+    table[r] = mapped_[r]->peer;
   }
   // Departed ranks: nothing runs that reads them (the last step finished; a slot copy
   // holds slots_mu_ until it landed).

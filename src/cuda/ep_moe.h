@@ -117,7 +117,13 @@ class DeviceEpMoe {
   // over the segments): the inputs are the model's (padding rows), no exchange runs.
   Status warm_up(int bucket, const std::function<Status(int seg)>& enqueue_segment);
 
+  // Maps rank `rank`'s exchange buffers (a peer being connected for the next epoch) now,
+  // so that the epoch's first step finds them mapped; a member of the mapped group is
+  // left alone (its mapping is in use). Between steps, on the model's thread.
+  Status map_peer_ahead(int rank);
+
   int64_t num_graph_captures() const { return captures_; }
+  int64_t num_peer_mappings() const { return peer_mappings_; }
   bool graphs_failed() const { return graphs_failed_; }
   bool device_exchange() const { return device_exchange_; }
 
@@ -146,6 +152,8 @@ class DeviceEpMoe {
   struct PeerMapping;
   Status init_device_exchange(EpMoeExecutor& executor);
   Status map_peers(const Group& group);
+  // Reads rank r's window and maps its buffers unless mapped_[r] holds that incarnation.
+  Status map_peer(int r);
   EpArgs exchange_args(const Group& group) const;
   Status enqueue_device_exchange(int seg, int num_tokens, int num_real, int bound,
                                  const Group& group);
@@ -184,6 +192,7 @@ class DeviceEpMoe {
   bool peers_mapped_ = false;
   Group mapped_group_;
   uint64_t exchange_index_ = 0;  // Exchanges of this epoch so far.
+  int64_t peer_mappings_ = 0;    // PeerMappings built (map_peer).
   // The weight mover's mappings of peers' slot buffers ([rank], guarded by slots_mu_).
   struct SlotMapping;
   std::mutex slots_mu_;

@@ -289,6 +289,7 @@ Status Worker::connect_peers(const proto::ConnectCommand& cmd) {
       FLEX_RETURN_IF_ERROR(
           transport_->read(r, cmd.probe_region, 0, probe, sizeof(probe)).annotate("probe"));
     }
+    FLEX_RETURN_IF_ERROR(model_->prepare_peer(r).annotate("preparing rank " + std::to_string(r)));
   }
   return Status();
 }
