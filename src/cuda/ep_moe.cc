@@ -14,6 +14,7 @@
 #include "cuda/kernels.h"
 #include "flexpert/logging.h"
 #include "transport/cuda_ipc/cuda_ipc_runtime.h"
+#include "transport/shm/shm_segment.h"
 
 namespace flexpert::cuda {
 namespace {
@@ -88,6 +89,13 @@ struct DeviceEpMoe::PeerMapping {
   WindowInfo info{};
   std::vector<std::unique_ptr<cuda_ipc::IpcMapping>> maps;
   EpPeer peer;
+  shm::ProcessWatch owner;  // The mapped process (another one than this).
+};
+
+struct DeviceEpMoe::Retired {
+  std::unique_ptr<PeerMapping> peer;
+  std::unique_ptr<SlotMapping> slots;
+  int64_t since_ns = 0;
 };
 
 Result<EpStepRows> fill_step_inputs(const std::vector<SequenceChunk>& batch, int bucket,
@@ -200,6 +208,51 @@ DeviceEpMoe::DeviceEpMoe(Config config, Blas& blas, cudaStream_t stream)
 
 DeviceEpMoe::~DeviceEpMoe() {
   if (config_.executor != nullptr) (void)config_.executor->set_row_compute(nullptr);
+  if (closer_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(retire_mu_);
+      closer_stop_ = true;
+    }
+    retire_cv_.notify_all();
+    closer_.join();  // Closes what is still queued.
+  }
+}
+
+void DeviceEpMoe::retire(std::unique_ptr<PeerMapping> peer, std::unique_ptr<SlotMapping> slots) {
+  if (peer == nullptr && slots == nullptr) return;
+  std::lock_guard<std::mutex> lock(retire_mu_);
+  retired_.push_back(Retired{std::move(peer), std::move(slots), now_ns()});
+  if (!closer_.joinable()) {
+    closer_ = std::thread([this] {
+      std::unique_lock<std::mutex> lk(retire_mu_);
+      while (!closer_stop_ || !retired_.empty()) {
+        if (retired_.empty()) {
+          retire_cv_.wait(lk, [this] { return closer_stop_ || !retired_.empty(); });
+        } else {
+          retire_cv_.wait_for(lk, std::chrono::milliseconds(5));  // Polls the owners.
+        }
+        // Closable: the owner has exited (or was never watched), or it is past the cap.
+        std::vector<Retired> close;
+        const int64_t now = now_ns();
+        for (size_t i = 0; i < retired_.size();) {
+          const Retired& r = retired_[i];
+          const bool ready = closer_stop_ || r.peer == nullptr || !r.peer->owner.watching() ||
+                             r.peer->owner.exited() || now - r.since_ns > kRetireCapNs;
+          if (ready) {
+            close.push_back(std::move(retired_[i]));
+            retired_.erase(retired_.begin() + static_cast<std::ptrdiff_t>(i));
+          } else {
+            ++i;
+          }
+        }
+        if (close.empty()) continue;
+        lk.unlock();
+        close.clear();  // cudaIpcCloseMemHandle each (IpcMapping selects its device).
+        lk.lock();
+      }
+    });
+  }
+  retire_cv_.notify_all();
 }
 
 Status DeviceEpMoe::compute_rows(int layer, const int32_t* local_slot, const float* const* rows,
@@ -472,6 +525,9 @@ Status DeviceEpMoe::map_peer(int r) {
   if (m != nullptr && std::memcmp(&m->info, &info, sizeof(info)) == 0) return Status();
   m = std::make_unique<PeerMapping>();  // A new rank or incarnation: map it afresh.
   m->info = info;
+  if (info.process != process_token()) {
+    m->owner = shm::ProcessWatch::watch(info.pid, shm::process_start_time(info.pid));
+  }
   void* at[kNumWindowBuffers];
   for (int b = 0; b < kNumWindowBuffers; ++b) {
     if (info.process == process_token()) {
@@ -507,6 +563,8 @@ Status DeviceEpMoe::map_peers(const Group& group) {
     return Status();
   }
   const int me = ep_->transport().rank();
+  const int64_t t0 = now_ns();
+  const int64_t mappings0 = peer_mappings_;
   FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));  // Nothing reads the mappings replaced below.
   std::vector<EpPeer> table(kEpMaxRanks);
   std::vector<bool> member(mapped_.size(), false);
@@ -525,20 +583,29 @@ Status DeviceEpMoe::map_peers(const Group& group) {
   }
   // Departed ranks: nothing runs that reads them (the last step finished; a slot copy
   // holds slots_mu_ until it landed).
+  const int64_t t1 = now_ns();
+  int released = 0;
   {
     std::lock_guard<std::mutex> lock(slots_mu_);
     for (size_t r = 0; r < mapped_.size(); ++r) {
       if (member[r]) continue;
-      mapped_[r].reset();
-      slot_maps_[r].reset();
+      released += mapped_[r] != nullptr || slot_maps_[r] != nullptr;
+      retire(std::move(mapped_[r]), std::move(slot_maps_[r]));
     }
   }
+  const int64_t t2 = now_ns();
   FLEX_CUDA_TRY(cudaMemcpyAsync(peer_table_.data(), table.data(), kEpMaxRanks * sizeof(EpPeer),
                                 cudaMemcpyHostToDevice, stream_));
   FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));
   if (!peers_mapped_ || group.epoch != mapped_group_.epoch) exchange_index_ = 0;
   mapped_group_ = group;
   peers_mapped_ = true;
+  if (const int64_t t3 = now_ns(); t3 - t0 > 1'000'000) {
+    FLEX_LOG(INFO) << "rank " << me << ", epoch " << group.epoch << ": peers mapped in "
+                   << (t3 - t0) / 1e6 << " ms (" << peer_mappings_ - mappings0 << " mapped in "
+                   << (t1 - t0) / 1e6 << " ms, " << released << " released in " << (t2 - t1) / 1e6
+                   << " ms)";
+  }
   return Status();
 }
 
