@@ -248,9 +248,10 @@ bool run_death(const Config& cfg, size_t mb, double* reported_ms, double* exited
   auto* shared = new (mem) Shared();
   const std::string session = "death" + std::to_string(::getpid()) + "m" + std::to_string(mb);
   std::fflush(nullptr);
-  pid_t pids[2];
+  pid_t pids[2] = {-1, -1};
   for (int r = 0; r < 2; ++r) {
     pids[r] = ::fork();
+    if (pids[r] < 0) break;
     if (pids[r] == 0) {
       const Status s = run_death_rank(cfg, r, mb, session, shared);
       if (!s.ok()) std::fprintf(stderr, "rank %d: %s\n", r, s.to_string().c_str());
@@ -258,14 +259,30 @@ bool run_death(const Config& cfg, size_t mb, double* reported_ms, double* exited
       ::_exit(s.ok() ? 0 : 1);
     }
   }
-  while (shared->rounds.load() < 1000 && shared->reported_ns.load() == 0) ::usleep(1000);
-  const int64_t killed = mono_ns();
-  ::kill(pids[1], SIGKILL);
+  // Kill the victim once rank 0 has exchanged a while; give up on a rank that ended
+  // (failed to start) or after 60 s.
+  const int64_t deadline = mono_ns() + 60'000'000'000;
+  bool running = pids[0] > 0 && pids[1] > 0;
   int status = 0;
-  ::waitpid(pids[1], &status, 0);
+  while (running && shared->rounds.load() < 1000 && shared->reported_ns.load() == 0) {
+    for (pid_t p : pids) running = running && ::waitpid(p, &status, WNOHANG) == 0;
+    running = running && mono_ns() < deadline;
+    if (running) ::usleep(1000);
+  }
+  const int64_t killed = mono_ns();
+  if (running) {
+    ::kill(pids[1], SIGKILL);
+  } else {
+    for (pid_t p : pids) {
+      if (p > 0) ::kill(p, SIGKILL);  // The run did not get going: both.
+    }
+  }
+  if (pids[1] > 0) ::waitpid(pids[1], &status, 0);
   const int64_t exited = mono_ns();
-  ::waitpid(pids[0], &status, 0);
-  const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0 && shared->reported_ns.load() > 0;
+  status = 0;
+  if (pids[0] > 0) ::waitpid(pids[0], &status, 0);
+  const bool ok =
+      running && WIFEXITED(status) && WEXITSTATUS(status) == 0 && shared->reported_ns.load() > 0;
   *reported_ms = static_cast<double>(shared->reported_ns.load() - killed) / 1e6;
   *exited_ms = static_cast<double>(exited - killed) / 1e6;
   *what = shared->reported;

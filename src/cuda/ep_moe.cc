@@ -36,6 +36,7 @@ struct WindowInfo {
   uint64_t process;  // process_token() of the owner: same process, same addresses.
   int32_t pid;
   int32_t pad;
+  uint64_t pid_start_time;  // shm::process_start_time(pid): tells a reused pid apart.
   struct Buffer {
     uint64_t address;  // In the owner's process (peers of the same process use it).
     cudaIpcMemHandle_t handle;
@@ -478,6 +479,7 @@ Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
   info.magic = kWindowMagic;
   info.process = process_token();
   info.pid = static_cast<int32_t>(getpid());
+  info.pid_start_time = shm::process_start_time(info.pid);
   const void* buffers[kNumWindowBuffers] = {self_.window, self_.h, self_.slot, self_.y,
                                             self_.row_of_pair};
   for (int b = 0; b < kNumWindowBuffers; ++b) {
@@ -523,10 +525,13 @@ Status DeviceEpMoe::map_peer(int r) {
   }
   std::unique_ptr<PeerMapping>& m = mapped_[r];
   if (m != nullptr && std::memcmp(&m->info, &info, sizeof(info)) == 0) return Status();
-  m = std::make_unique<PeerMapping>();  // A new rank or incarnation: map it afresh.
+  // A new rank or incarnation: map it afresh (the old incarnation's mappings are closed
+  // once it has exited, as a departed rank's).
+  retire(std::move(m), nullptr);
+  m = std::make_unique<PeerMapping>();
   m->info = info;
   if (info.process != process_token()) {
-    m->owner = shm::ProcessWatch::watch(info.pid, shm::process_start_time(info.pid));
+    m->owner = shm::ProcessWatch::watch(info.pid, info.pid_start_time);
   }
   void* at[kNumWindowBuffers];
   for (int b = 0; b < kNumWindowBuffers; ++b) {
@@ -550,6 +555,13 @@ Status DeviceEpMoe::map_peer(int r) {
   m->peer.row_of_pair = static_cast<const int32_t*>(at[kRowOfPair]);
   ++peer_mappings_;
   return Status();
+}
+
+void DeviceEpMoe::forget_peer(int rank) {
+  if (rank < 0 || rank >= static_cast<int>(mapped_.size())) return;
+  if (peers_mapped_ && mapped_group_.contains(rank)) return;  // In use until the next epoch.
+  std::lock_guard<std::mutex> lock(slots_mu_);
+  retire(std::move(mapped_[rank]), std::move(slot_maps_[rank]));
 }
 
 Status DeviceEpMoe::map_peer_ahead(int rank) {

@@ -123,6 +123,9 @@ class DeviceEpMoe {
   // so that the epoch's first step finds them mapped; a member of the mapped group is
   // left alone (its mapping is in use). Between steps, on the model's thread.
   Status map_peer_ahead(int rank);
+  // Drops what map_peer_ahead (or the mover) mapped of a peer detached before it became a
+  // member (a scale-up rolled back); a member's mappings stay until the next epoch.
+  void forget_peer(int rank);
 
   int64_t num_graph_captures() const { return captures_; }
   int64_t num_peer_mappings() const { return peer_mappings_; }

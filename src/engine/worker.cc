@@ -279,7 +279,10 @@ Status Worker::connect_peers(const proto::ConnectCommand& cmd) {
     const int r = cmd.ranks[i];
     if (r == options_.rank) continue;
     if (cmd.addresses[i].empty()) {
-      if (!group_.contains(r)) FLEX_RETURN_IF_ERROR(transport_->disconnect(r));
+      if (!group_.contains(r)) {
+        model_->forget_peer(r);
+        FLEX_RETURN_IF_ERROR(transport_->disconnect(r));
+      }
       continue;
     }
     FLEX_RETURN_IF_ERROR(transport_->connect(r, cmd.addresses[i]));

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -307,25 +308,27 @@ TEST(ProcessWatchTest, ParsesStateFlagsAndStartTime) {
       "987654 1000 200\n",
       &st));
   EXPECT_EQ(st.state, 'S');
-  EXPECT_EQ(st.flags, 4194560u);  // PF_RANDOMIZE | PF_FORKNOEXEC: not exiting.
-  EXPECT_EQ(st.flags & shm::kProcFlagExiting, 0u);
+  EXPECT_EQ(st.flags, 4194560u);  // PF_RANDOMIZE | PF_SUPERPRIV: not exiting.
+  EXPECT_FALSE(shm::proc_stat_exiting(st));
   EXPECT_EQ(st.start_time, 987654u);
+  // Killed: still running (R) or sleeping in the teardown (D), but PF_EXITING.
   ASSERT_TRUE(shm::parse_proc_stat(
       "77 (a) b) (c) R 1 77 77 0 -1 4194564 0 0 0 0 0 0 0 0 20 0 1 0 31337 0 0", &st));
   EXPECT_EQ(st.state, 'R');
-  EXPECT_NE(st.flags & shm::kProcFlagExiting, 0u);
+  EXPECT_TRUE(shm::proc_stat_exiting(st));
   EXPECT_EQ(st.start_time, 31337u);
+  ASSERT_TRUE(shm::parse_proc_stat("9 (z) Z 1 9 9 0 -1 4194304 0 0 0 0 0 0 0 0 20 0 1 0 5", &st));
+  EXPECT_TRUE(shm::proc_stat_exiting(st));  // A zombie, whatever its flags.
   EXPECT_FALSE(shm::parse_proc_stat("77 (short) R 1 77", &st));
   EXPECT_FALSE(shm::parse_proc_stat("no name here", &st));
   EXPECT_FALSE(shm::parse_proc_stat("7 (x) R 1 7 7 0 -1 flags 0 0 0 0 0 0 0 0 20 0 1 0 5", &st));
 }
 
 // A process whose main thread has gone through exit (a zombie leader, PF_EXITING) while
-// another thread still runs: its pidfd is not readable yet, so exited() says no, but it
-// has ended(), as a SIGKILLed rank has from the moment its threads enter the exit path
-// (which lasts while the kernel tears down its memory and GPU context).
-TEST(ProcessWatchTest, EndedWhileTheExitIsUnderway) {
-  shm::ProcessWatch self =
+// another thread still runs has not ended: only a process all of whose threads are in
+// the exit path has (as after a SIGKILL, while the kernel tears its memory down).
+TEST(ProcessWatchTest, ALeaderLeavingAloneIsNoEnd) {
+  const shm::ProcessWatch self =
       shm::ProcessWatch::watch(::getpid(), shm::process_start_time(::getpid()));
   ASSERT_TRUE(self.watching());
   EXPECT_FALSE(self.exited());
@@ -342,14 +345,27 @@ TEST(ProcessWatchTest, EndedWhileTheExitIsUnderway) {
   }
   const shm::ProcessWatch watch = shm::ProcessWatch::watch(pid, shm::process_start_time(pid));
   ASSERT_TRUE(watch.watching());
+  // Wait until the leader's own entry says it is exiting.
+  const std::string stat_path = "/proc/" + std::to_string(pid) + "/stat";
+  bool leader_gone = false;
+  for (int i = 0; i < 5000 && !leader_gone; ++i) {
+    std::ifstream in(stat_path);
+    std::string line;
+    shm::ProcStat st;
+    leader_gone =
+        std::getline(in, line) && shm::parse_proc_stat(line, &st) && shm::proc_stat_exiting(st);
+    if (!leader_gone) ::usleep(1000);
+  }
+  ASSERT_TRUE(leader_gone);
+  EXPECT_FALSE(watch.ended());  // Its other thread runs on.
+  if (watch.has_pidfd()) EXPECT_FALSE(watch.exited());
+  ::kill(pid, SIGKILL);
   bool ended = false;
   for (int i = 0; i < 5000 && !ended; ++i) {
-    ended = watch.ended();
+    ended = watch.ended();  // Before or after the kernel finished the exit.
     if (!ended) ::usleep(1000);
   }
   EXPECT_TRUE(ended);
-  EXPECT_FALSE(watch.exited());  // The process lives on in its other thread.
-  ::kill(pid, SIGKILL);
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   EXPECT_TRUE(watch.exited());

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "transport/shm/shm_segment.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <poll.h>
@@ -193,12 +194,42 @@ bool ProcessWatch::exited() const {
   return stat.state == 'Z' || stat.state == 'X' || stat.start_time != start_time_;
 }
 
+bool proc_stat_exiting(const ProcStat& stat) {
+  return (stat.flags & kProcFlagExiting) != 0 || stat.state == 'Z' || stat.state == 'X';
+}
+
+namespace {
+
+// Whether every thread of process `pid` is in the exit path (or gone): a SIGKILL takes
+// them all; a leader that left by itself leaves the others running.
+bool all_tasks_exiting(int pid) {
+  const std::string dir = "/proc/" + std::to_string(pid) + "/task";
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return true;  // Reaped meanwhile.
+  bool all = true;
+  while (const dirent* e = ::readdir(d)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    ScopedFd fd(::open((dir + "/" + e->d_name + "/stat").c_str(), O_RDONLY | O_CLOEXEC));
+    ProcStat stat;
+    if (!fd.valid() || !read_proc_stat_fd(fd.get(), &stat)) continue;  // That thread is gone.
+    if (!proc_stat_exiting(stat)) {
+      all = false;
+      break;
+    }
+  }
+  ::closedir(d);
+  return all;
+}
+
+}  // namespace
+
 bool ProcessWatch::ended() const {
   if (pid_ <= 0) return false;
   if (exited()) return true;
   ProcStat stat;
   if (!read_proc_stat_fd(stat_fd_.get(), &stat)) return true;  // Reaped meanwhile.
-  return (stat.flags & kProcFlagExiting) != 0 || stat.state == 'Z' || stat.state == 'X';
+  // The leader's entry first (one read); the other threads only once it is exiting.
+  return proc_stat_exiting(stat) && all_tasks_exiting(pid_);
 }
 
 int64_t now_ns() {

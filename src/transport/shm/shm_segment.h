@@ -101,20 +101,25 @@ bool parse_proc_stat(std::string_view line, ProcStat* stat);
 // PF_EXITING (include/linux/sched.h): set as the task enters do_exit, long before the
 // process has torn its memory (and a GPU context) down and its pidfd turns readable.
 inline constexpr uint64_t kProcFlagExiting = 0x4;
+// The task is in the exit path: PF_EXITING, a zombie or dead.
+bool proc_stat_exiting(const ProcStat& stat);
 
-// Watches another process. exited(): it has ended (a zombie counts; a pidfd where the
-// kernel has them, else kill(pid, 0) plus /proc). ended(): exited, or on its way out: in
-// the kernel's exit path (PF_EXITING), which for a process with gigabytes mapped or a
-// CUDA context lasts tens to hundreds of milliseconds (a SIGKILLed rank is dead from
-// its start); read from /proc/<pid>/stat through a descriptor held since watch(), ~3 us,
-// so for liveness checks, not per message. Watches nothing (never reports an end) when
-// the pid is not that process: another PID namespace, or a pid already reused.
+// Watches another process. exited(): it has ended (a pidfd where the kernel has them,
+// else kill(pid, 0) plus /proc, where a zombie leader counts). ended(): exited, or on its
+// way out: every thread in the kernel's exit path (PF_EXITING), which for a process with
+// gigabytes mapped or a CUDA context lasts tens to hundreds of milliseconds (a SIGKILLed
+// rank is dead from its start); the leader's /proc/<pid>/stat through a descriptor held
+// since watch(), ~3 us, and the other threads' only once the leader is exiting (a leader
+// may leave alone), so for liveness checks, not per message. Watches nothing (never
+// reports an end) when the pid is not that process: another PID namespace, or a pid
+// already reused.
 class ProcessWatch {
  public:
   ProcessWatch() = default;
   static ProcessWatch watch(int pid, uint64_t start_time);
 
   bool watching() const { return pid_ > 0; }
+  bool has_pidfd() const { return pidfd_.valid(); }
   bool exited() const;
   bool ended() const;
 
