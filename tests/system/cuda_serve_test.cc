@@ -5,7 +5,10 @@
 // change 4 -> 3 -> 4 under light load, and no rank that lives through them captures
 // another CUDA graph (flexpert_rank_graph_captures in /metrics: every rank, a joiner too,
 // captures all its graphs while it loads); DeepSeek-V3 over four
-// ranks answers with its reference tokens around a rebalance. Skips without a GPU.
+// ranks answers with its reference tokens around a rebalance; a rank SIGKILLed under
+// load is recovered from and replaced. Skips without a GPU.
+#include <signal.h>
+
 #include <atomic>
 #include <map>
 #include <sstream>
@@ -189,6 +192,40 @@ TEST(CudaServeTest, FourRanksOnOneGpuKeepReferenceTokensWithoutRecapture) {
     const auto after = captures_by_pid(server);
     expect_no_recapture(warm, after, "the scale to " + std::to_string(target) + " ranks");
     // A joiner captured all of its graphs during the preparation, none once serving.
+    for (const auto& [pid, n] : after) EXPECT_EQ(n, per_rank) << "worker pid " << pid;
+  }
+
+  {  // A rank SIGKILLed under light load: the survivors recover (they close their
+     // mappings of its buffers once it has exited), and its id rejoins afresh.
+    const auto before_kill = captures_by_pid(server);
+    LightLoad load(server, ref);
+    pause_ms(300);
+    const auto before = server.get_json("/v1/status");
+    std::vector<int> members = before["members"].get<std::vector<int>>();
+    ASSERT_EQ(members.size(), 4u) << before.dump();
+    const int lost = members[2];
+    int victim = 0;
+    for (const auto& r : before["ranks"]) {
+      if (r["rank"].get<int>() == lost) victim = r["pid"].get<int>();
+    }
+    ASSERT_GT(victim, 0) << before.dump();
+    ::kill(victim, SIGKILL);
+    pause_ms(800);
+    const auto status = server.get_json("/v1/status");
+    members.erase(members.begin() + 2);
+    EXPECT_EQ(status["phase"], "serving") << status.dump();
+    EXPECT_EQ(status["members"].get<std::vector<int>>(), members) << status.dump();
+    EXPECT_EQ(status["reconfiguration"]["last"]["kind"], "recovery") << status.dump();
+    const Answer a = post(server, "/v1/scale", {{"ranks", 4}});
+    ASSERT_EQ(a.status, 200) << a.body.dump();
+    EXPECT_EQ(a.body["joined"], nlohmann::json({lost})) << a.body.dump();
+    pause_ms(300);
+    load.stop();
+    EXPECT_GT(load.ok(), 0);
+    EXPECT_EQ(load.wrong(), 0);  // A failed request counts as wrong too.
+    check_reference(server, ref, 2);
+    const auto after = captures_by_pid(server);
+    expect_no_recapture(before_kill, after, "a killed rank and its replacement");
     for (const auto& [pid, n] : after) EXPECT_EQ(n, per_rank) << "worker pid " << pid;
   }
   EXPECT_EQ(server.stop(), 0);
