@@ -136,15 +136,6 @@ class Model {
   virtual Status copy_slot(int layer, int local_slot, int src_rank, int src_slot) {
     return unimplemented("this model copies slots through host memory");
   }
-  // Peer `rank` was just connected while serving (a membership change being prepared):
-  // a GPU model with the device exchange maps the peer's exchange buffers now, so the
-  // commit's first step maps nothing. On the thread that runs forward(), between steps.
-  virtual Status prepare_peer(int rank) { return Status(); }
-  // Peer `rank` was detached while serving before it became a member (a membership change
-  // rolled back): a GPU model releases what prepare_peer mapped of it. Same thread.
-  virtual void forget_peer(int rank) {}
-  // Peer buffer sets mapped so far (device exchange; a commit after prepare_peer adds none).
-  virtual int64_t num_peer_mappings() const { return 0; }
   // CUDA graphs captured so far (0 on the CPU): stays flat across set_placement().
   virtual int64_t num_graph_captures() const { return 0; }
   // Prepares what steps replay, in isolation from any group: a GPU model captures the

@@ -351,8 +351,6 @@ Status CudaDeepseekV3Model::copy_slot(int layer, int local_slot, int src_rank, i
   return StepDriver::copy_slot(*this, layer, local_slot, src_rank, src_slot);
 }
 
-Status CudaDeepseekV3Model::prepare_peer(int rank) { return StepDriver::prepare_peer(*this, rank); }
-
 Status CudaDeepseekV3Model::allocate_scratch() {
   const ModelConfig& c = config_;
   const size_t esize = dtype_size(dtype_);

@@ -71,11 +71,6 @@ class CudaDeepseekV3Model final : public Model {
   Status load_expert(int layer, int expert, int local_slot) override;
   Status slots_written(int layer, int local_slot) override;
   Status copy_slot(int layer, int local_slot, int src_rank, int src_slot) override;
-  Status prepare_peer(int rank) override;
-  void forget_peer(int rank) override {
-    if (ep_moe_) ep_moe_->forget_peer(rank);
-  }
-  int64_t num_peer_mappings() const override { return ep_moe_ ? ep_moe_->num_peer_mappings() : 0; }
   Status warm_up() override;
   int64_t num_graph_captures() const override {
     return graph_captures_ + (ep_moe_ ? ep_moe_->num_graph_captures() : 0);

@@ -257,8 +257,6 @@ Status CudaQwen3MoeModel::copy_slot(int layer, int local_slot, int src_rank, int
   return StepDriver::copy_slot(*this, layer, local_slot, src_rank, src_slot);
 }
 
-Status CudaQwen3MoeModel::prepare_peer(int rank) { return StepDriver::prepare_peer(*this, rank); }
-
 Status CudaQwen3MoeModel::allocate_scratch() {
   const ModelConfig& c = config_;
   const size_t esize = dtype_size(dtype_);

@@ -557,19 +557,6 @@ Status DeviceEpMoe::map_peer(int r) {
   return Status();
 }
 
-void DeviceEpMoe::forget_peer(int rank) {
-  if (rank < 0 || rank >= static_cast<int>(mapped_.size())) return;
-  if (peers_mapped_ && mapped_group_.contains(rank)) return;  // In use until the next epoch.
-  std::lock_guard<std::mutex> lock(slots_mu_);
-  retire(std::move(mapped_[rank]), std::move(slot_maps_[rank]));
-}
-
-Status DeviceEpMoe::map_peer_ahead(int rank) {
-  if (!device_exchange_ || rank == ep_->transport().rank()) return Status();
-  if (peers_mapped_ && mapped_group_.contains(rank)) return Status();  // In use: as it is.
-  return map_peer(rank);
-}
-
 Status DeviceEpMoe::map_peers(const Group& group) {
   if (peers_mapped_ && group.epoch == mapped_group_.epoch && group.ranks == mapped_group_.ranks) {
     return Status();
@@ -589,7 +576,8 @@ Status DeviceEpMoe::map_peers(const Group& group) {
       table[r] = self_;
       continue;
     }
-    // Mapped already when the rank was connected ahead of this epoch (map_peer_ahead).
+    // Every member maps a joiner here, in the same step: mapping it while the scale-up
+    // prepares, on the stepping thread or another one, stalled the group longer.
     FLEX_RETURN_IF_ERROR(map_peer(r));
     table[r] = mapped_[r]->peer;
   }

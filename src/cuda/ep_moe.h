@@ -119,16 +119,7 @@ class DeviceEpMoe {
   // over the segments): the inputs are the model's (padding rows), no exchange runs.
   Status warm_up(int bucket, const std::function<Status(int seg)>& enqueue_segment);
 
-  // Maps rank `rank`'s exchange buffers (a peer being connected for the next epoch) now,
-  // so that the epoch's first step finds them mapped; a member of the mapped group is
-  // left alone (its mapping is in use). Between steps, on the model's thread.
-  Status map_peer_ahead(int rank);
-  // Drops what map_peer_ahead (or the mover) mapped of a peer detached before it became a
-  // member (a scale-up rolled back); a member's mappings stay until the next epoch.
-  void forget_peer(int rank);
-
   int64_t num_graph_captures() const { return captures_; }
-  int64_t num_peer_mappings() const { return peer_mappings_; }
   bool graphs_failed() const { return graphs_failed_; }
   bool device_exchange() const { return device_exchange_; }
 

@@ -506,14 +506,6 @@ struct StepDriver {
     return landed;
   }
 
-  // Model::prepare_peer: the device exchange maps the peer's buffers ahead of the commit.
-  template <class M>
-  static Status prepare_peer(M& m, int rank) {
-    if (!m.ep_ || !m.ep_moe_->device_exchange()) return Status();
-    FLEX_RETURN_IF_ERROR(set_device(m.device_));
-    return m.ep_moe_->map_peer_ahead(rank);
-  }
-
   // Rewrites the device routing tables in place (no reallocation: graphs stay valid).
   template <class M>
   static Status set_placement(M& m, ExpertPlacement placement) {

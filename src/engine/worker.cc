@@ -279,10 +279,7 @@ Status Worker::connect_peers(const proto::ConnectCommand& cmd) {
     const int r = cmd.ranks[i];
     if (r == options_.rank) continue;
     if (cmd.addresses[i].empty()) {
-      if (!group_.contains(r)) {
-        model_->forget_peer(r);
-        FLEX_RETURN_IF_ERROR(transport_->disconnect(r));
-      }
+      if (!group_.contains(r)) FLEX_RETURN_IF_ERROR(transport_->disconnect(r));
       continue;
     }
     FLEX_RETURN_IF_ERROR(transport_->connect(r, cmd.addresses[i]));
@@ -292,7 +289,6 @@ Status Worker::connect_peers(const proto::ConnectCommand& cmd) {
       FLEX_RETURN_IF_ERROR(
           transport_->read(r, cmd.probe_region, 0, probe, sizeof(probe)).annotate("probe"));
     }
-    FLEX_RETURN_IF_ERROR(model_->prepare_peer(r).annotate("preparing rank " + std::to_string(r)));
   }
   return Status();
 }

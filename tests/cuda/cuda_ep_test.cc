@@ -268,39 +268,6 @@ TEST(CudaEpTest, DeviceExchangeBetweenTwoRanksMatchesReferenceAndHostExchange) {
   EXPECT_GT(host.collectives, 0);
 }
 
-// Model::prepare_peer, as a worker calls it when a membership change connects a peer:
-// the peer's exchange buffers are mapped then, and the first steps of the group map
-// nothing more (the commit of a scale-up stalls the serving ranks for no mapping).
-TEST(CudaEpTest, PeersPreparedAheadAreNotMappedAtTheFirstStep) {
-  FLEX_SKIP_WITHOUT_GPU();
-  unsetenv("FLEXPERT_EP_EXCHANGE");
-  TwoRanks g("ahead");
-  ASSERT_TRUE(g.ready);
-  for (int r = 0; r < TwoRanks::kRanks; ++r) {
-    EXPECT_EQ(g.models[r]->num_peer_mappings(), 0) << "rank " << r;
-    const Status s = g.models[r]->prepare_peer(1 - r);
-    ASSERT_TRUE(s.ok()) << s.to_string();
-    EXPECT_EQ(g.models[r]->num_peer_mappings(), 1) << "rank " << r;
-    ASSERT_TRUE(g.models[r]->prepare_peer(r).ok());  // Itself: nothing to map.
-    EXPECT_EQ(g.models[r]->num_peer_mappings(), 1) << "rank " << r;
-  }
-  const auto ref = load_reference(std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny");
-  std::vector<std::vector<int32_t>> tokens[TwoRanks::kRanks];
-  std::thread peer([&] { tokens[1] = greedy(*g.models[1], ref); });
-  tokens[0] = greedy(*g.models[0], ref);
-  peer.join();
-  for (int r = 0; r < TwoRanks::kRanks; ++r) {
-    ASSERT_EQ(tokens[r].size(), ref.size()) << "rank " << r;
-    for (size_t i = 0; i < ref.size(); ++i) {
-      EXPECT_EQ(tokens[r][i], ref[i].greedy) << "rank " << r << " prompt " << i;
-    }
-    EXPECT_EQ(g.models[r]->num_peer_mappings(), 1) << "rank " << r << " mapped again";
-    // A member's mapping is in use: preparing it again leaves it alone.
-    ASSERT_TRUE(g.models[r]->prepare_peer(1 - r).ok());
-    EXPECT_EQ(g.models[r]->num_peer_mappings(), 1) << "rank " << r;
-  }
-}
-
 // Model::copy_slot: a peer's slot and one of this rank's own, device to device; the host
 // mirror of the destination is refreshed from the device, so it equals the source.
 TEST(CudaEpTest, CopySlotMovesWeightsBetweenDevices) {
