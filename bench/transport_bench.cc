@@ -165,12 +165,17 @@ Status run_rank(const Config& cfg, int n, int rank, const std::string& session, 
   return t->shutdown();
 }
 
-// Runs one configuration; false when a rank failed.
-bool run_ranks(const Config& cfg, int n, std::vector<Result_>* results) {
+// A Shared in memory the forked ranks share (munmap it after); null if none.
+Shared* map_shared() {
   void* mem =
       ::mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  if (mem == MAP_FAILED) return false;
-  auto* shared = new (mem) Shared();
+  return mem == MAP_FAILED ? nullptr : new (mem) Shared();
+}
+
+// Runs one configuration; false when a rank failed.
+bool run_ranks(const Config& cfg, int n, std::vector<Result_>* results) {
+  Shared* shared = map_shared();
+  if (shared == nullptr) return false;
   const std::string session = "bench" + std::to_string(::getpid()) + "n" + std::to_string(n);
   std::fflush(nullptr);
   std::vector<pid_t> pids;
@@ -192,7 +197,7 @@ bool run_ranks(const Config& cfg, int n, std::vector<Result_>* results) {
   }
   const int count = std::min(shared->num_results.load(), kMaxResults);
   results->insert(results->end(), shared->results, shared->results + count);
-  ::munmap(mem, sizeof(Shared));
+  ::munmap(shared, sizeof(Shared));
   return ok;
 }
 
@@ -242,10 +247,8 @@ Status run_death_rank(const Config& cfg, int rank, size_t victim_mb, const std::
 // Kill-to-report and kill-to-exit in ms for a victim of `mb` MB; false on a failure.
 bool run_death(const Config& cfg, size_t mb, double* reported_ms, double* exited_ms,
                std::string* what) {
-  void* mem =
-      ::mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  if (mem == MAP_FAILED) return false;
-  auto* shared = new (mem) Shared();
+  Shared* shared = map_shared();
+  if (shared == nullptr) return false;
   const std::string session = "death" + std::to_string(::getpid()) + "m" + std::to_string(mb);
   std::fflush(nullptr);
   pid_t pids[2] = {-1, -1};
@@ -287,7 +290,7 @@ bool run_death(const Config& cfg, size_t mb, double* reported_ms, double* exited
   *exited_ms = static_cast<double>(exited - killed) / 1e6;
   *what = shared->reported;
   (void)remove_shm_session(session);  // The victim's segments (both host backends).
-  ::munmap(mem, sizeof(Shared));
+  ::munmap(shared, sizeof(Shared));
   return ok;
 }
 
