@@ -358,7 +358,9 @@ TEST(ProcessWatchTest, ALeaderLeavingAloneIsNoEnd) {
   }
   ASSERT_TRUE(leader_gone);
   EXPECT_FALSE(watch.ended());  // Its other thread runs on.
-  if (watch.has_pidfd()) EXPECT_FALSE(watch.exited());
+  if (watch.has_pidfd()) {
+    EXPECT_FALSE(watch.exited());
+  }
   ::kill(pid, SIGKILL);
   bool ended = false;
   for (int i = 0; i < 5000 && !ended; ++i) {
