@@ -29,7 +29,6 @@ namespace {
 
 constexpr int64_t kSpinNs = 5'000;  // Busy-wait, then yield, then futex slices.
 constexpr int64_t kYieldNs = 20'000;
-constexpr int64_t kSliceNs = 2'000'000;  // Futex sleep slice; liveness is checked per slice.
 
 void sleep_ns(int64_t ns) {
   timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
@@ -372,13 +371,13 @@ Status CudaIpcTransport::wait_for(OpKind kind, ByteSpan mine, int64_t start_ns,
   int64_t now = start_ns;
   int64_t spin_until = now + kSpinNs;
   int64_t yield_until = spin_until + kYieldNs;
-  int64_t next_liveness_ns = now + kSliceNs;
+  int64_t next_liveness_ns = now + shm::kFirstLivenessNs;
   for (;;) {
     if (!poll()) return status;
     if (pending.empty()) return Status();
     now = shm::now_ns();
     const bool liveness_due = now >= next_liveness_ns || now >= deadline_ns;
-    if (liveness_due) next_liveness_ns = now + kSliceNs;
+    if (liveness_due) next_liveness_ns = now + shm::kLivenessSliceNs;
     if (!check(liveness_due)) return status;
     if (pending.empty()) return Status();
     if (now >= deadline_ns) {
@@ -405,7 +404,8 @@ Status CudaIpcTransport::wait_for(OpKind kind, ByteSpan mine, int64_t start_ns,
       return status;
     }
     if (!pending.empty()) {
-      const int64_t wait_ns = std::min({kSliceNs, deadline_ns - now, next_liveness_ns - now});
+      const int64_t wait_ns =
+          std::min({shm::kLivenessSliceNs, deadline_ns - now, next_liveness_ns - now});
       shm::futex_wait_shared(&header_->doorbell, bell, std::max<int64_t>(wait_ns, 1000));
     }
     header_->sleeping.store(0, std::memory_order_relaxed);

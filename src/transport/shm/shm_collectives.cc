@@ -24,8 +24,6 @@ using shm::OpKind;
 
 namespace {
 
-constexpr int64_t kSliceNs = 2'000'000;  // Futex sleep slice; liveness is checked per slice.
-
 void sleep_ns(int64_t ns) {
   timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
   ::nanosleep(&ts, nullptr);
@@ -329,13 +327,13 @@ Status ShmTransport::wait_for(std::vector<Awaited>& pending, OpKind kind, ByteSp
   int64_t now = start_ns;
   int64_t spin_until = now + spin_ns_;
   int64_t yield_until = spin_until + yield_ns_;
-  int64_t next_liveness_ns = now + kSliceNs;
+  int64_t next_liveness_ns = now + shm::kFirstLivenessNs;
   for (;;) {
     if (!poll()) return status;
     if (pending.empty()) return Status();
     now = shm::now_ns();
     const bool liveness_due = now >= next_liveness_ns || now >= deadline_ns;
-    if (liveness_due) next_liveness_ns = now + kSliceNs;
+    if (liveness_due) next_liveness_ns = now + shm::kLivenessSliceNs;
     if (!check(liveness_due)) return status;
     if (pending.empty()) return Status();
     if (now >= deadline_ns) {
@@ -362,7 +360,8 @@ Status ShmTransport::wait_for(std::vector<Awaited>& pending, OpKind kind, ByteSp
       return status;
     }
     if (!pending.empty()) {
-      const int64_t wait_ns = std::min({kSliceNs, deadline_ns - now, next_liveness_ns - now});
+      const int64_t wait_ns =
+          std::min({shm::kLivenessSliceNs, deadline_ns - now, next_liveness_ns - now});
       shm::futex_wait_shared(&header_->doorbell, bell, std::max<int64_t>(wait_ns, 1000));
     }
     header_->sleeping.store(0, std::memory_order_relaxed);

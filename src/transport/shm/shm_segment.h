@@ -130,6 +130,12 @@ class ProcessWatch {
   ScopedFd stat_fd_;  // /proc/<pid>/stat of this very process (reads fail once reaped).
 };
 
+// The collectives' waits (both host backends) check their peers' liveness (ended(), a
+// few us a peer) first kFirstLivenessNs into a wait, then every kLivenessSliceNs, which
+// is also their longest futex sleep: a peer's death is seen within ~1 ms.
+inline constexpr int64_t kFirstLivenessNs = 200'000;
+inline constexpr int64_t kLivenessSliceNs = 1'000'000;
+
 struct SegmentHeader;
 // Transport::peer_status of the backends built on these segments: Unavailable "rank R (pid
 // P) shut down" once the peer's segment is closed, "... died" once its process ended.
