@@ -17,7 +17,6 @@
 #include <charconv>
 #include <climits>
 #include <cstring>
-#include <fstream>
 
 #include "transport/shm/shm_layout.h"
 
@@ -118,12 +117,6 @@ void futex_wake_shared(std::atomic<uint32_t>* word) {
 
 namespace {
 
-bool read_proc_stat(int pid, ProcStat* stat) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  return in && std::getline(in, line) && parse_proc_stat(line, stat);
-}
-
 // Reads the stat line through a held descriptor; false once the process is reaped.
 bool read_proc_stat_fd(int fd, ProcStat* stat) {
   char buf[2048];  // The whole line is < 1.2 KB; the fields read here come first.
@@ -159,8 +152,10 @@ bool parse_proc_stat(std::string_view line, ProcStat* stat) {
 }
 
 uint64_t process_start_time(int pid) {
+  const ScopedFd fd(
+      ::open(("/proc/" + std::to_string(pid) + "/stat").c_str(), O_RDONLY | O_CLOEXEC));
   ProcStat stat;
-  return read_proc_stat(pid, &stat) ? stat.start_time : 0;
+  return fd.valid() && read_proc_stat_fd(fd.get(), &stat) ? stat.start_time : 0;
 }
 
 ProcessWatch ProcessWatch::watch(int pid, uint64_t start_time) {
