@@ -2,15 +2,18 @@
 # Serving benchmark for expert load balancing: the same skewed load before, during
 # and after a rebalance. Prints a table and writes out/bench-eplb-serve.json.
 #   bash bench/eplb_serve.sh [MODEL_DIR] [RANKS]
+# BIN: the flexpert binary (default build/flexpert); SERVE_ARGS: more `serve` flags, e.g.
+# "--device cuda --gpus 2" for GPU ranks (the rebalance then copies slots device to device).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-testdata/qwen3moe-tiny}
 RANKS=${2:-4}
 PORT=${PORT:-18123}
-BIN=build/flexpert
+BIN=${BIN:-build/flexpert}
+read -r -a EXTRA <<< "${SERVE_ARGS:-}"
 mkdir -p out
 $BIN serve --model "$MODEL" --ranks "$RANKS" --port "$PORT" --eplb-spare-slots 2 \
-  --eplb-window-s 30 --threads-per-worker 1 --max-seq-len 256 > out/eplb-serve.log 2>&1 &
+  --eplb-window-s 30 --threads-per-worker 1 --max-seq-len 256 "${EXTRA[@]}" > out/eplb-serve.log 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
 for _ in $(seq 1 120); do grep -q "serving on" out/eplb-serve.log && break; sleep 0.5; done
