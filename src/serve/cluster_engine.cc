@@ -442,7 +442,11 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     if (rep->step_ms > 0) info.step_ms = rep->step_ms;
     info.max_step_ms = rep->max_step_ms;
     info.graph_captures = rep->graph_captures;
-    if (rebalancing_) rebalance_max_step_ms_ = std::max(rebalance_max_step_ms_, rep->max_step_ms);
+    if (rebalancing_) {
+      rebalance_max_step_ms_ = std::max(rebalance_max_step_ms_, rep->max_step_ms);
+      cv_.notify_all();  // The end of a rebalance waits for a report from every member.
+    }
+    ++info.reports;
     if (rep->map_version > info.map_version) {
       info.map_version = rep->map_version;
       cv_.notify_all();

@@ -44,6 +44,7 @@ struct RankInfo {
   uint64_t steps = 0;
   uint64_t map_version = 0;  // Expert map the rank last reported.
   double max_step_ms = 0;
+  uint64_t reports = 0;  // StepReports received.
   Clock::time_point last_seen{};
   std::string last_error;
   uint64_t applied_epoch = 0;  // Last EpochApplied.

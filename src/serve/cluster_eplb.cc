@@ -9,6 +9,8 @@
 // after its bytes landed. Map switches happen at a step boundary all members
 // agree on (worker.cc), so a step never mixes two maps.
 #include <algorithm>
+#include <chrono>
+#include <map>
 #include <numeric>
 
 #include "eplb/planner.h"
@@ -212,7 +214,21 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
     if (n) step_ms_before /= n;
   }
   auto finish = [&](Status s, nlohmann::json report) -> Result<nlohmann::json> {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (s.ok()) {
+      // A worker reports its longest step every 200 ms; a rebalance often ends sooner, so
+      // wait for one report per member after it (its steps since the last one include the
+      // rebalance's) before taking the longest step reported.
+      std::map<int, uint64_t> seen;
+      for (int r : members_) seen[r] = ranks_[r].reports;
+      cv_.wait_for(lock, std::chrono::milliseconds(600), [&] {
+        if (stop_.load()) return true;
+        for (const auto& [r, n] : seen) {
+          if (ranks_[r].reports == n) return false;  // (A dead one: the timeout.)
+        }
+        return true;
+      });
+    }
     rebalancing_ = false;
     cancel_rebalance_ = false;
     cv_.notify_all();  // drain_rebalance() waiters.
