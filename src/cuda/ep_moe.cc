@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <thread>
@@ -27,21 +28,10 @@ constexpr int64_t kMaxDeviceRows = 65536;
 // Exchanges of one epoch (the value's low 40 bits): years at thousands a second.
 constexpr uint64_t kExchangesPerEpoch = uint64_t{1} << 40;
 
-// What a rank publishes (transport region kWindowRegion) so that peers map its buffers.
+// A rank publishes its WindowInfo (below) in transport region kWindowRegion.
 constexpr int kWindowRegion = 1 << 20;
 constexpr uint64_t kWindowMagic = 0x3157504558454c46ULL;  // "FLEXEPW1", little-endian.
 enum WindowBuffer { kWindow, kRouteH, kRouteSlot, kY, kRowOfPair, kNumWindowBuffers };
-struct WindowInfo {
-  uint64_t magic;
-  uint64_t process;  // process_token() of the owner: same process, same addresses.
-  int32_t pid;
-  int32_t pad;
-  uint64_t pid_start_time;  // shm::process_start_time(pid): tells a reused pid apart.
-  struct Buffer {
-    uint64_t address;  // In the owner's process (peers of the same process use it).
-    cudaIpcMemHandle_t handle;
-  } buffers[kNumWindowBuffers];
-};
 
 // A rank's slot buffers (transport region kSlotsRegion): one per MoE layer.
 constexpr int kSlotsRegion = kWindowRegion + 1;
@@ -78,6 +68,19 @@ int64_t now_ns() {
 
 }  // namespace
 
+// What a rank publishes (transport region kWindowRegion) so that peers map its buffers.
+struct DeviceEpMoe::WindowInfo {
+  uint64_t magic;
+  uint64_t process;  // process_token() of the owner: same process, same addresses.
+  int32_t pid;
+  int32_t pad;
+  uint64_t pid_start_time;  // shm::process_start_time(pid): tells a reused pid apart.
+  struct Buffer {
+    uint64_t address;  // In the owner's process (peers of the same process use it).
+    cudaIpcMemHandle_t handle;
+  } buffers[kNumWindowBuffers];
+};
+
 // A rank's slot buffers as mapped by the weight mover.
 struct DeviceEpMoe::SlotMapping {
   std::vector<uint8_t> info;  // The region as read (a new incarnation differs).
@@ -87,8 +90,12 @@ struct DeviceEpMoe::SlotMapping {
 
 // A member's buffers as mapped into this process.
 struct DeviceEpMoe::PeerMapping {
+  int rank = -1;
   WindowInfo info{};
   std::vector<std::unique_ptr<cuda_ipc::IpcMapping>> maps;
+  void* at[kNumWindowBuffers] = {};  // The buffers opened so far (open_peer).
+  int opened = 0;
+  int64_t open_ns = 0;  // Spent opening them.
   EpPeer peer;
   shm::ProcessWatch owner;  // The mapped process (another one than this).
 };
@@ -209,6 +216,9 @@ DeviceEpMoe::DeviceEpMoe(Config config, Blas& blas, cudaStream_t stream)
 
 DeviceEpMoe::~DeviceEpMoe() {
   if (config_.executor != nullptr) (void)config_.executor->set_row_compute(nullptr);
+  if (ep_ != nullptr) ep_->set_device_probe(nullptr);
+  map_todo_.clear();
+  staged_.clear();
   if (closer_.joinable()) {
     {
       std::lock_guard<std::mutex> lock(retire_mu_);
@@ -411,7 +421,8 @@ Status DeviceEpMoe::run_step(int n, int num_real, int bucket, bool graphs,
   if (device_exchange_) {
     const int64_t tokens = ep_->step_tokens();
     const int64_t pairs = tokens > 0 ? tokens * config_.dims.top_k : device_cap_;
-    on_device = pairs <= device_cap_;
+    // And only once every member has mapped its peers (ready_for, through the headers).
+    on_device = pairs <= device_cap_ && ep_->group_device_ready();
     bound = static_cast<int>(std::min<int64_t>(pairs, device_cap_));
     if (on_device) FLEX_RETURN_IF_ERROR(map_peers(ep_->group()));
   }
@@ -509,52 +520,128 @@ Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
   mapped_.resize(static_cast<size_t>(n));
   ep_ = &executor;
   device_exchange_ = true;
+  executor.set_device_probe([this](const Group& group) { return ready_for(group); });
   return Status();
 }
 
-Status DeviceEpMoe::map_peer(int r) {
+Status DeviceEpMoe::read_window(int r, WindowInfo* info) {
   if (r < 0 || r >= static_cast<int>(mapped_.size())) {
     return invalid_argument("rank " + std::to_string(r) + " out of range");
   }
-  WindowInfo info{};
   FLEX_RETURN_IF_ERROR(ep_->transport()
-                           .read(r, kWindowRegion, 0, &info, sizeof(info))
+                           .read(r, kWindowRegion, 0, info, sizeof(*info))
                            .annotate("EP window of rank " + std::to_string(r)));
-  if (info.magic != kWindowMagic) {
+  if (info->magic != kWindowMagic) {
     return data_loss("rank " + std::to_string(r) + " published no EP window");
   }
+  return Status();
+}
+
+Result<bool> DeviceEpMoe::open_peer(PeerMapping& m, int64_t deadline_ns) {
+  const WindowInfo& info = m.info;
+  const bool same_process = info.process == process_token();
+  if (m.opened == 0 && !same_process) {
+    m.owner = shm::ProcessWatch::watch(info.pid, info.pid_start_time);
+  }
+  const int64_t t0 = now_ns();
+  while (m.opened < kNumWindowBuffers) {
+    const int b = m.opened;
+    if (same_process) {
+      m.at[b] = reinterpret_cast<void*>(info.buffers[b].address);  // A rank of this process.
+    } else {
+      auto mapped = cuda_ipc::IpcMapping::open(config_.device, info.buffers[b].handle);
+      if (!mapped.ok()) {
+        return mapped.status().annotate("mapping rank " + std::to_string(m.rank) + "'s EP buffers");
+      }
+      m.at[b] = mapped.value()->data();
+      m.maps.push_back(std::move(mapped).value());
+    }
+    ++m.opened;
+    if (now_ns() >= deadline_ns) break;
+  }
+  m.open_ns += now_ns() - t0;
+  if (m.opened < kNumWindowBuffers) return false;
+  m.peer.window = static_cast<EpWindow*>(m.at[kWindow]);
+  m.peer.pos = reinterpret_cast<const int32_t*>(m.peer.window + 1);
+  m.peer.h = m.at[kRouteH];
+  m.peer.slot = static_cast<const int32_t*>(m.at[kRouteSlot]);
+  m.peer.y = m.at[kY];
+  m.peer.row_of_pair = static_cast<const int32_t*>(m.at[kRowOfPair]);
+  return true;
+}
+
+Status DeviceEpMoe::map_peer(int r) {
+  WindowInfo info{};
+  FLEX_RETURN_IF_ERROR(read_window(r, &info));
   std::unique_ptr<PeerMapping>& m = mapped_[r];
   if (m != nullptr && std::memcmp(&m->info, &info, sizeof(info)) == 0) return Status();
   // A new rank or incarnation: map it afresh (the old incarnation's mappings are closed
   // once it has exited, as a departed rank's).
   retire(std::move(m), nullptr);
-  m = std::make_unique<PeerMapping>();
-  m->info = info;
-  if (info.process != process_token()) {
-    m->owner = shm::ProcessWatch::watch(info.pid, info.pid_start_time);
-  }
-  void* at[kNumWindowBuffers];
-  for (int b = 0; b < kNumWindowBuffers; ++b) {
-    if (info.process == process_token()) {
-      at[b] = reinterpret_cast<void*>(info.buffers[b].address);  // A rank of this process.
-      continue;
-    }
-    auto mapped = cuda_ipc::IpcMapping::open(config_.device, info.buffers[b].handle);
-    if (!mapped.ok()) {
-      m.reset();
-      return mapped.status().annotate("mapping rank " + std::to_string(r) + "'s EP buffers");
-    }
-    at[b] = mapped.value()->data();
-    m->maps.push_back(std::move(mapped).value());
-  }
-  m->peer.window = static_cast<EpWindow*>(at[kWindow]);
-  m->peer.pos = reinterpret_cast<const int32_t*>(m->peer.window + 1);
-  m->peer.h = at[kRouteH];
-  m->peer.slot = static_cast<const int32_t*>(at[kRouteSlot]);
-  m->peer.y = at[kY];
-  m->peer.row_of_pair = static_cast<const int32_t*>(at[kRowOfPair]);
+  auto fresh = std::make_unique<PeerMapping>();
+  fresh->rank = r;
+  fresh->info = info;
+  FLEX_RETURN_IF_ERROR(open_peer(*fresh, std::numeric_limits<int64_t>::max()).status());
+  m = std::move(fresh);
   ++peer_mappings_;
   return Status();
+}
+
+bool DeviceEpMoe::ready_for(const Group& group) {
+  if (!device_exchange_) return false;
+  if (peers_mapped_ && group.epoch == mapped_group_.epoch && group.ranks == mapped_group_.ranks) {
+    return true;
+  }
+  if (!checked_ || group.epoch != checked_group_.epoch || group.ranks != checked_group_.ranks) {
+    // A group not checked yet: the members whose buffers are not mapped (or belong to an
+    // incarnation that left) are to be mapped, one a step; the rest is ready now.
+    checked_ = true;
+    checked_group_ = group;
+    checked_ready_ = false;
+    map_failed_ = false;
+    for (auto& m : staged_) retire(std::move(m), nullptr);  // An epoch never run.
+    staged_.clear();
+    map_todo_.clear();
+    for (int r : group.ranks) {
+      if (r == ep_->transport().rank()) continue;
+      WindowInfo info{};
+      if (Status s = read_window(r, &info); !s.ok()) {
+        FLEX_LOG(WARN) << "epoch " << group.epoch << ": no device exchange, " << s.to_string();
+        map_failed_ = true;
+        return false;
+      }
+      if (mapped_[r] != nullptr && std::memcmp(&mapped_[r]->info, &info, sizeof(info)) == 0) {
+        continue;
+      }
+      auto m = std::make_unique<PeerMapping>();
+      m->rank = r;
+      m->info = info;
+      map_todo_.push_back(std::move(m));
+    }
+  }
+  if (checked_ready_ || map_failed_) return checked_ready_;
+  // A slice of the mapping a step, before this rank's step header: mapping a peer across
+  // GPUs takes milliseconds, and the group waits for its slowest member at every step.
+  const int64_t deadline = now_ns() + kMapSliceNs;
+  while (!map_todo_.empty()) {
+    PeerMapping& m = *map_todo_.back();
+    Result<bool> done = open_peer(m, deadline);
+    if (!done.ok()) {
+      FLEX_LOG(WARN) << "epoch " << group.epoch << ": no device exchange, "
+                     << done.status().to_string();
+      map_failed_ = true;
+      return false;
+    }
+    if (!done.value()) break;  // This step's slice is used up.
+    FLEX_LOG(INFO) << "rank " << ep_->transport().rank() << ", epoch " << group.epoch << ": rank "
+                   << m.rank << " mapped in " << m.open_ns / 1e6 << " ms, " << map_todo_.size() - 1
+                   << " to go";
+    staged_.push_back(std::move(map_todo_.back()));
+    map_todo_.pop_back();
+    if (now_ns() >= deadline) break;
+  }
+  checked_ready_ = map_todo_.empty();
+  return checked_ready_;
 }
 
 Status DeviceEpMoe::map_peers(const Group& group) {
@@ -565,6 +652,17 @@ Status DeviceEpMoe::map_peers(const Group& group) {
   const int64_t t0 = now_ns();
   const int64_t mappings0 = peer_mappings_;
   FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));  // Nothing reads the mappings replaced below.
+  if (checked_ready_ && group.epoch == checked_group_.epoch &&
+      group.ranks == checked_group_.ranks) {
+    // What ready_for mapped for this group, in place of older incarnations.
+    for (auto& m : staged_) {
+      const int r = m->rank;
+      retire(std::move(mapped_[r]), nullptr);
+      mapped_[r] = std::move(m);
+      ++peer_mappings_;
+    }
+    staged_.clear();
+  }
   std::vector<EpPeer> table(kEpMaxRanks);
   std::vector<bool> member(mapped_.size(), false);
   for (int r : group.ranks) {
@@ -576,8 +674,7 @@ Status DeviceEpMoe::map_peers(const Group& group) {
       table[r] = self_;
       continue;
     }
-    // Every member maps a joiner here, in the same step: mapping it while the scale-up
-    // prepares, on the stepping thread or another one, stalled the group longer.
+    // Mapped already when a worker drives the steps (ready_for); else here.
     FLEX_RETURN_IF_ERROR(map_peer(r));
     table[r] = mapped_[r]->peer;
   }

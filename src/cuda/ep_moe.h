@@ -150,6 +150,20 @@ class DeviceEpMoe {
   Status map_peers(const Group& group);
   // Reads rank r's window and maps its buffers unless mapped_[r] holds that incarnation.
   Status map_peer(int r);
+  struct WindowInfo;
+  Status read_window(int r, WindowInfo* info);
+  // Opens m's buffers (m.rank and m.info set) after those opened before, until all are or
+  // the clock passes deadline_ns (at least one a call); true once all are.
+  Result<bool> open_peer(PeerMapping& m, int64_t deadline_ns);
+  // EpMoeExecutor's device probe (the stepping thread, before each step header): true
+  // when every member of `group` is mapped (or was mapped here, to be installed by
+  // map_peers at the next device step); else maps one more member and says no, so that
+  // the group serves with the host exchange meanwhile. Across GPUs mapping one peer takes
+  // milliseconds (H200 x2, 8 ranks: 2-3.5 ms for five buffers), which the whole lockstep group
+  // waited for at once at every scale-up; on another thread it stalled the steps longer (the driver
+  // serialises this context's calls with it: 50-250 ms).
+  bool ready_for(const Group& group);
+  static constexpr int64_t kMapSliceNs = 500'000;  // Mapping per step, at least one buffer.
   EpArgs exchange_args(const Group& group) const;
   Status enqueue_device_exchange(int seg, int num_tokens, int num_real, int bound,
                                  const Group& group);
@@ -185,6 +199,14 @@ class DeviceEpMoe {
   Event step_done_;
   EpPeer self_;
   std::vector<std::unique_ptr<PeerMapping>> mapped_;  // [rank]; null: not mapped
+  // ready_for's: the group it checked last, its members still to map and those mapped
+  // for it (installed by map_peers), whether all are, or a mapping failed.
+  bool checked_ = false;
+  bool checked_ready_ = false;
+  bool map_failed_ = false;
+  Group checked_group_;
+  std::vector<std::unique_ptr<PeerMapping>> map_todo_;
+  std::vector<std::unique_ptr<PeerMapping>> staged_;
   bool peers_mapped_ = false;
   Group mapped_group_;
   uint64_t exchange_index_ = 0;  // Exchanges of this epoch so far.

@@ -54,9 +54,11 @@ void on_terminate(int) { g_terminate.store(true); }
 // The per-step header every member contributes to the all-gather.
 struct StepHeader {
   uint32_t num_tokens = 0;
-  uint32_t stopping = 0;     // 1: this rank was told to shut down.
-  uint64_t acked_epoch = 0;  // Highest epoch command this rank holds.
-  uint64_t acked_map = 0;    // Highest expert-map version this rank holds.
+  uint32_t stopping = 0;      // 1: this rank was told to shut down.
+  uint64_t acked_epoch = 0;   // Highest epoch command this rank holds.
+  uint64_t acked_map = 0;     // Highest expert-map version this rank holds.
+  uint32_t device_ready = 0;  // 1: this rank's model can run a device exchange with the group.
+  uint32_t pad = 0;
 };
 
 SamplingParams params_of(const proto::AddRequest& r) {
@@ -404,17 +406,20 @@ Status Worker::step() {
   header.stopping = stopping_ ? 1 : 0;
   header.acked_epoch = has_pending_ ? pending_.epoch : group_.epoch;
   header.acked_map = has_pending_map_ ? pending_map_.version : map_version_;
+  header.device_ready = executor_->device_ready() ? 1 : 0;
   FLEX_ASSIGN_OR_RETURN(std::vector<ByteSpan> headers,
                         transport_->all_gather(group_, {&header, sizeof(header)}));
   uint64_t total_tokens = 0;
   bool any_stopping = false;
   bool all_acked = has_pending_;
   bool map_acked = has_pending_map_;
+  bool device_ready = true;
   for (int r : group_.ranks) {
     StepHeader h;
     std::memcpy(&h, headers[r].data, sizeof(h));
     total_tokens += h.num_tokens;
     any_stopping |= h.stopping != 0;
+    device_ready = device_ready && h.device_ready != 0;
     // Equality, not >=: ranks holding different commands must all decide the same.
     if (has_pending_ && h.acked_epoch != pending_.epoch) all_acked = false;
     if (has_pending_map_ && h.acked_map != pending_map_.version) map_acked = false;
@@ -425,6 +430,7 @@ Status Worker::step() {
   }
   idle_ = total_tokens == 0;
   executor_->set_step_tokens(static_cast<int64_t>(total_tokens));
+  executor_->set_group_device_ready(device_ready);
   if (!idle_) {
     const auto t0 = std::chrono::steady_clock::now();
     FLEX_RETURN_IF_ERROR(

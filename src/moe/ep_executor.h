@@ -11,6 +11,7 @@
 // Driven by the model's thread; set_group() between steps.
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "moe/moe_executor.h"
@@ -32,6 +33,19 @@ class EpMoeExecutor final : public MoeExecutor {
   Transport& transport() const { return transport_; }
   int slots_per_rank() const { return slots_per_rank_; }
 
+  // A device exchange between GPU ranks needs every member's buffers mapped, which takes
+  // milliseconds per peer across GPUs. A model that has one installs a probe: whether this
+  // rank has mapped every member of the group (if not, it maps them in the background and
+  // answers no). A worker puts device_ready() into its step header and hands the group's
+  // answer (every member's yes) to set_group_device_ready(): steps before it run the host
+  // exchange, so a membership change never waits for the mapping. Without a worker (the
+  // tests that drive models directly) the group counts as ready, and the model maps
+  // synchronously at its first device step.
+  void set_device_probe(std::function<bool(const Group&)> probe) { probe_ = std::move(probe); }
+  bool device_ready() const { return probe_ && probe_(group_); }
+  void set_group_device_ready(bool ready) { group_device_ready_ = ready; }
+  bool group_device_ready() const { return group_device_ready_; }
+
   // Bytes one rank may send another in one exchange for `max_tokens` tokens per
   // rank and step: the capacity a transport must be created with.
   static size_t max_exchange_bytes(int64_t max_tokens, int top_k, int64_t hidden);
@@ -49,6 +63,8 @@ class EpMoeExecutor final : public MoeExecutor {
   ThreadPool& pool_;
   Group group_;
   int64_t step_tokens_ = 0;
+  std::function<bool(const Group&)> probe_;
+  bool group_device_ready_ = true;
   RowCompute compute_;  // Empty: compute_slots() on the CPU.
 
   // Scratch, reused across calls.

@@ -268,6 +268,54 @@ TEST(CudaEpTest, DeviceExchangeBetweenTwoRanksMatchesReferenceAndHostExchange) {
   EXPECT_GT(host.collectives, 0);
 }
 
+// A new epoch as a worker drives it (EpMoeExecutor::device_ready in the step headers,
+// the group's answer by set_group_device_ready): the probe maps one peer a call (here the
+// one peer, a rank of this process) and then says yes; a step of a group not ready takes
+// the host exchange, then the device exchange runs (no host collective) with the tokens
+// the host exchange gave for the same prompt; a later epoch of the same members needs
+// no mapping.
+TEST(CudaEpTest, ANewEpochServesWithTheHostExchangeUntilItsPeersAreMapped) {
+  FLEX_SKIP_WITHOUT_GPU();
+  unsetenv("FLEXPERT_EP_EXCHANGE");
+  TwoRanks g("probe");
+  ASSERT_TRUE(g.ready);
+  auto step_both = [&](int kv_slot, std::vector<int32_t> out[TwoRanks::kRanks]) {
+    const std::vector<SequenceChunk> batch = {{kv_slot, 0, {3, 1, 4, 1, 5}}};
+    const std::vector<RowOutput> rows(1);
+    Status st[TwoRanks::kRanks];
+    std::thread peer([&] {
+      Tensor logits;
+      st[1] = g.models[1]->forward_step(batch, rows, &logits, &out[1]);
+    });
+    Tensor logits;
+    st[0] = g.models[0]->forward_step(batch, rows, &logits, &out[0]);
+    peer.join();
+    EXPECT_TRUE(st[0].ok()) << st[0].to_string();
+    EXPECT_TRUE(st[1].ok()) << st[1].to_string();
+  };
+  auto collectives = [&] {
+    return g.transports[0]->num_collectives() + g.transports[1]->num_collectives();
+  };
+  for (auto& e : g.executors) e->set_group_device_ready(false);
+  std::vector<int32_t> host[TwoRanks::kRanks], device[TwoRanks::kRanks];
+  const int64_t c0 = collectives();
+  step_both(0, host);
+  EXPECT_GT(collectives(), c0) << "a group not ready ran the device exchange";
+
+  for (auto& e : g.executors) ASSERT_TRUE(e->device_ready()) << "one peer, mapped in one call";
+  for (auto& e : g.executors) e->set_group_device_ready(true);
+  const int64_t c1 = collectives();
+  step_both(1, device);
+  EXPECT_EQ(collectives(), c1) << "the device exchange used the host transport";
+  for (int r = 0; r < TwoRanks::kRanks; ++r) {
+    ASSERT_EQ(device[r].size(), 1u);
+    EXPECT_EQ(device[r], host[r]) << "rank " << r;
+  }
+  // A later epoch with the same members is ready at once (nothing new to map).
+  for (auto& e : g.executors) e->set_group(Group{2, {0, 1}});
+  EXPECT_TRUE(g.executors[0]->device_ready());
+}
+
 // Model::copy_slot: a peer's slot and one of this rank's own, device to device; the host
 // mirror of the destination is refreshed from the device, so it equals the source.
 TEST(CudaEpTest, CopySlotMovesWeightsBetweenDevices) {
