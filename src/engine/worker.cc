@@ -6,6 +6,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -437,8 +438,10 @@ Status Worker::step() {
         model_->forward_step(batch, scheduler_->row_outputs(), &logits_, &tokens_));
     events_.clear();
     scheduler_->complete_step(logits_, tokens_, &events_);
-    busy_ms_ +=
+    const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    busy_ms_ += ms;
+    max_step_ms_ = std::max(max_step_ms_, ms);
     ++busy_steps_;
     ++steps_;
     if (!events_.empty()) {

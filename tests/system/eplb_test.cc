@@ -51,6 +51,8 @@ TEST(EplbServeTest, RebalancesUnderLoadKeepReferenceTokens) {
     EXPECT_EQ(report["_status"], 200) << report.dump();
     if (report["_status"] != 200) break;
     EXPECT_EQ(report["status"], "ok");
+    // The ranks step under this load: the longest step reported around the moves.
+    EXPECT_GT(report["max_step_ms_during"].get<double>(), 0.0) << report.dump();
     moved += report["moved_bytes"].get<uint64_t>();
     std::this_thread::sleep_for(std::chrono::milliseconds(400));
   }
