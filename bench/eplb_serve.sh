@@ -48,6 +48,11 @@ def step_ms(s): return max(r["step_ms"] for r in s["ranks"])
 rows = []
 print(f"model {model}, {ranks} ranks; rebalance: {reb.get('planned_moved_slots')} slots, "
       f"{reb.get('moved_bytes', 0) / 2**20:.1f} MiB in {reb.get('duration_s', 0) * 1e3:.1f} ms, status {reb.get('status')}")
+pull_s = reb.get("pull_s", 0)
+if pull_s > 0:
+    print(f"movers' copy time {pull_s * 1e3:.1f} ms over {reb.get('pull_commands')} pulls: "
+          f"{reb.get('moved_bytes', 0) / pull_s / 1e9:.1f} GB/s; longest step around the moves "
+          f"{reb.get('max_step_ms_during', 0):.2f} ms (mean step before {reb.get('mean_step_ms_before', 0):.2f} ms)")
 print(f"{'phase':8} {'tok/s':>9} {'ITL p50':>8} {'ITL p99':>8} {'ITL max':>8} {'slowest rank step ms':>21} {'failed':>6}")
 for p, r in phases.items():
     itl = r["itl_s"]

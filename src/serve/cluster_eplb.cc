@@ -170,6 +170,7 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
         if (d.code != 0) return Status(static_cast<StatusCode>(d.code), "pull: " + d.message);
         *bytes += d.num_bytes;
         *pulls += 1;
+        pull_seconds_ += d.seconds;
       }
     }
     maps[layer] = step->map;
@@ -251,12 +252,24 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
   const double plan_s = std::chrono::duration<double>(Clock::now() - t0).count();
   uint64_t bytes = 0;
   int pulls = 0;
+  double pull_s0 = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pull_s0 = pull_seconds_;
+  }
   Status s;
   for (int l = 0; s.ok() && l < static_cast<int>(input.current.size()); ++l) {
     if (!model_config_.is_moe_layer(l)) continue;
     s = move_layer(l, plan->placement[l], &bytes, &pulls);
   }
+  double pull_s = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pull_s = pull_seconds_ - pull_s0;
+  }
+  // pull_s: the movers' copy time, summed over the pulls (ranks copy in parallel).
   nlohmann::json report = {{"planned_moved_slots", plan->moved_slots},
+                           {"pull_s", pull_s},
                            {"moved_bytes", bytes},
                            {"pull_commands", pulls},
                            {"plan_s", plan_s},
