@@ -41,6 +41,7 @@ struct SlotsInfo {
   uint64_t process;
   int32_t pid;
   int32_t num_layers;
+  unsigned char device_uuid[16];  // The owner's GPU (cudaDeviceProp::uuid).
   // Followed by num_layers entries.
 };
 struct SlotsEntry {
@@ -407,6 +408,7 @@ Status DeviceEpMoe::warm_up(int bucket, const std::function<Status(int seg)>& en
 
 Status DeviceEpMoe::run_step(int n, int num_real, int bucket, bool graphs,
                              const std::function<Status(int seg)>& enqueue_segment) {
+  stepped_.store(true);
   if (!graphs || graphs_failed_) bucket = 0;
   bool capture = false;
   if (bucket > 0) {
@@ -502,8 +504,13 @@ Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
   std::memcpy(region.data, &info, sizeof(info));
   // And the slot buffers of every MoE layer, for peers' weight movers.
   std::vector<uint8_t> slots(sizeof(SlotsInfo) + config_.moe_layers.size() * sizeof(SlotsEntry));
-  SlotsInfo head{kSlotsMagic, info.process, info.pid,
-                 static_cast<int32_t>(config_.moe_layers.size())};
+  SlotsInfo head{
+      kSlotsMagic, info.process, info.pid, static_cast<int32_t>(config_.moe_layers.size()), {}};
+  cudaDeviceProp prop{};
+  FLEX_CUDA_TRY(cudaGetDeviceProperties(&prop, config_.device));
+  static_assert(sizeof(prop.uuid) == sizeof(head.device_uuid));
+  std::memcpy(head.device_uuid, &prop.uuid, sizeof(head.device_uuid));
+  std::memcpy(device_uuid_, &prop.uuid, sizeof(device_uuid_));
   std::memcpy(slots.data(), &head, sizeof(head));
   for (size_t i = 0; i < config_.moe_layers.size(); ++i) {
     SlotsEntry e{};
@@ -589,6 +596,7 @@ Status DeviceEpMoe::map_peer(int r) {
 
 bool DeviceEpMoe::ready_for(const Group& group) {
   if (!device_exchange_) return false;
+  stepped_.store(true);
   if (peers_mapped_ && group.epoch == mapped_group_.epoch && group.ranks == mapped_group_.ranks) {
     return true;
   }
@@ -880,6 +888,14 @@ Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst,
     }
     if (const auto it = m->base.find(layer); it != m->base.end()) {
       src = it->second;
+    } else if (head.process != process_token() && stepped_.load() &&
+               std::memcmp(head.device_uuid, device_uuid_, sizeof(device_uuid_)) != 0) {
+      // Mapping a layer's slots of another GPU takes ~19 us per MB of the buffer (H200 x2:
+      // 1.2 GB for a Qwen3-30B-A3B layer), and the driver holds this process's stepping
+      // thread meanwhile (a 21 ms step in a rebalance): a serving rank takes the host
+      // mirrors instead. A joiner, not serving yet, maps them while it prepares.
+      return unimplemented("rank " + std::to_string(src_rank) + "'s slots of layer " +
+                           std::to_string(layer) + " are on another GPU and not mapped");
     } else {
       for (int32_t i = 0; i < head.num_layers && src == nullptr; ++i) {
         SlotsEntry e;

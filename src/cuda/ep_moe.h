@@ -30,6 +30,7 @@
 // (CUDA_DEVICE_MAX_CONNECTIONS) and nothing that synchronises the device mid-step.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <map>
@@ -127,7 +128,9 @@ class DeviceEpMoe {
   // into `dst`, device to device on `stream`, and returns once it landed. The weight
   // mover's thread: it maps peers' slot buffers itself (handles in the transport region
   // kSlotsRegion, published at load), apart from the step's mappings; a departed rank's
-  // are released at the next epoch's map_peers.
+  // are released at the next epoch's map_peers. Unimplemented (the caller copies through
+  // the host mirrors) for a layer of a rank on another GPU not mapped yet once this rank
+  // serves: mapping it would hold the serving thread (see stepped_).
   Status copy_slot(int layer, int src_rank, size_t offset, void* dst, size_t bytes,
                    cudaStream_t stream);
 
@@ -214,6 +217,10 @@ class DeviceEpMoe {
   // The weight mover's mappings of peers' slot buffers ([rank], guarded by slots_mu_).
   struct SlotMapping;
   std::mutex slots_mu_;
+  // Set by the stepping thread once this rank serves: from then on copy_slot maps no slot
+  // buffer of another GPU (the host mirrors carry those copies).
+  std::atomic<bool> stepped_{false};
+  unsigned char device_uuid_[16] = {};  // This rank's GPU.
   std::vector<std::unique_ptr<SlotMapping>> slot_maps_;
   // Departed ranks' mappings, closed by closer_ (started at the first) once the owner's
   // process has exited, or kRetireCapNs after the departure: closing the mapping of a
