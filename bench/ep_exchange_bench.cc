@@ -38,6 +38,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/forked_ranks.h"
 #include "cuda/ep_exchange.h"
 #include "transport/transport.h"
 
@@ -64,8 +65,7 @@ struct RankResult {
 };
 
 struct Shared {
-  std::atomic<int> address_ready[kMaxRanks];
-  char addresses[kMaxRanks][256];
+  bench::RankAddresses<kMaxRanks> ranks;
   RankResult results[kMaxRanks];
   char error[kMaxRanks][256];
 };
@@ -103,6 +103,39 @@ double now_us() {
       .count();
 }
 
+// A rank's inputs, the same in every process (seeded by the rank): random bf16 rows
+// [T, H], top-k distinct experts per token (global slot = expert), positive weights.
+struct Inputs {
+  std::vector<uint16_t> h;
+  std::vector<int32_t> slot;
+  std::vector<float> w;
+};
+Inputs make_inputs(const Config& cfg, int T, int rank) {
+  const int K = cfg.top_k;
+  Inputs in;
+  std::mt19937 rng(1234 + rank);
+  std::uniform_real_distribution<float> val(-1.f, 1.f);
+  in.h.resize(static_cast<size_t>(T) * cfg.hidden);
+  for (auto& x : in.h) {
+    const float f = val(rng);
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof(u));
+    x = static_cast<uint16_t>(u >> 16);
+  }
+  in.slot.resize(static_cast<size_t>(T) * K);
+  in.w.resize(in.slot.size());
+  std::vector<int> perm(cfg.experts);
+  for (int e = 0; e < cfg.experts; ++e) perm[e] = e;
+  for (size_t p = 0; p < in.slot.size(); ++p) {
+    const int k = static_cast<int>(p % K);
+    std::uniform_int_distribution<int> pick(k, cfg.experts - 1);
+    std::swap(perm[k], perm[pick(rng)]);
+    in.slot[p] = perm[k];
+    in.w[p] = 0.05f + 0.1f * static_cast<float>(k);
+  }
+  return in;
+}
+
 Status run_rank(const Config& cfg, int T, int rank, const std::string& session, Shared* shared) {
   const int n = cfg.ranks, H = cfg.hidden, K = cfg.top_k;
   const int device = rank % cfg.gpus;
@@ -118,14 +151,7 @@ Status run_rank(const Config& cfg, int T, int rank, const std::string& session, 
   o.max_gather_bytes = sizeof(Published) + sizeof(RankResult);
   o.timeout_ms = 60000;
   FLEX_ASSIGN_OR_RETURN(std::unique_ptr<Transport> t, create_transport("shm", o));
-  std::snprintf(shared->addresses[rank], 256, "%s", t->address().c_str());
-  shared->address_ready[rank].store(1);
-  for (int peer = 0; peer < n; ++peer) {
-    while (shared->address_ready[peer].load() == 0) {
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-    if (peer != rank) FLEX_RETURN_IF_ERROR(t->connect(peer, shared->addresses[peer]));
-  }
+  FLEX_RETURN_IF_ERROR(shared->ranks.connect_all(*t, rank, n));
   Group g;
   g.epoch = 1;
   for (int r = 0; r < n; ++r) g.ranks.push_back(r);
@@ -157,28 +183,10 @@ Status run_rank(const Config& cfg, int T, int rank, const std::string& session, 
   *abort_flag = 0;
   *progress = 0;
 
-  // Inputs: random bf16 rows, top-k distinct experts per token, positive weights.
-  std::mt19937 rng(1234 + rank);
-  std::vector<uint16_t> h(static_cast<size_t>(T) * H);
-  std::uniform_real_distribution<float> val(-1.f, 1.f);
-  for (auto& x : h) {
-    const float f = val(rng);
-    uint32_t u;
-    std::memcpy(&u, &f, sizeof(u));
-    x = static_cast<uint16_t>(u >> 16);
-  }
-  std::vector<int32_t> slot(pairs);
-  std::vector<float> w(pairs);
-  std::vector<int> perm(cfg.experts);
-  for (int e = 0; e < cfg.experts; ++e) perm[e] = e;
-  for (int tk = 0; tk < T; ++tk) {
-    for (int k = 0; k < K; ++k) {
-      std::uniform_int_distribution<int> pick(k, cfg.experts - 1);
-      std::swap(perm[k], perm[pick(rng)]);
-      slot[static_cast<size_t>(tk) * K + k] = perm[k];
-      w[static_cast<size_t>(tk) * K + k] = 0.05f + 0.1f * static_cast<float>(k);
-    }
-  }
+  const Inputs in = make_inputs(cfg, T, rank);
+  const std::vector<uint16_t>& h = in.h;
+  const std::vector<int32_t>& slot = in.slot;
+  const std::vector<float>& w = in.w;
   std::vector<int32_t> identity(bound);
   for (int64_t i = 0; i < bound; ++i) identity[i] = static_cast<int32_t>(i);
   BENCH_CUDA(cudaMemcpy(buf[1], h.data(), h.size() * 2, cudaMemcpyHostToDevice));
@@ -221,25 +229,15 @@ Status run_rank(const Config& cfg, int T, int rank, const std::string& session, 
   // Bytes per iteration: rows this rank receives (dispatch) and reads back (combine), by
   // where they come from. Every rank's routing is known here from its seed.
   for (int src = 0; src < n; ++src) {
-    std::mt19937 r2(1234 + src);
-    std::vector<float> skip(static_cast<size_t>(T) * H);
-    for (auto& x : skip) x = val(r2);
-    std::vector<int> p2(cfg.experts);
-    for (int e = 0; e < cfg.experts; ++e) p2[e] = e;
-    for (int tk = 0; tk < T; ++tk) {
-      for (int k = 0; k < K; ++k) {
-        std::uniform_int_distribution<int> pick(k, cfg.experts - 1);
-        std::swap(p2[k], p2[pick(r2)]);
-        const int owner = p2[k] / slots_per_rank;
-        const double bytes = 2.0 * H;
-        if (owner == rank && src != rank) {
-          (src % cfg.gpus == device ? res.dispatch_local_bytes : res.dispatch_remote_bytes) +=
-              bytes;
-        }
-        if (src == rank && owner != rank) {
-          (owner % cfg.gpus == device ? res.combine_local_bytes : res.combine_remote_bytes) +=
-              bytes;
-        }
+    const std::vector<int32_t> routed = src == rank ? slot : make_inputs(cfg, T, src).slot;
+    for (const int32_t e : routed) {
+      const int owner = e / slots_per_rank;
+      const double bytes = 2.0 * H;
+      if (owner == rank && src != rank) {
+        (src % cfg.gpus == device ? res.dispatch_local_bytes : res.dispatch_remote_bytes) += bytes;
+      }
+      if (src == rank && owner != rank) {
+        (owner % cfg.gpus == device ? res.combine_local_bytes : res.combine_remote_bytes) += bytes;
       }
     }
   }

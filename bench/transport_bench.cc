@@ -34,6 +34,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/forked_ranks.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/transport.h"
 
@@ -59,8 +60,7 @@ struct Result_ {
 
 // Shared by the parent and the ranks of one run.
 struct Shared {
-  std::atomic<int> address_ready[kMaxRanks];
-  char addresses[kMaxRanks][256];
+  bench::RankAddresses<kMaxRanks> ranks;
   std::atomic<int> num_results;
   Result_ results[kMaxResults];
   char error[512];
@@ -112,14 +112,7 @@ Status run_rank(const Config& cfg, int n, int rank, const std::string& session, 
   o.max_exchange_bytes = max_exchange;
   o.timeout_ms = 30000;
   FLEX_ASSIGN_OR_RETURN(std::unique_ptr<Transport> t, create_transport(cfg.backend, o));
-  std::snprintf(shared->addresses[rank], 256, "%s", t->address().c_str());
-  shared->address_ready[rank].store(1);
-  for (int peer = 0; peer < n; ++peer) {
-    while (shared->address_ready[peer].load() == 0) {
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-    if (peer != rank) FLEX_RETURN_IF_ERROR(t->connect(peer, shared->addresses[peer]));
-  }
+  FLEX_RETURN_IF_ERROR(shared->ranks.connect_all(*t, rank, n));
   Group g;
   g.epoch = 1;
   for (int r = 0; r < n; ++r) g.ranks.push_back(r);
@@ -223,10 +216,7 @@ Status run_death_rank(const Config& cfg, int rank, size_t victim_mb, const std::
   o.max_exchange_bytes = 4096;
   o.timeout_ms = 10000;
   FLEX_ASSIGN_OR_RETURN(auto t, create_transport(cfg.backend, o));
-  std::snprintf(shared->addresses[rank], 256, "%s", t->address().c_str());
-  shared->address_ready[rank].store(1);
-  while (shared->address_ready[1 - rank].load() == 0) ::usleep(100);
-  FLEX_RETURN_IF_ERROR(t->connect(1 - rank, shared->addresses[1 - rank]));
+  FLEX_RETURN_IF_ERROR(shared->ranks.connect_all(*t, rank, 2));
   Group g;
   g.epoch = 1;
   g.ranks = {0, 1};
