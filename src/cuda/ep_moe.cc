@@ -218,8 +218,6 @@ DeviceEpMoe::DeviceEpMoe(Config config, Blas& blas, cudaStream_t stream)
 DeviceEpMoe::~DeviceEpMoe() {
   if (config_.executor != nullptr) (void)config_.executor->set_row_compute(nullptr);
   if (ep_ != nullptr) ep_->set_device_probe(nullptr);
-  map_todo_.clear();
-  staged_.clear();
   if (closer_.joinable()) {
     {
       std::lock_guard<std::mutex> lock(retire_mu_);
@@ -602,7 +600,7 @@ bool DeviceEpMoe::ready_for(const Group& group) {
   }
   if (!checked_ || group.epoch != checked_group_.epoch || group.ranks != checked_group_.ranks) {
     // A group not checked yet: the members whose buffers are not mapped (or belong to an
-    // incarnation that left) are to be mapped, one a step; the rest is ready now.
+    // incarnation that left) are to be mapped, a slice a step; the rest is ready now.
     checked_ = true;
     checked_group_ = group;
     checked_ready_ = false;
@@ -660,8 +658,9 @@ Status DeviceEpMoe::map_peers(const Group& group) {
   const int64_t t0 = now_ns();
   const int64_t mappings0 = peer_mappings_;
   FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));  // Nothing reads the mappings replaced below.
-  if (checked_ready_ && group.epoch == checked_group_.epoch &&
-      group.ranks == checked_group_.ranks) {
+  const bool checked =
+      checked_ready_ && group.epoch == checked_group_.epoch && group.ranks == checked_group_.ranks;
+  if (checked) {
     // What ready_for mapped for this group, in place of older incarnations.
     for (auto& m : staged_) {
       const int r = m->rank;
@@ -682,8 +681,8 @@ Status DeviceEpMoe::map_peers(const Group& group) {
       table[r] = self_;
       continue;
     }
-    // Mapped already when a worker drives the steps (ready_for); else here.
-    FLEX_RETURN_IF_ERROR(map_peer(r));
+    // Mapped and checked already when a worker drives the steps (ready_for); else here.
+    if (!checked || mapped_[r] == nullptr) FLEX_RETURN_IF_ERROR(map_peer(r));
     table[r] = mapped_[r]->peer;
   }
   // Departed ranks: nothing runs that reads them (the last step finished; a slot copy

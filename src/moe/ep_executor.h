@@ -35,8 +35,8 @@ class EpMoeExecutor final : public MoeExecutor {
 
   // A device exchange between GPU ranks needs every member's buffers mapped, which takes
   // milliseconds per peer across GPUs. A model that has one installs a probe: whether this
-  // rank has mapped every member of the group (if not, it maps them in the background and
-  // answers no). A worker puts device_ready() into its step header and hands the group's
+  // rank has mapped every member of the group (if not, it maps a slice of what is missing
+  // and answers no). A worker puts device_ready() into its step header and hands the group's
   // answer (every member's yes) to set_group_device_ready(): steps before it run the host
   // exchange, so a membership change never waits for the mapping. Without a worker (the
   // tests that drive models directly) the group counts as ready, and the model maps

@@ -120,9 +120,8 @@ class ClusterEngine::Impl {
   uint64_t map_version_ = 0;
   uint64_t next_pull_id_ = 1;
   std::map<uint64_t, proto::PullDone> pulls_done_;
-  double rebalance_max_step_ms_ = 0;
-  double pull_seconds_ = 0;  // PullDone::seconds of every move_layer pull so far.  // Longest step
-                             // any rank reported during a rebalance.
+  double rebalance_max_step_ms_ = 0;  // Longest step any rank reported during a rebalance.
+  double pull_seconds_ = 0;           // PullDone::seconds of every move_layer pull so far.
   nlohmann::json last_rebalance_;
   uint64_t num_rebalances_ = 0;
   uint64_t moved_bytes_total_ = 0;
