@@ -598,6 +598,9 @@ bool DeviceEpMoe::ready_for(const Group& group) {
   if (peers_mapped_ && group.epoch == mapped_group_.epoch && group.ranks == mapped_group_.ranks) {
     return true;
   }
+  // A failed mapping (a window not readable, an open that failed) is tried again a second
+  // later; the host exchange serves meanwhile.
+  if (map_failed_ && now_ns() >= map_retry_ns_) checked_ = false;
   if (!checked_ || group.epoch != checked_group_.epoch || group.ranks != checked_group_.ranks) {
     // A group not checked yet: the members whose buffers are not mapped (or belong to an
     // incarnation that left) are to be mapped, a slice a step; the rest is ready now.
@@ -612,8 +615,9 @@ bool DeviceEpMoe::ready_for(const Group& group) {
       if (r == ep_->transport().rank()) continue;
       WindowInfo info{};
       if (Status s = read_window(r, &info); !s.ok()) {
-        FLEX_LOG(WARN) << "epoch " << group.epoch << ": no device exchange, " << s.to_string();
+        FLEX_LOG(WARN) << "epoch " << group.epoch << ": no device exchange yet, " << s.to_string();
         map_failed_ = true;
+        map_retry_ns_ = now_ns() + kMapRetryNs;
         return false;
       }
       if (mapped_[r] != nullptr && std::memcmp(&mapped_[r]->info, &info, sizeof(info)) == 0) {
@@ -633,9 +637,10 @@ bool DeviceEpMoe::ready_for(const Group& group) {
     PeerMapping& m = *map_todo_.back();
     Result<bool> done = open_peer(m, deadline);
     if (!done.ok()) {
-      FLEX_LOG(WARN) << "epoch " << group.epoch << ": no device exchange, "
+      FLEX_LOG(WARN) << "epoch " << group.epoch << ": no device exchange yet, "
                      << done.status().to_string();
       map_failed_ = true;
+      map_retry_ns_ = now_ns() + kMapRetryNs;
       return false;
     }
     if (!done.value()) break;  // This step's slice is used up.

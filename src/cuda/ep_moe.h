@@ -166,7 +166,8 @@ class DeviceEpMoe {
   // waited for at once at every scale-up; on another thread it stalled the steps longer (the driver
   // serialises this context's calls with it: 50-250 ms).
   bool ready_for(const Group& group);
-  static constexpr int64_t kMapSliceNs = 500'000;  // Mapping per step, at least one buffer.
+  static constexpr int64_t kMapSliceNs = 500'000;        // Mapping per step, at least one buffer.
+  static constexpr int64_t kMapRetryNs = 1'000'000'000;  // After a failed mapping.
   EpArgs exchange_args(const Group& group) const;
   Status enqueue_device_exchange(int seg, int num_tokens, int num_real, int bound,
                                  const Group& group);
@@ -207,6 +208,7 @@ class DeviceEpMoe {
   bool checked_ = false;
   bool checked_ready_ = false;
   bool map_failed_ = false;
+  int64_t map_retry_ns_ = 0;  // When a failed mapping is tried again.
   Group checked_group_;
   std::vector<std::unique_ptr<PeerMapping>> map_todo_;
   std::vector<std::unique_ptr<PeerMapping>> staged_;

@@ -223,9 +223,9 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
       std::map<int, uint64_t> seen;
       for (int r : members_) seen[r] = ranks_[r].reports;
       cv_.wait_for(lock, std::chrono::milliseconds(600), [&] {
-        if (stop_.load()) return true;
+        if (halting() || cancel_rebalance_ || epoch_ != rebalance_epoch_) return true;
         for (const auto& [r, n] : seen) {
-          if (ranks_[r].reports == n) return false;  // (A dead one: the timeout.)
+          if (ranks_[r].reports == n) return false;  // (A dead one: a new epoch, or the timeout.)
         }
         return true;
       });
