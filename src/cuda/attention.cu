@@ -13,6 +13,7 @@
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.h"
+#include "cuda/pdl.cuh"
 
 namespace flexpert::cuda {
 namespace {
@@ -28,6 +29,8 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kWarps * 32) attention_kernel(AttentionArgs a, int splits) {
   constexpr int kPerLane = D / 32;
   __shared__ __align__(16) float sq[kWarps][D];
+  grid_dep_wait();
+  grid_dep_launch();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t task = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   const int64_t idx = task / splits;
@@ -37,6 +40,15 @@ __global__ void __launch_bounds__(kWarps * 32) attention_kernel(AttentionArgs a,
   const int h = static_cast<int>(idx % a.num_q_heads);
   const int kvh = h / (a.num_q_heads / a.num_kv_heads);
   const int len = a.positions[t] + 1;
+  if (splits > 1 && sp * 32 >= len) {
+    // No positions in this split (short contexts leave most empty): the merge reads
+    // only (m, l) of it and skips it.
+    if (lane == 0) {
+      float* part = a.split_scratch + task * (D + 2);
+      part[0] = -FLT_MAX, part[1] = 0.f;
+    }
+    return;
+  }
   const T* q = static_cast<const T*>(a.q) + idx * D;
   for (int d = lane; d < D; d += 32) sq[warp][d] = to_f32(q[d]);
   __syncwarp();
@@ -100,7 +112,7 @@ __global__ void __launch_bounds__(kWarps * 32) attention_kernel(AttentionArgs a,
   }
   if (splits > 1) {
     float* part = a.split_scratch + task * (D + 2);
-    if (lane == 0) part[0] = m, part[1] = l;  // A split without positions: -FLT_MAX, 0.
+    if (lane == 0) part[0] = m, part[1] = l;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) part[2 + lane + 32 * i] = acc[i];
     return;
@@ -112,24 +124,64 @@ __global__ void __launch_bounds__(kWarps * 32) attention_kernel(AttentionArgs a,
 }
 
 // One warp per (token, head): the splits' softmaxes rescaled to their common maximum.
+// Lane i holds (m, l) of splits i and i + 32 (a warp reduction gives the maximum and the
+// sum), then the warp adds up the values of the non-empty splits (l > 0) in split order,
+// four splits' loads in flight at a time. (Split by split, one load after the other, the
+// merge of a batch-1 step took ~32 us: 64 splits of ~3 non-empty ones, latency-bound.)
 template <typename T, int D>
 __global__ void __launch_bounds__(kWarps * 32) attention_merge_kernel(AttentionArgs a, int splits) {
-  constexpr int kPerLane = D / 32;
+  constexpr int kPerLane = D / 32, kHalves = kMaxSplits / 32;
+  grid_dep_wait();
+  grid_dep_launch();
   const int lane = threadIdx.x % 32;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (idx >= static_cast<int64_t>(a.num_tokens) * a.num_q_heads) return;
   const float* part = a.split_scratch + idx * splits * (D + 2);
+  float ms[kHalves], ls[kHalves];
   float mx = -FLT_MAX;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part[s * (D + 2)]);
-  float l = 0.f, acc[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kHalves; ++j) {
+    const int sp = lane + 32 * j;
+    ms[j] = sp < splits ? part[sp * (D + 2)] : -FLT_MAX;
+    ls[j] = sp < splits ? part[sp * (D + 2) + 1] : 0.f;
+    mx = fmaxf(mx, ms[j]);
+  }
+  mx = warp_max(mx);
+  float w[kHalves], l = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHalves; ++j) {
+    w[j] = ls[j] > 0.f ? expf(ms[j] - mx) : 0.f;
+    l += ls[j] * w[j];
+  }
+  l = warp_sum(l);
+  float acc[kPerLane];
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) acc[i] = 0.f;
-  for (int s = 0; s < splits; ++s) {
-    const float* p = part + s * (D + 2);
-    const float w = expf(p[0] - mx);
-    l += p[1] * w;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) acc[i] += p[2 + lane + 32 * i] * w;
+  for (int j = 0; j < kHalves; ++j) {
+    unsigned mask = __ballot_sync(0xffffffffu, ls[j] > 0.f);
+    while (mask != 0) {
+      constexpr int kInFlight = 4;
+      int src[kInFlight];
+      float v[kInFlight][kPerLane];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        src[u] = mask != 0 ? __ffs(mask) - 1 : -1;
+        mask &= mask - 1;
+        if (src[u] >= 0) {
+          const float* p = part + (32 * j + src[u]) * (D + 2) + 2;
+#pragma unroll
+          for (int i = 0; i < kPerLane; ++i) v[u][i] = p[lane + 32 * i];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        if (src[u] < 0) break;
+        const float ws = __shfl_sync(0xffffffffu, w[j], src[u]);
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) acc[i] += v[u][i] * ws;
+      }
+    }
   }
   T* o = static_cast<T*>(a.out) + idx * D;
   const float inv = 1.0f / l;
@@ -142,12 +194,12 @@ cudaError_t launch_dim(const AttentionArgs& a, cudaStream_t stream) {
   const int splits = attention_splits(a);
   const int64_t pairs = static_cast<int64_t>(a.num_tokens) * a.num_q_heads;
   const unsigned blocks = static_cast<unsigned>((pairs * splits + kWarps - 1) / kWarps);
-  attention_kernel<T, D><<<blocks, kWarps * 32, 0, stream>>>(a, splits);
-  if (splits > 1) {
-    const unsigned merge_blocks = static_cast<unsigned>((pairs + kWarps - 1) / kWarps);
-    attention_merge_kernel<T, D><<<merge_blocks, kWarps * 32, 0, stream>>>(a, splits);
-  }
-  return cudaGetLastError();
+  cudaError_t err =
+      launch_pdl(attention_kernel<T, D>, dim3(blocks), dim3(kWarps * 32), 0, stream, a, splits);
+  if (err != cudaSuccess || splits == 1) return err;
+  const unsigned merge_blocks = static_cast<unsigned>((pairs + kWarps - 1) / kWarps);
+  return launch_pdl(attention_merge_kernel<T, D>, dim3(merge_blocks), dim3(kWarps * 32), 0, stream,
+                    a, splits);
 }
 
 template <typename T>

@@ -1,8 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "cuda/blas.h"
 
+#include <cstdlib>
 #include <string>
 #include <utility>
+
+#include "cuda/kernels.h"
 
 namespace flexpert::cuda {
 namespace {
@@ -26,12 +29,15 @@ Blas::~Blas() {
 }
 
 Blas::Blas(Blas&& o) noexcept
-    : handle_(std::exchange(o.handle_, nullptr)), workspace_(std::move(o.workspace_)) {}
+    : handle_(std::exchange(o.handle_, nullptr)),
+      stream_(o.stream_),
+      workspace_(std::move(o.workspace_)) {}
 
 Blas& Blas::operator=(Blas&& o) noexcept {
   if (this != &o) {
     if (handle_ != nullptr) (void)cublasDestroy(handle_);
     handle_ = std::exchange(o.handle_, nullptr);
+    stream_ = o.stream_;
     workspace_ = std::move(o.workspace_);
   }
   return *this;
@@ -41,6 +47,7 @@ Result<Blas> Blas::create(cudaStream_t stream) {
   Blas b;
   FLEX_CUBLAS_TRY(cublasCreate(&b.handle_));
   FLEX_CUBLAS_TRY(cublasSetStream(b.handle_, stream));
+  b.stream_ = stream;
   FLEX_ASSIGN_OR_RETURN(b.workspace_, DeviceBuffer::create(kWorkspaceBytes));
   FLEX_CUBLAS_TRY(cublasSetWorkspace(b.handle_, b.workspace_.data(), b.workspace_.num_bytes()));
   FLEX_CUBLAS_TRY(cublasSetMathMode(b.handle_, CUBLAS_DEFAULT_MATH));
@@ -60,6 +67,17 @@ Status Blas::gemm_nt(DType in_dtype, const void* x, int64_t m, int64_t k, const 
                                static_cast<int>(k), &beta, y, to_cuda(out_dtype),
                                static_cast<int>(n), compute, CUBLAS_GEMM_DEFAULT));
   return Status();
+}
+
+Status Blas::linear(DType in_dtype, const void* x, int64_t m, int64_t k, const void* w, int64_t n,
+                    float* y, bool accumulate) {
+  static const bool no_gemv = std::getenv("FLEXPERT_NO_GEMV") != nullptr;
+  if (!no_gemv && m <= kLinearGemvRows && gemv_nt_fits(in_dtype, m, k) && n * k <= kLinearGemvMax) {
+    FLEX_CUDA_TRY(gemv_nt(x, static_cast<int>(m), static_cast<int>(k), w, static_cast<int>(n), y,
+                          accumulate, stream_));
+    return Status();
+  }
+  return gemm_nt(in_dtype, x, m, k, w, n, DType::kF32, y, 1.f, accumulate ? 1.f : 0.f);
 }
 
 }  // namespace flexpert::cuda

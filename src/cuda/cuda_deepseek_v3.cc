@@ -396,7 +396,7 @@ Status CudaDeepseekV3Model::enqueue_attention(Layer& L, int n) {
   const int q_head = dn + dr, row = r + dr, a_dim = qr + r + dr;
   // a = h @ [q_a; kv_a]^T (f32), then q (dtype) through q LoRA or q_proj.
   FLEX_RETURN_IF_ERROR(
-      blas_.gemm_nt(dtype_, h_.data(), n, H, L.w_a.data(), a_dim, DType::kF32, a_.data()));
+      blas_.linear(dtype_, h_.data(), n, H, L.w_a.data(), a_dim, a_.as<float>(), false));
   if (qr > 0) {
     FLEX_CUDA_TRY(rms_norm_rows(dtype_, a_.as<float>(), a_dim, L.q_a_norm.as<float>(), n, qr,
                                 kLoraNormEps, qa_.data(), s));
@@ -445,17 +445,17 @@ Status CudaDeepseekV3Model::enqueue_attention(Layer& L, int n) {
   // Out of the latent space: attn[t, h] = W_uv[h] latent[t, h]; then x += attn @ o_proj^T.
   FLEX_RETURN_IF_ERROR(head_gemm_.run(dtype_, latent_.data(), n, nh * r, r, L.w_uv.data(), nh, dv,
                                       r, dtype_, attn_.data(), nh * dv, dv));
-  return blas_.gemm_nt(dtype_, attn_.data(), n, nh * dv, L.w_o.data(), H, DType::kF32, x_.data(),
-                       1.f, 1.f);
+  return blas_.linear(dtype_, attn_.data(), n, nh * dv, L.w_o.data(), H, x_.as<float>(),
+                      /*accumulate=*/true);
 }
 
 Status CudaDeepseekV3Model::enqueue_swiglu(Layer& L, int n) {
   const int H = config_.hidden_size, I = L.mlp_inter;
   FLEX_RETURN_IF_ERROR(
-      blas_.gemm_nt(dtype_, h_.data(), n, H, L.w_gu.data(), 2 * I, DType::kF32, gu_.data()));
+      blas_.linear(dtype_, h_.data(), n, H, L.w_gu.data(), 2 * I, gu_.as<float>(), false));
   FLEX_CUDA_TRY(silu_mul(dtype_, gu_.as<float>(), n, I, act_.data(), stream_.get()));
-  return blas_.gemm_nt(dtype_, act_.data(), n, I, L.w_down.data(), H, DType::kF32, x_.data(), 1.f,
-                       1.f);
+  return blas_.linear(dtype_, act_.data(), n, I, L.w_down.data(), H, x_.as<float>(),
+                      /*accumulate=*/true);
 }
 
 Status CudaDeepseekV3Model::enqueue_step(int n, int num_rows) {

@@ -295,7 +295,7 @@ Status CudaQwen3MoeModel::enqueue_attention(Layer& L, int n) {
   float* x = x_.as<float>();
   FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.input_norm.as<float>(), n, H, eps, h_.data(), s));
   FLEX_RETURN_IF_ERROR(
-      blas_.gemm_nt(dtype_, h_.data(), n, H, L.w_qkv.data(), qkv_dim, DType::kF32, qkv_.data()));
+      blas_.linear(dtype_, h_.data(), n, H, L.w_qkv.data(), qkv_dim, qkv_.as<float>(), false));
   QkvArgs qa{qkv_.as<float>(),
              n,
              nq,
@@ -330,7 +330,7 @@ Status CudaQwen3MoeModel::enqueue_attention(Layer& L, int n) {
   FLEX_CUDA_TRY(attention(dtype_, aa, s));
   // x += attn @ o_proj^T.
   FLEX_RETURN_IF_ERROR(
-      blas_.gemm_nt(dtype_, attn_.data(), n, q_dim, L.w_o.data(), H, DType::kF32, x, 1.f, 1.f));
+      blas_.linear(dtype_, attn_.data(), n, q_dim, L.w_o.data(), H, x, /*accumulate=*/true));
   FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.post_norm.as<float>(), n, H, eps, h_.data(), s));
   return Status();
 }
@@ -346,9 +346,9 @@ Status CudaQwen3MoeModel::enqueue_mlp(Layer& L, int n) {
   }
   const int I = c.intermediate_size;
   FLEX_RETURN_IF_ERROR(
-      blas_.gemm_nt(dtype_, h_.data(), n, H, L.w_gu.data(), 2 * I, DType::kF32, gu_.data()));
+      blas_.linear(dtype_, h_.data(), n, H, L.w_gu.data(), 2 * I, gu_.as<float>(), false));
   FLEX_CUDA_TRY(silu_mul(dtype_, gu_.as<float>(), n, I, act_.data(), s));
-  return blas_.gemm_nt(dtype_, act_.data(), n, I, L.w_down.data(), H, DType::kF32, x, 1.f, 1.f);
+  return blas_.linear(dtype_, act_.data(), n, I, L.w_down.data(), H, x, /*accumulate=*/true);
 }
 
 Status CudaQwen3MoeModel::enqueue_head(int num_rows) {

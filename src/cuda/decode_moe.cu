@@ -7,33 +7,11 @@
 
 #include "cuda/decode_moe.h"
 #include "cuda/device_util.cuh"
+#include "cuda/pdl.cuh"
 #include "cuda/topk.cuh"
 
 namespace flexpert::cuda {
 namespace {
-
-// Programmatic dependent launch: wait for the preceding grid (complete, memory
-// visible); let the following grid start. No-ops when launched without the attribute.
-__device__ __forceinline__ void grid_dep_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void grid_dep_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-// A 16-byte weight load that skips L1 (streamed once). Volatile: issued where written
-// (before a grid_dep_wait that follows it).
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 // ---- 1. Router GEMV + (last block) top-k and slot statistics.
 constexpr int kRouteWarps = 8, kRouteChunks = 8;
@@ -242,29 +220,10 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_combine_kernel
   }
 }
 
-bool pdl_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("FLEXPERT_NO_PDL");
-    return v == nullptr || v[0] == '\0' || v[0] == '0';
-  }();
-  return on;
-}
-
 template <typename Kernel>
 cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream,
                    const DecodeMoeArgs& args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args);
-  return err != cudaSuccess ? err : cudaGetLastError();
+  return launch_pdl(kernel, grid, block, 0, stream, args);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.h"
+#include "cuda/pdl.cuh"
 #include "cuda/topk.cuh"
 
 namespace flexpert::cuda {
@@ -41,10 +42,105 @@ __global__ void rms_norm_kernel(const float* x, const int32_t* row_index, const 
   for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = from_f32<T>(xr[i] * inv * weight[i]);
 }
 
+// rms_norm_kernel for rows of dim % 4 == 0 and dim <= 4 * kRmsThreads * kRmsVec: a thread
+// keeps its float4s of the row in registers, all its loads in flight at once, and reads
+// the row once (a batch-1 decode step runs two of these per layer on one block each).
+constexpr int kRmsThreads = 256, kRmsVec = 8;
+template <typename T>
+__global__ void __launch_bounds__(kRmsThreads)
+    rms_norm_vec_kernel(const float* x, const int32_t* row_index, const float* weight, int dim,
+                        float eps, T* out) {
+  grid_dep_wait();
+  grid_dep_launch();
+  const int r = blockIdx.x;
+  const int src = row_index != nullptr ? row_index[r] : r;
+  const float4* xr = reinterpret_cast<const float4*>(x + static_cast<int64_t>(src) * dim);
+  const int n4 = dim / 4;
+  float4 v[kRmsVec];
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < kRmsVec; ++k) {
+    const int i = threadIdx.x + k * kRmsThreads;
+    v[k] = i < n4 ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+#pragma unroll
+  for (int k = 0; k < kRmsVec; ++k)
+    ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+  ss = block_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+  const float4* w4 = reinterpret_cast<const float4*>(weight);
+  T* o = out + static_cast<int64_t>(r) * dim;
+#pragma unroll
+  for (int k = 0; k < kRmsVec; ++k) {
+    const int i = threadIdx.x + k * kRmsThreads;
+    if (i >= n4) break;
+    const float4 w = w4[i];
+    o[4 * i] = from_f32<T>(v[k].x * inv * w.x);
+    o[4 * i + 1] = from_f32<T>(v[k].y * inv * w.y);
+    o[4 * i + 2] = from_f32<T>(v[k].z * inv * w.z);
+    o[4 * i + 3] = from_f32<T>(v[k].w * inv * w.w);
+  }
+}
+
+// gemv_nt: warp (block b, warp v) computes column c = b * kGemvWarps + v for all M rows.
+// Lane l takes the 16-byte chunks l, l + 32, ... of the column's weight row, kGemvLoads
+// of them loaded before their FMAs; the rows of x (a few KB) come through L1.
+constexpr int kGemvWarps = 8, kGemvLoads = 8;
+template <int M>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    gemv_nt_kernel(const bf16* x, int k, const bf16* w, int n, float* y, bool accumulate) {
+  const int lane = threadIdx.x % 32;
+  // A warp past the last column streams the last one's weights and stores nothing: it
+  // must still wait (pdl.cuh).
+  const int warp_col = blockIdx.x * kGemvWarps + threadIdx.x / 32;
+  const int col = min(warp_col, n - 1);
+  const uint4* wr = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(col) * k);
+  const int chunks = k / 8;
+  float acc[M];
+#pragma unroll
+  for (int r = 0; r < M; ++r) acc[r] = 0.f;
+  for (int c0 = 0; c0 < chunks; c0 += 32 * kGemvLoads) {
+    uint4 raw[kGemvLoads];
+#pragma unroll
+    for (int u = 0; u < kGemvLoads; ++u) {
+      const int c = c0 + lane + 32 * u;
+      if (c < chunks) raw[u] = ld_stream(wr + c);
+    }
+    if (c0 == 0) {  // The weights are constant: their first loads go before the wait for x.
+      grid_dep_wait();
+      grid_dep_launch();
+    }
+#pragma unroll
+    for (int u = 0; u < kGemvLoads; ++u) {
+      const int c = c0 + lane + 32 * u;
+      if (c >= chunks) break;
+      float wv[8];
+      bf16x8(raw[u], wv);
+#pragma unroll
+      for (int r = 0; r < M; ++r) {
+        float xv[8];
+        load8(x + static_cast<int64_t>(r) * k + 8 * c, xv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[r] += xv[i] * wv[i];
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < M; ++r) {
+    const float v = warp_sum(acc[r]);
+    if (warp_col < n && lane == r) {
+      float* o = y + static_cast<int64_t>(r) * n + col;
+      *o = accumulate ? *o + v : v;
+    }
+  }
+}
+
 // One warp per (token, head). NOTE: head_dim <= 256 (the smem row).
 template <typename T>
 __global__ void qk_norm_rope_kernel(QkvArgs a) {
   __shared__ float v[256];
+  grid_dep_wait();
+  grid_dep_launch();
   const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
   const int D = a.head_dim, nq = a.num_q_heads, nkv = a.num_kv_heads;
   const int64_t row_len = static_cast<int64_t>(nq + 2 * nkv) * D;
@@ -784,6 +880,11 @@ cudaError_t embedding(DType dtype, const void* table, const int32_t* ids, int nu
 cudaError_t rms_norm(DType dtype, const float* x, const int32_t* row_index, const float* weight,
                      int rows, int dim, float eps, void* out, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
+  if (dim % 4 == 0 && dim <= 4 * kRmsThreads * kRmsVec) {
+    FLEX_DISPATCH_DTYPE(
+        dtype, return launch_pdl(rms_norm_vec_kernel<T>, dim3(rows), dim3(kRmsThreads), 0, stream,
+                                 x, row_index, weight, dim, eps, static_cast<T*>(out)));
+  }
   FLEX_DISPATCH_DTYPE(dtype, rms_norm_kernel<T><<<rows, 256, 0, stream>>>(
                                  x, row_index, weight, dim, eps, static_cast<T*>(out)));
   return cudaGetLastError();
@@ -793,8 +894,29 @@ cudaError_t qk_norm_rope_store(DType dtype, const QkvArgs& args, cudaStream_t st
   if (args.num_tokens == 0) return cudaSuccess;
   if (args.head_dim > 256 || args.head_dim % 2 != 0) return cudaErrorInvalidValue;
   const dim3 grid(args.num_tokens, args.num_q_heads + 2 * args.num_kv_heads);
-  FLEX_DISPATCH_DTYPE(dtype, qk_norm_rope_kernel<T><<<grid, 32, 0, stream>>>(args));
-  return cudaGetLastError();
+  FLEX_DISPATCH_DTYPE(dtype,
+                      return launch_pdl(qk_norm_rope_kernel<T>, grid, dim3(32), 0, stream, args));
+  return cudaErrorInvalidValue;
+}
+
+bool gemv_nt_fits(DType dtype, int64_t m, int64_t k) {
+  return dtype == DType::kBF16 && m >= 1 && m <= kGemvMaxRows && k >= 8 && k % 8 == 0;
+}
+
+cudaError_t gemv_nt(const void* x, int m, int k, const void* w, int n, float* y, bool accumulate,
+                    cudaStream_t stream) {
+  if (m == 0 || n == 0) return cudaSuccess;
+  if (m > kGemvMaxRows || k < 8 || k % 8 != 0) return cudaErrorInvalidValue;
+  const unsigned blocks = static_cast<unsigned>((n + kGemvWarps - 1) / kGemvWarps);
+  const bf16* xb = static_cast<const bf16*>(x);
+  const bf16* wb = static_cast<const bf16*>(w);
+  using Kernel = void (*)(const bf16*, int, const bf16*, int, float*, bool);
+  static constexpr Kernel kKernels[kGemvMaxRows] = {
+      gemv_nt_kernel<1>, gemv_nt_kernel<2>, gemv_nt_kernel<3>, gemv_nt_kernel<4>,
+      gemv_nt_kernel<5>, gemv_nt_kernel<6>, gemv_nt_kernel<7>, gemv_nt_kernel<8>};
+  static_assert(kGemvMaxRows == 8);
+  return launch_pdl(kKernels[m - 1], dim3(blocks), dim3(kGemvWarps * 32), 0, stream, xb, k, wb, n,
+                    y, accumulate);
 }
 
 cudaError_t silu_mul(DType dtype, const float* gu, int rows, int inter, void* out,

@@ -26,6 +26,16 @@ cudaError_t embedding(DType dtype, const void* table, const int32_t* ids, int nu
 
 // out[r, :] = x[src, :] / sqrt(mean(x[src, :]^2) + eps) * weight in `dtype`, with
 // src = row_index ? row_index[r] : r.
+// y[m, n] = x[m, k] w[n, k]^T, plus y when `accumulate`: bf16 x and w, f32 y and
+// accumulation; the dense projections of decode steps (m <= kGemvMaxRows, k % 8 == 0, k > 0),
+// where cuBLAS's kernels read the weights at ~2 TB/s and split K for some shapes (a
+// second kernel). A warp per output column streams its weight row with 16-byte loads,
+// eight in flight per lane.
+inline constexpr int kGemvMaxRows = 8;
+bool gemv_nt_fits(DType dtype, int64_t m, int64_t k);
+cudaError_t gemv_nt(const void* x, int m, int k, const void* w, int n, float* y, bool accumulate,
+                    cudaStream_t stream);
+
 cudaError_t rms_norm(DType dtype, const float* x, const int32_t* row_index, const float* weight,
                      int rows, int dim, float eps, void* out, cudaStream_t stream);
 

@@ -282,7 +282,8 @@ constexpr int kWsBN = 256, kWsThreads = 384;
 constexpr int kEpiBoxBytes = 64 * 128, kEpiBufBytes = 2 * kEpiBoxBytes;
 // wgmma_ws_kernel's flags: the epilogue by TMA (store_block_tma), units handed out by
 // GroupedGemmArgs::sched.
-constexpr int kWsTmaStore = 1, kWsDynamic = 2;
+// A tile of at most 64 rows (a slot's last) split between the consumers by columns.
+constexpr int kWsTmaStore = 1, kWsDynamic = 2, kWsSplitTail = 4;
 template <int BM>
 __host__ __device__ constexpr int ws_stages() {
   return BM == 128 ? 4 : 5;
@@ -529,7 +530,8 @@ __device__ __forceinline__ void produce_unit(const GroupedGemmArgs& g, const CUt
                                              const CUtensorMap& tmap_b, int tile, int n0,
                                              uint32_t smem, uint32_t full_bar, uint32_t empty_bar,
                                              int& stage, uint32_t& phase, int& j,
-                                             int32_t* counter = nullptr, int* next = nullptr) {
+                                             int32_t* counter = nullptr, int* next = nullptr,
+                                             bool split_tail = false) {
   constexpr int kABytes = BM * 128, kBBytes = BN * 128, kStageBytes = kABytes + kBBytes;
   constexpr int kARows = BM / 16;  // A rows per producer thread per stage.
   constexpr int kLag = S - 2;
@@ -540,6 +542,8 @@ __device__ __forceinline__ void produce_unit(const GroupedGemmArgs& g, const CUt
   const int slot = g.tile_slot[tile];
   const int row0 = g.tile_row0[tile];
   const int row_end = g.offsets[slot + 1];
+  // A tile the consumers split by columns reads A rows 0..63 only.
+  const bool half_a = split_tail && BM == 128 && row_end - row0 <= 64;
   const int b_row = static_cast<int>(slot * (g.slot_stride / K) + g.weight_offset / K) + n0;
   const bf16* A = static_cast<const bf16*>(g.a);
   const bf16* a_src[kARows];
@@ -564,7 +568,8 @@ __device__ __forceinline__ void produce_unit(const GroupedGemmArgs& g, const CUt
     if (!TMA_A) {
 #pragma unroll
       for (int i = 0; i < kARows; ++i) {
-        cp_async16(base + a_dst0 + i * 16 * 128, a_src[i] + kt * kWgBK);
+        if (i < kARows / 2 || !half_a)
+          cp_async16(base + a_dst0 + i * 16 * 128, a_src[i] + kt * kWgBK);
       }
       asm volatile("cp.async.commit_group;\n" ::: "memory");
       if (j >= kLag) {
@@ -590,6 +595,40 @@ __device__ __forceinline__ void produce_done(uint32_t full_bar, int j) {
   for (int i = max(j - (S - 2), 0); i < j; ++i) mbar_arrive(full_bar + 8 * (i % S));
 }
 
+#if FLEX_HAS_WGMMA
+// A consumer warpgroup's mainloop over one unit: per K step, wait for the stage, issue
+// its wgmma (A at a_off, B at b_off in the stage) and free the previous stage once this
+// step's group is issued and the previous one retired (one group in flight).
+template <int CN, int S, int kStageBytes>
+__device__ __forceinline__ void consume_unit(float (&d)[CN / 2], uint32_t smem, uint32_t a_off,
+                                             uint32_t b_off, uint32_t full_bar, uint32_t empty_bar,
+                                             int num_k_tiles, int lane, int& stage,
+                                             uint32_t& phase) {
+  int prev = 0;
+  for (int kt = 0; kt < num_k_tiles; ++kt) {
+    mbar_wait(full_bar + 8 * stage, phase);
+    const uint32_t base = smem + stage * kStageBytes;
+    const uint64_t da = smem_desc(base + a_off);
+    const uint64_t db = smem_desc(base + b_off);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < kWgBK / 16; ++kk) {
+      wgmma_tile<CN>(d, da + 2 * kk, db + 2 * kk, kt > 0 || kk > 0 ? 1 : 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    if (kt > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev);
+    prev = stage;
+    if (++stage == S) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  if (lane == 0) mbar_arrive(empty_bar + 8 * prev);
+}
+#endif
+
 template <int BM, bool TMA_A>
 __global__ void __launch_bounds__(kWsThreads, 1)
     wgmma_ws_kernel(const GroupedGemmArgs g, const __grid_constant__ CUtensorMap tmap_b,
@@ -606,6 +645,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const UnitQueue queue{empty_bar + 8 * S, empty_bar + 8 * S + 8 * kUnitSlots,
                         empty_bar + 8 * S + 16 * kUnitSlots};
   const bool tma_store = (flags & kWsTmaStore) != 0;
+  const bool split_tail = (flags & kWsSplitTail) != 0;
   int32_t* const counter = (flags & kWsDynamic) != 0 ? g.sched : nullptr;
   const int tid = threadIdx.x;
   const int wg = tid / 128;
@@ -632,7 +672,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       int tile, nblk;
       ws_unit(u, num_tiles, nb, group, tile, nblk);
       produce_unit<S, BM, kWsBN, TMA_A>(g, tmap_a, tmap_b, tile, nblk * kWsBN, smem, full_bar,
-                                        empty_bar, stage, phase, j, counter, &next);
+                                        empty_bar, stage, phase, j, counter, &next, split_tail);
     }
     produce_done<S, TMA_A>(full_bar, j);
     if (counter != nullptr && tid == 0) {
@@ -666,6 +706,15 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       const int slot = g.tile_slot[tile];
       const int m0 = g.tile_row0[tile] + (BM == 128 ? c * 64 : 0);
       const int row_end = g.offsets[slot + 1];
+      if (BM == 128 && split_tail && row_end - g.tile_row0[tile] <= 64) {
+        // A slot's last tile of at most 64 rows: both consumers on its rows, consumer c on
+        // columns 128c.. (m64n128), as in BM = 64, instead of one on all 256 columns.
+        float e[64];
+        consume_unit<128, S, kStageBytes>(e, smem, 0, kABytes + c * 128 * 128, full_bar, empty_bar,
+                                          num_k_tiles, lane, stage, phase);
+        store_block<128>(g, e, g.tile_row0[tile], row_end, nblk * kWsBN + c * 128, warp, lane);
+        continue;
+      }
       if (m0 >= row_end) {
         // No rows here: only pass the stages on.
         for (int kt = 0; kt < num_k_tiles; ++kt) {
@@ -679,28 +728,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         continue;
       }
       float d[CN / 2];
-      int prev = 0;
-      for (int kt = 0; kt < num_k_tiles; ++kt) {
-        mbar_wait(full_bar + 8 * stage, phase);
-        const uint32_t base = smem + stage * kStageBytes;
-        const uint64_t da = smem_desc(base + a_off);
-        const uint64_t db = smem_desc(base + b_off);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int kk = 0; kk < kWgBK / 16; ++kk) {
-          wgmma_tile<CN>(d, da + 2 * kk, db + 2 * kk, kt > 0 || kk > 0 ? 1 : 0);
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        if (kt > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev);
-        prev = stage;
-        if (++stage == S) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-      if (lane == 0) mbar_arrive(empty_bar + 8 * prev);
+      consume_unit<CN, S, kStageBytes>(d, smem, a_off, b_off, full_bar, empty_bar, num_k_tiles,
+                                       lane, stage, phase);
       if (BM == 128 && tma_store && m0 + 64 <= row_end) {
         store_block_tma<CN>(g, d, tmap_out, epi_buf, m0, n0, warp, lane, 1 + c);
       } else {
@@ -986,7 +1015,11 @@ cudaError_t launch_ws_kernel(const GroupedGemmArgs& g, const CUtensorMap& map_b,
   const int group = group_env > 0   ? group_env
                     : group_env < 0 ? std::max(1, g.max_tiles)
                                     : std::max(1, std::min(grid, sm_count()) / nb);
-  const int flags = (map_out != nullptr ? kWsTmaStore : 0) | (dynamic ? kWsDynamic : 0);
+  // FLEXPERT_WS_SPLIT_TAIL=0: a slot's last tile of <= 64 rows runs one consumer on all
+  // 256 columns while the other idles (experiments).
+  static const int split_env = env_int("FLEXPERT_WS_SPLIT_TAIL", 1);
+  const int flags = (map_out != nullptr ? kWsTmaStore : 0) | (dynamic ? kWsDynamic : 0) |
+                    (BM == 128 && split_env != 0 ? kWsSplitTail : 0);
   wgmma_ws_kernel<BM, TMA_A><<<grid, kWsThreads, ws_smem_bytes<BM>(), stream>>>(
       g, map_b, map_a, map_out != nullptr ? *map_out : map_b, group, flags);
   return cudaGetLastError();

@@ -570,6 +570,132 @@ TEST_P(CudaAttentionTest, MatchesCpuAttention) {
   EXPECT_LT(err_split, bf ? 1e-2 : 1e-5);
 }
 
+// One decode token (8 heads -> 64 splits, the most): contexts whose chunks fill none to
+// all of the splits past the first 32 (the merge's two halves, its loads in flight).
+TEST(CudaAttentionSplitTest, OneDecodeTokenOverSixtyFourSplits) {
+  FLEX_SKIP_WITHOUT_GPU();
+  const int nq = 8, nkv = 2, D = 128, max_seq_len = 2112;
+  std::mt19937 rng(11);
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    const bool bf = dtype == DType::kBF16;
+    auto maybe_round = [&](std::vector<float> v) { return bf ? round_bf16(std::move(v)) : v; };
+    const size_t cache_n = static_cast<size_t>(max_seq_len) * nkv * D;
+    const std::vector<float> kc = maybe_round(uniform(cache_n, 1.f, rng));
+    const std::vector<float> vc = maybe_round(uniform(cache_n, 1.f, rng));
+    auto k_d = to_device(kc, dtype);
+    auto v_d = to_device(vc, dtype);
+    auto scratch = cuda::DeviceBuffer::create(cuda::attention_split_floats(D) * sizeof(float));
+    ASSERT_TRUE(scratch.ok());
+    for (int p : {0, 31, 40, 1030, 1100, 2047, 2111}) {
+      const std::vector<float> q = maybe_round(uniform(static_cast<size_t>(nq) * D, 1.f, rng));
+      const float scale = 1.f / std::sqrt(static_cast<float>(D));
+      std::vector<float> want(q.size());
+      kernels::attention(q.data(), kc.data(), vc.data(), 1, p, nq, nkv, D, scale, want.data(),
+                         ThreadPool::global());
+      auto q_d = to_device(q, dtype);
+      auto pos_d = to_device_raw(std::vector<int32_t>{p});
+      auto slot_d = to_device_raw(std::vector<int32_t>{0});
+      auto out_d = cuda::DeviceBuffer::create(q.size() * dtype_size(dtype));
+      ASSERT_TRUE(out_d.ok());
+      cuda::AttentionArgs a{q_d.data(),
+                            k_d.data(),
+                            v_d.data(),
+                            pos_d.as<int32_t>(),
+                            slot_d.as<int32_t>(),
+                            1,
+                            nq,
+                            nkv,
+                            D,
+                            max_seq_len,
+                            scale,
+                            out_d.value().data()};
+      a.split_scratch = scratch.value().as<float>();
+      a.split_capacity = cuda::attention_split_floats(D);
+      ASSERT_EQ(cuda::attention_splits(a), 64);
+      ASSERT_EQ(cuda::attention(dtype, a, nullptr), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const double err = rel_l2(to_host(out_d.value().data(), q.size(), dtype), want);
+      EXPECT_LT(err, bf ? 1e-2 : 1e-5) << dtype_name(dtype) << " at position " << p;
+    }
+  }
+}
+
+// RMSNorm against float64 math: rows by index, the float4 kernel (dim % 4 == 0, up to
+// 8192) and the scalar one (other dims).
+TEST(CudaRmsNormTest, MatchesFloat64) {
+  FLEX_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(5);
+  for (int dim : {36, 2048, 7168, 8192, 6, 8196}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      const int rows = 5, out_rows = 3;
+      const std::vector<float> x = uniform(static_cast<size_t>(rows) * dim, 2.f, rng);
+      const std::vector<float> w = uniform(dim, 1.f, rng);
+      const std::vector<int32_t> index = {4, 0, 2};
+      const float eps = 1e-6f;
+      std::vector<float> want(static_cast<size_t>(out_rows) * dim);
+      for (int r = 0; r < out_rows; ++r) {
+        const float* xr = x.data() + static_cast<size_t>(index[r]) * dim;
+        double ss = 0;
+        for (int i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+        const double inv = 1.0 / std::sqrt(ss / dim + eps);
+        for (int i = 0; i < dim; ++i) want[static_cast<size_t>(r) * dim + i] = xr[i] * inv * w[i];
+      }
+      auto x_d = to_device(x, DType::kF32);
+      auto w_d = to_device(w, DType::kF32);
+      auto index_d = to_device_raw(index);
+      auto out_d = cuda::DeviceBuffer::create(want.size() * dtype_size(dtype));
+      ASSERT_TRUE(out_d.ok());
+      ASSERT_EQ(cuda::rms_norm(dtype, x_d.as<float>(), index_d.as<int32_t>(), w_d.as<float>(),
+                               out_rows, dim, eps, out_d.value().data(), nullptr),
+                cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const double err = rel_l2(to_host(out_d.value().data(), want.size(), dtype), want);
+      EXPECT_LT(err, dtype == DType::kBF16 ? 5e-3 : 1e-6) << "dim " << dim;
+    }
+  }
+}
+
+// gemv_nt (Blas::linear's decode path) against float64 math on the same bf16 values:
+// every row count, a K with a partial last round of loads, accumulating and not.
+TEST(CudaGemvTest, MatchesFloat64) {
+  FLEX_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(3);
+  for (int k : {8, 2048, 4104}) {
+    for (int n : {1, 37, 1030}) {
+      for (int m = 1; m <= cuda::kGemvMaxRows; m += (m < 3 ? 1 : 5)) {
+        const std::vector<float> x = round_bf16(uniform(static_cast<size_t>(m) * k, 1.f, rng));
+        const std::vector<float> w = round_bf16(uniform(static_cast<size_t>(n) * k, 1.f, rng));
+        const std::vector<float> y0 = uniform(static_cast<size_t>(m) * n, 1.f, rng);
+        for (bool accumulate : {false, true}) {
+          std::vector<float> want(y0.size());
+          for (int r = 0; r < m; ++r) {
+            for (int c = 0; c < n; ++c) {
+              double sum = accumulate ? y0[static_cast<size_t>(r) * n + c] : 0.0;
+              for (int i = 0; i < k; ++i) {
+                sum += static_cast<double>(x[static_cast<size_t>(r) * k + i]) *
+                       w[static_cast<size_t>(c) * k + i];
+              }
+              want[static_cast<size_t>(r) * n + c] = static_cast<float>(sum);
+            }
+          }
+          auto x_d = to_device(x, DType::kBF16);
+          auto w_d = to_device(w, DType::kBF16);
+          auto y_d = to_device(y0, DType::kF32);
+          ASSERT_EQ(
+              cuda::gemv_nt(x_d.data(), m, k, w_d.data(), n, y_d.as<float>(), accumulate, nullptr),
+              cudaSuccess);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          const double err = rel_l2(to_host(y_d.data(), want.size(), DType::kF32), want);
+          EXPECT_LT(err, 1e-6) << "m " << m << " k " << k << " n " << n << " acc " << accumulate;
+        }
+      }
+    }
+  }
+  EXPECT_FALSE(cuda::gemv_nt_fits(DType::kF32, 1, 2048));
+  EXPECT_FALSE(cuda::gemv_nt_fits(DType::kBF16, cuda::kGemvMaxRows + 1, 2048));
+  EXPECT_FALSE(cuda::gemv_nt_fits(DType::kBF16, 1, 2044));
+}
+
 INSTANTIATE_TEST_SUITE_P(HeadDims, CudaAttentionTest,
                          ::testing::Values(std::make_pair(DType::kF32, 64),
                                            std::make_pair(DType::kF32, 128),
