@@ -71,8 +71,12 @@ Status Blas::gemm_nt(DType in_dtype, const void* x, int64_t m, int64_t k, const 
 
 Status Blas::linear(DType in_dtype, const void* x, int64_t m, int64_t k, const void* w, int64_t n,
                     float* y, bool accumulate) {
-  static const bool no_gemv = std::getenv("FLEXPERT_NO_GEMV") != nullptr;
-  if (!no_gemv && m <= kLinearGemvRows && gemv_nt_fits(in_dtype, m, k) && n * k <= kLinearGemvMax) {
+  static const int64_t max_rows = [] {
+    if (std::getenv("FLEXPERT_NO_GEMV") != nullptr) return int64_t{0};
+    const char* v = std::getenv("FLEXPERT_GEMV_ROWS");  // Experiments.
+    return v != nullptr ? int64_t{std::atoi(v)} : kLinearGemvRows;
+  }();
+  if (m <= max_rows && gemv_nt_fits(in_dtype, m, k) && n * k <= kLinearGemvMax) {
     FLEX_CUDA_TRY(gemv_nt(x, static_cast<int>(m), static_cast<int>(k), w, static_cast<int>(n), y,
                           accumulate, stream_));
     return Status();

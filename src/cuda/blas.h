@@ -35,13 +35,14 @@ class Blas {
                  DType out_dtype, void* y, float alpha = 1.f, float beta = 0.f);
 
   // A dense layer's y[m, n] (f32) = x[m, k] @ w[n, k]^T, plus y when `accumulate`: bf16
-  // products of one row (a batch-1 decode step) with weights up to kLinearGemvMax
-  // elements by kernels.h's gemv_nt on the handle's stream, the rest by gemm_nt. H200,
-  // 12-layer Qwen3-30B-A3B, batch 1: 1.01 against 1.03-1.04 ms per step with cuBLAS
-  // (its qkv kernel reads at ~2.2 TB/s, o_proj splits K into a second kernel); at 4 rows
-  // the GEMV lost (1.84-1.85 against 1.79-1.80 ms), so rows > 1 stay with cuBLAS. The LM
-  // head too: cuBLAS streams it at ~4.3 TB/s. FLEXPERT_NO_GEMV=1: always gemm_nt.
-  static constexpr int64_t kLinearGemvRows = 1;
+  // products of up to kLinearGemvRows rows (decode steps) with weights up to
+  // kLinearGemvMax elements by kernels.h's gemv_nt on the handle's stream, the rest by
+  // gemm_nt. H200, 12-layer Qwen3-30B-A3B (the attention's qkv and o_proj), ms per step
+  // with the GEMV up to 1 / 2 / 4 / 8 rows: batch 1 0.92 (cuBLAS 1.03), batch 2 1.23 /
+  // 1.21, batch 4 1.72 / 1.72 / 1.78-1.81, batch 8 2.27 / 2.26 / 2.26-2.30 / 2.43-2.45.
+  // The LM head stays with cuBLAS, which streams it at ~4.3 TB/s. FLEXPERT_NO_GEMV=1:
+  // always gemm_nt; FLEXPERT_GEMV_ROWS=N: the GEMV up to N rows (experiments).
+  static constexpr int64_t kLinearGemvRows = 2;
   static constexpr int64_t kLinearGemvMax = int64_t{64} << 20;
   Status linear(DType in_dtype, const void* x, int64_t m, int64_t k, const void* w, int64_t n,
                 float* y, bool accumulate);
