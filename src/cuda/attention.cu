@@ -7,9 +7,12 @@
 // a tensor-core flash kernel would be the next step for long prompts.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <mma.h>
 
 #include <algorithm>
 #include <cfloat>
+#include <cstdlib>
+#include <type_traits>
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.h"
@@ -22,20 +25,16 @@ constexpr int kWarps = 4;
 // Split steps of few (token, head) pairs until about this many warps run.
 constexpr int kSplitTargetWarps = 2048;
 constexpr int kMaxSplits = 64;
+// attention_tile_kernel: query rows and key positions per block and chunk.
+constexpr int kFaRows = kAttentionTileRows, kFaCols = 64, kFaWarps = kFaRows / 16;
 
-// Warp (pair idx, split sp of `splits`) takes the chunks sp, sp + splits, ... of 32
-// positions; with splits > 1 it leaves (m, l, unnormalised acc) for the merge.
+// One warp: pair idx = (token, head), split sp of `splits`: the chunks sp, sp + splits,
+// ... of 32 positions; with splits > 1 it leaves (m, l, unnormalised acc) for the merge
+// in task's place. sq: the warp's D floats of shared memory.
 template <typename T, int D>
-__global__ void __launch_bounds__(kWarps * 32) attention_kernel(AttentionArgs a, int splits) {
+__device__ __forceinline__ void attend(const AttentionArgs& a, int64_t idx, int sp, int splits,
+                                       int64_t task, float* sq, int lane) {
   constexpr int kPerLane = D / 32;
-  __shared__ __align__(16) float sq[kWarps][D];
-  grid_dep_wait();
-  grid_dep_launch();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t task = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  const int64_t idx = task / splits;
-  const int sp = static_cast<int>(task % splits);
-  if (idx >= static_cast<int64_t>(a.num_tokens) * a.num_q_heads) return;
   const int t = static_cast<int>(idx / a.num_q_heads);
   const int h = static_cast<int>(idx % a.num_q_heads);
   const int kvh = h / (a.num_q_heads / a.num_kv_heads);
@@ -50,7 +49,7 @@ __global__ void __launch_bounds__(kWarps * 32) attention_kernel(AttentionArgs a,
     return;
   }
   const T* q = static_cast<const T*>(a.q) + idx * D;
-  for (int d = lane; d < D; d += 32) sq[warp][d] = to_f32(q[d]);
+  for (int d = lane; d < D; d += 32) sq[d] = to_f32(q[d]);
   __syncwarp();
   const int64_t pos_stride = static_cast<int64_t>(a.num_kv_heads) * D;
   const int64_t base = static_cast<int64_t>(a.kv_slots[t]) * a.max_seq_len * pos_stride +
@@ -72,7 +71,7 @@ __global__ void __launch_bounds__(kWarps * 32) attention_kernel(AttentionArgs a,
         float kv[8];
         load8(kr + d, kv);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) dot += sq[warp][d + i] * kv[i];
+        for (int i = 0; i < 8; ++i) dot += sq[d + i] * kv[i];
       }
       s = dot * a.scale;
     }
@@ -121,6 +120,24 @@ __global__ void __launch_bounds__(kWarps * 32) attention_kernel(AttentionArgs a,
   const float inv = 1.0f / l;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) o[lane + 32 * i] = from_f32<T>(acc[i] * inv);
+}
+
+// A warp per (token, head, split).
+// A warp per (token, head, split); with tile_done, not the tokens of tiles of kFaRows
+// tokens that attention_tile_kernel computed.
+template <typename T, int D>
+__global__ void __launch_bounds__(kWarps * 32)
+    attention_kernel(AttentionArgs a, int splits, const float* tile_done) {
+  __shared__ __align__(16) float sq[kWarps][D];
+  grid_dep_wait();
+  grid_dep_launch();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t task = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const int64_t idx = task / splits;
+  const int sp = static_cast<int>(task % splits);
+  if (idx >= static_cast<int64_t>(a.num_tokens) * a.num_q_heads) return;
+  if (tile_done != nullptr && tile_done[idx / a.num_q_heads / kFaRows] != 0.f) return;
+  attend<T, D>(a, idx, sp, splits, task, sq[warp], lane);
 }
 
 // One warp per (token, head): the splits' softmaxes rescaled to their common maximum.
@@ -189,13 +206,176 @@ __global__ void __launch_bounds__(kWarps * 32) attention_merge_kernel(AttentionA
   for (int i = 0; i < kPerLane; ++i) o[lane + 32 * i] = from_f32<T>(acc[i] * inv);
 }
 
+// Prefill on tensor cores (bf16, head_dim 64 or 128): a block of kFaWarps warps takes
+// kFaRows query rows of one head when they are one sequence's consecutive positions in
+// one KV slot, and says so in split_scratch[tile] (1, else 0: attention_kernel, launched
+// next with those flags, takes the rows of other tiles, a warp per row). Per
+// chunk of kFaCols positions (up to the block's last row, causal): K and V rows into
+// shared memory; warp w computes its 16 rows' scores S = Q K^T (WMMA 16 x 16 x 16, f32),
+// the online softmax on them (two lanes per row), P in bf16, and O += P V with O kept
+// in shared memory (f32), rescaled per row as the maximum moves. Scores and sums are f32
+// (P rounded to bf16 for the product, as flash attention does).
+template <int D>
+constexpr size_t fa_smem_bytes() {
+  return (3 * kFaRows * (D + 8)) * sizeof(bf16) + kFaWarps * 16 * (kFaCols + 4) * sizeof(float) +
+         kFaWarps * 16 * (kFaCols + 8) * sizeof(bf16) + kFaWarps * 16 * (D + 4) * sizeof(float);
+}
+
+template <int D>
+__global__ void __launch_bounds__(kFaWarps * 32) attention_tile_kernel(AttentionArgs a) {
+  namespace wmma = nvcuda::wmma;
+  constexpr int LQ = D + 8, LS = kFaCols + 4, LP = kFaCols + 8, LO = D + 4;
+  extern __shared__ __align__(128) unsigned char fa_smem[];
+  bf16* sQ = reinterpret_cast<bf16*>(fa_smem);                    // [kFaRows][LQ]
+  bf16* sK = sQ + kFaRows * LQ;                                   // [kFaCols][LQ]
+  bf16* sV = sK + kFaCols * LQ;                                   // [kFaCols][LQ]
+  float* sS = reinterpret_cast<float*>(sV + kFaCols * LQ);        // [warps][16][LS]
+  bf16* sP = reinterpret_cast<bf16*>(sS + kFaWarps * 16 * LS);    // [warps][16][LP]
+  float* sO = reinterpret_cast<float*>(sP + kFaWarps * 16 * LP);  // [warps][16][LO]
+  grid_dep_wait();
+  grid_dep_launch();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t0 = blockIdx.x * kFaRows, h = blockIdx.y, nq = a.num_q_heads;
+  const int rows = min(kFaRows, a.num_tokens - t0);
+  const int p0 = a.positions[t0], slot = a.kv_slots[t0];
+  const int i = threadIdx.x;
+  const bool same = i >= rows || (a.kv_slots[t0 + i] == slot && a.positions[t0 + i] == p0 + i);
+  const bool uniform = __syncthreads_and(same);
+  if (h == 0 && threadIdx.x == 0) a.split_scratch[blockIdx.x] = uniform ? 1.f : 0.f;
+  if (!uniform) return;  // attention_kernel takes these rows, a warp per row.
+  const int kvh = h / (nq / a.num_kv_heads);
+  const int64_t pos_stride = static_cast<int64_t>(a.num_kv_heads) * D;
+  const bf16* kc = static_cast<const bf16*>(a.k_cache) +
+                   static_cast<int64_t>(slot) * a.max_seq_len * pos_stride + kvh * D;
+  const bf16* vc = static_cast<const bf16*>(a.v_cache) +
+                   static_cast<int64_t>(slot) * a.max_seq_len * pos_stride + kvh * D;
+  constexpr int kChunks = D / 8;  // 16-byte pieces of a row.
+  for (int c = threadIdx.x; c < kFaRows * kChunks; c += kFaWarps * 32) {
+    const int r = c / kChunks, k = c % kChunks;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < rows) {
+      v = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.q) +
+                                          (static_cast<int64_t>(t0 + r) * nq + h) * D + 8 * k);
+    }
+    *reinterpret_cast<uint4*>(sQ + r * LQ + 8 * k) = v;
+  }
+  float* oW = sO + warp * 16 * LO;
+  for (int c = lane; c < 16 * D; c += 32) oW[(c / D) * LO + c % D] = 0.f;
+  // Lanes 2r and 2r + 1 own row r of the warp's 16: columns 32 (lane % 2) .. + 31 of S,
+  // D / 2 (lane % 2) .. of O.
+  const int r = lane / 2, half = lane % 2;
+  const int prow = p0 + warp * 16 + r;  // The row's position (rows past `rows` are ignored).
+  float m = -FLT_MAX, l = 0.f;
+  const int len = p0 + rows;  // Positions the block's last row sees.
+  for (int c0 = 0; c0 < len; c0 += kFaCols) {
+    __syncthreads();  // The previous chunk's K and V are read.
+    for (int c = threadIdx.x; c < kFaCols * kChunks; c += kFaWarps * 32) {
+      const int j = c / kChunks, k = c % kChunks;
+      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+      if (c0 + j < len) {
+        kv = *reinterpret_cast<const uint4*>(kc + (c0 + j) * pos_stride + 8 * k);
+        vv = *reinterpret_cast<const uint4*>(vc + (c0 + j) * pos_stride + 8 * k);
+      }
+      *reinterpret_cast<uint4*>(sK + j * LQ + 8 * k) = kv;
+      *reinterpret_cast<uint4*>(sV + j * LQ + 8 * k) = vv;
+    }
+    __syncthreads();
+    float* sW = sS + warp * 16 * LS;
+#pragma unroll
+    for (int j = 0; j < kFaCols / 16; ++j) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+#pragma unroll
+      for (int k = 0; k < D / 16; ++k) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb;
+        wmma::load_matrix_sync(fa, sQ + warp * 16 * LQ + 16 * k, LQ);
+        wmma::load_matrix_sync(fb, sK + 16 * j * LQ + 16 * k, LQ);  // K^T.
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(sW + 16 * j, acc, LS, wmma::mem_row_major);
+    }
+    __syncwarp();
+    // Online softmax of row r over this chunk's columns 32 half .. + 31.
+    float sv[32];
+    float mx = -FLT_MAX;
+#pragma unroll
+    for (int q = 0; q < 32; ++q) {
+      const int col = 32 * half + q;
+      const float x = sW[r * LS + col] * a.scale;
+      sv[q] = c0 + col <= prow ? x : -FLT_MAX;
+      mx = fmaxf(mx, sv[q]);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    const float m_new = fmaxf(m, mx);
+    float sum = 0.f;
+    bf16* pW = sP + warp * 16 * LP + r * LP + 32 * half;
+#pragma unroll
+    for (int q = 0; q < 32; ++q) {
+      const float p = sv[q] > -FLT_MAX ? expf(sv[q] - m_new) : 0.f;
+      sum += p;
+      pW[q] = __float2bfloat16_rn(p);
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    const float corr = m > -FLT_MAX ? expf(m - m_new) : 0.f;
+    l = l * corr + sum;
+    m = m_new;
+    float* oRow = oW + r * LO + (D / 2) * half;
+#pragma unroll 8
+    for (int d = 0; d < D / 2; ++d) oRow[d] *= corr;
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::load_matrix_sync(acc, oW + 16 * j, LO, wmma::mem_row_major);
+#pragma unroll
+      for (int k = 0; k < kFaCols / 16; ++k) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> fb;
+        wmma::load_matrix_sync(fa, sP + warp * 16 * LP + 16 * k, LP);
+        wmma::load_matrix_sync(fb, sV + 16 * k * LQ + 16 * j, LQ);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(oW + 16 * j, acc, LO, wmma::mem_row_major);
+    }
+    __syncwarp();
+  }
+  if (warp * 16 + r < rows) {
+    bf16* o = static_cast<bf16*>(a.out) + (static_cast<int64_t>(t0 + warp * 16 + r) * nq + h) * D +
+              (D / 2) * half;
+    const float inv = 1.0f / l;
+    const float* oRow = oW + r * LO + (D / 2) * half;
+    for (int d = 0; d < D / 2; ++d) o[d] = __float2bfloat16_rn(oRow[d] * inv);
+  }
+}
+
 template <typename T, int D>
 cudaError_t launch_dim(const AttentionArgs& a, cudaStream_t stream) {
   const int splits = attention_splits(a);
   const int64_t pairs = static_cast<int64_t>(a.num_tokens) * a.num_q_heads;
   const unsigned blocks = static_cast<unsigned>((pairs * splits + kWarps - 1) / kWarps);
-  cudaError_t err =
-      launch_pdl(attention_kernel<T, D>, dim3(blocks), dim3(kWarps * 32), 0, stream, a, splits);
+  const float* tile_done = nullptr;
+  if constexpr (std::is_same_v<T, bf16> && (D == 64 || D == 128)) {
+    static const bool no_tiles = std::getenv("FLEXPERT_NO_ATTENTION_TILES") != nullptr;
+    const int tiles = (a.num_tokens + kFaRows - 1) / kFaRows;
+    if (a.tiles && splits == 1 && !no_tiles && a.split_scratch != nullptr &&
+        tiles <= a.split_capacity) {
+      static bool attribute_set = false;  // At the first (eager) launch.
+      if (!attribute_set) {
+        const cudaError_t e = cudaFuncSetAttribute(attention_tile_kernel<D>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(fa_smem_bytes<D>()));
+        if (e != cudaSuccess) return e;
+        attribute_set = true;
+      }
+      const cudaError_t e = launch_pdl(attention_tile_kernel<D>, dim3(tiles, a.num_q_heads),
+                                       dim3(kFaWarps * 32), fa_smem_bytes<D>(), stream, a);
+      if (e != cudaSuccess) return e;
+      tile_done = a.split_scratch;
+    }
+  }
+  cudaError_t err = launch_pdl(attention_kernel<T, D>, dim3(blocks), dim3(kWarps * 32), 0, stream,
+                               a, splits, tile_done);
   if (err != cudaSuccess || splits == 1) return err;
   const unsigned merge_blocks = static_cast<unsigned>((pairs + kWarps - 1) / kWarps);
   return launch_pdl(attention_merge_kernel<T, D>, dim3(merge_blocks), dim3(kWarps * 32), 0, stream,

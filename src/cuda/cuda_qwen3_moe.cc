@@ -327,6 +327,7 @@ Status CudaQwen3MoeModel::enqueue_attention(Layer& L, int n) {
                    attn_.data(),
                    attn_split_.as<float>(),
                    static_cast<int64_t>(attn_split_.num_bytes() / sizeof(float))};
+  aa.tiles = attention_tiles_;
   FLEX_CUDA_TRY(attention(dtype_, aa, s));
   // x += attn @ o_proj^T.
   FLEX_RETURN_IF_ERROR(
@@ -362,6 +363,7 @@ Status CudaQwen3MoeModel::enqueue_head(int num_rows) {
 }
 
 Status CudaQwen3MoeModel::enqueue_step(int n, int num_rows) {
+  attention_tiles_ = n - num_rows >= kAttentionTileRows / 2;
   FLEX_CUDA_TRY(embedding(dtype_, embed_.data(), in_.ids, n, config_.hidden_size, x_.as<float>(),
                           stream_.get()));
   for (Layer& L : layers_) {

@@ -121,6 +121,8 @@ class CudaQwen3MoeModel final : public Model {
   PinnedBuffer host_in_;  // Same layout as inputs_.
   DeviceBuffer x_, h_, qkv_, q_, attn_, gu_, act_, last_h_, logits_;
   DeviceBuffer attn_split_;  // Partial softmaxes of split decode attention (kernels.h).
+  // The step being enqueued has chunks of many tokens (AttentionArgs::tiles).
+  bool attention_tiles_ = false;
   PinnedBuffer host_logits_;
   DeviceBuffer greedy_keys_;  // argmax_rows' keys per logits row, and their host copy.
   PinnedBuffer host_greedy_keys_;

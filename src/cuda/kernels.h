@@ -79,7 +79,12 @@ struct AttentionArgs {
   void* out;
   float* split_scratch = nullptr;
   int64_t split_capacity = 0;
+  // Prefill: bf16 steps of head_dim 64 or 128 (and scratch) run tiles of
+  // kAttentionTileRows query rows of one sequence on tensor cores (a warp per row takes
+  // the rest). The models set it when the step has chunks of many tokens.
+  bool tiles = false;
 };
+inline constexpr int kAttentionTileRows = 64;
 cudaError_t attention(DType dtype, const AttentionArgs& args, cudaStream_t stream);
 int64_t attention_split_floats(int head_dim);
 // The number of warps a (token, head) pair gets (1 without scratch).

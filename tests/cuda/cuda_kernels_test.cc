@@ -570,6 +570,88 @@ TEST_P(CudaAttentionTest, MatchesCpuAttention) {
   EXPECT_LT(err_split, bf ? 1e-2 : 1e-5);
 }
 
+// Prefill tiles on tensor cores (AttentionArgs::tiles, bf16): tiles of 64 rows of one
+// sequence (from position 10, from 0, a partial last tile) and a tile spanning three
+// sequences, whose rows go a warp per row; against the CPU, and against the kernel
+// without tiles.
+TEST(CudaAttentionTileTest, PrefillTilesMatchCpu) {
+  FLEX_SKIP_WITHOUT_GPU();
+  // 251 tokens x 16 heads: enough pairs for one warp per pair (no splits), as prefill.
+  const int nq = 16, nkv = 2, max_seq_len = 192, num_slots = 3;
+  struct Seq {
+    int slot, start, len;
+  };
+  // Rows 0-99 one sequence, 100 a decode token, 101-250 a third: tiles 0, 2, 3 of one
+  // sequence (3 partial), tile 1 of all three.
+  const std::vector<Seq> seqs = {{2, 10, 100}, {0, 70, 1}, {1, 0, 150}};
+  for (int D : {64, 128}) {
+    std::mt19937 rng(17 + D);
+    const size_t cache_n = static_cast<size_t>(num_slots) * max_seq_len * nkv * D;
+    const std::vector<float> kc = round_bf16(uniform(cache_n, 1.f, rng));
+    const std::vector<float> vc = round_bf16(uniform(cache_n, 1.f, rng));
+    int T = 0;
+    std::vector<int32_t> pos, slot;
+    for (const Seq& sq : seqs) {
+      for (int i = 0; i < sq.len; ++i, ++T) {
+        pos.push_back(sq.start + i);
+        slot.push_back(sq.slot);
+      }
+    }
+    const std::vector<float> q = round_bf16(uniform(static_cast<size_t>(T) * nq * D, 1.f, rng));
+    const float scale = 1.f / std::sqrt(static_cast<float>(D));
+    std::vector<float> want(q.size());
+    int t0 = 0;
+    for (const Seq& sq : seqs) {
+      const size_t off = static_cast<size_t>(sq.slot) * max_seq_len * nkv * D;
+      kernels::attention(q.data() + static_cast<size_t>(t0) * nq * D, kc.data() + off,
+                         vc.data() + off, sq.len, sq.start, nq, nkv, D, scale,
+                         want.data() + static_cast<size_t>(t0) * nq * D, ThreadPool::global());
+      t0 += sq.len;
+    }
+    auto q_d = to_device(q, DType::kBF16);
+    auto k_d = to_device(kc, DType::kBF16);
+    auto v_d = to_device(vc, DType::kBF16);
+    auto pos_d = to_device_raw(pos);
+    auto slot_d = to_device_raw(slot);
+    auto scratch = cuda::DeviceBuffer::create(cuda::attention_split_floats(D) * sizeof(float));
+    ASSERT_TRUE(scratch.ok());
+    auto run = [&](bool tiles) {
+      auto out_d = cuda::DeviceBuffer::create(q.size() * 2);
+      EXPECT_TRUE(out_d.ok());
+      cuda::AttentionArgs a{q_d.data(),
+                            k_d.data(),
+                            v_d.data(),
+                            pos_d.as<int32_t>(),
+                            slot_d.as<int32_t>(),
+                            T,
+                            nq,
+                            nkv,
+                            D,
+                            max_seq_len,
+                            scale,
+                            out_d.value().data()};
+      a.split_scratch = scratch.value().as<float>();
+      a.split_capacity = cuda::attention_split_floats(D);
+      a.tiles = tiles;
+      EXPECT_EQ(cuda::attention_splits(a), 1);
+      EXPECT_EQ(cuda::attention(DType::kBF16, a, nullptr), cudaSuccess);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      return to_host(out_d.value().data(), q.size(), DType::kBF16);
+    };
+    const std::vector<float> tiled = run(true), rows = run(false);
+    const double err = rel_l2(tiled, want), err_rows = rel_l2(rows, want);
+    std::printf("  tiles D=%d: relative L2 vs CPU %.3g (a warp per row: %.3g)\n", D, err, err_rows);
+    EXPECT_LT(err, 1e-2) << "D " << D;
+    // Row by row, the tiles' rows against the CPU: each tile kind is right on its own.
+    for (int t : {0, 63, 64, 100, 101, 127, 128, 200, 250}) {
+      const size_t o = static_cast<size_t>(t) * nq * D;
+      const std::vector<float> got(tiled.begin() + o, tiled.begin() + o + nq * D);
+      const std::vector<float> ref(want.begin() + o, want.begin() + o + nq * D);
+      EXPECT_LT(rel_l2(got, ref), 2e-2) << "D " << D << " row " << t;
+    }
+  }
+}
+
 // One decode token (8 heads -> 64 splits, the most): contexts whose chunks fill none to
 // all of the splits past the first 32 (the merge's two halves, its loads in flight).
 TEST(CudaAttentionSplitTest, OneDecodeTokenOverSixtyFourSplits) {
