@@ -3,8 +3,10 @@
 // NOTE: one warp per (token, query head, split) with an online softmax over chunks of
 // 32 keys (a lane scores one key, then the warp accumulates the 32 values with
 // each lane owning D / 32 output dims); steps of few pairs split the chunks over
-// several warps and merge (kernels.h). Correct for prefill and decode alike;
-// a tensor-core flash kernel would be the next step for long prompts.
+// several warps and merge (kernels.h). Correct for prefill and decode alike. Prefill
+// steps (AttentionArgs::tiles) first run tiles of 64 rows of one sequence on tensor
+// cores (attention_tile_kernel, bf16, head_dim 64 / 128; WMMA, not yet wgmma or
+// registers-resident accumulators as FlashAttention-2/3 keep them).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <mma.h>
