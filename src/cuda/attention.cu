@@ -5,11 +5,10 @@
 // each lane owning D / 32 output dims); steps of few pairs split the chunks over
 // several warps and merge (kernels.h). Correct for prefill and decode alike. Prefill
 // steps (AttentionArgs::tiles) first run tiles of 64 rows of one sequence on tensor
-// cores (attention_tile_kernel, bf16, head_dim 64 / 128; WMMA, not yet wgmma or
-// registers-resident accumulators as FlashAttention-2/3 keep them).
+// cores (attention_tile_kernel, bf16, head_dim 64 / 128; mma.sync with registers as
+// FlashAttention-2 keeps them, not yet wgmma).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-#include <mma.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -211,29 +210,53 @@ __global__ void __launch_bounds__(kWarps * 32) attention_merge_kernel(AttentionA
 // Prefill on tensor cores (bf16, head_dim 64 or 128): a block of kFaWarps warps takes
 // kFaRows query rows of one head when they are one sequence's consecutive positions in
 // one KV slot, and says so in split_scratch[tile] (1, else 0: attention_kernel, launched
-// next with those flags, takes the rows of other tiles, a warp per row). Per
-// chunk of kFaCols positions (up to the block's last row, causal): K and V rows into
-// shared memory; warp w computes its 16 rows' scores S = Q K^T (WMMA 16 x 16 x 16, f32),
-// the online softmax on them (two lanes per row), P in bf16, and O += P V with O kept
-// in shared memory (f32), rescaled per row as the maximum moves. Scores and sums are f32
-// (P rounded to bf16 for the product, as flash attention does).
+// next with those flags, takes the rows of other tiles, a warp per row). Per chunk of
+// kFaCols positions (up to the block's last row, causal) K and V rows go to shared
+// memory; warp w keeps its 16 query rows' fragments, the scores S = Q K^T of the chunk
+// and the output O in registers (mma.sync m16n8k16, bf16 in, f32 accumulation; the
+// layout of FlashAttention-2): a lane holds rows g = lane / 4 and g + 8, columns 2t, 2t + 1
+// (t = lane % 4) of each 8-column block. The online softmax runs on those registers (a
+// row's four lanes reduce by shuffles); P, rounded to bf16, is the next product's A
+// operand as it lies; V comes by ldmatrix.trans. Scores and sums are f32.
 template <int D>
 constexpr size_t fa_smem_bytes() {
-  return (3 * kFaRows * (D + 8)) * sizeof(bf16) + kFaWarps * 16 * (kFaCols + 4) * sizeof(float) +
-         kFaWarps * 16 * (kFaCols + 8) * sizeof(bf16) + kFaWarps * 16 * (D + 4) * sizeof(float);
+  return static_cast<size_t>(3) * kFaRows * (D + 8) * sizeof(bf16);
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+// d (16 x 8, f32) += a (16 x 16, bf16, row-major) b (16 x 8, bf16, "col": b[k][n]).
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 template <int D>
 __global__ void __launch_bounds__(kFaWarps * 32) attention_tile_kernel(AttentionArgs a) {
-  namespace wmma = nvcuda::wmma;
-  constexpr int LQ = D + 8, LS = kFaCols + 4, LP = kFaCols + 8, LO = D + 4;
+  constexpr int LQ = D + 8;  // Row stride in shared memory: ldmatrix rows hit all banks.
+  constexpr int kKSteps = D / 16, kSTiles = kFaCols / 8, kOTiles = D / 8;
   extern __shared__ __align__(128) unsigned char fa_smem[];
-  bf16* sQ = reinterpret_cast<bf16*>(fa_smem);                    // [kFaRows][LQ]
-  bf16* sK = sQ + kFaRows * LQ;                                   // [kFaCols][LQ]
-  bf16* sV = sK + kFaCols * LQ;                                   // [kFaCols][LQ]
-  float* sS = reinterpret_cast<float*>(sV + kFaCols * LQ);        // [warps][16][LS]
-  bf16* sP = reinterpret_cast<bf16*>(sS + kFaWarps * 16 * LS);    // [warps][16][LP]
-  float* sO = reinterpret_cast<float*>(sP + kFaWarps * 16 * LP);  // [warps][16][LO]
+  bf16* sQ = reinterpret_cast<bf16*>(fa_smem);  // [kFaRows][LQ]
+  bf16* sK = sQ + kFaRows * LQ;                 // [kFaCols][LQ]
+  bf16* sV = sK + kFaCols * LQ;                 // [kFaCols][LQ]
   grid_dep_wait();
   grid_dep_launch();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -261,14 +284,25 @@ __global__ void __launch_bounds__(kFaWarps * 32) attention_tile_kernel(Attention
     }
     *reinterpret_cast<uint4*>(sQ + r * LQ + 8 * k) = v;
   }
-  float* oW = sO + warp * 16 * LO;
-  for (int c = lane; c < 16 * D; c += 32) oW[(c / D) * LO + c % D] = 0.f;
-  // Lanes 2r and 2r + 1 own row r of the warp's 16: columns 32 (lane % 2) .. + 31 of S,
-  // D / 2 (lane % 2) .. of O.
-  const int r = lane / 2, half = lane % 2;
-  const int prow = p0 + warp * 16 + r;  // The row's position (rows past `rows` are ignored).
-  float m = -FLT_MAX, l = 0.f;
-  const int len = p0 + rows;  // Positions the block's last row sees.
+  __syncthreads();
+  const int g = lane / 4, t = lane % 4;
+  const int mi = lane / 8, ri = lane % 8;  // ldmatrix: this lane's matrix and row.
+  // The warp's Q fragments: k-step kk = rows (g, g + 8) x dims 16 kk + (2t, 2t + 8).
+  uint32_t qf[kKSteps][4];
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    ldmatrix_x4(qf[kk], sQ + (warp * 16 + ri + 8 * (mi % 2)) * LQ + 16 * kk + 8 * (mi / 2));
+  }
+  float o[kOTiles][4];
+#pragma unroll
+  for (int n = 0; n < kOTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  // Rows g and g + 8 of the warp: positions, running maxima and sums (the sums are this
+  // lane's columns only, summed over the row's lanes at the end).
+  const int prow0 = p0 + warp * 16 + g, prow1 = prow0 + 8;
+  float m0 = -FLT_MAX, m1 = -FLT_MAX, l0 = 0.f, l1 = 0.f;
+  const float scale = a.scale;
+  const int len = p0 + rows;                           // Positions the last row sees.
+  const int warp_len = min(len, p0 + warp * 16 + 16);  // Those this warp's rows see.
   for (int c0 = 0; c0 < len; c0 += kFaCols) {
     __syncthreads();  // The previous chunk's K and V are read.
     for (int c = threadIdx.x; c < kFaCols * kChunks; c += kFaWarps * 32) {
@@ -282,72 +316,97 @@ __global__ void __launch_bounds__(kFaWarps * 32) attention_tile_kernel(Attention
       *reinterpret_cast<uint4*>(sV + j * LQ + 8 * k) = vv;
     }
     __syncthreads();
-    float* sW = sS + warp * 16 * LS;
+    if (c0 >= warp_len || warp * 16 >= rows) continue;  // Past this warp's rows (causal).
+    // S = Q K^T over the chunk: 8 blocks of 8 positions.
+    float sc[kSTiles][4];
 #pragma unroll
-    for (int j = 0; j < kFaCols / 16; ++j) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.f);
+    for (int j = 0; j < kSTiles; ++j) {
+      sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
 #pragma unroll
-      for (int k = 0; k < D / 16; ++k) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb;
-        wmma::load_matrix_sync(fa, sQ + warp * 16 * LQ + 16 * k, LQ);
-        wmma::load_matrix_sync(fb, sK + 16 * j * LQ + 16 * k, LQ);  // K^T.
-        wmma::mma_sync(acc, fa, fb, acc);
+      for (int kk = 0; kk < kKSteps; kk += 2) {
+        // Matrices: positions 8j.. x dims 16 kk + 0, 8, 16, 24 (two k-steps).
+        uint32_t b[4];
+        ldmatrix_x4(b, sK + (8 * j + ri) * LQ + 16 * kk + 8 * mi);
+        mma_bf16_16816(sc[j], qf[kk], b[0], b[1]);
+        mma_bf16_16816(sc[j], qf[kk + 1], b[2], b[3]);
       }
-      wmma::store_matrix_sync(sW + 16 * j, acc, LS, wmma::mem_row_major);
     }
-    __syncwarp();
-    // Online softmax of row r over this chunk's columns 32 half .. + 31.
-    float sv[32];
-    float mx = -FLT_MAX;
+    // Online softmax on rows g (elements 0, 1) and g + 8 (2, 3).
+    float mx0 = -FLT_MAX, mx1 = -FLT_MAX;
 #pragma unroll
-    for (int q = 0; q < 32; ++q) {
-      const int col = 32 * half + q;
-      const float x = sW[r * LS + col] * a.scale;
-      sv[q] = c0 + col <= prow ? x : -FLT_MAX;
-      mx = fmaxf(mx, sv[q]);
-    }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    const float m_new = fmaxf(m, mx);
-    float sum = 0.f;
-    bf16* pW = sP + warp * 16 * LP + r * LP + 32 * half;
+    for (int j = 0; j < kSTiles; ++j) {
+      const int col = c0 + 8 * j + 2 * t;
 #pragma unroll
-    for (int q = 0; q < 32; ++q) {
-      const float p = sv[q] > -FLT_MAX ? expf(sv[q] - m_new) : 0.f;
-      sum += p;
-      pW[q] = __float2bfloat16_rn(p);
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    const float corr = m > -FLT_MAX ? expf(m - m_new) : 0.f;
-    l = l * corr + sum;
-    m = m_new;
-    float* oRow = oW + r * LO + (D / 2) * half;
-#pragma unroll 8
-    for (int d = 0; d < D / 2; ++d) oRow[d] *= corr;
-    __syncwarp();
-#pragma unroll
-    for (int j = 0; j < D / 16; ++j) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::load_matrix_sync(acc, oW + 16 * j, LO, wmma::mem_row_major);
-#pragma unroll
-      for (int k = 0; k < kFaCols / 16; ++k) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> fb;
-        wmma::load_matrix_sync(fa, sP + warp * 16 * LP + 16 * k, LP);
-        wmma::load_matrix_sync(fb, sV + 16 * k * LQ + 16 * j, LQ);
-        wmma::mma_sync(acc, fa, fb, acc);
+      for (int e = 0; e < 2; ++e) {
+        sc[j][e] = col + e <= prow0 ? sc[j][e] * scale : -FLT_MAX;
+        sc[j][2 + e] = col + e <= prow1 ? sc[j][2 + e] * scale : -FLT_MAX;
+        mx0 = fmaxf(mx0, sc[j][e]);
+        mx1 = fmaxf(mx1, sc[j][2 + e]);
       }
-      wmma::store_matrix_sync(oW + 16 * j, acc, LO, wmma::mem_row_major);
     }
-    __syncwarp();
+#pragma unroll
+    for (int o2 = 1; o2 <= 2; o2 *= 2) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
+    }
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float corr0 = m0 > -FLT_MAX ? expf(m0 - mn0) : 0.f;
+    const float corr1 = m1 > -FLT_MAX ? expf(m1 - mn1) : 0.f;
+    m0 = mn0, m1 = mn1;
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        sc[j][e] = sc[j][e] > -FLT_MAX ? expf(sc[j][e] - mn0) : 0.f;
+        sc[j][2 + e] = sc[j][2 + e] > -FLT_MAX ? expf(sc[j][2 + e] - mn1) : 0.f;
+        sum0 += sc[j][e];
+        sum1 += sc[j][2 + e];
+      }
+    }
+    l0 = l0 * corr0 + sum0;
+    l1 = l1 * corr1 + sum1;
+#pragma unroll
+    for (int n = 0; n < kOTiles; ++n) {
+      o[n][0] *= corr0, o[n][1] *= corr0;
+      o[n][2] *= corr1, o[n][3] *= corr1;
+    }
+    // O += P V: P's k-step kk is S blocks 2kk, 2kk + 1 as they lie in the registers.
+#pragma unroll
+    for (int kk = 0; kk < kFaCols / 16; ++kk) {
+      const uint32_t pf[4] = {pack_bf16(sc[2 * kk][0], sc[2 * kk][1]),
+                              pack_bf16(sc[2 * kk][2], sc[2 * kk][3]),
+                              pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                              pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+      for (int n = 0; n < kOTiles; n += 2) {
+        // Matrices: positions 16 kk + (0, 8) x dims 8n, then 8(n + 1); transposed.
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, sV + (16 * kk + ri + 8 * (mi % 2)) * LQ + 8 * n + 8 * (mi / 2));
+        mma_bf16_16816(o[n], pf, b[0], b[1]);
+        mma_bf16_16816(o[n + 1], pf, b[2], b[3]);
+      }
+    }
   }
-  if (warp * 16 + r < rows) {
-    bf16* o = static_cast<bf16*>(a.out) + (static_cast<int64_t>(t0 + warp * 16 + r) * nq + h) * D +
-              (D / 2) * half;
-    const float inv = 1.0f / l;
-    const float* oRow = oW + r * LO + (D / 2) * half;
-    for (int d = 0; d < D / 2; ++d) o[d] = __float2bfloat16_rn(oRow[d] * inv);
+#pragma unroll
+  for (int o2 = 1; o2 <= 2; o2 *= 2) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, o2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, o2);
+  }
+  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+  const int r0 = warp * 16 + g, r1 = r0 + 8;
+  bf16* out = static_cast<bf16*>(a.out);
+#pragma unroll
+  for (int n = 0; n < kOTiles; ++n) {
+    const int d = 8 * n + 2 * t;
+    if (r0 < rows) {
+      *reinterpret_cast<__nv_bfloat162*>(out + (static_cast<int64_t>(t0 + r0) * nq + h) * D + d) =
+          __floats2bfloat162_rn(o[n][0] * inv0, o[n][1] * inv0);
+    }
+    if (r1 < rows) {
+      *reinterpret_cast<__nv_bfloat162*>(out + (static_cast<int64_t>(t0 + r1) * nq + h) * D + d) =
+          __floats2bfloat162_rn(o[n][2] * inv1, o[n][3] * inv1);
+    }
   }
 }
 
