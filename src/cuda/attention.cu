@@ -219,8 +219,15 @@ __global__ void __launch_bounds__(kWarps * 32) attention_merge_kernel(AttentionA
 // row's four lanes reduce by shuffles); P, rounded to bf16, is the next product's A
 // operand as it lies; V comes by ldmatrix.trans. Scores and sums are f32.
 template <int D>
-constexpr size_t fa_smem_bytes() {
-  return static_cast<size_t>(3) * kFaRows * (D + 8) * sizeof(bf16);
+constexpr size_t fa_smem_bytes() {  // Q, and K and V twice (double-buffered).
+  return static_cast<size_t>(5) * kFaRows * (D + 8) * sizeof(bf16);
+}
+
+// 16 bytes global -> shared without registers; src_bytes 0 fills zeros.
+__device__ __forceinline__ void cp_async_16(bf16* dst, const bf16* src, int src_bytes) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes)
+               : "memory");
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
@@ -255,8 +262,8 @@ __global__ void __launch_bounds__(kFaWarps * 32) attention_tile_kernel(Attention
   constexpr int kKSteps = D / 16, kSTiles = kFaCols / 8, kOTiles = D / 8;
   extern __shared__ __align__(128) unsigned char fa_smem[];
   bf16* sQ = reinterpret_cast<bf16*>(fa_smem);  // [kFaRows][LQ]
-  bf16* sK = sQ + kFaRows * LQ;                 // [kFaCols][LQ]
-  bf16* sV = sK + kFaCols * LQ;                 // [kFaCols][LQ]
+  bf16* const sK0 = sQ + kFaRows * LQ;          // [2][kFaCols][LQ]
+  bf16* const sV0 = sK0 + 2 * kFaCols * LQ;     // [2][kFaCols][LQ]
   grid_dep_wait();
   grid_dep_launch();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -303,20 +310,34 @@ __global__ void __launch_bounds__(kFaWarps * 32) attention_tile_kernel(Attention
   const float scale = a.scale;
   const int len = p0 + rows;                           // Positions the last row sees.
   const int warp_len = min(len, p0 + warp * 16 + 16);  // Those this warp's rows see.
-  for (int c0 = 0; c0 < len; c0 += kFaCols) {
-    __syncthreads();  // The previous chunk's K and V are read.
+  // K and V of chunk c0 into buffer `buf` (positions past len as zeros), one commit group.
+  auto load_chunk = [&](int c0, int buf) {
     for (int c = threadIdx.x; c < kFaCols * kChunks; c += kFaWarps * 32) {
       const int j = c / kChunks, k = c % kChunks;
-      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-      if (c0 + j < len) {
-        kv = *reinterpret_cast<const uint4*>(kc + (c0 + j) * pos_stride + 8 * k);
-        vv = *reinterpret_cast<const uint4*>(vc + (c0 + j) * pos_stride + 8 * k);
-      }
-      *reinterpret_cast<uint4*>(sK + j * LQ + 8 * k) = kv;
-      *reinterpret_cast<uint4*>(sV + j * LQ + 8 * k) = vv;
+      const int pos = min(c0 + j, len - 1);
+      const int bytes = c0 + j < len ? 16 : 0;
+      cp_async_16(sK0 + (buf * kFaCols + j) * LQ + 8 * k, kc + pos * pos_stride + 8 * k, bytes);
+      cp_async_16(sV0 + (buf * kFaCols + j) * LQ + 8 * k, vc + pos * pos_stride + 8 * k, bytes);
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
+  load_chunk(0, 0);
+  for (int c0 = 0, buf = 0; c0 < len; c0 += kFaCols, buf ^= 1) {
+    // The next chunk streams in while this one is computed; its buffer was last read in
+    // the previous iteration, which the barrier at its end closed.
+    if (c0 + kFaCols < len) {
+      load_chunk(c0 + kFaCols, buf ^ 1);
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
     }
     __syncthreads();
-    if (c0 >= warp_len || warp * 16 >= rows) continue;  // Past this warp's rows (causal).
+    const bf16* sK = sK0 + buf * kFaCols * LQ;
+    const bf16* sV = sV0 + buf * kFaCols * LQ;
+    if (c0 >= warp_len || warp * 16 >= rows) {  // Past this warp's rows (causal).
+      __syncthreads();
+      continue;
+    }
     // S = Q K^T over the chunk: 8 blocks of 8 positions.
     float sc[kSTiles][4];
 #pragma unroll
@@ -387,6 +408,7 @@ __global__ void __launch_bounds__(kFaWarps * 32) attention_tile_kernel(Attention
         mma_bf16_16816(o[n + 1], pf, b[2], b[3]);
       }
     }
+    __syncthreads();  // Every warp is done with buf before the next prefetch refills it.
   }
 #pragma unroll
   for (int o2 = 1; o2 <= 2; o2 *= 2) {
