@@ -219,8 +219,8 @@ __global__ void __launch_bounds__(kWarps * 32) attention_merge_kernel(AttentionA
 // row's four lanes reduce by shuffles); P, rounded to bf16, is the next product's A
 // operand as it lies; V comes by ldmatrix.trans. Scores and sums are f32.
 template <int D>
-constexpr size_t fa_smem_bytes() {  // Q, and K and V twice (double-buffered).
-  return static_cast<size_t>(5) * kFaRows * (D + 8) * sizeof(bf16);
+constexpr size_t fa_smem_bytes() {  // K and V twice (double-buffered); Q first, over them.
+  return static_cast<size_t>(4) * kFaRows * (D + 8) * sizeof(bf16);
 }
 
 // 16 bytes global -> shared without registers; src_bytes 0 fills zeros.
@@ -257,23 +257,26 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 }
 
 template <int D>
-__global__ void __launch_bounds__(kFaWarps * 32) attention_tile_kernel(AttentionArgs a) {
+__global__ void __launch_bounds__(kFaWarps * 32, 3) attention_tile_kernel(AttentionArgs a) {
   constexpr int LQ = D + 8;  // Row stride in shared memory: ldmatrix rows hit all banks.
   constexpr int kKSteps = D / 16, kSTiles = kFaCols / 8, kOTiles = D / 8;
   extern __shared__ __align__(128) unsigned char fa_smem[];
+  // Q's rows until the warps hold them in registers, then K and V.
   bf16* sQ = reinterpret_cast<bf16*>(fa_smem);  // [kFaRows][LQ]
-  bf16* const sK0 = sQ + kFaRows * LQ;          // [2][kFaCols][LQ]
+  bf16* const sK0 = sQ;                         // [2][kFaCols][LQ]
   bf16* const sV0 = sK0 + 2 * kFaCols * LQ;     // [2][kFaCols][LQ]
   grid_dep_wait();
   grid_dep_launch();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int t0 = blockIdx.x * kFaRows, h = blockIdx.y, nq = a.num_q_heads;
+  // Last tiles first: within a sequence they see the most positions (causal).
+  const int tile = gridDim.x - 1 - blockIdx.x;
+  const int t0 = tile * kFaRows, h = blockIdx.y, nq = a.num_q_heads;
   const int rows = min(kFaRows, a.num_tokens - t0);
   const int p0 = a.positions[t0], slot = a.kv_slots[t0];
   const int i = threadIdx.x;
   const bool same = i >= rows || (a.kv_slots[t0 + i] == slot && a.positions[t0 + i] == p0 + i);
   const bool uniform = __syncthreads_and(same);
-  if (h == 0 && threadIdx.x == 0) a.split_scratch[blockIdx.x] = uniform ? 1.f : 0.f;
+  if (h == 0 && threadIdx.x == 0) a.split_scratch[tile] = uniform ? 1.f : 0.f;
   if (!uniform) return;  // attention_kernel takes these rows, a warp per row.
   const int kvh = h / (nq / a.num_kv_heads);
   const int64_t pos_stride = static_cast<int64_t>(a.num_kv_heads) * D;
@@ -321,6 +324,7 @@ __global__ void __launch_bounds__(kFaWarps * 32) attention_tile_kernel(Attention
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   };
+  __syncthreads();  // Every warp has its Q fragments: the buffers may take K and V.
   load_chunk(0, 0);
   for (int c0 = 0, buf = 0; c0 < len; c0 += kFaCols, buf ^= 1) {
     // The next chunk streams in while this one is computed; its buffer was last read in
