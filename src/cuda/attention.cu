@@ -338,78 +338,79 @@ __global__ void __launch_bounds__(kFaWarps * 32, 3) attention_tile_kernel(Attent
     __syncthreads();
     const bf16* sK = sK0 + buf * kFaCols * LQ;
     const bf16* sV = sV0 + buf * kFaCols * LQ;
-    if (c0 >= warp_len || warp * 16 >= rows) {  // Past this warp's rows (causal).
-      __syncthreads();
-      continue;
-    }
-    // S = Q K^T over the chunk: 8 blocks of 8 positions.
-    float sc[kSTiles][4];
+    // Warps whose rows all lie before this chunk (causal) or past the tile's end skip it;
+    // every thread still meets the one barrier below (a barrier inside the condition
+    // would be divergent: compute-sanitizer's synccheck flags it).
+    if (c0 < warp_len && warp * 16 < rows) {
+      // S = Q K^T over the chunk: 8 blocks of 8 positions.
+      float sc[kSTiles][4];
 #pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
-      sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+      for (int j = 0; j < kSTiles; ++j) {
+        sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
 #pragma unroll
-      for (int kk = 0; kk < kKSteps; kk += 2) {
-        // Matrices: positions 8j.. x dims 16 kk + 0, 8, 16, 24 (two k-steps).
-        uint32_t b[4];
-        ldmatrix_x4(b, sK + (8 * j + ri) * LQ + 16 * kk + 8 * mi);
-        mma_bf16_16816(sc[j], qf[kk], b[0], b[1]);
-        mma_bf16_16816(sc[j], qf[kk + 1], b[2], b[3]);
+        for (int kk = 0; kk < kKSteps; kk += 2) {
+          // Matrices: positions 8j.. x dims 16 kk + 0, 8, 16, 24 (two k-steps).
+          uint32_t b[4];
+          ldmatrix_x4(b, sK + (8 * j + ri) * LQ + 16 * kk + 8 * mi);
+          mma_bf16_16816(sc[j], qf[kk], b[0], b[1]);
+          mma_bf16_16816(sc[j], qf[kk + 1], b[2], b[3]);
+        }
       }
-    }
-    // Online softmax on rows g (elements 0, 1) and g + 8 (2, 3).
-    float mx0 = -FLT_MAX, mx1 = -FLT_MAX;
+      // Online softmax on rows g (elements 0, 1) and g + 8 (2, 3).
+      float mx0 = -FLT_MAX, mx1 = -FLT_MAX;
 #pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
-      const int col = c0 + 8 * j + 2 * t;
+      for (int j = 0; j < kSTiles; ++j) {
+        const int col = c0 + 8 * j + 2 * t;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        sc[j][e] = col + e <= prow0 ? sc[j][e] * scale : -FLT_MAX;
-        sc[j][2 + e] = col + e <= prow1 ? sc[j][2 + e] * scale : -FLT_MAX;
-        mx0 = fmaxf(mx0, sc[j][e]);
-        mx1 = fmaxf(mx1, sc[j][2 + e]);
+        for (int e = 0; e < 2; ++e) {
+          sc[j][e] = col + e <= prow0 ? sc[j][e] * scale : -FLT_MAX;
+          sc[j][2 + e] = col + e <= prow1 ? sc[j][2 + e] * scale : -FLT_MAX;
+          mx0 = fmaxf(mx0, sc[j][e]);
+          mx1 = fmaxf(mx1, sc[j][2 + e]);
+        }
       }
-    }
 #pragma unroll
-    for (int o2 = 1; o2 <= 2; o2 *= 2) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
-    }
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float corr0 = m0 > -FLT_MAX ? expf(m0 - mn0) : 0.f;
-    const float corr1 = m1 > -FLT_MAX ? expf(m1 - mn1) : 0.f;
-    m0 = mn0, m1 = mn1;
-    float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        sc[j][e] = sc[j][e] > -FLT_MAX ? expf(sc[j][e] - mn0) : 0.f;
-        sc[j][2 + e] = sc[j][2 + e] > -FLT_MAX ? expf(sc[j][2 + e] - mn1) : 0.f;
-        sum0 += sc[j][e];
-        sum1 += sc[j][2 + e];
+      for (int o2 = 1; o2 <= 2; o2 *= 2) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
       }
-    }
-    l0 = l0 * corr0 + sum0;
-    l1 = l1 * corr1 + sum1;
+      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+      const float corr0 = m0 > -FLT_MAX ? expf(m0 - mn0) : 0.f;
+      const float corr1 = m1 > -FLT_MAX ? expf(m1 - mn1) : 0.f;
+      m0 = mn0, m1 = mn1;
+      float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
-    for (int n = 0; n < kOTiles; ++n) {
-      o[n][0] *= corr0, o[n][1] *= corr0;
-      o[n][2] *= corr1, o[n][3] *= corr1;
-    }
-    // O += P V: P's k-step kk is S blocks 2kk, 2kk + 1 as they lie in the registers.
+      for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
-    for (int kk = 0; kk < kFaCols / 16; ++kk) {
-      const uint32_t pf[4] = {pack_bf16(sc[2 * kk][0], sc[2 * kk][1]),
-                              pack_bf16(sc[2 * kk][2], sc[2 * kk][3]),
-                              pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                              pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+        for (int e = 0; e < 2; ++e) {
+          sc[j][e] = sc[j][e] > -FLT_MAX ? expf(sc[j][e] - mn0) : 0.f;
+          sc[j][2 + e] = sc[j][2 + e] > -FLT_MAX ? expf(sc[j][2 + e] - mn1) : 0.f;
+          sum0 += sc[j][e];
+          sum1 += sc[j][2 + e];
+        }
+      }
+      l0 = l0 * corr0 + sum0;
+      l1 = l1 * corr1 + sum1;
 #pragma unroll
-      for (int n = 0; n < kOTiles; n += 2) {
-        // Matrices: positions 16 kk + (0, 8) x dims 8n, then 8(n + 1); transposed.
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, sV + (16 * kk + ri + 8 * (mi % 2)) * LQ + 8 * n + 8 * (mi / 2));
-        mma_bf16_16816(o[n], pf, b[0], b[1]);
-        mma_bf16_16816(o[n + 1], pf, b[2], b[3]);
+      for (int n = 0; n < kOTiles; ++n) {
+        o[n][0] *= corr0, o[n][1] *= corr0;
+        o[n][2] *= corr1, o[n][3] *= corr1;
+      }
+      // O += P V: P's k-step kk is S blocks 2kk, 2kk + 1 as they lie in the registers.
+#pragma unroll
+      for (int kk = 0; kk < kFaCols / 16; ++kk) {
+        const uint32_t pf[4] = {pack_bf16(sc[2 * kk][0], sc[2 * kk][1]),
+                                pack_bf16(sc[2 * kk][2], sc[2 * kk][3]),
+                                pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+        for (int n = 0; n < kOTiles; n += 2) {
+          // Matrices: positions 16 kk + (0, 8) x dims 8n, then 8(n + 1); transposed.
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, sV + (16 * kk + ri + 8 * (mi % 2)) * LQ + 8 * n + 8 * (mi / 2));
+          mma_bf16_16816(o[n], pf, b[0], b[1]);
+          mma_bf16_16816(o[n + 1], pf, b[2], b[3]);
+        }
       }
     }
     __syncthreads();  // Every warp is done with buf before the next prefetch refills it.
@@ -447,13 +448,9 @@ cudaError_t launch_dim(const AttentionArgs& a, cudaStream_t stream) {
     const int tiles = (a.num_tokens + kFaRows - 1) / kFaRows;
     if (a.tiles && splits == 1 && !no_tiles && a.split_scratch != nullptr &&
         tiles <= a.split_capacity) {
-      static bool attribute_set = false;  // At the first (eager) launch.
-      if (!attribute_set) {
-        const cudaError_t e = cudaFuncSetAttribute(attention_tile_kernel<D>,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(fa_smem_bytes<D>()));
-        if (e != cudaSuccess) return e;
-        attribute_set = true;
+      if (const cudaError_t e = ensure_smem_limit<attention_tile_kernel<D>>(fa_smem_bytes<D>());
+          e != cudaSuccess) {
+        return e;
       }
       const cudaError_t e = launch_pdl(attention_tile_kernel<D>, dim3(tiles, a.num_q_heads),
                                        dim3(kFaWarps * 32), fa_smem_bytes<D>(), stream, a);

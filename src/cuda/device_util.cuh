@@ -6,6 +6,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 
 #include "flexpert/dtype.h"
@@ -79,6 +81,22 @@ __device__ __forceinline__ T block_sum(T v) {
 }
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// Raises kernel Kernel's dynamic shared-memory limit to `bytes`, once per device (before
+// any graph capture: the first launch of each kernel runs eagerly). Thread-safe.
+template <auto Kernel>
+cudaError_t ensure_smem_limit(size_t bytes) {
+  static std::atomic<uint64_t> done{0};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = uint64_t{1} << (device & 63);
+  if ((done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(bytes));
+  if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
+  return err;
+}
 
 }  // namespace flexpert::cuda
 

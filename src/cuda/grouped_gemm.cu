@@ -366,25 +366,9 @@ __global__ void __launch_bounds__(256) simt_gemm_kernel(const GroupedGemmArgs g)
   }
 }
 
-// Raises the kernel's dynamic shared-memory limit once per device (before any
-// graph capture: the first launch of each configuration runs eagerly).
-template <typename C>
-cudaError_t ensure_smem_limit() {
-  static std::atomic<uint64_t> done{0};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const uint64_t bit = uint64_t{1} << (device & 63);
-  if (done.load(std::memory_order_acquire) & bit) return cudaSuccess;
-  err = cudaFuncSetAttribute(mma_gemm_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(C::kSmemBytes));
-  if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
-  return err;
-}
-
 template <typename C>
 cudaError_t launch_mma(const GroupedGemmArgs& g, cudaStream_t stream) {
-  const cudaError_t err = ensure_smem_limit<C>();
+  const cudaError_t err = ensure_smem_limit<mma_gemm_kernel<C>>(C::kSmemBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(g.max_tiles, g.n / C::kBN);
   mma_gemm_kernel<C><<<grid, C::kThreads, C::kSmemBytes, stream>>>(g);

@@ -875,13 +875,10 @@ constexpr size_t wgmma_smem_bytes() {
 
 template <int WG, int BN>
 cudaError_t launch(const GroupedGemmArgs& g, cudaStream_t stream) {
-  static bool attribute_set = false;  // Set at the first (eager) launch.
-  if (!attribute_set) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(wgmma_gemm_kernel<WG, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(wgmma_smem_bytes<WG, BN>()));
-    if (err != cudaSuccess) return err;
-    attribute_set = true;
+  if (const cudaError_t err =
+          ensure_smem_limit<wgmma_gemm_kernel<WG, BN>>(wgmma_smem_bytes<WG, BN>());
+      err != cudaSuccess) {
+    return err;
   }
   const dim3 grid(g.max_tiles, g.n / BN);
   wgmma_gemm_kernel<WG, BN><<<grid, WG * 128, wgmma_smem_bytes<WG, BN>(), stream>>>(g);
@@ -977,13 +974,9 @@ cudaError_t launch_ws_kernel(const GroupedGemmArgs& g, const CUtensorMap& map_b,
   const CUtensorMap* map_out = BM == 128 && tma_store_env != 0
                                    ? rows_tensor_map(g.out, g.swiglu ? g.n / 2 : g.n, 64)
                                    : nullptr;
-  static bool attribute_set = false;  // Set at the first (eager) launch.
-  if (!attribute_set) {
-    const cudaError_t err = cudaFuncSetAttribute(wgmma_ws_kernel<BM, TMA_A>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(ws_smem_bytes<BM>()));
-    if (err != cudaSuccess) return err;
-    attribute_set = true;
+  if (const cudaError_t err = ensure_smem_limit<wgmma_ws_kernel<BM, TMA_A>>(ws_smem_bytes<BM>());
+      err != cudaSuccess) {
+    return err;
   }
   const int nb = g.n / kWsBN;
   const int64_t units = static_cast<int64_t>(g.max_tiles) * nb;
@@ -1049,13 +1042,9 @@ cudaError_t launch_ws(const GroupedGemmArgs& g, cudaStream_t stream) {
 template <bool TMA_A>
 cudaError_t launch_pp_kernel(const GroupedGemmArgs& g, const CUtensorMap& map_b,
                              const CUtensorMap& map_a, cudaStream_t stream) {
-  static bool attribute_set = false;  // Set at the first (eager) launch.
-  if (!attribute_set) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(wgmma_pp_kernel<TMA_A>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(pp_smem_bytes()));
-    if (err != cudaSuccess) return err;
-    attribute_set = true;
+  if (const cudaError_t err = ensure_smem_limit<wgmma_pp_kernel<TMA_A>>(pp_smem_bytes());
+      err != cudaSuccess) {
+    return err;
   }
   const int nb = g.n / kPpBN;
   const int64_t pairs = (static_cast<int64_t>(g.max_tiles) * nb + 1) / 2;

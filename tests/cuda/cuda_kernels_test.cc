@@ -571,19 +571,19 @@ TEST_P(CudaAttentionTest, MatchesCpuAttention) {
 }
 
 // Prefill tiles on tensor cores (AttentionArgs::tiles, bf16): tiles of 64 rows of one
-// sequence (from position 10, from 0, a partial last tile) and a tile spanning three
-// sequences, whose rows go a warp per row; against the CPU, and against the kernel
-// without tiles.
+// sequence (from position 0, from 64, a partial last one of 39 rows from position 71) and
+// a tile spanning three sequences, whose rows go a warp per row; against the CPU, with
+// the tiles' flags saying which ran.
 TEST(CudaAttentionTileTest, PrefillTilesMatchCpu) {
   FLEX_SKIP_WITHOUT_GPU();
-  // 251 tokens x 16 heads: enough pairs for one warp per pair (no splits), as prefill.
+  // 231 tokens x 16 heads: enough pairs for one warp per pair (no splits), as prefill.
   const int nq = 16, nkv = 2, max_seq_len = 192, num_slots = 3;
   struct Seq {
     int slot, start, len;
   };
-  // Rows 0-99 one sequence, 100 a decode token, 101-250 a third: tiles 0, 2, 3 of one
-  // sequence (3 partial), tile 1 of all three.
-  const std::vector<Seq> seqs = {{2, 10, 100}, {0, 70, 1}, {1, 0, 150}};
+  // Rows 0-129 one sequence, 130 a decode token, 131-230 a third: tiles 0, 1, 3 of one
+  // sequence (3 partial: its last warp has no rows), tile 2 of all three.
+  const std::vector<Seq> seqs = {{1, 0, 130}, {0, 70, 1}, {2, 10, 100}};
   for (int D : {64, 128}) {
     std::mt19937 rng(17 + D);
     const size_t cache_n = static_cast<size_t>(num_slots) * max_seq_len * nkv * D;
@@ -638,12 +638,18 @@ TEST(CudaAttentionTileTest, PrefillTilesMatchCpu) {
       EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       return to_host(out_d.value().data(), q.size(), DType::kBF16);
     };
-    const std::vector<float> tiled = run(true), rows = run(false);
+    const std::vector<float> tiled = run(true);
+    std::vector<float> flags(4);
+    ASSERT_EQ(
+        cudaMemcpy(flags.data(), scratch.value().data(), 4 * sizeof(float), cudaMemcpyDeviceToHost),
+        cudaSuccess);
+    EXPECT_EQ(flags, (std::vector<float>{1.f, 1.f, 0.f, 1.f})) << "tiles computed, D " << D;
+    const std::vector<float> rows = run(false);
     const double err = rel_l2(tiled, want), err_rows = rel_l2(rows, want);
     std::printf("  tiles D=%d: relative L2 vs CPU %.3g (a warp per row: %.3g)\n", D, err, err_rows);
     EXPECT_LT(err, 1e-2) << "D " << D;
     // Row by row, the tiles' rows against the CPU: each tile kind is right on its own.
-    for (int t : {0, 63, 64, 100, 101, 127, 128, 200, 250}) {
+    for (int t : {0, 63, 64, 127, 128, 130, 131, 191, 192, 230}) {
       const size_t o = static_cast<size_t>(t) * nq * D;
       const std::vector<float> got(tiled.begin() + o, tiled.begin() + o + nq * D);
       const std::vector<float> ref(want.begin() + o, want.begin() + o + nq * D);
@@ -744,7 +750,7 @@ TEST(CudaGemvTest, MatchesFloat64) {
   std::mt19937 rng(3);
   for (int k : {8, 2048, 4104}) {
     for (int n : {1, 37, 1030}) {
-      for (int m = 1; m <= cuda::kGemvMaxRows; m += (m < 3 ? 1 : 5)) {
+      for (int m = 1; m <= cuda::kGemvMaxRows; ++m) {
         const std::vector<float> x = round_bf16(uniform(static_cast<size_t>(m) * k, 1.f, rng));
         const std::vector<float> w = round_bf16(uniform(static_cast<size_t>(n) * k, 1.f, rng));
         const std::vector<float> y0 = uniform(static_cast<size_t>(m) * n, 1.f, rng);
@@ -776,6 +782,72 @@ TEST(CudaGemvTest, MatchesFloat64) {
   EXPECT_FALSE(cuda::gemv_nt_fits(DType::kF32, 1, 2048));
   EXPECT_FALSE(cuda::gemv_nt_fits(DType::kBF16, cuda::kGemvMaxRows + 1, 2048));
   EXPECT_FALSE(cuda::gemv_nt_fits(DType::kBF16, 1, 2044));
+}
+
+// A chain of programmatic dependent launches on one stream, as a batch-1 decode layer
+// has them (pdl.cuh): h = rmsnorm(x); x += h w1^T; h = rmsnorm(x); y = h w2^T. Each
+// kernel reads what the one before it wrote (and RMSNorm rewrites h while the GEMV
+// before it reads it), so a wait out of place shows as a wrong y; against float64 with
+// the same bf16 roundings of h.
+TEST(CudaPdlTest, DecodeChainMatchesFloat64) {
+  FLEX_SKIP_WITHOUT_GPU();
+  const int H = 2048, N = 1536;
+  std::mt19937 rng(23);
+  const std::vector<float> x0 = uniform(H, 1.f, rng), g1 = uniform(H, 1.f, rng),
+                           g2 = uniform(H, 1.f, rng);
+  const std::vector<float> w1 = round_bf16(uniform(static_cast<size_t>(H) * H, 0.05f, rng));
+  const std::vector<float> w2 = round_bf16(uniform(static_cast<size_t>(N) * H, 0.05f, rng));
+  auto norm = [&](const std::vector<double>& v, const std::vector<float>& g) {
+    double ss = 0;
+    for (double e : v) ss += e * e;
+    const double inv = 1.0 / std::sqrt(ss / H + 1e-6);
+    std::vector<float> h(H);
+    for (int i = 0; i < H; ++i) h[i] = static_cast<float>(v[i] * inv * g[i]);
+    return round_bf16(std::move(h));
+  };
+  std::vector<double> x(x0.begin(), x0.end());
+  std::vector<float> h = norm(x, g1);
+  for (int r = 0; r < H; ++r) {
+    for (int i = 0; i < H; ++i)
+      x[r] += static_cast<double>(h[i]) * w1[static_cast<size_t>(r) * H + i];
+  }
+  h = norm(x, g2);
+  std::vector<float> want(N);
+  for (int c = 0; c < N; ++c) {
+    double sum = 0;
+    for (int i = 0; i < H; ++i)
+      sum += static_cast<double>(h[i]) * w2[static_cast<size_t>(c) * H + i];
+    want[c] = static_cast<float>(sum);
+  }
+  auto x_d = to_device(x0, DType::kF32);
+  auto g1_d = to_device(g1, DType::kF32);
+  auto g2_d = to_device(g2, DType::kF32);
+  auto w1_d = to_device(w1, DType::kBF16);
+  auto w2_d = to_device(w2, DType::kBF16);
+  auto h_d = cuda::DeviceBuffer::create(H * 2);
+  auto y_d = cuda::DeviceBuffer::create(N * 4);
+  ASSERT_TRUE(h_d.ok() && y_d.ok());
+  auto stream = cuda::Stream::create();
+  ASSERT_TRUE(stream.ok());
+  cudaStream_t s = stream.value().get();
+  for (int rep = 0; rep < 3; ++rep) {  // The same chain again: x starts over.
+    ASSERT_EQ(cudaMemcpyAsync(x_d.data(), x0.data(), H * 4, cudaMemcpyHostToDevice, s),
+              cudaSuccess);
+    ASSERT_EQ(cuda::rms_norm(DType::kBF16, x_d.as<float>(), nullptr, g1_d.as<float>(), 1, H, 1e-6f,
+                             h_d.value().data(), s),
+              cudaSuccess);
+    ASSERT_EQ(cuda::gemv_nt(h_d.value().data(), 1, H, w1_d.data(), H, x_d.as<float>(), true, s),
+              cudaSuccess);
+    ASSERT_EQ(cuda::rms_norm(DType::kBF16, x_d.as<float>(), nullptr, g2_d.as<float>(), 1, H, 1e-6f,
+                             h_d.value().data(), s),
+              cudaSuccess);
+    ASSERT_EQ(
+        cuda::gemv_nt(h_d.value().data(), 1, H, w2_d.data(), N, y_d.value().as<float>(), false, s),
+        cudaSuccess);
+    ASSERT_EQ(stream.value().synchronize().ok(), true);
+    const double err = rel_l2(to_host(y_d.value().data(), N, DType::kF32), want);
+    EXPECT_LT(err, 1e-3) << "run " << rep;  // A race gives O(1).
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(HeadDims, CudaAttentionTest,
