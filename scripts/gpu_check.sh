@@ -12,7 +12,7 @@
 #                                        skip those steps
 #   GPU_CHECK_DEEPSEEK_LAYERS=N          layers of the synthetic DeepSeek-V2-Lite (default 27)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 TOKENS=${GPU_CHECK_TOKENS:-1,4,16,64,256,1024,4096,16384}
@@ -66,6 +66,15 @@ if command -v compute-sanitizer >/dev/null && [ -z "${GPU_CHECK_NO_MEMCHECK:-}" 
   timeout 120 compute-sanitizer --tool memcheck --print-limit 20 "$BIN/cuda_test" \
     --gtest_filter='AllTiles/*:HeadDims/*' >"$OUT/memcheck.log" 2>&1
   grep -E "ERROR SUMMARY|Invalid|PASSED|FAILED" "$OUT/memcheck.log" | sort | uniq -c | head -8
+  # Barriers and shared memory of the attention tiles, the split merge, the PDL chain
+  # (synccheck caught a divergent barrier in the tiles once).
+  for tool in synccheck racecheck; do
+    stamp "attention, PDL and GEMV tests under compute-sanitizer $tool"
+    timeout 120 compute-sanitizer --tool "$tool" --print-limit 20 "$BIN/cuda_test" \
+      --gtest_filter='CudaAttentionTileTest.*:CudaAttentionSplitTest.*:CudaPdlTest.*:CudaGemvTest.*' \
+      >"$OUT/$tool.log" 2>&1
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/$tool.log" | head -4
+  done
 fi
 
 stamp "CLI: flexpert generate --device cuda on qwen3moe-tiny and deepseekv3-tiny"
@@ -130,6 +139,8 @@ grep -E "relative L2 vs CPU" "$OUT/cuda_test.log" | awk '{print $1, $2}' | sort 
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests? ran|FAILED  \]" "$OUT/cuda_test.log" | tail -25
 grep -c "OK \]" "$OUT/cuda_test.log" | sed 's/^/tests OK: /'
 [ -f "$OUT/memcheck.log" ] && grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | tail -1
+[ -f "$OUT/synccheck.log" ] && grep -E "ERROR SUMMARY" "$OUT/synccheck.log" | tail -1
+[ -f "$OUT/racecheck.log" ] && grep -E "RACECHECK SUMMARY" "$OUT/racecheck.log" | tail -1
 cat "$OUT/cli.log"
 [ -f "$OUT/generate_bench.log" ] && tr '\r' '\n' <"$OUT/generate_bench.log" | grep -E "^(batch|[0-9])" | tail -4
 [ -f "$OUT/deepseek_generate_bench.log" ] &&
