@@ -17,6 +17,7 @@
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.h"
+#include "cuda/mma_sync.cuh"
 #include "cuda/pdl.cuh"
 
 namespace flexpert::cuda {
@@ -223,39 +224,6 @@ constexpr size_t fa_smem_bytes() {  // K and V twice (double-buffered); Q first,
   return static_cast<size_t>(4) * kFaRows * (D + 8) * sizeof(bf16);
 }
 
-// 16 bytes global -> shared without registers; src_bytes 0 fills zeros.
-__device__ __forceinline__ void cp_async_16(bf16* dst, const bf16* src, int src_bytes) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* p) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-// d (16 x 8, f32) += a (16 x 16, bf16, row-major) b (16 x 8, bf16, "col": b[k][n]).
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 template <int D>
 __global__ void __launch_bounds__(kFaWarps * 32, 3) attention_tile_kernel(AttentionArgs a) {
   constexpr int LQ = D + 8;  // Row stride in shared memory: ldmatrix rows hit all banks.
@@ -319,10 +287,12 @@ __global__ void __launch_bounds__(kFaWarps * 32, 3) attention_tile_kernel(Attent
       const int j = c / kChunks, k = c % kChunks;
       const int pos = min(c0 + j, len - 1);
       const int bytes = c0 + j < len ? 16 : 0;
-      cp_async_16(sK0 + (buf * kFaCols + j) * LQ + 8 * k, kc + pos * pos_stride + 8 * k, bytes);
-      cp_async_16(sV0 + (buf * kFaCols + j) * LQ + 8 * k, vc + pos * pos_stride + 8 * k, bytes);
+      cp_async16_zfill(sK0 + (buf * kFaCols + j) * LQ + 8 * k, kc + pos * pos_stride + 8 * k,
+                       bytes);
+      cp_async16_zfill(sV0 + (buf * kFaCols + j) * LQ + 8 * k, vc + pos * pos_stride + 8 * k,
+                       bytes);
     }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    cp_async_commit();
   };
   __syncthreads();  // Every warp has its Q fragments: the buffers may take K and V.
   load_chunk(0, 0);
@@ -331,9 +301,9 @@ __global__ void __launch_bounds__(kFaWarps * 32, 3) attention_tile_kernel(Attent
     // the previous iteration, which the barrier at its end closed.
     if (c0 + kFaCols < len) {
       load_chunk(c0 + kFaCols, buf ^ 1);
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+      cp_async_wait<1>();
     } else {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      cp_async_wait<0>();
     }
     __syncthreads();
     const bf16* sK = sK0 + buf * kFaCols * LQ;
@@ -399,10 +369,10 @@ __global__ void __launch_bounds__(kFaWarps * 32, 3) attention_tile_kernel(Attent
       // O += P V: P's k-step kk is S blocks 2kk, 2kk + 1 as they lie in the registers.
 #pragma unroll
       for (int kk = 0; kk < kFaCols / 16; ++kk) {
-        const uint32_t pf[4] = {pack_bf16(sc[2 * kk][0], sc[2 * kk][1]),
-                                pack_bf16(sc[2 * kk][2], sc[2 * kk][3]),
-                                pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                                pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+        const uint32_t pf[4] = {pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]),
+                                pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]),
+                                pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
 #pragma unroll
         for (int n = 0; n < kOTiles; n += 2) {
           // Matrices: positions 16 kk + (0, 8) x dims 8n, then 8(n + 1); transposed.

@@ -22,6 +22,7 @@
 
 #include "cuda/device_util.cuh"
 #include "cuda/grouped_gemm.h"
+#include "cuda/mma_sync.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FLEX_HAS_WGMMA 1
@@ -353,10 +354,6 @@ __device__ __forceinline__ void bulk_wait_all() {
 }
 __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&p);
 }
 
 // The epilogue of a consumer whose 64 rows all lie inside the slot, through shared

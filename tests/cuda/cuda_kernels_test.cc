@@ -503,6 +503,32 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaDecodeMoeTest,
                          ::testing::Values(DecodeCase{1, 4}, DecodeCase{3, 4}, DecodeCase{8, 4},
                                            DecodeCase{1, 8}, DecodeCase{4, 8}));
 
+// The arguments of attention over `tokens` rows (q, the caches, positions and KV slots
+// in device buffers) into `out`, scale 1 / sqrt(D); with `scratch` (attention_split_floats
+// floats) split and tiled as the kernels choose.
+cuda::AttentionArgs attention_args(const cuda::DeviceBuffer& q, const cuda::DeviceBuffer& k,
+                                   const cuda::DeviceBuffer& v, const cuda::DeviceBuffer& pos,
+                                   const cuda::DeviceBuffer& slot, int tokens, int nq, int nkv,
+                                   int D, int max_seq_len, void* out, float* scratch = nullptr) {
+  cuda::AttentionArgs a{q.data(),
+                        k.data(),
+                        v.data(),
+                        pos.as<int32_t>(),
+                        slot.as<int32_t>(),
+                        tokens,
+                        nq,
+                        nkv,
+                        D,
+                        max_seq_len,
+                        1.f / std::sqrt(static_cast<float>(D)),
+                        out};
+  if (scratch != nullptr) {
+    a.split_scratch = scratch;
+    a.split_capacity = cuda::attention_split_floats(D);
+  }
+  return a;
+}
+
 class CudaAttentionTest : public ::testing::TestWithParam<std::pair<DType, int>> {};
 
 TEST_P(CudaAttentionTest, MatchesCpuAttention) {
@@ -547,9 +573,8 @@ TEST_P(CudaAttentionTest, MatchesCpuAttention) {
   auto slot_d = to_device_raw(slot);
   auto out_d = cuda::DeviceBuffer::create(q.size() * dtype_size(dtype));
   ASSERT_TRUE(out_d.ok());
-  cuda::AttentionArgs a{
-      q_d.data(), k_d.data(),  v_d.data(), pos_d.as<int32_t>(), slot_d.as<int32_t>(), T, nq, nkv,
-      D,          max_seq_len, scale,      out_d.value().data()};
+  cuda::AttentionArgs a = attention_args(q_d, k_d, v_d, pos_d, slot_d, T, nq, nkv, D, max_seq_len,
+                                         out_d.value().data());
   ASSERT_EQ(cuda::attention(dtype, a, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> got = to_host(out_d.value().data(), q.size(), dtype);
@@ -618,20 +643,9 @@ TEST(CudaAttentionTileTest, PrefillTilesMatchCpu) {
     auto run = [&](bool tiles) {
       auto out_d = cuda::DeviceBuffer::create(q.size() * 2);
       EXPECT_TRUE(out_d.ok());
-      cuda::AttentionArgs a{q_d.data(),
-                            k_d.data(),
-                            v_d.data(),
-                            pos_d.as<int32_t>(),
-                            slot_d.as<int32_t>(),
-                            T,
-                            nq,
-                            nkv,
-                            D,
-                            max_seq_len,
-                            scale,
-                            out_d.value().data()};
-      a.split_scratch = scratch.value().as<float>();
-      a.split_capacity = cuda::attention_split_floats(D);
+      cuda::AttentionArgs a =
+          attention_args(q_d, k_d, v_d, pos_d, slot_d, T, nq, nkv, D, max_seq_len,
+                         out_d.value().data(), scratch.value().as<float>());
       a.tiles = tiles;
       EXPECT_EQ(cuda::attention_splits(a), 1);
       EXPECT_EQ(cuda::attention(DType::kBF16, a, nullptr), cudaSuccess);
@@ -685,20 +699,9 @@ TEST(CudaAttentionSplitTest, OneDecodeTokenOverSixtyFourSplits) {
       auto slot_d = to_device_raw(std::vector<int32_t>{0});
       auto out_d = cuda::DeviceBuffer::create(q.size() * dtype_size(dtype));
       ASSERT_TRUE(out_d.ok());
-      cuda::AttentionArgs a{q_d.data(),
-                            k_d.data(),
-                            v_d.data(),
-                            pos_d.as<int32_t>(),
-                            slot_d.as<int32_t>(),
-                            1,
-                            nq,
-                            nkv,
-                            D,
-                            max_seq_len,
-                            scale,
-                            out_d.value().data()};
-      a.split_scratch = scratch.value().as<float>();
-      a.split_capacity = cuda::attention_split_floats(D);
+      cuda::AttentionArgs a =
+          attention_args(q_d, k_d, v_d, pos_d, slot_d, 1, nq, nkv, D, max_seq_len,
+                         out_d.value().data(), scratch.value().as<float>());
       ASSERT_EQ(cuda::attention_splits(a), 64);
       ASSERT_EQ(cuda::attention(dtype, a, nullptr), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
