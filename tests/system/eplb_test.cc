@@ -54,7 +54,9 @@ TEST(EplbServeTest, RebalancesUnderLoadKeepReferenceTokens) {
     // The ranks step under this load: the longest step reported around the moves.
     EXPECT_GT(report["max_step_ms_during"].get<double>(), 0.0) << report.dump();
     // The movers' copy time of what moved.
-    if (report["moved_bytes"].get<uint64_t>() > 0) EXPECT_GT(report["pull_s"].get<double>(), 0.0);
+    if (report["moved_bytes"].get<uint64_t>() > 0) {
+      EXPECT_GT(report["pull_s"].get<double>(), 0.0);
+    }
     moved += report["moved_bytes"].get<uint64_t>();
     std::this_thread::sleep_for(std::chrono::milliseconds(400));
   }
