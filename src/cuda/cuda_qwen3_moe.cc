@@ -363,7 +363,7 @@ Status CudaQwen3MoeModel::enqueue_head(int num_rows) {
 }
 
 Status CudaQwen3MoeModel::enqueue_step(int n, int num_rows) {
-  attention_tiles_ = n - num_rows >= kAttentionTileRows / 2;
+  attention_tiles_ = attention_tiles_wanted(n, num_rows);
   FLEX_CUDA_TRY(embedding(dtype_, embed_.data(), in_.ids, n, config_.hidden_size, x_.as<float>(),
                           stream_.get()));
   for (Layer& L : layers_) {

@@ -14,7 +14,7 @@ namespace flexpert::cuda {
 Status CudaQwen3MoeModel::enqueue_segment(int seg, int n, int num_rows) {
   const int num_moe = static_cast<int>(moe_layer_ids_.size());
   float* x = x_.as<float>();
-  attention_tiles_ = n - num_rows >= kAttentionTileRows / 2;
+  attention_tiles_ = attention_tiles_wanted(n, num_rows);
   int begin = 0;
   if (seg == 0) {
     FLEX_CUDA_TRY(

@@ -220,12 +220,6 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_combine_kernel
   }
 }
 
-template <typename Kernel>
-cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream,
-                   const DecodeMoeArgs& args) {
-  return launch_pdl(kernel, grid, block, 0, stream, args);
-}
-
 }  // namespace
 
 bool decode_moe_supported(int num_tokens, int hidden, int inter, int num_experts, int top_k) {
@@ -239,7 +233,7 @@ cudaError_t decode_route(const DecodeMoeArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   const int blocks = (a.topk.num_experts + kRouteWarps - 1) / kRouteWarps;
-  return launch(decode_route_kernel, dim3(blocks), dim3(kRouteWarps * 32), stream, a);
+  return launch_pdl(decode_route_kernel, dim3(blocks), dim3(kRouteWarps * 32), 0, stream, a);
 }
 
 cudaError_t decode_gate_up(const DecodeMoeArgs& a, cudaStream_t stream) {
@@ -247,7 +241,7 @@ cudaError_t decode_gate_up(const DecodeMoeArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   const dim3 grid((a.inter + kGuWarps - 1) / kGuWarps, a.num_tokens * a.topk.top_k);
-  return launch(decode_gate_up_kernel, grid, dim3(kGuWarps * 32), stream, a);
+  return launch_pdl(decode_gate_up_kernel, grid, dim3(kGuWarps * 32), 0, stream, a);
 }
 
 cudaError_t decode_down_combine(const DecodeMoeArgs& a, cudaStream_t stream) {
@@ -255,7 +249,7 @@ cudaError_t decode_down_combine(const DecodeMoeArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   const dim3 grid(a.hidden / kDownCols, a.num_tokens);
-  return launch(decode_down_combine_kernel, grid, dim3(kDownWarps * 32), stream, a);
+  return launch_pdl(decode_down_combine_kernel, grid, dim3(kDownWarps * 32), 0, stream, a);
 }
 
 }  // namespace flexpert::cuda

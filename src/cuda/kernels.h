@@ -85,6 +85,11 @@ struct AttentionArgs {
   bool tiles = false;
 };
 inline constexpr int kAttentionTileRows = 64;
+// AttentionArgs::tiles for a step of num_tokens rows and num_rows logits rows (one per
+// chunk): chunks of many tokens, not decode steps (a logits row per token).
+inline bool attention_tiles_wanted(int num_tokens, int num_rows) {
+  return num_tokens - num_rows >= kAttentionTileRows / 2;
+}
 cudaError_t attention(DType dtype, const AttentionArgs& args, cudaStream_t stream);
 int64_t attention_split_floats(int head_dim);
 // The number of warps a (token, head) pair gets (1 without scratch).

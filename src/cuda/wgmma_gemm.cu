@@ -40,10 +40,6 @@ __host__ __device__ constexpr int wg_stages() {
   return WG == 2 && BN == 128 ? 5 : 4;
 }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
 }
@@ -176,7 +172,7 @@ __global__ void __launch_bounds__(WG * 128, 1) wgmma_gemm_kernel(const GroupedGe
   constexpr int kABytes = BM * 128, kBBytes = BN * 128, kStageBytes = kABytes + kBBytes;
   constexpr int kAPer = BM * 8 / kThreads, kBPer = BN * 8 / kThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t raw = smem_addr(smem_raw);
   const uint32_t smem = raw + ((1024 - (raw & 1023)) & 1023);  // Swizzle atoms: 1024-aligned.
 
   const int tile = blockIdx.x;
@@ -475,7 +471,7 @@ template <int S, int kStageBytes>
 __device__ __forceinline__ Ring setup_ring(int full_count, int empty_count,
                                            const CUtensorMap& tmap_b, int unit_readers = 0) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t raw = smem_addr(smem_raw);
   Ring r;
   r.smem = raw + ((1024 - (raw & 1023)) & 1023);
   r.full_bar = r.smem + S * kStageBytes;
