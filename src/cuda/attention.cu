@@ -277,10 +277,15 @@ __global__ void __launch_bounds__(kFaWarps * 32, 3) attention_tile_kernel(Attent
   // Rows g and g + 8 of the warp: positions, running maxima and sums (the sums are this
   // lane's columns only, summed over the row's lanes at the end).
   const int prow0 = p0 + warp * 16 + g, prow1 = prow0 + 8;
-  float m0 = -FLT_MAX, m1 = -FLT_MAX, l0 = 0.f, l1 = 0.f;
-  const float scale = a.scale;
+  // Maxima in raw scores; exponents base 2 with the scale folded in (one FMA and one
+  // MUFU op an element). Every row sees position 0 in the first chunk, so the maxima
+  // are finite from then on, and masked scores (-inf) give exp2 = 0.
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  const float scale_log2 = a.scale * 1.4426950408889634f;
   const int len = p0 + rows;                           // Positions the last row sees.
   const int warp_len = min(len, p0 + warp * 16 + 16);  // Those this warp's rows see.
+  // Chunks from here on reach past the warp's first row: they need the causal mask.
+  const int diag_c0 = p0 + warp * 16 - kFaCols + 1;
   // K and V of chunk c0 into buffer `buf` (positions past len as zeros), one commit group.
   auto load_chunk = [&](int c0, int buf) {
     for (int c = threadIdx.x; c < kFaCols * kChunks; c += kFaWarps * 32) {
@@ -327,34 +332,39 @@ __global__ void __launch_bounds__(kFaWarps * 32, 3) attention_tile_kernel(Attent
         }
       }
       // Online softmax on rows g (elements 0, 1) and g + 8 (2, 3).
-      float mx0 = -FLT_MAX, mx1 = -FLT_MAX;
+      if (c0 >= diag_c0) {
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j) {
+          const int col = c0 + 8 * j + 2 * t;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            if (col + e > prow0) sc[j][e] = -INFINITY;
+            if (col + e > prow1) sc[j][2 + e] = -INFINITY;
+          }
+        }
+      }
+      float mx0 = m0, mx1 = m1;
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
-        const int col = c0 + 8 * j + 2 * t;
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          sc[j][e] = col + e <= prow0 ? sc[j][e] * scale : -FLT_MAX;
-          sc[j][2 + e] = col + e <= prow1 ? sc[j][2 + e] * scale : -FLT_MAX;
-          mx0 = fmaxf(mx0, sc[j][e]);
-          mx1 = fmaxf(mx1, sc[j][2 + e]);
-        }
+        mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
       }
 #pragma unroll
       for (int o2 = 1; o2 <= 2; o2 *= 2) {
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
       }
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      const float corr0 = m0 > -FLT_MAX ? expf(m0 - mn0) : 0.f;
-      const float corr1 = m1 > -FLT_MAX ? expf(m1 - mn1) : 0.f;
-      m0 = mn0, m1 = mn1;
+      const float corr0 = exp2f((m0 - mx0) * scale_log2);  // 0 on the first chunk.
+      const float corr1 = exp2f((m1 - mx1) * scale_log2);
+      m0 = mx0, m1 = mx1;
+      const float off0 = mx0 * scale_log2, off1 = mx1 * scale_log2;
       float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          sc[j][e] = sc[j][e] > -FLT_MAX ? expf(sc[j][e] - mn0) : 0.f;
-          sc[j][2 + e] = sc[j][2 + e] > -FLT_MAX ? expf(sc[j][2 + e] - mn1) : 0.f;
+          sc[j][e] = exp2f(fmaf(sc[j][e], scale_log2, -off0));
+          sc[j][2 + e] = exp2f(fmaf(sc[j][2 + e], scale_log2, -off1));
           sum0 += sc[j][e];
           sum1 += sc[j][2 + e];
         }
