@@ -208,52 +208,58 @@ __global__ void __launch_bounds__(kWarps * 32) attention_merge_kernel(AttentionA
   for (int i = 0; i < kPerLane; ++i) o[lane + 32 * i] = from_f32<T>(acc[i] * inv);
 }
 
-// Prefill on tensor cores (bf16, head_dim 64 or 128): a block of kFaWarps warps takes
-// kFaRows query rows of one head when they are one sequence's consecutive positions in
-// one KV slot, and says so in split_scratch[tile] (1, else 0: attention_kernel, launched
-// next with those flags, takes the rows of other tiles, a warp per row). Per chunk of
-// kFaCols positions (up to the block's last row, causal) K and V rows go to shared
-// memory; warp w keeps its 16 query rows' fragments, the scores S = Q K^T of the chunk
-// and the output O in registers (mma.sync m16n8k16, bf16 in, f32 accumulation; the
-// layout of FlashAttention-2): a lane holds rows g = lane / 4 and g + 8, columns 2t, 2t + 1
-// (t = lane % 4) of each 8-column block. The online softmax runs on those registers (a
-// row's four lanes reduce by shuffles); P, rounded to bf16, is the next product's A
-// operand as it lies; V comes by ldmatrix.trans. Scores and sums are f32.
+// Prefill on tensor cores (bf16, head_dim 64 or 128). The rows come in tiles of kFaRows
+// (64) query rows; a tile is computed here when its rows are one sequence's consecutive
+// positions in one KV slot, and says so in split_scratch[tile] (1, else 0:
+// attention_kernel, launched next with those flags, takes the rows of other tiles, a
+// warp per row). A block of kFaWarps warps takes a pair of tiles of one head: both as one
+// job of 128 rows when all of them are one sequence's consecutive positions, else each
+// tile that is, one after the other. Per chunk of kFaCols positions (up to the job's
+// last row, causal) K and V rows go to shared memory (double-buffered by cp.async); warp
+// w takes the job's rows 32w .. 32w + 31 as two blocks of 16 (rb), and keeps their
+// scores S = Q K^T of the chunk and the output O in registers (mma.sync m16n8k16, bf16
+// in, f32 accumulation; the layout of FlashAttention-2): a lane holds rows g = lane / 4
+// and g + 8 of each block, columns 2t, 2t + 1 (t = lane % 4) of each 8-column block.
+// Q's fragments come from shared memory at each k-step, each K fragment serves both row
+// blocks. The online softmax runs on those registers (a row's four lanes reduce by
+// shuffles); P, rounded to bf16, is the next product's A operand as it lies; V comes by
+// ldmatrix.trans. Scores and sums are f32.
+constexpr int kFaJobRows = 2 * kFaRows, kFaRb = 2;
+static_assert(kFaJobRows == kFaWarps * 16 * kFaRb, "a warp takes kFaRb blocks of 16 rows");
 template <int D>
-constexpr size_t fa_smem_bytes() {  // K and V twice (double-buffered); Q first, over them.
-  return static_cast<size_t>(4) * kFaRows * (D + 8) * sizeof(bf16);
+constexpr size_t fa_smem_bytes() {  // Q's rows, then K and V twice (double-buffered).
+  return static_cast<size_t>(kFaJobRows + 4 * kFaCols) * (D + 8) * sizeof(bf16);
 }
 
+// 2^x by the MUFU unit alone (denormal results flushed to zero: softmax weights below
+// 2^-126 of the row's maximum), without exp2f's range fix-up around it.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// One job of the tile kernel: query rows t0 .. t0 + rows - 1 (rows <= kFaJobRows) of head
+// h, one sequence's consecutive positions in one KV slot. Every thread of the block calls
+// it (barriers inside); it ends with one.
 template <int D>
-__global__ void __launch_bounds__(kFaWarps * 32, 3) attention_tile_kernel(AttentionArgs a) {
+__device__ __forceinline__ void fa_job(const AttentionArgs& a, int t0, int rows, int h, bf16* sQ,
+                                       bf16* sK0, bf16* sV0) {
   constexpr int LQ = D + 8;  // Row stride in shared memory: ldmatrix rows hit all banks.
   constexpr int kKSteps = D / 16, kSTiles = kFaCols / 8, kOTiles = D / 8;
-  extern __shared__ __align__(128) unsigned char fa_smem[];
-  // Q's rows until the warps hold them in registers, then K and V.
-  bf16* sQ = reinterpret_cast<bf16*>(fa_smem);  // [kFaRows][LQ]
-  bf16* const sK0 = sQ;                         // [2][kFaCols][LQ]
-  bf16* const sV0 = sK0 + 2 * kFaCols * LQ;     // [2][kFaCols][LQ]
-  grid_dep_wait();
-  grid_dep_launch();
+  constexpr int kChunks = D / 8;  // 16-byte pieces of a row.
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // Last tiles first: within a sequence they see the most positions (causal).
-  const int tile = gridDim.x - 1 - blockIdx.x;
-  const int t0 = tile * kFaRows, h = blockIdx.y, nq = a.num_q_heads;
-  const int rows = min(kFaRows, a.num_tokens - t0);
+  const int nq = a.num_q_heads;
   const int p0 = a.positions[t0], slot = a.kv_slots[t0];
-  const int i = threadIdx.x;
-  const bool same = i >= rows || (a.kv_slots[t0 + i] == slot && a.positions[t0 + i] == p0 + i);
-  const bool uniform = __syncthreads_and(same);
-  if (h == 0 && threadIdx.x == 0) a.split_scratch[tile] = uniform ? 1.f : 0.f;
-  if (!uniform) return;  // attention_kernel takes these rows, a warp per row.
   const int kvh = h / (nq / a.num_kv_heads);
   const int64_t pos_stride = static_cast<int64_t>(a.num_kv_heads) * D;
   const bf16* kc = static_cast<const bf16*>(a.k_cache) +
                    static_cast<int64_t>(slot) * a.max_seq_len * pos_stride + kvh * D;
   const bf16* vc = static_cast<const bf16*>(a.v_cache) +
                    static_cast<int64_t>(slot) * a.max_seq_len * pos_stride + kvh * D;
-  constexpr int kChunks = D / 8;  // 16-byte pieces of a row.
-  for (int c = threadIdx.x; c < kFaRows * kChunks; c += kFaWarps * 32) {
+  // Q's rows (zeros past the job's end); the first chunk's barrier orders them before
+  // their reads.
+  for (int c = threadIdx.x; c < kFaJobRows * kChunks; c += kFaWarps * 32) {
     const int r = c / kChunks, k = c % kChunks;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (r < rows) {
@@ -262,30 +268,27 @@ __global__ void __launch_bounds__(kFaWarps * 32, 3) attention_tile_kernel(Attent
     }
     *reinterpret_cast<uint4*>(sQ + r * LQ + 8 * k) = v;
   }
-  __syncthreads();
   const int g = lane / 4, t = lane % 4;
   const int mi = lane / 8, ri = lane % 8;  // ldmatrix: this lane's matrix and row.
-  // The warp's Q fragments: k-step kk = rows (g, g + 8) x dims 16 kk + (2t, 2t + 8).
-  uint32_t qf[kKSteps][4];
+  const int wr0 = warp * 16 * kFaRb;       // The warp's first row in the job.
+  float o[kFaRb][kOTiles][4];
 #pragma unroll
-  for (int kk = 0; kk < kKSteps; ++kk) {
-    ldmatrix_x4(qf[kk], sQ + (warp * 16 + ri + 8 * (mi % 2)) * LQ + 16 * kk + 8 * (mi / 2));
+  for (int rb = 0; rb < kFaRb; ++rb) {
+#pragma unroll
+    for (int n = 0; n < kOTiles; ++n) o[rb][n][0] = o[rb][n][1] = o[rb][n][2] = o[rb][n][3] = 0.f;
   }
-  float o[kOTiles][4];
+  // Rows g and g + 8 of each block: running maxima (raw scores) and sums (this lane's
+  // columns only, summed over the row's lanes at the end). Exponents base 2 with the
+  // scale folded in (one FMA and one MUFU op an element). Every row sees position 0 in
+  // the first chunk, so the maxima are finite from then on, and masked scores (-inf)
+  // give exp2 = 0.
+  float m[kFaRb][2], l[kFaRb][2];
 #pragma unroll
-  for (int n = 0; n < kOTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  // Rows g and g + 8 of the warp: positions, running maxima and sums (the sums are this
-  // lane's columns only, summed over the row's lanes at the end).
-  const int prow0 = p0 + warp * 16 + g, prow1 = prow0 + 8;
-  // Maxima in raw scores; exponents base 2 with the scale folded in (one FMA and one
-  // MUFU op an element). Every row sees position 0 in the first chunk, so the maxima
-  // are finite from then on, and masked scores (-inf) give exp2 = 0.
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  for (int rb = 0; rb < kFaRb; ++rb) m[rb][0] = m[rb][1] = -INFINITY, l[rb][0] = l[rb][1] = 0.f;
   const float scale_log2 = a.scale * 1.4426950408889634f;
-  const int len = p0 + rows;                           // Positions the last row sees.
-  const int warp_len = min(len, p0 + warp * 16 + 16);  // Those this warp's rows see.
-  // Chunks from here on reach past the warp's first row: they need the causal mask.
-  const int diag_c0 = p0 + warp * 16 - kFaCols + 1;
+  const int len = p0 + rows;                             // Positions the last row sees.
+  const int warp_len = min(len, p0 + wr0 + 16 * kFaRb);  // Those this warp's rows see.
+  const int diag_c0 = p0 + wr0 - kFaCols + 1;  // Chunks from here on need the causal mask.
   // K and V of chunk c0 into buffer `buf` (positions past len as zeros), one commit group.
   auto load_chunk = [&](int c0, int buf) {
     for (int c = threadIdx.x; c < kFaCols * kChunks; c += kFaWarps * 32) {
@@ -299,7 +302,6 @@ __global__ void __launch_bounds__(kFaWarps * 32, 3) attention_tile_kernel(Attent
     }
     cp_async_commit();
   };
-  __syncthreads();  // Every warp has its Q fragments: the buffers may take K and V.
   load_chunk(0, 0);
   for (int c0 = 0, buf = 0; c0 < len; c0 += kFaCols, buf ^= 1) {
     // The next chunk streams in while this one is computed; its buffer was last read in
@@ -313,107 +315,184 @@ __global__ void __launch_bounds__(kFaWarps * 32, 3) attention_tile_kernel(Attent
     __syncthreads();
     const bf16* sK = sK0 + buf * kFaCols * LQ;
     const bf16* sV = sV0 + buf * kFaCols * LQ;
-    // Warps whose rows all lie before this chunk (causal) or past the tile's end skip it;
+    // Warps whose rows all lie before this chunk (causal) or past the job's end skip it;
     // every thread still meets the one barrier below (a barrier inside the condition
     // would be divergent: compute-sanitizer's synccheck flags it).
-    if (c0 < warp_len && warp * 16 < rows) {
-      // S = Q K^T over the chunk: 8 blocks of 8 positions.
-      float sc[kSTiles][4];
+    if (c0 < warp_len && wr0 < rows) {
+      // S = Q K^T over the chunk: 8 blocks of 8 positions per row block.
+      float sc[kFaRb][kSTiles][4];
 #pragma unroll
-      for (int j = 0; j < kSTiles; ++j) {
-        sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+      for (int rb = 0; rb < kFaRb; ++rb) {
 #pragma unroll
-        for (int kk = 0; kk < kKSteps; kk += 2) {
-          // Matrices: positions 8j.. x dims 16 kk + 0, 8, 16, 24 (two k-steps).
-          uint32_t b[4];
-          ldmatrix_x4(b, sK + (8 * j + ri) * LQ + 16 * kk + 8 * mi);
-          mma_bf16_16816(sc[j], qf[kk], b[0], b[1]);
-          mma_bf16_16816(sc[j], qf[kk + 1], b[2], b[3]);
-        }
+        for (int j = 0; j < kSTiles; ++j)
+          sc[rb][j][0] = sc[rb][j][1] = sc[rb][j][2] = sc[rb][j][3] = 0.f;
       }
-      // Online softmax on rows g (elements 0, 1) and g + 8 (2, 3).
-      if (c0 >= diag_c0) {
 #pragma unroll
-        for (int j = 0; j < kSTiles; ++j) {
-          const int col = c0 + 8 * j + 2 * t;
+      for (int kk = 0; kk < kKSteps; ++kk) {
+        // Q: rows (g, g + 8) x dims 16 kk + (2t, 2t + 8) of each row block.
+        uint32_t qa[kFaRb][4];
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            if (col + e > prow0) sc[j][e] = -INFINITY;
-            if (col + e > prow1) sc[j][2 + e] = -INFINITY;
+        for (int rb = 0; rb < kFaRb; ++rb) {
+          ldmatrix_x4(qa[rb],
+                      sQ + (wr0 + 16 * rb + ri + 8 * (mi % 2)) * LQ + 16 * kk + 8 * (mi / 2));
+        }
+#pragma unroll
+        for (int j = 0; j < kSTiles; j += 2) {
+          // Matrices: positions 8j.., then 8(j + 1).. x dims 16 kk + (0, 8).
+          uint32_t b[4];
+          ldmatrix_x4(b, sK + (8 * (j + mi / 2) + ri) * LQ + 16 * kk + 8 * (mi % 2));
+#pragma unroll
+          for (int rb = 0; rb < kFaRb; ++rb) {
+            mma_bf16_16816(sc[rb][j], qa[rb], b[0], b[1]);
+            mma_bf16_16816(sc[rb][j + 1], qa[rb], b[2], b[3]);
           }
         }
       }
-      float mx0 = m0, mx1 = m1;
 #pragma unroll
-      for (int j = 0; j < kSTiles; ++j) {
-        mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
-        mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
-      }
+      for (int rb = 0; rb < kFaRb; ++rb) {
+        // Online softmax on rows g (elements 0, 1) and g + 8 (2, 3) of block rb.
+        const int prow0 = p0 + wr0 + 16 * rb + g, prow1 = prow0 + 8;
+        if (c0 >= diag_c0) {
 #pragma unroll
-      for (int o2 = 1; o2 <= 2; o2 *= 2) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
-      }
-      const float corr0 = exp2f((m0 - mx0) * scale_log2);  // 0 on the first chunk.
-      const float corr1 = exp2f((m1 - mx1) * scale_log2);
-      m0 = mx0, m1 = mx1;
-      const float off0 = mx0 * scale_log2, off1 = mx1 * scale_log2;
-      float sum0 = 0.f, sum1 = 0.f;
+          for (int j = 0; j < kSTiles; ++j) {
+            const int col = c0 + 8 * j + 2 * t;
 #pragma unroll
-      for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          sc[j][e] = exp2f(fmaf(sc[j][e], scale_log2, -off0));
-          sc[j][2 + e] = exp2f(fmaf(sc[j][2 + e], scale_log2, -off1));
-          sum0 += sc[j][e];
-          sum1 += sc[j][2 + e];
+            for (int e = 0; e < 2; ++e) {
+              if (col + e > prow0) sc[rb][j][e] = -INFINITY;
+              if (col + e > prow1) sc[rb][j][2 + e] = -INFINITY;
+            }
+          }
         }
-      }
-      l0 = l0 * corr0 + sum0;
-      l1 = l1 * corr1 + sum1;
+        // Maxima and sums as trees (four partial values a row), not one long chain.
+        float pm0[4], pm1[4];
 #pragma unroll
-      for (int n = 0; n < kOTiles; ++n) {
-        o[n][0] *= corr0, o[n][1] *= corr0;
-        o[n][2] *= corr1, o[n][3] *= corr1;
+        for (int q = 0; q < 4; ++q) pm0[q] = pm1[q] = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j) {
+          pm0[j % 4] = fmaxf(pm0[j % 4], fmaxf(sc[rb][j][0], sc[rb][j][1]));
+          pm1[j % 4] = fmaxf(pm1[j % 4], fmaxf(sc[rb][j][2], sc[rb][j][3]));
+        }
+        float mx0 = fmaxf(fmaxf(m[rb][0], fmaxf(pm0[0], pm0[1])), fmaxf(pm0[2], pm0[3]));
+        float mx1 = fmaxf(fmaxf(m[rb][1], fmaxf(pm1[0], pm1[1])), fmaxf(pm1[2], pm1[3]));
+#pragma unroll
+        for (int o2 = 1; o2 <= 2; o2 *= 2) {
+          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
+          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
+        }
+        const float corr0 = fast_exp2((m[rb][0] - mx0) * scale_log2);  // 0 on the first chunk.
+        const float corr1 = fast_exp2((m[rb][1] - mx1) * scale_log2);
+        m[rb][0] = mx0, m[rb][1] = mx1;
+        const float off0 = mx0 * scale_log2, off1 = mx1 * scale_log2;
+        float ps0[4] = {0.f, 0.f, 0.f, 0.f}, ps1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            sc[rb][j][e] = fast_exp2(fmaf(sc[rb][j][e], scale_log2, -off0));
+            sc[rb][j][2 + e] = fast_exp2(fmaf(sc[rb][j][2 + e], scale_log2, -off1));
+            ps0[j % 4] += sc[rb][j][e];
+            ps1[j % 4] += sc[rb][j][2 + e];
+          }
+        }
+        l[rb][0] = l[rb][0] * corr0 + ((ps0[0] + ps0[1]) + (ps0[2] + ps0[3]));
+        l[rb][1] = l[rb][1] * corr1 + ((ps1[0] + ps1[1]) + (ps1[2] + ps1[3]));
+#pragma unroll
+        for (int n = 0; n < kOTiles; ++n) {
+          o[rb][n][0] *= corr0, o[rb][n][1] *= corr0;
+          o[rb][n][2] *= corr1, o[rb][n][3] *= corr1;
+        }
       }
       // O += P V: P's k-step kk is S blocks 2kk, 2kk + 1 as they lie in the registers.
 #pragma unroll
       for (int kk = 0; kk < kFaCols / 16; ++kk) {
-        const uint32_t pf[4] = {pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]),
-                                pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]),
-                                pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                                pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+        uint32_t pf[kFaRb][4];
+#pragma unroll
+        for (int rb = 0; rb < kFaRb; ++rb) {
+          pf[rb][0] = pack_bf16x2(sc[rb][2 * kk][0], sc[rb][2 * kk][1]);
+          pf[rb][1] = pack_bf16x2(sc[rb][2 * kk][2], sc[rb][2 * kk][3]);
+          pf[rb][2] = pack_bf16x2(sc[rb][2 * kk + 1][0], sc[rb][2 * kk + 1][1]);
+          pf[rb][3] = pack_bf16x2(sc[rb][2 * kk + 1][2], sc[rb][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int n = 0; n < kOTiles; n += 2) {
           // Matrices: positions 16 kk + (0, 8) x dims 8n, then 8(n + 1); transposed.
           uint32_t b[4];
           ldmatrix_x4_trans(b, sV + (16 * kk + ri + 8 * (mi % 2)) * LQ + 8 * n + 8 * (mi / 2));
-          mma_bf16_16816(o[n], pf, b[0], b[1]);
-          mma_bf16_16816(o[n + 1], pf, b[2], b[3]);
+#pragma unroll
+          for (int rb = 0; rb < kFaRb; ++rb) {
+            mma_bf16_16816(o[rb][n], pf[rb], b[0], b[1]);
+            mma_bf16_16816(o[rb][n + 1], pf[rb], b[2], b[3]);
+          }
         }
       }
     }
-    __syncthreads();  // Every warp is done with buf before the next prefetch refills it.
+    __syncthreads();  // Every warp is done with buf (and Q) before they are refilled.
   }
-#pragma unroll
-  for (int o2 = 1; o2 <= 2; o2 *= 2) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, o2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, o2);
-  }
-  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
-  const int r0 = warp * 16 + g, r1 = r0 + 8;
   bf16* out = static_cast<bf16*>(a.out);
 #pragma unroll
-  for (int n = 0; n < kOTiles; ++n) {
-    const int d = 8 * n + 2 * t;
-    if (r0 < rows) {
-      *reinterpret_cast<__nv_bfloat162*>(out + (static_cast<int64_t>(t0 + r0) * nq + h) * D + d) =
-          __floats2bfloat162_rn(o[n][0] * inv0, o[n][1] * inv0);
+  for (int rb = 0; rb < kFaRb; ++rb) {
+    float l0 = l[rb][0], l1 = l[rb][1];
+#pragma unroll
+    for (int o2 = 1; o2 <= 2; o2 *= 2) {
+      l0 += __shfl_xor_sync(0xffffffffu, l0, o2);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, o2);
     }
-    if (r1 < rows) {
-      *reinterpret_cast<__nv_bfloat162*>(out + (static_cast<int64_t>(t0 + r1) * nq + h) * D + d) =
-          __floats2bfloat162_rn(o[n][2] * inv1, o[n][3] * inv1);
+    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+    const int r0 = wr0 + 16 * rb + g, r1 = r0 + 8;
+#pragma unroll
+    for (int n = 0; n < kOTiles; ++n) {
+      const int d = 8 * n + 2 * t;
+      if (r0 < rows) {
+        *reinterpret_cast<__nv_bfloat162*>(out + (static_cast<int64_t>(t0 + r0) * nq + h) * D + d) =
+            __floats2bfloat162_rn(o[rb][n][0] * inv0, o[rb][n][1] * inv0);
+      }
+      if (r1 < rows) {
+        *reinterpret_cast<__nv_bfloat162*>(out + (static_cast<int64_t>(t0 + r1) * nq + h) * D + d) =
+            __floats2bfloat162_rn(o[rb][n][2] * inv1, o[rb][n][3] * inv1);
+      }
     }
+  }
+}
+
+// Block (pair of tiles, head): see fa_job. Thread i checks row i of the pair.
+template <int D>
+__global__ void __launch_bounds__(kFaWarps * 32, 2) attention_tile_kernel(AttentionArgs a) {
+  constexpr int LQ = D + 8;
+  extern __shared__ __align__(128) unsigned char fa_smem[];
+  bf16* const sQ = reinterpret_cast<bf16*>(fa_smem);  // [kFaJobRows][LQ]
+  bf16* const sK0 = sQ + kFaJobRows * LQ;             // [2][kFaCols][LQ]
+  bf16* const sV0 = sK0 + 2 * kFaCols * LQ;           // [2][kFaCols][LQ]
+  grid_dep_wait();
+  grid_dep_launch();
+  // Last pairs first: within a sequence they see the most positions (causal).
+  const int pair = gridDim.x - 1 - blockIdx.x, h = blockIdx.y;
+  const int t0 = pair * kFaJobRows, rows = min(kFaJobRows, a.num_tokens - t0);
+  const int lo_rows = min(kFaRows, rows), hi_rows = rows - lo_rows;
+  const int i = threadIdx.x;
+  static_assert(kFaWarps * 32 == kFaJobRows, "a thread per row of the pair");
+  // Whether rows 0 .. i of the pair (of the second tile: 64 .. i) continue row 0's (64's)
+  // sequence, position by position.
+  auto continues = [&](int first) {
+    return i >= rows || (a.kv_slots[t0 + i] == a.kv_slots[t0 + first] &&
+                         a.positions[t0 + i] == a.positions[t0 + first] + i - first);
+  };
+  const bool all = __syncthreads_and(continues(0));
+  const bool lo = __syncthreads_and(i >= lo_rows || continues(0));
+  const bool hi = hi_rows > 0 && __syncthreads_and(i < kFaRows || continues(kFaRows));
+  if (h == 0 && threadIdx.x == 0) {
+    a.split_scratch[2 * pair] = lo ? 1.f : 0.f;
+    if (hi_rows > 0) a.split_scratch[2 * pair + 1] = hi ? 1.f : 0.f;
+  }
+  // Jobs: the whole pair, else each tile that is one sequence's (the second after the
+  // first: one call site, one copy of the job's code).
+  const int jobs = all ? 1 : static_cast<int>(lo) + static_cast<int>(hi);
+  for (int jb = 0; jb < jobs; ++jb) {
+    const bool second = jb == 1 || (!all && !lo);
+    fa_job<D>(a, second ? t0 + kFaRows : t0,
+              all      ? rows
+              : second ? hi_rows
+                       : lo_rows,
+              h, sQ, sK0, sV0);
   }
 }
 
@@ -432,7 +511,8 @@ cudaError_t launch_dim(const AttentionArgs& a, cudaStream_t stream) {
           e != cudaSuccess) {
         return e;
       }
-      const cudaError_t e = launch_pdl(attention_tile_kernel<D>, dim3(tiles, a.num_q_heads),
+      const int pairs = (tiles + 1) / 2;
+      const cudaError_t e = launch_pdl(attention_tile_kernel<D>, dim3(pairs, a.num_q_heads),
                                        dim3(kFaWarps * 32), fa_smem_bytes<D>(), stream, a);
       if (e != cudaSuccess) return e;
       tile_done = a.split_scratch;
