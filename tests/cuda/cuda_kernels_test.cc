@@ -596,9 +596,9 @@ TEST_P(CudaAttentionTest, MatchesCpuAttention) {
 }
 
 // Prefill tiles on tensor cores (AttentionArgs::tiles, bf16): tiles of 64 rows of one
-// sequence (from position 0, from 64, a partial last one of 39 rows from position 71) and
-// a tile spanning three sequences, whose rows go a warp per row; against the CPU, with
-// the tiles' flags saying which ran.
+// sequence (from position 0, from 64, partial last ones) in every pairing a block meets,
+// and tiles spanning sequences, whose rows go a warp per row; against the CPU, with the
+// tiles' flags saying which ran.
 TEST(CudaAttentionTileTest, PrefillTilesMatchCpu) {
   FLEX_SKIP_WITHOUT_GPU();
   // 231 tokens x 16 heads: enough pairs for one warp per pair (no splits), as prefill.
@@ -606,10 +606,28 @@ TEST(CudaAttentionTileTest, PrefillTilesMatchCpu) {
   struct Seq {
     int slot, start, len;
   };
-  // Rows 0-129 one sequence, 130 a decode token, 131-230 a third: tiles 0, 1, 3 of one
-  // sequence (3 partial: its last warp has no rows), tile 2 of all three.
-  const std::vector<Seq> seqs = {{1, 0, 130}, {0, 70, 1}, {2, 10, 100}};
-  for (int D : {64, 128}) {
+  // A block takes a pair of 64-row tiles: as one job when all its rows are one
+  // sequence's, else each tile that is. Layout 0: rows 0-129 one sequence, 130 a decode
+  // token, 131-230 a third: tiles 0 + 1 one job, 3 (partial: its last warp has no rows)
+  // alone, 2 (all three) a warp per row. Layout 1: rows 0-63, 64-191 two sequences (pair
+  // 0: two jobs), 192-211 and 212-221 two more (pair 1: only tile 2 is one sequence's).
+  struct Layout {
+    std::vector<Seq> seqs;
+    std::vector<float> flags;
+    std::vector<int> rows;  // Checked one by one.
+  };
+  const std::vector<Layout> layouts = {
+      {{{1, 0, 130}, {0, 70, 1}, {2, 10, 100}},
+       {1.f, 1.f, 0.f, 1.f},
+       {0, 63, 64, 127, 128, 130, 131, 191, 192, 230}},
+      {{{0, 5, 64}, {1, 0, 128}, {2, 30, 20}, {0, 80, 10}},
+       {1.f, 1.f, 1.f, 0.f},
+       {0, 63, 64, 127, 128, 191, 192, 211, 212, 221}},
+  };
+  for (size_t c = 0; c < 2 * layouts.size(); ++c) {
+    const size_t li = c / 2;
+    const int D = c % 2 == 0 ? 64 : 128;
+    const std::vector<Seq>& seqs = layouts[li].seqs;
     std::mt19937 rng(17 + D);
     const size_t cache_n = static_cast<size_t>(num_slots) * max_seq_len * nkv * D;
     const std::vector<float> kc = round_bf16(uniform(cache_n, 1.f, rng));
@@ -657,17 +675,18 @@ TEST(CudaAttentionTileTest, PrefillTilesMatchCpu) {
     ASSERT_EQ(
         cudaMemcpy(flags.data(), scratch.value().data(), 4 * sizeof(float), cudaMemcpyDeviceToHost),
         cudaSuccess);
-    EXPECT_EQ(flags, (std::vector<float>{1.f, 1.f, 0.f, 1.f})) << "tiles computed, D " << D;
+    EXPECT_EQ(flags, layouts[li].flags) << "tiles computed, layout " << li << ", D " << D;
     const std::vector<float> rows = run(false);
     const double err = rel_l2(tiled, want), err_rows = rel_l2(rows, want);
-    std::printf("  tiles D=%d: relative L2 vs CPU %.3g (a warp per row: %.3g)\n", D, err, err_rows);
-    EXPECT_LT(err, 1e-2) << "D " << D;
+    std::printf("  tiles, layout %zu, D=%d: relative L2 vs CPU %.3g (a warp per row: %.3g)\n", li,
+                D, err, err_rows);
+    EXPECT_LT(err, 1e-2) << "layout " << li << ", D " << D;
     // Row by row, the tiles' rows against the CPU: each tile kind is right on its own.
-    for (int t : {0, 63, 64, 127, 128, 130, 131, 191, 192, 230}) {
+    for (int t : layouts[li].rows) {
       const size_t o = static_cast<size_t>(t) * nq * D;
       const std::vector<float> got(tiled.begin() + o, tiled.begin() + o + nq * D);
       const std::vector<float> ref(want.begin() + o, want.begin() + o + nq * D);
-      EXPECT_LT(rel_l2(got, ref), 2e-2) << "D " << D << " row " << t;
+      EXPECT_LT(rel_l2(got, ref), 2e-2) << "layout " << li << ", D " << D << " row " << t;
     }
   }
 }
