@@ -470,8 +470,8 @@ __global__ void __launch_bounds__(kFaWarps * 32, 2) attention_tile_kernel(Attent
   const int lo_rows = min(kFaRows, rows), hi_rows = rows - lo_rows;
   const int i = threadIdx.x;
   static_assert(kFaWarps * 32 == kFaJobRows, "a thread per row of the pair");
-  // Whether rows 0 .. i of the pair (of the second tile: 64 .. i) continue row 0's (64's)
-  // sequence, position by position.
+  // Whether row i of the pair continues the sequence of row `first` (0, or 64 for the
+  // second tile) position by position, in the same KV slot.
   auto continues = [&](int first) {
     return i >= rows || (a.kv_slots[t0 + i] == a.kv_slots[t0 + first] &&
                          a.positions[t0 + i] == a.positions[t0 + first] + i - first);
