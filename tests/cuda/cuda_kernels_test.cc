@@ -529,6 +529,39 @@ cuda::AttentionArgs attention_args(const cuda::DeviceBuffer& q, const cuda::Devi
   return a;
 }
 
+// A batch of sequences as attention rows: each `len` consecutive positions from `start`
+// in KV slot `slot`, one after the other.
+struct AttnSeq {
+  int slot, start, len;
+};
+// The rows' positions and KV slots.
+void seq_rows(const std::vector<AttnSeq>& seqs, std::vector<int32_t>* pos,
+              std::vector<int32_t>* slot) {
+  for (const AttnSeq& sq : seqs) {
+    for (int i = 0; i < sq.len; ++i) {
+      pos->push_back(sq.start + i);
+      slot->push_back(sq.slot);
+    }
+  }
+}
+// The CPU's attention of every row (q [rows, nq, D], caches [slots, max_seq_len, nkv, D]),
+// scale 1 / sqrt(D).
+std::vector<float> cpu_attention_rows(const std::vector<AttnSeq>& seqs, const std::vector<float>& q,
+                                      const std::vector<float>& kc, const std::vector<float>& vc,
+                                      int nq, int nkv, int D, int max_seq_len) {
+  std::vector<float> want(q.size());
+  int t0 = 0;
+  for (const AttnSeq& sq : seqs) {
+    const size_t off = static_cast<size_t>(sq.slot) * max_seq_len * nkv * D;
+    kernels::attention(q.data() + static_cast<size_t>(t0) * nq * D, kc.data() + off,
+                       vc.data() + off, sq.len, sq.start, nq, nkv, D,
+                       1.f / std::sqrt(static_cast<float>(D)),
+                       want.data() + static_cast<size_t>(t0) * nq * D, ThreadPool::global());
+    t0 += sq.len;
+  }
+  return want;
+}
+
 class CudaAttentionTest : public ::testing::TestWithParam<std::pair<DType, int>> {};
 
 TEST_P(CudaAttentionTest, MatchesCpuAttention) {
@@ -537,35 +570,17 @@ TEST_P(CudaAttentionTest, MatchesCpuAttention) {
   const bool bf = dtype == DType::kBF16;
   const int nq = 8, nkv = 2, max_seq_len = 96, num_slots = 3;
   // Two sequences: a 40-token prefill at 0 in slot 2 and one decode token at 70 in slot 0.
-  struct Seq {
-    int slot, start, len;
-  };
-  const std::vector<Seq> seqs = {{2, 0, 40}, {0, 70, 1}};
+  const std::vector<AttnSeq> seqs = {{2, 0, 40}, {0, 70, 1}};
   std::mt19937 rng(7 + D);
   auto maybe_round = [&](std::vector<float> v) { return bf ? round_bf16(std::move(v)) : v; };
   const size_t cache_n = static_cast<size_t>(num_slots) * max_seq_len * nkv * D;
   const std::vector<float> kc = maybe_round(uniform(cache_n, 1.f, rng));
   const std::vector<float> vc = maybe_round(uniform(cache_n, 1.f, rng));
-  int T = 0;
   std::vector<int32_t> pos, slot;
-  for (const Seq& s : seqs) {
-    for (int i = 0; i < s.len; ++i) {
-      pos.push_back(s.start + i);
-      slot.push_back(s.slot);
-      ++T;
-    }
-  }
+  seq_rows(seqs, &pos, &slot);
+  const int T = static_cast<int>(pos.size());
   const std::vector<float> q = maybe_round(uniform(static_cast<size_t>(T) * nq * D, 1.f, rng));
-  const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  std::vector<float> want(q.size());
-  int t0 = 0;
-  for (const Seq& s : seqs) {
-    const size_t off = static_cast<size_t>(s.slot) * max_seq_len * nkv * D;
-    kernels::attention(q.data() + static_cast<size_t>(t0) * nq * D, kc.data() + off,
-                       vc.data() + off, s.len, s.start, nq, nkv, D, scale,
-                       want.data() + static_cast<size_t>(t0) * nq * D, ThreadPool::global());
-    t0 += s.len;
-  }
+  const std::vector<float> want = cpu_attention_rows(seqs, q, kc, vc, nq, nkv, D, max_seq_len);
   auto q_d = to_device(q, dtype);
   auto k_d = to_device(kc, dtype);
   auto v_d = to_device(vc, dtype);
@@ -603,16 +618,13 @@ TEST(CudaAttentionTileTest, PrefillTilesMatchCpu) {
   FLEX_SKIP_WITHOUT_GPU();
   // 231 tokens x 16 heads: enough pairs for one warp per pair (no splits), as prefill.
   const int nq = 16, nkv = 2, max_seq_len = 192, num_slots = 3;
-  struct Seq {
-    int slot, start, len;
-  };
   // A block takes a pair of 64-row tiles: as one job when all its rows are one
   // sequence's, else each tile that is. Layout 0: rows 0-129 one sequence, 130 a decode
   // token, 131-230 a third: tiles 0 + 1 one job, 3 (partial: its last warp has no rows)
   // alone, 2 (all three) a warp per row. Layout 1: rows 0-63, 64-191 two sequences (pair
   // 0: two jobs), 192-211 and 212-221 two more (pair 1: only tile 2 is one sequence's).
   struct Layout {
-    std::vector<Seq> seqs;
+    std::vector<AttnSeq> seqs;
     std::vector<float> flags;
     std::vector<int> rows;  // Checked one by one.
   };
@@ -627,30 +639,16 @@ TEST(CudaAttentionTileTest, PrefillTilesMatchCpu) {
   for (size_t c = 0; c < 2 * layouts.size(); ++c) {
     const size_t li = c / 2;
     const int D = c % 2 == 0 ? 64 : 128;
-    const std::vector<Seq>& seqs = layouts[li].seqs;
+    const std::vector<AttnSeq>& seqs = layouts[li].seqs;
     std::mt19937 rng(17 + D);
     const size_t cache_n = static_cast<size_t>(num_slots) * max_seq_len * nkv * D;
     const std::vector<float> kc = round_bf16(uniform(cache_n, 1.f, rng));
     const std::vector<float> vc = round_bf16(uniform(cache_n, 1.f, rng));
-    int T = 0;
     std::vector<int32_t> pos, slot;
-    for (const Seq& sq : seqs) {
-      for (int i = 0; i < sq.len; ++i, ++T) {
-        pos.push_back(sq.start + i);
-        slot.push_back(sq.slot);
-      }
-    }
+    seq_rows(seqs, &pos, &slot);
+    const int T = static_cast<int>(pos.size());
     const std::vector<float> q = round_bf16(uniform(static_cast<size_t>(T) * nq * D, 1.f, rng));
-    const float scale = 1.f / std::sqrt(static_cast<float>(D));
-    std::vector<float> want(q.size());
-    int t0 = 0;
-    for (const Seq& sq : seqs) {
-      const size_t off = static_cast<size_t>(sq.slot) * max_seq_len * nkv * D;
-      kernels::attention(q.data() + static_cast<size_t>(t0) * nq * D, kc.data() + off,
-                         vc.data() + off, sq.len, sq.start, nq, nkv, D, scale,
-                         want.data() + static_cast<size_t>(t0) * nq * D, ThreadPool::global());
-      t0 += sq.len;
-    }
+    const std::vector<float> want = cpu_attention_rows(seqs, q, kc, vc, nq, nkv, D, max_seq_len);
     auto q_d = to_device(q, DType::kBF16);
     auto k_d = to_device(kc, DType::kBF16);
     auto v_d = to_device(vc, DType::kBF16);
