@@ -496,10 +496,274 @@ __global__ void __launch_bounds__(kFaWarps * 32, 2) attention_tile_kernel(Attent
   }
 }
 
+// Decode on tensor cores (bf16, head_dim 64 or 128, up to 16 query heads a kv head; the
+// steps without prefill tiles). A warp per (token, kv head, split): the kv head's query
+// heads are the rows of one 16-row block (rows past the group zero), so each K and V
+// row is read once for all of them, and read coalesced: the warp copies chunks of
+// kGqaCols positions into its own two shared-memory buffers by cp.async (the next chunk
+// in flight while this one is computed) and takes them by ldmatrix, S = Q K^T and
+// O += P V on mma.sync as the prefill tiles do. Q's fragments stay in registers. Split sp
+// takes chunks sp, sp + splits, ... and leaves (m, l, unnormalised O) of each head for
+// attention_merge_kernel, as attention_kernel does; the split count is fixed by the
+// token and head counts (gqa_splits). kTwoRows: more than 8 heads a group (rows g + 8
+// carry heads too).
+constexpr int kGqaWarps = 2, kGqaCols = 32, kGqaMaxGroup = 16;
+constexpr int kGqaTargetWarps = 1024;
+template <int D>
+constexpr size_t gqa_smem_bytes() {  // Per warp: K and V, two buffers each.
+  return static_cast<size_t>(kGqaWarps) * 4 * kGqaCols * (D + 8) * sizeof(bf16);
+}
+
+template <int D, bool kTwoRows>
+__global__ void __launch_bounds__(kGqaWarps * 32)
+    attention_gqa_kernel(AttentionArgs a, int splits) {
+  constexpr int LQ = D + 8, kKSteps = D / 16, kSTiles = kGqaCols / 8, kOTiles = D / 8;
+  constexpr int kChunks = D / 8;  // 16-byte pieces of a row.
+  extern __shared__ __align__(128) unsigned char gqa_smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  bf16* const sK0 = reinterpret_cast<bf16*>(gqa_smem) + warp * 4 * kGqaCols * LQ;  // [2][C][LQ]
+  bf16* const sV0 = sK0 + 2 * kGqaCols * LQ;                                       // [2][C][LQ]
+  grid_dep_wait();
+  grid_dep_launch();
+  const int nkv = a.num_kv_heads, group = a.num_q_heads / nkv;
+  const int64_t task = static_cast<int64_t>(blockIdx.x) * kGqaWarps + warp;
+  const int64_t kv_pair = task / splits;
+  const int sp = static_cast<int>(task % splits);
+  if (kv_pair >= static_cast<int64_t>(a.num_tokens) * nkv) return;
+  const int t = static_cast<int>(kv_pair / nkv), kvh = static_cast<int>(kv_pair % nkv);
+  const int len = a.positions[t] + 1;
+  // Row r of the block is (token, head) pair row0 + r of q, out and the merge's scratch.
+  const int64_t row0 = static_cast<int64_t>(t) * a.num_q_heads + static_cast<int64_t>(kvh) * group;
+  if (splits > 1 && sp * kGqaCols >= len) {
+    if (lane < group) {  // No positions in this split: the merge skips it.
+      float* part = a.split_scratch + ((row0 + lane) * splits + sp) * (D + 2);
+      part[0] = -FLT_MAX, part[1] = 0.f;
+    }
+    return;
+  }
+  const int g = lane / 4, tq = lane % 4;
+  const int mi = lane / 8, ri = lane % 8;  // ldmatrix: this lane's matrix and row.
+  // Q: rows (g, g + 8) x dims 16 kk + (2 tq, 2 tq + 8), straight from global memory.
+  const bf16* q = static_cast<const bf16*>(a.q) + row0 * D;
+  auto q2 = [&](int r, int d) {
+    return r < group ? *reinterpret_cast<const uint32_t*>(q + r * D + d) : 0u;
+  };
+  uint32_t qa[kKSteps][4];
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    const int d = 16 * kk + 2 * tq;
+    qa[kk][0] = q2(g, d);
+    qa[kk][2] = q2(g, d + 8);
+    qa[kk][1] = kTwoRows ? q2(g + 8, d) : 0u;
+    qa[kk][3] = kTwoRows ? q2(g + 8, d + 8) : 0u;
+  }
+  const int64_t pos_stride = static_cast<int64_t>(nkv) * D;
+  const int64_t base = static_cast<int64_t>(a.kv_slots[t]) * a.max_seq_len * pos_stride +
+                       static_cast<int64_t>(kvh) * D;
+  const bf16* kc = static_cast<const bf16*>(a.k_cache) + base;
+  const bf16* vc = static_cast<const bf16*>(a.v_cache) + base;
+  // K and V of chunk c0 into buffer `buf` (positions past len as zeros), one commit group.
+  auto load_chunk = [&](int c0, int buf) {
+#pragma unroll 4
+    for (int c = lane; c < kGqaCols * kChunks; c += 32) {
+      const int j = c / kChunks, k = c % kChunks;
+      const int pos = min(c0 + j, len - 1);
+      const int bytes = c0 + j < len ? 16 : 0;
+      cp_async16_zfill(sK0 + (buf * kGqaCols + j) * LQ + 8 * k, kc + pos * pos_stride + 8 * k,
+                       bytes);
+      cp_async16_zfill(sV0 + (buf * kGqaCols + j) * LQ + 8 * k, vc + pos * pos_stride + 8 * k,
+                       bytes);
+    }
+    cp_async_commit();
+  };
+  float o[kOTiles][4];
+#pragma unroll
+  for (int n = 0; n < kOTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  // Rows g and g + 8: running maxima (raw scores) and this lane's part of the sums. Every
+  // chunk a split takes has a position, so the maxima are finite after the first.
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  const float scale_log2 = a.scale * 1.4426950408889634f;
+  const int stride = splits * kGqaCols;
+  int c0 = sp * kGqaCols;
+  load_chunk(c0, 0);
+  for (int buf = 0; c0 < len; c0 += stride, buf ^= 1) {
+    if (c0 + stride < len) {
+      load_chunk(c0 + stride, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncwarp();
+    const bf16* sK = sK0 + buf * kGqaCols * LQ;
+    const bf16* sV = sV0 + buf * kGqaCols * LQ;
+    float sc[kSTiles][4];
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+#pragma unroll
+      for (int j = 0; j < kSTiles; j += 2) {
+        // Matrices: positions 8j.., then 8(j + 1).. x dims 16 kk + (0, 8).
+        uint32_t b[4];
+        ldmatrix_x4(b, sK + (8 * (j + mi / 2) + ri) * LQ + 16 * kk + 8 * (mi % 2));
+        mma_bf16_16816(sc[j], qa[kk], b[0], b[1]);
+        mma_bf16_16816(sc[j + 1], qa[kk], b[2], b[3]);
+      }
+    }
+    if (c0 + kGqaCols > len) {  // The context's last chunk: positions past it masked.
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (c0 + 8 * j + 2 * tq + e >= len) sc[j][e] = sc[j][2 + e] = -INFINITY;
+        }
+      }
+    }
+    // Online softmax of row g (elements 0, 1) and, with kTwoRows, g + 8 (2, 3); a row's
+    // four lanes reduce by shuffles.
+    float mx0 = m0, mx1 = m1;
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+      mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
+      if (kTwoRows) mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
+    }
+#pragma unroll
+    for (int o2 = 1; o2 <= 2; o2 *= 2) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
+      if (kTwoRows) mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
+    }
+    const float corr0 = fast_exp2((m0 - mx0) * scale_log2);  // 0 on the first chunk.
+    const float corr1 = kTwoRows ? fast_exp2((m1 - mx1) * scale_log2) : 0.f;
+    m0 = mx0, m1 = mx1;
+    const float off0 = mx0 * scale_log2, off1 = mx1 * scale_log2;
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        sc[j][e] = fast_exp2(fmaf(sc[j][e], scale_log2, -off0));
+        ps0 += sc[j][e];
+        sc[j][2 + e] = kTwoRows ? fast_exp2(fmaf(sc[j][2 + e], scale_log2, -off1)) : 0.f;
+        ps1 += sc[j][2 + e];
+      }
+    }
+    l0 = l0 * corr0 + ps0;
+    l1 = l1 * corr1 + ps1;
+#pragma unroll
+    for (int n = 0; n < kOTiles; ++n) {
+      o[n][0] *= corr0, o[n][1] *= corr0;
+      o[n][2] *= corr1, o[n][3] *= corr1;
+    }
+    // O += P V: P's k-step kk is S blocks 2kk, 2kk + 1 as they lie in the registers.
+#pragma unroll
+    for (int kk = 0; kk < kGqaCols / 16; ++kk) {
+      uint32_t pf[4];
+      pf[0] = pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]);
+      pf[1] = pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]);
+      pf[2] = pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+      pf[3] = pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+      for (int n = 0; n < kOTiles; n += 2) {
+        // Matrices: positions 16 kk + (0, 8) x dims 8n, then 8(n + 1); transposed.
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, sV + (16 * kk + ri + 8 * (mi % 2)) * LQ + 8 * n + 8 * (mi / 2));
+        mma_bf16_16816(o[n], pf, b[0], b[1]);
+        mma_bf16_16816(o[n + 1], pf, b[2], b[3]);
+      }
+    }
+    __syncwarp();  // Every lane is done with buf before it is refilled.
+  }
+#pragma unroll
+  for (int o2 = 1; o2 <= 2; o2 *= 2) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, o2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, o2);
+  }
+  // Row r's results (its m, l and O elements e, e + 1 of each 8-column block).
+  auto store_row = [&](int r, float m, float l, int e) {
+    if (r >= group) return;
+    if (splits > 1) {
+      // The merge's softmax is base e over scaled scores: m raw times the scale.
+      float* part = a.split_scratch + ((row0 + r) * splits + sp) * (D + 2);
+      if (tq == 0) part[0] = m * a.scale, part[1] = l;
+#pragma unroll
+      for (int n = 0; n < kOTiles; ++n) {
+        *reinterpret_cast<float2*>(part + 2 + 8 * n + 2 * tq) = make_float2(o[n][e], o[n][e + 1]);
+      }
+      return;
+    }
+    bf16* out = static_cast<bf16*>(a.out) + (row0 + r) * D;
+    const float inv = 1.0f / l;
+#pragma unroll
+    for (int n = 0; n < kOTiles; ++n) {
+      *reinterpret_cast<__nv_bfloat162*>(out + 8 * n + 2 * tq) =
+          __floats2bfloat162_rn(o[n][e] * inv, o[n][e + 1] * inv);
+    }
+  };
+  store_row(g, m0, l0, 0);
+  if (kTwoRows) store_row(g + 8, m1, l1, 2);
+}
+
+// Splits of attention_kernel: steps of few (token, head) pairs until about
+// kSplitTargetWarps warps run, as scratch allows.
+int warp_splits(const AttentionArgs& a) {
+  const int64_t pairs = static_cast<int64_t>(a.num_tokens) * a.num_q_heads;
+  if (a.split_scratch == nullptr || pairs <= 0 || pairs >= kSplitTargetWarps) return 1;
+  int splits =
+      static_cast<int>(std::min<int64_t>(kMaxSplits, (kSplitTargetWarps + pairs - 1) / pairs));
+  while (splits > 1 && pairs * splits * (a.head_dim + 2) > a.split_capacity) --splits;
+  return splits;
+}
+
+// Whether a bf16 step runs attention_gqa_kernel: steps without prefill tiles, head_dim
+// 64 or 128, up to kGqaMaxGroup query heads a kv head. FLEXPERT_NO_GQA_ATTENTION=1: a
+// warp per (token, head) instead (for comparisons).
+bool gqa_wanted(const AttentionArgs& a) {
+  static const bool off = std::getenv("FLEXPERT_NO_GQA_ATTENTION") != nullptr;
+  return !off && !a.tiles && (a.head_dim == 64 || a.head_dim == 128) &&
+         a.num_q_heads / a.num_kv_heads <= kGqaMaxGroup;
+}
+
+// Splits of attention_gqa_kernel: steps of few (token, kv head) pairs until about
+// kGqaTargetWarps warps run, as scratch allows.
+int gqa_splits(const AttentionArgs& a) {
+  const int64_t kv_pairs = static_cast<int64_t>(a.num_tokens) * a.num_kv_heads;
+  const int64_t q_pairs = static_cast<int64_t>(a.num_tokens) * a.num_q_heads;
+  if (a.split_scratch == nullptr || kv_pairs <= 0 || kv_pairs >= kGqaTargetWarps) return 1;
+  int splits =
+      static_cast<int>(std::min<int64_t>(kMaxSplits, (kGqaTargetWarps + kv_pairs - 1) / kv_pairs));
+  while (splits > 1 && q_pairs * splits * (a.head_dim + 2) > a.split_capacity) --splits;
+  return splits;
+}
+
+template <int D, bool kTwoRows>
+cudaError_t launch_gqa(const AttentionArgs& a, int splits, cudaStream_t stream) {
+  if (const cudaError_t e =
+          ensure_smem_limit<attention_gqa_kernel<D, kTwoRows>>(gqa_smem_bytes<D>());
+      e != cudaSuccess) {
+    return e;
+  }
+  const int64_t warps = static_cast<int64_t>(a.num_tokens) * a.num_kv_heads * splits;
+  const unsigned blocks = static_cast<unsigned>((warps + kGqaWarps - 1) / kGqaWarps);
+  return launch_pdl(attention_gqa_kernel<D, kTwoRows>, dim3(blocks), dim3(kGqaWarps * 32),
+                    gqa_smem_bytes<D>(), stream, a, splits);
+}
+
 template <typename T, int D>
 cudaError_t launch_dim(const AttentionArgs& a, cudaStream_t stream) {
-  const int splits = attention_splits(a);
   const int64_t pairs = static_cast<int64_t>(a.num_tokens) * a.num_q_heads;
+  const unsigned merge_blocks = static_cast<unsigned>((pairs + kWarps - 1) / kWarps);
+  if constexpr (std::is_same_v<T, bf16> && (D == 64 || D == 128)) {
+    if (gqa_wanted(a)) {
+      const int splits = gqa_splits(a);
+      const cudaError_t e = a.num_q_heads / a.num_kv_heads > 8
+                                ? launch_gqa<D, true>(a, splits, stream)
+                                : launch_gqa<D, false>(a, splits, stream);
+      if (e != cudaSuccess || splits == 1) return e;
+      return launch_pdl(attention_merge_kernel<T, D>, dim3(merge_blocks), dim3(kWarps * 32), 0,
+                        stream, a, splits);
+    }
+  }
+  const int splits = warp_splits(a);
   const unsigned blocks = static_cast<unsigned>((pairs * splits + kWarps - 1) / kWarps);
   const float* tile_done = nullptr;
   if constexpr (std::is_same_v<T, bf16> && (D == 64 || D == 128)) {
@@ -521,7 +785,6 @@ cudaError_t launch_dim(const AttentionArgs& a, cudaStream_t stream) {
   cudaError_t err = launch_pdl(attention_kernel<T, D>, dim3(blocks), dim3(kWarps * 32), 0, stream,
                                a, splits, tile_done);
   if (err != cudaSuccess || splits == 1) return err;
-  const unsigned merge_blocks = static_cast<unsigned>((pairs + kWarps - 1) / kWarps);
   return launch_pdl(attention_merge_kernel<T, D>, dim3(merge_blocks), dim3(kWarps * 32), 0, stream,
                     a, splits);
 }
@@ -544,18 +807,16 @@ cudaError_t launch(const AttentionArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
-int64_t attention_split_floats(int head_dim) {
-  // splits > 1 only below the target, so pairs * splits < 2 * target.
-  return int64_t{2} * kSplitTargetWarps * (head_dim + 2);
+int64_t attention_split_floats(int head_dim, int num_q_heads, int num_kv_heads) {
+  // splits > 1 only below the target, so pairs * splits < 2 * target: (token, head) pairs
+  // for attention_kernel, (token, kv head) pairs of `group` heads each for the GQA kernel.
+  const int64_t group = num_q_heads / std::max(1, num_kv_heads);
+  return std::max<int64_t>(kSplitTargetWarps, kGqaTargetWarps * group) * 2 * (head_dim + 2);
 }
 
-int attention_splits(const AttentionArgs& a) {
-  const int64_t pairs = static_cast<int64_t>(a.num_tokens) * a.num_q_heads;
-  if (a.split_scratch == nullptr || pairs <= 0 || pairs >= kSplitTargetWarps) return 1;
-  int splits =
-      static_cast<int>(std::min<int64_t>(kMaxSplits, (kSplitTargetWarps + pairs - 1) / pairs));
-  while (splits > 1 && pairs * splits * (a.head_dim + 2) > a.split_capacity) --splits;
-  return splits;
+int attention_splits(DType dtype, const AttentionArgs& a) {
+  if (dtype == DType::kBF16 && gqa_wanted(a)) return gqa_splits(a);
+  return warp_splits(a);
 }
 
 cudaError_t attention(DType dtype, const AttentionArgs& args, cudaStream_t stream) {

@@ -270,8 +270,10 @@ Status CudaQwen3MoeModel::allocate_scratch() {
   FLEX_ASSIGN_OR_RETURN(qkv_, DeviceBuffer::create(T * qkv_dim * sizeof(float)));
   FLEX_ASSIGN_OR_RETURN(q_, DeviceBuffer::create(T * q_dim * esize));
   FLEX_ASSIGN_OR_RETURN(attn_, DeviceBuffer::create(T * q_dim * esize));
-  FLEX_ASSIGN_OR_RETURN(attn_split_,
-                        DeviceBuffer::create(attention_split_floats(c.head_dim) * sizeof(float)));
+  FLEX_ASSIGN_OR_RETURN(
+      attn_split_, DeviceBuffer::create(attention_split_floats(c.head_dim, c.num_attention_heads,
+                                                               c.num_key_value_heads) *
+                                        sizeof(float)));
   bool any_moe = false, any_dense = false;
   for (const Layer& l : layers_) (l.is_moe ? any_moe : any_dense) = true;
   if (any_dense) {

@@ -63,11 +63,13 @@ cudaError_t qk_norm_rope_store(DType dtype, const QkvArgs& args, cudaStream_t st
 // Causal grouped-query attention: token t (query heads [nq, D] in q) attends to
 // positions [0, positions[t]] of KV slot kv_slots[t]. out: [T, nq, D] in `dtype`.
 // head_dim must be 32, 64, 128 or 256 (else cudaErrorInvalidValue).
-// With split_scratch (split_capacity floats, attention_split_floats(head_dim) suffice),
-// steps of few (token, head) pairs split each one's positions over several warps
-// (interleaved chunks of 32; their number depends on num_tokens and the heads only, so a
-// captured graph stays right as the context grows) and a second kernel merges the
-// partial softmaxes (flash-decoding); else one warp per (token, head).
+// With split_scratch (split_capacity floats, attention_split_floats suffice), steps of
+// few (token, head) pairs split each one's positions over several warps (interleaved
+// chunks of 32; their number depends on num_tokens and the heads only, so a captured
+// graph stays right as the context grows) and a second kernel merges the partial
+// softmaxes (flash-decoding); else one warp per (token, head). bf16 steps without tiles
+// (head_dim 64 / 128, up to 16 query heads a kv head) run a warp per (token, kv head,
+// split) on tensor cores instead: each K and V row read once for the group's heads.
 struct AttentionArgs {
   const void* q;
   const void* k_cache;
@@ -91,9 +93,9 @@ inline bool attention_tiles_wanted(int num_tokens, int num_rows) {
   return num_tokens - num_rows >= kAttentionTileRows / 2;
 }
 cudaError_t attention(DType dtype, const AttentionArgs& args, cudaStream_t stream);
-int64_t attention_split_floats(int head_dim);
-// The number of warps a (token, head) pair gets (1 without scratch).
-int attention_splits(const AttentionArgs& args);
+int64_t attention_split_floats(int head_dim, int num_q_heads, int num_kv_heads);
+// The number of splits of each (token, head) pair's positions (1 without scratch).
+int attention_splits(DType dtype, const AttentionArgs& args);
 
 // out[r, i] = silu(gu[r, i]) * gu[r, inter + i] in `dtype` (dense MLP layers).
 cudaError_t silu_mul(DType dtype, const float* gu, int rows, int inter, void* out,

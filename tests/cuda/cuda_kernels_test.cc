@@ -524,7 +524,7 @@ cuda::AttentionArgs attention_args(const cuda::DeviceBuffer& q, const cuda::Devi
                         out};
   if (scratch != nullptr) {
     a.split_scratch = scratch;
-    a.split_capacity = cuda::attention_split_floats(D);
+    a.split_capacity = cuda::attention_split_floats(D, nq, nkv);
   }
   return a;
 }
@@ -596,17 +596,20 @@ TEST_P(CudaAttentionTest, MatchesCpuAttention) {
   const double err = rel_l2(got, want);
   std::printf("  attention %s D=%d: relative L2 vs CPU = %.3g\n", dtype_name(dtype).data(), D, err);
   EXPECT_LT(err, bf ? 1e-2 : 1e-5);
-  // Split over warps (41 tokens x 8 heads -> 7 splits; the decode token's 71 positions
-  // span 3 chunks, so most of its splits are empty) and merged.
-  auto scratch = cuda::DeviceBuffer::create(cuda::attention_split_floats(D) * sizeof(float));
+  // Split over warps and merged: 41 tokens x 8 heads -> 7 splits a (token, head) pair; in
+  // bf16 with D = 128 the GQA kernel, 41 x 2 kv heads -> 13. The decode token's 71
+  // positions span 3 chunks, so most of its splits are empty.
+  const int64_t floats = cuda::attention_split_floats(D, nq, nkv);
+  auto scratch = cuda::DeviceBuffer::create(floats * sizeof(float));
   ASSERT_TRUE(scratch.ok());
   a.split_scratch = scratch.value().as<float>();
-  a.split_capacity = cuda::attention_split_floats(D);
-  ASSERT_EQ(cuda::attention_splits(a), 7);
+  a.split_capacity = floats;
+  const int splits = bf && D == 128 ? 13 : 7;
+  ASSERT_EQ(cuda::attention_splits(dtype, a), splits);
   ASSERT_EQ(cuda::attention(dtype, a, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const double err_split = rel_l2(to_host(out_d.value().data(), q.size(), dtype), want);
-  std::printf("  split over 7 warps: relative L2 vs CPU = %.3g\n", err_split);
+  std::printf("  split %d ways: relative L2 vs CPU = %.3g\n", splits, err_split);
   EXPECT_LT(err_split, bf ? 1e-2 : 1e-5);
 }
 
@@ -654,7 +657,8 @@ TEST(CudaAttentionTileTest, PrefillTilesMatchCpu) {
     auto v_d = to_device(vc, DType::kBF16);
     auto pos_d = to_device_raw(pos);
     auto slot_d = to_device_raw(slot);
-    auto scratch = cuda::DeviceBuffer::create(cuda::attention_split_floats(D) * sizeof(float));
+    auto scratch =
+        cuda::DeviceBuffer::create(cuda::attention_split_floats(D, nq, nkv) * sizeof(float));
     ASSERT_TRUE(scratch.ok());
     auto run = [&](bool tiles) {
       auto out_d = cuda::DeviceBuffer::create(q.size() * 2);
@@ -663,7 +667,8 @@ TEST(CudaAttentionTileTest, PrefillTilesMatchCpu) {
           attention_args(q_d, k_d, v_d, pos_d, slot_d, T, nq, nkv, D, max_seq_len,
                          out_d.value().data(), scratch.value().as<float>());
       a.tiles = tiles;
-      EXPECT_EQ(cuda::attention_splits(a), 1);
+      // Without tiles the GQA kernel: 231 x 2 (token, kv head) pairs -> 3 splits.
+      EXPECT_EQ(cuda::attention_splits(DType::kBF16, a), tiles ? 1 : 3);
       EXPECT_EQ(cuda::attention(DType::kBF16, a, nullptr), cudaSuccess);
       EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       return to_host(out_d.value().data(), q.size(), DType::kBF16);
@@ -676,8 +681,8 @@ TEST(CudaAttentionTileTest, PrefillTilesMatchCpu) {
     EXPECT_EQ(flags, layouts[li].flags) << "tiles computed, layout " << li << ", D " << D;
     const std::vector<float> rows = run(false);
     const double err = rel_l2(tiled, want), err_rows = rel_l2(rows, want);
-    std::printf("  tiles, layout %zu, D=%d: relative L2 vs CPU %.3g (a warp per row: %.3g)\n", li,
-                D, err, err_rows);
+    std::printf("  tiles, layout %zu, D=%d: relative L2 vs CPU %.3g (without tiles: %.3g)\n", li, D,
+                err, err_rows);
     EXPECT_LT(err, 1e-2) << "layout " << li << ", D " << D;
     // Row by row, the tiles' rows against the CPU: each tile kind is right on its own.
     for (int t : layouts[li].rows) {
@@ -703,7 +708,8 @@ TEST(CudaAttentionSplitTest, OneDecodeTokenOverSixtyFourSplits) {
     const std::vector<float> vc = maybe_round(uniform(cache_n, 1.f, rng));
     auto k_d = to_device(kc, dtype);
     auto v_d = to_device(vc, dtype);
-    auto scratch = cuda::DeviceBuffer::create(cuda::attention_split_floats(D) * sizeof(float));
+    auto scratch =
+        cuda::DeviceBuffer::create(cuda::attention_split_floats(D, nq, nkv) * sizeof(float));
     ASSERT_TRUE(scratch.ok());
     for (int p : {0, 31, 40, 1030, 1100, 2047, 2111}) {
       const std::vector<float> q = maybe_round(uniform(static_cast<size_t>(nq) * D, 1.f, rng));
@@ -719,11 +725,71 @@ TEST(CudaAttentionSplitTest, OneDecodeTokenOverSixtyFourSplits) {
       cuda::AttentionArgs a =
           attention_args(q_d, k_d, v_d, pos_d, slot_d, 1, nq, nkv, D, max_seq_len,
                          out_d.value().data(), scratch.value().as<float>());
-      ASSERT_EQ(cuda::attention_splits(a), 64);
+      ASSERT_EQ(cuda::attention_splits(dtype, a), 64);
       ASSERT_EQ(cuda::attention(dtype, a, nullptr), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const double err = rel_l2(to_host(out_d.value().data(), q.size(), dtype), want);
       EXPECT_LT(err, bf ? 1e-2 : 1e-5) << dtype_name(dtype) << " at position " << p;
+    }
+  }
+}
+
+// Decode tokens on the GQA kernel (bf16, head_dim 64 / 128): groups of 1, 4, 8 and 16
+// query heads a kv head (8 fill half the row block, 16 all of it) and 32 (past the
+// kernel's 16: a warp per head instead); contexts of one position, ending in, at and past
+// a 32-position chunk's edge, and long ones; split and merged (scratch) and not.
+TEST(CudaAttentionGqaTest, DecodeTokensMatchCpu) {
+  FLEX_SKIP_WITHOUT_GPU();
+  const int max_seq_len = 1536;
+  const std::vector<int> starts = {0, 31, 32, 33, 200, 1500};
+  std::vector<AttnSeq> seqs;
+  for (size_t i = 0; i < starts.size(); ++i) seqs.push_back({static_cast<int>(i), starts[i], 1});
+  const int T = static_cast<int>(seqs.size());
+  std::vector<int32_t> pos, slot;
+  seq_rows(seqs, &pos, &slot);
+  auto pos_d = to_device_raw(pos);
+  auto slot_d = to_device_raw(slot);
+  const std::vector<std::pair<int, int>> heads = {{8, 8}, {16, 4}, {32, 4}, {32, 2}, {32, 1}};
+  for (int D : {64, 128}) {
+    for (const auto& [nq, nkv] : heads) {
+      std::mt19937 rng(23 + D + nq / nkv);
+      const size_t cache_n = static_cast<size_t>(T) * max_seq_len * nkv * D;
+      const std::vector<float> kc = round_bf16(uniform(cache_n, 1.f, rng));
+      const std::vector<float> vc = round_bf16(uniform(cache_n, 1.f, rng));
+      const std::vector<float> q = round_bf16(uniform(static_cast<size_t>(T) * nq * D, 1.f, rng));
+      const std::vector<float> want = cpu_attention_rows(seqs, q, kc, vc, nq, nkv, D, max_seq_len);
+      auto q_d = to_device(q, DType::kBF16);
+      auto k_d = to_device(kc, DType::kBF16);
+      auto v_d = to_device(vc, DType::kBF16);
+      auto scratch =
+          cuda::DeviceBuffer::create(cuda::attention_split_floats(D, nq, nkv) * sizeof(float));
+      ASSERT_TRUE(scratch.ok());
+      for (bool split : {false, true}) {
+        auto out_d = cuda::DeviceBuffer::create(q.size() * 2);
+        ASSERT_TRUE(out_d.ok());
+        cuda::AttentionArgs a =
+            attention_args(q_d, k_d, v_d, pos_d, slot_d, T, nq, nkv, D, max_seq_len,
+                           out_d.value().data(), split ? scratch.value().as<float>() : nullptr);
+        // Split: 6 x nkv (token, kv head) pairs -> 1024 / pairs splits, at most 64; a warp
+        // per head (group 32): 6 x 32 pairs -> 11.
+        const int want_splits = !split          ? 1
+                                : nq / nkv > 16 ? 11
+                                                : std::min(64, 1024 / (T * nkv) + 1);
+        ASSERT_EQ(cuda::attention_splits(DType::kBF16, a), want_splits);
+        ASSERT_EQ(cuda::attention(DType::kBF16, a, nullptr), cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> got = to_host(out_d.value().data(), q.size(), DType::kBF16);
+        std::printf("  D=%d, %d heads / %d kv heads, %d splits: relative L2 vs CPU %.3g\n", D, nq,
+                    nkv, want_splits, rel_l2(got, want));
+        for (int t = 0; t < T; ++t) {  // Token by token: each context length on its own.
+          const size_t o = static_cast<size_t>(t) * nq * D;
+          const std::vector<float> gt(got.begin() + o, got.begin() + o + nq * D);
+          const std::vector<float> rf(want.begin() + o, want.begin() + o + nq * D);
+          EXPECT_LT(rel_l2(gt, rf), 1e-2)
+              << "D " << D << ", " << nq << " / " << nkv << " heads, split " << split
+              << ", position " << starts[t];
+        }
+      }
     }
   }
 }
