@@ -146,7 +146,9 @@ __global__ void __launch_bounds__(kWarps * 32)
 // Lane i holds (m, l) of splits i and i + 32 (a warp reduction gives the maximum and the
 // sum), then the warp adds up the values of the non-empty splits (l > 0) in split order,
 // four splits' loads in flight at a time. (Split by split, one load after the other, the
-// merge of a batch-1 step took ~32 us: 64 splits of ~3 non-empty ones, latency-bound.)
+// merge of a batch-1 step took ~32 us: 64 splits of ~3 non-empty ones, latency-bound.
+// Sixteen in flight changed nothing at contexts that fill all 64: batch 1, context 2048
+// and 8192, 12 layers, 0.98 / 1.03-1.04 ms a step either way, H200.)
 template <typename T, int D>
 __global__ void __launch_bounds__(kWarps * 32) attention_merge_kernel(AttentionArgs a, int splits) {
   constexpr int kPerLane = D / 32, kHalves = kMaxSplits / 32;
@@ -505,10 +507,11 @@ __global__ void __launch_bounds__(kFaWarps * 32, 2) attention_tile_kernel(Attent
 // O += P V on mma.sync as the prefill tiles do. Q's fragments stay in registers. Split sp
 // takes chunks sp, sp + splits, ... and leaves (m, l, unnormalised O) of each head for
 // attention_merge_kernel, as attention_kernel does; the split count is fixed by the
-// token and head counts (gqa_splits). kTwoRows: more than 8 heads a group (rows g + 8
+// token and head counts and the GPU (gqa_splits). kTwoRows: more than 8 heads a group (rows g + 8
 // carry heads too).
 constexpr int kGqaWarps = 2, kGqaCols = 32, kGqaMaxGroup = 16;
-constexpr int kGqaTargetWarps = 1024;
+// The most warps a split step runs (the scratch it needs: attention_split_floats).
+constexpr int64_t kGqaMaxWarps = 2048;
 template <int D>
 constexpr size_t gqa_smem_bytes() {  // Per warp: K and V, two buffers each.
   return static_cast<size_t>(kGqaWarps) * 4 * kGqaCols * (D + 8) * sizeof(bf16);
@@ -723,15 +726,60 @@ bool gqa_wanted(const AttentionArgs& a) {
          a.num_q_heads / a.num_kv_heads <= kGqaMaxGroup;
 }
 
-// Splits of attention_gqa_kernel: steps of few (token, kv head) pairs until about
-// kGqaTargetWarps warps run, as scratch allows.
+// Warps of attention_gqa_kernel<D, kTwoRows> the GPU holds at once (blocks an SM by
+// registers and shared memory, times the SMs). Asked once per process: the processes of
+// a group each drive GPUs of one kind.
+template <int D, bool kTwoRows>
+int64_t gqa_resident_warps() {
+  static const int64_t warps = [] {
+    int device = 0, sms = 0, blocks = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        ensure_smem_limit<attention_gqa_kernel<D, kTwoRows>>(gqa_smem_bytes<D>()) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, attention_gqa_kernel<D, kTwoRows>,
+                                                      kGqaWarps * 32,
+                                                      gqa_smem_bytes<D>()) != cudaSuccess ||
+        blocks < 1) {
+      (void)cudaGetLastError();
+      return int64_t{1024};
+    }
+    return int64_t{sms} * blocks * kGqaWarps;
+  }();
+  return warps;
+}
+
+// Splits of attention_gqa_kernel. A warp's work shrinks as 1 / splits and the warps run
+// in waves of the resident count R, so the step takes about ceil(pairs x splits / R) /
+// splits; each split also writes its partial softmaxes for the merge. So: the fewest
+// splits within 5 % of the least of that, up to kMaxSplits and 2R warps, as scratch
+// allows. (On the H200, context 2048: a fixed target of 1024 warps ran batch 64 as 1.3
+// waves of 792, 84 us at 68 % of the HBM bandwidth, one wave of 768 takes 75 us; the
+// least cost alone split batch 16 37 ways in 3 waves, slower than 16 in 1.3.)
 int gqa_splits(const AttentionArgs& a) {
   const int64_t kv_pairs = static_cast<int64_t>(a.num_tokens) * a.num_kv_heads;
   const int64_t q_pairs = static_cast<int64_t>(a.num_tokens) * a.num_q_heads;
-  if (a.split_scratch == nullptr || kv_pairs <= 0 || kv_pairs >= kGqaTargetWarps) return 1;
-  int splits =
-      static_cast<int>(std::min<int64_t>(kMaxSplits, (kGqaTargetWarps + kv_pairs - 1) / kv_pairs));
-  while (splits > 1 && q_pairs * splits * (a.head_dim + 2) > a.split_capacity) --splits;
+  if (a.split_scratch == nullptr || kv_pairs <= 0) return 1;
+  const bool two_rows = a.num_q_heads / a.num_kv_heads > 8;
+  const int64_t r =
+      a.head_dim == 64
+          ? (two_rows ? gqa_resident_warps<64, true>() : gqa_resident_warps<64, false>())
+          : (two_rows ? gqa_resident_warps<128, true>() : gqa_resident_warps<128, false>());
+  double cost[kMaxSplits + 1];
+  int most = 1;
+  cost[1] = static_cast<double>((kv_pairs + r - 1) / r);
+  double least = cost[1];
+  for (int splits = 2; splits <= kMaxSplits; ++splits) {
+    const int64_t warps = kv_pairs * splits;
+    if (warps > std::min(2 * r, kGqaMaxWarps) ||
+        q_pairs * splits * (a.head_dim + 2) > a.split_capacity) {
+      break;
+    }
+    cost[splits] = static_cast<double>((warps + r - 1) / r) / splits;
+    least = std::min(least, cost[splits]);
+    most = splits;
+  }
+  int splits = 1;
+  while (splits < most && cost[splits] > 1.05 * least) ++splits;
   return splits;
 }
 
@@ -808,10 +856,10 @@ cudaError_t launch(const AttentionArgs& a, cudaStream_t stream) {
 }  // namespace
 
 int64_t attention_split_floats(int head_dim, int num_q_heads, int num_kv_heads) {
-  // splits > 1 only below the target, so pairs * splits < 2 * target: (token, head) pairs
-  // for attention_kernel, (token, kv head) pairs of `group` heads each for the GQA kernel.
+  // attention_kernel: splits > 1 only below its target, so pairs * splits < 2 * target;
+  // the GQA kernel: at most kGqaMaxWarps (token, kv head, split) warps of `group` heads.
   const int64_t group = num_q_heads / std::max(1, num_kv_heads);
-  return std::max<int64_t>(kSplitTargetWarps, kGqaTargetWarps * group) * 2 * (head_dim + 2);
+  return std::max<int64_t>(2 * kSplitTargetWarps, kGqaMaxWarps * group) * (head_dim + 2);
 }
 
 int attention_splits(DType dtype, const AttentionArgs& a) {

@@ -69,19 +69,42 @@ Status Blas::gemm_nt(DType in_dtype, const void* x, int64_t m, int64_t k, const 
   return Status();
 }
 
-Status Blas::linear(DType in_dtype, const void* x, int64_t m, int64_t k, const void* w, int64_t n,
-                    float* y, bool accumulate) {
+namespace {
+
+// Rows up to which linear() takes the GEMV.
+int64_t gemv_max_rows() {
   static const int64_t max_rows = [] {
     if (std::getenv("FLEXPERT_NO_GEMV") != nullptr) return int64_t{0};
     const char* v = std::getenv("FLEXPERT_GEMV_ROWS");  // Experiments.
-    return v != nullptr ? int64_t{std::atoi(v)} : kLinearGemvRows;
+    return v != nullptr ? int64_t{std::atoi(v)} : Blas::kLinearGemvRows;
   }();
-  if (m <= max_rows && gemv_nt_fits(in_dtype, m, k) && n * k <= kLinearGemvMax) {
+  return max_rows;
+}
+
+}  // namespace
+
+Status Blas::linear(DType in_dtype, const void* x, int64_t m, int64_t k, const void* w, int64_t n,
+                    float* y, bool accumulate) {
+  if (m <= gemv_max_rows() && gemv_nt_fits(in_dtype, m, k) && n * k <= kLinearGemvMax) {
     FLEX_CUDA_TRY(gemv_nt(x, static_cast<int>(m), static_cast<int>(k), w, static_cast<int>(n), y,
                           accumulate, stream_));
     return Status();
   }
   return gemm_nt(in_dtype, x, m, k, w, n, DType::kF32, y, 1.f, accumulate ? 1.f : 0.f);
+}
+
+Status Blas::linear_norm(DType in_dtype, const float* x, const float* norm_weight, float eps,
+                         int64_t m, int64_t k, const void* w, int64_t n, float* y, void* h) {
+  static const bool no_fusion = std::getenv("FLEXPERT_NO_NORM_FUSION") != nullptr;
+  if (!no_fusion && in_dtype == DType::kBF16 && m <= gemv_max_rows() && gemv_norm_nt_fits(m, k) &&
+      n * k <= kLinearGemvMax) {
+    FLEX_CUDA_TRY(gemv_norm_nt(x, norm_weight, eps, static_cast<int>(m), static_cast<int>(k), w,
+                               static_cast<int>(n), y, /*accumulate=*/false, stream_));
+    return Status();
+  }
+  FLEX_CUDA_TRY(rms_norm(in_dtype, x, nullptr, norm_weight, static_cast<int>(m),
+                         static_cast<int>(k), eps, h, stream_));
+  return linear(in_dtype, h, m, k, w, n, y, /*accumulate=*/false);
 }
 
 }  // namespace flexpert::cuda

@@ -46,6 +46,12 @@ class Blas {
   static constexpr int64_t kLinearGemvMax = int64_t{64} << 20;
   Status linear(DType in_dtype, const void* x, int64_t m, int64_t k, const void* w, int64_t n,
                 float* y, bool accumulate);
+  // y = rms_norm(x) w^T: x f32 [m, k], normalised with norm_weight into h ([m, k] in
+  // in_dtype), then linear(); where linear() takes the GEMV (bf16), the GEMV normalises x
+  // itself (gemv_norm_nt, the same values) and h is left alone. FLEXPERT_NO_NORM_FUSION=1:
+  // never fused (comparisons).
+  Status linear_norm(DType in_dtype, const float* x, const float* norm_weight, float eps, int64_t m,
+                     int64_t k, const void* w, int64_t n, float* y, void* h);
 
  private:
   cublasHandle_t handle_ = nullptr;

@@ -295,9 +295,8 @@ Status CudaQwen3MoeModel::enqueue_attention(Layer& L, int n) {
   const int q_dim = nq * D, qkv_dim = (nq + 2 * nkv) * D;
   const float eps = static_cast<float>(c.rms_norm_eps);
   float* x = x_.as<float>();
-  FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.input_norm.as<float>(), n, H, eps, h_.data(), s));
-  FLEX_RETURN_IF_ERROR(
-      blas_.linear(dtype_, h_.data(), n, H, L.w_qkv.data(), qkv_dim, qkv_.as<float>(), false));
+  FLEX_RETURN_IF_ERROR(blas_.linear_norm(dtype_, x, L.input_norm.as<float>(), eps, n, H,
+                                         L.w_qkv.data(), qkv_dim, qkv_.as<float>(), h_.data()));
   QkvArgs qa{qkv_.as<float>(),
              n,
              nq,
@@ -332,24 +331,25 @@ Status CudaQwen3MoeModel::enqueue_attention(Layer& L, int n) {
   aa.tiles = attention_tiles_;
   FLEX_CUDA_TRY(attention(dtype_, aa, s));
   // x += attn @ o_proj^T.
-  FLEX_RETURN_IF_ERROR(
-      blas_.linear(dtype_, attn_.data(), n, q_dim, L.w_o.data(), H, x, /*accumulate=*/true));
-  FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.post_norm.as<float>(), n, H, eps, h_.data(), s));
-  return Status();
+  return blas_.linear(dtype_, attn_.data(), n, q_dim, L.w_o.data(), H, x, /*accumulate=*/true);
 }
 
 Status CudaQwen3MoeModel::enqueue_mlp(Layer& L, int n) {
   const ModelConfig& c = config_;
   cudaStream_t s = stream_.get();
   const int H = c.hidden_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
   float* x = x_.as<float>();
+  // The post-attention RMSNorm goes with the first kernel that reads it (the decode
+  // route kernel, the GEMV) where it can.
   if (L.is_moe) {
-    return run_moe(moe_dims_, StepDriver::moe_weights(L), moe_, h_.data(), n, in_.num_valid, x,
-                   /*accumulate=*/true, blas_, s);
+    return run_moe_norm(moe_dims_, StepDriver::moe_weights(L), moe_,
+                        MoeInputNorm{x, L.post_norm.as<float>(), eps}, h_.data(), n, in_.num_valid,
+                        x, /*accumulate=*/true, blas_, s);
   }
   const int I = c.intermediate_size;
-  FLEX_RETURN_IF_ERROR(
-      blas_.linear(dtype_, h_.data(), n, H, L.w_gu.data(), 2 * I, gu_.as<float>(), false));
+  FLEX_RETURN_IF_ERROR(blas_.linear_norm(dtype_, x, L.post_norm.as<float>(), eps, n, H,
+                                         L.w_gu.data(), 2 * I, gu_.as<float>(), h_.data()));
   FLEX_CUDA_TRY(silu_mul(dtype_, gu_.as<float>(), n, I, act_.data(), s));
   return blas_.linear(dtype_, act_.data(), n, I, L.w_down.data(), H, x, /*accumulate=*/true);
 }

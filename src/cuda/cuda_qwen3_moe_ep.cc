@@ -31,6 +31,8 @@ Status CudaQwen3MoeModel::enqueue_segment(int seg, int n, int num_rows) {
   if (seg == num_moe) return enqueue_head(num_rows);
   Layer& L = layers_[end];
   FLEX_RETURN_IF_ERROR(enqueue_attention(L, n));
+  FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.post_norm.as<float>(), n, config_.hidden_size,
+                         static_cast<float>(config_.rms_norm_eps), h_.data(), stream_.get()));
   // Router and top-k with replica choice only; the experts run wherever the slots are.
   FLEX_RETURN_IF_ERROR(
       run_moe(moe_dims_, StepDriver::moe_weights(L), moe_, h_.data(), n, nullptr, x,

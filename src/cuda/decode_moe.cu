@@ -16,7 +16,9 @@ namespace {
 // ---- 1. Router GEMV + (last block) top-k and slot statistics.
 constexpr int kRouteWarps = 8, kRouteChunks = 8;
 
+static_assert(kRouteWarps * 32 == kRmsThreads, "a route block normalises h itself");
 __global__ void __launch_bounds__(kRouteWarps * 32) decode_route_kernel(DecodeMoeArgs a) {
+  extern __shared__ __align__(16) unsigned char route_smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int E = a.topk.num_experts, H = a.hidden, kc = H / 8, T = a.num_tokens;
   const int e = blockIdx.x * kRouteWarps + warp;
@@ -36,6 +38,20 @@ __global__ void __launch_bounds__(kRouteWarps * 32) decode_route_kernel(DecodeMo
     if (c0 == 0) {  // Router weights are constant: loaded before the wait for h.
       grid_dep_wait();
       grid_dep_launch();
+      if (a.norm_x != nullptr) {  // h = rms_norm(norm_x), here; block 0 writes it out.
+        bf16* hs = reinterpret_cast<bf16*>(route_smem);
+        for (int t = 0; t < T; ++t) {
+          float4 v[kRmsVec];
+          const float inv = block_inv_rms(a.norm_x + static_cast<int64_t>(t) * H, H, a.norm_eps, v);
+          block_rms_store(v, inv, a.norm_weight, H, hs + t * H);
+          if (blockIdx.x == 0) {
+            block_rms_store(v, inv, a.norm_weight, H,
+                            static_cast<bf16*>(a.norm_out) + static_cast<int64_t>(t) * H);
+          }
+        }
+        __syncthreads();
+        h = hs;
+      }
     }
 #pragma unroll
     for (int t = 0; t < kDecodeMaxTokens; ++t) {
@@ -44,7 +60,10 @@ __global__ void __launch_bounds__(kRouteWarps * 32) decode_route_kernel(DecodeMo
       const uint4* hrow = reinterpret_cast<const uint4*>(h + static_cast<int64_t>(t) * H);
       uint4 xr[kRouteChunks];
 #pragma unroll
-      for (int u = 0; u < kRouteChunks; ++u) xr[u] = __ldg(hrow + min(c0 + u * 32 + lane, kc - 1));
+      for (int u = 0; u < kRouteChunks; ++u) {
+        const int c = min(c0 + u * 32 + lane, kc - 1);
+        xr[u] = a.norm_x != nullptr ? hrow[c] : __ldg(hrow + c);  // Shared memory, or global.
+      }
 #pragma unroll
       for (int u = 0; u < kRouteChunks; ++u) {
         if (c0 + u * 32 + lane < kc) {
@@ -228,12 +247,23 @@ bool decode_moe_supported(int num_tokens, int hidden, int inter, int num_experts
          num_experts <= 32 * kTopkMaxPerLane;
 }
 
+bool decode_route_norm_fits(int num_tokens, int hidden) {
+  return rms_vec_fits(hidden) &&
+         static_cast<int64_t>(num_tokens) * hidden * static_cast<int64_t>(sizeof(bf16)) <=
+             48 * 1024;
+}
+
 cudaError_t decode_route(const DecodeMoeArgs& a, cudaStream_t stream) {
   if (!decode_moe_supported(a.num_tokens, a.hidden, a.inter, a.topk.num_experts, a.topk.top_k)) {
     return cudaErrorInvalidValue;
   }
+  if (a.norm_x != nullptr && !decode_route_norm_fits(a.num_tokens, a.hidden)) {
+    return cudaErrorInvalidValue;
+  }
   const int blocks = (a.topk.num_experts + kRouteWarps - 1) / kRouteWarps;
-  return launch_pdl(decode_route_kernel, dim3(blocks), dim3(kRouteWarps * 32), 0, stream, a);
+  const size_t smem =
+      a.norm_x != nullptr ? static_cast<size_t>(a.num_tokens) * a.hidden * sizeof(bf16) : 0;
+  return launch_pdl(decode_route_kernel, dim3(blocks), dim3(kRouteWarps * 32), smem, stream, a);
 }
 
 cudaError_t decode_gate_up(const DecodeMoeArgs& a, cudaStream_t stream) {

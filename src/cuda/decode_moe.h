@@ -42,11 +42,23 @@ struct DecodeMoeArgs {
   void* act = nullptr;                        // bf16 [T * K, I]
   float* out = nullptr;                       // f32 [T, H]
   bool accumulate = false;
+  // With norm_x (f32 [T, H]): h = rms_norm(norm_x) with norm_weight, computed by the
+  // route kernel (every block for its router rows, bit for bit as rms_norm) and written
+  // by its block 0 to norm_out (bf16 [T, H], the h of the next two kernels), so the
+  // RMSNorm before the MoE is not a kernel of its own. decode_route_norm_fits.
+  const float* norm_x = nullptr;
+  const float* norm_weight = nullptr;
+  float norm_eps = 0.f;
+  void* norm_out = nullptr;
 };
 
 // Whether the three kernels take this shape (bf16; T <= kDecodeMaxTokens, H and I
 // multiples of 8, top-k and experts as router_topk).
 bool decode_moe_supported(int num_tokens, int hidden, int inter, int num_experts, int top_k);
+
+// Whether decode_route can normalise h itself (H % 4 == 0, H <= 8192, T x H bf16 within
+// 48 KB of shared memory).
+bool decode_route_norm_fits(int num_tokens, int hidden);
 
 cudaError_t decode_route(const DecodeMoeArgs& args, cudaStream_t stream);
 cudaError_t decode_gate_up(const DecodeMoeArgs& args, cudaStream_t stream);

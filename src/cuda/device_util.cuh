@@ -80,6 +80,49 @@ __device__ __forceinline__ T block_sum(T v) {
   return warp_sum(t);
 }
 
+// RMSNorm of one f32 row by a block of kRmsThreads threads (dim % 4 == 0, dim <= 4 *
+// kRmsThreads * kRmsVec): thread i loads float4s i, i + kRmsThreads, ... of the row into
+// v (all its loads in flight at once) and every thread gets 1 / rms. rms_norm and the
+// kernels that normalise their input themselves (the decode GEMV and route kernels) all
+// go through these two, so they round alike: a fused row equals rms_norm's bit for bit.
+constexpr int kRmsThreads = 256, kRmsVec = 8;
+__device__ __forceinline__ float block_inv_rms(const float* x, int dim, float eps,
+                                               float4 (&v)[kRmsVec]) {
+  const float4* xr = reinterpret_cast<const float4*>(x);
+  const int n4 = dim / 4;
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < kRmsVec; ++k) {
+    const int i = threadIdx.x + k * kRmsThreads;
+    v[k] = i < n4 ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+#pragma unroll
+  for (int k = 0; k < kRmsVec; ++k)
+    ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+  ss = block_sum(ss);
+  return 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+}
+// out[j] = x[j] * inv * weight[j] as T for this thread's float4s of block_inv_rms.
+template <typename T>
+__device__ __forceinline__ void block_rms_store(const float4 (&v)[kRmsVec], float inv,
+                                                const float* weight, int dim, T* out) {
+  const float4* w4 = reinterpret_cast<const float4*>(weight);
+  const int n4 = dim / 4;
+#pragma unroll
+  for (int k = 0; k < kRmsVec; ++k) {
+    const int i = threadIdx.x + k * kRmsThreads;
+    if (i >= n4) break;
+    const float4 w = w4[i];
+    out[4 * i] = from_f32<T>(v[k].x * inv * w.x);
+    out[4 * i + 1] = from_f32<T>(v[k].y * inv * w.y);
+    out[4 * i + 2] = from_f32<T>(v[k].z * inv * w.z);
+    out[4 * i + 3] = from_f32<T>(v[k].w * inv * w.w);
+  }
+}
+__host__ __device__ constexpr bool rms_vec_fits(int64_t dim) {
+  return dim % 4 == 0 && dim > 0 && dim <= 4 * kRmsThreads * kRmsVec;
+}
+
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 // Raises kernel Kernel's dynamic shared-memory limit to `bytes`, once per device (before

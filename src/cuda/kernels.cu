@@ -42,10 +42,8 @@ __global__ void rms_norm_kernel(const float* x, const int32_t* row_index, const 
   for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = from_f32<T>(xr[i] * inv * weight[i]);
 }
 
-// rms_norm_kernel for rows of dim % 4 == 0 and dim <= 4 * kRmsThreads * kRmsVec: a thread
-// keeps its float4s of the row in registers, all its loads in flight at once, and reads
-// the row once (a batch-1 decode step runs two of these per layer on one block each).
-constexpr int kRmsThreads = 256, kRmsVec = 8;
+// rms_norm_kernel for rows that rms_vec_fits: a thread keeps its float4s of the row in
+// registers, all its loads in flight at once, and reads the row once (device_util.cuh).
 template <typename T>
 __global__ void __launch_bounds__(kRmsThreads)
     rms_norm_vec_kernel(const float* x, const int32_t* row_index, const float* weight, int dim,
@@ -54,41 +52,28 @@ __global__ void __launch_bounds__(kRmsThreads)
   grid_dep_launch();
   const int r = blockIdx.x;
   const int src = row_index != nullptr ? row_index[r] : r;
-  const float4* xr = reinterpret_cast<const float4*>(x + static_cast<int64_t>(src) * dim);
-  const int n4 = dim / 4;
   float4 v[kRmsVec];
-  float ss = 0.f;
-#pragma unroll
-  for (int k = 0; k < kRmsVec; ++k) {
-    const int i = threadIdx.x + k * kRmsThreads;
-    v[k] = i < n4 ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-#pragma unroll
-  for (int k = 0; k < kRmsVec; ++k)
-    ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
-  ss = block_sum(ss);
-  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
-  const float4* w4 = reinterpret_cast<const float4*>(weight);
-  T* o = out + static_cast<int64_t>(r) * dim;
-#pragma unroll
-  for (int k = 0; k < kRmsVec; ++k) {
-    const int i = threadIdx.x + k * kRmsThreads;
-    if (i >= n4) break;
-    const float4 w = w4[i];
-    o[4 * i] = from_f32<T>(v[k].x * inv * w.x);
-    o[4 * i + 1] = from_f32<T>(v[k].y * inv * w.y);
-    o[4 * i + 2] = from_f32<T>(v[k].z * inv * w.z);
-    o[4 * i + 3] = from_f32<T>(v[k].w * inv * w.w);
-  }
+  const float inv = block_inv_rms(x + static_cast<int64_t>(src) * dim, dim, eps, v);
+  block_rms_store(v, inv, weight, dim, out + static_cast<int64_t>(r) * dim);
 }
 
 // gemv_nt: warp (block b, warp v) computes column c = b * kGemvWarps + v for all M rows.
 // Lane l takes the 16-byte chunks l, l + 32, ... of the column's weight row, kGemvLoads
-// of them loaded before their FMAs; the rows of x (a few KB) come through L1.
+// of them loaded before their FMAs; the rows of x (a few KB) come through L1. With
+// `norm` (gemv_norm_nt) the block first normalises the M f32 rows of norm.x into bf16
+// rows in shared memory, as rms_norm would, and takes x from there.
 constexpr int kGemvWarps = 8, kGemvLoads = 8;
+static_assert(kGemvWarps * 32 == kRmsThreads, "a GEMV block normalises its rows itself");
+struct GemvNorm {
+  const float* x = nullptr;  // f32 [M, k]; null: x is the input
+  const float* weight = nullptr;
+  float eps = 0.f;
+};
 template <int M>
 __global__ void __launch_bounds__(kGemvWarps * 32)
-    gemv_nt_kernel(const bf16* x, int k, const bf16* w, int n, float* y, bool accumulate) {
+    gemv_nt_kernel(const bf16* x, int k, const bf16* w, int n, float* y, bool accumulate,
+                   GemvNorm norm) {
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
   const int lane = threadIdx.x % 32;
   // A warp past the last column streams the last one's weights and stores nothing: it
   // must still wait (pdl.cuh).
@@ -109,6 +94,17 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     if (c0 == 0) {  // The weights are constant: their first loads go before the wait for x.
       grid_dep_wait();
       grid_dep_launch();
+      if (norm.x != nullptr) {  // Uniform over the block: every thread meets the barriers.
+        bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+          float4 v[kRmsVec];
+          const float inv = block_inv_rms(norm.x + static_cast<int64_t>(r) * k, k, norm.eps, v);
+          block_rms_store(v, inv, norm.weight, k, xs + r * k);
+        }
+        __syncthreads();
+        x = xs;
+      }
     }
 #pragma unroll
     for (int u = 0; u < kGemvLoads; ++u) {
@@ -867,6 +863,20 @@ int blocks_for(size_t n, int threads) {
   return static_cast<int>(b < 65536 ? (b == 0 ? 1 : b) : 65536);
 }
 
+cudaError_t launch_gemv(const bf16* x, int m, int k, const void* w, int n, float* y,
+                        bool accumulate, const GemvNorm& norm, cudaStream_t stream) {
+  const unsigned blocks = static_cast<unsigned>((n + kGemvWarps - 1) / kGemvWarps);
+  const bf16* wb = static_cast<const bf16*>(w);
+  using Kernel = void (*)(const bf16*, int, const bf16*, int, float*, bool, GemvNorm);
+  static constexpr Kernel kKernels[kGemvMaxRows] = {
+      gemv_nt_kernel<1>, gemv_nt_kernel<2>, gemv_nt_kernel<3>, gemv_nt_kernel<4>,
+      gemv_nt_kernel<5>, gemv_nt_kernel<6>, gemv_nt_kernel<7>, gemv_nt_kernel<8>};
+  static_assert(kGemvMaxRows == 8);
+  const size_t smem = norm.x != nullptr ? static_cast<size_t>(m) * k * sizeof(bf16) : 0;
+  return launch_pdl(kKernels[m - 1], dim3(blocks), dim3(kGemvWarps * 32), smem, stream, x, k, wb, n,
+                    y, accumulate, norm);
+}
+
 }  // namespace
 
 cudaError_t embedding(DType dtype, const void* table, const int32_t* ids, int num_tokens, int dim,
@@ -880,7 +890,7 @@ cudaError_t embedding(DType dtype, const void* table, const int32_t* ids, int nu
 cudaError_t rms_norm(DType dtype, const float* x, const int32_t* row_index, const float* weight,
                      int rows, int dim, float eps, void* out, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  if (dim % 4 == 0 && dim <= 4 * kRmsThreads * kRmsVec) {
+  if (rms_vec_fits(dim)) {
     FLEX_DISPATCH_DTYPE(
         dtype, return launch_pdl(rms_norm_vec_kernel<T>, dim3(rows), dim3(kRmsThreads), 0, stream,
                                  x, row_index, weight, dim, eps, static_cast<T*>(out)));
@@ -907,16 +917,19 @@ cudaError_t gemv_nt(const void* x, int m, int k, const void* w, int n, float* y,
                     cudaStream_t stream) {
   if (m == 0 || n == 0) return cudaSuccess;
   if (m > kGemvMaxRows || k < 8 || k % 8 != 0) return cudaErrorInvalidValue;
-  const unsigned blocks = static_cast<unsigned>((n + kGemvWarps - 1) / kGemvWarps);
-  const bf16* xb = static_cast<const bf16*>(x);
-  const bf16* wb = static_cast<const bf16*>(w);
-  using Kernel = void (*)(const bf16*, int, const bf16*, int, float*, bool);
-  static constexpr Kernel kKernels[kGemvMaxRows] = {
-      gemv_nt_kernel<1>, gemv_nt_kernel<2>, gemv_nt_kernel<3>, gemv_nt_kernel<4>,
-      gemv_nt_kernel<5>, gemv_nt_kernel<6>, gemv_nt_kernel<7>, gemv_nt_kernel<8>};
-  static_assert(kGemvMaxRows == 8);
-  return launch_pdl(kKernels[m - 1], dim3(blocks), dim3(kGemvWarps * 32), 0, stream, xb, k, wb, n,
-                    y, accumulate);
+  return launch_gemv(static_cast<const bf16*>(x), m, k, w, n, y, accumulate, GemvNorm{}, stream);
+}
+
+bool gemv_norm_nt_fits(int64_t m, int64_t k) {
+  return gemv_nt_fits(DType::kBF16, m, k) && rms_vec_fits(k) &&
+         m * k * static_cast<int64_t>(sizeof(bf16)) <= kGemvNormSmemBytes;
+}
+
+cudaError_t gemv_norm_nt(const float* x, const float* norm_weight, float eps, int m, int k,
+                         const void* w, int n, float* y, bool accumulate, cudaStream_t stream) {
+  if (m == 0 || n == 0) return cudaSuccess;
+  if (!gemv_norm_nt_fits(m, k)) return cudaErrorInvalidValue;
+  return launch_gemv(nullptr, m, k, w, n, y, accumulate, GemvNorm{x, norm_weight, eps}, stream);
 }
 
 cudaError_t silu_mul(DType dtype, const float* gu, int rows, int inter, void* out,

@@ -35,6 +35,14 @@ inline constexpr int kGemvMaxRows = 8;
 bool gemv_nt_fits(DType dtype, int64_t m, int64_t k);
 cudaError_t gemv_nt(const void* x, int m, int k, const void* w, int n, float* y, bool accumulate,
                     cudaStream_t stream);
+// gemv_nt of rms_norm(x): x f32 [m, k], each row normalised with norm_weight as
+// rms_norm(kBF16, ...) does (bit for bit) by every block into shared memory, so a decode
+// step's RMSNorm is not a kernel of its own. Fits: gemv_nt's shapes with k % 4 == 0,
+// k <= 8192 and m * k bf16 within kGemvNormSmemBytes.
+inline constexpr int64_t kGemvNormSmemBytes = 48 * 1024;
+bool gemv_norm_nt_fits(int64_t m, int64_t k);
+cudaError_t gemv_norm_nt(const float* x, const float* norm_weight, float eps, int m, int k,
+                         const void* w, int n, float* y, bool accumulate, cudaStream_t stream);
 
 cudaError_t rms_norm(DType dtype, const float* x, const int32_t* row_index, const float* weight,
                      int rows, int dim, float eps, void* out, cudaStream_t stream);

@@ -95,6 +95,21 @@ Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratc
                Blas& blas, cudaStream_t stream, int force_tile = -1,
                unsigned stages = kMoeAllStages);
 
+// The RMSNorm before a MoE block: h = rms_norm(x) (f32 [T, H]) with weight and eps.
+struct MoeInputNorm {
+  const float* x = nullptr;
+  const float* weight = nullptr;
+  float eps = 0.f;
+};
+// run_moe of h = rms_norm(norm.x), h ([T, H] in dims.dtype) written here. On the decode
+// path (decode_moe.h) of one or two tokens its route kernel normalises (the same values
+// as rms_norm), so no RMSNorm kernel runs; FLEXPERT_NO_NORM_FUSION=1: always rms_norm
+// first (comparisons).
+Status run_moe_norm(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
+                    const MoeInputNorm& norm, void* h, int num_tokens,
+                    const int32_t* num_valid_tokens, float* out, bool accumulate, Blas& blas,
+                    cudaStream_t stream);
+
 // The parts of run_moe after the routing (scratch.expert / weight / slot of num_tokens *
 // top_k pairs), shared with the DeepSeek routing (grouped_moe.h): the permutation of the
 // pairs by slot for tiles of block_m rows, and the two grouped expert GEMMs (gate/up

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cuda/blas.h"
+#include "cuda/decode_moe.h"
 #include "cuda/device.h"
 #include "cuda/kernels.h"
 #include "cuda/moe_layer.h"
@@ -497,11 +498,57 @@ TEST_P(CudaDecodeMoeTest, MatchesUnfusedPath) {
             cudaSuccess);
   for (int p = 0; p < valid * K; ++p) want_stats[fused.slots[p]] += 4;
   EXPECT_EQ(graph_stats, want_stats);
+
+  // The RMSNorm before the MoE inside the route kernel (run_moe_norm, one or two tokens):
+  // h, the routing and the outputs bit for bit those of rms_norm and then run_moe.
+  if (T > 2) return;
+  const std::vector<float> norm_w = uniform(H, 1.f, rng);
+  auto norm_w_d = to_device(norm_w, DType::kF32);
+  auto x_f32 = to_device(x, DType::kF32);
+  ASSERT_TRUE(cuda::decode_route_norm_fits(T, H));
+  auto run_norm = [&](bool fused) {
+    Run r;
+    auto scratch = cuda::MoeScratch::create(dims, T);
+    auto h = cuda::DeviceBuffer::create(static_cast<size_t>(T) * H * 2);
+    EXPECT_TRUE(scratch.ok() && h.ok());
+    auto out = to_device(std::vector<float>(static_cast<size_t>(T) * H, NAN), DType::kF32);
+    cuda::MoeLayerWeights w;
+    w.router = router_d.data();
+    w.slots = slots.data();
+    w.rep_start = rep_start.as<int32_t>();
+    w.rep_count = rep_count.as<int32_t>();
+    w.rep_slots = rep_slots.as<int32_t>();
+    const float eps = 1e-6f;
+    Status st;
+    if (fused) {
+      st =
+          cuda::run_moe_norm(dims, w, scratch.value(),
+                             cuda::MoeInputNorm{x_f32.as<float>(), norm_w_d.as<float>(), eps},
+                             h.value().data(), T, nullptr, out.as<float>(), false, blas.value(), s);
+    } else {
+      EXPECT_EQ(cuda::rms_norm(DType::kBF16, x_f32.as<float>(), nullptr, norm_w_d.as<float>(), T, H,
+                               eps, h.value().data(), s),
+                cudaSuccess);
+      st = cuda::run_moe(dims, w, scratch.value(), h.value().data(), T, nullptr, out.as<float>(),
+                         false, blas.value(), s);
+    }
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    EXPECT_TRUE(stream.value().synchronize().ok());
+    r.out = to_host(out.data(), static_cast<size_t>(T) * H, DType::kF32);
+    r.stats = {};
+    EXPECT_TRUE(cuda::read_routing(scratch.value(), T * K, s, &r.experts, &r.slots).ok());
+    std::vector<float> hv = to_host(h.value().data(), static_cast<size_t>(T) * H, DType::kBF16);
+    r.out.insert(r.out.end(), hv.begin(), hv.end());  // h after the outputs.
+    return r;
+  };
+  const Run norm_fused = run_norm(true), norm_unfused = run_norm(false);
+  EXPECT_EQ(norm_fused.slots, norm_unfused.slots);
+  EXPECT_EQ(norm_fused.out, norm_unfused.out) << "outputs and h, bit for bit";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaDecodeMoeTest,
                          ::testing::Values(DecodeCase{1, 4}, DecodeCase{3, 4}, DecodeCase{8, 4},
-                                           DecodeCase{1, 8}, DecodeCase{4, 8}));
+                                           DecodeCase{1, 8}, DecodeCase{2, 8}, DecodeCase{4, 8}));
 
 // The arguments of attention over `tokens` rows (q, the caches, positions and KV slots
 // in device buffers) into `out`, scale 1 / sqrt(D); with `scratch` (attention_split_floats
@@ -597,15 +644,20 @@ TEST_P(CudaAttentionTest, MatchesCpuAttention) {
   std::printf("  attention %s D=%d: relative L2 vs CPU = %.3g\n", dtype_name(dtype).data(), D, err);
   EXPECT_LT(err, bf ? 1e-2 : 1e-5);
   // Split over warps and merged: 41 tokens x 8 heads -> 7 splits a (token, head) pair; in
-  // bf16 with D = 128 the GQA kernel, 41 x 2 kv heads -> 13. The decode token's 71
-  // positions span 3 chunks, so most of its splits are empty.
+  // bf16 with D = 128 the GQA kernel, whose 41 x 2 (token, kv head) pairs split by the
+  // GPU's resident warps. The decode token's 71 positions span 3 chunks, so most of its
+  // splits are empty.
   const int64_t floats = cuda::attention_split_floats(D, nq, nkv);
   auto scratch = cuda::DeviceBuffer::create(floats * sizeof(float));
   ASSERT_TRUE(scratch.ok());
   a.split_scratch = scratch.value().as<float>();
   a.split_capacity = floats;
-  const int splits = bf && D == 128 ? 13 : 7;
-  ASSERT_EQ(cuda::attention_splits(dtype, a), splits);
+  const int splits = cuda::attention_splits(dtype, a);
+  if (bf && D == 128) {
+    ASSERT_GT(splits, 1);
+  } else {
+    ASSERT_EQ(splits, 7);
+  }
   ASSERT_EQ(cuda::attention(dtype, a, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const double err_split = rel_l2(to_host(out_d.value().data(), q.size(), dtype), want);
@@ -667,8 +719,13 @@ TEST(CudaAttentionTileTest, PrefillTilesMatchCpu) {
           attention_args(q_d, k_d, v_d, pos_d, slot_d, T, nq, nkv, D, max_seq_len,
                          out_d.value().data(), scratch.value().as<float>());
       a.tiles = tiles;
-      // Without tiles the GQA kernel: 231 x 2 (token, kv head) pairs -> 3 splits.
-      EXPECT_EQ(cuda::attention_splits(DType::kBF16, a), tiles ? 1 : 3);
+      // Without tiles the GQA kernel, its 231 x 2 (token, kv head) pairs split.
+      const int splits = cuda::attention_splits(DType::kBF16, a);
+      if (tiles) {
+        EXPECT_EQ(splits, 1);
+      } else {
+        EXPECT_GT(splits, 1);
+      }
       EXPECT_EQ(cuda::attention(DType::kBF16, a, nullptr), cudaSuccess);
       EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       return to_host(out_d.value().data(), q.size(), DType::kBF16);
@@ -725,7 +782,15 @@ TEST(CudaAttentionSplitTest, OneDecodeTokenOverSixtyFourSplits) {
       cuda::AttentionArgs a =
           attention_args(q_d, k_d, v_d, pos_d, slot_d, 1, nq, nkv, D, max_seq_len,
                          out_d.value().data(), scratch.value().as<float>());
-      ASSERT_EQ(cuda::attention_splits(dtype, a), 64);
+      // f32: a warp per head, 64 splits; bf16: the GQA kernel, 2 kv heads split over
+      // more than 32 warps each (61 on an H200: within 5 % of 64's cost).
+      const int splits = cuda::attention_splits(dtype, a);
+      if (bf) {
+        ASSERT_GT(splits, 32);
+        ASSERT_LE(splits, 64);
+      } else {
+        ASSERT_EQ(splits, 64);
+      }
       ASSERT_EQ(cuda::attention(dtype, a, nullptr), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const double err = rel_l2(to_host(out_d.value().data(), q.size(), dtype), want);
@@ -770,17 +835,22 @@ TEST(CudaAttentionGqaTest, DecodeTokensMatchCpu) {
         cuda::AttentionArgs a =
             attention_args(q_d, k_d, v_d, pos_d, slot_d, T, nq, nkv, D, max_seq_len,
                            out_d.value().data(), split ? scratch.value().as<float>() : nullptr);
-        // Split: 6 x nkv (token, kv head) pairs -> 1024 / pairs splits, at most 64; a warp
-        // per head (group 32): 6 x 32 pairs -> 11.
-        const int want_splits = !split          ? 1
-                                : nq / nkv > 16 ? 11
-                                                : std::min(64, 1024 / (T * nkv) + 1);
-        ASSERT_EQ(cuda::attention_splits(DType::kBF16, a), want_splits);
+        // Split: the 6 x nkv (token, kv head) pairs by the GPU's resident warps, at most 64
+        // ways; a warp per head (group 32): 6 x 32 pairs -> 11.
+        const int splits = cuda::attention_splits(DType::kBF16, a);
+        if (!split) {
+          ASSERT_EQ(splits, 1);
+        } else if (nq / nkv > 16) {
+          ASSERT_EQ(splits, 11);
+        } else {
+          ASSERT_GT(splits, 1);
+          ASSERT_LE(splits, 64);
+        }
         ASSERT_EQ(cuda::attention(DType::kBF16, a, nullptr), cudaSuccess);
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         const std::vector<float> got = to_host(out_d.value().data(), q.size(), DType::kBF16);
         std::printf("  D=%d, %d heads / %d kv heads, %d splits: relative L2 vs CPU %.3g\n", D, nq,
-                    nkv, want_splits, rel_l2(got, want));
+                    nkv, splits, rel_l2(got, want));
         for (int t = 0; t < T; ++t) {  // Token by token: each context length on its own.
           const size_t o = static_cast<size_t>(t) * nq * D;
           const std::vector<float> gt(got.begin() + o, got.begin() + o + nq * D);
@@ -868,6 +938,48 @@ TEST(CudaGemvTest, MatchesFloat64) {
   EXPECT_FALSE(cuda::gemv_nt_fits(DType::kF32, 1, 2048));
   EXPECT_FALSE(cuda::gemv_nt_fits(DType::kBF16, cuda::kGemvMaxRows + 1, 2048));
   EXPECT_FALSE(cuda::gemv_nt_fits(DType::kBF16, 1, 2044));
+}
+
+// gemv_norm_nt (the RMSNorm inside the GEMV) against rms_norm and then gemv_nt: the same
+// bits, for one to eight rows, a dimension that is no multiple of the block's loads, and
+// DeepSeek-V3's hidden size; and the shapes it does not take.
+TEST(CudaGemvTest, NormInsideEqualsRmsNormThenGemv) {
+  FLEX_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(9);
+  const float eps = 1e-6f;
+  for (const auto& [m, k] :
+       std::vector<std::pair<int, int>>{{1, 2048}, {2, 2048}, {8, 2048}, {3, 1000}, {3, 7168}}) {
+    ASSERT_TRUE(cuda::gemv_norm_nt_fits(m, k)) << m << " x " << k;
+    for (int n : {37, 1030}) {
+      const std::vector<float> x = uniform(static_cast<size_t>(m) * k, 2.f, rng);
+      const std::vector<float> nw = uniform(k, 1.f, rng);
+      const std::vector<float> w = round_bf16(uniform(static_cast<size_t>(n) * k, 1.f, rng));
+      auto x_d = to_device(x, DType::kF32);
+      auto nw_d = to_device(nw, DType::kF32);
+      auto w_d = to_device(w, DType::kBF16);
+      auto h_d = cuda::DeviceBuffer::create(static_cast<size_t>(m) * k * 2);
+      auto y_fused = cuda::DeviceBuffer::create(static_cast<size_t>(m) * n * sizeof(float));
+      auto y_plain = cuda::DeviceBuffer::create(static_cast<size_t>(m) * n * sizeof(float));
+      ASSERT_TRUE(h_d.ok() && y_fused.ok() && y_plain.ok());
+      ASSERT_EQ(cuda::gemv_norm_nt(x_d.as<float>(), nw_d.as<float>(), eps, m, k, w_d.data(), n,
+                                   y_fused.value().as<float>(), false, nullptr),
+                cudaSuccess);
+      ASSERT_EQ(cuda::rms_norm(DType::kBF16, x_d.as<float>(), nullptr, nw_d.as<float>(), m, k, eps,
+                               h_d.value().data(), nullptr),
+                cudaSuccess);
+      ASSERT_EQ(cuda::gemv_nt(h_d.value().data(), m, k, w_d.data(), n, y_plain.value().as<float>(),
+                              false, nullptr),
+                cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const size_t count = static_cast<size_t>(m) * n;
+      EXPECT_EQ(to_host(y_fused.value().data(), count, DType::kF32),
+                to_host(y_plain.value().data(), count, DType::kF32))
+          << "m " << m << " k " << k << " n " << n;
+    }
+  }
+  EXPECT_FALSE(cuda::gemv_norm_nt_fits(8, 4096));  // 64 KB of rows.
+  EXPECT_FALSE(cuda::gemv_norm_nt_fits(1, 8200));  // Past RMSNorm's registers.
+  EXPECT_FALSE(cuda::gemv_norm_nt_fits(1, 2044));
 }
 
 // A chain of programmatic dependent launches on one stream, as a batch-1 decode layer
