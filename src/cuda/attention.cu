@@ -1,12 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 // Causal grouped-query attention over the paged-by-slot KV cache (kernels.h).
-// NOTE: one warp per (token, query head, split) with an online softmax over chunks of
-// 32 keys (a lane scores one key, then the warp accumulates the 32 values with
-// each lane owning D / 32 output dims); steps of few pairs split the chunks over
-// several warps and merge (kernels.h). Correct for prefill and decode alike. Prefill
-// steps (AttentionArgs::tiles) first run tiles of 64 rows of one sequence on tensor
-// cores (attention_tile_kernel, bf16, head_dim 64 / 128; mma.sync with registers as
-// FlashAttention-2 keeps them, not yet wgmma).
+// Three kernels, all with an online softmax and splits merged by attention_merge_kernel:
+// - attention_kernel: one warp per (token, query head, split) over chunks of 32 keys (a
+//   lane scores one key, then the warp accumulates the 32 values with each lane owning
+//   D / 32 output dims). Any dtype and head_dim; the fallback and the rows of prefill
+//   steps that no tile takes.
+// - attention_gqa_kernel: bf16 decode (steps without tiles, head_dim 64 / 128, up to 16
+//   query heads a kv head): a warp per (token, kv head, split) on tensor cores, the
+//   group's heads as rows, K and V chunks coalesced into shared memory.
+// - attention_tile_kernel: prefill steps (AttentionArgs::tiles) first run tiles of 64
+//   rows of one sequence on tensor cores (bf16, head_dim 64 / 128; mma.sync with
+//   registers as FlashAttention-2 keeps them, not yet wgmma).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
