@@ -216,9 +216,9 @@ __global__ void __launch_bounds__(kWarps * 32) attention_merge_kernel(AttentionA
 
 // Prefill on tensor cores (bf16, head_dim 64 or 128). The rows come in tiles of kFaRows
 // (64) query rows; a tile is computed here when its rows are one sequence's consecutive
-// positions in one KV slot, and says so in split_scratch[tile] (1, else 0:
-// attention_kernel, launched next with those flags, takes the rows of other tiles, a
-// warp per row). A block of kFaWarps warps takes a pair of tiles of one head: both as one
+// positions in one KV slot, and says so in split_scratch[tile] (1, else 0: the kernel
+// launched next with those flags, attention_gqa_kernel or attention_kernel, takes the
+// rows of other tiles). A block of kFaWarps warps takes a pair of tiles of one head: both as one
 // job of 128 rows when all of them are one sequence's consecutive positions, else each
 // tile that is, one after the other. Per chunk of kFaCols positions (up to the job's
 // last row, causal) K and V rows go to shared memory (double-buffered by cp.async); warp
@@ -502,8 +502,9 @@ __global__ void __launch_bounds__(kFaWarps * 32, 2) attention_tile_kernel(Attent
   }
 }
 
-// Decode on tensor cores (bf16, head_dim 64 or 128, up to 16 query heads a kv head; the
-// steps without prefill tiles). A warp per (token, kv head, split): the kv head's query
+// Decode on tensor cores (bf16, head_dim 64 or 128, up to 16 query heads a kv head; in
+// prefill steps the rows no tile took: tile_done, split 1). A warp per (token, kv head,
+// split): the kv head's query
 // heads are the rows of one 16-row block (rows past the group zero), so each K and V
 // row is read once for all of them, and read coalesced: the warp copies chunks of
 // kGqaCols positions into its own two shared-memory buffers by cp.async (the next chunk
@@ -523,7 +524,7 @@ constexpr size_t gqa_smem_bytes() {  // Per warp: K and V, two buffers each.
 
 template <int D, bool kTwoRows>
 __global__ void __launch_bounds__(kGqaWarps * 32)
-    attention_gqa_kernel(AttentionArgs a, int splits) {
+    attention_gqa_kernel(AttentionArgs a, int splits, const float* tile_done) {
   constexpr int LQ = D + 8, kKSteps = D / 16, kSTiles = kGqaCols / 8, kOTiles = D / 8;
   constexpr int kChunks = D / 8;  // 16-byte pieces of a row.
   extern __shared__ __align__(128) unsigned char gqa_smem[];
@@ -538,6 +539,7 @@ __global__ void __launch_bounds__(kGqaWarps * 32)
   const int sp = static_cast<int>(task % splits);
   if (kv_pair >= static_cast<int64_t>(a.num_tokens) * nkv) return;
   const int t = static_cast<int>(kv_pair / nkv), kvh = static_cast<int>(kv_pair % nkv);
+  if (tile_done != nullptr && tile_done[t / kFaRows] != 0.f) return;  // A tile's row.
   const int len = a.positions[t] + 1;
   // Row r of the block is (token, head) pair row0 + r of q, out and the merge's scratch.
   const int64_t row0 = static_cast<int64_t>(t) * a.num_q_heads + static_cast<int64_t>(kvh) * group;
@@ -721,13 +723,12 @@ int warp_splits(const AttentionArgs& a) {
   return splits;
 }
 
-// Whether a bf16 step runs attention_gqa_kernel: steps without prefill tiles, head_dim
-// 64 or 128, up to kGqaMaxGroup query heads a kv head. FLEXPERT_NO_GQA_ATTENTION=1: a
-// warp per (token, head) instead (for comparisons).
-bool gqa_wanted(const AttentionArgs& a) {
+// Whether a bf16 step of head_dim 64 / 128 runs attention_gqa_kernel (for every row, or
+// the rows no prefill tile took): up to kGqaMaxGroup query heads a kv head.
+// FLEXPERT_NO_GQA_ATTENTION=1: a warp per (token, head) instead (for comparisons).
+bool gqa_ok(const AttentionArgs& a) {
   static const bool off = std::getenv("FLEXPERT_NO_GQA_ATTENTION") != nullptr;
-  return !off && !a.tiles && (a.head_dim == 64 || a.head_dim == 128) &&
-         a.num_q_heads / a.num_kv_heads <= kGqaMaxGroup;
+  return !off && a.num_q_heads / a.num_kv_heads <= kGqaMaxGroup;
 }
 
 // Warps of attention_gqa_kernel<D, kTwoRows> the GPU holds at once (blocks an SM by
@@ -788,7 +789,8 @@ int gqa_splits(const AttentionArgs& a) {
 }
 
 template <int D, bool kTwoRows>
-cudaError_t launch_gqa(const AttentionArgs& a, int splits, cudaStream_t stream) {
+cudaError_t launch_gqa(const AttentionArgs& a, int splits, const float* tile_done,
+                       cudaStream_t stream) {
   if (const cudaError_t e =
           ensure_smem_limit<attention_gqa_kernel<D, kTwoRows>>(gqa_smem_bytes<D>());
       e != cudaSuccess) {
@@ -797,48 +799,62 @@ cudaError_t launch_gqa(const AttentionArgs& a, int splits, cudaStream_t stream) 
   const int64_t warps = static_cast<int64_t>(a.num_tokens) * a.num_kv_heads * splits;
   const unsigned blocks = static_cast<unsigned>((warps + kGqaWarps - 1) / kGqaWarps);
   return launch_pdl(attention_gqa_kernel<D, kTwoRows>, dim3(blocks), dim3(kGqaWarps * 32),
-                    gqa_smem_bytes<D>(), stream, a, splits);
+                    gqa_smem_bytes<D>(), stream, a, splits, tile_done);
+}
+
+// What a step runs: prefill tiles first (bf16, head_dim 64 / 128, AttentionArgs::tiles,
+// steps of enough (token, head) pairs for one warp each; the tile flags take the
+// scratch, so no splits), then the GQA kernel or a warp per (token, head) for the rest.
+struct Plan {
+  bool tiles = false, gqa = false;
+  int splits = 1;
+};
+Plan plan(DType dtype, const AttentionArgs& a) {
+  static const bool no_tiles = std::getenv("FLEXPERT_NO_ATTENTION_TILES") != nullptr;
+  const bool tensor_cores = dtype == DType::kBF16 && (a.head_dim == 64 || a.head_dim == 128);
+  const int64_t tiles = (a.num_tokens + kFaRows - 1) / kFaRows;
+  const int warp_split = warp_splits(a);
+  Plan p;
+  p.tiles = tensor_cores && a.tiles && !no_tiles && warp_split == 1 && a.split_scratch != nullptr &&
+            tiles <= a.split_capacity;
+  p.gqa = tensor_cores && gqa_ok(a);
+  p.splits = p.tiles ? 1 : p.gqa ? gqa_splits(a) : warp_split;
+  return p;
 }
 
 template <typename T, int D>
 cudaError_t launch_dim(const AttentionArgs& a, cudaStream_t stream) {
+  const Plan p = plan(std::is_same_v<T, bf16> ? DType::kBF16 : DType::kF32, a);
   const int64_t pairs = static_cast<int64_t>(a.num_tokens) * a.num_q_heads;
   const unsigned merge_blocks = static_cast<unsigned>((pairs + kWarps - 1) / kWarps);
-  if constexpr (std::is_same_v<T, bf16> && (D == 64 || D == 128)) {
-    if (gqa_wanted(a)) {
-      const int splits = gqa_splits(a);
-      const cudaError_t e = a.num_q_heads / a.num_kv_heads > 8
-                                ? launch_gqa<D, true>(a, splits, stream)
-                                : launch_gqa<D, false>(a, splits, stream);
-      if (e != cudaSuccess || splits == 1) return e;
-      return launch_pdl(attention_merge_kernel<T, D>, dim3(merge_blocks), dim3(kWarps * 32), 0,
-                        stream, a, splits);
-    }
-  }
-  const int splits = warp_splits(a);
-  const unsigned blocks = static_cast<unsigned>((pairs * splits + kWarps - 1) / kWarps);
   const float* tile_done = nullptr;
+  cudaError_t err = cudaSuccess;
   if constexpr (std::is_same_v<T, bf16> && (D == 64 || D == 128)) {
-    static const bool no_tiles = std::getenv("FLEXPERT_NO_ATTENTION_TILES") != nullptr;
-    const int tiles = (a.num_tokens + kFaRows - 1) / kFaRows;
-    if (a.tiles && splits == 1 && !no_tiles && a.split_scratch != nullptr &&
-        tiles <= a.split_capacity) {
+    if (p.tiles) {
       if (const cudaError_t e = ensure_smem_limit<attention_tile_kernel<D>>(fa_smem_bytes<D>());
           e != cudaSuccess) {
         return e;
       }
-      const int pairs = (tiles + 1) / 2;
-      const cudaError_t e = launch_pdl(attention_tile_kernel<D>, dim3(pairs, a.num_q_heads),
-                                       dim3(kFaWarps * 32), fa_smem_bytes<D>(), stream, a);
-      if (e != cudaSuccess) return e;
+      const int tile_pairs = (a.num_tokens + kFaJobRows - 1) / kFaJobRows;
+      err = launch_pdl(attention_tile_kernel<D>, dim3(tile_pairs, a.num_q_heads),
+                       dim3(kFaWarps * 32), fa_smem_bytes<D>(), stream, a);
+      if (err != cudaSuccess) return err;
       tile_done = a.split_scratch;
     }
+    if (p.gqa) {
+      err = a.num_q_heads / a.num_kv_heads > 8
+                ? launch_gqa<D, true>(a, p.splits, tile_done, stream)
+                : launch_gqa<D, false>(a, p.splits, tile_done, stream);
+    }
   }
-  cudaError_t err = launch_pdl(attention_kernel<T, D>, dim3(blocks), dim3(kWarps * 32), 0, stream,
-                               a, splits, tile_done);
-  if (err != cudaSuccess || splits == 1) return err;
+  if (!p.gqa) {
+    const unsigned blocks = static_cast<unsigned>((pairs * p.splits + kWarps - 1) / kWarps);
+    err = launch_pdl(attention_kernel<T, D>, dim3(blocks), dim3(kWarps * 32), 0, stream, a,
+                     p.splits, tile_done);
+  }
+  if (err != cudaSuccess || p.splits == 1) return err;
   return launch_pdl(attention_merge_kernel<T, D>, dim3(merge_blocks), dim3(kWarps * 32), 0, stream,
-                    a, splits);
+                    a, p.splits);
 }
 
 template <typename T>
@@ -866,10 +882,7 @@ int64_t attention_split_floats(int head_dim, int num_q_heads, int num_kv_heads) 
   return std::max<int64_t>(2 * kSplitTargetWarps, kGqaMaxWarps * group) * (head_dim + 2);
 }
 
-int attention_splits(DType dtype, const AttentionArgs& a) {
-  if (dtype == DType::kBF16 && gqa_wanted(a)) return gqa_splits(a);
-  return warp_splits(a);
-}
+int attention_splits(DType dtype, const AttentionArgs& a) { return plan(dtype, a).splits; }
 
 cudaError_t attention(DType dtype, const AttentionArgs& args, cudaStream_t stream) {
   if (args.num_tokens == 0) return cudaSuccess;

@@ -90,8 +90,9 @@ struct AttentionArgs {
   float* split_scratch = nullptr;
   int64_t split_capacity = 0;
   // Prefill: bf16 steps of head_dim 64 or 128 (and scratch) run tiles of
-  // kAttentionTileRows query rows of one sequence on tensor cores (a warp per row takes
-  // the rest). The models set it when the step has chunks of many tokens.
+  // kAttentionTileRows query rows of one sequence on tensor cores (the decode kernel
+  // takes the rest: the GQA kernel, else a warp per (row, head)). The models set it when
+  // the step has chunks of many tokens.
   bool tiles = false;
 };
 inline constexpr int kAttentionTileRows = 64;

@@ -667,8 +667,8 @@ TEST_P(CudaAttentionTest, MatchesCpuAttention) {
 
 // Prefill tiles on tensor cores (AttentionArgs::tiles, bf16): tiles of 64 rows of one
 // sequence (from position 0, from 64, partial last ones) in every pairing a block meets,
-// and tiles spanning sequences, whose rows go a warp per row; against the CPU, with the
-// tiles' flags saying which ran.
+// and tiles spanning sequences, whose rows the decode (GQA) kernel takes; against the
+// CPU, with the tiles' flags saying which ran.
 TEST(CudaAttentionTileTest, PrefillTilesMatchCpu) {
   FLEX_SKIP_WITHOUT_GPU();
   // 231 tokens x 16 heads: enough pairs for one warp per pair (no splits), as prefill.
@@ -676,7 +676,7 @@ TEST(CudaAttentionTileTest, PrefillTilesMatchCpu) {
   // A block takes a pair of 64-row tiles: as one job when all its rows are one
   // sequence's, else each tile that is. Layout 0: rows 0-129 one sequence, 130 a decode
   // token, 131-230 a third: tiles 0 + 1 one job, 3 (partial: its last warp has no rows)
-  // alone, 2 (all three) a warp per row. Layout 1: rows 0-63, 64-191 two sequences (pair
+  // alone, 2 (all three) by the GQA kernel. Layout 1: rows 0-63, 64-191 two sequences (pair
   // 0: two jobs), 192-211 and 212-221 two more (pair 1: only tile 2 is one sequence's).
   struct Layout {
     std::vector<AttnSeq> seqs;
