@@ -92,7 +92,8 @@ class CudaQwen3MoeModel final : public Model {
   // Enqueues the whole network for num_tokens tokens and num_rows logits rows.
   Status enqueue_step(int num_tokens, int num_rows);
   // Parts of enqueue_step: x += attention(x); x += the local MoE or dense MLP of
-  // post-norm(x) (h_ holds the normalised rows after it); final norm + LM head.
+  // post-norm(x) (normalised into h_ unless a fused kernel takes x itself: the expert-
+  // parallel path runs its own RMSNorm for the router); final norm + LM head.
   Status enqueue_attention(Layer& L, int n);
   Status enqueue_mlp(Layer& L, int n);
   Status enqueue_head(int num_rows);

@@ -250,7 +250,7 @@ bool decode_moe_supported(int num_tokens, int hidden, int inter, int num_experts
 bool decode_route_norm_fits(int num_tokens, int hidden) {
   return rms_vec_fits(hidden) &&
          static_cast<int64_t>(num_tokens) * hidden * static_cast<int64_t>(sizeof(bf16)) <=
-             48 * 1024;
+             kGemvNormSmemBytes;
 }
 
 cudaError_t decode_route(const DecodeMoeArgs& a, cudaStream_t stream) {

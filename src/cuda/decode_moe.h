@@ -57,7 +57,7 @@ struct DecodeMoeArgs {
 bool decode_moe_supported(int num_tokens, int hidden, int inter, int num_experts, int top_k);
 
 // Whether decode_route can normalise h itself (H % 4 == 0, H <= 8192, T x H bf16 within
-// 48 KB of shared memory).
+// kGemvNormSmemBytes of shared memory).
 bool decode_route_norm_fits(int num_tokens, int hidden);
 
 cudaError_t decode_route(const DecodeMoeArgs& args, cudaStream_t stream);
