@@ -793,10 +793,10 @@ TEST(CudaAttentionSplitTest, OneDecodeTokenOverSixtyFourSplits) {
   }
 }
 
-// Decode tokens on the GQA kernel (bf16, head_dim 64 / 128): groups of 1, 4, 8 and 16
-// query heads a kv head (8 fill half the row block, 16 all of it) and 32 (past the
-// kernel's 16: a warp per head instead); contexts of one position, ending in, at and past
-// a 32-position chunk's edge, and long ones; split and merged (scratch) and not.
+// Decode tokens on the GQA kernel (bf16, head_dim 64 / 128): groups of 1, 3, 4, 8, 12 and
+// 16 query heads a kv head (up to 8 in the first half of the row block, 12 and 16 in
+// both) and 32 (past the kernel's 16: a warp per head instead); contexts of one position, ending
+// in, at and past a 32-position chunk's edge, and long ones; split and merged (scratch) and not.
 TEST(CudaAttentionGqaTest, DecodeTokensMatchCpu) {
   FLEX_SKIP_WITHOUT_GPU();
   const int max_seq_len = 1536;
@@ -808,7 +808,8 @@ TEST(CudaAttentionGqaTest, DecodeTokensMatchCpu) {
   seq_rows(seqs, &pos, &slot);
   auto pos_d = to_device_raw(pos);
   auto slot_d = to_device_raw(slot);
-  const std::vector<std::pair<int, int>> heads = {{8, 8}, {16, 4}, {32, 4}, {32, 2}, {32, 1}};
+  const std::vector<std::pair<int, int>> heads = {{8, 8},  {16, 4}, {12, 4}, {32, 4},
+                                                  {24, 2}, {32, 2}, {32, 1}};
   for (int D : {64, 128}) {
     for (const auto& [nq, nkv] : heads) {
       std::mt19937 rng(23 + D + nq / nkv);
