@@ -924,9 +924,21 @@ const CUtensorMap* rows_tensor_map(const void* ptr, int k, int box_rows) {
   const cuuint64_t strides[1] = {row_bytes};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(kWgBK), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
+  // L2 promotion: how much L2 fetches for a box row (128 bytes here). 256 bytes, the
+  // usual setting, made the expert GEMMs slower where they stream weights from DRAM (H200,
+  // DeepSeek-V3 4096 tokens, gate/up 5.74 -> 5.45 ms with 128, layer 8530 -> 8145 us;
+  // no change at 16384 or for Qwen3; docs/cuda.md). FLEXPERT_TMA_L2_PROMOTION=0/64/256
+  // (experiments).
+  static const CUtensorMapL2promotion promotion = [] {
+    const char* v = std::getenv("FLEXPERT_TMA_L2_PROMOTION");
+    const int b = v != nullptr ? std::atoi(v) : 128;
+    return b == 0     ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+           : b == 64  ? CU_TENSOR_MAP_L2_PROMOTION_L2_64B
+           : b == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                      : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  }();
   if (encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box,
-             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
     return nullptr;
   }
