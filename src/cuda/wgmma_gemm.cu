@@ -899,12 +899,13 @@ Fn driver_fn(const char* name) {
 }
 
 // A map over the rows of k bf16 elements from `ptr` to the end of its allocation,
-// boxes of 64 x box_rows, 128-byte swizzle; nullptr if it cannot be made. Keyed by the
-// allocation too, so that a buffer freed and another allocated at the same address
-// never reuse a stale map.
-const CUtensorMap* rows_tensor_map(const void* ptr, int k, int box_rows) {
+// boxes of 64 x box_rows, 128-byte swizzle, L2 fetching `promotion` bytes (0, 64, 128 or
+// 256) for each 128-byte box row; nullptr if it cannot be made. Keyed by the allocation
+// too, so that a buffer freed and another allocated at the same address never reuse a
+// stale map.
+const CUtensorMap* rows_tensor_map(const void* ptr, int k, int box_rows, int promotion = 256) {
   static std::mutex mu;
-  static std::map<std::tuple<const void*, int, int, uint64_t, size_t>, CUtensorMap> cache;
+  static std::map<std::tuple<const void*, int, int, uint64_t, size_t, int>, CUtensorMap> cache;
   static const EncodeTiledFn encode = driver_fn<EncodeTiledFn>("cuTensorMapEncodeTiled");
   static const AddressRangeFn range = driver_fn<AddressRangeFn>("cuMemGetAddressRange");
   if (encode == nullptr || range == nullptr) return nullptr;
@@ -913,7 +914,7 @@ const CUtensorMap* rows_tensor_map(const void* ptr, int k, int box_rows) {
   const CUdeviceptr p = reinterpret_cast<CUdeviceptr>(ptr);
   if (range(&base, &size, p) != CUDA_SUCCESS || p % 16 != 0) return nullptr;
   std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_tuple(ptr, k, box_rows, static_cast<uint64_t>(base), size);
+  const auto key = std::make_tuple(ptr, k, box_rows, static_cast<uint64_t>(base), size, promotion);
   auto it = cache.find(key);
   if (it != cache.end()) return &it->second;
   const uint64_t row_bytes = static_cast<uint64_t>(k) * 2;
@@ -924,21 +925,12 @@ const CUtensorMap* rows_tensor_map(const void* ptr, int k, int box_rows) {
   const cuuint64_t strides[1] = {row_bytes};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(kWgBK), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
-  // L2 promotion: how much L2 fetches for a box row (128 bytes here). 256 bytes, the
-  // usual setting, made the expert GEMMs slower where they stream weights from DRAM (H200,
-  // DeepSeek-V3 4096 tokens, gate/up 5.74 -> 5.45 ms with 128, layer 8530 -> 8145 us;
-  // no change at 16384 or for Qwen3; docs/cuda.md). FLEXPERT_TMA_L2_PROMOTION=0/64/256
-  // (experiments).
-  static const CUtensorMapL2promotion promotion = [] {
-    const char* v = std::getenv("FLEXPERT_TMA_L2_PROMOTION");
-    const int b = v != nullptr ? std::atoi(v) : 128;
-    return b == 0     ? CU_TENSOR_MAP_L2_PROMOTION_NONE
-           : b == 64  ? CU_TENSOR_MAP_L2_PROMOTION_L2_64B
-           : b == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
-                      : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
-  }();
+  const CUtensorMapL2promotion l2 = promotion == 0     ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+                                    : promotion == 64  ? CU_TENSOR_MAP_L2_PROMOTION_L2_64B
+                                    : promotion == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                                       : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   if (encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box,
-             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
+             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, l2,
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
     return nullptr;
   }
@@ -1025,14 +1017,23 @@ cudaError_t launch_ws_kernel(const GroupedGemmArgs& g, const CUtensorMap& map_b,
 
 template <int BM>
 cudaError_t launch_ws(const GroupedGemmArgs& g, cudaStream_t stream) {
+  // L2 promotion of the operands' loads: 128 bytes (what a box row reads) for ws128, 256
+  // otherwise. Two H200s, same-run A/B (docs/cuda.md): with 128, DeepSeek-V3's gate/up at
+  // 4096 tokens (ws128, ~128 rows a slot, the weights streamed from DRAM) took 5-7 % less
+  // on both (5.74 -> 5.45 ms, 5.97 -> 5.63); at 16384 ~1 % more on both; ws64 at 1024
+  // tokens 1-2 % less on one, 2-3 % more on the other; Qwen3 within the spread.
+  // FLEXPERT_TMA_L2_PROMOTION=0/64/128/256 sets it for both tiles (experiments).
+  static const int promotion_env = env_int("FLEXPERT_TMA_L2_PROMOTION", -1);
+  const int promotion = promotion_env >= 0 ? promotion_env : BM == 128 ? 128 : 256;
   const CUtensorMap* map_b = g.slot_stride % g.k == 0 && g.weight_offset % g.k == 0
-                                 ? rows_tensor_map(g.weights, g.k, kWsBN)
+                                 ? rows_tensor_map(g.weights, g.k, kWsBN, promotion)
                                  : nullptr;
   if (map_b == nullptr) {  // Same tile rows, no tensor map.
     return BM == 128 ? launch<2, 256>(g, stream) : launch<1, 128>(g, stream);
   }
   // Contiguous A rows (no gather) come by tensor copies too.
-  const CUtensorMap* map_a = g.gather == nullptr ? rows_tensor_map(g.a, g.k, BM) : nullptr;
+  const CUtensorMap* map_a =
+      g.gather == nullptr ? rows_tensor_map(g.a, g.k, BM, promotion) : nullptr;
   // Gathered A is signalled S - 2 ring steps late, and the producer posts a unit only
   // once every warp has read the one two units back: units of fewer than (S - 2) / 2 K
   // steps would wait on each other (not at model shapes: the tiles want n % 256 == 0,
