@@ -168,12 +168,18 @@ __global__ void qk_norm_rope_kernel(QkvArgs a) {
   }
 }
 
+// Block (r, y): row r, columns [y * kSiluCols, (y + 1) * kSiluCols), four per thread
+// (one block a row looping over 10944 columns took 37 us at one row on the H200).
+constexpr int kSiluThreads = 256, kSiluCols = 4 * kSiluThreads;
 template <typename T>
-__global__ void silu_mul_kernel(const float* gu, int inter, T* out) {
+__global__ void __launch_bounds__(kSiluThreads)
+    silu_mul_kernel(const float* gu, int inter, T* out) {
   const int r = blockIdx.x;
   const float* g = gu + static_cast<int64_t>(r) * 2 * inter;
   T* o = out + static_cast<int64_t>(r) * inter;
-  for (int i = threadIdx.x; i < inter; i += blockDim.x)
+  const int end = min(inter, static_cast<int>(blockIdx.y + 1) * kSiluCols);
+#pragma unroll
+  for (int i = blockIdx.y * kSiluCols + threadIdx.x; i < end; i += kSiluThreads)
     o[i] = from_f32<T>(silu(g[i]) * g[inter + i]);
 }
 
@@ -936,7 +942,9 @@ cudaError_t silu_mul(DType dtype, const float* gu, int rows, int inter, void* ou
                      cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   FLEX_DISPATCH_DTYPE(
-      dtype, silu_mul_kernel<T><<<rows, 256, 0, stream>>>(gu, inter, static_cast<T*>(out)));
+      dtype, silu_mul_kernel<T>
+      <<<dim3(rows, (inter + kSiluCols - 1) / kSiluCols), kSiluThreads, 0, stream>>>(
+          gu, inter, static_cast<T*>(out)));
   return cudaGetLastError();
 }
 

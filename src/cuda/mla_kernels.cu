@@ -13,9 +13,12 @@
 #include <algorithm>
 #include <cfloat>
 #include <climits>
+#include <cstdlib>
+#include <type_traits>
 
 #include "cuda/device_util.cuh"
 #include "cuda/mla_kernels.h"
+#include "cuda/mma_sync.cuh"
 
 namespace flexpert::cuda {
 namespace {
@@ -209,24 +212,268 @@ __global__ void __launch_bounds__(kWarps * 32)
 }
 
 // One block per (token, head): the splits' partial softmaxes at their common maximum.
+// The first warp weighs the splits (lane s: split s, kMlaMaxSplits <= 32); splits without
+// rows (l = 0: short contexts leave most of them empty) are skipped.
 template <typename T>
 __global__ void __launch_bounds__(kWarps * 32) mla_merge_kernel(MlaAttentionArgs a, int splits) {
+  __shared__ float weight[kMlaMaxSplits];
+  __shared__ float inv_total;
   const int64_t idx = blockIdx.x;
   const int r = a.kv_lora_rank;
   const float* part = a.split_scratch + idx * splits * (r + 2);
-  float mx = -FLT_MAX;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part[s * (r + 2)]);
-  float total = 0.f;
-  for (int s = 0; s < splits; ++s) total += part[s * (r + 2) + 1] * expf(part[s * (r + 2)] - mx);
-  const float inv = 1.0f / total;
+  if (threadIdx.x < 32) {
+    const int s = threadIdx.x;
+    const float m = s < splits ? part[s * (r + 2)] : -FLT_MAX;
+    const float l = s < splits ? part[s * (r + 2) + 1] : 0.f;
+    const float mx = warp_max(l > 0.f ? m : -FLT_MAX);
+    const float w = l > 0.f ? expf(m - mx) : 0.f;
+    const float total = warp_sum(l * w);
+    weight[s] = w;
+    if (s == 0) inv_total = 1.0f / total;
+  }
+  __syncthreads();
   T* o = static_cast<T*>(a.out) + idx * r;
   for (int d = threadIdx.x; d < r; d += kWarps * 32) {
     float sum = 0.f;
     for (int s = 0; s < splits; ++s) {
-      sum += part[s * (r + 2) + 2 + d] * expf(part[s * (r + 2)] - mx);
+      if (weight[s] != 0.f) sum += part[s * (r + 2) + 2 + d] * weight[s];
     }
-    o[d] = from_f32<T>(sum * inv);
+    o[d] = from_f32<T>(sum * inv_total);
   }
+}
+
+// ---------------------------------------------------------------------------
+// MLA on tensor cores (bf16; kv_lora_rank 128, 256 or 512, rope_dim a multiple of 8 up
+// to 64). In the absorbed form all heads of a token read the same cache rows (one "kv
+// head" of kv_lora_rank + rope_dim dims), so a block takes kMmaRows (16) heads of one
+// token as the rows of mma.sync m16n8k16 tiles (heads past num_heads are zero rows and
+// not written) and one split of its positions, in chunks of kMmaCols (32) cache rows
+// that cp.async copies into shared memory (double-buffered; rows past the context are
+// zero-filled, as are the columns from the row's end to a multiple of 16). Each of the
+// four warps computes the chunk's scores S = Q K^T (16 x 32, f32) itself, so the online
+// softmax needs no exchange between warps, then O += P V for its quarter of the latent
+// dims (P from S's registers as bf16, V by ldmatrix.trans). Q is q_latent times
+// scale * log2(e), rounded to bf16 (the softmax runs in base 2). Splits take consecutive
+// chunks and leave the partials of mla_attention_kernel for mla_merge_kernel.
+// FLEXPERT_NO_MLA_MMA=1: mla_attention_kernel instead (for comparisons).
+constexpr int kMmaWarps = 4, kMmaRows = 16, kMmaCols = 32;
+
+__host__ __device__ constexpr int mla_mma_kd(int r, int rope_dim) {
+  return (r + rope_dim + 15) / 16 * 16;
+}
+// Q's rows, then the two chunk buffers; rows kd + 8 elements apart (ldmatrix's eight row
+// addresses then fall in distinct bank groups).
+inline size_t mla_mma_smem_bytes(int r, int rope_dim) {
+  return static_cast<size_t>(kMmaRows + 2 * kMmaCols) * (mla_mma_kd(r, rope_dim) + 8) *
+         sizeof(bf16);
+}
+
+template <int R>
+__global__ void __launch_bounds__(kMmaWarps * 32) mla_mma_kernel(MlaAttentionArgs a, int splits) {
+  constexpr int kSTiles = kMmaCols / 8, kOTiles = R / kMmaWarps / 8;
+  extern __shared__ __align__(128) unsigned char mla_smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = R + a.rope_dim, kd = mla_mma_kd(R, a.rope_dim), LQ = kd + 8;
+  bf16* const sQ = reinterpret_cast<bf16*>(mla_smem);
+  bf16* const sKV = sQ + kMmaRows * LQ;  // [2][kMmaCols][LQ]
+  const int hblocks = (a.num_heads + kMmaRows - 1) / kMmaRows;
+  const int64_t unit = blockIdx.x / splits;
+  const int sp = static_cast<int>(blockIdx.x % splits);
+  const int t = static_cast<int>(unit / hblocks), h0 = static_cast<int>(unit % hblocks) * kMmaRows;
+  const int heads = min(kMmaRows, a.num_heads - h0);
+  const int len = a.positions[t] + 1;
+  const int chunks = (len + kMmaCols - 1) / kMmaCols, per = (chunks + splits - 1) / splits;
+  const int c_begin = sp * per, c_end = min(chunks, c_begin + per);
+  const int64_t pair0 = static_cast<int64_t>(t) * a.num_heads + h0;
+  if (c_begin >= c_end) {  // No positions in this split: the merge skips it.
+    if (threadIdx.x < heads) {
+      float* part = a.split_scratch + ((pair0 + threadIdx.x) * splits + sp) * (R + 2);
+      part[0] = -FLT_MAX, part[1] = 0.f;
+    }
+    return;
+  }
+  const bf16* cache =
+      static_cast<const bf16*>(a.cache) + static_cast<int64_t>(a.kv_slots[t]) * a.max_seq_len * row;
+  // Chunk c into buffer buf (one commit group per thread).
+  auto load_chunk = [&](int c, int buf) {
+    const int pieces = row / 8, c0 = c * kMmaCols;
+    bf16* dst = sKV + buf * kMmaCols * LQ;
+    for (int i = threadIdx.x; i < kMmaCols * pieces; i += kMmaWarps * 32) {
+      const int j = i / pieces, k = i % pieces;
+      const int pos = min(c0 + j, len - 1);
+      cp_async16_zfill(dst + j * LQ + 8 * k, cache + static_cast<int64_t>(pos) * row + 8 * k,
+                       c0 + j < len ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+  load_chunk(c_begin, 0);
+  const float qscale = a.scale * 1.4426950408889634f;
+  const float* q = a.q_latent + pair0 * row;
+  for (int i = threadIdx.x; i < kMmaRows * kd; i += kMmaWarps * 32) {
+    const int r = i / kd, d = i % kd;
+    sQ[r * LQ + d] = __float2bfloat16(r < heads && d < row ? q[r * row + d] * qscale : 0.f);
+  }
+  for (int i = threadIdx.x; i < 2 * kMmaCols * (kd - row); i += kMmaWarps * 32) {
+    sKV[(i / (kd - row)) * LQ + row + i % (kd - row)] = __float2bfloat16(0.f);
+  }
+  const int g = lane / 4, tq = lane % 4;
+  const int mi = lane / 8, ri = lane % 8;  // ldmatrix: this lane's matrix and row.
+  const int d0 = warp * (R / kMmaWarps);   // This warp's latent dims.
+  float o[kOTiles][4];
+#pragma unroll
+  for (int n = 0; n < kOTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  // Rows g and g + 8: running maxima (base-2 scores) and this lane's part of the sums.
+  // Every chunk has a position, so the maxima are finite after the first.
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  for (int c = c_begin, buf = 0; c < c_end; ++c, buf ^= 1) {
+    cp_async_wait<0>();
+    __syncthreads();  // Chunk c is in; every warp is done with chunk c - 1's buffer.
+    if (c + 1 < c_end) load_chunk(c + 1, buf ^ 1);
+    const bf16* sK = sKV + buf * kMmaCols * LQ;
+    float sc[kSTiles][4];
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll 4
+    for (int kk = 0; kk < kd / 16; ++kk) {
+      uint32_t qa[4];
+      ldmatrix_x4(qa, sQ + (ri + 8 * (mi % 2)) * LQ + 16 * kk + 8 * (mi / 2));
+#pragma unroll
+      for (int j = 0; j < kSTiles; j += 2) {
+        // Matrices: positions 8j.., then 8(j + 1).. x dims 16 kk + (0, 8).
+        uint32_t b[4];
+        ldmatrix_x4(b, sK + (8 * (j + mi / 2) + ri) * LQ + 16 * kk + 8 * (mi % 2));
+        mma_bf16_16816(sc[j], qa, b[0], b[1]);
+        mma_bf16_16816(sc[j + 1], qa, b[2], b[3]);
+      }
+    }
+    const int c0 = c * kMmaCols;
+    if (c0 + kMmaCols > len) {  // The context's last chunk: positions past it masked.
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (c0 + 8 * j + 2 * tq + e >= len) sc[j][e] = sc[j][2 + e] = -INFINITY;
+        }
+      }
+    }
+    float mx0 = m0, mx1 = m1;
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+      mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
+      mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
+    }
+#pragma unroll
+    for (int o2 = 1; o2 <= 2; o2 *= 2) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
+    }
+    const float corr0 = exp2f(m0 - mx0), corr1 = exp2f(m1 - mx1);  // 0 on the first chunk.
+    m0 = mx0, m1 = mx1;
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        sc[j][e] = exp2f(sc[j][e] - mx0);
+        sc[j][2 + e] = exp2f(sc[j][2 + e] - mx1);
+        ps0 += sc[j][e];
+        ps1 += sc[j][2 + e];
+      }
+    }
+    l0 = l0 * corr0 + ps0;
+    l1 = l1 * corr1 + ps1;
+#pragma unroll
+    for (int n = 0; n < kOTiles; ++n) {
+      o[n][0] *= corr0, o[n][1] *= corr0;
+      o[n][2] *= corr1, o[n][3] *= corr1;
+    }
+    // O += P V: P's k-step kk is S blocks 2kk, 2kk + 1 as they lie in the registers; V is
+    // the rows' first R dims.
+#pragma unroll
+    for (int kk = 0; kk < kMmaCols / 16; ++kk) {
+      uint32_t pf[4];
+      pf[0] = pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]);
+      pf[1] = pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]);
+      pf[2] = pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+      pf[3] = pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+      for (int n = 0; n < kOTiles; n += 2) {
+        // Matrices: positions 16 kk + (0, 8) x dims 8n, then 8(n + 1); transposed.
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, sK + (16 * kk + ri + 8 * (mi % 2)) * LQ + d0 + 8 * n + 8 * (mi / 2));
+        mma_bf16_16816(o[n], pf, b[0], b[1]);
+        mma_bf16_16816(o[n + 1], pf, b[2], b[3]);
+      }
+    }
+  }
+#pragma unroll
+  for (int o2 = 1; o2 <= 2; o2 *= 2) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, o2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, o2);
+  }
+  // Row r's results (its m, l and O elements e, e + 1 of each 8-column block).
+  auto store_row = [&](int r, float m, float l, int e) {
+    if (r >= heads) return;
+    if (splits > 1) {
+      // The merge's softmax is base e over scaled scores.
+      float* part = a.split_scratch + ((pair0 + r) * splits + sp) * (R + 2);
+      if (warp == 0 && tq == 0) part[0] = m * 0.6931471805599453f, part[1] = l;
+#pragma unroll
+      for (int n = 0; n < kOTiles; ++n) {
+        *reinterpret_cast<float2*>(part + 2 + d0 + 8 * n + 2 * tq) =
+            make_float2(o[n][e], o[n][e + 1]);
+      }
+      return;
+    }
+    bf16* out = static_cast<bf16*>(a.out) + (pair0 + r) * R;
+    const float inv = 1.0f / l;
+#pragma unroll
+    for (int n = 0; n < kOTiles; ++n) {
+      *reinterpret_cast<__nv_bfloat162*>(out + d0 + 8 * n + 2 * tq) =
+          __floats2bfloat162_rn(o[n][e] * inv, o[n][e + 1] * inv);
+    }
+  };
+  store_row(g, m0, l0, 0);
+  store_row(g + 8, m1, l1, 2);
+}
+
+bool mla_mma_ok(DType dtype, const MlaAttentionArgs& a) {
+  static const bool off = std::getenv("FLEXPERT_NO_MLA_MMA") != nullptr;
+  return !off && dtype == DType::kBF16 &&
+         (a.kv_lora_rank == 128 || a.kv_lora_rank == 256 || a.kv_lora_rank == 512) &&
+         a.rope_dim % 8 == 0 && a.rope_dim <= 64;
+}
+
+// Splits of mla_mma_kernel: blocks of (token, 16 heads) below about kMlaSplitTargetBlocks
+// split their positions, as scratch allows.
+int mla_mma_splits(const MlaAttentionArgs& a) {
+  const int64_t units =
+      static_cast<int64_t>(a.num_tokens) * ((a.num_heads + kMmaRows - 1) / kMmaRows);
+  const int64_t pairs = static_cast<int64_t>(a.num_tokens) * a.num_heads;
+  if (a.split_scratch == nullptr || units <= 0 || units >= kMlaSplitTargetBlocks) return 1;
+  int splits = static_cast<int>(
+      std::min<int64_t>(kMlaMaxSplits, (kMlaSplitTargetBlocks + units - 1) / units));
+  while (splits > 1 && pairs * splits * (a.kv_lora_rank + 2) > a.split_capacity) --splits;
+  return splits;
+}
+
+template <int R>
+cudaError_t launch_mma(const MlaAttentionArgs& a, cudaStream_t stream) {
+  const size_t smem = mla_mma_smem_bytes(R, a.rope_dim);
+  if (const cudaError_t e = ensure_smem_limit<mla_mma_kernel<R>>(mla_mma_smem_bytes(R, 64));
+      e != cudaSuccess) {
+    return e;
+  }
+  const int splits = mla_mma_splits(a);
+  const int64_t units =
+      static_cast<int64_t>(a.num_tokens) * ((a.num_heads + kMmaRows - 1) / kMmaRows);
+  mla_mma_kernel<R>
+      <<<static_cast<unsigned>(units * splits), kMmaWarps * 32, smem, stream>>>(a, splits);
+  if (splits > 1) {
+    const unsigned pairs = static_cast<unsigned>(static_cast<int64_t>(a.num_tokens) * a.num_heads);
+    mla_merge_kernel<bf16><<<pairs, kWarps * 32, 0, stream>>>(a, splits);
+  }
+  return cudaGetLastError();
 }
 
 // Warp-wide argmax of (v, idx); idx == INT_MAX marks "no candidate". Ties: lower idx.
@@ -342,7 +589,7 @@ __global__ void grouped_topk_kernel(GroupedTopkArgs a) {
 
 template <typename T>
 cudaError_t launch_attention(const MlaAttentionArgs& a, cudaStream_t stream) {
-  const int splits = mla_attention_splits(a);
+  const int splits = mla_attention_splits(std::is_same_v<T, bf16> ? DType::kBF16 : DType::kF32, a);
   const int64_t pairs = static_cast<int64_t>(a.num_tokens) * a.num_heads;
   const unsigned blocks = static_cast<unsigned>(pairs * splits);
   const size_t smem =
@@ -375,11 +622,13 @@ cudaError_t launch_attention(const MlaAttentionArgs& a, cudaStream_t stream) {
 }  // namespace
 
 int64_t mla_attention_split_floats(int kv_lora_rank) {
-  // splits > 1 only below the target, so pairs * splits < 2 * target.
-  return int64_t{2} * kMlaSplitTargetBlocks * (kv_lora_rank + 2);
+  // splits > 1 only below the target, so blocks = units * splits < 2 * target, and a
+  // block of mla_mma_kernel holds up to kMmaRows (token, head) pairs.
+  return int64_t{2} * kMlaSplitTargetBlocks * kMmaRows * (kv_lora_rank + 2);
 }
 
-int mla_attention_splits(const MlaAttentionArgs& a) {
+int mla_attention_splits(DType dtype, const MlaAttentionArgs& a) {
+  if (mla_mma_ok(dtype, a)) return mla_mma_splits(a);
   const int64_t pairs = static_cast<int64_t>(a.num_tokens) * a.num_heads;
   if (a.split_scratch == nullptr || pairs <= 0 || pairs >= kMlaSplitTargetBlocks) return 1;
   int splits = static_cast<int>(
@@ -407,6 +656,16 @@ cudaError_t mla_rope_store(DType dtype, const MlaRopeArgs& args, cudaStream_t st
 cudaError_t mla_attention(DType dtype, const MlaAttentionArgs& args, cudaStream_t stream) {
   if (args.num_tokens == 0) return cudaSuccess;
   if (args.rope_dim % 8 != 0) return cudaErrorInvalidValue;
+  if (mla_mma_ok(dtype, args)) {
+    switch (args.kv_lora_rank) {
+      case 128:
+        return launch_mma<128>(args, stream);
+      case 256:
+        return launch_mma<256>(args, stream);
+      default:
+        return launch_mma<512>(args, stream);
+    }
+  }
   FLEX_DISPATCH_DTYPE(dtype, return launch_attention<T>(args, stream));
   return cudaSuccess;
 }

@@ -67,9 +67,13 @@ struct MlaAttentionArgs {
   float* split_scratch = nullptr;
   int64_t split_capacity = 0;
 };
+// bf16 steps with kv_lora_rank 128, 256 or 512 and rope_dim <= 64 run on tensor cores (a
+// block per token, 16 heads and split; FLEXPERT_NO_MLA_MMA=1 turns it off), others a
+// block per (token, head, split) on the CUDA cores.
 cudaError_t mla_attention(DType dtype, const MlaAttentionArgs& args, cudaStream_t stream);
 int64_t mla_attention_split_floats(int kv_lora_rank);
-int mla_attention_splits(const MlaAttentionArgs& args);
+// The split count mla_attention uses for this step (1: no merge).
+int mla_attention_splits(DType dtype, const MlaAttentionArgs& args);
 
 // DeepSeek's router on f32 logits [T, E], as select_experts_grouped (moe/moe_layer.h):
 // scores = sigmoid or softmax; choice = scores + bias (method kNoauxTc) else scores;

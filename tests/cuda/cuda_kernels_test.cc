@@ -15,6 +15,7 @@
 #include "cuda/decode_moe.h"
 #include "cuda/device.h"
 #include "cuda/kernels.h"
+#include "cuda/mla_kernels.h"
 #include "cuda/moe_layer.h"
 #include "cuda_test_util.h"
 #include "flexpert/placement.h"
@@ -853,6 +854,108 @@ TEST(CudaAttentionGqaTest, DecodeTokensMatchCpu) {
           EXPECT_LT(rel_l2(gt, rf), 1e-2)
               << "D " << D << ", " << nq << " / " << nkv << " heads, split " << split
               << ", position " << starts[t];
+        }
+      }
+    }
+  }
+}
+
+// Absorbed MLA against float64 math: token t, head h attends over rows 0..positions[t] of
+// cache slot kv_slots[t] with scores scale * q_latent[t, h] . row, and outputs the
+// softmax-weighted sum of the rows' first kv_lora_rank dims. bf16 with kv_lora_rank
+// 128 / 256 / 512 runs on tensor cores (16 heads a block: 4, 16, 20 and 128 heads leave
+// blocks partly empty or not; rope_dim 8 pads the rows to a multiple of 16), 64 on the
+// CUDA cores; decode tokens at chunk edges and long contexts, and a 40-token prompt
+// (causal), each with and without splits (merged by mla_merge_kernel).
+TEST(CudaMlaTest, AttentionMatchesFloat64) {
+  FLEX_SKIP_WITHOUT_GPU();
+  const int max_seq_len = 1536;
+  struct Shape {
+    int heads, rank, rope;
+  };
+  const std::vector<Shape> shapes = {
+      {16, 512, 64}, {128, 512, 64}, {4, 256, 8}, {20, 128, 32}, {8, 64, 16}};
+  const std::vector<int> decode_pos = {0, 31, 32, 33, 200, 1500};
+  for (const bool prompt : {false, true}) {
+    std::vector<int32_t> pos, slot;
+    for (size_t i = 0; i < decode_pos.size(); ++i) {
+      pos.push_back(decode_pos[i]);
+      slot.push_back(static_cast<int32_t>(i));
+    }
+    for (int p = 0; prompt && p < 40; ++p) {
+      pos.push_back(p);
+      slot.push_back(static_cast<int32_t>(decode_pos.size()));
+    }
+    const int T = static_cast<int>(pos.size()), slots = static_cast<int>(decode_pos.size()) + 1;
+    auto pos_d = to_device_raw(pos);
+    auto slot_d = to_device_raw(slot);
+    for (const Shape& sh : shapes) {
+      const int row = sh.rank + sh.rope;
+      std::mt19937 rng(41 + sh.heads + sh.rank);
+      const std::vector<float> cache =
+          round_bf16(uniform(static_cast<size_t>(slots) * max_seq_len * row, 1.f, rng));
+      const std::vector<float> q = uniform(static_cast<size_t>(T) * sh.heads * row, 1.f, rng);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(row));
+      std::vector<float> want(static_cast<size_t>(T) * sh.heads * sh.rank);
+      for (int t = 0; t < T; ++t) {
+        const float* rows = cache.data() + static_cast<size_t>(slot[t]) * max_seq_len * row;
+        for (int h = 0; h < sh.heads; ++h) {
+          const float* qh = q.data() + (static_cast<size_t>(t) * sh.heads + h) * row;
+          std::vector<double> s(pos[t] + 1);
+          double mx = -1e300, sum = 0;
+          for (int j = 0; j <= pos[t]; ++j) {
+            double dot = 0;
+            for (int d = 0; d < row; ++d) dot += static_cast<double>(qh[d]) * rows[j * row + d];
+            s[j] = dot * scale;
+            mx = std::max(mx, s[j]);
+          }
+          for (double& v : s) sum += v = std::exp(v - mx);
+          for (int d = 0; d < sh.rank; ++d) {
+            double acc = 0;
+            for (int j = 0; j <= pos[t]; ++j) acc += s[j] * rows[j * row + d];
+            want[(static_cast<size_t>(t) * sh.heads + h) * sh.rank + d] =
+                static_cast<float>(acc / sum);
+          }
+        }
+      }
+      auto q_d = to_device(q, DType::kF32);
+      auto cache_d = to_device(cache, DType::kBF16);
+      auto scratch =
+          cuda::DeviceBuffer::create(cuda::mla_attention_split_floats(sh.rank) * sizeof(float));
+      ASSERT_TRUE(scratch.ok());
+      for (const bool split : {false, true}) {
+        auto out_d = cuda::DeviceBuffer::create(want.size() * 2);
+        ASSERT_TRUE(out_d.ok());
+        cuda::MlaAttentionArgs a{q_d.as<float>(),
+                                 cache_d.data(),
+                                 pos_d.as<int32_t>(),
+                                 slot_d.as<int32_t>(),
+                                 T,
+                                 sh.heads,
+                                 sh.rank,
+                                 sh.rope,
+                                 max_seq_len,
+                                 scale,
+                                 out_d.value().data(),
+                                 split ? scratch.value().as<float>() : nullptr,
+                                 static_cast<int64_t>(scratch.value().num_bytes() / sizeof(float))};
+        const int splits = cuda::mla_attention_splits(DType::kBF16, a);
+        if (!split) {
+          ASSERT_EQ(splits, 1);
+        } else if (!prompt && sh.heads <= 16) {
+          ASSERT_GT(splits, 1);  // Decode steps have few (token, 16 heads) blocks.
+        }
+        ASSERT_EQ(cuda::mla_attention(DType::kBF16, a, nullptr), cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> got = to_host(out_d.value().data(), want.size(), DType::kBF16);
+        std::printf("  %d heads, rank %d, rope %d, %d tokens, %d splits: relative L2 %.3g\n",
+                    sh.heads, sh.rank, sh.rope, T, splits, rel_l2(got, want));
+        for (int t = 0; t < T; ++t) {  // Token by token: each context length on its own.
+          const size_t n = static_cast<size_t>(sh.heads) * sh.rank, o = t * n;
+          const std::vector<float> gt(got.begin() + o, got.begin() + o + n);
+          const std::vector<float> rf(want.begin() + o, want.begin() + o + n);
+          EXPECT_LT(rel_l2(gt, rf), 1e-2) << sh.heads << " heads, rank " << sh.rank << ", split "
+                                          << split << ", token " << t << " at " << pos[t];
         }
       }
     }
