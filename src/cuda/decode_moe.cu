@@ -7,6 +7,7 @@
 
 #include "cuda/decode_moe.h"
 #include "cuda/device_util.cuh"
+#include "cuda/grouped_topk.cuh"
 #include "cuda/pdl.cuh"
 #include "cuda/topk.cuh"
 
@@ -94,7 +95,14 @@ __global__ void __launch_bounds__(kRouteWarps * 32) decode_route_kernel(DecodeMo
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  for (int t = warp; t < T; t += kRouteWarps) topk_token(a.topk, t, lane);
+  if (a.use_grouped) {
+    // Each warp's score and choice rows after the normalised h (16-byte aligned).
+    const size_t h_bytes = a.norm_x != nullptr ? static_cast<size_t>(T) * H * sizeof(bf16) : 0;
+    float* scores = reinterpret_cast<float*>(route_smem + (h_bytes + 15) / 16 * 16) + warp * 2 * E;
+    for (int t = warp; t < T; t += kRouteWarps) grouped_topk_token(a.grouped, t, lane, scores);
+  } else {
+    for (int t = warp; t < T; t += kRouteWarps) topk_token(a.topk, t, lane);
+  }
   __syncthreads();  // slot[] of every pair visible to the block.
   if (a.slot_stats != nullptr) {
     const int K = a.topk.top_k;
@@ -261,8 +269,20 @@ cudaError_t decode_route(const DecodeMoeArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   const int blocks = (a.topk.num_experts + kRouteWarps - 1) / kRouteWarps;
-  const size_t smem =
+  size_t smem =
       a.norm_x != nullptr ? static_cast<size_t>(a.num_tokens) * a.hidden * sizeof(bf16) : 0;
+  if (a.use_grouped) {
+    if (a.grouped.num_experts != a.topk.num_experts || a.grouped.top_k != a.topk.top_k ||
+        a.grouped.num_experts > 32 * kGroupedTopkPerLane) {
+      return cudaErrorInvalidValue;
+    }
+    smem = (smem + 15) / 16 * 16 + static_cast<size_t>(kRouteWarps) * 2 * a.topk.num_experts * 4;
+  }
+  if (const cudaError_t e = ensure_smem_limit<decode_route_kernel>(
+          kGemvNormSmemBytes + 16 + size_t{kRouteWarps} * 2 * 32 * kGroupedTopkPerLane * 4);
+      e != cudaSuccess) {
+    return e;
+  }
   return launch_pdl(decode_route_kernel, dim3(blocks), dim3(kRouteWarps * 32), smem, stream, a);
 }
 

@@ -2,8 +2,9 @@
 // The MoE block for steps of a few tokens (decode) in three launches, bf16 only:
 //   1. decode_route: router GEMV (one warp per expert row, f32 logits), then the last
 //      block to finish (atomic ticket, reset for the next launch) runs the softmax top-k
-//      with replica choice for every token (topk.cuh, as router_topk) and the slot
-//      statistics. No permutation: the next two kernels work per (token, k) pair.
+//      with replica choice for every token (topk.cuh, as router_topk; or DeepSeek's
+//      grouped router, grouped_topk.cuh) and the slot statistics. No permutation: the next two
+//      kernels work per (token, k) pair.
 //   2. decode_gate_up: act[p, :] = SwiGLU of pair p's token row through its slot's
 //      gate/up rows (a warp per gate/up row pair, as the kGemv tile).
 //   3. decode_down_combine: each block owns a token and 8 output columns; warp k
@@ -24,6 +25,7 @@
 #include <cstdint>
 
 #include "cuda/kernels.h"
+#include "cuda/mla_kernels.h"
 
 namespace flexpert::cuda {
 
@@ -50,6 +52,11 @@ struct DecodeMoeArgs {
   const float* norm_weight = nullptr;
   float norm_eps = 0.f;
   void* norm_out = nullptr;
+  // With use_grouped: DeepSeek's router (grouped_topk's arithmetic, per token by a warp
+  // of the last block) in place of the softmax top-k; its logits, expert, weight and
+  // slot arrays are topk's.
+  bool use_grouped = false;
+  GroupedTopkArgs grouped{};
 };
 
 // Whether the three kernels take this shape (bf16; T <= kDecodeMaxTokens, H and I

@@ -1,11 +1,39 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "cuda/grouped_moe.h"
 
+#include <cstdlib>
 #include <string>
 
 #include "cuda/kernels.h"
 
 namespace flexpert::cuda {
+
+namespace {
+
+// DeepSeek's router over scratch.logits into scratch.expert, .weight and .slot.
+GroupedTopkArgs grouped_args(const MoeDims& dims, const GroupedRouter& router,
+                             const float* score_bias, const MoeLayerWeights& w, MoeScratch& scratch,
+                             int num_tokens) {
+  return GroupedTopkArgs{scratch.logits.as<float>(),
+                         score_bias,
+                         num_tokens,
+                         dims.num_experts,
+                         dims.top_k,
+                         router.sigmoid,
+                         router.method,
+                         router.num_groups,
+                         router.topk_groups,
+                         dims.norm_topk_prob,
+                         router.routed_scaling_factor,
+                         w.rep_start,
+                         w.rep_count,
+                         w.rep_slots,
+                         scratch.expert.as<int32_t>(),
+                         scratch.weight.as<float>(),
+                         scratch.slot.as<int32_t>()};
+}
+
+}  // namespace
 
 Status route_grouped(const MoeDims& dims, const GroupedRouter& router, const float* score_bias,
                      const MoeLayerWeights& w, MoeScratch& scratch, const void* h, int num_tokens,
@@ -16,26 +44,10 @@ Status route_grouped(const MoeDims& dims, const GroupedRouter& router, const flo
                           " tokens over the scratch capacity " +
                           std::to_string(scratch.max_tokens));
   }
-  const int H = dims.hidden, K = dims.top_k;
+  const int H = dims.hidden;
   FLEX_RETURN_IF_ERROR(blas.gemm_nt(dims.dtype, h, num_tokens, H, w.router, dims.num_experts,
                                     DType::kF32, scratch.logits.data()));
-  GroupedTopkArgs topk{scratch.logits.as<float>(),
-                       score_bias,
-                       num_tokens,
-                       dims.num_experts,
-                       K,
-                       router.sigmoid,
-                       router.method,
-                       router.num_groups,
-                       router.topk_groups,
-                       dims.norm_topk_prob,
-                       router.routed_scaling_factor,
-                       w.rep_start,
-                       w.rep_count,
-                       w.rep_slots,
-                       scratch.expert.as<int32_t>(),
-                       scratch.weight.as<float>(),
-                       scratch.slot.as<int32_t>()};
+  const GroupedTopkArgs topk = grouped_args(dims, router, score_bias, w, scratch, num_tokens);
   FLEX_CUDA_TRY(grouped_topk(topk, stream));
   return Status();
 }
@@ -43,16 +55,23 @@ Status route_grouped(const MoeDims& dims, const GroupedRouter& router, const flo
 Status run_grouped_moe(const MoeDims& dims, const GroupedRouter& router, const float* score_bias,
                        const MoeLayerWeights& w, MoeScratch& scratch, const void* h, int num_tokens,
                        const int32_t* num_valid_tokens, float* out, bool accumulate, Blas& blas,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, int force_tile) {
+  static const bool no_decode = std::getenv("FLEXPERT_NO_DECODE_MOE") != nullptr;
   if (num_tokens == 0) return Status();
   if (num_tokens > scratch.max_tokens) {
     return internal_error("MoE step of " + std::to_string(num_tokens) +
                           " tokens over the scratch capacity " +
                           std::to_string(scratch.max_tokens));
   }
+  if (force_tile < 0 && !no_decode && w.router != nullptr && uses_decode_path(dims, num_tokens)) {
+    return run_decode_grouped(dims, w, scratch,
+                              grouped_args(dims, router, score_bias, w, scratch, num_tokens), h,
+                              num_tokens, num_valid_tokens, out, accumulate, stream);
+  }
   const int H = dims.hidden, I = dims.intermediate, K = dims.top_k;
   const int64_t P = static_cast<int64_t>(num_tokens) * K;
-  const GemmTile tile = choose_tile(dims.dtype, P, dims.num_experts, H, I);
+  const GemmTile tile = force_tile >= 0 ? static_cast<GemmTile>(force_tile)
+                                        : choose_tile(dims.dtype, P, dims.num_experts, H, I);
   if (!tile_supports(tile, dims.dtype, 2 * I, H) || !tile_supports(tile, dims.dtype, H, I)) {
     return invalid_argument("GEMM tile " + std::to_string(static_cast<int>(tile)) +
                             " does not fit the expert shapes");

@@ -143,7 +143,7 @@ TopkArgs topk_args(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& sc
 Status run_decode(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch, const void* h,
                   int num_tokens, const int32_t* num_valid_tokens, float* out, bool accumulate,
                   cudaStream_t stream, unsigned stages, const MoeInputNorm* norm = nullptr,
-                  void* h_out = nullptr) {
+                  void* h_out = nullptr, const GroupedTopkArgs* grouped = nullptr) {
   DecodeMoeArgs d;
   d.h = h;
   if (norm != nullptr) {
@@ -165,6 +165,10 @@ Status run_decode(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scr
   d.act = scratch.act.data();
   d.out = out;
   d.accumulate = accumulate;
+  if (grouped != nullptr) {
+    d.use_grouped = true;
+    d.grouped = *grouped;
+  }
   if (stages & kMoeRouter) FLEX_CUDA_TRY(decode_route(d, stream));
   if (stages & kMoeGateUp) FLEX_CUDA_TRY(decode_gate_up(d, stream));
   if (stages & kMoeDown) FLEX_CUDA_TRY(decode_down_combine(d, stream));
@@ -172,6 +176,19 @@ Status run_decode(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scr
 }
 
 }  // namespace
+
+Status run_decode_grouped(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
+                          const GroupedTopkArgs& grouped, const void* h, int num_tokens,
+                          const int32_t* num_valid_tokens, float* out, bool accumulate,
+                          cudaStream_t stream) {
+  if (num_tokens == 0) return Status();
+  if (num_tokens > scratch.max_tokens || !uses_decode_path(dims, num_tokens)) {
+    return internal_error("decode MoE step of " + std::to_string(num_tokens) +
+                          " tokens: not a decode step or over the scratch capacity");
+  }
+  return run_decode(dims, w, scratch, h, num_tokens, num_valid_tokens, out, accumulate, stream,
+                    kMoeAllStages, nullptr, nullptr, &grouped);
+}
 
 PermuteArgs permute_args(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                          int num_tokens, int block_m, const int32_t* num_valid_tokens) {

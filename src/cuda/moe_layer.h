@@ -18,6 +18,7 @@
 #include "cuda/device.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels.h"
+#include "cuda/mla_kernels.h"
 #include "flexpert/dtype.h"
 #include "flexpert/status.h"
 
@@ -128,6 +129,14 @@ Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratc
 // kMoeRouter = router GEMV + top-k (+ slot statistics with kMoePermute), kMoeGateUp,
 // kMoeDown = down + combine; kMoeTopk, kMoePermute or kMoeCombine alone run nothing.
 bool uses_decode_path(const MoeDims& dims, int num_tokens);
+
+// The decode path with DeepSeek's router: `grouped` (mla_kernels.h) in place of the
+// softmax top-k; its logits, expert, weight and slot arrays must be scratch's.
+// uses_decode_path(dims, num_tokens) must hold.
+Status run_decode_grouped(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
+                          const GroupedTopkArgs& grouped, const void* h, int num_tokens,
+                          const int32_t* num_valid_tokens, float* out, bool accumulate,
+                          cudaStream_t stream);
 
 // Copies the last run's per-pair logical experts and slots to the host (tests,
 // benchmarks); synchronises `stream`.

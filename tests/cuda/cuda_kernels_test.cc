@@ -14,6 +14,7 @@
 #include "cuda/blas.h"
 #include "cuda/decode_moe.h"
 #include "cuda/device.h"
+#include "cuda/grouped_moe.h"
 #include "cuda/kernels.h"
 #include "cuda/mla_kernels.h"
 #include "cuda/moe_layer.h"
@@ -544,6 +545,114 @@ TEST_P(CudaDecodeMoeTest, MatchesUnfusedPath) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaDecodeMoeTest,
                          ::testing::Values(DecodeCase{1, 4}, DecodeCase{3, 4}, DecodeCase{8, 4},
                                            DecodeCase{1, 8}, DecodeCase{2, 8}, DecodeCase{4, 8}));
+
+// The decode path with DeepSeek's router (run_grouped_moe: the route kernel's last block
+// runs grouped_topk's arithmetic) against the grouped GEMMs' path (kGemv tile, cuBLAS
+// router, grouped_topk kernel) on the same data: DeepSeek-V3's sigmoid scores with
+// correction bias and group-limited top-k (8 groups, 4 kept, normalised, scaled 2.5) and
+// DeepSeek-V2's softmax greedy (unnormalised); same experts, slots and slot statistics,
+// outputs equal up to the router logits' rounding.
+TEST(CudaDecodeMoeTest, GroupedRouterMatchesUnfusedPath) {
+  FLEX_SKIP_WITHOUT_GPU();
+  // V3: 256 experts, top-8 (the decode path up to 7 tokens: under a quarter row per
+  // expert); V2: 64 experts, top-6 (up to 2 tokens).
+  for (const bool v3 : {true, false}) {
+    const int H = 256, I = 96, E = v3 ? 256 : 64, K = v3 ? 8 : 6;
+    std::vector<int> map;
+    for (int e = 0; e < E; ++e) map.push_back(e);
+    for (int e : {3, 7, 0, 3, 11}) map.push_back(e);
+    const int S = static_cast<int>(map.size());
+    std::mt19937 rng(91);
+    const std::vector<float> router = uniform(static_cast<size_t>(E) * H, 0.2f, rng);
+    const std::vector<float> bias = uniform(E, 0.05f, rng);
+    cuda::MoeDims dims;
+    dims.dtype = DType::kBF16;
+    dims.hidden = H;
+    dims.intermediate = I;
+    dims.num_experts = E;
+    dims.top_k = K;
+    dims.num_slots = S;
+    const size_t slot_bytes = dims.slot_elems() * 2;
+    std::vector<uint8_t> image(S * slot_bytes);
+    std::vector<std::vector<float>> gate(E), up(E), down(E);
+    for (int e = 0; e < E; ++e) {
+      gate[e] = uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng);
+      up[e] = uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng);
+      down[e] = uniform(static_cast<size_t>(H) * I, 1.f / std::sqrt(I), rng);
+    }
+    for (int s = 0; s < S; ++s) {
+      cuda::pack_expert(gate[map[s]].data(), up[map[s]].data(), down[map[s]].data(), H, I,
+                        DType::kBF16, image.data() + s * slot_bytes);
+    }
+    auto slots = to_device_raw(image);
+    auto router_d = to_device(router, DType::kBF16);
+    auto bias_d = to_device(bias, DType::kF32);
+    const cuda::RoutingTables tables = cuda::build_routing_tables(map, E);
+    auto rep_start = to_device_raw(tables.rep_start);
+    auto rep_count = to_device_raw(tables.rep_count);
+    auto rep_slots = to_device_raw(tables.rep_slots);
+    auto stream = cuda::Stream::create();
+    ASSERT_TRUE(stream.ok());
+    cudaStream_t s = stream.value().get();
+    auto blas = cuda::Blas::create(s);
+    ASSERT_TRUE(blas.ok());
+    {
+      cuda::GroupedRouter r;
+      r.sigmoid = v3;
+      r.method = v3 ? cuda::GroupedTopkMethod::kNoauxTc : cuda::GroupedTopkMethod::kGreedy;
+      r.num_groups = v3 ? 8 : 1;
+      r.topk_groups = v3 ? 4 : 1;
+      r.routed_scaling_factor = v3 ? 2.5f : 1.0f;
+      dims.norm_topk_prob = v3;
+      for (const int T : v3 ? std::vector<int>{1, 3, 7} : std::vector<int>{1, 2}) {
+        SCOPED_TRACE((v3 ? "V3 router, " : "V2 router, ") + std::to_string(T) + " tokens");
+        ASSERT_TRUE(cuda::uses_decode_path(dims, T));
+        const std::vector<float> x = uniform(static_cast<size_t>(T) * H, 1.f, rng);
+        auto x_d = to_device(x, DType::kBF16);
+        struct Run {
+          std::vector<float> out;
+          std::vector<int32_t> experts, slots;
+          std::vector<int64_t> stats;
+        };
+        auto run = [&](int force_tile) {
+          Run o;
+          auto stats = cuda::DeviceBuffer::create_zeroed(S * sizeof(int64_t));
+          auto scratch = cuda::MoeScratch::create(dims, T);
+          EXPECT_TRUE(stats.ok() && scratch.ok());
+          auto out = to_device(std::vector<float>(static_cast<size_t>(T) * H, NAN), DType::kF32);
+          cuda::MoeLayerWeights w;
+          w.router = router_d.data();
+          w.slots = slots.data();
+          w.rep_start = rep_start.as<int32_t>();
+          w.rep_count = rep_count.as<int32_t>();
+          w.rep_slots = rep_slots.as<int32_t>();
+          w.slot_stats = stats.value().as<int64_t>();
+          const Status st =
+              cuda::run_grouped_moe(dims, r, bias_d.as<float>(), w, scratch.value(), x_d.data(), T,
+                                    nullptr, out.as<float>(), false, blas.value(), s, force_tile);
+          EXPECT_TRUE(st.ok()) << st.to_string();
+          EXPECT_TRUE(stream.value().synchronize().ok());
+          o.out = to_host(out.data(), static_cast<size_t>(T) * H, DType::kF32);
+          EXPECT_TRUE(cuda::read_routing(scratch.value(), T * K, s, &o.experts, &o.slots).ok());
+          o.stats.resize(S);
+          EXPECT_EQ(cudaMemcpy(o.stats.data(), stats.value().data(), S * sizeof(int64_t),
+                               cudaMemcpyDeviceToHost),
+                    cudaSuccess);
+          return o;
+        };
+        const Run fused = run(-1);
+        const Run unfused = run(static_cast<int>(cuda::GemmTile::kGemv));
+        EXPECT_EQ(fused.experts, unfused.experts);
+        EXPECT_EQ(fused.slots, unfused.slots);
+        EXPECT_EQ(fused.stats, unfused.stats);
+        const double err = rel_l2(fused.out, unfused.out);
+        std::printf("  grouped decode %s T=%d: relative L2 vs unfused path = %.3g\n",
+                    v3 ? "V3" : "V2", T, err);
+        EXPECT_LT(err, 1e-5);
+      }
+    }
+  }
+}
 
 // The arguments of attention over `tokens` rows (q, the caches, positions and KV slots
 // in device buffers) into `out`, scale 1 / sqrt(D); with `scratch` (attention_split_floats
