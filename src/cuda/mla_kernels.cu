@@ -336,14 +336,18 @@ void launch_merge(const MlaAttentionArgs& a, int splits, cudaStream_t stream) {
 // token as the rows of mma.sync m16n8k16 tiles (heads past num_heads are zero rows and
 // not written) and one split of its positions, in chunks of kMmaCols (32) cache rows
 // that cp.async copies into shared memory (double-buffered; rows past the context are
-// zero-filled, as are the columns from the row's end to a multiple of 16). Each of the
-// four warps computes the chunk's scores S = Q K^T (16 x 32, f32) itself, so the online
-// softmax needs no exchange between warps, then O += P V for its quarter of the latent
-// dims (P from S's registers as bf16, V by ldmatrix.trans). Q is q_latent times
+// zero-filled, as are the columns from the row's end to a multiple of 16). Warp w scores
+// the chunk's positions 8w .. 8w + 7 (S = Q K^T over all kv_lora_rank + rope_dim dims,
+// f32), the four warps' row maxima meet in shared memory, each writes its P (bf16) there,
+// and then computes O += P V over the whole chunk for its quarter of the latent dims (V
+// by ldmatrix.trans); each warp keeps the row sums of its positions, added at the end.
+// (Every warp scoring all 32 positions itself, so that P stays in its registers, was
+// slower: on the H200 DeepSeek-V3 shapes prefilled 38k against 45k tok/s at prompts of
+// 2048, decode at batch 64 took 6.96 against 6.49 ms a step.) Q is q_latent times
 // scale * log2(e), rounded to bf16 (the softmax runs in base 2). Splits take consecutive
 // chunks and leave the partials of mla_attention_kernel for mla_merge_kernel.
 // FLEXPERT_NO_MLA_MMA=1: mla_attention_kernel instead (for comparisons).
-constexpr int kMmaWarps = 4, kMmaRows = 16, kMmaCols = 32;
+constexpr int kMmaWarps = 4, kMmaRows = 16, kMmaCols = 32, kMmaPLd = kMmaCols + 8;
 
 __host__ __device__ constexpr int mla_mma_kd(int r, int rope_dim) {
   return (r + rope_dim + 15) / 16 * 16;
@@ -352,17 +356,21 @@ __host__ __device__ constexpr int mla_mma_kd(int r, int rope_dim) {
 // addresses then fall in distinct bank groups).
 inline size_t mla_mma_smem_bytes(int r, int rope_dim) {
   return static_cast<size_t>(kMmaRows + 2 * kMmaCols) * (mla_mma_kd(r, rope_dim) + 8) *
-         sizeof(bf16);
+             sizeof(bf16) +
+         kMmaRows * kMmaPLd * sizeof(bf16) + kMmaWarps * kMmaRows * sizeof(float);
 }
 
 template <int R>
 __global__ void __launch_bounds__(kMmaWarps * 32) mla_mma_kernel(MlaAttentionArgs a, int splits) {
-  constexpr int kSTiles = kMmaCols / 8, kOTiles = R / kMmaWarps / 8;
+  constexpr int kOTiles = R / kMmaWarps / 8;
+  static_assert(kMmaCols == 8 * kMmaWarps, "a warp scores 8 positions of a chunk");
   extern __shared__ __align__(128) unsigned char mla_smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = R + a.rope_dim, kd = mla_mma_kd(R, a.rope_dim), LQ = kd + 8;
   bf16* const sQ = reinterpret_cast<bf16*>(mla_smem);
-  bf16* const sKV = sQ + kMmaRows * LQ;  // [2][kMmaCols][LQ]
+  bf16* const sKV = sQ + kMmaRows * LQ;                                       // [2][kMmaCols][LQ]
+  bf16* const sP = sKV + 2 * kMmaCols * LQ;                                   // [kMmaRows][kMmaPLd]
+  auto sMax = reinterpret_cast<float(*)[kMmaRows]>(sP + kMmaRows * kMmaPLd);  // [warps][rows]
   const int hblocks = (a.num_heads + kMmaRows - 1) / kMmaRows;
   const int64_t unit = blockIdx.x / splits;
   const int sp = static_cast<int>(blockIdx.x % splits);
@@ -422,77 +430,72 @@ __global__ void __launch_bounds__(kMmaWarps * 32) mla_mma_kernel(MlaAttentionArg
     __syncthreads();  // Chunk c is in; every warp is done with chunk c - 1's buffer.
     if (c + 1 < c_end) load_chunk(c + 1, buf ^ 1);
     const bf16* sK = sKV + buf * kMmaCols * LQ;
-    float sc[kSTiles][4];
-#pragma unroll
-    for (int j = 0; j < kSTiles; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
-#pragma unroll 4
-    for (int kk = 0; kk < kd / 16; ++kk) {
-      uint32_t qa[4];
-      ldmatrix_x4(qa, sQ + (ri + 8 * (mi % 2)) * LQ + 16 * kk + 8 * (mi / 2));
-#pragma unroll
-      for (int j = 0; j < kSTiles; j += 2) {
-        // Matrices: positions 8j.., then 8(j + 1).. x dims 16 kk + (0, 8).
-        uint32_t b[4];
-        ldmatrix_x4(b, sK + (8 * (j + mi / 2) + ri) * LQ + 16 * kk + 8 * (mi % 2));
-        mma_bf16_16816(sc[j], qa, b[0], b[1]);
-        mma_bf16_16816(sc[j + 1], qa, b[2], b[3]);
-      }
-    }
     const int c0 = c * kMmaCols;
+    // Warp w: the scores of positions 8w .. 8w + 7 over all of Q's dims.
+    float sc[4] = {0.f, 0.f, 0.f, 0.f};
+    int kk = 0;
+#pragma unroll 2
+    for (; kk + 1 < kd / 16; kk += 2) {
+      // Matrices: this warp's positions x dims 16 kk + 8 mi (two k-steps).
+      uint32_t qa0[4], qa1[4], b[4];
+      ldmatrix_x4(qa0, sQ + (ri + 8 * (mi % 2)) * LQ + 16 * kk + 8 * (mi / 2));
+      ldmatrix_x4(qa1, sQ + (ri + 8 * (mi % 2)) * LQ + 16 * (kk + 1) + 8 * (mi / 2));
+      ldmatrix_x4(b, sK + (8 * warp + ri) * LQ + 16 * kk + 8 * mi);
+      mma_bf16_16816(sc, qa0, b[0], b[1]);
+      mma_bf16_16816(sc, qa1, b[2], b[3]);
+    }
+    if (kk < kd / 16) {
+      uint32_t qa0[4], b[4];
+      ldmatrix_x4(qa0, sQ + (ri + 8 * (mi % 2)) * LQ + 16 * kk + 8 * (mi / 2));
+      ldmatrix_x4(b, sK + (8 * warp + ri) * LQ + 16 * kk + 8 * (mi % 2));
+      mma_bf16_16816(sc, qa0, b[0], b[1]);
+    }
     if (c0 + kMmaCols > len) {  // The context's last chunk: positions past it masked.
 #pragma unroll
-      for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          if (c0 + 8 * j + 2 * tq + e >= len) sc[j][e] = sc[j][2 + e] = -INFINITY;
-        }
+      for (int e = 0; e < 2; ++e) {
+        if (c0 + 8 * warp + 2 * tq + e >= len) sc[e] = sc[2 + e] = -INFINITY;
       }
     }
-    float mx0 = m0, mx1 = m1;
-#pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
-      mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
-      mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
-    }
+    // The chunk's row maxima over the four warps' positions.
+    float mx0 = fmaxf(sc[0], sc[1]), mx1 = fmaxf(sc[2], sc[3]);
 #pragma unroll
     for (int o2 = 1; o2 <= 2; o2 *= 2) {
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
     }
+    if (tq == 0) sMax[warp][g] = mx0, sMax[warp][g + 8] = mx1;
+    __syncthreads();
+    mx0 = m0, mx1 = m1;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w)
+      mx0 = fmaxf(mx0, sMax[w][g]), mx1 = fmaxf(mx1, sMax[w][g + 8]);
     const float corr0 = exp2f(m0 - mx0), corr1 = exp2f(m1 - mx1);  // 0 on the first chunk.
     m0 = mx0, m1 = mx1;
-    float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        sc[j][e] = exp2f(sc[j][e] - mx0);
-        sc[j][2 + e] = exp2f(sc[j][2 + e] - mx1);
-        ps0 += sc[j][e];
-        ps1 += sc[j][2 + e];
-      }
+    for (int e = 0; e < 2; ++e) {
+      sc[e] = exp2f(sc[e] - mx0);
+      sc[2 + e] = exp2f(sc[2 + e] - mx1);
     }
-    l0 = l0 * corr0 + ps0;
-    l1 = l1 * corr1 + ps1;
+    // This warp's part of the row sums (the four warps' are added at the end).
+    l0 = l0 * corr0 + sc[0] + sc[1];
+    l1 = l1 * corr1 + sc[2] + sc[3];
+    *reinterpret_cast<uint32_t*>(sP + g * kMmaPLd + 8 * warp + 2 * tq) = pack_bf16x2(sc[0], sc[1]);
+    *reinterpret_cast<uint32_t*>(sP + (g + 8) * kMmaPLd + 8 * warp + 2 * tq) =
+        pack_bf16x2(sc[2], sc[3]);
 #pragma unroll
     for (int n = 0; n < kOTiles; ++n) {
       o[n][0] *= corr0, o[n][1] *= corr0;
       o[n][2] *= corr1, o[n][3] *= corr1;
     }
-    // O += P V: P's k-step kk is S blocks 2kk, 2kk + 1 as they lie in the registers; V is
-    // the rows' first R dims.
+    __syncthreads();  // P of the whole chunk.
 #pragma unroll
-    for (int kk = 0; kk < kMmaCols / 16; ++kk) {
+    for (int kk2 = 0; kk2 < kMmaCols / 16; ++kk2) {
       uint32_t pf[4];
-      pf[0] = pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]);
-      pf[1] = pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]);
-      pf[2] = pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-      pf[3] = pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+      ldmatrix_x4(pf, sP + (ri + 8 * (mi % 2)) * kMmaPLd + 16 * kk2 + 8 * (mi / 2));
 #pragma unroll
       for (int n = 0; n < kOTiles; n += 2) {
-        // Matrices: positions 16 kk + (0, 8) x dims 8n, then 8(n + 1); transposed.
         uint32_t b[4];
-        ldmatrix_x4_trans(b, sK + (16 * kk + ri + 8 * (mi % 2)) * LQ + d0 + 8 * n + 8 * (mi / 2));
+        ldmatrix_x4_trans(b, sK + (16 * kk2 + ri + 8 * (mi % 2)) * LQ + d0 + 8 * n + 8 * (mi / 2));
         mma_bf16_16816(o[n], pf, b[0], b[1]);
         mma_bf16_16816(o[n + 1], pf, b[2], b[3]);
       }
@@ -503,6 +506,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32) mla_mma_kernel(MlaAttentionArg
     l0 += __shfl_xor_sync(0xffffffffu, l0, o2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, o2);
   }
+  // The sums of the four warps' positions (every warp is past its last read of sMax).
+  if (tq == 0) sMax[warp][g] = l0, sMax[warp][g + 8] = l1;
+  __syncthreads();
+  l0 = l1 = 0.f;
+#pragma unroll
+  for (int w = 0; w < kMmaWarps; ++w) l0 += sMax[w][g], l1 += sMax[w][g + 8];
   // Row r's results (its m, l and O elements e, e + 1 of each 8-column block).
   auto store_row = [&](int r, float m, float l, int e) {
     if (r >= heads) return;
