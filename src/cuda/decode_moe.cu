@@ -95,10 +95,8 @@ __global__ void __launch_bounds__(kRouteWarps * 32) decode_route_kernel(DecodeMo
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  if (a.use_grouped) {
-    // Each warp's score and choice rows after the normalised h (16-byte aligned).
-    const size_t h_bytes = a.norm_x != nullptr ? static_cast<size_t>(T) * H * sizeof(bf16) : 0;
-    float* scores = reinterpret_cast<float*>(route_smem + (h_bytes + 15) / 16 * 16) + warp * 2 * E;
+  if (a.use_grouped) {  // Each warp's score and choice rows (no normalised h then).
+    float* scores = reinterpret_cast<float*>(route_smem) + warp * 2 * E;
     for (int t = warp; t < T; t += kRouteWarps) grouped_topk_token(a.grouped, t, lane, scores);
   } else {
     for (int t = warp; t < T; t += kRouteWarps) topk_token(a.topk, t, lane);
@@ -272,17 +270,19 @@ cudaError_t decode_route(const DecodeMoeArgs& a, cudaStream_t stream) {
   size_t smem =
       a.norm_x != nullptr ? static_cast<size_t>(a.num_tokens) * a.hidden * sizeof(bf16) : 0;
   if (a.use_grouped) {
-    if (a.grouped.num_experts != a.topk.num_experts || a.grouped.top_k != a.topk.top_k ||
-        a.grouped.num_experts > 32 * kGroupedTopkPerLane) {
+    // The grouped router writes the arrays the next two kernels read (topk's), and the
+    // route kernel does not normalise h for it.
+    const GroupedTopkArgs& g = a.grouped;
+    if (!grouped_topk_args_ok(g) || a.norm_x != nullptr || g.num_tokens != a.num_tokens ||
+        g.num_experts != a.topk.num_experts || g.top_k != a.topk.top_k ||
+        g.logits != a.topk.logits || g.expert != a.topk.expert || g.weight != a.topk.weight ||
+        g.slot != a.topk.slot) {
       return cudaErrorInvalidValue;
     }
-    smem = (smem + 15) / 16 * 16 + static_cast<size_t>(kRouteWarps) * 2 * a.topk.num_experts * 4;
+    smem = static_cast<size_t>(kRouteWarps) * 2 * a.topk.num_experts * sizeof(float);
   }
-  if (const cudaError_t e = ensure_smem_limit<decode_route_kernel>(
-          kGemvNormSmemBytes + 16 + size_t{kRouteWarps} * 2 * 32 * kGroupedTopkPerLane * 4);
-      e != cudaSuccess) {
-    return e;
-  }
+  // Within the 48 KB a block may take without opting in, as the normalised h.
+  static_assert(kRouteWarps * 2 * 32 * kGroupedTopkPerLane * sizeof(float) <= kGemvNormSmemBytes);
   return launch_pdl(decode_route_kernel, dim3(blocks), dim3(kRouteWarps * 32), smem, stream, a);
 }
 

@@ -59,9 +59,9 @@ __global__ void __launch_bounds__(kRmsThreads)
 
 // gemv_nt: warp (block b, warp v) computes column c = b * kGemvWarps + v for all M rows.
 // Lane l takes the 16-byte chunks l, l + 32, ... of the column's weight row, kGemvLoads
-// of them a pass, loaded a pass ahead of their FMAs; the rows of x (a few KB) come through L1. With
-// `norm` (gemv_norm_nt) the block first normalises the M f32 rows of norm.x into bf16
-// rows in shared memory, as rms_norm would, and takes x from there.
+// of them a pass, loaded before their FMAs (rows over 4096: a pass ahead, kAhead); the rows of x (a
+// few KB) come through L1. With `norm` (gemv_norm_nt) the block first normalises the M f32 rows of
+// norm.x into bf16 rows in shared memory, as rms_norm would, and takes x from there.
 constexpr int kGemvWarps = 8, kGemvLoads = 8;
 static_assert(kGemvWarps * 32 == kRmsThreads, "a GEMV block normalises its rows itself");
 struct GemvNorm {

@@ -1,12 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // MLA and DeepSeek router kernels (see mla_kernels.h).
-// NOTE: mla_attention is one block per (token, head, split), its four warps splitting
-// the cached rows (chunks of 32: a lane scores one row, then the warp accumulates the 32
-// latents, each lane owning kv_lora_rank / 32 consecutive dims), each with an online
-// softmax, merged at the end (split-K as flash-decoding does); steps of few pairs split
-// over several blocks and a second kernel merges them. Correct for prefill and
-// decode; a tensor-core kernel sharing rows across all heads of a token would be the
-// next step for long contexts and large batches.
+// NOTE: bf16 steps of kv_lora_rank 128 / 256 / 512 run mla_mma_kernel (tensor cores, a
+// block per token, 16 heads and split, the heads sharing each cache row); others
+// mla_attention_kernel (CUDA cores, a block per (token, head, split), its four warps
+// splitting the cached rows). Both keep an online softmax; steps of few blocks split
+// each context over several (split-K as flash-decoding does) and a second kernel
+// merges them (mla_merge_kernel or, for steps of many pairs, mla_merge_pairs_kernel).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -82,8 +81,9 @@ __global__ void mla_rope_store_kernel(MlaRopeArgs a) {
   rope_warp(kv + r, dst + r, cs, sn, a.rope_dim, a.interleaved, lane);
 }
 
-// One block per (token, head); warp w takes the chunks of 32 rows w, w + kWarps, ...
-// with its own online softmax, and the block merges the four partial results. Lane l
+// One block per (token, head, split); warp w takes the split's chunks of 32 rows w,
+// w + kWarps, ... with its own online softmax (a lane scores one row, then the warp
+// accumulates the 32 latents), and the block merges the four partial results. Lane l
 // owns latent dims [l * kPerLane, (l + 1) * kPerLane).
 template <typename T, int kPerLane>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -345,7 +345,7 @@ void launch_merge(const MlaAttentionArgs& a, int splits, cudaStream_t stream) {
 // slower: on the H200 DeepSeek-V3 shapes prefilled 38k against 45k tok/s at prompts of
 // 2048, decode at batch 64 took 6.96 against 6.49 ms a step.) Q is q_latent times
 // scale * log2(e), rounded to bf16 (the softmax runs in base 2). Splits take consecutive
-// chunks and leave the partials of mla_attention_kernel for mla_merge_kernel.
+// chunks and leave the partials of mla_attention_kernel for the merge (launch_merge).
 // FLEXPERT_NO_MLA_MMA=1: mla_attention_kernel instead (for comparisons).
 constexpr int kMmaWarps = 4, kMmaRows = 16, kMmaCols = 32, kMmaPLd = kMmaCols + 8;
 
@@ -668,17 +668,19 @@ cudaError_t mla_attention(DType dtype, const MlaAttentionArgs& args, cudaStream_
   return cudaSuccess;
 }
 
-cudaError_t grouped_topk(const GroupedTopkArgs& a, cudaStream_t stream) {
-  if (a.num_tokens == 0) return cudaSuccess;
+bool grouped_topk_args_ok(const GroupedTopkArgs& a) {
   const bool grouped = a.method != GroupedTopkMethod::kGreedy;
   const int groups = grouped ? a.num_groups : 1;
-  if (a.num_experts < 1 || a.num_experts > 32 * kGroupedTopkPerLane || a.top_k < 1 ||
-      a.top_k > 32 || groups < 1 || groups > 32 || a.num_experts % groups != 0 ||
-      (grouped && (a.topk_groups < 1 || a.topk_groups > groups ||
-                   a.top_k > a.topk_groups * (a.num_experts / groups))) ||
-      a.top_k > a.num_experts || (a.method == GroupedTopkMethod::kNoauxTc && a.bias == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
+  return a.num_experts >= 1 && a.num_experts <= 32 * kGroupedTopkPerLane && a.top_k >= 1 &&
+         a.top_k <= 32 && groups >= 1 && groups <= 32 && a.num_experts % groups == 0 &&
+         (!grouped || (a.topk_groups >= 1 && a.topk_groups <= groups &&
+                       a.top_k <= a.topk_groups * (a.num_experts / groups))) &&
+         a.top_k <= a.num_experts && (a.method != GroupedTopkMethod::kNoauxTc || a.bias != nullptr);
+}
+
+cudaError_t grouped_topk(const GroupedTopkArgs& a, cudaStream_t stream) {
+  if (a.num_tokens == 0) return cudaSuccess;
+  if (!grouped_topk_args_ok(a)) return cudaErrorInvalidValue;
   const size_t smem = static_cast<size_t>(kWarps) * 2 * a.num_experts * sizeof(float);
   grouped_topk_kernel<<<(a.num_tokens + kWarps - 1) / kWarps, kWarps * 32, smem, stream>>>(a);
   return cudaGetLastError();

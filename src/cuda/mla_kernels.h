@@ -100,5 +100,8 @@ struct GroupedTopkArgs {
   int32_t* slot;    // [T * K]
 };
 cudaError_t grouped_topk(const GroupedTopkArgs& args, cudaStream_t stream);
+// Whether grouped_topk takes these arguments (experts, top-k and groups within the
+// limits above, a bias for kNoauxTc).
+bool grouped_topk_args_ok(const GroupedTopkArgs& args);
 
 }  // namespace flexpert::cuda

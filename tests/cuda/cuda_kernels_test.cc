@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <random>
 #include <type_traits>
@@ -554,6 +555,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaDecodeMoeTest,
 // outputs equal up to the router logits' rounding.
 TEST(CudaDecodeMoeTest, GroupedRouterMatchesUnfusedPath) {
   FLEX_SKIP_WITHOUT_GPU();
+  ASSERT_EQ(std::getenv("FLEXPERT_NO_DECODE_MOE"), nullptr) << "this test covers the decode path";
   // V3: 256 experts, top-8 (the decode path up to 7 tokens: under a quarter row per
   // expert); V2: 64 experts, top-6 (up to 2 tokens).
   for (const bool v3 : {true, false}) {
@@ -975,9 +977,11 @@ TEST(CudaAttentionGqaTest, DecodeTokensMatchCpu) {
 // 128 / 256 / 512 runs on tensor cores (16 heads a block: 4, 16, 20 and 128 heads leave
 // blocks partly empty or not; rope_dim 8 pads the rows to a multiple of 16), 64 on the
 // CUDA cores; decode tokens at chunk edges and long contexts, and a 40-token prompt
-// (causal), each with and without splits (merged by mla_merge_kernel).
+// (causal), each with and without splits (merged by (pair, 128 dims) below 512 pairs, else
+// a block per pair: both here).
 TEST(CudaMlaTest, AttentionMatchesFloat64) {
   FLEX_SKIP_WITHOUT_GPU();
+  ASSERT_EQ(std::getenv("FLEXPERT_NO_MLA_MMA"), nullptr) << "this test covers the tensor cores";
   const int max_seq_len = 1536;
   struct Shape {
     int heads, rank, rope;
@@ -1003,7 +1007,9 @@ TEST(CudaMlaTest, AttentionMatchesFloat64) {
       std::mt19937 rng(41 + sh.heads + sh.rank);
       const std::vector<float> cache =
           round_bf16(uniform(static_cast<size_t>(slots) * max_seq_len * row, 1.f, rng));
-      const std::vector<float> q = uniform(static_cast<size_t>(T) * sh.heads * row, 1.f, rng);
+      // Scores of standard deviation ~2: a softmax far from flat, so that a wrong maximum,
+      // correction or base shows.
+      const std::vector<float> q = uniform(static_cast<size_t>(T) * sh.heads * row, 6.f, rng);
       const float scale = 1.0f / std::sqrt(static_cast<float>(row));
       std::vector<float> want(static_cast<size_t>(T) * sh.heads * sh.rank);
       for (int t = 0; t < T; ++t) {
@@ -1067,6 +1073,35 @@ TEST(CudaMlaTest, AttentionMatchesFloat64) {
                                           << split << ", token " << t << " at " << pos[t];
         }
       }
+    }
+  }
+}
+
+// SwiGLU of f32 gate/up rows against float64: a row over several blocks of the 2D grid
+// with a partial last one (10944 columns: DeepSeek-V2-Lite's dense FFN), and a short row.
+TEST(CudaSiluMulTest, MatchesFloat64) {
+  FLEX_SKIP_WITHOUT_GPU();
+  for (const int inter : {10944, 96}) {
+    const int rows = 3;
+    std::mt19937 rng(5 + inter);
+    const std::vector<float> gu = uniform(static_cast<size_t>(rows) * 2 * inter, 4.f, rng);
+    std::vector<float> want(static_cast<size_t>(rows) * inter);
+    for (int r = 0; r < rows; ++r) {
+      for (int i = 0; i < inter; ++i) {
+        const double g = gu[static_cast<size_t>(r) * 2 * inter + i];
+        const double u = gu[static_cast<size_t>(r) * 2 * inter + inter + i];
+        want[static_cast<size_t>(r) * inter + i] = static_cast<float>(g / (1 + std::exp(-g)) * u);
+      }
+    }
+    auto gu_d = to_device(gu, DType::kF32);
+    for (const DType dtype : {DType::kF32, DType::kBF16}) {
+      auto out = cuda::DeviceBuffer::create(want.size() * dtype_size(dtype));
+      ASSERT_TRUE(out.ok());
+      ASSERT_EQ(cuda::silu_mul(dtype, gu_d.as<float>(), rows, inter, out.value().data(), nullptr),
+                cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const double err = rel_l2(to_host(out.value().data(), want.size(), dtype), want);
+      EXPECT_LT(err, dtype == DType::kF32 ? 1e-6 : 4e-3) << inter << " columns";
     }
   }
 }
