@@ -440,7 +440,8 @@ Status CudaDeepseekV3Model::enqueue_attention(Layer& L, int n) {
                       softmax_scale_,
                       latent_.data(),
                       latent_split_.as<float>(),
-                      static_cast<int64_t>(latent_split_.num_bytes() / sizeof(float))};
+                      static_cast<int64_t>(latent_split_.num_bytes() / sizeof(float)),
+                      mla_prompt_groups_};
   FLEX_CUDA_TRY(mla_attention(dtype_, aa, s));
   // Out of the latent space: attn[t, h] = W_uv[h] latent[t, h]; then x += attn @ o_proj^T.
   FLEX_RETURN_IF_ERROR(head_gemm_.run(dtype_, latent_.data(), n, nh * r, r, L.w_uv.data(), nh, dv,
@@ -459,6 +460,7 @@ Status CudaDeepseekV3Model::enqueue_swiglu(Layer& L, int n) {
 }
 
 Status CudaDeepseekV3Model::enqueue_step(int n, int num_rows) {
+  mla_prompt_groups_ = attention_tiles_wanted(n, num_rows);
   const ModelConfig& c = config_;
   cudaStream_t s = stream_.get();
   const int H = c.hidden_size;

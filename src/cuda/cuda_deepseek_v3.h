@@ -122,6 +122,8 @@ class CudaDeepseekV3Model final : public Model {
   int device_ = 0;
   DType dtype_ = DType::kBF16;
   bool use_graphs_ = true;
+  // This step is mostly prompt tokens (attention_tiles_wanted): MLA blocks take four.
+  bool mla_prompt_groups_ = false;
   int max_sequences_ = 0;
   int max_seq_len_ = 0;
   int max_rows_ = 0;         // Logits rows per step: max_sequences rounded up to a bucket.

@@ -13,6 +13,7 @@
 namespace flexpert::cuda {
 
 Status CudaDeepseekV3Model::enqueue_segment(int seg, int n, int num_rows) {
+  mla_prompt_groups_ = attention_tiles_wanted(n, num_rows);
   const ModelConfig& c = config_;
   cudaStream_t s = stream_.get();
   const int H = c.hidden_size;

@@ -354,150 +354,199 @@ __host__ __device__ constexpr int mla_mma_kd(int r, int rope_dim) {
 }
 // Q's rows, then the two chunk buffers; rows kd + 8 elements apart (ldmatrix's eight row
 // addresses then fall in distinct bank groups).
-inline size_t mla_mma_smem_bytes(int r, int rope_dim) {
-  return static_cast<size_t>(kMmaRows + 2 * kMmaCols) * (mla_mma_kd(r, rope_dim) + 8) *
+inline size_t mla_mma_smem_bytes(int r, int rope_dim, int group) {
+  return static_cast<size_t>(group * kMmaRows + 2 * kMmaCols) * (mla_mma_kd(r, rope_dim) + 8) *
              sizeof(bf16) +
-         kMmaRows * kMmaPLd * sizeof(bf16) + kMmaWarps * kMmaRows * sizeof(float);
+         group * (kMmaRows * kMmaPLd * sizeof(bf16) + kMmaWarps * kMmaRows * sizeof(float));
 }
 
-template <int R>
-__global__ void __launch_bounds__(kMmaWarps * 32) mla_mma_kernel(MlaAttentionArgs a, int splits) {
-  constexpr int kOTiles = R / kMmaWarps / 8;
+template <int R, int G>
+__global__ void __launch_bounds__(kMmaWarps * 32 * G)
+    mla_mma_kernel(MlaAttentionArgs a, int splits) {
+  constexpr int kOTiles = R / kMmaWarps / 8, kThreads = kMmaWarps * 32 * G;
   static_assert(kMmaCols == 8 * kMmaWarps, "a warp scores 8 positions of a chunk");
   extern __shared__ __align__(128) unsigned char mla_smem[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Row group rg (warps 4 rg .. 4 rg + 3): token t0 + rg of the block's G.
+  const int rg = threadIdx.x / (kMmaWarps * 32), warp = threadIdx.x / 32 % kMmaWarps;
+  const int lane = threadIdx.x % 32;
   const int row = R + a.rope_dim, kd = mla_mma_kd(R, a.rope_dim), LQ = kd + 8;
-  bf16* const sQ = reinterpret_cast<bf16*>(mla_smem);
-  bf16* const sKV = sQ + kMmaRows * LQ;                                       // [2][kMmaCols][LQ]
-  bf16* const sP = sKV + 2 * kMmaCols * LQ;                                   // [kMmaRows][kMmaPLd]
-  auto sMax = reinterpret_cast<float(*)[kMmaRows]>(sP + kMmaRows * kMmaPLd);  // [warps][rows]
+  bf16* const sQ = reinterpret_cast<bf16*>(mla_smem);                  // [G * kMmaRows][LQ]
+  bf16* const sKV = sQ + G * kMmaRows * LQ;                            // [2][kMmaCols][LQ]
+  bf16* const sP = sKV + 2 * kMmaCols * LQ + rg * kMmaRows * kMmaPLd;  // [kMmaRows][kMmaPLd]
+  auto sMax =
+      reinterpret_cast<float(*)[kMmaRows]>(sKV + 2 * kMmaCols * LQ + G * kMmaRows * kMmaPLd) +
+      rg * kMmaWarps;  // [warps][rows] of this row group
   const int hblocks = (a.num_heads + kMmaRows - 1) / kMmaRows;
   const int64_t unit = blockIdx.x / splits;
   const int sp = static_cast<int>(blockIdx.x % splits);
-  const int t = static_cast<int>(unit / hblocks), h0 = static_cast<int>(unit % hblocks) * kMmaRows;
+  const int t0 = static_cast<int>(unit / hblocks) * G,
+            h0 = static_cast<int>(unit % hblocks) * kMmaRows;
   const int heads = min(kMmaRows, a.num_heads - h0);
-  const int len = a.positions[t] + 1;
-  const int chunks = (len + kMmaCols - 1) / kMmaCols, per = (chunks + splits - 1) / splits;
-  const int c_begin = sp * per, c_end = min(chunks, c_begin + per);
+  const int t = t0 + rg;
+  const int len = t < a.num_tokens ? a.positions[t] + 1 : 0;  // 0: no token here.
+  // The group's tokens share their chunks when they are in one KV slot (a prompt's
+  // consecutive positions): one pass over the longest context. Otherwise pass p serves
+  // row group p alone (the other warps only meet the barriers).
+  bool shared = true;
+  int max_len = 0;
+  for (int i = 0; i < G && t0 + i < a.num_tokens; ++i) {
+    shared = shared && a.kv_slots[t0 + i] == a.kv_slots[t0];
+    max_len = max(max_len, a.positions[t0 + i] + 1);
+  }
+  const int passes = shared ? 1 : min(G, a.num_tokens - t0);
+  auto pass_range = [&](int pass, int& c_begin, int& c_end) {
+    const int l = shared ? max_len : a.positions[t0 + pass] + 1;
+    const int chunks = (l + kMmaCols - 1) / kMmaCols, per = (chunks + splits - 1) / splits;
+    c_begin = sp * per;
+    c_end = min(chunks, c_begin + per);
+  };
+  bool any = false;
+  for (int pass = 0; pass < passes; ++pass) {
+    int cb, ce;
+    pass_range(pass, cb, ce);
+    any = any || cb < ce;
+  }
   const int64_t pair0 = static_cast<int64_t>(t) * a.num_heads + h0;
-  if (c_begin >= c_end) {  // No positions in this split: the merge skips it.
-    if (threadIdx.x < heads) {
-      float* part = a.split_scratch + ((pair0 + threadIdx.x) * splits + sp) * (R + 2);
+  if (!any) {  // No positions in this split: the merge skips it.
+    if (len > 0 && threadIdx.x % (kMmaWarps * 32) < heads) {
+      float* part =
+          a.split_scratch + ((pair0 + threadIdx.x % (kMmaWarps * 32)) * splits + sp) * (R + 2);
       part[0] = -FLT_MAX, part[1] = 0.f;
     }
     return;
   }
-  const bf16* cache =
-      static_cast<const bf16*>(a.cache) + static_cast<int64_t>(a.kv_slots[t]) * a.max_seq_len * row;
-  // Chunk c into buffer buf (one commit group per thread).
-  auto load_chunk = [&](int c, int buf) {
-    const int pieces = row / 8, c0 = c * kMmaCols;
-    bf16* dst = sKV + buf * kMmaCols * LQ;
-    for (int i = threadIdx.x; i < kMmaCols * pieces; i += kMmaWarps * 32) {
-      const int j = i / pieces, k = i % pieces;
-      const int pos = min(c0 + j, len - 1);
-      cp_async16_zfill(dst + j * LQ + 8 * k, cache + static_cast<int64_t>(pos) * row + 8 * k,
-                       c0 + j < len ? 16 : 0);
-    }
-    cp_async_commit();
-  };
-  load_chunk(c_begin, 0);
   const float qscale = a.scale * 1.4426950408889634f;
-  const float* q = a.q_latent + pair0 * row;
   // Four dims a thread at a time (row and kd are multiples of 8), loads in flight.
 #pragma unroll 4
-  for (int i = threadIdx.x; i < kMmaRows * kd / 4; i += kMmaWarps * 32) {
+  for (int i = threadIdx.x; i < G * kMmaRows * kd / 4; i += kThreads) {
     const int r = i / (kd / 4), d = 4 * (i % (kd / 4));
+    const int tr = t0 + r / kMmaRows, hr = r % kMmaRows;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (r < heads && d < row) v = *reinterpret_cast<const float4*>(q + r * row + d);
+    if (tr < a.num_tokens && hr < heads && d < row) {
+      v = *reinterpret_cast<const float4*>(
+          a.q_latent + (static_cast<int64_t>(tr) * a.num_heads + h0 + hr) * row + d);
+    }
     *reinterpret_cast<uint2*>(sQ + r * LQ + d) = make_uint2(
         pack_bf16x2(v.x * qscale, v.y * qscale), pack_bf16x2(v.z * qscale, v.w * qscale));
   }
-  for (int i = threadIdx.x; i < 2 * kMmaCols * (kd - row); i += kMmaWarps * 32) {
+  for (int i = threadIdx.x; i < 2 * kMmaCols * (kd - row); i += kThreads) {
     sKV[(i / (kd - row)) * LQ + row + i % (kd - row)] = __float2bfloat16(0.f);
   }
   const int g = lane / 4, tq = lane % 4;
   const int mi = lane / 8, ri = lane % 8;  // ldmatrix: this lane's matrix and row.
   const int d0 = warp * (R / kMmaWarps);   // This warp's latent dims.
+  const bf16* const sQg = sQ + rg * kMmaRows * LQ;
   float o[kOTiles][4];
 #pragma unroll
   for (int n = 0; n < kOTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  // Rows g and g + 8: running maxima (base-2 scores) and this lane's part of the sums.
-  // Every chunk has a position, so the maxima are finite after the first.
+  // Rows g and g + 8: running maxima (base-2 scores) and this lane's part of the sums;
+  // -inf until the row's first position.
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-  for (int c = c_begin, buf = 0; c < c_end; ++c, buf ^= 1) {
-    cp_async_wait<0>();
-    __syncthreads();  // Chunk c is in; every warp is done with chunk c - 1's buffer.
-    if (c + 1 < c_end) load_chunk(c + 1, buf ^ 1);
-    const bf16* sK = sKV + buf * kMmaCols * LQ;
-    const int c0 = c * kMmaCols;
-    // Warp w: the scores of positions 8w .. 8w + 7 over all of Q's dims.
-    float sc[4] = {0.f, 0.f, 0.f, 0.f};
-    int kk = 0;
+  for (int pass = 0; pass < passes; ++pass) {
+    int c_begin, c_end;
+    pass_range(pass, c_begin, c_end);
+    if (c_begin >= c_end) continue;  // Uniform: every thread skips.
+    const bool active = len > 0 && (shared || rg == pass);
+    const bf16* cache = static_cast<const bf16*>(a.cache) +
+                        static_cast<int64_t>(a.kv_slots[t0 + pass]) * a.max_seq_len * row;
+    const int load_len = shared ? max_len : a.positions[t0 + pass] + 1;
+    // Chunk c into buffer buf (one commit group per thread).
+    auto load_chunk = [&](int c, int buf) {
+      const int pieces = row / 8, c0 = c * kMmaCols;
+      bf16* dst = sKV + buf * kMmaCols * LQ;
+      for (int i = threadIdx.x; i < kMmaCols * pieces; i += kThreads) {
+        const int j = i / pieces, k = i % pieces;
+        const int pos = min(c0 + j, load_len - 1);
+        cp_async16_zfill(dst + j * LQ + 8 * k, cache + static_cast<int64_t>(pos) * row + 8 * k,
+                         c0 + j < load_len ? 16 : 0);
+      }
+      cp_async_commit();
+    };
+    __syncthreads();  // Every warp is done with the previous pass's buffers.
+    load_chunk(c_begin, 0);
+    for (int c = c_begin, buf = 0; c < c_end; ++c, buf ^= 1) {
+      cp_async_wait<0>();
+      __syncthreads();  // Chunk c is in; every warp is done with chunk c - 1's buffer.
+      if (c + 1 < c_end) load_chunk(c + 1, buf ^ 1);
+      const bf16* sK = sKV + buf * kMmaCols * LQ;
+      const int c0 = c * kMmaCols;
+      // Warp w: the scores of positions 8w .. 8w + 7 over all of Q's dims.
+      float sc[4] = {0.f, 0.f, 0.f, 0.f};
+      if (active) {
+        int kk = 0;
 #pragma unroll 2
-    for (; kk + 1 < kd / 16; kk += 2) {
-      // Matrices: this warp's positions x dims 16 kk + 8 mi (two k-steps).
-      uint32_t qa0[4], qa1[4], b[4];
-      ldmatrix_x4(qa0, sQ + (ri + 8 * (mi % 2)) * LQ + 16 * kk + 8 * (mi / 2));
-      ldmatrix_x4(qa1, sQ + (ri + 8 * (mi % 2)) * LQ + 16 * (kk + 1) + 8 * (mi / 2));
-      ldmatrix_x4(b, sK + (8 * warp + ri) * LQ + 16 * kk + 8 * mi);
-      mma_bf16_16816(sc, qa0, b[0], b[1]);
-      mma_bf16_16816(sc, qa1, b[2], b[3]);
-    }
-    if (kk < kd / 16) {
-      uint32_t qa0[4], b[4];
-      ldmatrix_x4(qa0, sQ + (ri + 8 * (mi % 2)) * LQ + 16 * kk + 8 * (mi / 2));
-      ldmatrix_x4(b, sK + (8 * warp + ri) * LQ + 16 * kk + 8 * (mi % 2));
-      mma_bf16_16816(sc, qa0, b[0], b[1]);
-    }
-    if (c0 + kMmaCols > len) {  // The context's last chunk: positions past it masked.
+        for (; kk + 1 < kd / 16; kk += 2) {
+          // Matrices: this warp's positions x dims 16 kk + 8 mi (two k-steps).
+          uint32_t qa0[4], qa1[4], b[4];
+          ldmatrix_x4(qa0, sQg + (ri + 8 * (mi % 2)) * LQ + 16 * kk + 8 * (mi / 2));
+          ldmatrix_x4(qa1, sQg + (ri + 8 * (mi % 2)) * LQ + 16 * (kk + 1) + 8 * (mi / 2));
+          ldmatrix_x4(b, sK + (8 * warp + ri) * LQ + 16 * kk + 8 * mi);
+          mma_bf16_16816(sc, qa0, b[0], b[1]);
+          mma_bf16_16816(sc, qa1, b[2], b[3]);
+        }
+        if (kk < kd / 16) {
+          uint32_t qa0[4], b[4];
+          ldmatrix_x4(qa0, sQg + (ri + 8 * (mi % 2)) * LQ + 16 * kk + 8 * (mi / 2));
+          ldmatrix_x4(b, sK + (8 * warp + ri) * LQ + 16 * kk + 8 * (mi % 2));
+          mma_bf16_16816(sc, qa0, b[0], b[1]);
+        }
+      }
+      // Positions past this row group's context masked; a row group another pass serves
+      // masks them all (its maxima, sums and O stay as they are).
+      if (!active || c0 + kMmaCols > len) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (!active || c0 + 8 * warp + 2 * tq + e >= len) sc[e] = sc[2 + e] = -INFINITY;
+        }
+      }
+      // The chunk's row maxima over the four warps' positions.
+      float mx0 = fmaxf(sc[0], sc[1]), mx1 = fmaxf(sc[2], sc[3]);
+#pragma unroll
+      for (int o2 = 1; o2 <= 2; o2 *= 2) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
+      }
+      if (tq == 0) sMax[warp][g] = mx0, sMax[warp][g + 8] = mx1;
+      __syncthreads();
+      mx0 = m0, mx1 = m1;
+#pragma unroll
+      for (int w = 0; w < kMmaWarps; ++w)
+        mx0 = fmaxf(mx0, sMax[w][g]), mx1 = fmaxf(mx1, sMax[w][g + 8]);
+      // A row with no position yet (a chunk past its context) keeps -inf and zeros.
+      const float base0 = mx0 == -INFINITY ? 0.f : mx0, base1 = mx1 == -INFINITY ? 0.f : mx1;
+      const float corr0 = exp2f(m0 - base0), corr1 = exp2f(m1 - base1);  // 0 at the first.
+      m0 = mx0, m1 = mx1;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        if (c0 + 8 * warp + 2 * tq + e >= len) sc[e] = sc[2 + e] = -INFINITY;
+        sc[e] = exp2f(sc[e] - base0);
+        sc[2 + e] = exp2f(sc[2 + e] - base1);
       }
-    }
-    // The chunk's row maxima over the four warps' positions.
-    float mx0 = fmaxf(sc[0], sc[1]), mx1 = fmaxf(sc[2], sc[3]);
+      // This warp's part of the row sums (the four warps' are added at the end).
+      l0 = l0 * corr0 + sc[0] + sc[1];
+      l1 = l1 * corr1 + sc[2] + sc[3];
+      *reinterpret_cast<uint32_t*>(sP + g * kMmaPLd + 8 * warp + 2 * tq) =
+          pack_bf16x2(sc[0], sc[1]);
+      *reinterpret_cast<uint32_t*>(sP + (g + 8) * kMmaPLd + 8 * warp + 2 * tq) =
+          pack_bf16x2(sc[2], sc[3]);
 #pragma unroll
-    for (int o2 = 1; o2 <= 2; o2 *= 2) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
-    }
-    if (tq == 0) sMax[warp][g] = mx0, sMax[warp][g + 8] = mx1;
-    __syncthreads();
-    mx0 = m0, mx1 = m1;
+      for (int n = 0; n < kOTiles; ++n) {
+        o[n][0] *= corr0, o[n][1] *= corr0;
+        o[n][2] *= corr1, o[n][3] *= corr1;
+      }
+      __syncthreads();  // P of the whole chunk.
+      if (!active) continue;
 #pragma unroll
-    for (int w = 0; w < kMmaWarps; ++w)
-      mx0 = fmaxf(mx0, sMax[w][g]), mx1 = fmaxf(mx1, sMax[w][g + 8]);
-    const float corr0 = exp2f(m0 - mx0), corr1 = exp2f(m1 - mx1);  // 0 on the first chunk.
-    m0 = mx0, m1 = mx1;
+      for (int kk2 = 0; kk2 < kMmaCols / 16; ++kk2) {
+        uint32_t pf[4];
+        ldmatrix_x4(pf, sP + (ri + 8 * (mi % 2)) * kMmaPLd + 16 * kk2 + 8 * (mi / 2));
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      sc[e] = exp2f(sc[e] - mx0);
-      sc[2 + e] = exp2f(sc[2 + e] - mx1);
-    }
-    // This warp's part of the row sums (the four warps' are added at the end).
-    l0 = l0 * corr0 + sc[0] + sc[1];
-    l1 = l1 * corr1 + sc[2] + sc[3];
-    *reinterpret_cast<uint32_t*>(sP + g * kMmaPLd + 8 * warp + 2 * tq) = pack_bf16x2(sc[0], sc[1]);
-    *reinterpret_cast<uint32_t*>(sP + (g + 8) * kMmaPLd + 8 * warp + 2 * tq) =
-        pack_bf16x2(sc[2], sc[3]);
-#pragma unroll
-    for (int n = 0; n < kOTiles; ++n) {
-      o[n][0] *= corr0, o[n][1] *= corr0;
-      o[n][2] *= corr1, o[n][3] *= corr1;
-    }
-    __syncthreads();  // P of the whole chunk.
-#pragma unroll
-    for (int kk2 = 0; kk2 < kMmaCols / 16; ++kk2) {
-      uint32_t pf[4];
-      ldmatrix_x4(pf, sP + (ri + 8 * (mi % 2)) * kMmaPLd + 16 * kk2 + 8 * (mi / 2));
-#pragma unroll
-      for (int n = 0; n < kOTiles; n += 2) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, sK + (16 * kk2 + ri + 8 * (mi % 2)) * LQ + d0 + 8 * n + 8 * (mi / 2));
-        mma_bf16_16816(o[n], pf, b[0], b[1]);
-        mma_bf16_16816(o[n + 1], pf, b[2], b[3]);
+        for (int n = 0; n < kOTiles; n += 2) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b,
+                            sK + (16 * kk2 + ri + 8 * (mi % 2)) * LQ + d0 + 8 * n + 8 * (mi / 2));
+          mma_bf16_16816(o[n], pf, b[0], b[1]);
+          mma_bf16_16816(o[n + 1], pf, b[2], b[3]);
+        }
       }
     }
   }
@@ -507,18 +556,23 @@ __global__ void __launch_bounds__(kMmaWarps * 32) mla_mma_kernel(MlaAttentionArg
     l1 += __shfl_xor_sync(0xffffffffu, l1, o2);
   }
   // The sums of the four warps' positions (every warp is past its last read of sMax).
+  __syncthreads();
   if (tq == 0) sMax[warp][g] = l0, sMax[warp][g + 8] = l1;
   __syncthreads();
   l0 = l1 = 0.f;
 #pragma unroll
   for (int w = 0; w < kMmaWarps; ++w) l0 += sMax[w][g], l1 += sMax[w][g + 8];
+  if (len == 0) return;  // No token in this row group.
   // Row r's results (its m, l and O elements e, e + 1 of each 8-column block).
   auto store_row = [&](int r, float m, float l, int e) {
     if (r >= heads) return;
     if (splits > 1) {
-      // The merge's softmax is base e over scaled scores.
+      // The merge's softmax is base e over scaled scores; a row without positions in this
+      // split (l = 0) is skipped there.
       float* part = a.split_scratch + ((pair0 + r) * splits + sp) * (R + 2);
-      if (warp == 0 && tq == 0) part[0] = m * 0.6931471805599453f, part[1] = l;
+      if (warp == 0 && tq == 0) {
+        part[0] = l > 0.f ? m * 0.6931471805599453f : -FLT_MAX, part[1] = l;
+      }
 #pragma unroll
       for (int n = 0; n < kOTiles; ++n) {
         *reinterpret_cast<float2*>(part + 2 + d0 + 8 * n + 2 * tq) =
@@ -545,11 +599,19 @@ bool mla_mma_ok(DType dtype, const MlaAttentionArgs& a) {
          a.rope_dim % 8 == 0 && a.rope_dim <= 64;
 }
 
-// Splits of mla_mma_kernel: blocks of (token, 16 heads) below about kMlaSplitTargetBlocks
-// split their positions, as scratch allows.
+// Tokens a block of mla_mma_kernel takes: kMlaGroup in steps that are mostly prompt
+// tokens (MlaAttentionArgs::prompt_groups), else 1.
+constexpr int kMlaGroup = 4;
+int mla_mma_group(const MlaAttentionArgs& a) {
+  return a.prompt_groups && a.num_tokens >= kMlaGroup ? kMlaGroup : 1;
+}
+
+// Splits of mla_mma_kernel: blocks of (G tokens, 16 heads) below about
+// kMlaSplitTargetBlocks split their positions, as scratch allows.
 int mla_mma_splits(const MlaAttentionArgs& a) {
-  const int64_t units =
-      static_cast<int64_t>(a.num_tokens) * ((a.num_heads + kMmaRows - 1) / kMmaRows);
+  const int group = mla_mma_group(a);
+  const int64_t units = (static_cast<int64_t>(a.num_tokens) + group - 1) / group *
+                        ((a.num_heads + kMmaRows - 1) / kMmaRows);
   const int64_t pairs = static_cast<int64_t>(a.num_tokens) * a.num_heads;
   if (a.split_scratch == nullptr || units <= 0 || units >= kMlaSplitTargetBlocks) return 1;
   int splits = static_cast<int>(
@@ -558,22 +620,28 @@ int mla_mma_splits(const MlaAttentionArgs& a) {
   return splits;
 }
 
-template <int R>
+template <int R, int G>
 cudaError_t launch_mma(const MlaAttentionArgs& a, cudaStream_t stream) {
-  const size_t smem = mla_mma_smem_bytes(R, a.rope_dim);
-  if (const cudaError_t e = ensure_smem_limit<mla_mma_kernel<R>>(mla_mma_smem_bytes(R, 64));
+  const size_t smem = mla_mma_smem_bytes(R, a.rope_dim, G);
+  if (const cudaError_t e = ensure_smem_limit<mla_mma_kernel<R, G>>(mla_mma_smem_bytes(R, 64, G));
       e != cudaSuccess) {
     return e;
   }
   const int splits = mla_mma_splits(a);
   const int64_t units =
-      static_cast<int64_t>(a.num_tokens) * ((a.num_heads + kMmaRows - 1) / kMmaRows);
-  mla_mma_kernel<R>
-      <<<static_cast<unsigned>(units * splits), kMmaWarps * 32, smem, stream>>>(a, splits);
+      (static_cast<int64_t>(a.num_tokens) + G - 1) / G * ((a.num_heads + kMmaRows - 1) / kMmaRows);
+  mla_mma_kernel<R, G>
+      <<<static_cast<unsigned>(units * splits), kMmaWarps * 32 * G, smem, stream>>>(a, splits);
   if (splits > 1) {
     launch_merge<bf16>(a, splits, stream);
   }
   return cudaGetLastError();
+}
+
+template <int R>
+cudaError_t launch_mma_grouped(const MlaAttentionArgs& a, cudaStream_t stream) {
+  return mla_mma_group(a) == kMlaGroup ? launch_mma<R, kMlaGroup>(a, stream)
+                                       : launch_mma<R, 1>(a, stream);
 }
 
 // One warp per token; smem per warp: score [E], choice [E].
@@ -657,11 +725,11 @@ cudaError_t mla_attention(DType dtype, const MlaAttentionArgs& args, cudaStream_
   if (mla_mma_ok(dtype, args)) {
     switch (args.kv_lora_rank) {
       case 128:
-        return launch_mma<128>(args, stream);
+        return launch_mma_grouped<128>(args, stream);
       case 256:
-        return launch_mma<256>(args, stream);
+        return launch_mma_grouped<256>(args, stream);
       default:
-        return launch_mma<512>(args, stream);
+        return launch_mma_grouped<512>(args, stream);
     }
   }
   FLEX_DISPATCH_DTYPE(dtype, return launch_attention<T>(args, stream));

@@ -66,6 +66,10 @@ struct MlaAttentionArgs {
   void* out;
   float* split_scratch = nullptr;
   int64_t split_capacity = 0;
+  // Set for steps that are mostly prompt tokens (attention_tiles_wanted): the tensor-core
+  // kernel then takes four consecutive tokens a block, which share the chunks of the
+  // cache rows they read when they are in one KV slot.
+  bool prompt_groups = false;
 };
 // bf16 steps with kv_lora_rank 128, 256 or 512 and rope_dim <= 64 run on tensor cores (a
 // block per token, 16 heads and split; FLEXPERT_NO_MLA_MMA=1 turns it off), others a

@@ -978,7 +978,8 @@ TEST(CudaAttentionGqaTest, DecodeTokensMatchCpu) {
 // blocks partly empty or not; rope_dim 8 pads the rows to a multiple of 16), 64 on the
 // CUDA cores; decode tokens at chunk edges and long contexts, and a 40-token prompt
 // (causal), each with and without splits (merged by (pair, 128 dims) below 512 pairs, else
-// a block per pair: both here).
+// a block per pair: both here) and with and without prompt groups (four tokens a block:
+// the prompt's share their chunks, the decode tokens' slots differ and go one by one).
 TEST(CudaMlaTest, AttentionMatchesFloat64) {
   FLEX_SKIP_WITHOUT_GPU();
   ASSERT_EQ(std::getenv("FLEXPERT_NO_MLA_MMA"), nullptr) << "this test covers the tensor cores";
@@ -1038,7 +1039,8 @@ TEST(CudaMlaTest, AttentionMatchesFloat64) {
       auto scratch =
           cuda::DeviceBuffer::create(cuda::mla_attention_split_floats(sh.rank) * sizeof(float));
       ASSERT_TRUE(scratch.ok());
-      for (const bool split : {false, true}) {
+      for (const auto& [split, groups] : {std::pair{false, false}, std::pair{true, false},
+                                          std::pair{false, true}, std::pair{true, true}}) {
         auto out_d = cuda::DeviceBuffer::create(want.size() * 2);
         ASSERT_TRUE(out_d.ok());
         cuda::MlaAttentionArgs a{q_d.as<float>(),
@@ -1053,7 +1055,8 @@ TEST(CudaMlaTest, AttentionMatchesFloat64) {
                                  scale,
                                  out_d.value().data(),
                                  split ? scratch.value().as<float>() : nullptr,
-                                 static_cast<int64_t>(scratch.value().num_bytes() / sizeof(float))};
+                                 static_cast<int64_t>(scratch.value().num_bytes() / sizeof(float)),
+                                 groups};
         const int splits = cuda::mla_attention_splits(DType::kBF16, a);
         if (!split) {
           ASSERT_EQ(splits, 1);
@@ -1063,14 +1066,16 @@ TEST(CudaMlaTest, AttentionMatchesFloat64) {
         ASSERT_EQ(cuda::mla_attention(DType::kBF16, a, nullptr), cudaSuccess);
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         const std::vector<float> got = to_host(out_d.value().data(), want.size(), DType::kBF16);
-        std::printf("  %d heads, rank %d, rope %d, %d tokens, %d splits: relative L2 %.3g\n",
-                    sh.heads, sh.rank, sh.rope, T, splits, rel_l2(got, want));
+        std::printf("  %d heads, rank %d, rope %d, %d tokens, %d splits%s: relative L2 %.3g\n",
+                    sh.heads, sh.rank, sh.rope, T, splits, groups ? ", prompt groups" : "",
+                    rel_l2(got, want));
         for (int t = 0; t < T; ++t) {  // Token by token: each context length on its own.
           const size_t n = static_cast<size_t>(sh.heads) * sh.rank, o = t * n;
           const std::vector<float> gt(got.begin() + o, got.begin() + o + n);
           const std::vector<float> rf(want.begin() + o, want.begin() + o + n);
-          EXPECT_LT(rel_l2(gt, rf), 1e-2) << sh.heads << " heads, rank " << sh.rank << ", split "
-                                          << split << ", token " << t << " at " << pos[t];
+          EXPECT_LT(rel_l2(gt, rf), 1e-2)
+              << sh.heads << " heads, rank " << sh.rank << ", split " << split << ", groups "
+              << groups << ", token " << t << " at " << pos[t];
         }
       }
     }
