@@ -212,10 +212,25 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// Both merges: the first warp weighs the splits of the pair whose partials start at part
+// (lane s: split s, kMlaMaxSplits <= 32; splits without rows, l = 0, weigh 0) into weight[]
+// and the inverse total; the caller syncs the block after.
+__device__ __forceinline__ void merge_weights(const float* part, int splits, int r, float* weight,
+                                              float* inv_total) {
+  const int s = threadIdx.x;
+  if (s >= 32) return;
+  const float m = s < splits ? part[s * (r + 2)] : -FLT_MAX;
+  const float l = s < splits ? part[s * (r + 2) + 1] : 0.f;
+  const float mx = warp_max(l > 0.f ? m : -FLT_MAX);
+  const float w = l > 0.f ? expf(m - mx) : 0.f;
+  const float total = warp_sum(l * w);
+  weight[s] = w;
+  if (s == 0) *inv_total = 1.0f / total;
+}
+
 // Block (pair, j): the splits' partial softmaxes of one (token, head) pair at their common
 // maximum, for latent dims [128 j, 128 j + 128) (kv_lora_rank / 128 blocks a pair; 32 or
-// 64 dims: one). The first warp weighs the splits (lane s: split s, kMlaMaxSplits <= 32;
-// splits without rows, l = 0, weigh 0 and are not read); warp w then sums splits w,
+// 64 dims: one). After merge_weights (splits weighing 0 are not read) warp w sums splits w,
 // w + 4, ... for its lanes' dims, all of its loads in flight, and the warps' sums are
 // added in warp order. (A thread per dim looping over the splits four loads at a time
 // took ~15 us at batch 1 and 32 splits on the H200.)
@@ -231,15 +246,7 @@ __global__ void __launch_bounds__(kWarps * 32) mla_merge_kernel(MlaAttentionArgs
   const int d0 = static_cast<int>(blockIdx.x % per_pair) * dims;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float* part = a.split_scratch + idx * splits * (r + 2);
-  if (warp == 0) {
-    const float m = lane < splits ? part[lane * (r + 2)] : -FLT_MAX;
-    const float l = lane < splits ? part[lane * (r + 2) + 1] : 0.f;
-    const float mx = warp_max(l > 0.f ? m : -FLT_MAX);
-    const float w = l > 0.f ? expf(m - mx) : 0.f;
-    const float total = warp_sum(l * w);
-    weight[lane] = w;
-    if (lane == 0) inv_total = 1.0f / total;
-  }
+  merge_weights(part, splits, r, weight, &inv_total);
   __syncthreads();
   // Lane l: dims d0 + l + 32 i (i < dims / 32).
   float v[kMergeMaxPerWarp][kMergeDims / 32];
@@ -284,16 +291,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t idx = blockIdx.x;
   const int r = a.kv_lora_rank;
   const float* part = a.split_scratch + idx * splits * (r + 2);
-  if (threadIdx.x < 32) {
-    const int s = threadIdx.x;
-    const float m = s < splits ? part[s * (r + 2)] : -FLT_MAX;
-    const float l = s < splits ? part[s * (r + 2) + 1] : 0.f;
-    const float mx = warp_max(l > 0.f ? m : -FLT_MAX);
-    const float w = l > 0.f ? expf(m - mx) : 0.f;
-    const float total = warp_sum(l * w);
-    weight[s] = w;
-    if (s == 0) inv_total = 1.0f / total;
-  }
+  merge_weights(part, splits, r, weight, &inv_total);
   __syncthreads();
   T* o = static_cast<T*>(a.out) + idx * r;
   for (int d = threadIdx.x; d < r; d += kWarps * 32) {

@@ -372,6 +372,42 @@ TEST(CudaPermuteTest, ManyBlocksMatchOneBlock) {
 // same data: same experts, slots and slot statistics, outputs equal up to the router
 // logits' rounding (cuBLAS there); then under a CUDA graph replayed twice, accumulating
 // (the route kernel's ticket must be reset for each launch), with padding tokens.
+// A layer for the decode-path tests: expert e's random gate/up/down (drawn from rng in
+// expert order) packed into every slot `map` gives it, the router rows in bf16 and the
+// routing tables, on the device.
+struct DecodeTestLayer {
+  cuda::DeviceBuffer slots, router, rep_start, rep_count, rep_slots;
+  cuda::MoeLayerWeights weights(int64_t* stats) const {
+    cuda::MoeLayerWeights w;
+    w.router = router.data();
+    w.slots = slots.data();
+    w.rep_start = rep_start.as<int32_t>();
+    w.rep_count = rep_count.as<int32_t>();
+    w.rep_slots = rep_slots.as<int32_t>();
+    w.slot_stats = stats;
+    return w;
+  }
+};
+DecodeTestLayer decode_test_layer(const cuda::MoeDims& dims, const std::vector<int>& map,
+                                  const std::vector<float>& router, std::mt19937& rng) {
+  const int H = dims.hidden, I = dims.intermediate, E = dims.num_experts;
+  const size_t slot_bytes = dims.slot_elems() * 2;
+  std::vector<uint8_t> image(map.size() * slot_bytes);
+  std::vector<std::vector<float>> gate(E), up(E), down(E);
+  for (int e = 0; e < E; ++e) {
+    gate[e] = uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng);
+    up[e] = uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng);
+    down[e] = uniform(static_cast<size_t>(H) * I, 1.f / std::sqrt(I), rng);
+  }
+  for (size_t s = 0; s < map.size(); ++s) {
+    cuda::pack_expert(gate[map[s]].data(), up[map[s]].data(), down[map[s]].data(), H, I,
+                      DType::kBF16, image.data() + s * slot_bytes);
+  }
+  const cuda::RoutingTables tables = cuda::build_routing_tables(map, E);
+  return {to_device_raw(image), to_device(router, DType::kBF16), to_device_raw(tables.rep_start),
+          to_device_raw(tables.rep_count), to_device_raw(tables.rep_slots)};
+}
+
 struct DecodeCase {
   int tokens, top_k;
 };
@@ -399,25 +435,8 @@ TEST_P(CudaDecodeMoeTest, MatchesUnfusedPath) {
   std::mt19937 rng(77 + T * 10 + K);
   const std::vector<float> x = uniform(static_cast<size_t>(T) * H, 1.f, rng);
   const std::vector<float> router = uniform(static_cast<size_t>(E) * H, 0.2f, rng);
-  const size_t slot_bytes = dims.slot_elems() * 2;
-  std::vector<uint8_t> image(S * slot_bytes);
-  std::vector<std::vector<float>> gate(E), up(E), down(E);
-  for (int e = 0; e < E; ++e) {
-    gate[e] = uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng);
-    up[e] = uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng);
-    down[e] = uniform(static_cast<size_t>(H) * I, 1.f / std::sqrt(I), rng);
-  }
-  for (int s = 0; s < S; ++s) {
-    cuda::pack_expert(gate[map[s]].data(), up[map[s]].data(), down[map[s]].data(), H, I,
-                      DType::kBF16, image.data() + s * slot_bytes);
-  }
-  auto slots = to_device_raw(image);
-  auto router_d = to_device(router, DType::kBF16);
+  const DecodeTestLayer layer = decode_test_layer(dims, map, router, rng);
   auto x_d = to_device(x, DType::kBF16);
-  const cuda::RoutingTables tables = cuda::build_routing_tables(map, E);
-  auto rep_start = to_device_raw(tables.rep_start);
-  auto rep_count = to_device_raw(tables.rep_count);
-  auto rep_slots = to_device_raw(tables.rep_slots);
   auto stream = cuda::Stream::create();
   ASSERT_TRUE(stream.ok());
   cudaStream_t s = stream.value().get();
@@ -431,16 +450,7 @@ TEST_P(CudaDecodeMoeTest, MatchesUnfusedPath) {
     std::vector<float> h;  // run_norm's normalised rows.
   };
   // The layer's weights on the device, counting pairs into stats (may be null).
-  auto layer_weights = [&](int64_t* stats) {
-    cuda::MoeLayerWeights w;
-    w.router = router_d.data();
-    w.slots = slots.data();
-    w.rep_start = rep_start.as<int32_t>();
-    w.rep_count = rep_count.as<int32_t>();
-    w.rep_slots = rep_slots.as<int32_t>();
-    w.slot_stats = stats;
-    return w;
-  };
+  auto layer_weights = [&](int64_t* stats) { return layer.weights(stats); };
   auto run = [&](int force_tile) {
     Run r;
     auto stats = cuda::DeviceBuffer::create_zeroed(S * sizeof(int64_t));
@@ -574,25 +584,8 @@ TEST(CudaDecodeMoeTest, GroupedRouterMatchesUnfusedPath) {
     dims.num_experts = E;
     dims.top_k = K;
     dims.num_slots = S;
-    const size_t slot_bytes = dims.slot_elems() * 2;
-    std::vector<uint8_t> image(S * slot_bytes);
-    std::vector<std::vector<float>> gate(E), up(E), down(E);
-    for (int e = 0; e < E; ++e) {
-      gate[e] = uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng);
-      up[e] = uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng);
-      down[e] = uniform(static_cast<size_t>(H) * I, 1.f / std::sqrt(I), rng);
-    }
-    for (int s = 0; s < S; ++s) {
-      cuda::pack_expert(gate[map[s]].data(), up[map[s]].data(), down[map[s]].data(), H, I,
-                        DType::kBF16, image.data() + s * slot_bytes);
-    }
-    auto slots = to_device_raw(image);
-    auto router_d = to_device(router, DType::kBF16);
+    const DecodeTestLayer layer = decode_test_layer(dims, map, router, rng);
     auto bias_d = to_device(bias, DType::kF32);
-    const cuda::RoutingTables tables = cuda::build_routing_tables(map, E);
-    auto rep_start = to_device_raw(tables.rep_start);
-    auto rep_count = to_device_raw(tables.rep_count);
-    auto rep_slots = to_device_raw(tables.rep_slots);
     auto stream = cuda::Stream::create();
     ASSERT_TRUE(stream.ok());
     cudaStream_t s = stream.value().get();
@@ -622,13 +615,7 @@ TEST(CudaDecodeMoeTest, GroupedRouterMatchesUnfusedPath) {
           auto scratch = cuda::MoeScratch::create(dims, T);
           EXPECT_TRUE(stats.ok() && scratch.ok());
           auto out = to_device(std::vector<float>(static_cast<size_t>(T) * H, NAN), DType::kF32);
-          cuda::MoeLayerWeights w;
-          w.router = router_d.data();
-          w.slots = slots.data();
-          w.rep_start = rep_start.as<int32_t>();
-          w.rep_count = rep_count.as<int32_t>();
-          w.rep_slots = rep_slots.as<int32_t>();
-          w.slot_stats = stats.value().as<int64_t>();
+          const cuda::MoeLayerWeights w = layer.weights(stats.value().as<int64_t>());
           const Status st =
               cuda::run_grouped_moe(dims, r, bias_d.as<float>(), w, scratch.value(), x_d.data(), T,
                                     nullptr, out.as<float>(), false, blas.value(), s, force_tile);
