@@ -408,6 +408,51 @@ DecodeTestLayer decode_test_layer(const cuda::MoeDims& dims, const std::vector<i
           to_device_raw(tables.rep_count), to_device_raw(tables.rep_slots)};
 }
 
+// One decode-test MoE call, `call(weights, scratch, out)` (returning its Status), on fresh
+// scratch, slot statistics and NaN-filled f32 outputs: the outputs, routing and statistics.
+struct DecodeRun {
+  std::vector<float> out;
+  std::vector<int32_t> experts, slots;
+  std::vector<int64_t> stats;
+  std::vector<float> h;  // run_moe_norm's normalised rows.
+};
+template <typename Call>
+DecodeRun decode_run(const cuda::MoeDims& dims, const DecodeTestLayer& layer, int tokens,
+                     const cuda::Stream& stream, Call call) {
+  DecodeRun r;
+  const int S = dims.num_slots;
+  auto stats = cuda::DeviceBuffer::create_zeroed(S * sizeof(int64_t));
+  auto scratch = cuda::MoeScratch::create(dims, tokens);
+  EXPECT_TRUE(stats.ok() && scratch.ok());
+  const size_t n = static_cast<size_t>(tokens) * dims.hidden;
+  auto out = to_device(std::vector<float>(n, NAN), DType::kF32);
+  const Status st =
+      call(layer.weights(stats.value().as<int64_t>()), scratch.value(), out.as<float>());
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  EXPECT_TRUE(stream.synchronize().ok());
+  r.out = to_host(out.data(), n, DType::kF32);
+  EXPECT_TRUE(
+      cuda::read_routing(scratch.value(), tokens * dims.top_k, stream.get(), &r.experts, &r.slots)
+          .ok());
+  r.stats.resize(S);
+  EXPECT_EQ(
+      cudaMemcpy(r.stats.data(), stats.value().data(), S * sizeof(int64_t), cudaMemcpyDeviceToHost),
+      cudaSuccess);
+  return r;
+}
+
+// The decode path against the unfused one: same experts, slots and statistics, outputs
+// equal up to the router logits' rounding.
+void expect_decode_matches(const DecodeRun& fused, const DecodeRun& unfused,
+                           const std::string& label) {
+  EXPECT_EQ(fused.experts, unfused.experts);
+  EXPECT_EQ(fused.slots, unfused.slots);
+  EXPECT_EQ(fused.stats, unfused.stats);
+  const double err = rel_l2(fused.out, unfused.out);
+  std::printf("  %s: relative L2 vs unfused path = %.3g\n", label.c_str(), err);
+  EXPECT_LT(err, 1e-5);
+}
+
 struct DecodeCase {
   int tokens, top_k;
 };
@@ -443,41 +488,19 @@ TEST_P(CudaDecodeMoeTest, MatchesUnfusedPath) {
   auto blas = cuda::Blas::create(s);
   ASSERT_TRUE(blas.ok());
 
-  struct Run {
-    std::vector<float> out;
-    std::vector<int32_t> experts, slots;
-    std::vector<int64_t> stats;
-    std::vector<float> h;  // run_norm's normalised rows.
-  };
+  using Run = DecodeRun;
   // The layer's weights on the device, counting pairs into stats (may be null).
   auto layer_weights = [&](int64_t* stats) { return layer.weights(stats); };
   auto run = [&](int force_tile) {
-    Run r;
-    auto stats = cuda::DeviceBuffer::create_zeroed(S * sizeof(int64_t));
-    auto scratch = cuda::MoeScratch::create(dims, T);
-    EXPECT_TRUE(stats.ok() && scratch.ok());
-    auto out = to_device(std::vector<float>(static_cast<size_t>(T) * H, NAN), DType::kF32);
-    const cuda::MoeLayerWeights w = layer_weights(stats.value().as<int64_t>());
-    const Status st = cuda::run_moe(dims, w, scratch.value(), x_d.data(), T, nullptr,
-                                    out.as<float>(), false, blas.value(), s, force_tile);
-    EXPECT_TRUE(st.ok()) << st.to_string();
-    EXPECT_TRUE(stream.value().synchronize().ok());
-    r.out = to_host(out.data(), static_cast<size_t>(T) * H, DType::kF32);
-    EXPECT_TRUE(cuda::read_routing(scratch.value(), T * K, s, &r.experts, &r.slots).ok());
-    r.stats.resize(S);
-    EXPECT_EQ(cudaMemcpy(r.stats.data(), stats.value().data(), S * sizeof(int64_t),
-                         cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    return r;
+    return decode_run(dims, layer, T, stream.value(),
+                      [&](const cuda::MoeLayerWeights& w, cuda::MoeScratch& scratch, float* out) {
+                        return cuda::run_moe(dims, w, scratch, x_d.data(), T, nullptr, out, false,
+                                             blas.value(), s, force_tile);
+                      });
   };
   const Run fused = run(-1);
-  const Run unfused = run(static_cast<int>(cuda::GemmTile::kGemv));
-  EXPECT_EQ(fused.experts, unfused.experts);
-  EXPECT_EQ(fused.slots, unfused.slots);
-  EXPECT_EQ(fused.stats, unfused.stats);
-  const double err = rel_l2(fused.out, unfused.out);
-  std::printf("  decode T=%d K=%d: relative L2 vs unfused path = %.3g\n", T, K, err);
-  EXPECT_LT(err, 1e-5);
+  expect_decode_matches(fused, run(static_cast<int>(cuda::GemmTile::kGemv)),
+                        "decode T=" + std::to_string(T) + " K=" + std::to_string(K));
 
   // A graph of two accumulating calls, replayed twice; tokens >= num_valid are padding.
   auto stats = cuda::DeviceBuffer::create_zeroed(S * sizeof(int64_t));
@@ -604,40 +627,17 @@ TEST(CudaDecodeMoeTest, GroupedRouterMatchesUnfusedPath) {
         ASSERT_TRUE(cuda::uses_decode_path(dims, T));
         const std::vector<float> x = uniform(static_cast<size_t>(T) * H, 1.f, rng);
         auto x_d = to_device(x, DType::kBF16);
-        struct Run {
-          std::vector<float> out;
-          std::vector<int32_t> experts, slots;
-          std::vector<int64_t> stats;
-        };
         auto run = [&](int force_tile) {
-          Run o;
-          auto stats = cuda::DeviceBuffer::create_zeroed(S * sizeof(int64_t));
-          auto scratch = cuda::MoeScratch::create(dims, T);
-          EXPECT_TRUE(stats.ok() && scratch.ok());
-          auto out = to_device(std::vector<float>(static_cast<size_t>(T) * H, NAN), DType::kF32);
-          const cuda::MoeLayerWeights w = layer.weights(stats.value().as<int64_t>());
-          const Status st =
-              cuda::run_grouped_moe(dims, r, bias_d.as<float>(), w, scratch.value(), x_d.data(), T,
-                                    nullptr, out.as<float>(), false, blas.value(), s, force_tile);
-          EXPECT_TRUE(st.ok()) << st.to_string();
-          EXPECT_TRUE(stream.value().synchronize().ok());
-          o.out = to_host(out.data(), static_cast<size_t>(T) * H, DType::kF32);
-          EXPECT_TRUE(cuda::read_routing(scratch.value(), T * K, s, &o.experts, &o.slots).ok());
-          o.stats.resize(S);
-          EXPECT_EQ(cudaMemcpy(o.stats.data(), stats.value().data(), S * sizeof(int64_t),
-                               cudaMemcpyDeviceToHost),
-                    cudaSuccess);
-          return o;
+          return decode_run(
+              dims, layer, T, stream.value(),
+              [&](const cuda::MoeLayerWeights& w, cuda::MoeScratch& scratch, float* out) {
+                return cuda::run_grouped_moe(dims, r, bias_d.as<float>(), w, scratch, x_d.data(), T,
+                                             nullptr, out, false, blas.value(), s, force_tile);
+              });
         };
-        const Run fused = run(-1);
-        const Run unfused = run(static_cast<int>(cuda::GemmTile::kGemv));
-        EXPECT_EQ(fused.experts, unfused.experts);
-        EXPECT_EQ(fused.slots, unfused.slots);
-        EXPECT_EQ(fused.stats, unfused.stats);
-        const double err = rel_l2(fused.out, unfused.out);
-        std::printf("  grouped decode %s T=%d: relative L2 vs unfused path = %.3g\n",
-                    v3 ? "V3" : "V2", T, err);
-        EXPECT_LT(err, 1e-5);
+        expect_decode_matches(
+            run(-1), run(static_cast<int>(cuda::GemmTile::kGemv)),
+            std::string("grouped decode ") + (v3 ? "V3" : "V2") + " T=" + std::to_string(T));
       }
     }
   }
