@@ -93,18 +93,45 @@ Status Blas::linear(DType in_dtype, const void* x, int64_t m, int64_t k, const v
   return gemm_nt(in_dtype, x, m, k, w, n, DType::kF32, y, 1.f, accumulate ? 1.f : 0.f);
 }
 
+bool Blas::norm_fuses(DType in_dtype, int64_t m, int64_t k, int64_t n) {
+  static const bool no_fusion = std::getenv("FLEXPERT_NO_NORM_FUSION") != nullptr;
+  return !no_fusion && in_dtype == DType::kBF16 && m <= gemv_max_rows() &&
+         gemv_norm_nt_fits(m, k) && n * k <= kLinearGemvMax;
+}
+
 Status Blas::linear_norm(DType in_dtype, const float* x, const float* norm_weight, float eps,
                          int64_t m, int64_t k, const void* w, int64_t n, float* y, void* h) {
-  static const bool no_fusion = std::getenv("FLEXPERT_NO_NORM_FUSION") != nullptr;
-  if (!no_fusion && in_dtype == DType::kBF16 && m <= gemv_max_rows() && gemv_norm_nt_fits(m, k) &&
-      n * k <= kLinearGemvMax) {
-    FLEX_CUDA_TRY(gemv_norm_nt(x, norm_weight, eps, static_cast<int>(m), static_cast<int>(k), w,
-                               static_cast<int>(n), y, /*accumulate=*/false, stream_));
+  return linear_norm_rows(in_dtype, x, k, norm_weight, eps, m, k, w, n, DType::kF32, y, h);
+}
+
+Status Blas::linear_norm_rows(DType in_dtype, const float* x, int64_t x_stride,
+                              const float* norm_weight, float eps, int64_t m, int64_t k,
+                              const void* w, int64_t n, DType out_dtype, void* y, void* h) {
+  if (norm_fuses(in_dtype, m, k, n) && x_stride % 4 == 0) {
+    FLEX_CUDA_TRY(gemv_norm_nt_rows(x, x_stride, norm_weight, eps, static_cast<int>(m),
+                                    static_cast<int>(k), w, static_cast<int>(n), out_dtype, y,
+                                    stream_));
     return Status();
   }
-  FLEX_CUDA_TRY(rms_norm(in_dtype, x, nullptr, norm_weight, static_cast<int>(m),
-                         static_cast<int>(k), eps, h, stream_));
-  return linear(in_dtype, h, m, k, w, n, y, /*accumulate=*/false);
+  FLEX_CUDA_TRY(rms_norm_rows(in_dtype, x, x_stride, norm_weight, static_cast<int>(m),
+                              static_cast<int>(k), eps, h, stream_));
+  if (out_dtype == DType::kF32) {
+    return linear(in_dtype, h, m, k, w, n, static_cast<float*>(y), /*accumulate=*/false);
+  }
+  return gemm_nt(in_dtype, h, m, k, w, n, out_dtype, y);
+}
+
+Status Blas::linear_swiglu(DType in_dtype, const float* gu, int64_t m, int64_t inter, const void* w,
+                           int64_t n, float* y, bool accumulate, void* act) {
+  static const bool no_fusion = std::getenv("FLEXPERT_NO_SWIGLU_FUSION") != nullptr;
+  if (!no_fusion && in_dtype == DType::kBF16 && m <= gemv_max_rows() &&
+      gemv_swiglu_nt_fits(m, inter) && n * inter <= kLinearGemvMax) {
+    FLEX_CUDA_TRY(gemv_swiglu_nt(gu, static_cast<int>(m), static_cast<int>(inter), w,
+                                 static_cast<int>(n), y, accumulate, stream_));
+    return Status();
+  }
+  FLEX_CUDA_TRY(silu_mul(in_dtype, gu, static_cast<int>(m), static_cast<int>(inter), act, stream_));
+  return linear(in_dtype, act, m, inter, w, n, y, accumulate);
 }
 
 }  // namespace flexpert::cuda

@@ -52,6 +52,20 @@ class Blas {
   // never fused (comparisons).
   Status linear_norm(DType in_dtype, const float* x, const float* norm_weight, float eps, int64_t m,
                      int64_t k, const void* w, int64_t n, float* y, void* h);
+  // linear_norm of rows x_stride floats apart (x_stride % 4 == 0) into y of out_dtype (F32
+  // or in_dtype; no accumulation): unfused, rms_norm_rows into h, then linear() or gemm_nt.
+  Status linear_norm_rows(DType in_dtype, const float* x, int64_t x_stride,
+                          const float* norm_weight, float eps, int64_t m, int64_t k, const void* w,
+                          int64_t n, DType out_dtype, void* y, void* h);
+  // Whether linear_norm / linear_norm_rows of this shape normalise inside the GEMV (and so
+  // leave h alone).
+  static bool norm_fuses(DType in_dtype, int64_t m, int64_t k, int64_t n);
+  // y (+)= silu_mul(gu) w^T: gu f32 [m, 2 * inter] (gate | up). Where linear() takes the
+  // GEMV (bf16), the GEMV makes silu(gate) * up itself (gemv_swiglu_nt, the same values)
+  // and act is left alone; else silu_mul into act ([m, inter] in in_dtype), then linear().
+  // FLEXPERT_NO_SWIGLU_FUSION=1: never fused (comparisons).
+  Status linear_swiglu(DType in_dtype, const float* gu, int64_t m, int64_t inter, const void* w,
+                       int64_t n, float* y, bool accumulate, void* act);
 
  private:
   cublasHandle_t handle_ = nullptr;

@@ -394,14 +394,28 @@ Status CudaDeepseekV3Model::enqueue_attention(Layer& L, int n) {
   const int dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim, dv = c.v_head_dim;
   const int r = c.kv_lora_rank, qr = std::max(c.q_lora_rank, 0);
   const int q_head = dn + dr, row = r + dr, a_dim = qr + r + dr;
-  // a = h @ [q_a; kv_a]^T (f32), then q (dtype) through q LoRA or q_proj.
-  FLEX_RETURN_IF_ERROR(
-      blas_.linear(dtype_, h_.data(), n, H, L.w_a.data(), a_dim, a_.as<float>(), false));
-  if (qr > 0) {
-    FLEX_CUDA_TRY(rms_norm_rows(dtype_, a_.as<float>(), a_dim, L.q_a_norm.as<float>(), n, qr,
-                                kLoraNormEps, qa_.data(), s));
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  float* x = x_.as<float>();
+  // a = h @ [q_a; kv_a]^T (f32) with h = rms_norm(x), then q (dtype) through q LoRA or
+  // q_proj. Decode steps normalise inside the GEMVs (Blas::norm_fuses): h is never stored.
+  const bool fused = Blas::norm_fuses(dtype_, n, H, a_dim) &&
+                     (qr > 0 || Blas::norm_fuses(dtype_, n, H, int64_t{nh} * q_head));
+  if (fused) {
+    FLEX_RETURN_IF_ERROR(blas_.linear_norm(dtype_, x, L.input_norm.as<float>(), eps, n, H,
+                                           L.w_a.data(), a_dim, a_.as<float>(), h_.data()));
+  } else {
+    FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.input_norm.as<float>(), n, H, eps, h_.data(), s));
     FLEX_RETURN_IF_ERROR(
-        blas_.gemm_nt(dtype_, qa_.data(), n, qr, L.w_q.data(), nh * q_head, dtype_, q_.data()));
+        blas_.linear(dtype_, h_.data(), n, H, L.w_a.data(), a_dim, a_.as<float>(), false));
+  }
+  if (qr > 0) {
+    FLEX_RETURN_IF_ERROR(
+        blas_.linear_norm_rows(dtype_, a_.as<float>(), a_dim, L.q_a_norm.as<float>(), kLoraNormEps,
+                               n, qr, L.w_q.data(), nh * q_head, dtype_, q_.data(), qa_.data()));
+  } else if (fused) {
+    FLEX_RETURN_IF_ERROR(blas_.linear_norm_rows(dtype_, x, H, L.input_norm.as<float>(), eps, n, H,
+                                                L.w_q.data(), nh * q_head, dtype_, q_.data(),
+                                                h_.data()));
   } else {
     FLEX_RETURN_IF_ERROR(
         blas_.gemm_nt(dtype_, h_.data(), n, H, L.w_q.data(), nh * q_head, dtype_, q_.data()));
@@ -446,17 +460,36 @@ Status CudaDeepseekV3Model::enqueue_attention(Layer& L, int n) {
   // Out of the latent space: attn[t, h] = W_uv[h] latent[t, h]; then x += attn @ o_proj^T.
   FLEX_RETURN_IF_ERROR(head_gemm_.run(dtype_, latent_.data(), n, nh * r, r, L.w_uv.data(), nh, dv,
                                       r, dtype_, attn_.data(), nh * dv, dv));
-  return blas_.linear(dtype_, attn_.data(), n, nh * dv, L.w_o.data(), H, x_.as<float>(),
-                      /*accumulate=*/true);
+  return blas_.linear(dtype_, attn_.data(), n, nh * dv, L.w_o.data(), H, x, /*accumulate=*/true);
 }
 
 Status CudaDeepseekV3Model::enqueue_swiglu(Layer& L, int n) {
   const int H = config_.hidden_size, I = L.mlp_inter;
   FLEX_RETURN_IF_ERROR(
       blas_.linear(dtype_, h_.data(), n, H, L.w_gu.data(), 2 * I, gu_.as<float>(), false));
-  FLEX_CUDA_TRY(silu_mul(dtype_, gu_.as<float>(), n, I, act_.data(), stream_.get()));
-  return blas_.linear(dtype_, act_.data(), n, I, L.w_down.data(), H, x_.as<float>(),
-                      /*accumulate=*/true);
+  return blas_.linear_swiglu(dtype_, gu_.as<float>(), n, I, L.w_down.data(), H, x_.as<float>(),
+                             /*accumulate=*/true, act_.data());
+}
+
+Status CudaDeepseekV3Model::enqueue_mlp(Layer& L, int n) {
+  const ModelConfig& c = config_;
+  const int H = c.hidden_size, I = L.mlp_inter;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  float* x = x_.as<float>();
+  if (L.is_moe) {
+    // h = rms_norm(x), made by the MoE (its decode route kernel, or an RMSNorm first),
+    // serves the routed and the shared experts.
+    FLEX_RETURN_IF_ERROR(run_grouped_moe_norm(
+        moe_dims_, router_, L.score_bias.as<float>(), StepDriver::moe_weights(L), moe_,
+        MoeInputNorm{x, L.post_norm.as<float>(), eps}, h_.data(), n, in_.num_valid, x,
+        /*accumulate=*/true, blas_, stream_.get()));
+    return I > 0 ? enqueue_swiglu(L, n) : Status();
+  }
+  // A dense layer: its gate/up GEMV normalises x itself where it can.
+  FLEX_RETURN_IF_ERROR(blas_.linear_norm(dtype_, x, L.post_norm.as<float>(), eps, n, H,
+                                         L.w_gu.data(), 2 * I, gu_.as<float>(), h_.data()));
+  return blas_.linear_swiglu(dtype_, gu_.as<float>(), n, I, L.w_down.data(), H, x,
+                             /*accumulate=*/true, act_.data());
 }
 
 Status CudaDeepseekV3Model::enqueue_step(int n, int num_rows) {
@@ -468,16 +501,8 @@ Status CudaDeepseekV3Model::enqueue_step(int n, int num_rows) {
   float* x = x_.as<float>();
   FLEX_CUDA_TRY(embedding(dtype_, embed_.data(), in_.ids, n, H, x, s));
   for (Layer& L : layers_) {
-    FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.input_norm.as<float>(), n, H, eps, h_.data(), s));
     FLEX_RETURN_IF_ERROR(enqueue_attention(L, n));
-    FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.post_norm.as<float>(), n, H, eps, h_.data(), s));
-    if (L.is_moe) {
-      FLEX_RETURN_IF_ERROR(run_grouped_moe(moe_dims_, router_, L.score_bias.as<float>(),
-                                           StepDriver::moe_weights(L), moe_, h_.data(), n,
-                                           in_.num_valid, x,
-                                           /*accumulate=*/true, blas_, s));
-    }
-    if (L.mlp_inter > 0) FLEX_RETURN_IF_ERROR(enqueue_swiglu(L, n));  // Dense or shared.
+    FLEX_RETURN_IF_ERROR(enqueue_mlp(L, n));
   }
   if (num_rows > 0) {
     FLEX_CUDA_TRY(rms_norm(dtype_, x, in_.last_rows, final_norm_.as<float>(), num_rows, H, eps,

@@ -110,8 +110,12 @@ class CudaDeepseekV3Model final : public Model {
   Status pack_slot(int layer, int expert, uint8_t* image) const;
   Result<Tensor> weight(const std::string& name, const Shape& shape) const;
   Status allocate_scratch();
+  // x += attention(rms_norm(x)) of one layer.
   Status enqueue_attention(Layer& L, int n);
+  // x += SwiGLU MLP of h_ (a dense layer's, or a MoE layer's shared experts).
   Status enqueue_swiglu(Layer& L, int n);
+  // x += the MLP of rms_norm(x): routed and shared experts, or the dense MLP.
+  Status enqueue_mlp(Layer& L, int n);
   Status enqueue_step(int num_tokens, int num_rows);
   // Expert parallelism (cuda_deepseek_v3_ep.cc).
   Status enqueue_segment(int seg, int n, int num_rows);

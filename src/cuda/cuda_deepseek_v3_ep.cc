@@ -34,11 +34,12 @@ Status CudaDeepseekV3Model::enqueue_segment(int seg, int n, int num_rows) {
   const int end = seg < num_moe ? moe_layer_ids_[seg] : static_cast<int>(layers_.size());
   for (int l = begin; l <= end && l < static_cast<int>(layers_.size()); ++l) {
     Layer& L = layers_[l];
-    FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.input_norm.as<float>(), n, H, eps, h_.data(), s));
     FLEX_RETURN_IF_ERROR(enqueue_attention(L, n));
-    FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.post_norm.as<float>(), n, H, eps, h_.data(), s));
-    if (l == end) break;  // The MoE layer ending this segment: routed below.
-    if (L.mlp_inter > 0) FLEX_RETURN_IF_ERROR(enqueue_swiglu(L, n));
+    if (l == end) {  // The MoE layer ending this segment: routed below.
+      FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.post_norm.as<float>(), n, H, eps, h_.data(), s));
+      break;
+    }
+    FLEX_RETURN_IF_ERROR(enqueue_mlp(L, n));  // Dense.
   }
   if (seg == num_moe) {
     if (num_rows == 0) return Status();

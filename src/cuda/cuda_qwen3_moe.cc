@@ -350,8 +350,8 @@ Status CudaQwen3MoeModel::enqueue_mlp(Layer& L, int n) {
   const int I = c.intermediate_size;
   FLEX_RETURN_IF_ERROR(blas_.linear_norm(dtype_, x, L.post_norm.as<float>(), eps, n, H,
                                          L.w_gu.data(), 2 * I, gu_.as<float>(), h_.data()));
-  FLEX_CUDA_TRY(silu_mul(dtype_, gu_.as<float>(), n, I, act_.data(), s));
-  return blas_.linear(dtype_, act_.data(), n, I, L.w_down.data(), H, x, /*accumulate=*/true);
+  return blas_.linear_swiglu(dtype_, gu_.as<float>(), n, I, L.w_down.data(), H, x,
+                             /*accumulate=*/true, act_.data());
 }
 
 Status CudaQwen3MoeModel::enqueue_head(int num_rows) {

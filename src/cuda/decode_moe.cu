@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "cuda/decode_moe.h"
@@ -95,7 +96,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) decode_route_kernel(DecodeMo
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  if (a.use_grouped) {  // Each warp's score and choice rows (no normalised h then).
+  if (a.use_grouped) {  // Each warp's score and choice rows, over the normalised h's memory.
     float* scores = reinterpret_cast<float*>(route_smem) + warp * 2 * E;
     for (int t = warp; t < T; t += kRouteWarps) grouped_topk_token(a.grouped, t, lane, scores);
   } else {
@@ -270,16 +271,17 @@ cudaError_t decode_route(const DecodeMoeArgs& a, cudaStream_t stream) {
   size_t smem =
       a.norm_x != nullptr ? static_cast<size_t>(a.num_tokens) * a.hidden * sizeof(bf16) : 0;
   if (a.use_grouped) {
-    // The grouped router writes the arrays the next two kernels read (topk's), and the
-    // route kernel does not normalise h for it.
+    // The grouped router writes the arrays the next two kernels read (topk's). Its score
+    // rows reuse the normalised h's shared memory (read by then: the ticket's barrier).
     const GroupedTopkArgs& g = a.grouped;
-    if (!grouped_topk_args_ok(g) || a.norm_x != nullptr || g.num_tokens != a.num_tokens ||
+    if (!grouped_topk_args_ok(g) || g.num_tokens != a.num_tokens ||
         g.num_experts != a.topk.num_experts || g.top_k != a.topk.top_k ||
         g.logits != a.topk.logits || g.expert != a.topk.expert || g.weight != a.topk.weight ||
         g.slot != a.topk.slot) {
       return cudaErrorInvalidValue;
     }
-    smem = static_cast<size_t>(kRouteWarps) * 2 * a.topk.num_experts * sizeof(float);
+    smem =
+        std::max(smem, static_cast<size_t>(kRouteWarps) * 2 * a.topk.num_experts * sizeof(float));
   }
   // Within the 48 KB a block may take without opting in, as the normalised h.
   static_assert(kRouteWarps * 2 * 32 * kGroupedTopkPerLane * sizeof(float) <= kGemvNormSmemBytes);

@@ -54,7 +54,7 @@ struct DecodeMoeArgs {
   void* norm_out = nullptr;
   // With use_grouped: DeepSeek's router (grouped_topk's arithmetic, per token by a warp
   // of the last block) in place of the softmax top-k; its logits, expert, weight and
-  // slot arrays must be topk's, and norm_x null.
+  // slot arrays must be topk's.
   bool use_grouped = false;
   GroupedTopkArgs grouped{};
 };

@@ -84,4 +84,22 @@ Status run_grouped_moe(const MoeDims& dims, const GroupedRouter& router, const f
   return run_expert_gemms(dims, w, scratch, h, num_tokens, tile, out, accumulate, stream);
 }
 
+Status run_grouped_moe_norm(const MoeDims& dims, const GroupedRouter& router,
+                            const float* score_bias, const MoeLayerWeights& w, MoeScratch& scratch,
+                            const MoeInputNorm& norm, void* h, int num_tokens,
+                            const int32_t* num_valid_tokens, float* out, bool accumulate,
+                            Blas& blas, cudaStream_t stream) {
+  static const bool no_decode = std::getenv("FLEXPERT_NO_DECODE_MOE") != nullptr;
+  if (num_tokens == 0) return Status();
+  if (!no_decode && w.router != nullptr && route_norm_fuses(dims, scratch, num_tokens)) {
+    return run_decode_grouped(dims, w, scratch,
+                              grouped_args(dims, router, score_bias, w, scratch, num_tokens), h,
+                              num_tokens, num_valid_tokens, out, accumulate, stream, &norm);
+  }
+  FLEX_CUDA_TRY(rms_norm(dims.dtype, norm.x, nullptr, norm.weight, num_tokens, dims.hidden,
+                         norm.eps, h, stream));
+  return run_grouped_moe(dims, router, score_bias, w, scratch, h, num_tokens, num_valid_tokens, out,
+                         accumulate, blas, stream);
+}
+
 }  // namespace flexpert::cuda

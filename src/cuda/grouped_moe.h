@@ -34,4 +34,13 @@ Status run_grouped_moe(const MoeDims& dims, const GroupedRouter& router, const f
                        const int32_t* num_valid_tokens, float* out, bool accumulate, Blas& blas,
                        cudaStream_t stream, int force_tile = -1);
 
+// run_grouped_moe of h = rms_norm(norm.x), h ([T, H] in dims.dtype) written here for the
+// shared experts too. On the decode path of one or two tokens its route kernel
+// normalises (route_norm_fuses), so no RMSNorm kernel runs.
+Status run_grouped_moe_norm(const MoeDims& dims, const GroupedRouter& router,
+                            const float* score_bias, const MoeLayerWeights& w, MoeScratch& scratch,
+                            const MoeInputNorm& norm, void* h, int num_tokens,
+                            const int32_t* num_valid_tokens, float* out, bool accumulate,
+                            Blas& blas, cudaStream_t stream);
+
 }  // namespace flexpert::cuda

@@ -29,11 +29,11 @@ __global__ void embedding_kernel(const T* table, const int32_t* ids, int dim, fl
 }
 
 template <typename T>
-__global__ void rms_norm_kernel(const float* x, const int32_t* row_index, const float* weight,
-                                int dim, float eps, T* out) {
+__global__ void rms_norm_kernel(const float* x, int64_t x_stride, const int32_t* row_index,
+                                const float* weight, int dim, float eps, T* out) {
   const int r = blockIdx.x;
   const int src = row_index != nullptr ? row_index[r] : r;
-  const float* xr = x + static_cast<int64_t>(src) * dim;
+  const float* xr = x + static_cast<int64_t>(src) * x_stride;
   float ss = 0.f;
   for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
   ss = block_sum(ss);
@@ -44,35 +44,45 @@ __global__ void rms_norm_kernel(const float* x, const int32_t* row_index, const 
 
 // rms_norm_kernel for rows that rms_vec_fits: a thread keeps its float4s of the row in
 // registers, all its loads in flight at once, and reads the row once (device_util.cuh).
+// Source rows are x_stride floats apart (a multiple of 4).
 template <typename T>
 __global__ void __launch_bounds__(kRmsThreads)
-    rms_norm_vec_kernel(const float* x, const int32_t* row_index, const float* weight, int dim,
-                        float eps, T* out) {
+    rms_norm_vec_kernel(const float* x, int64_t x_stride, const int32_t* row_index,
+                        const float* weight, int dim, float eps, T* out) {
   grid_dep_wait();
   grid_dep_launch();
   const int r = blockIdx.x;
   const int src = row_index != nullptr ? row_index[r] : r;
   float4 v[kRmsVec];
-  const float inv = block_inv_rms(x + static_cast<int64_t>(src) * dim, dim, eps, v);
+  const float inv = block_inv_rms(x + static_cast<int64_t>(src) * x_stride, dim, eps, v);
   block_rms_store(v, inv, weight, dim, out + static_cast<int64_t>(r) * dim);
 }
 
 // gemv_nt: warp (block b, warp v) computes column c = b * kGemvWarps + v for all M rows.
 // Lane l takes the 16-byte chunks l, l + 32, ... of the column's weight row, kGemvLoads
 // of them a pass, loaded before their FMAs (rows over 4096: a pass ahead, kAhead); the rows of x (a
-// few KB) come through L1. With `norm` (gemv_norm_nt) the block first normalises the M f32 rows of
-// norm.x into bf16 rows in shared memory, as rms_norm would, and takes x from there.
+// few KB) come through L1. With a prologue (gemv_norm_nt, gemv_swiglu_nt) the block first
+// makes its M bf16 rows of x in shared memory from f32 rows, as rms_norm or silu_mul would
+// (bit for bit), and takes x from there.
 constexpr int kGemvWarps = 8, kGemvLoads = 8;
 static_assert(kGemvWarps * 32 == kRmsThreads, "a GEMV block normalises its rows itself");
-struct GemvNorm {
-  const float* x = nullptr;  // f32 [M, k]; null: x is the input
+struct GemvIo {
+  enum Prologue : int {
+    kNone,
+    kNorm,    // x[r] = rms_norm(src + r * src_stride) with weight, eps.
+    kSwiglu,  // x[r, i] = silu(src[r, i]) * src[r, k + i] (src rows 2k apart).
+  };
+  Prologue prologue = kNone;
+  const float* src = nullptr;
+  int64_t src_stride = 0;
   const float* weight = nullptr;
   float eps = 0.f;
+  bool y_bf16 = false;  // y is bf16 (rounded once, no accumulation), else f32.
 };
 template <int M, bool kAhead>
 __global__ void __launch_bounds__(kGemvWarps * 32)
-    gemv_nt_kernel(const bf16* x, int k, const bf16* w, int n, float* y, bool accumulate,
-                   GemvNorm norm) {
+    gemv_nt_kernel(const bf16* x, int k, const bf16* w, int n, void* y, bool accumulate,
+                   GemvIo io) {
   extern __shared__ __align__(16) unsigned char gemv_smem[];
   const int lane = threadIdx.x % 32;
   // A warp past the last column streams the last one's weights and stores nothing: it
@@ -107,13 +117,27 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     if (c0 == 0) {  // The weights are constant: their first loads go before the wait for x.
       grid_dep_wait();
       grid_dep_launch();
-      if (norm.x != nullptr) {  // Uniform over the block: every thread meets the barriers.
+      if (io.prologue != GemvIo::kNone) {  // Uniform over the block: all meet the barriers.
         bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
 #pragma unroll
         for (int r = 0; r < M; ++r) {
-          float4 v[kRmsVec];
-          const float inv = block_inv_rms(norm.x + static_cast<int64_t>(r) * k, k, norm.eps, v);
-          block_rms_store(v, inv, norm.weight, k, xs + r * k);
+          if (io.prologue == GemvIo::kNorm) {
+            float4 v[kRmsVec];
+            const float inv = block_inv_rms(io.src + r * io.src_stride, k, io.eps, v);
+            block_rms_store(v, inv, io.weight, k, xs + r * k);
+          } else {
+            const float4* g =
+                reinterpret_cast<const float4*>(io.src + static_cast<int64_t>(r) * 2 * k);
+            const float4* u = g + k / 4;
+            for (int i = threadIdx.x; i < k / 4; i += blockDim.x) {
+              const float4 gv = g[i], uv = u[i];
+              bf16* o = xs + r * k + 4 * i;
+              o[0] = from_f32<bf16>(silu(gv.x) * uv.x);
+              o[1] = from_f32<bf16>(silu(gv.y) * uv.y);
+              o[2] = from_f32<bf16>(silu(gv.z) * uv.z);
+              o[3] = from_f32<bf16>(silu(gv.w) * uv.w);
+            }
+          }
         }
         __syncthreads();
         x = xs;
@@ -138,8 +162,13 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   for (int r = 0; r < M; ++r) {
     const float v = warp_sum(acc[r]);
     if (warp_col < n && lane == r) {
-      float* o = y + static_cast<int64_t>(r) * n + col;
-      *o = accumulate ? *o + v : v;
+      const int64_t i = static_cast<int64_t>(r) * n + col;
+      if (io.y_bf16) {
+        static_cast<bf16*>(y)[i] = from_f32<bf16>(v);
+      } else {
+        float* o = static_cast<float*>(y) + i;
+        *o = accumulate ? *o + v : v;
+      }
     }
   }
 }
@@ -882,11 +911,11 @@ int blocks_for(size_t n, int threads) {
   return static_cast<int>(b < 65536 ? (b == 0 ? 1 : b) : 65536);
 }
 
-cudaError_t launch_gemv(const bf16* x, int m, int k, const void* w, int n, float* y,
-                        bool accumulate, const GemvNorm& norm, cudaStream_t stream) {
+cudaError_t launch_gemv(const bf16* x, int m, int k, const void* w, int n, void* y, bool accumulate,
+                        const GemvIo& io, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((n + kGemvWarps - 1) / kGemvWarps);
   const bf16* wb = static_cast<const bf16*>(w);
-  using Kernel = void (*)(const bf16*, int, const bf16*, int, float*, bool, GemvNorm);
+  using Kernel = void (*)(const bf16*, int, const bf16*, int, void*, bool, GemvIo);
   static constexpr Kernel kKernels[2][kGemvMaxRows] = {
       {gemv_nt_kernel<1, false>, gemv_nt_kernel<2, false>, gemv_nt_kernel<3, false>,
        gemv_nt_kernel<4, false>, gemv_nt_kernel<5, false>, gemv_nt_kernel<6, false>,
@@ -898,9 +927,9 @@ cudaError_t launch_gemv(const bf16* x, int m, int k, const void* w, int n, float
   // Rows of more than two passes load a pass ahead (H200: with k = 4096 too, Qwen3's
   // o_proj, a batch-1 step of 12 layers went 0.89 -> 0.91 ms).
   const bool ahead = k > 2 * 32 * kGemvLoads * 8;
-  const size_t smem = norm.x != nullptr ? static_cast<size_t>(m) * k * sizeof(bf16) : 0;
+  const size_t smem = io.prologue != GemvIo::kNone ? static_cast<size_t>(m) * k * sizeof(bf16) : 0;
   return launch_pdl(kKernels[ahead][m - 1], dim3(blocks), dim3(kGemvWarps * 32), smem, stream, x, k,
-                    wb, n, y, accumulate, norm);
+                    wb, n, y, accumulate, io);
 }
 
 }  // namespace
@@ -913,17 +942,32 @@ cudaError_t embedding(DType dtype, const void* table, const int32_t* ids, int nu
   return cudaGetLastError();
 }
 
-cudaError_t rms_norm(DType dtype, const float* x, const int32_t* row_index, const float* weight,
-                     int rows, int dim, float eps, void* out, cudaStream_t stream) {
+namespace {
+
+cudaError_t launch_rms_norm(DType dtype, const float* x, int64_t x_stride, const int32_t* row_index,
+                            const float* weight, int rows, int dim, float eps, void* out,
+                            cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  if (rms_vec_fits(dim)) {
+  if (rms_vec_fits(dim) && x_stride % 4 == 0) {
     FLEX_DISPATCH_DTYPE(
         dtype, return launch_pdl(rms_norm_vec_kernel<T>, dim3(rows), dim3(kRmsThreads), 0, stream,
-                                 x, row_index, weight, dim, eps, static_cast<T*>(out)));
+                                 x, x_stride, row_index, weight, dim, eps, static_cast<T*>(out)));
   }
   FLEX_DISPATCH_DTYPE(dtype, rms_norm_kernel<T><<<rows, 256, 0, stream>>>(
-                                 x, row_index, weight, dim, eps, static_cast<T*>(out)));
+                                 x, x_stride, row_index, weight, dim, eps, static_cast<T*>(out)));
   return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t rms_norm(DType dtype, const float* x, const int32_t* row_index, const float* weight,
+                     int rows, int dim, float eps, void* out, cudaStream_t stream) {
+  return launch_rms_norm(dtype, x, dim, row_index, weight, rows, dim, eps, out, stream);
+}
+
+cudaError_t rms_norm_rows(DType dtype, const float* x, int64_t x_stride, const float* weight,
+                          int rows, int dim, float eps, void* out, cudaStream_t stream) {
+  return launch_rms_norm(dtype, x, x_stride, nullptr, weight, rows, dim, eps, out, stream);
 }
 
 cudaError_t qk_norm_rope_store(DType dtype, const QkvArgs& args, cudaStream_t stream) {
@@ -943,7 +987,7 @@ cudaError_t gemv_nt(const void* x, int m, int k, const void* w, int n, float* y,
                     cudaStream_t stream) {
   if (m == 0 || n == 0) return cudaSuccess;
   if (m > kGemvMaxRows || k < 8 || k % 8 != 0) return cudaErrorInvalidValue;
-  return launch_gemv(static_cast<const bf16*>(x), m, k, w, n, y, accumulate, GemvNorm{}, stream);
+  return launch_gemv(static_cast<const bf16*>(x), m, k, w, n, y, accumulate, GemvIo{}, stream);
 }
 
 bool gemv_norm_nt_fits(int64_t m, int64_t k) {
@@ -955,7 +999,43 @@ cudaError_t gemv_norm_nt(const float* x, const float* norm_weight, float eps, in
                          const void* w, int n, float* y, bool accumulate, cudaStream_t stream) {
   if (m == 0 || n == 0) return cudaSuccess;
   if (!gemv_norm_nt_fits(m, k)) return cudaErrorInvalidValue;
-  return launch_gemv(nullptr, m, k, w, n, y, accumulate, GemvNorm{x, norm_weight, eps}, stream);
+  GemvIo io;
+  io.prologue = GemvIo::kNorm;
+  io.src = x;
+  io.src_stride = k;
+  io.weight = norm_weight;
+  io.eps = eps;
+  return launch_gemv(nullptr, m, k, w, n, y, accumulate, io, stream);
+}
+
+cudaError_t gemv_norm_nt_rows(const float* x, int64_t x_stride, const float* norm_weight, float eps,
+                              int m, int k, const void* w, int n, DType y_dtype, void* y,
+                              cudaStream_t stream) {
+  if (m == 0 || n == 0) return cudaSuccess;
+  if (!gemv_norm_nt_fits(m, k) || x_stride < k || x_stride % 4 != 0) return cudaErrorInvalidValue;
+  GemvIo io;
+  io.prologue = GemvIo::kNorm;
+  io.src = x;
+  io.src_stride = x_stride;
+  io.weight = norm_weight;
+  io.eps = eps;
+  io.y_bf16 = y_dtype == DType::kBF16;
+  return launch_gemv(nullptr, m, k, w, n, y, /*accumulate=*/false, io, stream);
+}
+
+bool gemv_swiglu_nt_fits(int64_t m, int64_t inter) {
+  return gemv_nt_fits(DType::kBF16, m, inter) &&
+         m * inter * static_cast<int64_t>(sizeof(bf16)) <= kGemvNormSmemBytes;
+}
+
+cudaError_t gemv_swiglu_nt(const float* gu, int m, int inter, const void* w, int n, float* y,
+                           bool accumulate, cudaStream_t stream) {
+  if (m == 0 || n == 0) return cudaSuccess;
+  if (!gemv_swiglu_nt_fits(m, inter)) return cudaErrorInvalidValue;
+  GemvIo io;
+  io.prologue = GemvIo::kSwiglu;
+  io.src = gu;
+  return launch_gemv(nullptr, m, inter, w, n, y, accumulate, io, stream);
 }
 
 cudaError_t silu_mul(DType dtype, const float* gu, int rows, int inter, void* out,

@@ -46,9 +46,26 @@ inline constexpr int64_t kGemvNormSmemBytes = 47 * 1024;
 bool gemv_norm_nt_fits(int64_t m, int64_t k);
 cudaError_t gemv_norm_nt(const float* x, const float* norm_weight, float eps, int m, int k,
                          const void* w, int n, float* y, bool accumulate, cudaStream_t stream);
+// gemv_norm_nt over rows x_stride floats apart (x_stride % 4 == 0, >= k; as rms_norm_rows)
+// into y of y_dtype (bf16: each output rounded once, as gemm_nt's bf16 output), no
+// accumulation: DeepSeek's q projections of decode steps.
+cudaError_t gemv_norm_nt_rows(const float* x, int64_t x_stride, const float* norm_weight, float eps,
+                              int m, int k, const void* w, int n, DType y_dtype, void* y,
+                              cudaStream_t stream);
+// gemv_nt of silu_mul(gu): gu f32 [m, 2 * inter] (gate | up), each block making the m bf16
+// rows silu(gate) * up in shared memory as silu_mul(kBF16, ...) does (bit for bit), so the
+// SwiGLU of a decode step's dense MLP is not a kernel of its own. Fits: gemv_nt's shapes
+// with k = inter and m * inter bf16 within kGemvNormSmemBytes.
+bool gemv_swiglu_nt_fits(int64_t m, int64_t inter);
+cudaError_t gemv_swiglu_nt(const float* gu, int m, int inter, const void* w, int n, float* y,
+                           bool accumulate, cudaStream_t stream);
 
 cudaError_t rms_norm(DType dtype, const float* x, const int32_t* row_index, const float* weight,
                      int rows, int dim, float eps, void* out, cudaStream_t stream);
+// out[r, :dim] = rms_norm(x + r * x_stride)[:dim], as rms_norm (the same bits for rows that
+// rms_vec_fits with x_stride % 4 == 0): DeepSeek's LoRA norms over part of a row.
+cudaError_t rms_norm_rows(DType dtype, const float* x, int64_t x_stride, const float* weight,
+                          int rows, int dim, float eps, void* out, cudaStream_t stream);
 
 // Per token t of qkv [T, (nq + 2 nkv) * D] (q heads, k heads, v heads; f32): RMSNorm of
 // each q and k head (q_norm / k_norm weights), rotate-half RoPE at positions[t] with the

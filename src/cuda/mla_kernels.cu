@@ -19,6 +19,7 @@
 #include "cuda/grouped_topk.cuh"
 #include "cuda/mla_kernels.h"
 #include "cuda/mma_sync.cuh"
+#include "cuda/pdl.cuh"
 
 namespace flexpert::cuda {
 namespace {
@@ -27,19 +28,6 @@ constexpr int kWarps = 4;
 // Split steps of few (token, head) pairs until about this many blocks run (two per SM).
 constexpr int kMlaSplitTargetBlocks = 264;
 constexpr int kMlaMaxSplits = 32;
-
-template <typename T>
-__global__ void rms_norm_rows_kernel(const float* x, int64_t x_stride, const float* weight, int dim,
-                                     float eps, T* out) {
-  const int r = blockIdx.x;
-  const float* xr = x + r * x_stride;
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
-  ss = block_sum(ss);
-  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
-  T* o = out + static_cast<int64_t>(r) * dim;
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = from_f32<T>(xr[i] * inv * weight[i]);
-}
 
 // Rotates rope_dim values of src into dst (see kernels::rope); one warp.
 template <typename S, typename D>
@@ -58,6 +46,8 @@ __device__ __forceinline__ void rope_warp(const S* src, D* dst, const float* cs,
 // y == heads normalises, rotates and stores the token's cache row.
 template <typename T>
 __global__ void mla_rope_store_kernel(MlaRopeArgs a) {
+  grid_dep_wait();  // pdl.cuh: nothing is read before the predecessor is complete.
+  grid_dep_launch();
   const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
   const int pos = a.positions[t];
   const int half = a.rope_dim / 2;
@@ -237,6 +227,8 @@ __device__ __forceinline__ void merge_weights(const float* part, int splits, int
 constexpr int kMergeDims = 128, kMergeMaxPerWarp = kMlaMaxSplits / kWarps;
 template <typename T>
 __global__ void __launch_bounds__(kWarps * 32) mla_merge_kernel(MlaAttentionArgs a, int splits) {
+  grid_dep_wait();  // pdl.cuh: nothing is read before the predecessor is complete.
+  grid_dep_launch();
   __shared__ float weight[kMlaMaxSplits];
   __shared__ float inv_total;
   __shared__ float partial[kWarps][kMergeDims];
@@ -286,6 +278,8 @@ __global__ void __launch_bounds__(kWarps * 32) mla_merge_kernel(MlaAttentionArgs
 template <typename T>
 __global__ void __launch_bounds__(kWarps * 32)
     mla_merge_pairs_kernel(MlaAttentionArgs a, int splits) {
+  grid_dep_wait();  // pdl.cuh: nothing is read before the predecessor is complete.
+  grid_dep_launch();
   __shared__ float weight[kMlaMaxSplits];
   __shared__ float inv_total;
   const int64_t idx = blockIdx.x;
@@ -316,15 +310,15 @@ __global__ void __launch_bounds__(kWarps * 32)
 constexpr int64_t kMergeByDimsMaxPairs = 512;
 
 template <typename T>
-void launch_merge(const MlaAttentionArgs& a, int splits, cudaStream_t stream) {
+cudaError_t launch_merge(const MlaAttentionArgs& a, int splits, cudaStream_t stream) {
   const int64_t pairs = static_cast<int64_t>(a.num_tokens) * a.num_heads;
   if (pairs < kMergeByDimsMaxPairs) {
     const int per_pair = a.kv_lora_rank / std::min(a.kv_lora_rank, kMergeDims);
-    mla_merge_kernel<T>
-        <<<static_cast<unsigned>(pairs * per_pair), kWarps * 32, 0, stream>>>(a, splits);
-  } else {
-    mla_merge_pairs_kernel<T><<<static_cast<unsigned>(pairs), kWarps * 32, 0, stream>>>(a, splits);
+    return launch_pdl(mla_merge_kernel<T>, dim3(static_cast<unsigned>(pairs * per_pair)),
+                      dim3(kWarps * 32), 0, stream, a, splits);
   }
+  return launch_pdl(mla_merge_pairs_kernel<T>, dim3(static_cast<unsigned>(pairs)),
+                    dim3(kWarps * 32), 0, stream, a, splits);
 }
 
 // ---------------------------------------------------------------------------
@@ -361,6 +355,8 @@ inline size_t mla_mma_smem_bytes(int r, int rope_dim, int group) {
 template <int R, int G>
 __global__ void __launch_bounds__(kMmaWarps * 32 * G)
     mla_mma_kernel(MlaAttentionArgs a, int splits) {
+  grid_dep_wait();  // pdl.cuh: nothing is read before the predecessor is complete.
+  grid_dep_launch();
   constexpr int kOTiles = R / kMmaWarps / 8, kThreads = kMmaWarps * 32 * G;
   static_assert(kMmaCols == 8 * kMmaWarps, "a warp scores 8 positions of a chunk");
   extern __shared__ __align__(128) unsigned char mla_smem[];
@@ -628,12 +624,14 @@ cudaError_t launch_mma(const MlaAttentionArgs& a, cudaStream_t stream) {
   const int splits = mla_mma_splits(a);
   const int64_t units =
       (static_cast<int64_t>(a.num_tokens) + G - 1) / G * ((a.num_heads + kMmaRows - 1) / kMmaRows);
-  mla_mma_kernel<R, G>
-      <<<static_cast<unsigned>(units * splits), kMmaWarps * 32 * G, smem, stream>>>(a, splits);
-  if (splits > 1) {
-    launch_merge<bf16>(a, splits, stream);
+  if (const cudaError_t e =
+          launch_pdl(mla_mma_kernel<R, G>, dim3(static_cast<unsigned>(units * splits)),
+                     dim3(kMmaWarps * 32 * G), smem, stream, a, splits);
+      e != cudaSuccess) {
+    return e;
   }
-  return cudaGetLastError();
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess || splits == 1) return e;
+  return launch_merge<bf16>(a, splits, stream);
 }
 
 template <int R>
@@ -677,10 +675,8 @@ cudaError_t launch_attention(const MlaAttentionArgs& a, cudaStream_t stream) {
     default:
       return cudaErrorInvalidValue;
   }
-  if (splits > 1) {
-    launch_merge<T>(a, splits, stream);
-  }
-  return cudaGetLastError();
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess || splits == 1) return e;
+  return launch_merge<T>(a, splits, stream);
 }
 
 }  // namespace
@@ -701,19 +697,12 @@ int mla_attention_splits(DType dtype, const MlaAttentionArgs& a) {
   return splits;
 }
 
-cudaError_t rms_norm_rows(DType dtype, const float* x, int64_t x_stride, const float* weight,
-                          int rows, int dim, float eps, void* out, cudaStream_t stream) {
-  if (rows == 0) return cudaSuccess;
-  FLEX_DISPATCH_DTYPE(dtype, rms_norm_rows_kernel<T><<<rows, 256, 0, stream>>>(
-                                 x, x_stride, weight, dim, eps, static_cast<T*>(out)));
-  return cudaGetLastError();
-}
-
 cudaError_t mla_rope_store(DType dtype, const MlaRopeArgs& args, cudaStream_t stream) {
   if (args.num_tokens == 0) return cudaSuccess;
   if (args.rope_dim % 2 != 0) return cudaErrorInvalidValue;
   const dim3 grid(args.num_tokens, args.num_heads + 1);
-  FLEX_DISPATCH_DTYPE(dtype, mla_rope_store_kernel<T><<<grid, 32, 0, stream>>>(args));
+  FLEX_DISPATCH_DTYPE(dtype,
+                      return launch_pdl(mla_rope_store_kernel<T>, grid, dim3(32), 0, stream, args));
   return cudaGetLastError();
 }
 

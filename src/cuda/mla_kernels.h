@@ -18,10 +18,6 @@
 
 namespace flexpert::cuda {
 
-// out[t, :dim] = x[t * x_stride, :dim] / sqrt(mean(x^2) + eps) * weight, in `dtype`.
-cudaError_t rms_norm_rows(DType dtype, const float* x, int64_t x_stride, const float* weight,
-                          int rows, int dim, float eps, void* out, cudaStream_t stream);
-
 // Per token t, the rotary and cache part of MLA:
 //   kv row kv + t * kv_stride = [latent (kv_lora_rank) | key (rope_dim)] (f32):
 //     cache[kv_slots[t], positions[t]] = [rms_norm(latent) * kv_norm | rope(key)];

@@ -180,14 +180,16 @@ Status run_decode(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scr
 Status run_decode_grouped(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                           const GroupedTopkArgs& grouped, const void* h, int num_tokens,
                           const int32_t* num_valid_tokens, float* out, bool accumulate,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, const MoeInputNorm* norm) {
   if (num_tokens == 0) return Status();
-  if (num_tokens > scratch.max_tokens || !uses_decode_path(dims, num_tokens)) {
+  if (num_tokens > scratch.max_tokens || !uses_decode_path(dims, num_tokens) ||
+      (norm != nullptr && !route_norm_fuses(dims, scratch, num_tokens))) {
     return internal_error("decode MoE step of " + std::to_string(num_tokens) +
                           " tokens: not a decode step or over the scratch capacity");
   }
   return run_decode(dims, w, scratch, h, num_tokens, num_valid_tokens, out, accumulate, stream,
-                    kMoeAllStages, nullptr, nullptr, &grouped);
+                    kMoeAllStages, norm, norm != nullptr ? const_cast<void*>(h) : nullptr,
+                    &grouped);
 }
 
 PermuteArgs permute_args(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
@@ -297,15 +299,19 @@ Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratc
 // against 1.75 / 1.74 / 1.75: each block reduces the rows one after the other.
 constexpr int kRouteNormMaxTokens = 2;
 
+bool route_norm_fuses(const MoeDims& dims, const MoeScratch& scratch, int num_tokens) {
+  static const bool no_fusion = std::getenv("FLEXPERT_NO_NORM_FUSION") != nullptr;
+  return !no_fusion && num_tokens >= 1 && num_tokens <= kRouteNormMaxTokens &&
+         num_tokens <= scratch.max_tokens && uses_decode_path(dims, num_tokens) &&
+         decode_route_norm_fits(num_tokens, dims.hidden);
+}
+
 Status run_moe_norm(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                     const MoeInputNorm& norm, void* h, int num_tokens,
                     const int32_t* num_valid_tokens, float* out, bool accumulate, Blas& blas,
                     cudaStream_t stream) {
-  static const bool no_fusion = std::getenv("FLEXPERT_NO_NORM_FUSION") != nullptr;
   if (num_tokens == 0) return Status();
-  if (!no_fusion && w.router != nullptr && num_tokens <= kRouteNormMaxTokens &&
-      num_tokens <= scratch.max_tokens && uses_decode_path(dims, num_tokens) &&
-      decode_route_norm_fits(num_tokens, dims.hidden)) {
+  if (w.router != nullptr && route_norm_fuses(dims, scratch, num_tokens)) {
     return run_decode(dims, w, scratch, h, num_tokens, num_valid_tokens, out, accumulate, stream,
                       kMoeAllStages, &norm, h);
   }

@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <limits>
 #include <random>
+#include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -635,9 +637,45 @@ TEST(CudaDecodeMoeTest, GroupedRouterMatchesUnfusedPath) {
                                              nullptr, out, false, blas.value(), s, force_tile);
               });
         };
+        const DecodeRun fused = run(-1);
         expect_decode_matches(
-            run(-1), run(static_cast<int>(cuda::GemmTile::kGemv)),
+            fused, run(static_cast<int>(cuda::GemmTile::kGemv)),
             std::string("grouped decode ") + (v3 ? "V3" : "V2") + " T=" + std::to_string(T));
+        // The RMSNorm before the MoE inside the route kernel (run_grouped_moe_norm, one or
+        // two tokens): h and the outputs bit for bit those of rms_norm and then the MoE.
+        if (T > 2) continue;
+        const std::vector<float> x32 = uniform(static_cast<size_t>(T) * H, 2.f, rng);
+        const std::vector<float> norm_w = uniform(H, 1.f, rng);
+        auto x32_d = to_device(x32, DType::kF32);
+        auto norm_w_d = to_device(norm_w, DType::kF32);
+        const cuda::MoeInputNorm norm{x32_d.as<float>(), norm_w_d.as<float>(), 1e-6f};
+        ASSERT_TRUE(cuda::route_norm_fuses(dims, cuda::MoeScratch::create(dims, T).value(), T));
+        auto run_norm = [&](bool inside) {
+          auto h = cuda::DeviceBuffer::create(static_cast<size_t>(T) * H * 2);
+          EXPECT_TRUE(h.ok());
+          DecodeRun res = decode_run(
+              dims, layer, T, stream.value(),
+              [&](const cuda::MoeLayerWeights& w, cuda::MoeScratch& scratch, float* out) {
+                if (inside) {
+                  return cuda::run_grouped_moe_norm(dims, r, bias_d.as<float>(), w, scratch, norm,
+                                                    h.value().data(), T, nullptr, out, false,
+                                                    blas.value(), s);
+                }
+                EXPECT_EQ(cuda::rms_norm(DType::kBF16, norm.x, nullptr, norm.weight, T, H, norm.eps,
+                                         h.value().data(), s),
+                          cudaSuccess);
+                return cuda::run_grouped_moe(dims, r, bias_d.as<float>(), w, scratch,
+                                             h.value().data(), T, nullptr, out, false, blas.value(),
+                                             s);
+              });
+          res.h = to_host(h.value().data(), static_cast<size_t>(T) * H, DType::kBF16);
+          return res;
+        };
+        const DecodeRun inside = run_norm(true), outside = run_norm(false);
+        EXPECT_EQ(inside.slots, outside.slots);
+        EXPECT_EQ(inside.stats, outside.stats);
+        EXPECT_EQ(inside.h, outside.h) << "h, bit for bit";
+        EXPECT_EQ(inside.out, outside.out) << "outputs, bit for bit";
       }
     }
   }
@@ -1214,6 +1252,97 @@ TEST(CudaGemvTest, NormInsideEqualsRmsNormThenGemv) {
   EXPECT_FALSE(cuda::gemv_norm_nt_fits(8, 4096));  // 64 KB of rows.
   EXPECT_FALSE(cuda::gemv_norm_nt_fits(1, 8200));  // Past RMSNorm's registers.
   EXPECT_FALSE(cuda::gemv_norm_nt_fits(1, 2044));
+}
+
+// gemv_norm_nt_rows (rows x_stride apart, as DeepSeek's q LoRA norm reads them from the
+// kv_a output) into f32 and bf16 against rms_norm_rows and then gemv_nt (bf16: rounded
+// once from the same f32 sums); gemv_swiglu_nt against silu_mul and then gemv_nt. The
+// same bits; and the shapes they do not take.
+TEST(CudaGemvTest, ProloguesInsideEqualKernelsBefore) {
+  FLEX_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(10);
+  const float eps = 1e-6f;
+  for (const auto& [m, k, stride] : std::vector<std::tuple<int, int, int>>{
+           {1, 1536, 2112}, {2, 1536, 2112}, {1, 2048, 2048}, {3, 1000, 1004}}) {
+    const int n = 1030;
+    const std::vector<float> x = uniform(static_cast<size_t>(m) * stride, 2.f, rng);
+    const std::vector<float> nw = uniform(k, 1.f, rng);
+    const std::vector<float> w = round_bf16(uniform(static_cast<size_t>(n) * k, 1.f, rng));
+    auto x_d = to_device(x, DType::kF32);
+    auto nw_d = to_device(nw, DType::kF32);
+    auto w_d = to_device(w, DType::kBF16);
+    auto h_d = cuda::DeviceBuffer::create(static_cast<size_t>(m) * k * 2);
+    auto y_plain = cuda::DeviceBuffer::create(static_cast<size_t>(m) * n * sizeof(float));
+    auto y_f32 = cuda::DeviceBuffer::create(static_cast<size_t>(m) * n * sizeof(float));
+    auto y_bf16 = cuda::DeviceBuffer::create(static_cast<size_t>(m) * n * 2);
+    ASSERT_TRUE(h_d.ok() && y_plain.ok() && y_f32.ok() && y_bf16.ok());
+    ASSERT_EQ(cuda::rms_norm_rows(DType::kBF16, x_d.as<float>(), stride, nw_d.as<float>(), m, k,
+                                  eps, h_d.value().data(), nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cuda::gemv_nt(h_d.value().data(), m, k, w_d.data(), n, y_plain.value().as<float>(),
+                            false, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cuda::gemv_norm_nt_rows(x_d.as<float>(), stride, nw_d.as<float>(), eps, m, k,
+                                      w_d.data(), n, DType::kF32, y_f32.value().data(), nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cuda::gemv_norm_nt_rows(x_d.as<float>(), stride, nw_d.as<float>(), eps, m, k,
+                                      w_d.data(), n, DType::kBF16, y_bf16.value().data(), nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const size_t count = static_cast<size_t>(m) * n;
+    const std::vector<float> plain = to_host(y_plain.value().data(), count, DType::kF32);
+    EXPECT_EQ(to_host(y_f32.value().data(), count, DType::kF32), plain)
+        << "m " << m << " k " << k << " stride " << stride;
+    EXPECT_EQ(to_host(y_bf16.value().data(), count, DType::kBF16), round_bf16(plain))
+        << "m " << m << " k " << k << " stride " << stride;
+    // The normalised rows themselves against float64 (rms_norm_rows' own check).
+    const std::vector<float> h =
+        to_host(h_d.value().data(), static_cast<size_t>(m) * k, DType::kBF16);
+    std::vector<float> want(h.size());
+    for (int r = 0; r < m; ++r) {
+      double ss = 0.0;
+      for (int i = 0; i < k; ++i) ss += static_cast<double>(x[r * stride + i]) * x[r * stride + i];
+      const double inv = 1.0 / std::sqrt(ss / k + eps);
+      for (int i = 0; i < k; ++i)
+        want[r * k + i] = static_cast<float>(x[r * stride + i] * inv * nw[i]);
+    }
+    EXPECT_LT(rel_l2(h, want), 5e-3);
+  }
+  EXPECT_EQ(cuda::gemv_norm_nt_rows(nullptr, 1002, nullptr, eps, 1, 1000, nullptr, 8, DType::kF32,
+                                    nullptr, nullptr),
+            cudaErrorInvalidValue);  // A stride that breaks the float4 loads.
+
+  for (const auto& [m, inter] : std::vector<std::pair<int, int>>{{1, 2816}, {2, 1408}, {2, 1000}}) {
+    for (const bool accumulate : {false, true}) {
+      const int n = 777;
+      const std::vector<float> gu = uniform(static_cast<size_t>(m) * 2 * inter, 4.f, rng);
+      const std::vector<float> w = round_bf16(uniform(static_cast<size_t>(n) * inter, 1.f, rng));
+      const std::vector<float> y0 = uniform(static_cast<size_t>(m) * n, 1.f, rng);
+      auto gu_d = to_device(gu, DType::kF32);
+      auto w_d = to_device(w, DType::kBF16);
+      auto act = cuda::DeviceBuffer::create(static_cast<size_t>(m) * inter * 2);
+      auto y_inside = to_device(y0, DType::kF32);
+      auto y_before = to_device(y0, DType::kF32);
+      ASSERT_TRUE(act.ok());
+      ASSERT_TRUE(cuda::gemv_swiglu_nt_fits(m, inter));
+      ASSERT_EQ(cuda::gemv_swiglu_nt(gu_d.as<float>(), m, inter, w_d.data(), n,
+                                     y_inside.as<float>(), accumulate, nullptr),
+                cudaSuccess);
+      ASSERT_EQ(
+          cuda::silu_mul(DType::kBF16, gu_d.as<float>(), m, inter, act.value().data(), nullptr),
+          cudaSuccess);
+      ASSERT_EQ(cuda::gemv_nt(act.value().data(), m, inter, w_d.data(), n, y_before.as<float>(),
+                              accumulate, nullptr),
+                cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const size_t count = static_cast<size_t>(m) * n;
+      EXPECT_EQ(to_host(y_inside.data(), count, DType::kF32),
+                to_host(y_before.data(), count, DType::kF32))
+          << "m " << m << " inter " << inter << " accumulate " << accumulate;
+    }
+  }
+  EXPECT_FALSE(cuda::gemv_swiglu_nt_fits(2, 18432));  // 72 KB of rows.
+  EXPECT_FALSE(cuda::gemv_swiglu_nt_fits(1, 1004));   // Not a multiple of 8.
 }
 
 // A chain of programmatic dependent launches on one stream, as a batch-1 decode layer
