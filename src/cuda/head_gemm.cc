@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "cuda/head_gemm.h"
 
+#include <cstdlib>
 #include <utility>
 
 #include "cuda/blas.h"
+#include "cuda/mla_kernels.h"
 
 namespace flexpert::cuda {
 namespace {
@@ -19,12 +21,15 @@ HeadGemm::~HeadGemm() {
 }
 
 HeadGemm::HeadGemm(HeadGemm&& o) noexcept
-    : handle_(std::exchange(o.handle_, nullptr)), workspace_(std::move(o.workspace_)) {}
+    : handle_(std::exchange(o.handle_, nullptr)),
+      stream_(o.stream_),
+      workspace_(std::move(o.workspace_)) {}
 
 HeadGemm& HeadGemm::operator=(HeadGemm&& o) noexcept {
   if (this != &o) {
     if (handle_ != nullptr) (void)cublasDestroy(handle_);
     handle_ = std::exchange(o.handle_, nullptr);
+    stream_ = o.stream_;
     workspace_ = std::move(o.workspace_);
   }
   return *this;
@@ -34,6 +39,7 @@ Result<HeadGemm> HeadGemm::create(cudaStream_t stream) {
   HeadGemm g;
   FLEX_CUBLAS_TRY(cublasCreate(&g.handle_));
   FLEX_CUBLAS_TRY(cublasSetStream(g.handle_, stream));
+  g.stream_ = stream;
   FLEX_ASSIGN_OR_RETURN(g.workspace_, DeviceBuffer::create(kWorkspaceBytes));
   FLEX_CUBLAS_TRY(cublasSetWorkspace(g.handle_, g.workspace_.data(), g.workspace_.num_bytes()));
   FLEX_CUBLAS_TRY(cublasSetMathMode(g.handle_, CUBLAS_DEFAULT_MATH));
@@ -43,7 +49,24 @@ Result<HeadGemm> HeadGemm::create(cudaStream_t stream) {
 Status HeadGemm::run(DType in_dtype, const void* x, int64_t m, int64_t x_row_stride,
                      int64_t x_head_stride, const void* w, int64_t num_heads, int64_t n, int64_t k,
                      DType out_dtype, void* y, int64_t y_row_stride, int64_t y_head_stride) {
+  static const bool no_gemv = std::getenv("FLEXPERT_NO_HEAD_GEMV") != nullptr;
   if (m == 0 || n == 0 || num_heads == 0) return Status();
+  const HeadGemvArgs args{x,
+                          x_row_stride,
+                          x_head_stride,
+                          w,
+                          static_cast<int>(m),
+                          static_cast<int>(num_heads),
+                          static_cast<int>(n),
+                          static_cast<int>(k),
+                          y,
+                          out_dtype == DType::kBF16,
+                          y_row_stride,
+                          y_head_stride};
+  if (!no_gemv && in_dtype == DType::kBF16 && m <= kHeadGemvMaxRows && head_gemv_fits(args)) {
+    FLEX_CUDA_TRY(head_gemv(args, stream_));
+    return Status();
+  }
   // Per head, row-major y[m, n] = x[m, k] w[n, k]^T is column-major y^T = w^T x^T (see
   // Blas::gemm_nt); heads are batches with strides n * k (w), x_head_stride, y_head_stride.
   const cublasComputeType_t compute =

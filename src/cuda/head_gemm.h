@@ -28,13 +28,16 @@ class HeadGemm {
   // As kernels::matmul_nt_heads: y[t, h, :n] = x[t, h, :k] @ w[h]^T for t < m and
   // h < num_heads, w [num_heads, n, k]; row t, head h of x starts at x + t * x_row_stride
   // + h * x_head_stride (elements), likewise y. x and w in `in_dtype` (F32: strict f32),
-  // y in `out_dtype`, f32 accumulation.
+  // y in `out_dtype`, f32 accumulation. bf16 steps of up to kHeadGemvMaxRows tokens run
+  // head_gemv (mla_kernels.h: no cuBLAS launch in the decode chain of programmatic
+  // dependent launches); FLEXPERT_NO_HEAD_GEMV=1: always cuBLAS (comparisons).
   Status run(DType in_dtype, const void* x, int64_t m, int64_t x_row_stride, int64_t x_head_stride,
              const void* w, int64_t num_heads, int64_t n, int64_t k, DType out_dtype, void* y,
              int64_t y_row_stride, int64_t y_head_stride);
 
  private:
   cublasHandle_t handle_ = nullptr;
+  cudaStream_t stream_ = nullptr;
   DeviceBuffer workspace_;
 };
 

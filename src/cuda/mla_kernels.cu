@@ -641,6 +641,58 @@ cudaError_t launch_mma_grouped(const MlaAttentionArgs& a, cudaStream_t stream) {
 }
 
 // One warp per token; smem per warp: score [E], choice [E].
+// head_gemv: lanes [g * L, (g + 1) * L) of the grid's threads take weight row g (head
+// g / n, output j = g % n), chunk c of 8 elements at lane c % L, pass c / L.
+constexpr int kHeadGemvThreads = 256, kHeadGemvPasses = 4;
+template <int M>
+__global__ void __launch_bounds__(kHeadGemvThreads) head_gemv_kernel(HeadGemvArgs a, int lanes) {
+  const int64_t g = (static_cast<int64_t>(blockIdx.x) * kHeadGemvThreads + threadIdx.x) / lanes;
+  const int sub = threadIdx.x % lanes;
+  const int64_t rows = static_cast<int64_t>(a.num_heads) * a.n;
+  const int64_t row = min(g, rows - 1);  // Past the last row: stream it, store nothing.
+  const int h = static_cast<int>(row / a.n), j = static_cast<int>(row % a.n);
+  const int chunks = a.k / 8;
+  const uint4* wr = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.w) + row * a.k);
+  uint4 wv[kHeadGemvPasses];
+#pragma unroll
+  for (int u = 0; u < kHeadGemvPasses; ++u) {
+    const int c = sub + u * lanes;
+    if (c < chunks) wv[u] = ld_stream(wr + c);  // Constant weights: before the wait.
+  }
+  grid_dep_wait();
+  grid_dep_launch();
+  float acc[M];
+#pragma unroll
+  for (int t = 0; t < M; ++t) acc[t] = 0.f;
+#pragma unroll
+  for (int u = 0; u < kHeadGemvPasses; ++u) {
+    const int c = sub + u * lanes;
+    if (c >= chunks) break;
+    float wf[8];
+    bf16x8(wv[u], wf);
+#pragma unroll
+    for (int t = 0; t < M; ++t) {
+      float xv[8];
+      load8(static_cast<const bf16*>(a.x) + t * a.x_row_stride + h * a.x_head_stride + 8 * c, xv);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[t] += xv[i] * wf[i];
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < M; ++t) {
+    float v = acc[t];
+    for (int off = lanes / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+    if (g < rows && sub == 0) {
+      const int64_t i = t * a.y_row_stride + h * a.y_head_stride + j;
+      if (a.y_bf16) {
+        static_cast<bf16*>(a.y)[i] = from_f32<bf16>(v);
+      } else {
+        static_cast<float*>(a.y)[i] = v;
+      }
+    }
+  }
+}
+
 __global__ void grouped_topk_kernel(GroupedTopkArgs a) {
   extern __shared__ float smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -721,6 +773,24 @@ cudaError_t mla_attention(DType dtype, const MlaAttentionArgs& args, cudaStream_
   }
   FLEX_DISPATCH_DTYPE(dtype, return launch_attention<T>(args, stream));
   return cudaSuccess;
+}
+
+bool head_gemv_fits(const HeadGemvArgs& a) {
+  return a.num_tokens >= 0 && a.num_tokens <= kHeadGemvMaxRows && a.num_heads >= 1 && a.n >= 1 &&
+         a.k >= 8 && a.k % 8 == 0 && a.k <= 32 * 8 * kHeadGemvPasses && a.x_row_stride % 8 == 0 &&
+         a.x_head_stride % 8 == 0;
+}
+
+cudaError_t head_gemv(const HeadGemvArgs& a, cudaStream_t stream) {
+  if (!head_gemv_fits(a)) return cudaErrorInvalidValue;
+  if (a.num_tokens == 0) return cudaSuccess;
+  int lanes = 1;
+  while (lanes < 32 && lanes < a.k / 8) lanes *= 2;
+  const int64_t threads = static_cast<int64_t>(a.num_heads) * a.n * lanes;
+  const dim3 grid(static_cast<unsigned>((threads + kHeadGemvThreads - 1) / kHeadGemvThreads));
+  auto kernel = a.num_tokens == 1 ? head_gemv_kernel<1> : head_gemv_kernel<2>;
+  static_assert(kHeadGemvMaxRows == 2);
+  return launch_pdl(kernel, grid, dim3(kHeadGemvThreads), 0, stream, a, lanes);
 }
 
 bool grouped_topk_args_ok(const GroupedTopkArgs& a) {

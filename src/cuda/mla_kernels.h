@@ -75,6 +75,25 @@ int64_t mla_attention_split_floats(int kv_lora_rank);
 // The split count mla_attention uses for this step (1: no merge).
 int mla_attention_splits(DType dtype, const MlaAttentionArgs& args);
 
+// Per-head products of decode steps (MLA's absorbed kv_b parts, HeadGemm's bf16 rows of
+// few tokens): y[t, h, :n] = x[t, h, :k] @ w[h]^T for t < num_tokens <= kHeadGemvMaxRows,
+// w bf16 [num_heads, n, k]; x bf16 at x + t * x_row_stride + h * x_head_stride, y (f32,
+// or bf16 rounded once) likewise; f32 sums. A group of min(32, k / 8) lanes per weight
+// row (16-byte loads issued before the wait for x: programmatic dependent launch, as
+// the decode GEMVs). k % 8 == 0, k <= 1024, strides multiples of 8.
+struct HeadGemvArgs {
+  const void* x;
+  int64_t x_row_stride, x_head_stride;
+  const void* w;
+  int num_tokens, num_heads, n, k;
+  void* y;
+  bool y_bf16;
+  int64_t y_row_stride, y_head_stride;
+};
+inline constexpr int kHeadGemvMaxRows = 2;
+bool head_gemv_fits(const HeadGemvArgs& args);
+cudaError_t head_gemv(const HeadGemvArgs& args, cudaStream_t stream);
+
 // DeepSeek's router on f32 logits [T, E], as select_experts_grouped (moe/moe_layer.h):
 // scores = sigmoid or softmax; choice = scores + bias (method kNoauxTc) else scores;
 // group-limited methods keep the topk_groups groups ranked highest (max choice, or sum of

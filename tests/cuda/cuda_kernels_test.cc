@@ -18,6 +18,7 @@
 #include "cuda/decode_moe.h"
 #include "cuda/device.h"
 #include "cuda/grouped_moe.h"
+#include "cuda/head_gemm.h"
 #include "cuda/kernels.h"
 #include "cuda/mla_kernels.h"
 #include "cuda/moe_layer.h"
@@ -994,6 +995,68 @@ TEST(CudaAttentionGqaTest, DecodeTokensMatchCpu) {
       }
     }
   }
+}
+
+// HeadGemm (MLA's per-head products) against float64 math on the same bf16 values: its
+// decode GEMV (one or two tokens; DeepSeek-V2-Lite's absorbed key part into f32 and value
+// part into bf16, and odd shapes: one to eight lanes a row, a partial row group) and
+// cuBLAS (three tokens) with the model's strides.
+TEST(CudaHeadGemmTest, MatchesFloat64) {
+  FLEX_SKIP_WITHOUT_GPU();
+  ASSERT_EQ(std::getenv("FLEXPERT_NO_HEAD_GEMV"), nullptr) << "this test covers the GEMV";
+  struct Case {
+    int heads, n, k, x_head, y_head;
+    DType out;
+  };
+  auto stream = cuda::Stream::create();
+  ASSERT_TRUE(stream.ok());
+  auto hg = cuda::HeadGemm::create(stream.value().get());
+  ASSERT_TRUE(hg.ok());
+  std::mt19937 rng(12);
+  for (const Case& c :
+       {Case{16, 512, 128, 192, 576, DType::kF32}, Case{16, 128, 512, 512, 128, DType::kBF16},
+        Case{5, 3, 8, 8, 7, DType::kF32}, Case{3, 37, 40, 48, 40, DType::kBF16},
+        Case{2, 9, 1024, 1024, 9, DType::kF32}}) {
+    for (int m : {1, 2, 3}) {
+      SCOPED_TRACE("heads " + std::to_string(c.heads) + " n " + std::to_string(c.n) + " k " +
+                   std::to_string(c.k) + " tokens " + std::to_string(m));
+      const int64_t x_row = int64_t{c.heads} * c.x_head, y_row = int64_t{c.heads} * c.y_head;
+      const std::vector<float> x = round_bf16(uniform(static_cast<size_t>(m * x_row), 1.f, rng));
+      const std::vector<float> w =
+          round_bf16(uniform(static_cast<size_t>(c.heads) * c.n * c.k, 1.f, rng));
+      std::vector<float> want(static_cast<size_t>(m * y_row), 0.f);
+      for (int t = 0; t < m; ++t) {
+        for (int h = 0; h < c.heads; ++h) {
+          for (int j = 0; j < c.n; ++j) {
+            double sum = 0.0;
+            for (int i = 0; i < c.k; ++i) {
+              sum += static_cast<double>(x[t * x_row + h * c.x_head + i]) *
+                     w[(static_cast<size_t>(h) * c.n + j) * c.k + i];
+            }
+            want[t * y_row + h * c.y_head + j] = static_cast<float>(sum);
+          }
+        }
+      }
+      auto x_d = to_device(x, DType::kBF16);
+      auto w_d = to_device(w, DType::kBF16);
+      auto y_d = to_device(std::vector<float>(want.size(), 0.f), c.out);
+      const Status st = hg.value().run(DType::kBF16, x_d.data(), m, x_row, c.x_head, w_d.data(),
+                                       c.heads, c.n, c.k, c.out, y_d.data(), y_row, c.y_head);
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      ASSERT_TRUE(stream.value().synchronize().ok());
+      const double err = rel_l2(to_host(y_d.data(), want.size(), c.out), want);
+      EXPECT_LT(err, c.out == DType::kBF16 ? 4e-3 : 1e-6);
+    }
+  }
+  cuda::HeadGemvArgs bad{};
+  bad.num_tokens = 1;
+  bad.num_heads = 1;
+  bad.n = 1;
+  bad.k = 1032;  // Past four passes of 32 lanes.
+  EXPECT_FALSE(cuda::head_gemv_fits(bad));
+  bad.k = 128;
+  bad.x_head_stride = 4;  // Breaks the 16-byte loads.
+  EXPECT_FALSE(cuda::head_gemv_fits(bad));
 }
 
 // Absorbed MLA against float64 math: token t, head h attends over rows 0..positions[t] of
