@@ -479,11 +479,11 @@ Status CudaDeepseekV3Model::enqueue_mlp(Layer& L, int n) {
   if (L.is_moe) {
     // h = rms_norm(x), made by the MoE (its decode route kernel, or an RMSNorm first),
     // serves the routed and the shared experts.
-    FLEX_RETURN_IF_ERROR(run_grouped_moe_norm(
+    const SharedExperts shared{L.w_gu.data(), L.w_down.data(), I, gu_.as<float>(), act_.data()};
+    return run_grouped_moe_norm(
         moe_dims_, router_, L.score_bias.as<float>(), StepDriver::moe_weights(L), moe_,
         MoeInputNorm{x, L.post_norm.as<float>(), eps}, h_.data(), n, in_.num_valid, x,
-        /*accumulate=*/true, blas_, stream_.get()));
-    return I > 0 ? enqueue_swiglu(L, n) : Status();
+        /*accumulate=*/true, blas_, stream_.get(), I > 0 ? &shared : nullptr);
   }
   // A dense layer: its gate/up GEMV normalises x itself where it can.
   FLEX_RETURN_IF_ERROR(blas_.linear_norm(dtype_, x, L.post_norm.as<float>(), eps, n, H,

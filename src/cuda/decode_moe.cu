@@ -116,21 +116,42 @@ __global__ void __launch_bounds__(kRouteWarps * 32) decode_route_kernel(DecodeMo
 // ---- 2. Gate/up per pair: a warp per gate/up row pair (output column j), as kGemv.
 constexpr int kGuWarps = 4, kGuChunks = 8;
 
+// shared_pieces (decode_moe.h) on the device.
+__device__ __forceinline__ int pieces(int shared_inter, int inter) {
+  return shared_inter > 0 ? (shared_inter + inter - 1) / inter : 0;
+}
+
 __global__ void __launch_bounds__(kGuWarps * 32, 1) decode_gate_up_kernel(DecodeMoeArgs a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int p = blockIdx.y;
   const int j = blockIdx.x * kGuWarps + warp;
-  const int I = a.inter, H = a.hidden, kc = H / 8, K = a.topk.top_k;
+  const int I = a.inter, H = a.hidden, kc = H / 8, K = a.topk.top_k, T = a.num_tokens;
   grid_dep_wait();    // slot[] from the route kernel.
   grid_dep_launch();  // After the wait: the down kernel may read slot[] before its own.
   if (j >= I) return;
-  const int slot = a.topk.slot[p];
-  const int w_row0 = (j / 8) * 16 + j % 8, w_row1 = w_row0 + 8;
-  const bf16* W = static_cast<const bf16*>(a.weights) + slot * a.slot_stride;
+  // Routed pair p < T K (slot rows interleaved by 8), else a shared-expert piece.
+  int token, w_row0, w_row1;
+  const bf16* W;
+  bf16* out;
+  if (p < T * K) {
+    token = p / K;
+    w_row0 = (j / 8) * 16 + j % 8;
+    w_row1 = w_row0 + 8;
+    W = static_cast<const bf16*>(a.weights) + a.topk.slot[p] * a.slot_stride;
+    out = static_cast<bf16*>(a.act) + static_cast<int64_t>(p) * I + j;
+  } else {
+    const int S = pieces(a.shared_inter, I), q = p - T * K;
+    token = q / S;
+    w_row0 = (q % S) * I + j;
+    if (w_row0 >= a.shared_inter) return;
+    w_row1 = a.shared_inter + w_row0;
+    W = static_cast<const bf16*>(a.shared_gu);
+    out = static_cast<bf16*>(a.shared_act) + static_cast<int64_t>(token) * a.shared_inter + w_row0;
+  }
   const uint4* w0p = reinterpret_cast<const uint4*>(W + static_cast<int64_t>(w_row0) * H);
   const uint4* w1p = reinterpret_cast<const uint4*>(W + static_cast<int64_t>(w_row1) * H);
   const uint4* arow = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.h) +
-                                                     static_cast<int64_t>(p / K) * H);
+                                                     static_cast<int64_t>(token) * H);
   float acc0 = 0.f, acc1 = 0.f;
   for (int c0 = 0; c0 < kc; c0 += 32 * kGuChunks) {
     uint4 w0[kGuChunks], w1[kGuChunks];
@@ -165,10 +186,7 @@ __global__ void __launch_bounds__(kGuWarps * 32, 1) decode_gate_up_kernel(Decode
   }
   acc0 = warp_sum(acc0);
   acc1 = warp_sum(acc1);
-  if (lane == 0) {
-    static_cast<bf16*>(a.act)[static_cast<int64_t>(p) * I + j] =
-        __float2bfloat16_rn(silu(acc0) * acc1);
-  }
+  if (lane == 0) *out = __float2bfloat16_rn(silu(acc0) * acc1);
 }
 
 // ---- 3. Down + weighted combine: block (8 output columns, token t), warp k = pair k.
@@ -178,16 +196,33 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_combine_kernel
   __shared__ float part[kMaxTopk][kDownCols];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = blockIdx.y, col0 = blockIdx.x * kDownCols;
-  const int K = a.topk.top_k, I = a.inter, H = a.hidden, kc = I / 8;
+  const int K = a.topk.top_k, I = a.inter, H = a.hidden;
+  const int S = pieces(a.shared_inter, I);
   const bf16* down = static_cast<const bf16*>(a.weights) + 2 * static_cast<int64_t>(I) * H;
   const bf16* act = static_cast<const bf16*>(a.act);
   bool waited = false;
-  for (int k = warp; k < K; k += kDownWarps) {
-    const int p = t * K + k;
-    // Final before this grid started (the gate/up kernel released it after its wait).
-    const int slot = __ldcg(a.topk.slot + p);
-    const bf16* W = down + slot * a.slot_stride + static_cast<int64_t>(col0) * I;
-    const uint4* arow = reinterpret_cast<const uint4*>(act + static_cast<int64_t>(p) * I);
+  // Warp k: routed pair k < K (its slot's down rows), else shared piece k - K.
+  for (int k = warp; k < K + S; k += kDownWarps) {
+    const bf16* W;
+    const uint4* arow;
+    int row_len, kc;
+    if (k < K) {
+      const int p = t * K + k;
+      // Final before this grid started (the gate/up kernel released it after its wait).
+      const int slot = __ldcg(a.topk.slot + p);
+      W = down + slot * a.slot_stride + static_cast<int64_t>(col0) * I;
+      arow = reinterpret_cast<const uint4*>(act + static_cast<int64_t>(p) * I);
+      row_len = I;
+      kc = I / 8;
+    } else {
+      const int c_first = (k - K) * I;
+      W = static_cast<const bf16*>(a.shared_down) + static_cast<int64_t>(col0) * a.shared_inter +
+          c_first;
+      arow = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.shared_act) +
+                                            static_cast<int64_t>(t) * a.shared_inter + c_first);
+      row_len = a.shared_inter;
+      kc = min(I, a.shared_inter - c_first) / 8;
+    }
     float acc[kDownCols];
 #pragma unroll
     for (int r = 0; r < kDownCols; ++r) acc[r] = 0.f;
@@ -195,7 +230,7 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_combine_kernel
       uint4 w[kDownCols][kDownChunks];
 #pragma unroll
       for (int r = 0; r < kDownCols; ++r) {
-        const uint4* wr = reinterpret_cast<const uint4*>(W + static_cast<int64_t>(r) * I);
+        const uint4* wr = reinterpret_cast<const uint4*>(W + static_cast<int64_t>(r) * row_len);
 #pragma unroll
         for (int u = 0; u < kDownChunks; ++u) {
           const int c = c0 + u * 32 + lane;
@@ -229,8 +264,8 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_combine_kernel
 #pragma unroll
     for (int r = 0; r < kDownCols; ++r) {
       const float v = warp_sum(acc[r]);
-      // Rounded as the unfused path's y rows.
-      if (lane == 0) part[k][r] = __bfloat162float(__float2bfloat16_rn(v));
+      // Routed: rounded as the unfused path's y rows; shared: f32, as the GEMV's sums.
+      if (lane == 0) part[k][r] = k < K ? __bfloat162float(__float2bfloat16_rn(v)) : v;
     }
   }
   if (!waited) {
@@ -241,6 +276,7 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_combine_kernel
   if (threadIdx.x < kDownCols) {
     float o = 0.f;
     for (int k = 0; k < K; ++k) o += a.topk.weight[t * K + k] * part[k][threadIdx.x];
+    for (int k = K; k < K + S; ++k) o += part[k][threadIdx.x];
     float* dst = a.out + static_cast<int64_t>(t) * H + col0 + threadIdx.x;
     *dst = a.accumulate ? *dst + o : o;
   }
@@ -248,11 +284,24 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_combine_kernel
 
 }  // namespace
 
-bool decode_moe_supported(int num_tokens, int hidden, int inter, int num_experts, int top_k) {
+bool decode_moe_supported(int num_tokens, int hidden, int inter, int num_experts, int top_k,
+                          int shared_inter) {
   return num_tokens >= 1 && num_tokens <= kDecodeMaxTokens && hidden > 0 && hidden % 8 == 0 &&
-         inter > 0 && inter % 8 == 0 && top_k >= 1 && top_k <= kMaxTopk && top_k <= num_experts &&
-         num_experts <= 32 * kTopkMaxPerLane;
+         inter > 0 && inter % 8 == 0 && top_k >= 1 && top_k <= num_experts &&
+         num_experts <= 32 * kTopkMaxPerLane && shared_inter >= 0 && shared_inter % 8 == 0 &&
+         top_k + shared_pieces(shared_inter, inter) <= kMaxTopk;
 }
+
+namespace {
+
+bool args_supported(const DecodeMoeArgs& a) {
+  return decode_moe_supported(a.num_tokens, a.hidden, a.inter, a.topk.num_experts, a.topk.top_k,
+                              a.shared_inter) &&
+         (a.shared_inter == 0 ||
+          (a.shared_gu != nullptr && a.shared_down != nullptr && a.shared_act != nullptr));
+}
+
+}  // namespace
 
 bool decode_route_norm_fits(int num_tokens, int hidden) {
   return rms_vec_fits(hidden) &&
@@ -261,9 +310,7 @@ bool decode_route_norm_fits(int num_tokens, int hidden) {
 }
 
 cudaError_t decode_route(const DecodeMoeArgs& a, cudaStream_t stream) {
-  if (!decode_moe_supported(a.num_tokens, a.hidden, a.inter, a.topk.num_experts, a.topk.top_k)) {
-    return cudaErrorInvalidValue;
-  }
+  if (!args_supported(a)) return cudaErrorInvalidValue;
   if (a.norm_x != nullptr && !decode_route_norm_fits(a.num_tokens, a.hidden)) {
     return cudaErrorInvalidValue;
   }
@@ -289,17 +336,14 @@ cudaError_t decode_route(const DecodeMoeArgs& a, cudaStream_t stream) {
 }
 
 cudaError_t decode_gate_up(const DecodeMoeArgs& a, cudaStream_t stream) {
-  if (!decode_moe_supported(a.num_tokens, a.hidden, a.inter, a.topk.num_experts, a.topk.top_k)) {
-    return cudaErrorInvalidValue;
-  }
-  const dim3 grid((a.inter + kGuWarps - 1) / kGuWarps, a.num_tokens * a.topk.top_k);
+  if (!args_supported(a)) return cudaErrorInvalidValue;
+  const dim3 grid((a.inter + kGuWarps - 1) / kGuWarps,
+                  a.num_tokens * (a.topk.top_k + shared_pieces(a.shared_inter, a.inter)));
   return launch_pdl(decode_gate_up_kernel, grid, dim3(kGuWarps * 32), 0, stream, a);
 }
 
 cudaError_t decode_down_combine(const DecodeMoeArgs& a, cudaStream_t stream) {
-  if (!decode_moe_supported(a.num_tokens, a.hidden, a.inter, a.topk.num_experts, a.topk.top_k)) {
-    return cudaErrorInvalidValue;
-  }
+  if (!args_supported(a)) return cudaErrorInvalidValue;
   const dim3 grid(a.hidden / kDownCols, a.num_tokens);
   return launch_pdl(decode_down_combine_kernel, grid, dim3(kDownWarps * 32), 0, stream, a);
 }

@@ -57,11 +57,28 @@ struct DecodeMoeArgs {
   // slot arrays must be topk's.
   bool use_grouped = false;
   GroupedTopkArgs grouped{};
+  // With shared_inter > 0: each token's shared experts (DeepSeek) in the same two
+  // kernels, as shared_pieces(shared_inter, inter) more pairs a token, piece s taking
+  // intermediate columns [s * inter, (s + 1) * inter): gate/up rows of shared_gu (bf16
+  // [2 Is, H], gate rows then up rows, the dense MLP's layout) into shared_act (bf16 [T,
+  // Is]), then shared_down (bf16 [H, Is]) added to the token's combine unweighted, in f32.
+  const void* shared_gu = nullptr;
+  const void* shared_down = nullptr;
+  int shared_inter = 0;
+  void* shared_act = nullptr;
 };
 
+// The pieces of `inter` columns (the routed experts') a token's shared experts of
+// shared_inter columns take in the decode kernels.
+constexpr int shared_pieces(int shared_inter, int inter) {
+  return shared_inter > 0 ? (shared_inter + inter - 1) / inter : 0;
+}
+
 // Whether the three kernels take this shape (bf16; T <= kDecodeMaxTokens, H and I
-// multiples of 8, top-k and experts as router_topk).
-bool decode_moe_supported(int num_tokens, int hidden, int inter, int num_experts, int top_k);
+// multiples of 8, top-k and experts as router_topk; shared experts of shared_inter
+// columns, a multiple of 8, with top-k + their pieces <= 32).
+bool decode_moe_supported(int num_tokens, int hidden, int inter, int num_experts, int top_k,
+                          int shared_inter = 0);
 
 // Whether decode_route can normalise h itself (H % 4 == 0, H <= 8192, T x H bf16 within
 // kGemvNormSmemBytes of shared memory).

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "cuda/decode_moe.h"
 #include "cuda/kernels.h"
 
 namespace flexpert::cuda {
@@ -88,18 +89,33 @@ Status run_grouped_moe_norm(const MoeDims& dims, const GroupedRouter& router,
                             const float* score_bias, const MoeLayerWeights& w, MoeScratch& scratch,
                             const MoeInputNorm& norm, void* h, int num_tokens,
                             const int32_t* num_valid_tokens, float* out, bool accumulate,
-                            Blas& blas, cudaStream_t stream) {
+                            Blas& blas, cudaStream_t stream, const SharedExperts* shared) {
   static const bool no_decode = std::getenv("FLEXPERT_NO_DECODE_MOE") != nullptr;
+  static const bool no_shared_fusion = std::getenv("FLEXPERT_NO_SHARED_FUSION") != nullptr;
   if (num_tokens == 0) return Status();
-  if (!no_decode && w.router != nullptr && route_norm_fuses(dims, scratch, num_tokens)) {
-    return run_decode_grouped(dims, w, scratch,
-                              grouped_args(dims, router, score_bias, w, scratch, num_tokens), h,
-                              num_tokens, num_valid_tokens, out, accumulate, stream, &norm);
+  if (shared != nullptr && shared->inter == 0) shared = nullptr;
+  const bool decode =
+      !no_decode && w.router != nullptr && route_norm_fuses(dims, scratch, num_tokens);
+  const bool shared_inside = decode && shared != nullptr && !no_shared_fusion &&
+                             decode_moe_supported(num_tokens, dims.hidden, dims.intermediate,
+                                                  dims.num_experts, dims.top_k, shared->inter);
+  if (decode) {
+    FLEX_RETURN_IF_ERROR(run_decode_grouped(
+        dims, w, scratch, grouped_args(dims, router, score_bias, w, scratch, num_tokens), h,
+        num_tokens, num_valid_tokens, out, accumulate, stream, &norm,
+        shared_inside ? shared : nullptr));
+  } else {
+    FLEX_CUDA_TRY(rms_norm(dims.dtype, norm.x, nullptr, norm.weight, num_tokens, dims.hidden,
+                           norm.eps, h, stream));
+    FLEX_RETURN_IF_ERROR(run_grouped_moe(dims, router, score_bias, w, scratch, h, num_tokens,
+                                         num_valid_tokens, out, accumulate, blas, stream));
   }
-  FLEX_CUDA_TRY(rms_norm(dims.dtype, norm.x, nullptr, norm.weight, num_tokens, dims.hidden,
-                         norm.eps, h, stream));
-  return run_grouped_moe(dims, router, score_bias, w, scratch, h, num_tokens, num_valid_tokens, out,
-                         accumulate, blas, stream);
+  if (shared == nullptr || shared_inside) return Status();
+  const int H = dims.hidden, Is = shared->inter;
+  FLEX_RETURN_IF_ERROR(blas.linear(dims.dtype, h, num_tokens, H, shared->gate_up, 2 * Is,
+                                   shared->gu, /*accumulate=*/false));
+  return blas.linear_swiglu(dims.dtype, shared->gu, num_tokens, Is, shared->down, H, out,
+                            /*accumulate=*/true, shared->act);
 }
 
 }  // namespace flexpert::cuda

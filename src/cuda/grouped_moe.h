@@ -34,13 +34,15 @@ Status run_grouped_moe(const MoeDims& dims, const GroupedRouter& router, const f
                        const int32_t* num_valid_tokens, float* out, bool accumulate, Blas& blas,
                        cudaStream_t stream, int force_tile = -1);
 
-// run_grouped_moe of h = rms_norm(norm.x), h ([T, H] in dims.dtype) written here for the
-// shared experts too. On the decode path of one or two tokens its route kernel
-// normalises (route_norm_fuses), so no RMSNorm kernel runs.
+// run_grouped_moe of h = rms_norm(norm.x) (h: [T, H] in dims.dtype, written here), then
+// out += the shared experts of h where given. On the decode path of one or two tokens the
+// route kernel normalises (route_norm_fuses), so no RMSNorm kernel runs, and the shared
+// experts run inside the decode kernels (decode_moe.h); else as a dense MLP (Blas::linear,
+// linear_swiglu). FLEXPERT_NO_SHARED_FUSION=1: never inside (comparisons).
 Status run_grouped_moe_norm(const MoeDims& dims, const GroupedRouter& router,
                             const float* score_bias, const MoeLayerWeights& w, MoeScratch& scratch,
                             const MoeInputNorm& norm, void* h, int num_tokens,
                             const int32_t* num_valid_tokens, float* out, bool accumulate,
-                            Blas& blas, cudaStream_t stream);
+                            Blas& blas, cudaStream_t stream, const SharedExperts* shared = nullptr);
 
 }  // namespace flexpert::cuda

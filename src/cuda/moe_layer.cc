@@ -143,7 +143,8 @@ TopkArgs topk_args(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& sc
 Status run_decode(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch, const void* h,
                   int num_tokens, const int32_t* num_valid_tokens, float* out, bool accumulate,
                   cudaStream_t stream, unsigned stages, const MoeInputNorm* norm = nullptr,
-                  void* h_out = nullptr, const GroupedTopkArgs* grouped = nullptr) {
+                  void* h_out = nullptr, const GroupedTopkArgs* grouped = nullptr,
+                  const SharedExperts* shared = nullptr) {
   DecodeMoeArgs d;
   d.h = h;
   if (norm != nullptr) {
@@ -169,6 +170,12 @@ Status run_decode(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scr
     d.use_grouped = true;
     d.grouped = *grouped;
   }
+  if (shared != nullptr) {
+    d.shared_gu = shared->gate_up;
+    d.shared_down = shared->down;
+    d.shared_inter = shared->inter;
+    d.shared_act = shared->act;
+  }
   if (stages & kMoeRouter) FLEX_CUDA_TRY(decode_route(d, stream));
   if (stages & kMoeGateUp) FLEX_CUDA_TRY(decode_gate_up(d, stream));
   if (stages & kMoeDown) FLEX_CUDA_TRY(decode_down_combine(d, stream));
@@ -180,16 +187,19 @@ Status run_decode(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scr
 Status run_decode_grouped(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                           const GroupedTopkArgs& grouped, const void* h, int num_tokens,
                           const int32_t* num_valid_tokens, float* out, bool accumulate,
-                          cudaStream_t stream, const MoeInputNorm* norm) {
+                          cudaStream_t stream, const MoeInputNorm* norm,
+                          const SharedExperts* shared) {
   if (num_tokens == 0) return Status();
   if (num_tokens > scratch.max_tokens || !uses_decode_path(dims, num_tokens) ||
-      (norm != nullptr && !route_norm_fuses(dims, scratch, num_tokens))) {
+      (norm != nullptr && !route_norm_fuses(dims, scratch, num_tokens)) ||
+      (shared != nullptr && !decode_moe_supported(num_tokens, dims.hidden, dims.intermediate,
+                                                  dims.num_experts, dims.top_k, shared->inter))) {
     return internal_error("decode MoE step of " + std::to_string(num_tokens) +
                           " tokens: not a decode step or over the scratch capacity");
   }
   return run_decode(dims, w, scratch, h, num_tokens, num_valid_tokens, out, accumulate, stream,
-                    kMoeAllStages, norm, norm != nullptr ? const_cast<void*>(h) : nullptr,
-                    &grouped);
+                    kMoeAllStages, norm, norm != nullptr ? const_cast<void*>(h) : nullptr, &grouped,
+                    shared);
 }
 
 PermuteArgs permute_args(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,

@@ -130,6 +130,16 @@ Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratc
 // kMoeDown = down + combine; kMoeTopk, kMoePermute or kMoeCombine alone run nothing.
 bool uses_decode_path(const MoeDims& dims, int num_tokens);
 
+// A MoE layer's shared experts (DeepSeek): weights, and the model's scratch for the steps
+// that run them as a dense MLP.
+struct SharedExperts {
+  const void* gate_up = nullptr;  // [2 inter, H] in dims.dtype: gate rows, then up rows.
+  const void* down = nullptr;     // [H, inter]
+  int inter = 0;
+  float* gu = nullptr;  // f32 [T, 2 inter]
+  void* act = nullptr;  // [T, inter] in dims.dtype
+};
+
 // Whether run_moe_norm (and run_grouped_moe_norm) normalise in the decode route kernel
 // for this step: the decode path of one or two tokens whose rows fit its shared memory.
 bool route_norm_fuses(const MoeDims& dims, const MoeScratch& scratch, int num_tokens);
@@ -137,11 +147,14 @@ bool route_norm_fuses(const MoeDims& dims, const MoeScratch& scratch, int num_to
 // The decode path with DeepSeek's router: `grouped` (mla_kernels.h) in place of the
 // softmax top-k; its logits, expert, weight and slot arrays must be scratch's.
 // uses_decode_path(dims, num_tokens) must hold. With norm (route_norm_fuses must hold):
-// h = rms_norm(norm->x), made by the route kernel and written to h.
+// h = rms_norm(norm->x), made by the route kernel and written to h. With shared
+// (decode_moe_supported with its inter must hold): the shared experts in the same
+// kernels (decode_moe.h), added to out.
 Status run_decode_grouped(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                           const GroupedTopkArgs& grouped, const void* h, int num_tokens,
                           const int32_t* num_valid_tokens, float* out, bool accumulate,
-                          cudaStream_t stream, const MoeInputNorm* norm = nullptr);
+                          cudaStream_t stream, const MoeInputNorm* norm = nullptr,
+                          const SharedExperts* shared = nullptr);
 
 // Copies the last run's per-pair logical experts and slots to the host (tests,
 // benchmarks); synchronises `stream`.

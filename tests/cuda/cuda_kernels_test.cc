@@ -677,6 +677,50 @@ TEST(CudaDecodeMoeTest, GroupedRouterMatchesUnfusedPath) {
         EXPECT_EQ(inside.stats, outside.stats);
         EXPECT_EQ(inside.h, outside.h) << "h, bit for bit";
         EXPECT_EQ(inside.out, outside.out) << "outputs, bit for bit";
+
+        // Shared experts inside the decode kernels (as pieces of I columns: one for V3's
+        // shape, three with a partial last for V2's) against the dense MLP after the MoE.
+        const int Is = v3 ? I : 2 * I + 8;
+        auto sgu = to_device(uniform(static_cast<size_t>(2) * Is * H, 0.3f, rng), DType::kBF16);
+        auto sdown = to_device(uniform(static_cast<size_t>(H) * Is, 0.3f, rng), DType::kBF16);
+        auto gu = cuda::DeviceBuffer::create(static_cast<size_t>(T) * 2 * Is * sizeof(float));
+        auto act = cuda::DeviceBuffer::create(static_cast<size_t>(T) * Is * 2);
+        ASSERT_TRUE(gu.ok() && act.ok());
+        const cuda::SharedExperts shared{sgu.data(), sdown.data(), Is, gu.value().as<float>(),
+                                         act.value().data()};
+        ASSERT_TRUE(cuda::decode_moe_supported(T, H, I, E, K, Is));
+        auto run_shared = [&](bool inside) {
+          auto h = cuda::DeviceBuffer::create(static_cast<size_t>(T) * H * 2);
+          EXPECT_TRUE(h.ok());
+          return decode_run(
+              dims, layer, T, stream.value(),
+              [&](const cuda::MoeLayerWeights& w, cuda::MoeScratch& scratch, float* out) {
+                if (inside) {
+                  return cuda::run_grouped_moe_norm(dims, r, bias_d.as<float>(), w, scratch, norm,
+                                                    h.value().data(), T, nullptr, out, false,
+                                                    blas.value(), s, &shared);
+                }
+                Status st = cuda::run_grouped_moe_norm(dims, r, bias_d.as<float>(), w, scratch,
+                                                       norm, h.value().data(), T, nullptr, out,
+                                                       false, blas.value(), s);
+                if (st.ok()) {
+                  st = blas.value().linear(DType::kBF16, h.value().data(), T, H, sgu.data(), 2 * Is,
+                                           gu.value().as<float>(), false);
+                }
+                if (st.ok()) {
+                  st = blas.value().linear_swiglu(DType::kBF16, gu.value().as<float>(), T, Is,
+                                                  sdown.data(), H, out, true, act.value().data());
+                }
+                return st;
+              });
+        };
+        const DecodeRun with_inside = run_shared(true), with_after = run_shared(false);
+        EXPECT_EQ(with_inside.slots, with_after.slots);
+        const double err = rel_l2(with_inside.out, with_after.out);
+        std::printf("  shared experts inside, %d pieces: relative L2 vs after = %.3g\n",
+                    cuda::shared_pieces(Is, I), err);
+        EXPECT_LT(err, 1e-5);
+        EXPECT_GT(rel_l2(with_after.out, inside.out), 1e-2) << "the shared experts count";
       }
     }
   }
