@@ -438,10 +438,11 @@ Status CudaDeepseekV3Model::enqueue_attention(Layer& L, int n) {
                  dn,
                  dr,
                  r};
-  FLEX_CUDA_TRY(mla_rope_store(dtype_, ra, s));
-  // Absorb: q_latent[t, h, :r] = W_uk[h]^T q_nope[t, h].
+  // Absorb: q_latent[t, h, :r] = W_uk[h]^T q_nope[t, h]; with the rotary parts and the
+  // cache row (one launch in decode steps).
   FLEX_RETURN_IF_ERROR(head_gemm_.run(dtype_, q_.data(), n, nh * q_head, q_head, L.w_uk_t.data(),
-                                      nh, r, dn, DType::kF32, q_latent_.data(), nh * row, row));
+                                      nh, r, dn, DType::kF32, q_latent_.data(), nh * row, row,
+                                      &ra));
   MlaAttentionArgs aa{q_latent_.as<float>(),
                       L.kv_cache.data(),
                       in_.positions,

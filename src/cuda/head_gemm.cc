@@ -48,7 +48,8 @@ Result<HeadGemm> HeadGemm::create(cudaStream_t stream) {
 
 Status HeadGemm::run(DType in_dtype, const void* x, int64_t m, int64_t x_row_stride,
                      int64_t x_head_stride, const void* w, int64_t num_heads, int64_t n, int64_t k,
-                     DType out_dtype, void* y, int64_t y_row_stride, int64_t y_head_stride) {
+                     DType out_dtype, void* y, int64_t y_row_stride, int64_t y_head_stride,
+                     const MlaRopeArgs* rope) {
   static const bool no_gemv = std::getenv("FLEXPERT_NO_HEAD_GEMV") != nullptr;
   if (m == 0 || n == 0 || num_heads == 0) return Status();
   const HeadGemvArgs args{x,
@@ -64,9 +65,10 @@ Status HeadGemm::run(DType in_dtype, const void* x, int64_t m, int64_t x_row_str
                           y_row_stride,
                           y_head_stride};
   if (!no_gemv && in_dtype == DType::kBF16 && m <= kHeadGemvMaxRows && head_gemv_fits(args)) {
-    FLEX_CUDA_TRY(head_gemv(args, stream_));
+    FLEX_CUDA_TRY(head_gemv(args, stream_, rope));
     return Status();
   }
+  if (rope != nullptr) FLEX_CUDA_TRY(mla_rope_store(in_dtype, *rope, stream_));
   // Per head, row-major y[m, n] = x[m, k] w[n, k]^T is column-major y^T = w^T x^T (see
   // Blas::gemm_nt); heads are batches with strides n * k (w), x_head_stride, y_head_stride.
   const cublasComputeType_t compute =

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cuda/device.h"
+#include "cuda/mla_kernels.h"
 #include "flexpert/dtype.h"
 #include "flexpert/status.h"
 
@@ -31,9 +32,11 @@ class HeadGemm {
   // y in `out_dtype`, f32 accumulation. bf16 steps of up to kHeadGemvMaxRows tokens run
   // head_gemv (mla_kernels.h: no cuBLAS launch in the decode chain of programmatic
   // dependent launches); FLEXPERT_NO_HEAD_GEMV=1: always cuBLAS (comparisons).
+  // With rope (its tokens m, dtype in_dtype): mla_rope_store(rope) as well, inside the
+  // GEMV's launch where it runs.
   Status run(DType in_dtype, const void* x, int64_t m, int64_t x_row_stride, int64_t x_head_stride,
              const void* w, int64_t num_heads, int64_t n, int64_t k, DType out_dtype, void* y,
-             int64_t y_row_stride, int64_t y_head_stride);
+             int64_t y_row_stride, int64_t y_head_stride, const MlaRopeArgs* rope = nullptr);
 
  private:
   cublasHandle_t handle_ = nullptr;

@@ -42,13 +42,10 @@ __device__ __forceinline__ void rope_warp(const S* src, D* dst, const float* cs,
   }
 }
 
-// Grid (tokens, heads + 1), one warp: block y < heads rotates that q head's rope part,
-// y == heads normalises, rotates and stores the token's cache row.
+// Warp task h of token t: h < heads rotates that q head's rope part, h == heads
+// normalises, rotates and stores the token's cache row.
 template <typename T>
-__global__ void mla_rope_store_kernel(MlaRopeArgs a) {
-  grid_dep_wait();  // pdl.cuh: nothing is read before the predecessor is complete.
-  grid_dep_launch();
-  const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
+__device__ __forceinline__ void rope_store_warp(const MlaRopeArgs& a, int t, int h, int lane) {
   const int pos = a.positions[t];
   const int half = a.rope_dim / 2;
   const float* cs = a.rope_cos + static_cast<int64_t>(pos) * half;
@@ -69,6 +66,14 @@ __global__ void mla_rope_store_kernel(MlaRopeArgs a) {
   const float inv = 1.0f / sqrtf(ss / static_cast<float>(r) + a.eps);
   for (int i = lane; i < r; i += 32) dst[i] = from_f32<T>(kv[i] * inv * a.kv_norm[i]);
   rope_warp(kv + r, dst + r, cs, sn, a.rope_dim, a.interleaved, lane);
+}
+
+// Grid (tokens, heads + 1), one warp: rope_store_warp(blockIdx.x, blockIdx.y).
+template <typename T>
+__global__ void mla_rope_store_kernel(MlaRopeArgs a) {
+  grid_dep_wait();  // pdl.cuh: nothing is read before the predecessor is complete.
+  grid_dep_launch();
+  rope_store_warp<T>(a, blockIdx.x, blockIdx.y, threadIdx.x);
 }
 
 // One block per (token, head, split); warp w takes the split's chunks of 32 rows w,
@@ -644,8 +649,22 @@ cudaError_t launch_mma_grouped(const MlaAttentionArgs& a, cudaStream_t stream) {
 // head_gemv: lanes [g * L, (g + 1) * L) of the grid's threads take weight row g (head
 // g / n, output j = g % n), chunk c of 8 elements at lane c % L, pass c / L.
 constexpr int kHeadGemvThreads = 256, kHeadGemvPasses = 4;
+// Blocks from gemv_blocks on (with_rope) do mla_rope_store's work instead, a warp per
+// (token, task).
 template <int M>
-__global__ void __launch_bounds__(kHeadGemvThreads) head_gemv_kernel(HeadGemvArgs a, int lanes) {
+__global__ void __launch_bounds__(kHeadGemvThreads)
+    head_gemv_kernel(HeadGemvArgs a, int lanes, unsigned gemv_blocks, bool with_rope,
+                     MlaRopeArgs rope) {
+  if (with_rope && blockIdx.x >= gemv_blocks) {
+    grid_dep_wait();
+    grid_dep_launch();
+    const int task = (blockIdx.x - gemv_blocks) * (kHeadGemvThreads / 32) + threadIdx.x / 32;
+    const int per_token = rope.num_heads + 1;
+    if (task < rope.num_tokens * per_token) {
+      rope_store_warp<bf16>(rope, task / per_token, task % per_token, threadIdx.x % 32);
+    }
+    return;
+  }
   const int64_t g = (static_cast<int64_t>(blockIdx.x) * kHeadGemvThreads + threadIdx.x) / lanes;
   const int sub = threadIdx.x % lanes;
   const int64_t rows = static_cast<int64_t>(a.num_heads) * a.n;
@@ -781,16 +800,26 @@ bool head_gemv_fits(const HeadGemvArgs& a) {
          a.x_head_stride % 8 == 0;
 }
 
-cudaError_t head_gemv(const HeadGemvArgs& a, cudaStream_t stream) {
-  if (!head_gemv_fits(a)) return cudaErrorInvalidValue;
+cudaError_t head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const MlaRopeArgs* rope) {
+  if (!head_gemv_fits(a) || (rope != nullptr && rope->num_tokens != a.num_tokens)) {
+    return cudaErrorInvalidValue;
+  }
   if (a.num_tokens == 0) return cudaSuccess;
   int lanes = 1;
   while (lanes < 32 && lanes < a.k / 8) lanes *= 2;
   const int64_t threads = static_cast<int64_t>(a.num_heads) * a.n * lanes;
-  const dim3 grid(static_cast<unsigned>((threads + kHeadGemvThreads - 1) / kHeadGemvThreads));
+  const auto gemv_blocks =
+      static_cast<unsigned>((threads + kHeadGemvThreads - 1) / kHeadGemvThreads);
+  constexpr int kWarpsPerBlock = kHeadGemvThreads / 32;
+  const unsigned rope_blocks =
+      rope != nullptr
+          ? static_cast<unsigned>((a.num_tokens * (rope->num_heads + 1) + kWarpsPerBlock - 1) /
+                                  kWarpsPerBlock)
+          : 0;
   auto kernel = a.num_tokens == 1 ? head_gemv_kernel<1> : head_gemv_kernel<2>;
   static_assert(kHeadGemvMaxRows == 2);
-  return launch_pdl(kernel, grid, dim3(kHeadGemvThreads), 0, stream, a, lanes);
+  return launch_pdl(kernel, dim3(gemv_blocks + rope_blocks), dim3(kHeadGemvThreads), 0, stream, a,
+                    lanes, gemv_blocks, rope != nullptr, rope != nullptr ? *rope : MlaRopeArgs{});
 }
 
 bool grouped_topk_args_ok(const GroupedTopkArgs& a) {

@@ -92,7 +92,10 @@ struct HeadGemvArgs {
 };
 inline constexpr int kHeadGemvMaxRows = 2;
 bool head_gemv_fits(const HeadGemvArgs& args);
-cudaError_t head_gemv(const HeadGemvArgs& args, cudaStream_t stream);
+// With rope (bf16, the same tokens): mla_rope_store's work in the same launch (blocks of
+// their own), so the absorbed query and the rotary parts of a decode step are one kernel.
+cudaError_t head_gemv(const HeadGemvArgs& args, cudaStream_t stream,
+                      const MlaRopeArgs* rope = nullptr);
 
 // DeepSeek's router on f32 logits [T, E], as select_experts_grouped (moe/moe_layer.h):
 // scores = sigmoid or softmax; choice = scores + bias (method kNoauxTc) else scores;

@@ -1103,6 +1103,92 @@ TEST(CudaHeadGemmTest, MatchesFloat64) {
   EXPECT_FALSE(cuda::head_gemv_fits(bad));
 }
 
+// HeadGemm::run with MLA's rotary work (the decode step's absorbed query, one launch)
+// against mla_rope_store and then the product alone: q_latent (absorbed and rotary parts)
+// and the cache rows bit for bit, for one and two tokens in different KV slots, plain and
+// interleaved RoPE, and three tokens (cuBLAS and the separate kernel).
+TEST(CudaHeadGemmTest, RopeInsideEqualsMlaRopeStore) {
+  FLEX_SKIP_WITHOUT_GPU();
+  const int nh = 4, dn = 16, dr = 8, r = 32, row = r + dr, max_len = 8, slots = 3;
+  auto stream = cuda::Stream::create();
+  ASSERT_TRUE(stream.ok());
+  cudaStream_t s = stream.value().get();
+  auto hg = cuda::HeadGemm::create(s);
+  ASSERT_TRUE(hg.ok());
+  std::mt19937 rng(13);
+  std::vector<float> cosv(max_len * dr / 2), sinv(max_len * dr / 2);
+  for (size_t i = 0; i < cosv.size(); ++i) {
+    cosv[i] = std::cos(0.3f * static_cast<float>(i));
+    sinv[i] = std::sin(0.3f * static_cast<float>(i));
+  }
+  auto cos_d = to_device(cosv, DType::kF32);
+  auto sin_d = to_device(sinv, DType::kF32);
+  auto norm_d = to_device(uniform(r, 1.f, rng), DType::kF32);
+  auto w_d = to_device(uniform(static_cast<size_t>(nh) * r * dn, 1.f, rng), DType::kBF16);
+  for (const int T : {1, 2, 3}) {
+    for (const bool interleaved : {false, true}) {
+      SCOPED_TRACE(std::to_string(T) + " tokens, interleaved " + std::to_string(interleaved));
+      const std::vector<int32_t> pos = {5, 2, 7}, slot = {2, 0, 1};
+      auto pos_d = to_device_raw(std::vector<int32_t>(pos.begin(), pos.begin() + T));
+      auto slot_d = to_device_raw(std::vector<int32_t>(slot.begin(), slot.begin() + T));
+      auto kv_d = to_device(uniform(static_cast<size_t>(T) * (row + 4), 2.f, rng), DType::kF32);
+      auto q_d =
+          to_device(uniform(static_cast<size_t>(T) * nh * (dn + dr), 1.f, rng), DType::kBF16);
+      const size_t lat_n = static_cast<size_t>(T) * nh * row;
+      const size_t cache_n = static_cast<size_t>(slots) * max_len * row;
+      std::vector<std::vector<float>> lat(2), cache(2);
+      for (const bool inside : {true, false}) {
+        auto lat_d = to_device(std::vector<float>(lat_n, 0.f), DType::kF32);
+        auto cache_d = to_device(std::vector<float>(cache_n, 0.f), DType::kBF16);
+        const cuda::MlaRopeArgs ra{kv_d.as<float>(),
+                                   row + 4,
+                                   norm_d.as<float>(),
+                                   1e-6f,
+                                   q_d.data(),
+                                   lat_d.as<float>(),
+                                   cos_d.as<float>(),
+                                   sin_d.as<float>(),
+                                   interleaved,
+                                   pos_d.as<int32_t>(),
+                                   slot_d.as<int32_t>(),
+                                   max_len,
+                                   cache_d.data(),
+                                   T,
+                                   nh,
+                                   dn,
+                                   dr,
+                                   r};
+        if (!inside) {
+          ASSERT_EQ(cuda::mla_rope_store(DType::kBF16, ra, s), cudaSuccess);
+        }
+        const Status st =
+            hg.value().run(DType::kBF16, q_d.data(), T, nh * (dn + dr), dn + dr, w_d.data(), nh, r,
+                           dn, DType::kF32, lat_d.data(), nh * row, row, inside ? &ra : nullptr);
+        ASSERT_TRUE(st.ok()) << st.to_string();
+        ASSERT_TRUE(stream.value().synchronize().ok());
+        lat[inside] = to_host(lat_d.data(), lat_n, DType::kF32);
+        cache[inside] = to_host(cache_d.data(), cache_n, DType::kBF16);
+      }
+      EXPECT_EQ(lat[1], lat[0]);
+      EXPECT_EQ(cache[1], cache[0]);
+      // The launch wrote something: each token's cache row and rotary query parts.
+      for (int t = 0; t < T; ++t) {
+        double row_sq = 0.0, rope_sq = 0.0;
+        for (int i = 0; i < row; ++i) {
+          const float v = cache[1][(static_cast<size_t>(slot[t]) * max_len + pos[t]) * row + i];
+          row_sq += static_cast<double>(v) * v;
+        }
+        for (int i = r; i < row; ++i) {
+          const float v = lat[1][static_cast<size_t>(t) * nh * row + i];
+          rope_sq += static_cast<double>(v) * v;
+        }
+        EXPECT_GT(row_sq, 0.0) << "token " << t;
+        EXPECT_GT(rope_sq, 0.0) << "token " << t;
+      }
+    }
+  }
+}
+
 // Absorbed MLA against float64 math: token t, head h attends over rows 0..positions[t] of
 // cache slot kv_slots[t] with scores scale * q_latent[t, h] . row, and outputs the
 // softmax-weighted sum of the rows' first kv_lora_rank dims. bf16 with kv_lora_rank
