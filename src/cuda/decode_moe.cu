@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kGuWarps * 32, 1) decode_gate_up_kernel(Decode
 }
 
 // ---- 3. Down + weighted combine: block (8 output columns, token t), warp k = pair k.
-constexpr int kDownCols = 8, kDownChunks = 3, kDownWarps = 8, kMaxTopk = 32;
+constexpr int kDownCols = 8, kDownChunks = 3, kDownWarps = kDecodeDownWarps, kMaxTopk = 32;
 
 __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_combine_kernel(DecodeMoeArgs a) {
   __shared__ float part[kMaxTopk][kDownCols];
@@ -287,9 +287,9 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_combine_kernel
 bool decode_moe_supported(int num_tokens, int hidden, int inter, int num_experts, int top_k,
                           int shared_inter) {
   return num_tokens >= 1 && num_tokens <= kDecodeMaxTokens && hidden > 0 && hidden % 8 == 0 &&
-         inter > 0 && inter % 8 == 0 && top_k >= 1 && top_k <= num_experts &&
+         inter > 0 && inter % 8 == 0 && top_k >= 1 && top_k <= num_experts && top_k <= kMaxTopk &&
          num_experts <= 32 * kTopkMaxPerLane && shared_inter >= 0 && shared_inter % 8 == 0 &&
-         top_k + shared_pieces(shared_inter, inter) <= kMaxTopk;
+         (shared_inter == 0 || top_k + shared_pieces(shared_inter, inter) <= kDownWarps);
 }
 
 namespace {

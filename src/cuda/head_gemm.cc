@@ -64,7 +64,8 @@ Status HeadGemm::run(DType in_dtype, const void* x, int64_t m, int64_t x_row_str
                           out_dtype == DType::kBF16,
                           y_row_stride,
                           y_head_stride};
-  if (!no_gemv && in_dtype == DType::kBF16 && m <= kHeadGemvMaxRows && head_gemv_fits(args)) {
+  if (!no_gemv && in_dtype == DType::kBF16 && m <= kHeadGemvMaxRows &&
+      num_heads * n * k <= kHeadGemvMaxElems && head_gemv_fits(args)) {
     FLEX_CUDA_TRY(head_gemv(args, stream_, rope));
     return Status();
   }
