@@ -81,11 +81,18 @@ int64_t gemv_max_rows() {
   return max_rows;
 }
 
+// Whether linear() and its fused forms take the GEMV for m rows of k over n columns (more
+// than one row: short rows of small weights only, blas.h).
+bool gemv_takes(int64_t m, int64_t k, int64_t n) {
+  return m <= gemv_max_rows() && n * k <= Blas::kLinearGemvMax &&
+         (m == 1 || (k <= Blas::kLinearGemvLongRow && n * k <= Blas::kLinearGemvMaxPair));
+}
+
 }  // namespace
 
 Status Blas::linear(DType in_dtype, const void* x, int64_t m, int64_t k, const void* w, int64_t n,
                     float* y, bool accumulate) {
-  if (m <= gemv_max_rows() && gemv_nt_fits(in_dtype, m, k) && n * k <= kLinearGemvMax) {
+  if (gemv_takes(m, k, n) && gemv_nt_fits(in_dtype, m, k)) {
     FLEX_CUDA_TRY(gemv_nt(x, static_cast<int>(m), static_cast<int>(k), w, static_cast<int>(n), y,
                           accumulate, stream_));
     return Status();
@@ -95,8 +102,8 @@ Status Blas::linear(DType in_dtype, const void* x, int64_t m, int64_t k, const v
 
 bool Blas::norm_fuses(DType in_dtype, int64_t m, int64_t k, int64_t n) {
   static const bool no_fusion = std::getenv("FLEXPERT_NO_NORM_FUSION") != nullptr;
-  return !no_fusion && in_dtype == DType::kBF16 && m <= gemv_max_rows() &&
-         gemv_norm_nt_fits(m, k) && n * k <= kLinearGemvMax;
+  return !no_fusion && in_dtype == DType::kBF16 && gemv_takes(m, k, n) && gemv_norm_nt_fits(m, k) &&
+         n * k <= kLinearGemvMax;
 }
 
 Status Blas::linear_norm(DType in_dtype, const float* x, const float* norm_weight, float eps,
@@ -124,7 +131,7 @@ Status Blas::linear_norm_rows(DType in_dtype, const float* x, int64_t x_stride,
 Status Blas::linear_swiglu(DType in_dtype, const float* gu, int64_t m, int64_t inter, const void* w,
                            int64_t n, float* y, bool accumulate, void* act) {
   static const bool no_fusion = std::getenv("FLEXPERT_NO_SWIGLU_FUSION") != nullptr;
-  if (!no_fusion && in_dtype == DType::kBF16 && m <= gemv_max_rows() &&
+  if (!no_fusion && in_dtype == DType::kBF16 && gemv_takes(m, inter, n) &&
       gemv_swiglu_nt_fits(m, inter) && n * inter <= kLinearGemvMax) {
     FLEX_CUDA_TRY(gemv_swiglu_nt(gu, static_cast<int>(m), static_cast<int>(inter), w,
                                  static_cast<int>(n), y, accumulate, stream_));
