@@ -102,8 +102,7 @@ Status Blas::linear(DType in_dtype, const void* x, int64_t m, int64_t k, const v
 
 bool Blas::norm_fuses(DType in_dtype, int64_t m, int64_t k, int64_t n) {
   static const bool no_fusion = std::getenv("FLEXPERT_NO_NORM_FUSION") != nullptr;
-  return !no_fusion && in_dtype == DType::kBF16 && gemv_takes(m, k, n) && gemv_norm_nt_fits(m, k) &&
-         n * k <= kLinearGemvMax;
+  return !no_fusion && in_dtype == DType::kBF16 && gemv_takes(m, k, n) && gemv_norm_nt_fits(m, k);
 }
 
 Status Blas::linear_norm(DType in_dtype, const float* x, const float* norm_weight, float eps,
@@ -114,7 +113,8 @@ Status Blas::linear_norm(DType in_dtype, const float* x, const float* norm_weigh
 Status Blas::linear_norm_rows(DType in_dtype, const float* x, int64_t x_stride,
                               const float* norm_weight, float eps, int64_t m, int64_t k,
                               const void* w, int64_t n, DType out_dtype, void* y, void* h) {
-  if (norm_fuses(in_dtype, m, k, n) && x_stride % 4 == 0) {
+  if (norm_fuses(in_dtype, m, k, n) && x_stride % 4 == 0 && x_stride >= k &&
+      (out_dtype == DType::kF32 || out_dtype == DType::kBF16)) {
     FLEX_CUDA_TRY(gemv_norm_nt_rows(x, x_stride, norm_weight, eps, static_cast<int>(m),
                                     static_cast<int>(k), w, static_cast<int>(n), out_dtype, y,
                                     stream_));
@@ -132,7 +132,7 @@ Status Blas::linear_swiglu(DType in_dtype, const float* gu, int64_t m, int64_t i
                            int64_t n, float* y, bool accumulate, void* act) {
   static const bool no_fusion = std::getenv("FLEXPERT_NO_SWIGLU_FUSION") != nullptr;
   if (!no_fusion && in_dtype == DType::kBF16 && gemv_takes(m, inter, n) &&
-      gemv_swiglu_nt_fits(m, inter) && n * inter <= kLinearGemvMax) {
+      gemv_swiglu_nt_fits(m, inter)) {
     FLEX_CUDA_TRY(gemv_swiglu_nt(gu, static_cast<int>(m), static_cast<int>(inter), w,
                                  static_cast<int>(n), y, accumulate, stream_));
     return Status();

@@ -116,11 +116,6 @@ __global__ void __launch_bounds__(kRouteWarps * 32) decode_route_kernel(DecodeMo
 // ---- 2. Gate/up per pair: a warp per gate/up row pair (output column j), as kGemv.
 constexpr int kGuWarps = 4, kGuChunks = 8;
 
-// shared_pieces (decode_moe.h) on the device.
-__device__ __forceinline__ int pieces(int shared_inter, int inter) {
-  return shared_inter > 0 ? (shared_inter + inter - 1) / inter : 0;
-}
-
 __global__ void __launch_bounds__(kGuWarps * 32, 1) decode_gate_up_kernel(DecodeMoeArgs a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int p = blockIdx.y;
@@ -140,7 +135,7 @@ __global__ void __launch_bounds__(kGuWarps * 32, 1) decode_gate_up_kernel(Decode
     W = static_cast<const bf16*>(a.weights) + a.topk.slot[p] * a.slot_stride;
     out = static_cast<bf16*>(a.act) + static_cast<int64_t>(p) * I + j;
   } else {
-    const int S = pieces(a.shared_inter, I), q = p - T * K;
+    const int S = a.shared_pieces, q = p - T * K;
     token = q / S;
     w_row0 = (q % S) * I + j;
     if (w_row0 >= a.shared_inter) return;
@@ -197,7 +192,7 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_combine_kernel
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = blockIdx.y, col0 = blockIdx.x * kDownCols;
   const int K = a.topk.top_k, I = a.inter, H = a.hidden;
-  const int S = pieces(a.shared_inter, I);
+  const int S = a.shared_pieces;
   const bf16* down = static_cast<const bf16*>(a.weights) + 2 * static_cast<int64_t>(I) * H;
   const bf16* act = static_cast<const bf16*>(a.act);
   bool waited = false;
@@ -297,6 +292,7 @@ namespace {
 bool args_supported(const DecodeMoeArgs& a) {
   return decode_moe_supported(a.num_tokens, a.hidden, a.inter, a.topk.num_experts, a.topk.top_k,
                               a.shared_inter) &&
+         a.shared_pieces == shared_pieces(a.shared_inter, a.inter) &&
          (a.shared_inter == 0 ||
           (a.shared_gu != nullptr && a.shared_down != nullptr && a.shared_act != nullptr));
 }
@@ -338,7 +334,7 @@ cudaError_t decode_route(const DecodeMoeArgs& a, cudaStream_t stream) {
 cudaError_t decode_gate_up(const DecodeMoeArgs& a, cudaStream_t stream) {
   if (!args_supported(a)) return cudaErrorInvalidValue;
   const dim3 grid((a.inter + kGuWarps - 1) / kGuWarps,
-                  a.num_tokens * (a.topk.top_k + shared_pieces(a.shared_inter, a.inter)));
+                  a.num_tokens * (a.topk.top_k + a.shared_pieces));
   return launch_pdl(decode_gate_up_kernel, grid, dim3(kGuWarps * 32), 0, stream, a);
 }
 

@@ -66,6 +66,7 @@ struct DecodeMoeArgs {
   const void* shared_gu = nullptr;
   const void* shared_down = nullptr;
   int shared_inter = 0;
+  int shared_pieces = 0;  // shared_pieces(shared_inter, inter)
   void* shared_act = nullptr;
 };
 

@@ -65,6 +65,7 @@ Status HeadGemm::run(DType in_dtype, const void* x, int64_t m, int64_t x_row_str
                           y_row_stride,
                           y_head_stride};
   if (!no_gemv && in_dtype == DType::kBF16 && m <= kHeadGemvMaxRows &&
+      (out_dtype == DType::kF32 || out_dtype == DType::kBF16) &&
       num_heads * n * k <= kHeadGemvMaxElems && head_gemv_fits(args)) {
     FLEX_CUDA_TRY(head_gemv(args, stream_, rope));
     return Status();

@@ -1012,7 +1012,10 @@ cudaError_t gemv_norm_nt_rows(const float* x, int64_t x_stride, const float* nor
                               int m, int k, const void* w, int n, DType y_dtype, void* y,
                               cudaStream_t stream) {
   if (m == 0 || n == 0) return cudaSuccess;
-  if (!gemv_norm_nt_fits(m, k) || x_stride < k || x_stride % 4 != 0) return cudaErrorInvalidValue;
+  if (!gemv_norm_nt_fits(m, k) || x_stride < k || x_stride % 4 != 0 ||
+      (y_dtype != DType::kF32 && y_dtype != DType::kBF16)) {
+    return cudaErrorInvalidValue;
+  }
   GemvIo io;
   io.prologue = GemvIo::kNorm;
   io.src = x;

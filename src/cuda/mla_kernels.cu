@@ -645,7 +645,6 @@ cudaError_t launch_mma_grouped(const MlaAttentionArgs& a, cudaStream_t stream) {
                                        : launch_mma<R, 1>(a, stream);
 }
 
-// One warp per token; smem per warp: score [E], choice [E].
 // head_gemv: lanes [g * L, (g + 1) * L) of the grid's threads take weight row g (head
 // g / n, output j = g % n), chunk c of 8 elements at lane c % L, pass c / L.
 constexpr int kHeadGemvThreads = 256, kHeadGemvPasses = 4;
@@ -712,6 +711,7 @@ __global__ void __launch_bounds__(kHeadGemvThreads)
   }
 }
 
+// One warp per token; smem per warp: score [E], choice [E].
 __global__ void grouped_topk_kernel(GroupedTopkArgs a) {
   extern __shared__ float smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -801,7 +801,8 @@ bool head_gemv_fits(const HeadGemvArgs& a) {
 }
 
 cudaError_t head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const MlaRopeArgs* rope) {
-  if (!head_gemv_fits(a) || (rope != nullptr && rope->num_tokens != a.num_tokens)) {
+  if (!head_gemv_fits(a) ||
+      (rope != nullptr && (rope->num_tokens != a.num_tokens || rope->rope_dim % 2 != 0))) {
     return cudaErrorInvalidValue;
   }
   if (a.num_tokens == 0) return cudaSuccess;

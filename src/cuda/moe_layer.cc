@@ -174,6 +174,7 @@ Status run_decode(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scr
     d.shared_gu = shared->gate_up;
     d.shared_down = shared->down;
     d.shared_inter = shared->inter;
+    d.shared_pieces = shared_pieces(shared->inter, dims.intermediate);
     d.shared_act = shared->act;
   }
   if (stages & kMoeRouter) FLEX_CUDA_TRY(decode_route(d, stream));

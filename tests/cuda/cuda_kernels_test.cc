@@ -678,6 +678,7 @@ TEST(CudaDecodeMoeTest, GroupedRouterMatchesUnfusedPath) {
         EXPECT_EQ(inside.h, outside.h) << "h, bit for bit";
         EXPECT_EQ(inside.out, outside.out) << "outputs, bit for bit";
 
+        ASSERT_EQ(std::getenv("FLEXPERT_NO_SHARED_FUSION"), nullptr);
         // Shared experts inside the decode kernels (V2's top-6: two pieces of I columns, the
         // last partial, in the down kernel's two idle warps) against the dense MLP after the
         // MoE; V3's top-8 leaves no warp idle, so its shared experts run after (the same).
@@ -701,9 +702,13 @@ TEST(CudaDecodeMoeTest, GroupedRouterMatchesUnfusedPath) {
                                                     h.value().data(), T, nullptr, out, false,
                                                     blas.value(), s, &shared);
                 }
-                Status st = cuda::run_grouped_moe_norm(dims, r, bias_d.as<float>(), w, scratch,
-                                                       norm, h.value().data(), T, nullptr, out,
-                                                       false, blas.value(), s);
+                // rms_norm, the MoE's decode path, then the shared experts as a dense MLP.
+                EXPECT_EQ(cuda::rms_norm(DType::kBF16, norm.x, nullptr, norm.weight, T, H, norm.eps,
+                                         h.value().data(), s),
+                          cudaSuccess);
+                Status st =
+                    cuda::run_grouped_moe(dims, r, bias_d.as<float>(), w, scratch, h.value().data(),
+                                          T, nullptr, out, false, blas.value(), s);
                 if (st.ok()) {
                   st = blas.value().linear(DType::kBF16, h.value().data(), T, H, sgu.data(), 2 * Is,
                                            gu.value().as<float>(), false);
@@ -1044,8 +1049,8 @@ TEST(CudaAttentionGqaTest, DecodeTokensMatchCpu) {
 
 // HeadGemm (MLA's per-head products) against float64 math on the same bf16 values: its
 // decode GEMV (one or two tokens; DeepSeek-V2-Lite's absorbed key part into f32 and value
-// part into bf16, and odd shapes: one to eight lanes a row, a partial row group) and
-// cuBLAS (three tokens) with the model's strides.
+// part into bf16, and odd shapes: one to eight lanes a row, a partial row group, 32 lanes
+// with a partial last pass) and cuBLAS (three tokens) with the model's strides.
 TEST(CudaHeadGemmTest, MatchesFloat64) {
   FLEX_SKIP_WITHOUT_GPU();
   ASSERT_EQ(std::getenv("FLEXPERT_NO_HEAD_GEMV"), nullptr) << "this test covers the GEMV";
@@ -1061,7 +1066,7 @@ TEST(CudaHeadGemmTest, MatchesFloat64) {
   for (const Case& c :
        {Case{16, 512, 128, 192, 576, DType::kF32}, Case{16, 128, 512, 512, 128, DType::kBF16},
         Case{5, 3, 8, 8, 7, DType::kF32}, Case{3, 37, 40, 48, 40, DType::kBF16},
-        Case{2, 9, 1024, 1024, 9, DType::kF32}}) {
+        Case{2, 9, 1024, 1024, 9, DType::kF32}, Case{3, 11, 776, 784, 11, DType::kBF16}}) {
     for (int m : {1, 2, 3}) {
       SCOPED_TRACE("heads " + std::to_string(c.heads) + " n " + std::to_string(c.n) + " k " +
                    std::to_string(c.k) + " tokens " + std::to_string(m));
@@ -1085,6 +1090,12 @@ TEST(CudaHeadGemmTest, MatchesFloat64) {
       auto x_d = to_device(x, DType::kBF16);
       auto w_d = to_device(w, DType::kBF16);
       auto y_d = to_device(std::vector<float>(want.size(), 0.f), c.out);
+      if (m <= cuda::kHeadGemvMaxRows) {  // HeadGemm::run takes the GEMV for these.
+        EXPECT_TRUE(
+            cuda::head_gemv_fits({x_d.data(), x_row, c.x_head, w_d.data(), m, c.heads, c.n, c.k,
+                                  y_d.data(), c.out == DType::kBF16, y_row, c.y_head}));
+        EXPECT_LE(int64_t{c.heads} * c.n * c.k, cuda::HeadGemm::kHeadGemvMaxElems);
+      }
       const Status st = hg.value().run(DType::kBF16, x_d.data(), m, x_row, c.x_head, w_d.data(),
                                        c.heads, c.n, c.k, c.out, y_d.data(), y_row, c.y_head);
       ASSERT_TRUE(st.ok()) << st.to_string();
@@ -1110,6 +1121,7 @@ TEST(CudaHeadGemmTest, MatchesFloat64) {
 // interleaved RoPE, and three tokens (cuBLAS and the separate kernel).
 TEST(CudaHeadGemmTest, RopeInsideEqualsMlaRopeStore) {
   FLEX_SKIP_WITHOUT_GPU();
+  ASSERT_EQ(std::getenv("FLEXPERT_NO_HEAD_GEMV"), nullptr) << "this test covers the GEMV";
   const int nh = 4, dn = 16, dr = 8, r = 32, row = r + dr, max_len = 8, slots = 3;
   auto stream = cuda::Stream::create();
   ASSERT_TRUE(stream.ok());
@@ -1603,6 +1615,124 @@ TEST(CudaPdlTest, DecodeChainMatchesFloat64) {
     const double err = rel_l2(to_host(y_d.value().data(), N, DType::kF32), want);
     EXPECT_LT(err, 1e-3) << "run " << rep;  // A race gives O(1).
   }
+}
+
+// DeepSeek's decode chain of programmatic dependent launches (one token, bf16): kv_a and
+// q GEMVs normalising x themselves, head_gemv with the rotary blocks, MLA with splits and
+// its merge, head_gemv, o_proj accumulating into x, the dense MLP's gate/up GEMV and the
+// SwiGLU GEMV accumulating into x. Launched back to back (each kernel may start while
+// its predecessor runs), then each followed by a stream synchronisation: the same bits
+// for x and the cache, three times over. A read before a kernel's wait races.
+TEST(CudaPdlTest, MlaDecodeChainMatchesStepwise) {
+  FLEX_SKIP_WITHOUT_GPU();
+  ASSERT_EQ(std::getenv("FLEXPERT_NO_PDL"), nullptr) << "this test covers the PDL chain";
+  const int H = 512, nh = 16, dn = 32, dr = 64, r = 128, dv = 32, row = r + dr, I = 256;
+  const int a_dim = r + dr, q_head = dn + dr, max_len = 64, pos = 40;
+  std::mt19937 rng(29);
+  auto bf = [&](size_t n, float scale) { return to_device(uniform(n, scale, rng), DType::kBF16); };
+  auto f32 = [&](size_t n, float scale) { return to_device(uniform(n, scale, rng), DType::kF32); };
+  auto w_a = bf(static_cast<size_t>(a_dim) * H, 0.05f),
+       w_q = bf(size_t{1} * nh * q_head * H, 0.05f);
+  auto w_uk = bf(size_t{1} * nh * r * dn, 0.2f), w_uv = bf(size_t{1} * nh * dv * r, 0.1f);
+  auto w_o = bf(static_cast<size_t>(H) * nh * dv, 0.05f), w_gu = bf(size_t{2} * I * H, 0.05f);
+  auto w_down = bf(static_cast<size_t>(H) * I, 0.05f);
+  auto g_in = f32(H, 1.f), g_post = f32(H, 1.f), g_kv = f32(r, 1.f);
+  std::vector<float> cosv(max_len * dr / 2), sinv(max_len * dr / 2);
+  for (size_t i = 0; i < cosv.size(); ++i) {
+    cosv[i] = std::cos(0.01f * static_cast<float>(i));
+    sinv[i] = std::sin(0.01f * static_cast<float>(i));
+  }
+  auto cos_d = to_device(cosv, DType::kF32), sin_d = to_device(sinv, DType::kF32);
+  auto pos_d = to_device_raw(std::vector<int32_t>{pos});
+  auto slot_d = to_device_raw(std::vector<int32_t>{0});
+  const std::vector<float> x0 = uniform(H, 1.f, rng);
+  const std::vector<float> cache0 =
+      round_bf16(uniform(static_cast<size_t>(max_len) * row, 1.f, rng));
+  auto x_d = to_device(x0, DType::kF32);
+  auto cache_d = to_device(cache0, DType::kBF16);
+  auto cache_init = to_device(cache0, DType::kBF16);
+  auto a_d = cuda::DeviceBuffer::create(a_dim * 4),
+       q_d = cuda::DeviceBuffer::create(nh * q_head * 2);
+  auto lat_q = cuda::DeviceBuffer::create(nh * row * 4),
+       lat = cuda::DeviceBuffer::create(nh * r * 2);
+  auto attn = cuda::DeviceBuffer::create(nh * dv * 2), gu = cuda::DeviceBuffer::create(2 * I * 4);
+  auto split = cuda::DeviceBuffer::create(cuda::mla_attention_split_floats(r) * 4);
+  ASSERT_TRUE(a_d.ok() && q_d.ok() && lat_q.ok() && lat.ok() && attn.ok() && gu.ok() && split.ok());
+  auto stream = cuda::Stream::create();
+  ASSERT_TRUE(stream.ok());
+  cudaStream_t s = stream.value().get();
+  const cuda::MlaRopeArgs ra{a_d.value().as<float>(),
+                             a_dim,
+                             g_kv.as<float>(),
+                             1e-6f,
+                             q_d.value().data(),
+                             lat_q.value().as<float>(),
+                             cos_d.as<float>(),
+                             sin_d.as<float>(),
+                             false,
+                             pos_d.as<int32_t>(),
+                             slot_d.as<int32_t>(),
+                             max_len,
+                             cache_d.data(),
+                             1,
+                             nh,
+                             dn,
+                             dr,
+                             r};
+  const cuda::HeadGemvArgs uk{
+      q_d.value().data(),   nh * q_head, q_head,   w_uk.data(), 1, nh, r, dn,
+      lat_q.value().data(), false,       nh * row, row};
+  const cuda::HeadGemvArgs uv{lat.value().data(),  nh * r, r,       w_uv.data(), 1, nh, dv, r,
+                              attn.value().data(), true,   nh * dv, dv};
+  cuda::MlaAttentionArgs ma{lat_q.value().as<float>(),
+                            cache_d.data(),
+                            pos_d.as<int32_t>(),
+                            slot_d.as<int32_t>(),
+                            1,
+                            nh,
+                            r,
+                            dr,
+                            max_len,
+                            0.1f,
+                            lat.value().data()};
+  ma.split_scratch = split.value().as<float>();
+  ma.split_capacity = cuda::mla_attention_split_floats(r);
+  ASSERT_GT(cuda::mla_attention_splits(DType::kBF16, ma), 1) << "the merge is in the chain";
+  auto run = [&](bool stepwise) {
+    std::vector<cudaError_t> e;
+    auto step = [&](cudaError_t err) {
+      e.push_back(err);
+      if (stepwise) e.push_back(cudaStreamSynchronize(s));
+    };
+    EXPECT_EQ(cudaMemcpyAsync(x_d.data(), x0.data(), H * 4, cudaMemcpyHostToDevice, s),
+              cudaSuccess);
+    EXPECT_EQ(cudaMemcpyAsync(cache_d.data(), cache_init.data(), cache0.size() * 2,
+                              cudaMemcpyDeviceToDevice, s),
+              cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    float* x = x_d.as<float>();
+    step(cuda::gemv_norm_nt(x, g_in.as<float>(), 1e-6f, 1, H, w_a.data(), a_dim,
+                            a_d.value().as<float>(), false, s));
+    step(cuda::gemv_norm_nt_rows(x, H, g_in.as<float>(), 1e-6f, 1, H, w_q.data(), nh * q_head,
+                                 DType::kBF16, q_d.value().data(), s));
+    step(cuda::head_gemv(uk, s, &ra));
+    step(cuda::mla_attention(DType::kBF16, ma, s));
+    step(cuda::head_gemv(uv, s));
+    step(cuda::gemv_nt(attn.value().data(), 1, nh * dv, w_o.data(), H, x, true, s));
+    step(cuda::gemv_norm_nt(x, g_post.as<float>(), 1e-6f, 1, H, w_gu.data(), 2 * I,
+                            gu.value().as<float>(), false, s));
+    step(cuda::gemv_swiglu_nt(gu.value().as<float>(), 1, I, w_down.data(), H, x, true, s));
+    EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    for (cudaError_t err : e) EXPECT_EQ(err, cudaSuccess);
+    std::vector<float> out = to_host(x_d.data(), H, DType::kF32);
+    const std::vector<float> c = to_host(cache_d.data(), cache0.size(), DType::kBF16);
+    out.insert(out.end(), c.begin(), c.end());
+    return out;
+  };
+  const std::vector<float> want = run(true);
+  EXPECT_GT(rel_l2(std::vector<float>(want.begin(), want.begin() + H), x0), 1e-3)
+      << "the chain changed x";
+  for (int rep = 0; rep < 3; ++rep) EXPECT_EQ(run(false), want) << "run " << rep;
 }
 
 INSTANTIATE_TEST_SUITE_P(HeadDims, CudaAttentionTest,
