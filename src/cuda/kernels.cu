@@ -995,17 +995,29 @@ bool gemv_norm_nt_fits(int64_t m, int64_t k) {
          m * k * static_cast<int64_t>(sizeof(bf16)) <= kGemvNormSmemBytes;
 }
 
+namespace {
+
+// The GEMV of rows of x (x_stride floats apart) normalised with weight and eps.
+cudaError_t launch_norm_gemv(const float* x, int64_t x_stride, const float* weight, float eps,
+                             int m, int k, const void* w, int n, void* y, bool y_bf16,
+                             bool accumulate, cudaStream_t stream) {
+  GemvIo io;
+  io.prologue = GemvIo::kNorm;
+  io.src = x;
+  io.src_stride = x_stride;
+  io.weight = weight;
+  io.eps = eps;
+  io.y_bf16 = y_bf16;
+  return launch_gemv(nullptr, m, k, w, n, y, accumulate, io, stream);
+}
+
+}  // namespace
+
 cudaError_t gemv_norm_nt(const float* x, const float* norm_weight, float eps, int m, int k,
                          const void* w, int n, float* y, bool accumulate, cudaStream_t stream) {
   if (m == 0 || n == 0) return cudaSuccess;
   if (!gemv_norm_nt_fits(m, k)) return cudaErrorInvalidValue;
-  GemvIo io;
-  io.prologue = GemvIo::kNorm;
-  io.src = x;
-  io.src_stride = k;
-  io.weight = norm_weight;
-  io.eps = eps;
-  return launch_gemv(nullptr, m, k, w, n, y, accumulate, io, stream);
+  return launch_norm_gemv(x, k, norm_weight, eps, m, k, w, n, y, false, accumulate, stream);
 }
 
 cudaError_t gemv_norm_nt_rows(const float* x, int64_t x_stride, const float* norm_weight, float eps,
@@ -1016,14 +1028,8 @@ cudaError_t gemv_norm_nt_rows(const float* x, int64_t x_stride, const float* nor
       (y_dtype != DType::kF32 && y_dtype != DType::kBF16)) {
     return cudaErrorInvalidValue;
   }
-  GemvIo io;
-  io.prologue = GemvIo::kNorm;
-  io.src = x;
-  io.src_stride = x_stride;
-  io.weight = norm_weight;
-  io.eps = eps;
-  io.y_bf16 = y_dtype == DType::kBF16;
-  return launch_gemv(nullptr, m, k, w, n, y, /*accumulate=*/false, io, stream);
+  return launch_norm_gemv(x, x_stride, norm_weight, eps, m, k, w, n, y, y_dtype == DType::kBF16,
+                          /*accumulate=*/false, stream);
 }
 
 bool gemv_swiglu_nt_fits(int64_t m, int64_t inter) {
