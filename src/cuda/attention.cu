@@ -531,16 +531,20 @@ __global__ void __launch_bounds__(kGqaWarps * 32)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   bf16* const sK0 = reinterpret_cast<bf16*>(gqa_smem) + warp * 4 * kGqaCols * LQ;  // [2][C][LQ]
   bf16* const sV0 = sK0 + 2 * kGqaCols * LQ;                                       // [2][C][LQ]
-  grid_dep_wait();
-  grid_dep_launch();
   const int nkv = a.num_kv_heads, group = a.num_q_heads / nkv;
   const int64_t task = static_cast<int64_t>(blockIdx.x) * kGqaWarps + warp;
   const int64_t kv_pair = task / splits;
   const int sp = static_cast<int>(task % splits);
-  if (kv_pair >= static_cast<int64_t>(a.num_tokens) * nkv) return;
-  const int t = static_cast<int>(kv_pair / nkv), kvh = static_cast<int>(kv_pair % nkv);
+  const bool active = kv_pair < static_cast<int64_t>(a.num_tokens) * nkv;
+  const int t = active ? static_cast<int>(kv_pair / nkv) : 0;
+  const int kvh = static_cast<int>(kv_pair % nkv);
+  // The step's inputs before the wait (written before its first kernel).
+  const int len = active ? a.positions[t] + 1 : 0;
+  const int64_t kv_slot = active ? a.kv_slots[t] : 0;
+  grid_dep_wait();
+  grid_dep_launch();
+  if (!active) return;
   if (tile_done != nullptr && tile_done[t / kFaRows] != 0.f) return;  // A tile's row.
-  const int len = a.positions[t] + 1;
   // Row r of the block is (token, head) pair row0 + r of q, out and the merge's scratch.
   const int64_t row0 = static_cast<int64_t>(t) * a.num_q_heads + static_cast<int64_t>(kvh) * group;
   if (splits > 1 && sp * kGqaCols >= len) {
@@ -567,8 +571,7 @@ __global__ void __launch_bounds__(kGqaWarps * 32)
     qa[kk][3] = kTwoRows ? q2(g + 8, d + 8) : 0u;
   }
   const int64_t pos_stride = static_cast<int64_t>(nkv) * D;
-  const int64_t base = static_cast<int64_t>(a.kv_slots[t]) * a.max_seq_len * pos_stride +
-                       static_cast<int64_t>(kvh) * D;
+  const int64_t base = kv_slot * a.max_seq_len * pos_stride + static_cast<int64_t>(kvh) * D;
   const bf16* kc = static_cast<const bf16*>(a.k_cache) + base;
   const bf16* vc = static_cast<const bf16*>(a.v_cache) + base;
   // K and V of chunk c0 into buffer `buf` (positions past len as zeros), one commit group.

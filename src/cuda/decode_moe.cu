@@ -1,9 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // The decode MoE kernels (decode_moe.h).
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <cstdlib>
 
 #include "cuda/decode_moe.h"
@@ -15,33 +18,106 @@
 namespace flexpert::cuda {
 namespace {
 
-// ---- 1. Router GEMV + (last block) top-k and slot statistics.
-constexpr int kRouteWarps = 8, kRouteChunks = 8;
-
+// ---- 1. Router GEMV, then top-k in one block once every logit is in, and replica choice.
+// Launched as one cluster (E <= kRouteWarps * kRouteCluster * 2: EPW experts a warp), the
+// blocks write their logits into rank 0's shared memory and meet at the cluster barrier;
+// else each block stores its logits and the last to take a ticket runs the top-k (a
+// fence, an atomic and a load from L2 more on the step's critical path).
+constexpr int kRouteWarps = 8, kRouteChunks = 8, kRouteCluster = 8;
+// The dynamic shared memory the route kernels may take (RouteLayout::bytes, at most: h
+// of kGemvNormSmemBytes, tables of 4096 slots, 8 tokens' logits of 128 experts).
+constexpr int kRouteSmemLimit = 96 * 1024;
 static_assert(kRouteWarps * 32 == kRmsThreads, "a route block normalises h itself");
-__global__ void __launch_bounds__(kRouteWarps * 32) decode_route_kernel(DecodeMoeArgs a) {
+
+// The route kernel's shared memory (byte offsets, 16-aligned): h (T x H bf16, with
+// norm_x; the grouped router's score rows, kRouteWarps x 2E f32, over it once h is read),
+// the routing tables (num_slots 0: left in global memory) and the bias, and for cluster
+// launches the logits (T x E f32, rank 0's receive them).
+struct RouteLayout {
+  int h = 0, start = 0, count = 0, slots = 0, bias = 0, logits = 0, bytes = 0;
+  int num_slots = 0, bias_floats = 0;
+};
+RouteLayout route_layout(const DecodeMoeArgs& a, bool cluster) {
+  const int E = a.topk.num_experts, T = a.num_tokens;
+  RouteLayout l;
+  int off = 0;
+  auto take = [&off](int64_t bytes) {
+    const int at = off;
+    off += static_cast<int>((bytes + 15) / 16 * 16);
+    return at;
+  };
+  const int64_t h_bytes = a.norm_x != nullptr ? int64_t{T} * a.hidden * 2 : 0;
+  const int64_t score_bytes = a.use_grouped ? int64_t{kRouteWarps} * 2 * E * 4 : 0;
+  l.h = take(std::max(h_bytes, score_bytes));
+  // Tables of up to kRouteMaxTableSlots slots are copied (an EP group's global slot count
+  // may be larger: those stay in global memory).
+  constexpr int kRouteMaxTableSlots = 4096;
+  if (a.num_slots > 0 && a.num_slots <= kRouteMaxTableSlots) {
+    l.num_slots = a.num_slots;
+    l.start = take(E * 4);
+    l.count = take(E * 4);
+    l.slots = take(int64_t{a.num_slots} * 4);
+    if (a.use_grouped && a.grouped.bias != nullptr) {
+      l.bias_floats = E;
+      l.bias = take(E * 4);
+    }
+  }
+  l.logits = take(cluster ? int64_t{T} * E * 4 : 0);
+  l.bytes = off;
+  return l;
+}
+
+template <int EPW, bool kCluster, int PER>
+__global__ void __launch_bounds__(kRouteWarps * 32)
+    decode_route_kernel(DecodeMoeArgs a, RouteLayout lay) {
   extern __shared__ __align__(16) unsigned char route_smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int E = a.topk.num_experts, H = a.hidden, kc = H / 8, T = a.num_tokens;
-  const int e = blockIdx.x * kRouteWarps + warp;
-  const uint4* wrow = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.router) +
-                                                     static_cast<int64_t>(min(e, E - 1)) * H);
+  const int e0 = (blockIdx.x * kRouteWarps + warp) * EPW;
+  const bf16* router = static_cast<const bf16*>(a.router);
+  const uint4* wrow[EPW];
+#pragma unroll
+  for (int j = 0; j < EPW; ++j) {
+    wrow[j] = reinterpret_cast<const uint4*>(router + static_cast<int64_t>(min(e0 + j, E - 1)) * H);
+  }
+  // Constants before the wait: the routing tables (and the grouped router's bias) into
+  // shared memory for the block that will run the top-k, the norm weights into L1.
+  int32_t* s_start = reinterpret_cast<int32_t*>(route_smem + lay.start);
+  int32_t* s_count = reinterpret_cast<int32_t*>(route_smem + lay.count);
+  int32_t* s_slots = reinterpret_cast<int32_t*>(route_smem + lay.slots);
+  float* s_bias = reinterpret_cast<float*>(route_smem + lay.bias);
+  const bool tables = lay.num_slots > 0 && (!kCluster || blockIdx.x == 0);
+  if (tables) {
+    for (int i = threadIdx.x; i < E; i += blockDim.x) {
+      s_start[i] = a.topk.rep_start[i];
+      s_count[i] = a.topk.rep_count[i];
+      if (lay.bias_floats > 0) s_bias[i] = a.grouped.bias[i];
+    }
+    for (int i = threadIdx.x; i < lay.num_slots; i += blockDim.x) s_slots[i] = a.topk.rep_slots[i];
+  }
+  if (a.norm_x != nullptr) block_rms_prefetch(a.norm_weight, H);
   const bf16* h = static_cast<const bf16*>(a.h);
-  float acc[kDecodeMaxTokens];
+  float acc[EPW][kDecodeMaxTokens];
 #pragma unroll
-  for (int t = 0; t < kDecodeMaxTokens; ++t) acc[t] = 0.f;
+  for (int j = 0; j < EPW; ++j) {
+#pragma unroll
+    for (int t = 0; t < kDecodeMaxTokens; ++t) acc[j][t] = 0.f;
+  }
   for (int c0 = 0; c0 < kc; c0 += 32 * kRouteChunks) {
-    uint4 w[kRouteChunks];
+    uint4 w[EPW][kRouteChunks];
 #pragma unroll
-    for (int u = 0; u < kRouteChunks; ++u) {
-      const int c = c0 + u * 32 + lane;
-      w[u] = c < kc ? ld_stream(wrow + c) : make_uint4(0, 0, 0, 0);
+    for (int j = 0; j < EPW; ++j) {
+#pragma unroll
+      for (int u = 0; u < kRouteChunks; ++u) {
+        const int c = c0 + u * 32 + lane;
+        w[j][u] = c < kc ? ld_stream(wrow[j] + c) : make_uint4(0, 0, 0, 0);
+      }
     }
     if (c0 == 0) {  // Router weights are constant: loaded before the wait for h.
       grid_dep_wait();
       grid_dep_launch();
       if (a.norm_x != nullptr) {  // h = rms_norm(norm_x), here; block 0 writes it out.
-        bf16* hs = reinterpret_cast<bf16*>(route_smem);
+        bf16* hs = reinterpret_cast<bf16*>(route_smem + lay.h);
         for (int t = 0; t < T; ++t) {
           float4 v[kRmsVec];
           const float inv = block_inv_rms(a.norm_x + static_cast<int64_t>(t) * H, H, a.norm_eps, v);
@@ -69,48 +145,80 @@ __global__ void __launch_bounds__(kRouteWarps * 32) decode_route_kernel(DecodeMo
 #pragma unroll
       for (int u = 0; u < kRouteChunks; ++u) {
         if (c0 + u * 32 + lane < kc) {
-          float f[8], x[8];
-          bf16x8(w[u], f);
+          float x[8];
           bf16x8(xr[u], x);
-          float s = 0.f;
 #pragma unroll
-          for (int i = 0; i < 8; ++i) s += f[i] * x[i];
-          acc[t] += s;
+          for (int j = 0; j < EPW; ++j) {
+            float f[8];
+            bf16x8(w[j][u], f);
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s += f[i] * x[i];
+            acc[j][t] += s;
+          }
         }
       }
     }
   }
-  float* logits = const_cast<float*>(a.topk.logits);
+  TopkArgs topk = a.topk;
+  GroupedTopkArgs grouped = a.grouped;
+  if (tables) {
+    topk.rep_start = grouped.rep_start = s_start;
+    topk.rep_count = grouped.rep_count = s_count;
+    topk.rep_slots = grouped.rep_slots = s_slots;
+    if (lay.bias_floats > 0) grouped.bias = s_bias;
+  }
+  if constexpr (kCluster) {
+    namespace cg = cooperative_groups;
+    const cg::cluster_group cluster = cg::this_cluster();
+    float* logits = reinterpret_cast<float*>(route_smem + lay.logits);
+    float* dst = cluster.map_shared_rank(logits, 0);
 #pragma unroll
-  for (int t = 0; t < kDecodeMaxTokens; ++t) {
-    if (t < T) {
-      const float v = warp_sum(acc[t]);
-      if (lane == 0 && e < E) logits[static_cast<int64_t>(t) * E + e] = v;
+    for (int j = 0; j < EPW; ++j) {
+#pragma unroll
+      for (int t = 0; t < kDecodeMaxTokens; ++t) {
+        if (t < T) {
+          const float v = warp_sum(acc[j][t]);
+          if (lane == 0 && e0 + j < E) dst[t * E + e0 + j] = v;
+        }
+      }
     }
-  }
-  // The last block to finish sees every logit (fence, then ticket).
-  __shared__ int is_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(a.ticket, 1) == static_cast<int>(gridDim.x) - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  if (a.use_grouped) {  // Each warp's score and choice rows, over the normalised h's memory.
-    float* scores = reinterpret_cast<float*>(route_smem) + warp * 2 * E;
-    for (int t = warp; t < T; t += kRouteWarps) grouped_topk_token(a.grouped, t, lane, scores);
+    cluster.sync();  // Release / acquire: rank 0 sees every logit.
+    if (cluster.block_rank() != 0) return;
+    // The logits leave through global memory too (the unfused path's output).
+    float* out = const_cast<float*>(a.topk.logits);
+    for (int i = threadIdx.x; i < T * E; i += blockDim.x) out[i] = logits[i];
+    topk.logits = grouped.logits = logits;
   } else {
-    for (int t = warp; t < T; t += kRouteWarps) topk_token(a.topk, t, lane);
-  }
-  __syncthreads();  // slot[] of every pair visible to the block.
-  if (a.slot_stats != nullptr) {
-    const int K = a.topk.top_k;
-    const int valid = a.num_valid_tokens != nullptr ? min(*a.num_valid_tokens, T) * K : T * K;
-    for (int p = threadIdx.x; p < valid; p += blockDim.x) {
-      atomicAdd(reinterpret_cast<unsigned long long*>(a.slot_stats + a.topk.slot[p]), 1ull);
+    float* logits = const_cast<float*>(a.topk.logits);  // This kernel's output.
+#pragma unroll
+    for (int j = 0; j < EPW; ++j) {
+#pragma unroll
+      for (int t = 0; t < kDecodeMaxTokens; ++t) {
+        if (t < T) {
+          const float v = warp_sum(acc[j][t]);
+          if (lane == 0 && e0 + j < E) logits[static_cast<int64_t>(t) * E + e0 + j] = v;
+        }
+      }
     }
+    // The last block to finish sees every logit (fence, then ticket).
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(a.ticket, 1) == static_cast<int>(gridDim.x) - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    if (threadIdx.x == 0) *a.ticket = 0;  // Ready for the next launch (graph replay).
   }
-  if (threadIdx.x == 0) *a.ticket = 0;  // Ready for the next launch (graph replay).
+  if (a.use_grouped) {  // Each warp's score and choice rows, over the normalised h's memory.
+    float* scores = reinterpret_cast<float*>(route_smem + lay.h) + warp * 2 * E;
+    __syncthreads();  // Every warp is done with h.
+    for (int t = warp; t < T; t += kRouteWarps) grouped_topk_token(grouped, t, lane, scores);
+  } else {
+    // Logits in L2 (written by other blocks) or in this block's shared memory.
+    for (int t = warp; t < T; t += kRouteWarps) topk_token<PER, !kCluster>(topk, t, lane);
+  }
 }
 
 // ---- 2. Gate/up per pair: a warp per gate/up row pair (output column j), as kGemv.
@@ -123,6 +231,13 @@ __global__ void __launch_bounds__(kGuWarps * 32, 1) decode_gate_up_kernel(Decode
   const int I = a.inter, H = a.hidden, kc = H / 8, K = a.topk.top_k, T = a.num_tokens;
   grid_dep_wait();    // slot[] from the route kernel.
   grid_dep_launch();  // After the wait: the down kernel may read slot[] before its own.
+  // The slot statistics, here rather than in the route kernel (off its critical path).
+  if (a.slot_stats != nullptr && blockIdx.x == 0 && threadIdx.x == 0 && p < T * K) {
+    const int valid = a.num_valid_tokens != nullptr ? min(*a.num_valid_tokens, T) : T;
+    if (p < valid * K) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(a.slot_stats + a.topk.slot[p]), 1ull);
+    }
+  }
   if (j >= I) return;
   // Routed pair p < T K (slot rows interleaved by 8), else a shared-expert piece.
   int token, w_row0, w_row1;
@@ -195,6 +310,10 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_combine_kernel
   const int S = a.shared_pieces;
   const bf16* down = static_cast<const bf16*>(a.weights) + 2 * static_cast<int64_t>(I) * H;
   const bf16* act = static_cast<const bf16*>(a.act);
+  // The output's old value before the wait: `out` (the residual stream) was last written
+  // two or more kernels back (the route kernel's predecessor or before), complete by now.
+  float* dst = a.out + static_cast<int64_t>(t) * H + col0 + threadIdx.x;
+  const float prev = a.accumulate && threadIdx.x < kDownCols ? *dst : 0.f;
   bool waited = false;
   // Warp k: routed pair k < K (its slot's down rows), else shared piece k - K.
   for (int k = warp; k < K + S; k += kDownWarps) {
@@ -272,8 +391,7 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_combine_kernel
     float o = 0.f;
     for (int k = 0; k < K; ++k) o += a.topk.weight[t * K + k] * part[k][threadIdx.x];
     for (int k = K; k < K + S; ++k) o += part[k][threadIdx.x];
-    float* dst = a.out + static_cast<int64_t>(t) * H + col0 + threadIdx.x;
-    *dst = a.accumulate ? *dst + o : o;
+    *dst = a.accumulate ? prev + o : o;
   }
 }
 
@@ -305,17 +423,38 @@ bool decode_route_norm_fits(int num_tokens, int hidden) {
              kGemvNormSmemBytes;
 }
 
+namespace {
+std::atomic<bool>& route_cluster_failed() {
+  static std::atomic<bool> failed{false};
+  return failed;
+}
+}  // namespace
+
+int decode_route_cluster_blocks(int num_experts) {
+  // FLEXPERT_NO_ROUTE_CLUSTER=1: the ticket instead (comparisons).
+  static const bool off = [] {
+    const char* v = std::getenv("FLEXPERT_NO_ROUTE_CLUSTER");
+    return v != nullptr && v[0] != '\0' && v[0] != '0';
+  }();
+  if (off || route_cluster_failed().load(std::memory_order_relaxed) || num_experts < 1 ||
+      num_experts > 2 * kRouteWarps * kRouteCluster) {
+    return 0;
+  }
+  // A power of two of blocks, one expert a warp where that takes at most kRouteCluster
+  // blocks, else two (the surplus warps store nothing).
+  const int per_block = num_experts <= kRouteWarps * kRouteCluster ? kRouteWarps : 2 * kRouteWarps;
+  int blocks = 1;
+  while (blocks * per_block < num_experts) blocks *= 2;
+  return blocks;
+}
+
 cudaError_t decode_route(const DecodeMoeArgs& a, cudaStream_t stream) {
   if (!args_supported(a)) return cudaErrorInvalidValue;
   if (a.norm_x != nullptr && !decode_route_norm_fits(a.num_tokens, a.hidden)) {
     return cudaErrorInvalidValue;
   }
-  const int blocks = (a.topk.num_experts + kRouteWarps - 1) / kRouteWarps;
-  size_t smem =
-      a.norm_x != nullptr ? static_cast<size_t>(a.num_tokens) * a.hidden * sizeof(bf16) : 0;
   if (a.use_grouped) {
-    // The grouped router writes the arrays the next two kernels read (topk's). Its score
-    // rows reuse the normalised h's shared memory (read by then: the ticket's barrier).
+    // The grouped router writes the arrays the next two kernels read (topk's).
     const GroupedTopkArgs& g = a.grouped;
     if (!grouped_topk_args_ok(g) || g.num_tokens != a.num_tokens ||
         g.num_experts != a.topk.num_experts || g.top_k != a.topk.top_k ||
@@ -323,12 +462,40 @@ cudaError_t decode_route(const DecodeMoeArgs& a, cudaStream_t stream) {
         g.slot != a.topk.slot) {
       return cudaErrorInvalidValue;
     }
-    smem =
-        std::max(smem, static_cast<size_t>(kRouteWarps) * 2 * a.topk.num_experts * sizeof(float));
   }
-  // Within the 48 KB a block may take without opting in, as the normalised h.
-  static_assert(kRouteWarps * 2 * 32 * kGroupedTopkPerLane * sizeof(float) <= kGemvNormSmemBytes);
-  return launch_pdl(decode_route_kernel, dim3(blocks), dim3(kRouteWarps * 32), smem, stream, a);
+  const int E = a.topk.num_experts;
+  if (const int blocks = decode_route_cluster_blocks(E); blocks > 0) {
+    static_assert(4 * 32 >= 2 * kRouteWarps * kRouteCluster, "PER 4 covers the cluster's experts");
+    const RouteLayout lay = route_layout(a, true);
+    if (lay.bytes > kRouteSmemLimit) return cudaErrorInvalidValue;
+    const bool one = blocks * kRouteWarps >= E;  // One expert a warp, else two.
+    const cudaError_t lim =
+        one ? ensure_smem_limit<decode_route_kernel<1, true, 4>>(kRouteSmemLimit)
+            : ensure_smem_limit<decode_route_kernel<2, true, 4>>(kRouteSmemLimit);
+    if (lim != cudaSuccess) return lim;
+    const dim3 grid(blocks), block(kRouteWarps * 32);
+    const cudaError_t err = one ? launch_pdl_cluster(decode_route_kernel<1, true, 4>, grid, block,
+                                                     lay.bytes, stream, blocks, a, lay)
+                                : launch_pdl_cluster(decode_route_kernel<2, true, 4>, grid, block,
+                                                     lay.bytes, stream, blocks, a, lay);
+    if (err == cudaSuccess) return err;
+    // A device or driver without clusters of this size: the ticket from now on.
+    (void)cudaGetLastError();
+    route_cluster_failed().store(true, std::memory_order_relaxed);
+    std::fprintf(stderr,
+                 "decode_route: a cluster of %d blocks failed to launch (%s); the ticket instead\n",
+                 blocks, cudaGetErrorString(err));
+  }
+  const RouteLayout lay = route_layout(a, false);
+  if (lay.bytes > kRouteSmemLimit) return cudaErrorInvalidValue;
+  const unsigned blocks = static_cast<unsigned>((E + kRouteWarps - 1) / kRouteWarps);
+  if (const cudaError_t lim =
+          ensure_smem_limit<decode_route_kernel<1, false, kTopkMaxPerLane>>(kRouteSmemLimit);
+      lim != cudaSuccess) {
+    return lim;
+  }
+  return launch_pdl(decode_route_kernel<1, false, kTopkMaxPerLane>, dim3(blocks),
+                    dim3(kRouteWarps * 32), lay.bytes, stream, a, lay);
 }
 
 cudaError_t decode_gate_up(const DecodeMoeArgs& a, cudaStream_t stream) {

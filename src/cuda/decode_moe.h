@@ -38,8 +38,9 @@ struct DecodeMoeArgs {
   const void* weights = nullptr;  // slots, as GroupedGemmArgs::weights
   int64_t slot_stride = 0;        // elements per slot (3 H I)
   int num_tokens = 0, hidden = 0, inter = 0;
-  TopkArgs topk;                              // logits (f32 [T, E], written here) .. slot
-  int32_t* ticket = nullptr;                  // zeroed i32; the route kernel leaves it 0
+  int num_slots = 0;          // entries of topk.rep_slots (0: the route kernel reads them in place)
+  TopkArgs topk;              // logits (f32 [T, E], written here) .. slot
+  int32_t* ticket = nullptr;  // zeroed i32; the route kernel leaves it 0
   int64_t* slot_stats = nullptr;              // may be null
   const int32_t* num_valid_tokens = nullptr;  // may be null (all tokens count)
   void* act = nullptr;                        // bf16 [T * K, I]
@@ -90,6 +91,10 @@ bool decode_moe_supported(int num_tokens, int hidden, int inter, int num_experts
 // kGemvNormSmemBytes of shared memory).
 bool decode_route_norm_fits(int num_tokens, int hidden);
 
+// The blocks of the cluster the route kernel runs as for num_experts (up to 128: one or
+// two experts a warp), or 0 where it takes the ticket: more experts,
+// FLEXPERT_NO_ROUTE_CLUSTER=1, or a cluster launch that failed in this process.
+int decode_route_cluster_blocks(int num_experts);
 cudaError_t decode_route(const DecodeMoeArgs& args, cudaStream_t stream);
 cudaError_t decode_gate_up(const DecodeMoeArgs& args, cudaStream_t stream);
 cudaError_t decode_down_combine(const DecodeMoeArgs& args, cudaStream_t stream);

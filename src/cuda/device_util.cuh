@@ -119,6 +119,16 @@ __device__ __forceinline__ void block_rms_store(const float4 (&v)[kRmsVec], floa
     out[4 * i + 3] = from_f32<T>(v[k].w * inv * w.w);
   }
 }
+// Brings this thread's float4s of block_rms_store's weight into L1 (constant weights,
+// before a kernel's grid_dep_wait: the store after the wait then does not wait on L2).
+__device__ __forceinline__ void block_rms_prefetch(const float* weight, int dim) {
+#pragma unroll
+  for (int k = 0; k < kRmsVec; ++k) {
+    const int i = threadIdx.x + k * kRmsThreads;
+    if (4 * i >= dim) break;
+    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(weight + 4 * i));
+  }
+}
 __host__ __device__ constexpr bool rms_vec_fits(int64_t dim) {
   return dim % 4 == 0 && dim > 0 && dim <= 4 * kRmsThreads * kRmsVec;
 }

@@ -102,6 +102,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     const int c = lane + 32 * u;
     if (kAhead && c < chunks) next[u] = ld_stream(wr + c);
   }
+  if (io.prologue == GemvIo::kNorm) block_rms_prefetch(io.weight, k);  // Constant, as w.
   for (int c0 = 0; c0 < chunks; c0 += 32 * kGemvLoads) {
 #pragma unroll
     for (int u = 0; u < kGemvLoads; ++u) {
@@ -173,40 +174,66 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   }
 }
 
-// One warp per (token, head). NOTE: head_dim <= 256 (the smem row).
+// One warp per (token, head). NOTE: head_dim <= 256 (the smem row). The step's inputs
+// (positions, KV slots: written before its first kernel), the norm weights and the rotary
+// rows are loaded before the wait, so that after it only the qkv row is a round trip.
 template <typename T>
 __global__ void qk_norm_rope_kernel(QkvArgs a) {
+  constexpr int kPer = 256 / 32;
   __shared__ float v[256];
-  grid_dep_wait();
-  grid_dep_launch();
   const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
-  const int D = a.head_dim, nq = a.num_q_heads, nkv = a.num_kv_heads;
-  const int64_t row_len = static_cast<int64_t>(nq + 2 * nkv) * D;
-  const float* src = a.qkv + t * row_len + static_cast<int64_t>(h) * D;
+  const int D = a.head_dim, nq = a.num_q_heads, nkv = a.num_kv_heads, half = D / 2;
   const int pos = a.positions[t];
   const int64_t cache_row =
       (static_cast<int64_t>(a.kv_slots[t]) * a.max_seq_len + pos) * nkv;  // In heads.
-  if (h >= nq + nkv) {
+  const bool is_v = h >= nq + nkv;
+  float w[kPer], cs[kPer / 2], sn[kPer / 2];
+  if (!is_v) {
+    const float* wp = h < nq ? a.q_norm : a.k_norm;
+    const float* cp = a.rope_cos + static_cast<int64_t>(pos) * half;
+    const float* sp = a.rope_sin + static_cast<int64_t>(pos) * half;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) w[k] = lane + 32 * k < D ? wp[lane + 32 * k] : 0.f;
+#pragma unroll
+    for (int k = 0; k < kPer / 2; ++k) {
+      const bool in = lane + 32 * k < half;
+      cs[k] = in ? cp[lane + 32 * k] : 0.f;
+      sn[k] = in ? sp[lane + 32 * k] : 0.f;
+    }
+  }
+  grid_dep_wait();
+  grid_dep_launch();
+  const int64_t row_len = static_cast<int64_t>(nq + 2 * nkv) * D;
+  const float* src = a.qkv + t * row_len + static_cast<int64_t>(h) * D;
+  if (is_v) {
     T* dst = static_cast<T*>(a.v_cache) + (cache_row + (h - nq - nkv)) * D;
     for (int i = lane; i < D; i += 32) dst[i] = from_f32<T>(src[i]);
     return;
   }
-  const float* w = h < nq ? a.q_norm : a.k_norm;
+  float x[kPer];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) x[k] = lane + 32 * k < D ? src[lane + 32 * k] : 0.f;
   float ss = 0.f;
-  for (int i = lane; i < D; i += 32) ss += src[i] * src[i];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    if (lane + 32 * k < D) ss += x[k] * x[k];
+  }
   ss = warp_sum(ss);
   const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + a.eps);
-  for (int i = lane; i < D; i += 32) v[i] = src[i] * inv * w[i];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    if (lane + 32 * k < D) v[lane + 32 * k] = x[k] * inv * w[k];
+  }
   __syncwarp();
   T* dst = h < nq ? static_cast<T*>(a.q_out) + (static_cast<int64_t>(t) * nq + h) * D
                   : static_cast<T*>(a.k_cache) + (cache_row + (h - nq)) * D;
-  const int half = D / 2;
-  const float* cs = a.rope_cos + static_cast<int64_t>(pos) * half;
-  const float* sn = a.rope_sin + static_cast<int64_t>(pos) * half;
-  for (int i = lane; i < half; i += 32) {
+#pragma unroll
+  for (int k = 0; k < kPer / 2; ++k) {
+    const int i = lane + 32 * k;
+    if (i >= half) break;
     const float x0 = v[i], x1 = v[i + half];
-    dst[i] = from_f32<T>(x0 * cs[i] - x1 * sn[i]);
-    dst[i + half] = from_f32<T>(x1 * cs[i] + x0 * sn[i]);
+    dst[i] = from_f32<T>(x0 * cs[k] - x1 * sn[k]);
+    dst[i + half] = from_f32<T>(x1 * cs[k] + x0 * sn[k]);
   }
 }
 

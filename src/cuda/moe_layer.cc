@@ -160,6 +160,7 @@ Status run_decode(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scr
   d.hidden = dims.hidden;
   d.inter = dims.intermediate;
   d.topk = topk_args(dims, w, scratch, num_tokens);
+  d.num_slots = dims.num_slots;
   d.ticket = scratch.ticket.as<int32_t>();
   d.slot_stats = (stages & kMoePermute) ? w.slot_stats : nullptr;
   d.num_valid_tokens = num_valid_tokens;

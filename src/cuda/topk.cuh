@@ -11,9 +11,10 @@
 namespace flexpert::cuda {
 
 // One warp per token; each lane holds experts lane, lane + 32, ... (PER of them: a
-// kernel compiled for its expert count keeps fewer registers and shorter loops).
+// kernel compiled for its expert count keeps fewer registers and shorter loops). kL2: the
+// logits come from L2 (other blocks wrote them), else by plain loads (shared memory).
 constexpr int kTopkMaxPerLane = 16;
-template <int PER = kTopkMaxPerLane>
+template <int PER = kTopkMaxPerLane, bool kL2 = true>
 __device__ __forceinline__ void topk_token(const TopkArgs& a, int t, int lane) {
   const float* l = a.logits + static_cast<int64_t>(t) * a.num_experts;
   float prob[PER];
@@ -21,7 +22,7 @@ __device__ __forceinline__ void topk_token(const TopkArgs& a, int t, int lane) {
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
     const int e = lane + 32 * i;
-    prob[i] = e < a.num_experts ? __ldcg(l + e) : -FLT_MAX;  // L2: other blocks may write l.
+    prob[i] = e < a.num_experts ? (kL2 ? __ldcg(l + e) : l[e]) : -FLT_MAX;
     mx = fmaxf(mx, prob[i]);
   }
   mx = warp_max(mx);

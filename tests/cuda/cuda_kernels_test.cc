@@ -458,6 +458,7 @@ void expect_decode_matches(const DecodeRun& fused, const DecodeRun& unfused,
 
 struct DecodeCase {
   int tokens, top_k;
+  int experts = 128;  // Up to 128: the route kernel's cluster; more: its ticket.
 };
 
 class CudaDecodeMoeTest : public ::testing::TestWithParam<DecodeCase> {};
@@ -465,7 +466,7 @@ class CudaDecodeMoeTest : public ::testing::TestWithParam<DecodeCase> {};
 TEST_P(CudaDecodeMoeTest, MatchesUnfusedPath) {
   FLEX_SKIP_WITHOUT_GPU();
   const DecodeCase c = GetParam();
-  const int H = 320, I = 96, E = 128, K = c.top_k, T = c.tokens;
+  const int H = 320, I = 96, E = c.experts, K = c.top_k, T = c.tokens;
   std::vector<int> map;
   for (int e = 0; e < E; ++e) map.push_back(e);
   for (int e : {3, 7, 0, 3, 11, 7, 3, 15}) map.push_back(e);
@@ -502,8 +503,14 @@ TEST_P(CudaDecodeMoeTest, MatchesUnfusedPath) {
                       });
   };
   const Run fused = run(-1);
-  expect_decode_matches(fused, run(static_cast<int>(cuda::GemmTile::kGemv)),
-                        "decode T=" + std::to_string(T) + " K=" + std::to_string(K));
+  expect_decode_matches(
+      fused, run(static_cast<int>(cuda::GemmTile::kGemv)),
+      "decode T=" + std::to_string(T) + " K=" + std::to_string(K) + " E=" + std::to_string(E));
+  // Up to 128 experts the route kernel ran as one cluster (its logits through rank 0's
+  // shared memory), else with its ticket; both paths are compared above.
+  if (std::getenv("FLEXPERT_NO_ROUTE_CLUSTER") == nullptr) {
+    EXPECT_EQ(cuda::decode_route_cluster_blocks(E) > 0, E <= 128) << "E=" << E;
+  }
 
   // A graph of two accumulating calls, replayed twice; tokens >= num_valid are padding.
   auto stats = cuda::DeviceBuffer::create_zeroed(S * sizeof(int64_t));
@@ -581,7 +588,8 @@ TEST_P(CudaDecodeMoeTest, MatchesUnfusedPath) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaDecodeMoeTest,
                          ::testing::Values(DecodeCase{1, 4}, DecodeCase{3, 4}, DecodeCase{8, 4},
-                                           DecodeCase{1, 8}, DecodeCase{2, 8}, DecodeCase{4, 8}));
+                                           DecodeCase{1, 8}, DecodeCase{2, 8}, DecodeCase{4, 8},
+                                           DecodeCase{2, 8, 256}, DecodeCase{1, 6, 40}));
 
 // The decode path with DeepSeek's router (run_grouped_moe: the route kernel's last block
 // runs grouped_topk's arithmetic) against the grouped GEMMs' path (kGemv tile, cuBLAS
