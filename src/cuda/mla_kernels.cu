@@ -43,10 +43,33 @@ __device__ __forceinline__ void rope_warp(const S* src, D* dst, const float* cs,
 }
 
 // Warp task h of token t: h < heads rotates that q head's rope part, h == heads
-// normalises, rotates and stores the token's cache row.
+// normalises, rotates and stores the token's cache row. Its step inputs (position, KV
+// slot) and constants (rotary rows, kv_norm) come first, by rope_store_prepare, which a
+// kernel calls before its wait (pdl.cuh): the constants into L1.
+struct RopeStoreInputs {
+  int pos;
+  int64_t slot;
+};
+__device__ __forceinline__ RopeStoreInputs rope_store_prepare(const MlaRopeArgs& a, int t, int h,
+                                                              int lane) {
+  const RopeStoreInputs in{a.positions[t], h < a.num_heads ? 0 : a.kv_slots[t]};
+  const int half = a.rope_dim / 2;
+  const int64_t at = static_cast<int64_t>(in.pos) * half;
+  for (int i = 32 * lane; i < half; i += 32 * 32) {  // A 128-byte line a lane.
+    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(a.rope_cos + at + i));
+    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(a.rope_sin + at + i));
+  }
+  if (h == a.num_heads) {
+    for (int i = 32 * lane; i < a.kv_lora_rank; i += 32 * 32) {
+      asm volatile("prefetch.global.L1 [%0];\n" ::"l"(a.kv_norm + i));
+    }
+  }
+  return in;
+}
 template <typename T>
-__device__ __forceinline__ void rope_store_warp(const MlaRopeArgs& a, int t, int h, int lane) {
-  const int pos = a.positions[t];
+__device__ __forceinline__ void rope_store_warp(const MlaRopeArgs& a, int t, int h, int lane,
+                                                RopeStoreInputs in) {
+  const int pos = in.pos;
   const int half = a.rope_dim / 2;
   const float* cs = a.rope_cos + static_cast<int64_t>(pos) * half;
   const float* sn = a.rope_sin + static_cast<int64_t>(pos) * half;
@@ -58,8 +81,7 @@ __device__ __forceinline__ void rope_store_warp(const MlaRopeArgs& a, int t, int
     return;
   }
   const float* kv = a.kv + t * a.kv_stride;
-  T* dst =
-      static_cast<T*>(a.cache) + (static_cast<int64_t>(a.kv_slots[t]) * a.max_seq_len + pos) * row;
+  T* dst = static_cast<T*>(a.cache) + (in.slot * a.max_seq_len + pos) * row;
   float ss = 0.f;
   for (int i = lane; i < r; i += 32) ss += kv[i] * kv[i];
   ss = warp_sum(ss);
@@ -71,9 +93,10 @@ __device__ __forceinline__ void rope_store_warp(const MlaRopeArgs& a, int t, int
 // Grid (tokens, heads + 1), one warp: rope_store_warp(blockIdx.x, blockIdx.y).
 template <typename T>
 __global__ void mla_rope_store_kernel(MlaRopeArgs a) {
-  grid_dep_wait();  // pdl.cuh: nothing is read before the predecessor is complete.
+  const RopeStoreInputs in = rope_store_prepare(a, blockIdx.x, blockIdx.y, threadIdx.x);
+  grid_dep_wait();  // pdl.cuh: the step's inputs and constants only before it.
   grid_dep_launch();
-  rope_store_warp<T>(a, blockIdx.x, blockIdx.y, threadIdx.x);
+  rope_store_warp<T>(a, blockIdx.x, blockIdx.y, threadIdx.x, in);
 }
 
 // One block per (token, head, split); warp w takes the split's chunks of 32 rows w,
@@ -360,8 +383,6 @@ inline size_t mla_mma_smem_bytes(int r, int rope_dim, int group) {
 template <int R, int G>
 __global__ void __launch_bounds__(kMmaWarps * 32 * G)
     mla_mma_kernel(MlaAttentionArgs a, int splits) {
-  grid_dep_wait();  // pdl.cuh: nothing is read before the predecessor is complete.
-  grid_dep_launch();
   constexpr int kOTiles = R / kMmaWarps / 8, kThreads = kMmaWarps * 32 * G;
   static_assert(kMmaCols == 8 * kMmaWarps, "a warp scores 8 positions of a chunk");
   extern __shared__ __align__(128) unsigned char mla_smem[];
@@ -393,6 +414,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32 * G)
     max_len = max(max_len, a.positions[t0 + i] + 1);
   }
   const int passes = shared ? 1 : min(G, a.num_tokens - t0);
+  const int64_t slot0 = t0 < a.num_tokens ? a.kv_slots[t0] : 0;
+  // The step's inputs (positions, KV slots) are read above, before the wait (pdl.cuh).
+  grid_dep_wait();
+  grid_dep_launch();
   auto pass_range = [&](int pass, int& c_begin, int& c_end) {
     const int l = shared ? max_len : a.positions[t0 + pass] + 1;
     const int chunks = (l + kMmaCols - 1) / kMmaCols, per = (chunks + splits - 1) / splits;
@@ -447,7 +472,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32 * G)
     if (c_begin >= c_end) continue;  // Uniform: every thread skips.
     const bool active = len > 0 && (shared || rg == pass);
     const bf16* cache = static_cast<const bf16*>(a.cache) +
-                        static_cast<int64_t>(a.kv_slots[t0 + pass]) * a.max_seq_len * row;
+                        (pass == 0 ? slot0 : a.kv_slots[t0 + pass]) * a.max_seq_len * row;
     const int load_len = shared ? max_len : a.positions[t0 + pass] + 1;
     // Chunk c into buffer buf (one commit group per thread).
     auto load_chunk = [&](int c, int buf) {
@@ -655,13 +680,14 @@ __global__ void __launch_bounds__(kHeadGemvThreads)
     head_gemv_kernel(HeadGemvArgs a, int lanes, unsigned gemv_blocks, bool with_rope,
                      MlaRopeArgs rope) {
   if (with_rope && blockIdx.x >= gemv_blocks) {
-    grid_dep_wait();
-    grid_dep_launch();
     const int task = (blockIdx.x - gemv_blocks) * (kHeadGemvThreads / 32) + threadIdx.x / 32;
     const int per_token = rope.num_heads + 1;
-    if (task < rope.num_tokens * per_token) {
-      rope_store_warp<bf16>(rope, task / per_token, task % per_token, threadIdx.x % 32);
-    }
+    const bool active = task < rope.num_tokens * per_token;
+    const int t = task / per_token, h = task % per_token, lane = threadIdx.x % 32;
+    const RopeStoreInputs in = active ? rope_store_prepare(rope, t, h, lane) : RopeStoreInputs{};
+    grid_dep_wait();
+    grid_dep_launch();
+    if (active) rope_store_warp<bf16>(rope, t, h, lane, in);
     return;
   }
   const int64_t g = (static_cast<int64_t>(blockIdx.x) * kHeadGemvThreads + threadIdx.x) / lanes;
