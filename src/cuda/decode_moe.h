@@ -1,12 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 // The MoE block for steps of a few tokens (decode) in three launches, bf16 only:
-//   1. decode_route: router GEMV (one warp per expert row, f32 logits), then the last
-//      block to finish (atomic ticket, reset for the next launch) runs the softmax top-k
-//      with replica choice for every token (topk.cuh, as router_topk; or DeepSeek's
-//      grouped router, grouped_topk.cuh) and the slot statistics. No permutation: the next two
-//      kernels work per (token, k) pair.
+//   1. decode_route: router GEMV (one or two expert rows a warp, f32 logits), then one
+//      block runs the softmax top-k with replica choice for every token (topk.cuh, as
+//      router_topk; or DeepSeek's grouped router, grouped_topk.cuh), with the routing
+//      tables copied into shared memory before the wait. Up to 128 experts the blocks
+//      are one cluster and send their logits to rank 0's shared memory; more experts
+//      take an atomic ticket (reset for the next launch) and the last block reads them
+//      back from L2. No permutation: the next two kernels work per (token, k) pair.
 //   2. decode_gate_up: act[p, :] = SwiGLU of pair p's token row through its slot's
-//      gate/up rows (a warp per gate/up row pair, as the kGemv tile).
+//      gate/up rows (a warp per gate/up row pair, as the kGemv tile); and the slot
+//      statistics (one thread per pair).
 //   3. decode_down_combine: each block owns a token and 8 output columns; warp k
 //      computes pair k's down outputs for them (rounded to the element type, as the
 //      unfused y), then out[t, c] (+)= sum_k weight * y, summed in k order in f32.
@@ -16,7 +19,8 @@
 // Launches use programmatic dependent launch (sm_90, also inside CUDA graphs): each
 // kernel waits (griddepcontrol.wait) before it reads its predecessor's outputs and
 // only then lets its successor start, so the successor may load weights early: the
-// router its weights, the down kernel its first rows (slot[] is final by then).
+// router its weights and tables, the down kernel its first rows (slot[] is final by
+// then) and the old values of `out` it adds to.
 // FLEXPERT_NO_PDL=1 in the environment launches them plainly.
 #pragma once
 

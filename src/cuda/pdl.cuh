@@ -1,11 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
 // Programmatic dependent launch (sm_90, also inside CUDA graphs), for the kernels of a
 // decode step: a kernel launched by launch_pdl may start while its predecessor still
-// runs; it calls grid_dep_wait() before it touches anything but constant weights
-// (the predecessor then is complete and its writes visible), then grid_dep_launch() to
-// let its own successor start. Every block waits before it exits, early exits
-// included: a grid whose blocks all left without waiting would count as complete
-// before its predecessor, and its successor's wait would not cover that one.
+// runs; it calls grid_dep_wait() before it reads what the predecessor wrote (the
+// predecessor then is complete and its writes visible), then grid_dep_launch() to let
+// its own successor start. Every block waits before it exits, early exits included: a
+// grid whose blocks all left without waiting would count as complete before its
+// predecessor, and its successor's wait would not cover that one.
+// Since no kernel lets its successor start before its own wait returned, the kernel
+// two back is complete when a kernel starts. So before its wait a kernel may read
+// constants (weights, routing tables: written between steps), the step's inputs
+// (positions, KV slots: uploaded before its first kernel) and what only kernels two or
+// more back wrote; never what its predecessor writes. Keep grid_dep_launch() after
+// grid_dep_wait() everywhere: that is what the rule rests on.
 // FLEXPERT_NO_PDL=1 in the environment launches plainly (then both are no-ops).
 #pragma once
 
