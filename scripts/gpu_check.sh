@@ -66,12 +66,12 @@ if command -v compute-sanitizer >/dev/null && [ -z "${GPU_CHECK_NO_MEMCHECK:-}" 
   timeout 120 compute-sanitizer --tool memcheck --print-limit 20 "$BIN/cuda_test" \
     --gtest_filter='AllTiles/*:HeadDims/*' >"$OUT/memcheck.log" 2>&1
   grep -E "ERROR SUMMARY|Invalid|PASSED|FAILED" "$OUT/memcheck.log" | sort | uniq -c | head -8
-  # Barriers and shared memory of the attention tiles, the split merge, the PDL chain
-  # (synccheck caught a divergent barrier in the tiles once).
+  # Barriers and shared memory of the attention tiles, the split merge, the PDL chain, the
+  # decode MoE's route cluster (synccheck caught a divergent barrier in the tiles once).
   for tool in synccheck racecheck; do
     stamp "attention, PDL and GEMV tests under compute-sanitizer $tool"
     timeout 120 compute-sanitizer --tool "$tool" --print-limit 20 "$BIN/cuda_test" \
-      --gtest_filter='CudaAttentionTileTest.*:CudaAttentionSplitTest.*:CudaPdlTest.*:CudaGemvTest.*' \
+      --gtest_filter='CudaAttentionTileTest.*:CudaAttentionSplitTest.*:CudaPdlTest.*:CudaGemvTest.*:*DecodeMoe*' \
       >"$OUT/$tool.log" 2>&1
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/$tool.log" | head -4
   done

@@ -5,8 +5,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
-#include <cstdio>
 #include <cstdlib>
 
 #include "cuda/decode_moe.h"
@@ -74,6 +74,9 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int E = a.topk.num_experts, H = a.hidden, kc = H / 8, T = a.num_tokens;
   const int e0 = (blockIdx.x * kRouteWarps + warp) * EPW;
+  // A block may write into another's shared memory only once that one has started:
+  // arrive here, wait before the logits go to rank 0 (every block arrived long before).
+  if constexpr (kCluster) asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
   const bf16* router = static_cast<const bf16*>(a.router);
   const uint4* wrow[EPW];
 #pragma unroll
@@ -173,6 +176,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
     const cg::cluster_group cluster = cg::this_cluster();
     float* logits = reinterpret_cast<float*>(route_smem + lay.logits);
     float* dst = cluster.map_shared_rank(logits, 0);
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // Rank 0 has started.
 #pragma unroll
     for (int j = 0; j < EPW; ++j) {
 #pragma unroll
@@ -424,10 +428,42 @@ bool decode_route_norm_fits(int num_tokens, int hidden) {
 }
 
 namespace {
-std::atomic<bool>& route_cluster_failed() {
-  static std::atomic<bool> failed{false};
-  return failed;
+
+// Whether this device runs the route kernel's clusters (8 blocks of the larger variant
+// with all the shared memory it may take), asked once per device.
+bool route_clusters_ok() {
+  static std::array<std::atomic<int>, 64> state{};  // 0 not asked, 1 yes, 2 no.
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  std::atomic<int>& known = state[static_cast<size_t>(device) & 63];
+  int v = known.load(std::memory_order_acquire);
+  if (v == 0) {
+    constexpr auto kernel = decode_route_kernel<2, true, 4>;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(kRouteCluster);
+    cfg.blockDim = dim3(kRouteWarps * 32);
+    cfg.dynamicSmemBytes = kRouteSmemLimit;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = kRouteCluster;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    const bool ok = ensure_smem_limit<kernel>(kRouteSmemLimit) == cudaSuccess &&
+                    cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess &&
+                    clusters > 0;
+    if (!ok) (void)cudaGetLastError();
+    v = ok ? 1 : 2;
+    known.store(v, std::memory_order_release);
+  }
+  return v == 1;
 }
+
 }  // namespace
 
 int decode_route_cluster_blocks(int num_experts) {
@@ -436,8 +472,8 @@ int decode_route_cluster_blocks(int num_experts) {
     const char* v = std::getenv("FLEXPERT_NO_ROUTE_CLUSTER");
     return v != nullptr && v[0] != '\0' && v[0] != '0';
   }();
-  if (off || route_cluster_failed().load(std::memory_order_relaxed) || num_experts < 1 ||
-      num_experts > 2 * kRouteWarps * kRouteCluster) {
+  if (off || num_experts < 1 || num_experts > 2 * kRouteWarps * kRouteCluster ||
+      !route_clusters_ok()) {
     return 0;
   }
   // A power of two of blocks, one expert a warp where that takes at most kRouteCluster
@@ -474,17 +510,10 @@ cudaError_t decode_route(const DecodeMoeArgs& a, cudaStream_t stream) {
             : ensure_smem_limit<decode_route_kernel<2, true, 4>>(kRouteSmemLimit);
     if (lim != cudaSuccess) return lim;
     const dim3 grid(blocks), block(kRouteWarps * 32);
-    const cudaError_t err = one ? launch_pdl_cluster(decode_route_kernel<1, true, 4>, grid, block,
-                                                     lay.bytes, stream, blocks, a, lay)
-                                : launch_pdl_cluster(decode_route_kernel<2, true, 4>, grid, block,
-                                                     lay.bytes, stream, blocks, a, lay);
-    if (err == cudaSuccess) return err;
-    // A device or driver without clusters of this size: the ticket from now on.
-    (void)cudaGetLastError();
-    route_cluster_failed().store(true, std::memory_order_relaxed);
-    std::fprintf(stderr,
-                 "decode_route: a cluster of %d blocks failed to launch (%s); the ticket instead\n",
-                 blocks, cudaGetErrorString(err));
+    return one ? launch_pdl_cluster(decode_route_kernel<1, true, 4>, grid, block, lay.bytes, stream,
+                                    blocks, a, lay)
+               : launch_pdl_cluster(decode_route_kernel<2, true, 4>, grid, block, lay.bytes, stream,
+                                    blocks, a, lay);
   }
   const RouteLayout lay = route_layout(a, false);
   if (lay.bytes > kRouteSmemLimit) return cudaErrorInvalidValue;

@@ -20,7 +20,10 @@
 // kernel waits (griddepcontrol.wait) before it reads its predecessor's outputs and
 // only then lets its successor start, so the successor may load weights early: the
 // router its weights and tables, the down kernel its first rows (slot[] is final by
-// then) and the old values of `out` it adds to.
+// then) and the old values of `out` it adds to. Hence, with `accumulate`, the down
+// kernel must directly follow this call's gate/up kernel, and `out` must not be written
+// by the two kernels before it (route and gate/up write only h, logits, the top-k
+// arrays, act and the statistics).
 // FLEXPERT_NO_PDL=1 in the environment launches them plainly.
 #pragma once
 
@@ -97,7 +100,8 @@ bool decode_route_norm_fits(int num_tokens, int hidden);
 
 // The blocks of the cluster the route kernel runs as for num_experts (up to 128: one or
 // two experts a warp), or 0 where it takes the ticket: more experts,
-// FLEXPERT_NO_ROUTE_CLUSTER=1, or a cluster launch that failed in this process.
+// FLEXPERT_NO_ROUTE_CLUSTER=1, or a device that cannot hold such a cluster (asked once
+// per device, cudaOccupancyMaxActiveClusters).
 int decode_route_cluster_blocks(int num_experts);
 cudaError_t decode_route(const DecodeMoeArgs& args, cudaStream_t stream);
 cudaError_t decode_gate_up(const DecodeMoeArgs& args, cudaStream_t stream);

@@ -126,8 +126,9 @@ Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratc
 // bf16 steps where choose_tile picks kGemv (under a quarter row per expert) and
 // num_tokens <= kDecodeMaxTokens run three kernels (decode_moe.h) instead of the
 // router GEMM, top-k/permute, two grouped GEMMs and combine. Stage bits there:
-// kMoeRouter = router GEMV + top-k (+ slot statistics with kMoePermute), kMoeGateUp,
-// kMoeDown = down + combine; kMoeTopk, kMoePermute or kMoeCombine alone run nothing.
+// kMoeRouter = router GEMV + top-k, kMoeGateUp (+ slot statistics with kMoePermute),
+// kMoeDown = down + combine (accumulating only right after this call's kMoeGateUp:
+// decode_moe.h); kMoeTopk, kMoePermute or kMoeCombine alone run nothing.
 bool uses_decode_path(const MoeDims& dims, int num_tokens);
 
 // A MoE layer's shared experts (DeepSeek): weights, and the model's scratch for the steps

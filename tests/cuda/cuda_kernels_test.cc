@@ -601,9 +601,11 @@ TEST(CudaDecodeMoeTest, GroupedRouterMatchesUnfusedPath) {
   FLEX_SKIP_WITHOUT_GPU();
   ASSERT_EQ(std::getenv("FLEXPERT_NO_DECODE_MOE"), nullptr) << "this test covers the decode path";
   // V3: 256 experts, top-8 (the decode path up to 7 tokens: under a quarter row per
-  // expert); V2: 64 experts, top-6 (up to 2 tokens).
-  for (const bool v3 : {true, false}) {
-    const int H = 256, I = 96, E = v3 ? 256 : 64, K = v3 ? 8 : 6;
+  // expert; the route kernel's ticket); V2: 64 experts, top-6 (up to 2 tokens; a cluster
+  // of one expert a warp); V3's router over 128 experts (a cluster of two a warp).
+  for (const int config : {0, 1, 2}) {
+    const bool v3 = config != 1;
+    const int H = 256, I = 96, E = config == 0 ? 256 : config == 1 ? 64 : 128, K = v3 ? 8 : 6;
     std::vector<int> map;
     for (int e = 0; e < E; ++e) map.push_back(e);
     for (int e : {3, 7, 0, 3, 11}) map.push_back(e);
@@ -633,8 +635,11 @@ TEST(CudaDecodeMoeTest, GroupedRouterMatchesUnfusedPath) {
       r.topk_groups = v3 ? 4 : 1;
       r.routed_scaling_factor = v3 ? 2.5f : 1.0f;
       dims.norm_topk_prob = v3;
-      for (const int T : v3 ? std::vector<int>{1, 3, 7} : std::vector<int>{1, 2}) {
-        SCOPED_TRACE((v3 ? "V3 router, " : "V2 router, ") + std::to_string(T) + " tokens");
+      const std::vector<int> tokens =
+          config == 0 ? std::vector<int>{1, 3, 7} : std::vector<int>{1, 2};
+      for (const int T : tokens) {
+        SCOPED_TRACE((v3 ? "V3 router, " : "V2 router, ") + std::to_string(E) + " experts, " +
+                     std::to_string(T) + " tokens");
         ASSERT_TRUE(cuda::uses_decode_path(dims, T));
         const std::vector<float> x = uniform(static_cast<size_t>(T) * H, 1.f, rng);
         auto x_d = to_device(x, DType::kBF16);
@@ -647,9 +652,12 @@ TEST(CudaDecodeMoeTest, GroupedRouterMatchesUnfusedPath) {
               });
         };
         const DecodeRun fused = run(-1);
-        expect_decode_matches(
-            fused, run(static_cast<int>(cuda::GemmTile::kGemv)),
-            std::string("grouped decode ") + (v3 ? "V3" : "V2") + " T=" + std::to_string(T));
+        expect_decode_matches(fused, run(static_cast<int>(cuda::GemmTile::kGemv)),
+                              std::string("grouped decode ") + (v3 ? "V3" : "V2") +
+                                  " E=" + std::to_string(E) + " T=" + std::to_string(T));
+        if (std::getenv("FLEXPERT_NO_ROUTE_CLUSTER") == nullptr) {
+          EXPECT_EQ(cuda::decode_route_cluster_blocks(E) > 0, E <= 128);
+        }
         // The RMSNorm before the MoE inside the route kernel (run_grouped_moe_norm, one or
         // two tokens): h and the outputs bit for bit those of rms_norm and then the MoE.
         if (T > 2) continue;
