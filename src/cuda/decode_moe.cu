@@ -154,10 +154,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
           for (int j = 0; j < EPW; ++j) {
             float f[8];
             bf16x8(w[j][u], f);
-            float s = 0.f;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) s += f[i] * x[i];
-            acc[j][t] += s;
+            acc[j][t] += dot8(f, x);
           }
         }
       }
@@ -287,14 +284,8 @@ __global__ void __launch_bounds__(kGuWarps * 32, 1) decode_gate_up_kernel(Decode
         bf16x8(w0[u], f0);
         bf16x8(w1[u], f1);
         bf16x8(__ldg(arow + c), x);
-        float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          s0 += f0[i] * x[i];
-          s1 += f1[i] * x[i];
-        }
-        acc0 += s0;
-        acc1 += s1;
+        acc0 += dot8(f0, x);
+        acc1 += dot8(f1, x);
       }
     }
   }
@@ -371,10 +362,7 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_combine_kernel
           for (int r = 0; r < kDownCols; ++r) {
             float f[8];
             bf16x8(w[r][u], f);
-            float s = 0.f;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) s += f[i] * x[i];
-            acc[r] += s;
+            acc[r] += dot8(f, x);
           }
         }
       }

@@ -47,6 +47,14 @@ __device__ __forceinline__ void bf16x8(const uint4& raw, float (&v)[8]) {
     v[2 * i + 1] = f.y;
   }
 }
+// The eight products' sum in index order: the per-chunk dot product of the decode and
+// GEMV kernels whose outputs must agree bit for bit (the same order everywhere).
+__device__ __forceinline__ float dot8(const float (&w)[8], const float (&x)[8]) {
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s += w[i] * x[i];
+  return s;
+}
 // NOTE: the 16-byte load goes to a named local first; passing the dereference straight
 // to bf16x8 let nvcc split it into four 4-byte loads (a 30 % slower decode step, H200).
 __device__ __forceinline__ void load8(const bf16* p, float (&v)[8]) {

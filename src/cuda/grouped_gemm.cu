@@ -233,14 +233,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_gemm_kernel(const Groupe
           if (t < nrows) {
             float a[8];
             bf16x8(__ldg(a_rows[t] + c), a);
-            float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              s0 += f0[i] * a[i];
-              s1 += f1[i] * a[i];
-            }
-            acc0[t] += s0;
-            acc1[t] += s1;
+            acc0[t] += dot8(f0, a);
+            acc1[t] += dot8(f1, a);
           }
         }
       }
