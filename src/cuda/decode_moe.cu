@@ -305,10 +305,13 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_combine_kernel
   const int S = a.shared_pieces;
   const bf16* down = static_cast<const bf16*>(a.weights) + 2 * static_cast<int64_t>(I) * H;
   const bf16* act = static_cast<const bf16*>(a.act);
-  // The output's old value before the wait: `out` (the residual stream) was last written
-  // two or more kernels back (the route kernel's predecessor or before), complete by now.
-  float* dst = a.out + static_cast<int64_t>(t) * H + col0 + threadIdx.x;
-  const float prev = a.accumulate && threadIdx.x < kDownCols ? *dst : 0.f;
+  // The old values of `out` this block adds to, before the wait: `out` (the residual
+  // stream) was last written two or more kernels back (the route kernel's predecessor or
+  // before). In shared memory: no register held over the loop.
+  __shared__ float prev[kDownCols];
+  if (a.accumulate && threadIdx.x < kDownCols) {
+    prev[threadIdx.x] = a.out[static_cast<int64_t>(t) * H + col0 + threadIdx.x];
+  }
   bool waited = false;
   // Warp k: routed pair k < K (its slot's down rows), else shared piece k - K.
   for (int k = warp; k < K + S; k += kDownWarps) {
@@ -383,7 +386,8 @@ __global__ void __launch_bounds__(kDownWarps * 32, 2) decode_down_combine_kernel
     float o = 0.f;
     for (int k = 0; k < K; ++k) o += a.topk.weight[t * K + k] * part[k][threadIdx.x];
     for (int k = K; k < K + S; ++k) o += part[k][threadIdx.x];
-    *dst = a.accumulate ? prev + o : o;
+    a.out[static_cast<int64_t>(t) * H + col0 + threadIdx.x] =
+        a.accumulate ? prev[threadIdx.x] + o : o;
   }
 }
 
