@@ -168,40 +168,34 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
     topk.rep_slots = grouped.rep_slots = s_slots;
     if (lay.bias_floats > 0) grouped.bias = s_bias;
   }
+  // This block's logits go to rank 0's shared memory (cluster) or to global memory.
+  float* logits_to = const_cast<float*>(a.topk.logits);  // This kernel's output.
+  if constexpr (kCluster) {
+    logits_to = cooperative_groups::this_cluster().map_shared_rank(
+        reinterpret_cast<float*>(route_smem + lay.logits), 0);
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // Rank 0 has started.
+  }
+#pragma unroll
+  for (int j = 0; j < EPW; ++j) {
+#pragma unroll
+    for (int t = 0; t < kDecodeMaxTokens; ++t) {
+      if (t < T) {
+        const float v = warp_sum(acc[j][t]);
+        if (lane == 0 && e0 + j < E) logits_to[static_cast<int64_t>(t) * E + e0 + j] = v;
+      }
+    }
+  }
   if constexpr (kCluster) {
     namespace cg = cooperative_groups;
     const cg::cluster_group cluster = cg::this_cluster();
-    float* logits = reinterpret_cast<float*>(route_smem + lay.logits);
-    float* dst = cluster.map_shared_rank(logits, 0);
-    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // Rank 0 has started.
-#pragma unroll
-    for (int j = 0; j < EPW; ++j) {
-#pragma unroll
-      for (int t = 0; t < kDecodeMaxTokens; ++t) {
-        if (t < T) {
-          const float v = warp_sum(acc[j][t]);
-          if (lane == 0 && e0 + j < E) dst[t * E + e0 + j] = v;
-        }
-      }
-    }
     cluster.sync();  // Release / acquire: rank 0 sees every logit.
     if (cluster.block_rank() != 0) return;
     // The logits leave through global memory too (the unfused path's output).
+    const float* logits = reinterpret_cast<const float*>(route_smem + lay.logits);
     float* out = const_cast<float*>(a.topk.logits);
     for (int i = threadIdx.x; i < T * E; i += blockDim.x) out[i] = logits[i];
     topk.logits = grouped.logits = logits;
   } else {
-    float* logits = const_cast<float*>(a.topk.logits);  // This kernel's output.
-#pragma unroll
-    for (int j = 0; j < EPW; ++j) {
-#pragma unroll
-      for (int t = 0; t < kDecodeMaxTokens; ++t) {
-        if (t < T) {
-          const float v = warp_sum(acc[j][t]);
-          if (lane == 0 && e0 + j < E) logits[static_cast<int64_t>(t) * E + e0 + j] = v;
-        }
-      }
-    }
     // The last block to finish sees every logit (fence, then ticket).
     __shared__ int is_last;
     __threadfence();
