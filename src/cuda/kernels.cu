@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <climits>
 #include <cstdlib>
@@ -79,98 +80,107 @@ struct GemvIo {
   float eps = 0.f;
   bool y_bf16 = false;  // y is bf16 (rounded once, no accumulation), else f32.
 };
-template <int M, bool kAhead>
+template <int M, bool kAhead, bool kLoop>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     gemv_nt_kernel(const bf16* x, int k, const bf16* w, int n, void* y, bool accumulate,
                    GemvIo io) {
   extern __shared__ __align__(16) unsigned char gemv_smem[];
   const int lane = threadIdx.x % 32;
-  // A warp past the last column streams the last one's weights and stores nothing: it
-  // must still wait (pdl.cuh).
-  const int warp_col = blockIdx.x * kGemvWarps + threadIdx.x / 32;
-  const int col = min(warp_col, n - 1);
-  const uint4* wr = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(col) * k);
   const int chunks = k / 8;
-  float acc[M];
+  // kLoop: block b takes column blocks b, b + gridDim.x, ... (a grid smaller than the
+  // columns makes the prologue's rows once per block, not once per 8 columns:
+  // launch_gemv); else column block b only.
+  const int col_blocks = (n + kGemvWarps - 1) / kGemvWarps;
+  for (int cb = blockIdx.x; cb < col_blocks; cb += gridDim.x) {  // Uniform over the block.
+    const bool first = cb == static_cast<int>(blockIdx.x);
+    // A warp past the last column streams the last one's weights and stores nothing: it
+    // must still wait (pdl.cuh).
+    const int warp_col = cb * kGemvWarps + threadIdx.x / 32;
+    const int col = min(warp_col, n - 1);
+    const uint4* wr = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(col) * k);
+    float acc[M];
 #pragma unroll
-  for (int r = 0; r < M; ++r) acc[r] = 0.f;
-  // kAhead: the next pass's loads are issued before this pass's FMAs (two passes in
-  // flight), for long rows (k = 10944 took five round trips one after the other).
-  uint4 raw[kGemvLoads], next[kGemvLoads];
-#pragma unroll
-  for (int u = 0; u < kGemvLoads; ++u) {
-    const int c = lane + 32 * u;
-    if (kAhead && c < chunks) next[u] = ld_stream(wr + c);
-  }
-  if (io.prologue == GemvIo::kNorm) block_rms_prefetch(io.weight, k);  // Constant, as w.
-  for (int c0 = 0; c0 < chunks; c0 += 32 * kGemvLoads) {
+    for (int r = 0; r < M; ++r) acc[r] = 0.f;
+    // kAhead: the next pass's loads are issued before this pass's FMAs (two passes in
+    // flight), for long rows (k = 10944 took five round trips one after the other).
+    uint4 raw[kGemvLoads], next[kGemvLoads];
 #pragma unroll
     for (int u = 0; u < kGemvLoads; ++u) {
-      if (kAhead) {
-        raw[u] = next[u];
-        const int c = c0 + 32 * kGemvLoads + lane + 32 * u;
-        if (c < chunks) next[u] = ld_stream(wr + c);
-      } else {
-        const int c = c0 + lane + 32 * u;
-        if (c < chunks) raw[u] = ld_stream(wr + c);
-      }
+      const int c = lane + 32 * u;
+      if (kAhead && c < chunks) next[u] = ld_stream(wr + c);
     }
-    if (c0 == 0) {  // The weights are constant: their first loads go before the wait for x.
-      grid_dep_wait();
-      grid_dep_launch();
-      if (io.prologue != GemvIo::kNone) {  // Uniform over the block: all meet the barriers.
-        bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
+    if (first && io.prologue == GemvIo::kNorm) block_rms_prefetch(io.weight, k);  // As w.
+    for (int c0 = 0; c0 < chunks; c0 += 32 * kGemvLoads) {
 #pragma unroll
-        for (int r = 0; r < M; ++r) {
-          if (io.prologue == GemvIo::kNorm) {
-            float4 v[kRmsVec];
-            const float inv = block_inv_rms(io.src + r * io.src_stride, k, io.eps, v);
-            block_rms_store(v, inv, io.weight, k, xs + r * k);
-          } else {
-            const float4* g =
-                reinterpret_cast<const float4*>(io.src + static_cast<int64_t>(r) * 2 * k);
-            const float4* u = g + k / 4;
-            for (int i = threadIdx.x; i < k / 4; i += blockDim.x) {
-              const float4 gv = g[i], uv = u[i];
-              bf16* o = xs + r * k + 4 * i;
-              o[0] = from_f32<bf16>(silu(gv.x) * uv.x);
-              o[1] = from_f32<bf16>(silu(gv.y) * uv.y);
-              o[2] = from_f32<bf16>(silu(gv.z) * uv.z);
-              o[3] = from_f32<bf16>(silu(gv.w) * uv.w);
+      for (int u = 0; u < kGemvLoads; ++u) {
+        if (kAhead) {
+          raw[u] = next[u];
+          const int c = c0 + 32 * kGemvLoads + lane + 32 * u;
+          if (c < chunks) next[u] = ld_stream(wr + c);
+        } else {
+          const int c = c0 + lane + 32 * u;
+          if (c < chunks) raw[u] = ld_stream(wr + c);
+        }
+      }
+      // The weights are constant: the first column's first loads go before the wait for x.
+      if (first && c0 == 0) {
+        grid_dep_wait();
+        grid_dep_launch();
+        if (io.prologue != GemvIo::kNone) {  // Uniform over the block: all meet the barriers.
+          bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
+#pragma unroll
+          for (int r = 0; r < M; ++r) {
+            if (io.prologue == GemvIo::kNorm) {
+              float4 v[kRmsVec];
+              const float inv = block_inv_rms(io.src + r * io.src_stride, k, io.eps, v);
+              block_rms_store(v, inv, io.weight, k, xs + r * k);
+            } else {
+              const float4* g =
+                  reinterpret_cast<const float4*>(io.src + static_cast<int64_t>(r) * 2 * k);
+              const float4* u = g + k / 4;
+              for (int i = threadIdx.x; i < k / 4; i += blockDim.x) {
+                const float4 gv = g[i], uv = u[i];
+                bf16* o = xs + r * k + 4 * i;
+                o[0] = from_f32<bf16>(silu(gv.x) * uv.x);
+                o[1] = from_f32<bf16>(silu(gv.y) * uv.y);
+                o[2] = from_f32<bf16>(silu(gv.z) * uv.z);
+                o[3] = from_f32<bf16>(silu(gv.w) * uv.w);
+              }
             }
           }
+          __syncthreads();
+          x = xs;
         }
-        __syncthreads();
-        x = xs;
+      }
+#pragma unroll
+      for (int u = 0; u < kGemvLoads; ++u) {
+        const int c = c0 + lane + 32 * u;
+        if (c >= chunks) break;
+        float wv[8];
+        bf16x8(raw[u], wv);
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+          float xv[8];
+          load8(x + static_cast<int64_t>(r) * k + 8 * c, xv);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[r] += xv[i] * wv[i];
+        }
       }
     }
 #pragma unroll
-    for (int u = 0; u < kGemvLoads; ++u) {
-      const int c = c0 + lane + 32 * u;
-      if (c >= chunks) break;
-      float wv[8];
-      bf16x8(raw[u], wv);
-#pragma unroll
-      for (int r = 0; r < M; ++r) {
-        float xv[8];
-        load8(x + static_cast<int64_t>(r) * k + 8 * c, xv);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[r] += xv[i] * wv[i];
+    for (int r = 0; r < M; ++r) {
+      const float v = warp_sum(acc[r]);
+      if (warp_col < n && lane == r) {
+        const int64_t i = static_cast<int64_t>(r) * n + col;
+        if (io.y_bf16) {
+          static_cast<bf16*>(y)[i] = from_f32<bf16>(v);
+        } else {
+          float* o = static_cast<float*>(y) + i;
+          *o = accumulate ? *o + v : v;
+        }
       }
     }
-  }
-#pragma unroll
-  for (int r = 0; r < M; ++r) {
-    const float v = warp_sum(acc[r]);
-    if (warp_col < n && lane == r) {
-      const int64_t i = static_cast<int64_t>(r) * n + col;
-      if (io.y_bf16) {
-        static_cast<bf16*>(y)[i] = from_f32<bf16>(v);
-      } else {
-        float* o = static_cast<float*>(y) + i;
-        *o = accumulate ? *o + v : v;
-      }
-    }
+    if constexpr (!kLoop) break;  // (The registers of one column block.)
   }
 }
 
@@ -938,25 +948,65 @@ int blocks_for(size_t n, int threads) {
   return static_cast<int>(b < 65536 ? (b == 0 ? 1 : b) : 65536);
 }
 
+// The SMs of this device (asked once per process), for the GEMV's grid.
+int gemv_sms() {
+  static const int sms = [] {
+    int device = 0, count = 0;
+    const bool ok =
+        cudaGetDevice(&device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess;
+    (void)cudaGetLastError();
+    return ok ? count : 0;
+  }();
+  return sms;
+}
+
 cudaError_t launch_gemv(const bf16* x, int m, int k, const void* w, int n, void* y, bool accumulate,
                         const GemvIo& io, cudaStream_t stream) {
-  const unsigned blocks = static_cast<unsigned>((n + kGemvWarps - 1) / kGemvWarps);
+  unsigned blocks = static_cast<unsigned>((n + kGemvWarps - 1) / kGemvWarps);
   const bf16* wb = static_cast<const bf16*>(w);
   using Kernel = void (*)(const bf16*, int, const bf16*, int, void*, bool, GemvIo);
-  static constexpr Kernel kKernels[2][kGemvMaxRows] = {
-      {gemv_nt_kernel<1, false>, gemv_nt_kernel<2, false>, gemv_nt_kernel<3, false>,
-       gemv_nt_kernel<4, false>, gemv_nt_kernel<5, false>, gemv_nt_kernel<6, false>,
-       gemv_nt_kernel<7, false>, gemv_nt_kernel<8, false>},
-      {gemv_nt_kernel<1, true>, gemv_nt_kernel<2, true>, gemv_nt_kernel<3, true>,
-       gemv_nt_kernel<4, true>, gemv_nt_kernel<5, true>, gemv_nt_kernel<6, true>,
-       gemv_nt_kernel<7, true>, gemv_nt_kernel<8, true>}};
+  static constexpr Kernel kKernels[2][2][kGemvMaxRows] = {
+      {{gemv_nt_kernel<1, false, false>, gemv_nt_kernel<2, false, false>,
+        gemv_nt_kernel<3, false, false>, gemv_nt_kernel<4, false, false>,
+        gemv_nt_kernel<5, false, false>, gemv_nt_kernel<6, false, false>,
+        gemv_nt_kernel<7, false, false>, gemv_nt_kernel<8, false, false>},
+       {gemv_nt_kernel<1, true, false>, gemv_nt_kernel<2, true, false>,
+        gemv_nt_kernel<3, true, false>, gemv_nt_kernel<4, true, false>,
+        gemv_nt_kernel<5, true, false>, gemv_nt_kernel<6, true, false>,
+        gemv_nt_kernel<7, true, false>, gemv_nt_kernel<8, true, false>}},
+      {{nullptr, gemv_nt_kernel<2, false, true>, gemv_nt_kernel<3, false, true>,
+        gemv_nt_kernel<4, false, true>, gemv_nt_kernel<5, false, true>,
+        gemv_nt_kernel<6, false, true>, gemv_nt_kernel<7, false, true>,
+        gemv_nt_kernel<8, false, true>},
+       {}}};  // Rows a pass ahead do not loop.
   static_assert(kGemvMaxRows == 8);
   // Rows of more than two passes load a pass ahead (H200: with k = 4096 too, Qwen3's
   // o_proj, a batch-1 step of 12 layers went 0.89 -> 0.91 ms).
   const bool ahead = k > 2 * 32 * kGemvLoads * 8;
   const size_t smem = io.prologue != GemvIo::kNone ? static_cast<size_t>(m) * k * sizeof(bf16) : 0;
-  return launch_pdl(kKernels[ahead][m - 1], dim3(blocks), dim3(kGemvWarps * 32), smem, stream, x, k,
-                    wb, n, y, accumulate, io);
+  // A prologue of more than one row: no more blocks than the GPU holds at once, each
+  // looping over column blocks, so that the rows are made once per block rather than once
+  // per 8 columns (H200, gemv_bench in a chain of calls: Qwen3-30B-A3B's qkv with its
+  // RMSNorm at 2 / 4 / 8 rows 11.6 / 18.1 / 32.2 -> 9.5 / 13.2 / 21.7 us, DeepSeek-V2-Lite's
+  // dense gate/up 37.6 / 63.0 / 120 -> 27.0 / 37.6 / 63.9). Not for rows loaded a pass
+  // ahead: their loop takes more registers, a block an SM (DeepSeek-V3's q_a + kv_a at 2
+  // rows 11.6 -> 12.6 us). FLEXPERT_GEMV_NO_LOOP=1: a block per 8 columns always.
+  static const bool no_loop = std::getenv("FLEXPERT_GEMV_NO_LOOP") != nullptr;
+  bool loop = false;
+  if (m >= 2 && io.prologue != GemvIo::kNone && !ahead && !no_loop) {
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernels[1][0][m - 1],
+                                                      kGemvWarps * 32, smem) != cudaSuccess) {
+      (void)cudaGetLastError();
+      per_sm = 0;
+    }
+    const unsigned resident = static_cast<unsigned>(per_sm) * static_cast<unsigned>(gemv_sms());
+    loop = resident > 0 && blocks > resident;
+    if (loop) blocks = resident;
+  }
+  return launch_pdl(kKernels[loop][ahead][m - 1], dim3(blocks), dim3(kGemvWarps * 32), smem, stream,
+                    x, k, wb, n, y, accumulate, io);
 }
 
 }  // namespace

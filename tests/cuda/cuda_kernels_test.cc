@@ -1436,7 +1436,8 @@ TEST(CudaGemvTest, MatchesFloat64) {
 
 // gemv_norm_nt (the RMSNorm inside the GEMV) against rms_norm and then gemv_nt: the same
 // bits, for one to eight rows, a dimension that is no multiple of the block's loads, and
-// DeepSeek-V3's hidden size; and the shapes it does not take.
+// DeepSeek-V3's hidden size, over fewer columns than a block per 8 of them would fill the GPU
+// with and more (then blocks loop over them); and the shapes it does not take.
 TEST(CudaGemvTest, NormInsideEqualsRmsNormThenGemv) {
   FLEX_SKIP_WITHOUT_GPU();
   std::mt19937 rng(9);
@@ -1444,7 +1445,7 @@ TEST(CudaGemvTest, NormInsideEqualsRmsNormThenGemv) {
   for (const auto& [m, k] :
        std::vector<std::pair<int, int>>{{1, 2048}, {2, 2048}, {8, 2048}, {3, 1000}, {3, 7168}}) {
     ASSERT_TRUE(cuda::gemv_norm_nt_fits(m, k)) << m << " x " << k;
-    for (int n : {37, 1030}) {
+    for (int n : {37, 1030, 5000}) {  // 5000: more blocks than the GPU holds (a loop).
       const std::vector<float> x = uniform(static_cast<size_t>(m) * k, 2.f, rng);
       const std::vector<float> nw = uniform(k, 1.f, rng);
       const std::vector<float> w = round_bf16(uniform(static_cast<size_t>(n) * k, 1.f, rng));
@@ -1484,9 +1485,12 @@ TEST(CudaGemvTest, ProloguesInsideEqualKernelsBefore) {
   FLEX_SKIP_WITHOUT_GPU();
   std::mt19937 rng(10);
   const float eps = 1e-6f;
-  for (const auto& [m, k, stride] : std::vector<std::tuple<int, int, int>>{
-           {1, 1536, 2112}, {2, 1536, 2112}, {1, 2048, 2048}, {3, 1000, 1004}}) {
-    const int n = 1030;
+  for (const auto& [m, k, stride, n] : std::vector<std::tuple<int, int, int, int>>{
+           {1, 1536, 2112, 1030},
+           {2, 1536, 2112, 1030},
+           {1, 2048, 2048, 1030},
+           {3, 1000, 1004, 1030},
+           {2, 1536, 2112, 4100}}) {  // 4100: blocks loop over columns.
     const std::vector<float> x = uniform(static_cast<size_t>(m) * stride, 2.f, rng);
     const std::vector<float> nw = uniform(k, 1.f, rng);
     const std::vector<float> w = round_bf16(uniform(static_cast<size_t>(n) * k, 1.f, rng));
@@ -1514,9 +1518,9 @@ TEST(CudaGemvTest, ProloguesInsideEqualKernelsBefore) {
     const size_t count = static_cast<size_t>(m) * n;
     const std::vector<float> plain = to_host(y_plain.value().data(), count, DType::kF32);
     EXPECT_EQ(to_host(y_f32.value().data(), count, DType::kF32), plain)
-        << "m " << m << " k " << k << " stride " << stride;
+        << "m " << m << " k " << k << " stride " << stride << " n " << n;
     EXPECT_EQ(to_host(y_bf16.value().data(), count, DType::kBF16), round_bf16(plain))
-        << "m " << m << " k " << k << " stride " << stride;
+        << "m " << m << " k " << k << " stride " << stride << " n " << n;
     // The normalised rows themselves against float64 (rms_norm_rows' own check).
     const std::vector<float> h =
         to_host(h_d.value().data(), static_cast<size_t>(m) * k, DType::kBF16);
@@ -1534,9 +1538,9 @@ TEST(CudaGemvTest, ProloguesInsideEqualKernelsBefore) {
                                     nullptr, nullptr),
             cudaErrorInvalidValue);  // A stride that breaks the float4 loads.
 
-  for (const auto& [m, inter] : std::vector<std::pair<int, int>>{{1, 2816}, {2, 1408}, {2, 1000}}) {
+  for (const auto& [m, inter, n] : std::vector<std::tuple<int, int, int>>{
+           {1, 2816, 777}, {2, 1408, 777}, {2, 1000, 777}, {2, 1408, 4100}}) {  // 4100: a loop.
     for (const bool accumulate : {false, true}) {
-      const int n = 777;
       const std::vector<float> gu = uniform(static_cast<size_t>(m) * 2 * inter, 4.f, rng);
       const std::vector<float> w = round_bf16(uniform(static_cast<size_t>(n) * inter, 1.f, rng));
       const std::vector<float> y0 = uniform(static_cast<size_t>(m) * n, 1.f, rng);
