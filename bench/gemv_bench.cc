@@ -16,33 +16,15 @@
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "cuda/device.h"
 #include "cuda/kernels.h"
+#include "cuda_bench.h"
 
 namespace flexpert::cuda {
 namespace {
-
-#define BENCH_CHECK(expr)                                                              \
-  do {                                                                                 \
-    const Status s_ = (expr);                                                          \
-    if (!s_.ok()) {                                                                    \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, s_.to_string().c_str()); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
-
-template <typename T>
-T take(Result<T> r, const char* what) {
-  if (!r.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, r.status().to_string().c_str());
-    std::exit(1);
-  }
-  return std::move(r).value();
-}
 
 // What the call's input is: bf16 rows, f32 rows normalised inside (gemv_norm_nt), or f32
 // gate | up rows through SwiGLU inside (gemv_swiglu_nt).
@@ -64,42 +46,6 @@ const Shape kShapes[] = {
     {"8 x 8 (a launch in the chain)", 8, 8, Input::kPlain, false},
 };
 
-std::vector<int> split_ints(const std::string& s) {
-  std::vector<int> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (!item.empty()) out.push_back(std::atoi(item.c_str()));
-  }
-  return out;
-}
-
-template <typename Fn>
-double median_ms(cudaStream_t stream, int reps, Fn fn) {
-  Event a = take(Event::create(), "event"), b = take(Event::create(), "event");
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    BENCH_CHECK(a.record(stream));
-    fn();
-    BENCH_CHECK(b.record(stream));
-    BENCH_CHECK(b.synchronize());
-    ms.push_back(take(Event::elapsed_ms(a, b), "elapsed"));
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
-double copy_bandwidth(cudaStream_t stream) {
-  const size_t bytes = size_t{1} << 30;
-  DeviceBuffer src = take(DeviceBuffer::create(bytes), "alloc");
-  DeviceBuffer dst = take(DeviceBuffer::create(bytes), "alloc");
-  for (int i = 0; i < 3; ++i) copy_bytes(src.data(), dst.data(), bytes, stream);
-  const double ms =
-      median_ms(stream, 15, [&] { copy_bytes(src.data(), dst.data(), bytes, stream); });
-  BENCH_CHECK(cuda_status(cudaGetLastError(), "copy"));
-  return 2.0 * bytes / (ms * 1e-3);  // Read + write.
-}
-
 int run(int argc, char** argv) {
   std::string rows_arg = "1,2,4,8", json_path;
   for (int i = 1; i < argc; ++i) {
@@ -111,7 +57,8 @@ int run(int argc, char** argv) {
       return 2;
     }
   }
-  const std::vector<int> rows = split_ints(rows_arg);
+  std::vector<int> rows;
+  for (const std::string& r : split(rows_arg)) rows.push_back(std::atoi(r.c_str()));
   for (int m : rows) {
     if (m < 1 || m > kGemvMaxRows) {
       std::fprintf(stderr, "gemv_bench: --rows takes 1 to %d\n", kGemvMaxRows);
@@ -125,7 +72,7 @@ int run(int argc, char** argv) {
   BENCH_CHECK(set_device(0));
   Stream stream = take(Stream::create(), "stream");
   cudaStream_t s = stream.get();
-  const double bw = copy_bandwidth(s);
+  const double bw = measure_bandwidth(s);
   const char* no_pdl = std::getenv("FLEXPERT_NO_PDL");
   const bool pdl = no_pdl == nullptr || no_pdl[0] == '\0' || no_pdl[0] == '0';
   std::printf("device copy: %.0f GB/s (read + write); programmatic dependent launch %s\n", bw / 1e9,
