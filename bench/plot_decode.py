@@ -36,7 +36,8 @@ def main():
                 per[b][ctx].append(v)
         series[label] = per
     batches = sorted({b for per in series.values() for b in per})
-    fig, axes = plt.subplots(1, len(batches), figsize=(3.2 * len(batches), 3.4))
+    fig, axes = plt.subplots(1, len(batches), figsize=(3.2 * len(batches), 3.4), squeeze=False)
+    axes = axes[0]  # One batch too.
     for ax, b in zip(axes, batches):
         for label, per in series.items():
             ctxs = sorted(per[b])

@@ -9,6 +9,7 @@
 #     TOKENS=4096,16384 REPS=2 OUT=$OUT bash scripts/gpu_ab.sh
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
+source scripts/variants.sh
 BIN=${BIN:-.gpu/bin}
 OUT=${OUT:-/tmp/gpu_ab}
 TOKENS=${TOKENS:-4096,16384}
@@ -24,7 +25,7 @@ for r in $(seq 1 "$REPS"); do
     if [[ $spec == @* ]]; then
       bin=${spec#@}
     else
-      IFS=',' read -r -a envs <<<"$spec"
+      variant_envs "$spec"
     fi
     log="$OUT/$name.$r.log"
     env "${envs[@]}" timeout "${BENCH_TIMEOUT:-200}" "$bin/moe_layer_bench" --shapes "$SHAPES" \

@@ -4,14 +4,16 @@
 # timings drift between runs), with `flexpert bench generate`; then a table of ms per
 # decode step (second pass) per variant, prompt length and batch, and a plot of it
 # (bench/plot_decode.py, where python3 has matplotlib). Each variant is `NAME:ENV,...`
-# (environment settings, possibly none) or `NAME:@BIN` (another flexpert binary, e.g. an
-# older build copied into .gpu/bin), run REPS times in turn per prompt length.
+# (environment settings, possibly none; a value may hold commas: scripts/variants.sh) or
+# `NAME:@BIN` (another flexpert binary, e.g. an older build copied into .gpu/bin), run
+# REPS times in turn per prompt length.
 #   PACK=.gpu source scripts/gpu_env.sh; echo quit | nvidia-cuda-mps-control
 #   VARIANTS="head:FLEXPERT_NO_GQA_ATTENTION=1 gqa:" PROMPTS="64 2048" OUT=$OUT \
 #     bash scripts/gpu_decode_ab.sh
 # SUMMARY_ONLY=1 prints the table (and plots) of the JSON files already in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
+source scripts/variants.sh
 BIN=${BIN:-.gpu/bin}
 OUT=${OUT:-/tmp/gpu_decode_ab}
 VARIANTS=${VARIANTS:?"VARIANTS=\"name:ENV=1 name2:@bin ...\""}
@@ -36,7 +38,7 @@ if [ -z "${SUMMARY_ONLY:-}" ]; then
       if [[ $spec == @* ]]; then
         flexpert=${spec#@}
       elif [ -n "$spec" ]; then
-        IFS=',' read -r -a envs <<<"$spec"
+        variant_envs "$spec"
       fi
       for p in $PROMPTS; do
         env "${envs[@]}" timeout "${BENCH_TIMEOUT:-150}" "$flexpert" bench generate \

@@ -9,6 +9,7 @@
 #   VARIANTS="l2p256:FLEXPERT_TMA_L2_PROMOTION=256 l2p128:" OUT=$OUT bash scripts/gpu_gemm_bytes.sh
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
+source scripts/variants.sh
 BIN=${BIN:-.gpu/bin}
 OUT=${OUT:-/tmp/gpu_gemm_bytes}
 CASES=${CASES:-deepseek-v3:4096 qwen3-30b-a3b:4096}
@@ -21,7 +22,7 @@ for c in $CASES; do
   shape=${c%%:*} tokens=${c#*:}
   for v in $VARIANTS; do
     name=${v%%:*} envs=()
-    IFS=',' read -r -a envs <<<"${v#*:}"
+    variant_envs "${v#*:}"
     log="$OUT/${shape}_${tokens}_$name.log"
     env "${envs[@]}" timeout "${NCU_TIMEOUT:-120}" ncu --clock-control none \
       --kernel-name regex:wgmma_ws_kernel --launch-count 2 \
