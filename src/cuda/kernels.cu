@@ -5,7 +5,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cfloat>
 #include <climits>
 #include <cstdlib>
