@@ -7,7 +7,7 @@
 //
 //   moe_layer_bench [--shapes qwen3-30b-a3b,deepseek-v3] [--tokens 1,4,16,...]
 //                   [--json out.json] [--torch torch.json] [--sweep] [--profile]
-//                   [--tiles wgmma64,ws128,...]
+//                   [--tiles wgmma64,ws128,...] [--dense]
 //
 // Each configuration is timed as a CUDA graph of 4 layer calls on 4 different
 // inputs (so decode-sized calls touch different experts and do not run from L2),
@@ -16,7 +16,10 @@
 // --json) are joined in; --sweep also times every GEMM tile (or those named by
 // --tiles), --profile every kernel of the layer alone (with --sweep also each swept
 // tile's two GEMMs alone; the decode path's three kernels where run_moe takes it:
-// tile "decode").
+// tile "decode"). --dense times cuBLAS on the layer's expert FLOPs as two dense GEMMs
+// (all tokens x top_k rows against one weight matrix per projection, no routing) where
+// the GEMMs are compute-bound: what the GPU's own library reaches on that work, under
+// the same sustained timing.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -85,13 +88,16 @@ struct Row {
   int tokens = 0;
   double us = 0, floor_us = 0, bytes = 0, flops = 0, experts_touched = 0;
   std::string tile;
-  std::map<std::string, double> sweep;   // Tile -> us.
-  std::map<std::string, double> stages;  // Kernel -> us (one call of that kernel alone).
-  double unfused_us = 0;                 // Decode path: the unfused kGemv path, same run.
+  std::map<std::string, double> sweep;             // Tile -> us.
+  std::map<std::string, double> stages;            // Kernel -> us (one call of that kernel alone).
+  double unfused_us = 0;                           // Decode path: the unfused kGemv path, same run.
+  double dense_gate_up_us = 0, dense_down_us = 0;  // --dense: cuBLAS, same FLOPs.
+  // --dense: the layer's ws128 kernel on cuBLAS's dense work (A gathered by identity too).
+  double dense_ws128_gate_up_us = 0, dense_ws128_gather_us = 0, dense_ws128_down_us = 0;
 };
 
 std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_counts, double bw,
-                             double rate, bool sweep, bool profile,
+                             double rate, bool sweep, bool profile, bool dense,
                              const std::set<std::string>& sweep_tiles, cudaStream_t stream,
                              Blas& blas) {
   MoeDims dims;
@@ -190,6 +196,80 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
       std::printf("    unfused path (router GEMM, top-k/permute, gemv tiles, combine): %.1f us\n",
                   row.unfused_us);
     }
+    if (dense && row.flops / rate > row.bytes / bw) {
+      // x [P, H] @ w_gate_up[2I, H]^T, then [P, I] @ w_down[H, I]^T; P = T * top_k rows.
+      const int64_t P = static_cast<int64_t>(T) * sh.top_k, I = sh.inter;
+      DeviceBuffer x = take(DeviceBuffer::create(P * H * 2), "dense x");
+      DeviceBuffer w1 = take(DeviceBuffer::create(2 * I * H * 2), "dense w1");
+      DeviceBuffer w2 = take(DeviceBuffer::create(H * I * 2), "dense w2");
+      DeviceBuffer y1 = take(DeviceBuffer::create(P * 2 * I * 2), "dense y1");
+      DeviceBuffer y2 = take(DeviceBuffer::create(P * H * 2), "dense y2");
+      BENCH_CHECK(
+          cuda_status(fill_uniform(DType::kBF16, x.data(), P * H, 21, 1.f, stream), "fill"));
+      BENCH_CHECK(
+          cuda_status(fill_uniform(DType::kBF16, w1.data(), 2 * I * H, 22, 0.02f, stream), "fill"));
+      BENCH_CHECK(
+          cuda_status(fill_uniform(DType::kBF16, w2.data(), H * I, 23, 0.02f, stream), "fill"));
+      row.dense_gate_up_us = time_calls(
+          [&](int) {
+            BENCH_CHECK(blas.gemm_nt(DType::kBF16, x.data(), P, H, w1.data(), 2 * I, DType::kBF16,
+                                     y1.data()));
+          },
+          150.0);
+      row.dense_down_us = time_calls(
+          [&](int) {
+            BENCH_CHECK(
+                blas.gemm_nt(DType::kBF16, x.data(), P, I, w2.data(), H, DType::kBF16, y2.data()));
+          },
+          150.0);
+      std::printf(
+          "    dense cuBLAS, same expert FLOPs: gate_up %.1f down %.1f us (%.0f TFLOP/s)\n",
+          row.dense_gate_up_us, row.dense_down_us,
+          2.0 * P * 3.0 * H * I / ((row.dense_gate_up_us + row.dense_down_us) * 1e-6) / 1e12);
+      if (wgmma_available() && P % 128 == 0) {
+        // The layer's ws128 kernel on the same dense work: one slot of P rows, A read
+        // contiguously (by tensor copies) or through an identity gather (by cp.async, as
+        // the layer's gate/up reads token rows).
+        const int tiles = static_cast<int>(P / 128);
+        std::vector<int32_t> row0(tiles), ident(P);
+        for (int t = 0; t < tiles; ++t) row0[t] = 128 * t;
+        for (int64_t r = 0; r < P; ++r) ident[r] = static_cast<int32_t>(r);
+        DeviceBuffer offsets = upload({0, static_cast<int32_t>(P)});
+        DeviceBuffer tile_slot = upload(std::vector<int32_t>(tiles, 0));
+        DeviceBuffer tile_row0 = upload(row0), gather = upload(ident);
+        DeviceBuffer num_tiles = upload({tiles}), sched = upload({0, 0});
+        GroupedGemmArgs g;
+        g.offsets = offsets.as<int32_t>();
+        g.tile_slot = tile_slot.as<int32_t>();
+        g.tile_row0 = tile_row0.as<int32_t>();
+        g.num_tiles = num_tiles.as<int32_t>();
+        g.max_tiles = tiles;
+        g.sched = sched.as<int32_t>();
+        auto ours = [&](const void* w, int n, int k, bool swiglu, const int32_t* gather_rows,
+                        void* y) {
+          GroupedGemmArgs a = g;
+          a.a = x.data();
+          a.gather = gather_rows;
+          a.weights = w;
+          a.n = n;
+          a.k = k;
+          a.swiglu = swiglu;
+          a.out = y;
+          return time_calls(
+              [&](int) {
+                BENCH_CHECK(cuda_status(
+                    grouped_gemm(DType::kBF16, GemmTile::kWgmmaWs128, a, stream), "ws128"));
+              },
+              150.0);
+        };
+        row.dense_ws128_gate_up_us = ours(w1.data(), 2 * I, H, true, nullptr, y1.data());
+        row.dense_ws128_gather_us =
+            ours(w1.data(), 2 * I, H, true, gather.as<int32_t>(), y1.data());
+        row.dense_ws128_down_us = ours(w2.data(), H, I, false, nullptr, y2.data());
+        std::printf("    ws128, same dense work: gate_up %.1f (A gathered: %.1f) down %.1f us\n",
+                    row.dense_ws128_gate_up_us, row.dense_ws128_gather_us, row.dense_ws128_down_us);
+      }
+    }
     if (sweep) {
       std::printf("    tiles:");
       for (int t = 1; t < kNumGemmTiles; ++t) {
@@ -241,7 +321,7 @@ int run(int argc, char** argv) {
   std::string shapes = "qwen3-30b-a3b,deepseek-v3";
   std::string tokens = "1,4,16,64,256,1024,4096,16384";
   std::string json_path, torch_path, tiles;
-  bool sweep = false, profile = false;
+  bool sweep = false, profile = false, dense = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -265,10 +345,12 @@ int run(int argc, char** argv) {
       sweep = true;
     } else if (a == "--profile") {
       profile = true;
+    } else if (a == "--dense") {
+      dense = true;
     } else {
       std::fprintf(stderr,
                    "usage: moe_layer_bench [--shapes a,b] [--tokens 1,4,...] [--json F] "
-                   "[--torch F] [--sweep] [--profile] [--tiles a,b]\n");
+                   "[--torch F] [--sweep] [--profile] [--tiles a,b] [--dense]\n");
       return 2;
     }
   }
@@ -304,8 +386,8 @@ int run(int argc, char** argv) {
     }
     const std::vector<std::string> tile_list = split(tiles);
     const std::set<std::string> sweep_tiles(tile_list.begin(), tile_list.end());
-    auto r =
-        bench_shape(*sh, token_counts, bw, rate, sweep, profile, sweep_tiles, stream.get(), blas);
+    auto r = bench_shape(*sh, token_counts, bw, rate, sweep, profile, dense, sweep_tiles,
+                         stream.get(), blas);
     rows.insert(rows.end(), r.begin(), r.end());
   }
   nlohmann::json torch = nlohmann::json::object();
@@ -352,6 +434,11 @@ int run(int argc, char** argv) {
                     {"experts_touched", r.experts_touched},
                     {"tile_sweep_us", r.sweep},
                     {"unfused_us", r.unfused_us},
+                    {"dense_gate_up_us", r.dense_gate_up_us},
+                    {"dense_down_us", r.dense_down_us},
+                    {"dense_ws128_gate_up_us", r.dense_ws128_gate_up_us},
+                    {"dense_ws128_gather_us", r.dense_ws128_gather_us},
+                    {"dense_ws128_down_us", r.dense_ws128_down_us},
                     {"stage_us", r.stages}});
   }
   if (!json_path.empty()) {
