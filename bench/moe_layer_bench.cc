@@ -94,6 +94,8 @@ struct Row {
   double dense_gate_up_us = 0, dense_down_us = 0;  // --dense: cuBLAS, same FLOPs.
   // --dense: the layer's ws128 kernel on cuBLAS's dense work (A gathered by identity too).
   double dense_ws128_gate_up_us = 0, dense_ws128_gather_us = 0, dense_ws128_down_us = 0;
+  // --dense: ws128 on the layer's weights with the rows spread evenly over the experts.
+  double balanced_ws128_gate_up_us = 0, balanced_ws128_down_us = 0;
 };
 
 std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_counts, double bw,
@@ -245,9 +247,8 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
         g.num_tiles = num_tiles.as<int32_t>();
         g.max_tiles = tiles;
         g.sched = sched.as<int32_t>();
-        auto ours = [&](const void* w, int n, int k, bool swiglu, const int32_t* gather_rows,
-                        void* y) {
-          GroupedGemmArgs a = g;
+        auto ours = [&](GroupedGemmArgs a, const void* w, int n, int k, bool swiglu,
+                        const int32_t* gather_rows, void* y) {
           a.a = x.data();
           a.gather = gather_rows;
           a.weights = w;
@@ -262,12 +263,36 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
               },
               150.0);
         };
-        row.dense_ws128_gate_up_us = ours(w1.data(), 2 * I, H, true, nullptr, y1.data());
+        row.dense_ws128_gate_up_us = ours(g, w1.data(), 2 * I, H, true, nullptr, y1.data());
         row.dense_ws128_gather_us =
-            ours(w1.data(), 2 * I, H, true, gather.as<int32_t>(), y1.data());
-        row.dense_ws128_down_us = ours(w2.data(), H, I, false, nullptr, y2.data());
+            ours(g, w1.data(), 2 * I, H, true, gather.as<int32_t>(), y1.data());
+        row.dense_ws128_down_us = ours(g, w2.data(), H, I, false, nullptr, y2.data());
         std::printf("    ws128, same dense work: gate_up %.1f (A gathered: %.1f) down %.1f us\n",
                     row.dense_ws128_gate_up_us, row.dense_ws128_gather_us, row.dense_ws128_down_us);
+        const int64_t R = P / sh.experts;  // Rows per expert when the routing is balanced.
+        if (R % 128 == 0) {
+          // The layer's weights, every slot with R rows (no tile a slot leaves part-empty),
+          // gate/up reading T token rows as the layer does (row r: token r mod T): between
+          // the dense work and the layer's, what its many weight matrices cost.
+          std::vector<int32_t> offs(sh.experts + 1), slot_of(tiles), tok(P);
+          for (int e = 0; e <= sh.experts; ++e) offs[e] = static_cast<int32_t>(e * R);
+          for (int t = 0; t < tiles; ++t) slot_of[t] = static_cast<int32_t>(t / (R / 128));
+          for (int64_t r = 0; r < P; ++r) tok[r] = static_cast<int32_t>((r % T) * sh.top_k);
+          DeviceBuffer b_offsets = upload(offs), b_tile_slot = upload(slot_of), b_tok = upload(tok);
+          GroupedGemmArgs b = g;
+          b.offsets = b_offsets.as<int32_t>();
+          b.tile_slot = b_tile_slot.as<int32_t>();
+          b.slot_stride = dims.slot_elems();
+          b.gather_div = sh.top_k;
+          row.balanced_ws128_gate_up_us =
+              ours(b, slots.data(), 2 * I, H, true, b_tok.as<int32_t>(), y1.data());
+          b.gather_div = 1;
+          b.weight_offset = 2 * I * H;
+          row.balanced_ws128_down_us = ours(b, slots.data(), H, I, false, nullptr, y2.data());
+          std::printf("    ws128, %lld rows for each expert: gate_up %.1f down %.1f us\n",
+                      static_cast<long long>(R), row.balanced_ws128_gate_up_us,
+                      row.balanced_ws128_down_us);
+        }
       }
     }
     if (sweep) {
@@ -439,6 +464,8 @@ int run(int argc, char** argv) {
                     {"dense_ws128_gate_up_us", r.dense_ws128_gate_up_us},
                     {"dense_ws128_gather_us", r.dense_ws128_gather_us},
                     {"dense_ws128_down_us", r.dense_ws128_down_us},
+                    {"balanced_ws128_gate_up_us", r.balanced_ws128_gate_up_us},
+                    {"balanced_ws128_down_us", r.balanced_ws128_down_us},
                     {"stage_us", r.stages}});
   }
   if (!json_path.empty()) {
