@@ -88,14 +88,13 @@ struct Row {
   int tokens = 0;
   double us = 0, floor_us = 0, bytes = 0, flops = 0, experts_touched = 0;
   std::string tile;
-  std::map<std::string, double> sweep;             // Tile -> us.
-  std::map<std::string, double> stages;            // Kernel -> us (one call of that kernel alone).
-  double unfused_us = 0;                           // Decode path: the unfused kGemv path, same run.
-  double dense_gate_up_us = 0, dense_down_us = 0;  // --dense: cuBLAS, same FLOPs.
-  // --dense: the layer's ws128 kernel on cuBLAS's dense work (A gathered by identity too).
-  double dense_ws128_gate_up_us = 0, dense_ws128_gather_us = 0, dense_ws128_down_us = 0;
-  // --dense: ws128 on the layer's weights with the rows spread evenly over the experts.
-  double balanced_ws128_gate_up_us = 0, balanced_ws128_down_us = 0;
+  std::map<std::string, double> sweep;   // Tile -> us.
+  std::map<std::string, double> stages;  // Kernel -> us (one call of that kernel alone).
+  double unfused_us = 0;                 // Decode path: the unfused kGemv path, same run.
+  // --dense: "cublas:gate_up", "ws128:down", "ws128_gathered:gate_up", "even:gate_up", ...
+  // -> us (cuBLAS or ws128 on the same FLOPs as dense GEMMs; ws128 on the layer's weights
+  // with even rows per expert).
+  std::map<std::string, double> dense;
 };
 
 std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_counts, double bw,
@@ -212,22 +211,22 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
           cuda_status(fill_uniform(DType::kBF16, w1.data(), 2 * I * H, 22, 0.02f, stream), "fill"));
       BENCH_CHECK(
           cuda_status(fill_uniform(DType::kBF16, w2.data(), H * I, 23, 0.02f, stream), "fill"));
-      row.dense_gate_up_us = time_calls(
+      row.dense["cublas:gate_up"] = time_calls(
           [&](int) {
             BENCH_CHECK(blas.gemm_nt(DType::kBF16, x.data(), P, H, w1.data(), 2 * I, DType::kBF16,
                                      y1.data()));
           },
           150.0);
-      row.dense_down_us = time_calls(
+      row.dense["cublas:down"] = time_calls(
           [&](int) {
             BENCH_CHECK(
                 blas.gemm_nt(DType::kBF16, x.data(), P, I, w2.data(), H, DType::kBF16, y2.data()));
           },
           150.0);
-      std::printf(
-          "    dense cuBLAS, same expert FLOPs: gate_up %.1f down %.1f us (%.0f TFLOP/s)\n",
-          row.dense_gate_up_us, row.dense_down_us,
-          2.0 * P * 3.0 * H * I / ((row.dense_gate_up_us + row.dense_down_us) * 1e-6) / 1e12);
+      std::printf("    dense cuBLAS, same expert FLOPs: gate_up %.1f down %.1f us (%.0f TFLOP/s)\n",
+                  row.dense["cublas:gate_up"], row.dense["cublas:down"],
+                  2.0 * P * 3.0 * H * I /
+                      ((row.dense["cublas:gate_up"] + row.dense["cublas:down"]) * 1e-6) / 1e12);
       if (wgmma_available() && P % 128 == 0) {
         // The layer's ws128 kernel on the same dense work: one slot of P rows, A read
         // contiguously (by tensor copies) or through an identity gather (by cp.async, as
@@ -263,12 +262,13 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
               },
               150.0);
         };
-        row.dense_ws128_gate_up_us = ours(g, w1.data(), 2 * I, H, true, nullptr, y1.data());
-        row.dense_ws128_gather_us =
+        row.dense["ws128:gate_up"] = ours(g, w1.data(), 2 * I, H, true, nullptr, y1.data());
+        row.dense["ws128_gathered:gate_up"] =
             ours(g, w1.data(), 2 * I, H, true, gather.as<int32_t>(), y1.data());
-        row.dense_ws128_down_us = ours(g, w2.data(), H, I, false, nullptr, y2.data());
+        row.dense["ws128:down"] = ours(g, w2.data(), H, I, false, nullptr, y2.data());
         std::printf("    ws128, same dense work: gate_up %.1f (A gathered: %.1f) down %.1f us\n",
-                    row.dense_ws128_gate_up_us, row.dense_ws128_gather_us, row.dense_ws128_down_us);
+                    row.dense["ws128:gate_up"], row.dense["ws128_gathered:gate_up"],
+                    row.dense["ws128:down"]);
         const int64_t R = P / sh.experts;  // Rows per expert when the routing is balanced.
         if (R % 128 == 0) {
           // The layer's weights, every slot with R rows (no tile a slot leaves part-empty),
@@ -284,14 +284,13 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
           b.tile_slot = b_tile_slot.as<int32_t>();
           b.slot_stride = dims.slot_elems();
           b.gather_div = sh.top_k;
-          row.balanced_ws128_gate_up_us =
+          row.dense["even:gate_up"] =
               ours(b, slots.data(), 2 * I, H, true, b_tok.as<int32_t>(), y1.data());
           b.gather_div = 1;
           b.weight_offset = 2 * I * H;
-          row.balanced_ws128_down_us = ours(b, slots.data(), H, I, false, nullptr, y2.data());
+          row.dense["even:down"] = ours(b, slots.data(), H, I, false, nullptr, y2.data());
           std::printf("    ws128, %lld rows for each expert: gate_up %.1f down %.1f us\n",
-                      static_cast<long long>(R), row.balanced_ws128_gate_up_us,
-                      row.balanced_ws128_down_us);
+                      static_cast<long long>(R), row.dense["even:gate_up"], row.dense["even:down"]);
         }
       }
     }
@@ -459,13 +458,7 @@ int run(int argc, char** argv) {
                     {"experts_touched", r.experts_touched},
                     {"tile_sweep_us", r.sweep},
                     {"unfused_us", r.unfused_us},
-                    {"dense_gate_up_us", r.dense_gate_up_us},
-                    {"dense_down_us", r.dense_down_us},
-                    {"dense_ws128_gate_up_us", r.dense_ws128_gate_up_us},
-                    {"dense_ws128_gather_us", r.dense_ws128_gather_us},
-                    {"dense_ws128_down_us", r.dense_ws128_down_us},
-                    {"balanced_ws128_gate_up_us", r.balanced_ws128_gate_up_us},
-                    {"balanced_ws128_down_us", r.balanced_ws128_down_us},
+                    {"dense_us", r.dense},
                     {"stage_us", r.stages}});
   }
   if (!json_path.empty()) {
