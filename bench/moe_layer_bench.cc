@@ -211,18 +211,15 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
           cuda_status(fill_uniform(DType::kBF16, w1.data(), 2 * I * H, 22, 0.02f, stream), "fill"));
       BENCH_CHECK(
           cuda_status(fill_uniform(DType::kBF16, w2.data(), H * I, 23, 0.02f, stream), "fill"));
-      row.dense["cublas:gate_up"] = time_calls(
-          [&](int) {
-            BENCH_CHECK(blas.gemm_nt(DType::kBF16, x.data(), P, H, w1.data(), 2 * I, DType::kBF16,
-                                     y1.data()));
-          },
-          150.0);
-      row.dense["cublas:down"] = time_calls(
-          [&](int) {
-            BENCH_CHECK(
-                blas.gemm_nt(DType::kBF16, x.data(), P, I, w2.data(), H, DType::kBF16, y2.data()));
-          },
-          150.0);
+      auto cublas = [&](const void* w, int64_t n, int64_t k, void* y) {
+        return time_calls(
+            [&](int) {
+              BENCH_CHECK(blas.gemm_nt(DType::kBF16, x.data(), P, k, w, n, DType::kBF16, y));
+            },
+            150.0);
+      };
+      row.dense["cublas:gate_up"] = cublas(w1.data(), 2 * I, H, y1.data());
+      row.dense["cublas:down"] = cublas(w2.data(), H, I, y2.data());
       std::printf("    dense cuBLAS, same expert FLOPs: gate_up %.1f down %.1f us (%.0f TFLOP/s)\n",
                   row.dense["cublas:gate_up"], row.dense["cublas:down"],
                   2.0 * P * 3.0 * H * I /
@@ -286,8 +283,7 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
           b.gather_div = sh.top_k;
           row.dense["even:gate_up"] =
               ours(b, slots.data(), 2 * I, H, true, b_tok.as<int32_t>(), y1.data());
-          b.gather_div = 1;
-          b.weight_offset = 2 * I * H;
+          b.weight_offset = 2 * I * H;  // The down projection (gather_div unused: no gather).
           row.dense["even:down"] = ours(b, slots.data(), H, I, false, nullptr, y2.data());
           std::printf("    ws128, %lld rows for each expert: gate_up %.1f down %.1f us\n",
                       static_cast<long long>(R), row.dense["even:gate_up"], row.dense["even:down"]);
