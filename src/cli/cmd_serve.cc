@@ -170,7 +170,7 @@ int cmd_serve(const Args& args) {
       .value("cuda-dtype", "bf16", "weights and activations on the GPU: bf16 or f32")
       .value("gpus", "1", "with --device cuda: rank r runs on cuda:(r mod N) of this host")
       .value("reconfigure", "live", "membership changes: live, or stop-the-world (baseline)")
-      .value("heartbeat-timeout-ms", "60000", "a worker silent this long is declared lost")
+      .value("heartbeat-timeout-ms", "2000", "a worker silent this long is declared lost")
       .value("start-timeout-ms", "120000", "for a starting or joining worker to be ready")
       .boolean("eplb", "rebalance experts automatically every --eplb-interval-s")
       .boolean("no-spawn", "do not start workers; wait for `flexpert worker --join`")

@@ -112,7 +112,19 @@ struct TokenBatch {
   MSGPACK_DEFINE_MAP(ids, tokens, finish_reasons, attempts);
 };
 
-// Sent a few times a second: doubles as the heartbeat.
+// Sent every kHeartbeatIntervalMs by a thread of its own on a second socket (routing
+// id: the worker's + kHeartbeatSuffix), so that a long step is not silence: a rank
+// that stops sending (SIGSTOP, a dropped link) is lost after --heartbeat-timeout-ms.
+struct Heartbeat {
+  static constexpr const char* kType = "heartbeat";
+  static constexpr int kHeartbeatIntervalMs = 200;
+  static constexpr const char* kHeartbeatSuffix = "/hb";
+  int rank = 0;
+  uint64_t incarnation = 0;
+  MSGPACK_DEFINE_MAP(rank, incarnation);
+};
+
+// Sent a few times a second between steps (load statistics).
 struct StepReport {
   static constexpr const char* kType = "report";
   uint64_t epoch = 0;
@@ -210,10 +222,12 @@ struct WorkerError {
 
 // kStop: the whole group stops together (announced in the step header).
 // kLeave: this rank exits once an epoch without it has been applied; the others go on.
+// kFenced: this incarnation was declared lost; exit at once, touching nothing shared.
 struct Shutdown {
   static constexpr const char* kType = "shutdown";
   static constexpr int kStop = 0;
   static constexpr int kLeave = 1;
+  static constexpr int kFenced = 2;
   int reason = kStop;
   MSGPACK_DEFINE_MAP(reason);
 };

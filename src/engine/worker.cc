@@ -104,6 +104,16 @@ class Worker {
     proto::WorkerError err{group_.epoch, static_cast<int>(s.code()), s.message()};
     (void)send_msg(control_, err);
   }
+  // Beats on a socket of its own every kHeartbeatIntervalMs, whatever the step does.
+  void heartbeat_loop(std::string routing_id);
+  void stop_heartbeat() {
+    {
+      std::lock_guard<std::mutex> lock(heartbeat_mutex_);
+      heartbeat_stop_ = true;
+    }
+    heartbeat_cv_.notify_all();
+    if (heartbeat_.joinable()) heartbeat_.join();
+  }
   void stop_mover() {
     {
       std::lock_guard<std::mutex> lock(mover_mutex_);
@@ -149,16 +159,24 @@ class Worker {
   std::deque<proto::PullCommand> pulls_;
   std::deque<proto::PullDone> pulled_;
   bool mover_stop_ = false;
+  std::thread heartbeat_;
+  std::mutex heartbeat_mutex_;
+  std::condition_variable heartbeat_cv_;
+  bool heartbeat_stop_ = false;  // Guarded by heartbeat_mutex_.
+  bool fenced_ = false;          // Declared lost by the front end: exit, touch nothing.
 
  public:
-  ~Worker() { stop_mover(); }
+  ~Worker() {
+    stop_heartbeat();
+    stop_mover();
+  }
 };
 
 Status Worker::connect_and_configure() {
   std::mt19937_64 rng(std::random_device{}());
-  FLEX_RETURN_IF_ERROR(control_.set_routing_id("r" + std::to_string(options_.rank) + "-" +
-                                               std::to_string(getpid()) + "-" +
-                                               std::to_string(rng() % 1000000)));
+  const std::string routing_id = "r" + std::to_string(options_.rank) + "-" +
+                                 std::to_string(getpid()) + "-" + std::to_string(rng() % 1000000);
+  FLEX_RETURN_IF_ERROR(control_.set_routing_id(routing_id));
   FLEX_RETURN_IF_ERROR(control_.connect(options_.endpoint));
   proto::Hello hello;
   hello.rank = options_.rank;
@@ -174,7 +192,24 @@ Status Worker::connect_and_configure() {
     return data_loss("expected a configuration from the front end");
   }
   FLEX_ASSIGN_OR_RETURN(config_, proto::decode<proto::WorkerConfig>(parts[1]));
+  heartbeat_ = std::thread([this, routing_id] { heartbeat_loop(routing_id); });
   return Status();
+}
+
+void Worker::heartbeat_loop(std::string routing_id) {
+  ZmqSocket socket(ctx_, ZMQ_DEALER);
+  if (!socket.set_routing_id(routing_id + proto::Heartbeat::kHeartbeatSuffix).ok() ||
+      !socket.connect(options_.endpoint).ok()) {
+    FLEX_LOG(ERROR) << "rank " << options_.rank << ": no heartbeat socket";
+    return;
+  }
+  const proto::Heartbeat beat{options_.rank, config_.incarnation};
+  std::unique_lock<std::mutex> lock(heartbeat_mutex_);
+  while (!heartbeat_stop_) {
+    (void)send_msg(socket, beat);
+    heartbeat_cv_.wait_for(lock, std::chrono::milliseconds(proto::Heartbeat::kHeartbeatIntervalMs),
+                           [&] { return heartbeat_stop_; });
+  }
 }
 
 Status Worker::load() {
@@ -350,6 +385,8 @@ Status Worker::handle(const std::vector<std::string>& parts) {
     FLEX_ASSIGN_OR_RETURN(auto cmd, proto::decode<proto::Shutdown>(parts[1]));
     if (cmd.reason == proto::Shutdown::kLeave) {
       leaving_ = true;
+    } else if (cmd.reason == proto::Shutdown::kFenced) {
+      fenced_ = true;
     } else {
       stopping_ = true;
     }
@@ -564,6 +601,14 @@ int Worker::run() {
       FLEX_LOG(ERROR) << "rank " << options_.rank << " lost the front end: " << s.to_string();
       break;
     }
+    if (fenced_) {
+      // Replaced while silent (stopped, cut off): the group goes on without us.
+      FLEX_LOG(WARN) << "rank " << options_.rank << " incarnation " << config_.incarnation
+                     << " was declared lost; exiting";
+      stop_heartbeat();
+      stop_mover();
+      _exit(4);
+    }
     if (halted_ && has_pending_) {
       // An epoch command that arrived before the step failed: nobody can agree on
       // it in the old epoch any more; the front end sent it to every member.
@@ -596,6 +641,7 @@ int Worker::run() {
     report(false);
   }
   report(true);
+  stop_heartbeat();
   stop_mover();  // Before the slot regions it writes into are unmapped.
   if (transport_) (void)transport_->shutdown();
   return 0;

@@ -186,6 +186,11 @@ Status ClusterEngine::Impl::start() {
     return deadline_exceeded("ranks did not become ready within " +
                              std::to_string(options_.start_timeout_ms) + " ms");
   accepting_ = true;
+  target_ranks_ = options_.ranks;
+  for (const char* outcome : {"in_place", "replacement", "failed"}) (void)recoveries(outcome);
+  (void)recovery_seconds();
+  (void)held_total();
+  healer_ = std::thread([this] { heal_loop(); });
   if (options_.eplb) eplb_thread_ = std::thread([this] { eplb_loop(); });
   return Status();
 }
@@ -255,77 +260,6 @@ void ClusterEngine::Impl::flush_outbox() {
   }
 }
 
-void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* calls) {
-  RankInfo& info = ranks_[rank];
-  if (info.state == RankState::kDead || info.state == RankState::kStopped ||
-      info.state == RankState::kEmpty) {
-    return;
-  }
-  if (phase_ == "stopping" || stop_.load()) {
-    info.state = RankState::kStopped;  // Leaving as asked, not lost.
-    return;
-  }
-  const bool was_member = std::find(members_.begin(), members_.end(), rank) != members_.end();
-  info.state = RankState::kDead;
-  info.last_error = why;
-  info.leaving = false;
-  if (info.spawned && info.pid > 0) kill(info.pid, SIGKILL);  // Declared lost: make it so.
-  if (!info.spawned) {
-    // Not ours to kill: if it is alive but silent, tell it to go; nobody reaps it here.
-    if (!info.routing_id.empty()) post(rank, proto::Shutdown{proto::Shutdown::kLeave});
-    unlink_rank_segments(rank, info.incarnation);
-    info.pid = 0;
-  }
-  cv_.notify_all();
-  FLEX_LOG(WARN) << "rank " << rank << " lost: " << why;
-  if (!was_member) return;   // A joiner in preparation: its scale-up rolls back.
-  cancel_rebalance_ = true;  // Its pulls may read from the lost rank; the epoch changes anyway.
-  if (options_.reconfigure == "stop-the-world") {
-    // The baseline: fail what is in flight, restart the whole group.
-    fail_all("rank " + std::to_string(rank) + " died: " + why, calls);
-    if (!reconfiguring_) {
-      reconfiguring_ = true;
-      phase_ = "restarting";
-      accepting_ = false;
-      const int n = static_cast<int>(members_.size());
-      if (restart_thread_.joinable()) restart_thread_.detach();
-      restart_thread_ = std::thread([this, n] {
-        nlohmann::json report = {{"kind", "restart"}, {"mode", "stop-the-world"}};
-        Status s = restart_group(n, &report);
-        std::lock_guard<std::mutex> lock(mutex_);
-        report["status"] = s.ok() ? "ok" : s.to_string();
-        last_reconfig_ = report;
-        reconfiguring_ = false;
-        reconfig_step_.clear();
-        cv_.notify_all();
-      });
-    }
-    return;
-  }
-  std::vector<int> survivors;
-  for (int r : members_) {
-    if (r != rank &&
-        (ranks_[r].state == RankState::kServing || ranks_[r].state == RankState::kHalted)) {
-      survivors.push_back(r);
-    }
-  }
-  members_ = survivors;  // Nothing new is placed on the lost rank from here on.
-  if (survivors.empty()) {
-    phase_ = "degraded";
-    recovery_ = Recovery{};
-    fail_all("rank " + std::to_string(rank) + " died and no rank is left: " + why, calls);
-    return;
-  }
-  // Its requests continue on survivors from their prompt plus what was streamed.
-  for (auto& [id, req] : requests_) {
-    if (req.rank == rank && !rehome(id, req, rank, calls)) {
-      fail_request(req, "rank " + std::to_string(rank) + " died and no rank can take over", calls);
-    }
-  }
-  info.in_flight = 0;
-  start_recovery(survivors, calls);
-}
-
 std::string rank_device(const ClusterOptions& options, int rank) {
   if (options.device != "cuda" || options.gpus <= 1) return options.device;
   return "cuda:" + std::to_string(rank % options.gpus);
@@ -371,12 +305,25 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     post(r, cfg);
     return;
   }
-  const int rank = rank_of_routing_id(routing_id);
-  if (rank < 0) {
-    FLEX_LOG(DEBUG) << "dropping '" << type << "' from an unknown or old incarnation";
+  const std::string suffix = proto::Heartbeat::kHeartbeatSuffix;
+  const bool heartbeat =
+      type == proto::Heartbeat::kType && routing_id.size() > suffix.size() &&
+      routing_id.compare(routing_id.size() - suffix.size(), suffix.size(), suffix) == 0;
+  const std::string sender =
+      heartbeat ? routing_id.substr(0, routing_id.size() - suffix.size()) : routing_id;
+  const int rank = rank_of_routing_id(sender);
+  if (rank < 0 || ranks_[rank].state == RankState::kDead) {
+    // An incarnation declared lost (silent too long, or replaced): it must not act.
+    FLEX_LOG(DEBUG) << "fencing the sender of '" << type << "': an unknown or lost incarnation";
+    (void)router_.send(
+        {sender, proto::Shutdown::kType, proto::encode(proto::Shutdown{proto::Shutdown::kFenced})});
     return;
   }
   RankInfo& info = ranks_[rank];
+  if (heartbeat) {
+    info.last_seen = Clock::now();
+    return;
+  }
   info.last_seen = Clock::now();
   if (type == proto::Ready::kType) {
     auto ready = proto::decode<proto::Ready>(body);
@@ -455,10 +402,6 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
   } else if (type == proto::PullDone::kType) {
     auto done = proto::decode<proto::PullDone>(body);
     if (!done.ok()) return;
-    if (recovery_.active && recovery_.pulls.count(done->id)) {
-      finish_recovery(done.value(), calls);
-      return;
-    }
     pulls_done_[done->id] = done.value();
     cv_.notify_all();
   } else if (type == proto::Connected::kType) {
@@ -507,15 +450,6 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
 void ClusterEngine::Impl::check_workers(Calls* calls) {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto now = Clock::now();
-  if (recovery_.active &&
-      now - recovery_.start > std::chrono::milliseconds(options_.start_timeout_ms)) {
-    FLEX_LOG(ERROR) << "recovery: experts not reloaded within " << options_.start_timeout_ms
-                    << " ms";
-    for (int r : recovery_.survivors) ranks_[r].state = RankState::kHalted;
-    recovery_ = Recovery{};
-    phase_ = "degraded";
-    fail_all("recovery did not finish in time", calls);
-  }
   for (size_t r = 0; r < ranks_.size(); ++r) {
     RankInfo& info = ranks_[r];
     if (info.spawned && info.pid > 0) {
@@ -536,7 +470,11 @@ void ClusterEngine::Impl::check_workers(Calls* calls) {
         continue;
       }
     }
-    if (info.state == RankState::kServing &&
+    // Every rank that said hello beats (a thread of its own): silence is a loss.
+    const bool watched = !info.routing_id.empty() &&
+                         (info.state == RankState::kServing || info.state == RankState::kHalted ||
+                          info.state == RankState::kStarting || info.state == RankState::kReady);
+    if (watched &&
         now - info.last_seen > std::chrono::milliseconds(options_.heartbeat_timeout_ms)) {
       on_rank_lost(static_cast<int>(r),
                    "no heartbeat for " + std::to_string(options_.heartbeat_timeout_ms) + " ms",
@@ -632,6 +570,7 @@ Status ClusterEngine::Impl::shutdown() {
   cv_.notify_all();
   if (eplb_thread_.joinable()) eplb_thread_.join();
   if (restart_thread_.joinable()) restart_thread_.join();
+  if (healer_.joinable()) healer_.join();
   if (control_.joinable()) control_.join();
   // Backstop: segments of workers that could not clean up (killed) are removed here.
   const std::string prefix = "flexpert-" + session_ + "-";
@@ -685,7 +624,10 @@ Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCall
     }
     return unavailable("the server is shutting down");
   }
-  if (!m.admitting()) return unavailable("no serving epoch (phase " + m.phase_ + ")");
+  if (!m.admitting()) {
+    return unavailable("no serving epoch (phase " + m.phase_ +
+                       (m.degraded_reason_.empty() ? "" : ": " + m.degraded_reason_) + ")");
+  }
   const uint64_t id = m.next_request_id_++;
   RequestInfo& req = m.requests_[id];
   req.callback = std::move(on_event);
@@ -744,15 +686,20 @@ nlohmann::json ClusterEngine::status() const {
     if (info.leaving) j["leaving"] = true;
     ranks.push_back(std::move(j));
   }
-  return {{"mode", "cluster"},
-          {"phase", m.phase_},
-          {"epoch", m.epoch_},
-          {"members", m.members_},
-          {"max_ranks", m.options_.max_ranks},
-          {"slots_per_rank", m.slots_per_rank_},
-          {"in_flight", m.requests_.size()},
-          {"reconfiguration", m.reconfig_status()},
-          {"ranks", ranks}};
+  nlohmann::json out = {
+      {"mode", "cluster"},
+      {"phase", m.phase_},
+      {"epoch", m.epoch_},
+      {"members", m.members_},
+      {"max_ranks", m.options_.max_ranks},
+      {"slots_per_rank", m.slots_per_rank_},
+      {"in_flight", m.requests_.size()},
+      {"held", std::count_if(m.requests_.begin(), m.requests_.end(),
+                             [](const auto& r) { return r.second.rank == Impl::kHeldRank; })},
+      {"reconfiguration", m.reconfig_status()},
+      {"ranks", ranks}};
+  if (!m.degraded_reason_.empty()) out["degraded_reason"] = m.degraded_reason_;
+  return out;
 }
 
 std::string ClusterEngine::metrics_text() const {
@@ -805,7 +752,7 @@ std::string ClusterEngine::metrics_text() const {
       "# TYPE flexpert_requests_rerun_total counter\n"
       "flexpert_requests_rerun_total " +
       std::to_string(m.num_reruns_) + "\n";
-  return out + m.eplb_metrics();
+  return out + m.registry_.render() + m.eplb_metrics();
 }
 
 Status ClusterEngine::shutdown() { return impl_->shutdown(); }

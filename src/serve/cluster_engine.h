@@ -29,7 +29,7 @@ struct ClusterOptions {
   int max_tokens_per_step = 256;     // Per rank; sizes the exchange buffers.
   int max_seq_len = 0;               // 0: the model's, capped at 4096.
   int transport_timeout_ms = 30000;  // Silent peers; dead ones are seen at once.
-  int heartbeat_timeout_ms = 60000;  // Longer than a slow step on CPU.
+  int heartbeat_timeout_ms = 2000;   // Heartbeats come from a thread of their own.
   bool spawn_workers = true;         // false: wait for `flexpert worker --join`.
   std::string worker_binary;         // Default: this executable.
   int threads_per_worker = 0;        // 0: cores / ranks (at least 1).

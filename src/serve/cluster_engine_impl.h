@@ -21,6 +21,7 @@
 #include "flexpert/model_config.h"
 #include "flexpert/placement.h"
 #include "serve/cluster_engine.h"
+#include "serve/metrics.h"
 
 namespace flexpert {
 
@@ -152,17 +153,55 @@ class ClusterEngine::Impl {
   // rollback, answers arriving after connect_all gave up) are dropped on arrival.
   std::set<uint64_t> connects_awaited_;
   std::map<uint64_t, proto::Connected> connects_done_;
+  // A lost rank: survivors are halted until the next epoch commits (recover()).
   struct Recovery {
-    bool active = false;
-    std::vector<int> survivors;
-    ExpertPlacement placement;
-    std::map<uint64_t, int> pulls;  // Outstanding reload id -> the rank doing it.
+    bool active = false;  // A member was lost; the epoch without it has not committed.
+    std::vector<int> lost;
     Clock::time_point start;
-    int reloaded = 0;
   } recovery_;
+  uint64_t losses_ = 0;   // Members lost so far: a recovery attempt restarts when it moves.
+  int target_ranks_ = 0;  // The size the operator asked for; the healer restores it.
+  std::string degraded_reason_;
+  nlohmann::json last_recovery_ =
+      nlohmann::json::object();  // The last recovery's report (status: "recovery").
+  // Recovery metrics (thread-safe on their own). Outcomes: in_place (the survivors'
+  // slots), replacement (new ranks), failed (degraded).
+  mutable metrics::Registry registry_;  // Thread-safe; created on first use.
+  metrics::Counter& recoveries(const std::string& outcome) const {
+    return registry_.counter("flexpert_recoveries_total", "Recoveries from lost ranks, by outcome.",
+                             {{"outcome", outcome}});
+  }
+  metrics::Histogram& recovery_seconds() const {
+    return registry_.histogram("flexpert_recovery_seconds",
+                               "From a rank's loss to the epoch without it (or the failure).",
+                               {0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60});
+  }
+  metrics::Counter& held_total() const {
+    return registry_.counter("flexpert_requests_held_total",
+                             "Requests held at the front end while a recovery ran.");
+  }
+  std::thread healer_;  // Runs recover() and heal-ups.
+  void heal_loop();
+  // Commits an epoch of the survivors (plus replacement ranks where their slots cannot
+  // hold every expert) with the lost experts reloaded. Healer thread, lock held.
+  Status recover(std::unique_lock<std::mutex>& lock, nlohmann::json* report);
+  // Starts `joiners` (spawned, or waits for hand-started ones) and waits until each is
+  // Ready; `changed` ends the wait early. Lock held; rolls back nothing.
+  Status start_joiners(const std::vector<int>& joiners, std::unique_lock<std::mutex>& lock,
+                       const std::function<bool()>& changed);
+  // ConnectCommands that attach `joiners` and `members` to each other.
+  std::map<int, proto::ConnectCommand> joiner_connects(const std::vector<int>& members,
+                                                       const std::vector<int>& joiners) const;
+  void enter_degraded(const std::string& why, Calls* calls);
+  // Places requests held at the front end (after an epoch commits).
+  void place_held(Calls* calls);
   std::thread restart_thread_;  // Stop-the-world recovery after a loss.
 
-  Result<nlohmann::json> scale(const ScaleTarget& target);
+  // `kind` names the report ("heal" for the healer's); empty: scale-up or scale-down.
+  Result<nlohmann::json> scale(const ScaleTarget& target, const std::string& kind = "");
+  // POST /v1/scale while degraded: another recovery, with room for target.ranks.
+  Result<nlohmann::json> retry_recovery(const ScaleTarget& target,
+                                        std::unique_lock<std::mutex>& lock);
   Status scale_up(const std::vector<int>& joiners, nlohmann::json* report);
   Status scale_down(const std::vector<int>& leavers, nlohmann::json* report);
   Status restart_group(int num_ranks, nlohmann::json* report);
@@ -179,9 +218,8 @@ class ClusterEngine::Impl {
   // marked kFinishedRank for sweep_finished()). False if no member can take it.
   bool rehome(uint64_t id, RequestInfo& req, int avoid, Calls* calls);
   static constexpr int kFinishedRank = -2;
+  static constexpr int kHeldRank = -3;  // Held at the front end until an epoch commits.
   void sweep_finished();
-  void start_recovery(const std::vector<int>& survivors, Calls* calls);
-  void finish_recovery(const proto::PullDone& done, Calls* calls);
   void fail_all(const std::string& why, Calls* calls);
   void fail_request(RequestInfo& req, const std::string& why, Calls* calls);
   void unlink_rank_segments(int rank, uint64_t incarnation) const;

@@ -102,221 +102,6 @@ void ClusterEngine::Impl::unlink_rank_segments(int rank, uint64_t incarnation) c
   }
 }
 
-bool ClusterEngine::Impl::rehome(uint64_t id, RequestInfo& req, int avoid, Calls* calls) {
-  int best = -1;
-  // Ranks about to leave only when nobody else can take it (they still step).
-  for (bool allow_leaving : {false, true}) {
-    for (int r : members_) {
-      const RankInfo& info = ranks_[r];
-      if (r == avoid || (info.leaving && !allow_leaving) ||
-          (info.state != RankState::kServing && info.state != RankState::kHalted)) {
-        continue;
-      }
-      if (best < 0 || info.in_flight < ranks_[best].in_flight) best = r;
-    }
-    if (best >= 0) break;
-  }
-  if (best < 0) return false;
-  const bool rerun = req.rank >= 0;
-  if (rerun) {
-    if (req.rank != avoid && req.rank < static_cast<int>(ranks_.size())) {
-      post(req.rank, proto::CancelRequest{id});
-      ranks_[req.rank].in_flight -= 1;
-    }
-    ++req.reruns;
-    ++num_reruns_;
-  }
-  const int done = static_cast<int>(req.streamed.size());
-  if (rerun && done >= req.params.max_tokens) {
-    CompletionEvent ev;  // Everything was streamed but the final event.
-    ev.finished = true;
-    ev.finish_reason = "length";
-    calls->push_back({req.callback, ev});
-    req.rank = kFinishedRank;  // Erased by the caller's sweep_finished().
-    return true;
-  }
-  proto::AddRequest add{id,
-                        req.prompt,
-                        req.params.temperature,
-                        req.params.top_k,
-                        req.params.top_p,
-                        req.params.seed,
-                        req.params.max_tokens - done,
-                        req.params.stop_token_ids,
-                        req.params.ignore_eos};
-  add.prompt.insert(add.prompt.end(), req.streamed.begin(), req.streamed.end());
-  add.attempt = static_cast<uint32_t>(req.reruns);
-  req.rank = best;
-  ranks_[best].in_flight += 1;
-  post(best, add);
-  return true;
-}
-
-void ClusterEngine::Impl::fail_request(RequestInfo& req, const std::string& why, Calls* calls) {
-  CompletionEvent ev;
-  ev.finished = true;
-  ev.finish_reason = "error";
-  ev.error = unavailable(why);
-  calls->push_back({req.callback, ev});
-  req.rank = kFinishedRank;  // Erased by sweep_finished().
-}
-
-void ClusterEngine::Impl::fail_all(const std::string& why, Calls* calls) {
-  for (auto& [id, req] : requests_) {
-    CompletionEvent ev;
-    ev.finished = true;
-    ev.finish_reason = "error";
-    ev.error = unavailable(why);
-    calls->push_back({req.callback, ev});
-  }
-  requests_.clear();
-  for (auto& info : ranks_) info.in_flight = 0;
-}
-
-// --- Recovery from a lost rank ------------------------------------------------
-
-void ClusterEngine::Impl::sweep_finished() {
-  for (auto it = requests_.begin(); it != requests_.end();) {
-    it = it->second.rank == kFinishedRank ? requests_.erase(it) : std::next(it);
-  }
-}
-
-void ClusterEngine::Impl::start_recovery(const std::vector<int>& survivors, Calls* calls) {
-  sweep_finished();
-  const int S = slots_per_rank_;
-  auto on_survivor = [&](int slot) {
-    return std::find(survivors.begin(), survivors.end(), slot / S) != survivors.end();
-  };
-  // The committed map (or the one a recovery under way is loading for) without the
-  // slots of ranks that are gone. Dense layers keep theirs: nothing routes there.
-  const ExpertPlacement& base = recovery_.active ? recovery_.placement : placement_;
-  std::map<uint64_t, int> pending;  // Reloads still running on survivors: wait for them too.
-  if (recovery_.active) {
-    for (const auto& [id, r] : recovery_.pulls) {
-      if (on_survivor(r * S)) pending[id] = r;
-    }
-  }
-  std::vector<std::vector<int>> maps;
-  for (int l = 0; l < base.num_layers(); ++l) {
-    std::vector<int> map = base.slot_map(l);
-    for (int s = 0; model_config_.is_moe_layer(l) && s < static_cast<int>(map.size()); ++s) {
-      if (!on_survivor(s)) map[s] = ExpertPlacement::kFreeSlot;
-    }
-    maps.push_back(std::move(map));
-  }
-  // Experts without a replica: load each from the checkpoint into a survivor's
-  // free slot (spread over survivors), else over a surplus replica's slot. The
-  // survivors are halted (their collectives include the lost rank), so no step
-  // reads a slot while it is rewritten; the map points at it only in the new epoch.
-  std::map<int, std::map<int, proto::PullCommand>> loads;  // rank -> layer -> command
-  int reloaded = 0;
-  size_t next = 0;
-  for (int l = 0; l < placement_.num_layers(); ++l) {
-    if (!model_config_.is_moe_layer(l)) continue;
-    std::vector<int>& map = maps[l];
-    std::vector<int> count(placement_.num_experts(), 0);
-    for (int e : map) {
-      if (e >= 0) count[e] += 1;
-    }
-    for (int e = 0; e < placement_.num_experts(); ++e) {
-      if (count[e] > 0) continue;
-      int slot = -1;
-      for (size_t k = 0; k < survivors.size() && slot < 0; ++k) {
-        const int r = survivors[(next + k) % survivors.size()];
-        for (int s = r * S; s < (r + 1) * S; ++s) {
-          if (map[s] == ExpertPlacement::kFreeSlot) {
-            slot = s;
-            break;
-          }
-        }
-      }
-      for (int s = 0; slot < 0 && s < static_cast<int>(map.size()); ++s) {
-        if (on_survivor(s) && map[s] >= 0 && count[map[s]] > 1) slot = s;
-      }
-      if (slot < 0) {
-        phase_ = "degraded";
-        recovery_ = Recovery{};
-        for (int r : survivors) ranks_[r].state = RankState::kHalted;
-        fail_all("experts were lost and no slot is left to reload them into", calls);
-        return;
-      }
-      ++next;
-      if (map[slot] >= 0) count[map[slot]] -= 1;
-      map[slot] = e;
-      count[e] = 1;
-      auto& cmd = loads[slot / S][l];
-      cmd.layer = l;
-      cmd.dst_slots.push_back(slot % S);
-      cmd.src_ranks.push_back(proto::PullCommand::kFromCheckpoint);
-      cmd.src_slots.push_back(e);
-      ++reloaded;
-    }
-  }
-  auto next_placement = ExpertPlacement::from_slot_maps(placement_.num_experts(), std::move(maps));
-  if (!next_placement.ok()) {
-    phase_ = "degraded";
-    recovery_ = Recovery{};
-    fail_all("recovery: " + next_placement.status().to_string(), calls);
-    return;
-  }
-  recovery_ = Recovery{};
-  recovery_.pulls = std::move(pending);
-  recovery_.survivors = survivors;
-  recovery_.placement = std::move(next_placement).value();
-  recovery_.start = Clock::now();
-  recovery_.reloaded = reloaded;
-  if (loads.empty() && recovery_.pulls.empty()) {
-    // Every expert still has a replica: route around the lost rank at once.
-    placement_ = std::move(recovery_.placement);
-    commit_epoch(survivors);
-    ++num_reconfigs_;
-    phase_ = reconfiguring_ ? "scaling" : "serving";
-    last_reconfig_ = {{"kind", "recovery"},
-                      {"epoch", epoch_},
-                      {"members", members_},
-                      {"reloaded_experts", 0},
-                      {"status", "ok"}};
-    return;
-  }
-  recovery_.active = true;
-  phase_ = "recovering";
-  for (auto& [rank, by_layer] : loads) {
-    for (auto& [layer, cmd] : by_layer) {
-      cmd.id = next_pull_id_++;
-      recovery_.pulls[cmd.id] = rank;
-      post(rank, cmd);
-    }
-  }
-  wake();
-  FLEX_LOG(INFO) << "recovery: reloading " << reloaded << " experts from the checkpoint on "
-                 << loads.size() << " ranks";
-}
-
-void ClusterEngine::Impl::finish_recovery(const proto::PullDone& done, Calls* calls) {
-  recovery_.pulls.erase(done.id);
-  if (done.code != 0) {
-    recovery_ = Recovery{};
-    phase_ = "degraded";
-    for (int r : recovery_.survivors) ranks_[r].state = RankState::kHalted;
-    fail_all("recovery could not reload experts: " + done.message, calls);
-    return;
-  }
-  if (!recovery_.pulls.empty()) return;
-  recovery_.active = false;
-  placement_ = std::move(recovery_.placement);
-  commit_epoch(recovery_.survivors);
-  ++num_reconfigs_;
-  phase_ = reconfiguring_ ? "scaling" : "serving";
-  last_reconfig_ = {{"kind", "recovery"},
-                    {"epoch", epoch_},
-                    {"members", members_},
-                    {"reloaded_experts", recovery_.reloaded},
-                    {"reload_s", seconds_since(recovery_.start)},
-                    {"status", "ok"}};
-  FLEX_LOG(INFO) << "recovery: epoch " << epoch_ << " after reloading " << recovery_.reloaded
-                 << " experts in " << seconds_since(recovery_.start) << " s";
-}
-
 // --- Scaling ------------------------------------------------------------------
 
 Status ClusterEngine::Impl::connect_all(const std::map<int, proto::ConnectCommand>& cmds,
@@ -398,22 +183,9 @@ void ClusterEngine::Impl::rollback_joiners(const std::vector<int>& joiners) {
   wake();
 }
 
-Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::json* report) {
-  const auto t0 = Clock::now();
-  std::unique_lock<std::mutex> lock(mutex_);
-  const uint64_t epoch0 = epoch_;
-  const std::vector<int> old_members = members_;
-  // A rank lost meanwhile (an epoch, or a recovery under way) ends the preparation.
-  auto group_changed = [&] {
-    return epoch_ != epoch0 || members_ != old_members || recovery_.active;
-  };
-  auto fail = [&](Status s) {
-    rollback_joiners(joiners);
-    (*report)["rolled_back"] = true;
-    return s;
-  };
-  // 1. Start the joiners: dense weights from the checkpoint, no experts, a transport.
-  reconfig_step_ = "starting workers";
+Status ClusterEngine::Impl::start_joiners(const std::vector<int>& joiners,
+                                          std::unique_lock<std::mutex>& lock,
+                                          const std::function<bool()>& changed) {
   for (int r : joiners) {
     RankInfo& info = ranks_[r];
     const uint64_t incarnation = info.incarnation;
@@ -430,7 +202,7 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
       std::fflush(stdout);
     }
   }
-  auto joiner_failed = [&] {
+  auto failed = [&] {
     for (int r : joiners) {
       const RankState s = ranks_[r].state;
       if (s == RankState::kDead || s == RankState::kStopped) return r;
@@ -438,45 +210,82 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
     return -1;
   };
   cv_.wait_for(lock, std::chrono::milliseconds(options_.start_timeout_ms), [&] {
-    if (halting() || group_changed() || joiner_failed() >= 0) return true;
+    if (halting() || changed() || failed() >= 0) return true;
     return std::all_of(joiners.begin(), joiners.end(),
                        [&](int r) { return ranks_[r].state == RankState::kReady; });
   });
-  if (halting()) return fail(unavailable("shutting down"));
-  if (group_changed()) return fail(aborted("a rank was lost during the preparation"));
-  if (int r = joiner_failed(); r >= 0) {
-    return fail(unavailable("rank " + std::to_string(r) +
-                            " failed while starting: " + ranks_[r].last_error));
+  if (halting()) return unavailable("shutting down");
+  if (changed()) return aborted("the group changed while ranks started");
+  if (int r = failed(); r >= 0) {
+    return unavailable("rank " + std::to_string(r) +
+                       " failed while starting: " + ranks_[r].last_error);
   }
   for (int r : joiners) {
     if (ranks_[r].state != RankState::kReady) {
-      return fail(deadline_exceeded("rank " + std::to_string(r) + " not ready within " +
-                                    std::to_string(options_.start_timeout_ms) + " ms"));
+      return deadline_exceeded("rank " + std::to_string(r) + " not ready within " +
+                               std::to_string(options_.start_timeout_ms) + " ms");
     }
   }
-  (*report)["load_s"] = seconds_since(t0);
+  return Status();
+}
 
-  // 2. Attach joiners and members to each other and prove it with one-sided reads.
-  reconfig_step_ = "connecting";
-  const std::vector<int> next_members = sorted_union(old_members, joiners);
+std::map<int, proto::ConnectCommand> ClusterEngine::Impl::joiner_connects(
+    const std::vector<int>& members, const std::vector<int>& joiners) const {
   int probe_region = -1;
   for (int l = 0; l < model_config_.num_hidden_layers && probe_region < 0; ++l) {
     if (model_config_.is_moe_layer(l)) probe_region = l;
   }
-  std::map<int, proto::ConnectCommand> connects;
   auto is_joiner = [&](int r) {
     return std::find(joiners.begin(), joiners.end(), r) != joiners.end();
   };
-  for (int r : next_members) {
+  const std::vector<int> all = sorted_union(members, joiners);
+  std::map<int, proto::ConnectCommand> connects;
+  for (int r : all) {
     proto::ConnectCommand cmd;
     cmd.probe_region = probe_region;
-    for (int p : next_members) {
+    for (int p : all) {
       if (p == r || !(is_joiner(r) || is_joiner(p))) continue;
       cmd.ranks.push_back(p);
       cmd.addresses.push_back(ranks_[p].address);
     }
     if (!cmd.ranks.empty()) connects[r] = std::move(cmd);
   }
+  return connects;
+}
+
+Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::json* report) {
+  const auto t0 = Clock::now();
+  std::unique_lock<std::mutex> lock(mutex_);
+  const uint64_t epoch0 = epoch_;
+  const std::vector<int> old_members = members_;
+  // A rank lost meanwhile (an epoch, or a recovery under way) ends the preparation.
+  auto group_changed = [&] {
+    return epoch_ != epoch0 || members_ != old_members || recovery_.active;
+  };
+  auto fail = [&](Status s) {
+    rollback_joiners(joiners);
+    (*report)["rolled_back"] = true;
+    return s;
+  };
+  // 1. Start the joiners: dense weights from the checkpoint, no experts, a transport.
+  reconfig_step_ = "starting workers";
+  auto joiner_failed = [&] {
+    for (int r : joiners) {
+      const RankState s = ranks_[r].state;
+      if (s == RankState::kDead || s == RankState::kStopped) return r;
+    }
+    return -1;
+  };
+  if (Status s = start_joiners(joiners, lock, group_changed); !s.ok()) {
+    if (!halting() && group_changed()) s = aborted("a rank was lost during the preparation");
+    return fail(s);
+  }
+  (*report)["load_s"] = seconds_since(t0);
+
+  // 2. Attach joiners and members to each other and prove it with one-sided reads.
+  reconfig_step_ = "connecting";
+  const std::vector<int> next_members = sorted_union(old_members, joiners);
+  const std::map<int, proto::ConnectCommand> connects = joiner_connects(old_members, joiners);
   const auto t_connect = Clock::now();
   if (Status s =
           connect_all(connects, lock, [&] { return joiner_failed() >= 0 || group_changed(); });
@@ -731,7 +540,8 @@ Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report)
   return Status();
 }
 
-Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target) {
+Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
+                                                  const std::string& kind) {
   std::vector<int> joiners, leavers;
   const bool stop_the_world = options_.reconfigure == "stop-the-world";
   {
@@ -739,6 +549,7 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target) {
     if (reconfiguring_) return failed_precondition("a reconfiguration is already in progress");
     if (rebalancing_) return failed_precondition("an expert rebalance is in progress");
     if (halting()) return unavailable("the server is shutting down");
+    if (phase_ == "degraded" && !stop_the_world) return retry_recovery(target, lock);
     if (phase_ != "serving") {
       return failed_precondition("the group is not serving (phase " + phase_ + ")");
     }
@@ -801,7 +612,9 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target) {
     if (stop_the_world) accepting_ = false;
   }
   const auto t0 = Clock::now();
-  nlohmann::json report = {{"kind", joiners.empty() ? "scale-down" : "scale-up"},
+  nlohmann::json report = {{"kind", !kind.empty()     ? kind
+                                    : joiners.empty() ? "scale-down"
+                                                      : "scale-up"},
                            {"mode", stop_the_world ? "stop-the-world" : "live"}};
   if (!joiners.empty()) report["joined"] = joiners;
   if (!leavers.empty()) report["left"] = leavers;
@@ -832,16 +645,50 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target) {
   report["members"] = members_;
   report["status"] = s.ok() ? "ok" : s.to_string();
   last_reconfig_ = report;
+  if (s.ok()) target_ranks_ = static_cast<int>(members_.size());
   cv_.notify_all();
   FLEX_LOG(INFO) << "reconfiguration: " << report.dump();
   if (!s.ok()) return s;
   return report;
 }
 
+Result<nlohmann::json> ClusterEngine::Impl::retry_recovery(const ScaleTarget& target,
+                                                           std::unique_lock<std::mutex>& lock) {
+  // Degraded: the survivors are halted and hold what is left. A scale asks the healer
+  // for another recovery, with room for `ranks` (more ids freed or workers started).
+  if (!target.remove.empty()) {
+    return failed_precondition("the group is degraded (" + degraded_reason_ +
+                               "): only {\"ranks\": N} can repair it");
+  }
+  if (target.ranks < 1 || target.ranks > options_.max_ranks) {
+    return invalid_argument("\"ranks\" must be in [1, " + std::to_string(options_.max_ranks) +
+                            "] (--max-ranks), got " + std::to_string(target.ranks));
+  }
+  target_ranks_ = target.ranks;
+  recovery_.active = true;
+  recovery_.start = Clock::now();
+  phase_ = "recovering";
+  cv_.notify_all();
+  const auto limit = std::chrono::milliseconds(options_.start_timeout_ms) + std::chrono::minutes(3);
+  cv_.wait_for(lock, limit, [&] { return halting() || !recovery_.active; });
+  if (phase_ != "serving" && phase_ != "scaling") {
+    return unavailable("recovery failed: " +
+                       (degraded_reason_.empty() ? std::string("timed out") : degraded_reason_));
+  }
+  return last_reconfig_;
+}
+
 nlohmann::json ClusterEngine::Impl::reconfig_status() const {
   // Caller holds mutex_.
+  nlohmann::json recovered = nlohmann::json::object();
+  for (const char* outcome : {"in_place", "replacement", "failed"}) {
+    recovered[outcome] = static_cast<uint64_t>(recoveries(outcome).value());
+  }
   return {{"in_progress", reconfiguring_ || recovery_.active},
-          {"step", recovery_.active ? std::string("reloading experts") : reconfig_step_},
+          {"step", reconfig_step_},
+          {"target_ranks", target_ranks_},
+          {"recoveries", recovered},
+          {"last_recovery", last_recovery_},
           {"mode", options_.reconfigure},
           {"reconfigurations", num_reconfigs_},
           {"reruns", num_reruns_},

@@ -30,6 +30,8 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
 
 void send_json(httplib::Response& res, int status, const nlohmann::json& body) {
   res.status = status;
+  // 503: the group is recovering, shutting down or degraded; clients retry.
+  if (status == 503) res.set_header("Retry-After", "1");
   res.set_content(dump_json(body), "application/json");
 }
 
@@ -195,7 +197,8 @@ void HttpServer::respond_when_finished(Exchange& ex, httplib::Response& res) {
 
   if (!error.ok() || reason == "error") {
     const Status cause = error.ok() ? internal_error("the engine failed the request") : error;
-    send_json(res, 500,
+    // Unavailable (a degraded group, a shutdown): 503, which clients retry; else 500.
+    send_json(res, cause.code() == StatusCode::kUnavailable ? 503 : 500,
               error_json(cause.message(), "server_error", "",
                          std::string(status_code_name(cause.code()))));
     finish_exchange(ex, "error");

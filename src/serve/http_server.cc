@@ -35,6 +35,8 @@ class ListenServer : public httplib::Server {
 
 void send_json(httplib::Response& res, int status, const json& body) {
   res.status = status;
+  // 503: the group is recovering, shutting down or degraded; clients retry.
+  if (status == 503) res.set_header("Retry-After", "1");
   res.set_content(dump_json(body), "application/json");
 }
 

@@ -30,11 +30,12 @@ class HttpErrorsTest : public ::testing::Test {
 
 const json kRequest = {{"prompt", {1, 2, 3}}, {"max_tokens", 8}};
 
-TEST_F(HttpErrorsTest, EngineFailureIsA500NamingTheCause) {
+TEST_F(HttpErrorsTest, EngineUnavailableIsA503NamingTheCause) {
+  // Unavailable (a rank lost, no capacity left): 503, which clients retry, never 500.
   engine_.mode = FakeEngine::Mode::kFailMidway;
   start();
   HttpReply r = post(*client_, "/v1/completions", kRequest);
-  EXPECT_EQ(r.status, 500);
+  EXPECT_EQ(r.status, 503);
   EXPECT_EQ(r.body["error"]["message"], "rank 2 died");
   EXPECT_EQ(r.body["error"]["type"], "server_error");
   EXPECT_EQ(r.body["error"]["code"], "UNAVAILABLE");

@@ -97,6 +97,13 @@ class Server {
   bool up() const { return port_ > 0; }
   // With --no-spawn: starts `flexpert worker --join` for `rank` (e.g. a scale-up's joiner).
   void join_worker(int rank) { workers_.push_back(start_worker(join_, rank)); }
+  // SIGKILLs (and reaps) the i-th hand-started worker; stop() no longer waits for it.
+  void kill_worker(size_t i) {
+    ASSERT_LT(i, workers_.size());
+    kill(workers_[i], SIGKILL);
+    waitpid(workers_[i], nullptr, 0);
+    workers_.erase(workers_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
   httplib::Client& client() { return *client_; }
   pid_t pid() const { return pid_; }
   int port() const { return port_; }

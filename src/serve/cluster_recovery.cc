@@ -1,0 +1,419 @@
+// SPDX-License-Identifier: Apache-2.0
+// ClusterEngine's recovery from lost ranks, and the healer that restores the
+// group's size (docs/ARCHITECTURE.md, "Membership, epochs, failure").
+//
+// A lost member: survivors halt at their next collective (it includes the lost
+// rank); its requests, and new ones, are held at the front end; the healer thread
+// plans where the experts that lost their last replica go (cluster::plan_recovery:
+// the survivors' free slots, then surplus replicas), and where the survivors cannot
+// hold every expert it starts replacement ranks (new incarnations of free ids),
+// attaches them to the survivors and loads the lost experts into them. Then one
+// epoch commits and the held requests are placed. Only when no capacity is left
+// (every id of --max-ranks in use, replacements failing again and again) is the
+// group degraded: new requests get 503 with Retry-After, and POST /v1/scale may
+// try again. Once serving, the healer scales back up to the size the operator
+// asked for (a live scale-up: no stall).
+#include <signal.h>
+
+#include <algorithm>
+
+#include "cluster/recovery_plan.h"
+#include "flexpert/logging.h"
+#include "serve/cluster_engine_impl.h"
+
+namespace flexpert {
+namespace {
+
+constexpr auto kPullTimeout = std::chrono::seconds(120);
+constexpr auto kSettleTimeout = std::chrono::seconds(10);
+constexpr int kRecoveryAttempts = 3;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::vector<int> sorted_union(std::vector<int> a, const std::vector<int>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  std::sort(a.begin(), a.end());
+  a.erase(std::unique(a.begin(), a.end()), a.end());
+  return a;
+}
+
+}  // namespace
+
+bool ClusterEngine::Impl::rehome(uint64_t id, RequestInfo& req, int avoid, Calls* calls) {
+  int best = -1;
+  // During a recovery nothing is placed: the survivors are halted, and the next
+  // epoch (with replacements, perhaps) takes the held requests.
+  for (bool allow_leaving : {false, true}) {
+    for (int r : recovery_.active ? std::vector<int>{} : members_) {
+      const RankInfo& info = ranks_[r];
+      // Ranks about to leave only when nobody else can take it (they still step).
+      if (r == avoid || (info.leaving && !allow_leaving) ||
+          (info.state != RankState::kServing && info.state != RankState::kHalted)) {
+        continue;
+      }
+      if (best < 0 || info.in_flight < ranks_[best].in_flight) best = r;
+    }
+    if (best >= 0) break;
+  }
+  if (best < 0 && !recovery_.active) return false;
+  if (req.rank >= 0) {
+    if (req.rank != avoid && req.rank < static_cast<int>(ranks_.size())) {
+      post(req.rank, proto::CancelRequest{id});
+      ranks_[req.rank].in_flight -= 1;
+    }
+    ++req.reruns;
+    ++num_reruns_;
+  }
+  const int done = static_cast<int>(req.streamed.size());
+  if (done > 0 && done >= req.params.max_tokens) {
+    CompletionEvent ev;  // Everything was streamed but the final event.
+    ev.finished = true;
+    ev.finish_reason = "length";
+    if (calls != nullptr) calls->push_back({req.callback, ev});
+    req.rank = kFinishedRank;  // Erased by the caller's sweep_finished().
+    return true;
+  }
+  if (best < 0) {
+    if (req.rank != kHeldRank) held_total().inc();
+    req.rank = kHeldRank;  // place_held() sends it once an epoch commits.
+    return true;
+  }
+  proto::AddRequest add{id,
+                        req.prompt,
+                        req.params.temperature,
+                        req.params.top_k,
+                        req.params.top_p,
+                        req.params.seed,
+                        req.params.max_tokens - done,
+                        req.params.stop_token_ids,
+                        req.params.ignore_eos};
+  add.prompt.insert(add.prompt.end(), req.streamed.begin(), req.streamed.end());
+  add.attempt = static_cast<uint32_t>(req.reruns);
+  req.rank = best;
+  ranks_[best].in_flight += 1;
+  post(best, add);
+  return true;
+}
+
+void ClusterEngine::Impl::fail_request(RequestInfo& req, const std::string& why, Calls* calls) {
+  CompletionEvent ev;
+  ev.finished = true;
+  ev.finish_reason = "error";
+  ev.error = unavailable(why);
+  calls->push_back({req.callback, ev});
+  req.rank = kFinishedRank;  // Erased by sweep_finished().
+}
+
+void ClusterEngine::Impl::fail_all(const std::string& why, Calls* calls) {
+  for (auto& [id, req] : requests_) {
+    if (req.rank == kFinishedRank) continue;  // Its final event is queued already.
+    CompletionEvent ev;
+    ev.finished = true;
+    ev.finish_reason = "error";
+    ev.error = unavailable(why);
+    calls->push_back({req.callback, ev});
+  }
+  requests_.clear();
+  for (auto& info : ranks_) info.in_flight = 0;
+}
+
+void ClusterEngine::Impl::sweep_finished() {
+  for (auto it = requests_.begin(); it != requests_.end();) {
+    it = it->second.rank == kFinishedRank ? requests_.erase(it) : std::next(it);
+  }
+}
+
+void ClusterEngine::Impl::place_held(Calls* calls) {
+  for (auto& [id, req] : requests_) {
+    if (req.rank == kHeldRank && !rehome(id, req, -1, calls)) {
+      fail_request(req, "no rank can run it", calls);
+    }
+  }
+  sweep_finished();
+}
+
+void ClusterEngine::Impl::enter_degraded(const std::string& why, Calls* calls) {
+  FLEX_LOG(ERROR) << "the group is degraded: " << why;
+  phase_ = "degraded";
+  degraded_reason_ = why;
+  recovery_.active = false;
+  recoveries("failed").inc();
+  for (int r : members_) {
+    if (ranks_[r].state == RankState::kServing) ranks_[r].state = RankState::kHalted;
+  }
+  fail_all("the group cannot serve: " + why, calls);
+  cv_.notify_all();
+}
+
+void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* calls) {
+  RankInfo& info = ranks_[rank];
+  if (info.state == RankState::kDead || info.state == RankState::kStopped ||
+      info.state == RankState::kEmpty) {
+    return;
+  }
+  if (phase_ == "stopping" || stop_.load()) {
+    info.state = RankState::kStopped;  // Leaving as asked, not lost.
+    return;
+  }
+  const bool was_member = std::find(members_.begin(), members_.end(), rank) != members_.end();
+  info.state = RankState::kDead;
+  info.last_error = why;
+  info.leaving = false;
+  if (info.spawned && info.pid > 0) kill(info.pid, SIGKILL);  // Declared lost: make it so.
+  if (!info.spawned) {
+    // Not ours to kill: if it is alive but silent, fence it (it exits when it wakes).
+    if (!info.routing_id.empty()) post(rank, proto::Shutdown{proto::Shutdown::kFenced});
+    unlink_rank_segments(rank, info.incarnation);
+    info.pid = 0;
+  }
+  cv_.notify_all();
+  FLEX_LOG(WARN) << "rank " << rank << " lost: " << why;
+  if (!was_member) return;   // A joiner in preparation: its scale-up rolls back.
+  cancel_rebalance_ = true;  // Its pulls may read from the lost rank; the epoch changes anyway.
+  if (options_.reconfigure == "stop-the-world") {
+    // The baseline: fail what is in flight, restart the whole group.
+    fail_all("rank " + std::to_string(rank) + " died: " + why, calls);
+    if (!reconfiguring_) {
+      reconfiguring_ = true;
+      phase_ = "restarting";
+      accepting_ = false;
+      const int n = static_cast<int>(members_.size());
+      if (restart_thread_.joinable()) restart_thread_.detach();
+      restart_thread_ = std::thread([this, n] {
+        nlohmann::json report = {{"kind", "restart"}, {"mode", "stop-the-world"}};
+        Status s = restart_group(n, &report);
+        std::lock_guard<std::mutex> lock(mutex_);
+        report["status"] = s.ok() ? "ok" : s.to_string();
+        last_reconfig_ = report;
+        reconfiguring_ = false;
+        reconfig_step_.clear();
+        cv_.notify_all();
+      });
+    }
+    return;
+  }
+  members_.erase(std::remove(members_.begin(), members_.end(), rank), members_.end());
+  ++losses_;
+  if (!recovery_.active) {
+    recovery_ = Recovery{};
+    recovery_.active = true;
+    recovery_.start = Clock::now();
+  }
+  recovery_.lost.push_back(rank);
+  phase_ = "recovering";
+  // Its requests continue from their prompt plus what was streamed, once the
+  // recovery commits (held at the front end until then).
+  for (auto& [id, req] : requests_) {
+    if (req.rank == rank) rehome(id, req, rank, calls);
+  }
+  sweep_finished();
+  info.in_flight = 0;
+  cv_.notify_all();  // The healer starts the recovery.
+}
+
+Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann::json* report) {
+  const int S = slots_per_rank_;
+  Status last = unavailable("no attempt made");
+  int attempts = 0;
+  // Hand-started replacements: one bounded wait (--start-timeout-ms), then degraded.
+  const int max_attempts = options_.spawn_workers ? kRecoveryAttempts : 1;
+  for (int restarts = 0; attempts < max_attempts && restarts < 4 * options_.max_ranks;) {
+    if (halting()) return unavailable("shutting down");
+    // A scale or rebalance the loss interrupted gives up at its next check.
+    cv_.wait_for(lock, kSettleTimeout,
+                 [&] { return halting() || (!reconfiguring_ && !rebalancing_); });
+    const uint64_t losses0 = losses_;
+    auto changed = [&] { return losses_ != losses0 || halting(); };
+    const std::vector<int> survivors = members_;
+    auto input = [&](const std::vector<int>& joiners) {
+      cluster::RecoveryInput in;
+      for (int l = 0; l < placement_.num_layers(); ++l) {
+        in.maps.push_back(placement_.slot_map(l));
+        in.routed.push_back(model_config_.is_moe_layer(l));
+      }
+      in.num_experts = placement_.num_experts();
+      in.slots_per_rank = S;
+      in.survivors = survivors;
+      in.joiners = joiners;
+      in.load = window_load();
+      return in;
+    };
+    cluster::RecoveryPlan plan = cluster::plan_recovery(input({}));
+    std::vector<int> joiners;
+    auto retry = [&](Status s) {
+      if (!joiners.empty()) rollback_joiners(joiners);
+      if (changed()) {
+        ++restarts;  // Another loss: plan again with the new survivors.
+      } else {
+        ++attempts;
+        last = std::move(s);
+      }
+    };
+    if (!plan.ok() || survivors.empty()) {
+      // Replacements: new incarnations of free ids (the lost ones, once reaped).
+      const int now = static_cast<int>(survivors.size());
+      const int need =
+          std::max(cluster::ranks_for_slots(plan.missing_slots, S), survivors.empty() ? 1 : 0);
+      const int room = options_.max_ranks - now;
+      if (need > room) {
+        return failed_precondition(
+            "the experts need " + std::to_string(need) + " more ranks and --max-ranks " +
+            std::to_string(options_.max_ranks) + " leaves room for " + std::to_string(room));
+      }
+      const int want = std::min(room, std::max(need, target_ranks_ - now));
+      reconfig_step_ = "waiting for free rank ids";
+      cv_.wait_for(lock, std::chrono::seconds(5),
+                   [&] { return changed() || static_cast<int>(free_ranks().size()) >= want; });
+      if (changed()) {
+        retry(aborted("a rank was lost"));
+        continue;
+      }
+      const std::vector<int> free = free_ranks();
+      if (static_cast<int>(free.size()) < need) {
+        retry(unavailable("only " + std::to_string(free.size()) + " rank ids are free"));
+        continue;
+      }
+      joiners.assign(free.begin(), free.begin() + std::min<size_t>(want, free.size()));
+      (*report)["replacements"] = joiners;
+      reconfig_step_ = "starting replacements";
+      Status s = start_joiners(joiners, lock, changed);
+      if (s.ok()) {
+        reconfig_step_ = "connecting replacements";
+        s = connect_all(joiner_connects(survivors, joiners), lock, [&] {
+          return changed() || std::any_of(joiners.begin(), joiners.end(), [&](int r) {
+                   return ranks_[r].state == RankState::kDead ||
+                          ranks_[r].state == RankState::kStopped;
+                 });
+        });
+      }
+      if (s.ok() && changed()) s = aborted("a rank was lost");
+      if (!s.ok()) {
+        retry(s);
+        continue;
+      }
+      plan = cluster::plan_recovery(input(joiners));
+      if (!plan.ok()) {
+        retry(internal_error("no room for every expert with the replacements"));
+        continue;
+      }
+    }
+    // The lost experts come from the checkpoint: no replica is left to copy from.
+    reconfig_step_ = "reloading experts";
+    std::map<std::pair<int, int>, proto::PullCommand> cmds;  // (rank, layer)
+    for (const cluster::RecoveryLoad& ld : plan.loads) {
+      proto::PullCommand& cmd = cmds[{ld.slot / S, ld.layer}];
+      cmd.layer = ld.layer;
+      cmd.dst_slots.push_back(ld.slot % S);
+      cmd.src_ranks.push_back(proto::PullCommand::kFromCheckpoint);
+      cmd.src_slots.push_back(ld.logical_expert);
+    }
+    std::vector<uint64_t> ids;
+    for (auto& [key, cmd] : cmds) {
+      cmd.id = next_pull_id_++;
+      ids.push_back(cmd.id);
+      post(key.first, cmd);
+    }
+    wake();
+    const auto t_load = Clock::now();
+    const bool loaded = cv_.wait_for(lock, kPullTimeout, [&] {
+      return changed() || std::all_of(ids.begin(), ids.end(),
+                                      [&](uint64_t id) { return pulls_done_.count(id) > 0; });
+    });
+    Status s = loaded ? Status() : deadline_exceeded("expert reloads timed out");
+    for (uint64_t id : ids) {
+      auto it = pulls_done_.find(id);
+      if (it == pulls_done_.end()) continue;
+      if (s.ok() && it->second.code != 0) {
+        s = Status(static_cast<StatusCode>(it->second.code), "reload: " + it->second.message);
+      }
+      pulls_done_.erase(it);
+    }
+    if (s.ok() && changed()) s = aborted("a rank was lost during the reload");
+    if (!s.ok()) {
+      retry(s);
+      continue;
+    }
+    auto next = ExpertPlacement::from_slot_maps(placement_.num_experts(), std::move(plan.maps));
+    if (!next.ok()) {
+      retry(next.status());
+      continue;
+    }
+    // Commit: survivors and replacements switch together; held requests go out.
+    placement_ = std::move(next).value();
+    commit_epoch(sorted_union(survivors, joiners));
+    for (int r : joiners) ranks_[r].joining = false;
+    ++num_reconfigs_;
+    recovery_.active = false;
+    degraded_reason_.clear();
+    phase_ = reconfiguring_ ? "scaling" : "serving";
+    (*report)["epoch"] = epoch_;
+    (*report)["members"] = members_;
+    (*report)["lost"] = recovery_.lost;
+    (*report)["reloaded_experts"] = plan.loads.size();
+    (*report)["evicted_replicas"] = plan.evicted;
+    (*report)["reload_s"] = seconds_since(t_load);
+    recoveries(joiners.empty() ? "in_place" : "replacement").inc();
+    Calls calls;
+    place_held(&calls);
+    lock.unlock();
+    for (auto& [cb, ev] : calls) cb(ev);
+    lock.lock();
+    return Status();
+  }
+  return last;
+}
+
+void ClusterEngine::Impl::heal_loop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto backoff = std::chrono::milliseconds(500);
+  auto next_heal = Clock::now();
+  while (!halting()) {
+    cv_.wait_for(lock, std::chrono::milliseconds(200),
+                 [&] { return halting() || recovery_.active; });
+    if (halting()) break;
+    if (recovery_.active) {
+      nlohmann::json report = {{"kind", "recovery"}};
+      const auto t0 = recovery_.start;
+      Status s = recover(lock, &report);
+      if (halting()) break;
+      report["recover_s"] = seconds_since(t0);
+      report["status"] = s.ok() ? "ok" : s.to_string();
+      recovery_seconds().observe(seconds_since(t0));
+      last_reconfig_ = report;
+      last_recovery_ = report;
+      reconfig_step_.clear();
+      if (!s.ok()) {
+        Calls calls;
+        enter_degraded(s.message(), &calls);
+        lock.unlock();
+        for (auto& [cb, ev] : calls) cb(ev);
+        lock.lock();
+      } else {
+        FLEX_LOG(INFO) << "recovery: " << report.dump();
+      }
+      cv_.notify_all();
+      continue;
+    }
+    // Back to the size the operator asked for, with a live scale-up.
+    const bool short_of_ranks = static_cast<int>(members_.size()) < target_ranks_;
+    if (!short_of_ranks || phase_ != "serving" || reconfiguring_ || rebalancing_ ||
+        !options_.spawn_workers || options_.reconfigure != "live" || Clock::now() < next_heal) {
+      continue;
+    }
+    const int target = target_ranks_;
+    lock.unlock();
+    auto result = scale(ScaleTarget{target, {}}, "heal");
+    lock.lock();
+    if (result.ok()) {
+      backoff = std::chrono::milliseconds(500);
+    } else {
+      FLEX_LOG(WARN) << "heal to " << target << " ranks: " << result.status().to_string();
+      next_heal = Clock::now() + backoff;
+      backoff = std::min<std::chrono::milliseconds>(backoff * 2, std::chrono::seconds(30));
+    }
+  }
+}
+
+}  // namespace flexpert
