@@ -84,7 +84,15 @@ Result<ElasticRunOptions> scenario(const Flags& flags) {
   }
   o.cluster.ranks = static_cast<int>(ranks);
   o.cluster.max_ranks = static_cast<int>(max_ranks);
-  o.cluster.min_ranks = 1;
+  FLEX_ASSIGN_OR_RETURN(int64_t min_ranks, flags.integer("min-ranks"));
+  if (min_ranks < 1 || min_ranks > ranks)
+    return invalid_argument("need 1 <= --min-ranks <= --ranks");
+  o.cluster.min_ranks = static_cast<int>(min_ranks);
+  FLEX_ASSIGN_OR_RETURN(int64_t spare_ranks, flags.integer("spare-ranks"));
+  if (spare_ranks < 0 || ranks + spare_ranks > max_ranks) {
+    return invalid_argument("need 0 <= --spare-ranks <= --max-ranks - --ranks");
+  }
+  o.cluster.spare_ranks = static_cast<int>(spare_ranks);
   o.cluster.threads_per_worker = 1;
   o.cluster.transport_timeout_ms = 5000;
   o.concurrency = static_cast<int>(concurrency);
@@ -160,6 +168,10 @@ void common_flags(Flags& flags, const char* events, const char* duration) {
       .value("cache", "out/synth", "where the synthetic model is kept")
       .value("ranks", "2", "ranks at start")
       .value("max-ranks", "4", "capacity in ranks")
+      .value("min-ranks", "1",
+             "smallest group the slots are sized for (= --ranks: a killed rank's experts do "
+             "not fit on the survivors, so a replacement rank takes them)")
+      .value("spare-ranks", "0", "workers kept loaded beside the members for replacements")
       .value("events", events, "SECONDS:scale:RANKS or SECONDS:kill:RANK, comma-separated")
       .value("duration", duration, "seconds of load")
       .value("concurrency", "6", "client threads")

@@ -64,6 +64,7 @@ Status run_serve(const Flags& flags) {
     FLEX_ASSIGN_OR_RETURN(options.eplb_interval_s, flags.number("eplb-interval-s"));
     FLEX_ASSIGN_OR_RETURN(options.eplb_spare_slots, int_flag(flags, "eplb-spare-slots", 0));
     FLEX_ASSIGN_OR_RETURN(options.min_replicas, int_flag(flags, "min-replicas", 1));
+    FLEX_ASSIGN_OR_RETURN(options.spare_ranks, int_flag(flags, "spare-ranks", 0));
     options.eplb_policy = flags.str("eplb-policy");
     options.reconfigure = flags.str("reconfigure");
     options.device = flags.str("device");
@@ -166,6 +167,9 @@ int cmd_serve(const Args& args) {
       .value("eplb-spare-slots", "1", "free expert slots per rank for replicas and moves")
       .value("eplb-policy", "auto", "placement policy: auto, global, hierarchical")
       .value("min-replicas", "1", "replicas every expert keeps (more: a lost rank needs no reload)")
+      .value("spare-ranks", "0",
+             "workers kept loaded beside the members (ids of --max-ranks): a lost rank's "
+             "replacement without a process start")
       .value("device", "cpu", "where workers run the model: cpu, cuda, cuda:N")
       .value("cuda-dtype", "bf16", "weights and activations on the GPU: bf16 or f32")
       .value("gpus", "1", "with --device cuda: rank r runs on cuda:(r mod N) of this host")

@@ -596,7 +596,9 @@ int Worker::run() {
   while (!g_terminate.load()) {
     send_pull_results();
     // Idle or halted ranks wait on the control socket; busy ones only drain it.
-    const int wait_ms = halted_ || group_.ranks.empty() ? 50 : (idle_ ? 2 : 0);
+    // Halted ranks and non-members (joiners, spares) wait for commands: a recovery waits
+    // for their PullDone and epoch acknowledgements, so they answer within 1 ms.
+    const int wait_ms = halted_ || group_.ranks.empty() ? 1 : (idle_ ? 2 : 0);
     if (Status s = poll_control(wait_ms); !s.ok()) {
       FLEX_LOG(ERROR) << "rank " << options_.rank << " lost the front end: " << s.to_string();
       break;

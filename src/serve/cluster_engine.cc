@@ -112,6 +112,9 @@ Status ClusterEngine::Impl::start() {
   if (options_.max_ranks == 0) options_.max_ranks = options_.ranks;
   if (options_.max_ranks < options_.ranks)
     return invalid_argument("--max-ranks must be >= --ranks");
+  if (options_.spare_ranks < 0 || options_.ranks + options_.spare_ranks > options_.max_ranks) {
+    return invalid_argument("--spare-ranks must be in [0, --max-ranks - --ranks]");
+  }
   if (const char* loading = std::getenv("CUDA_MODULE_LOADING");
       options_.device.rfind("cuda", 0) == 0 && loading != nullptr &&
       std::string(loading) == "EAGER") {
@@ -684,6 +687,7 @@ nlohmann::json ClusterEngine::status() const {
     if (!info.last_error.empty()) j["last_error"] = info.last_error;
     if (info.joining) j["joining"] = true;
     if (info.leaving) j["leaving"] = true;
+    if (info.spare) j["spare"] = true;
     ranks.push_back(std::move(j));
   }
   nlohmann::json out = {

@@ -48,6 +48,9 @@ struct ClusterOptions {
   int eplb_spare_slots = 1;          // Free slots per rank beyond what the experts need.
   std::string eplb_policy = "auto";  // auto | global | hierarchical
   int min_replicas = 1;
+  // Workers kept started and Ready beside the members (at free ids of max_ranks): a
+  // recovery or a scale-up takes them instead of starting a process (its stall).
+  int spare_ranks = 0;
 
   // Elastic membership. "live": scale and recover while serving (prepare aside,
   // commit at a step boundary). "stop-the-world": the naive baseline (stop

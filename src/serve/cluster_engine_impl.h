@@ -52,6 +52,7 @@ struct RankInfo {
   int64_t graph_captures = 0;  // Reported by the worker (CUDA).
   bool joining = false;        // Being prepared by a scale-up; not a member yet.
   bool leaving = false;        // Chosen by a scale-down: no new requests.
+  bool spare = false;          // Started ahead (--spare-ranks): Ready, not a member.
 };
 
 // What the front end keeps of a request so that another rank can re-run it
@@ -212,6 +213,11 @@ class ClusterEngine::Impl {
   Status wait_applied(const std::vector<int>& ranks, uint64_t epoch,
                       std::unique_lock<std::mutex>& lock);
   std::vector<int> free_ranks() const;
+  std::vector<int> spare_ranks() const;  // Ready spares.
+  // Ids a scale-up or a recovery may take: Ready spares first, then free ids.
+  std::vector<int> joiner_candidates() const;
+  // Starts spares at free ids until --spare-ranks are Ready or starting. Lock held.
+  void keep_spares();
   // Places a request on the least-loaded serving member (not `avoid`); one placed
   // before is cancelled there and re-run from its prompt plus the streamed tokens
   // (one with nothing left to generate gets its final event in `calls` and is

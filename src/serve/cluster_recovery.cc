@@ -264,13 +264,14 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
       }
       const int want = std::min(room, std::max(need, target_ranks_ - now));
       reconfig_step_ = "waiting for free rank ids";
-      cv_.wait_for(lock, std::chrono::seconds(5),
-                   [&] { return changed() || static_cast<int>(free_ranks().size()) >= want; });
+      cv_.wait_for(lock, std::chrono::seconds(5), [&] {
+        return changed() || static_cast<int>(joiner_candidates().size()) >= want;
+      });
       if (changed()) {
         retry(aborted("a rank was lost"));
         continue;
       }
-      const std::vector<int> free = free_ranks();
+      const std::vector<int> free = joiner_candidates();  // Ready spares first.
       if (static_cast<int>(free.size()) < need) {
         retry(unavailable("only " + std::to_string(free.size()) + " rank ids are free"));
         continue;
@@ -365,6 +366,27 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
   return last;
 }
 
+void ClusterEngine::Impl::keep_spares() {
+  if (options_.spare_ranks <= 0 || !options_.spawn_workers || options_.reconfigure != "live" ||
+      phase_ != "serving" || reconfiguring_ || rebalancing_) {
+    return;
+  }
+  int spares = 0;  // Ready, or still starting.
+  for (const RankInfo& info : ranks_) {
+    spares += info.spare && (info.state == RankState::kStarting || info.state == RankState::kReady);
+  }
+  const std::vector<int> free = free_ranks();
+  for (size_t i = 0; spares < options_.spare_ranks && i < free.size(); ++i, ++spares) {
+    RankInfo& info = ranks_[free[i]];
+    const uint64_t incarnation = info.incarnation;
+    info = RankInfo{};
+    info.incarnation = incarnation;
+    info.spare = true;
+    request_spawn(free[i]);
+    FLEX_LOG(INFO) << "starting rank " << free[i] << " as a spare";
+  }
+}
+
 void ClusterEngine::Impl::heal_loop() {
   std::unique_lock<std::mutex> lock(mutex_);
   auto backoff = std::chrono::milliseconds(500);
@@ -396,6 +418,7 @@ void ClusterEngine::Impl::heal_loop() {
       cv_.notify_all();
       continue;
     }
+    keep_spares();
     // Back to the size the operator asked for, with a live scale-up.
     const bool short_of_ranks = static_cast<int>(members_.size()) < target_ranks_;
     if (!short_of_ranks || phase_ != "serving" || reconfiguring_ || rebalancing_ ||

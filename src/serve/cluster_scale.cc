@@ -2,22 +2,21 @@
 // ClusterEngine's elastic membership: scale up, scale down, recovery from a lost
 // rank, request re-runs, and the stop-the-world baseline.
 //
-// Live scale-up (DEVELOPERS.md intents 1-3): joiners start aside (dense weights
-// from the checkpoint, no experts: their slots are free in the committed map),
-// attach to the members and prove the attachments with a one-sided read, and
-// receive the experts the plan gives them by one-sided reads from members' slots
-// (the EPLB mover). Only then is the epoch committed: every rank switches at one
-// step boundary (worker.cc), the joiners' slots enter the map with it, and the
-// joiners take requests. The rest of the plan (freeing replicas old ranks no
+// Live scale-up (docs/ARCHITECTURE.md, "Membership, epochs, failure"): joiners start aside (dense
+// weights from the checkpoint, no experts: their slots are free in the committed map), attach to
+// the members and prove the attachments with a one-sided read, and receive the experts the plan
+// gives them by one-sided reads from members' slots (the EPLB mover). Only then is the epoch
+// committed: every rank switches at one step boundary (worker.cc), the joiners' slots enter the map
+// with it, and the joiners take requests. The rest of the plan (freeing replicas old ranks no
 // longer need) then runs as ordinary EPLB transition steps.
 //
 // Scale-down moves experts off the leaving ranks first (transition steps, while
 // serving), commits an epoch without them at a step boundary they take part in,
 // re-runs their unfinished requests on survivors, and lets them exit.
 //
-// A lost rank: survivors halt at their next collective; its requests re-run on
-// survivors (prompt + streamed tokens); experts left without a replica are loaded
-// from the checkpoint into survivors' free slots; then an emergency epoch commits.
+// Spare ranks (--spare-ranks) are joiners started ahead: loaded and Ready, not
+// members; a recovery or a scale-up takes them before it starts new workers.
+// Recovery from lost ranks is in cluster_recovery.cc.
 #include <dirent.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -87,6 +86,20 @@ std::vector<int> ClusterEngine::Impl::free_ranks() const {
       out.push_back(r);
     }
   }
+  return out;
+}
+
+std::vector<int> ClusterEngine::Impl::spare_ranks() const {
+  std::vector<int> out;
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+    if (ranks_[r].spare && ranks_[r].state == RankState::kReady) out.push_back(r);
+  }
+  return out;
+}
+
+std::vector<int> ClusterEngine::Impl::joiner_candidates() const {
+  std::vector<int> out = spare_ranks();
+  for (int r : free_ranks()) out.push_back(r);
   return out;
 }
 
@@ -188,6 +201,11 @@ Status ClusterEngine::Impl::start_joiners(const std::vector<int>& joiners,
                                           const std::function<bool()>& changed) {
   for (int r : joiners) {
     RankInfo& info = ranks_[r];
+    if (info.spare && info.state == RankState::kReady) {
+      info.spare = false;  // Started ahead: loaded, Ready, not connected to anyone yet.
+      info.joining = true;
+      continue;
+    }
     const uint64_t incarnation = info.incarnation;
     info = RankInfo{};
     info.incarnation = incarnation;
@@ -580,9 +598,9 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
       if (target.ranks > now) {
         // Ids of ranks still exiting (a scale-down a moment ago) free up shortly.
         cv_.wait_for(lock, std::chrono::seconds(5), [&] {
-          return halting() || static_cast<int>(free_ranks().size()) >= target.ranks - now;
+          return halting() || static_cast<int>(joiner_candidates().size()) >= target.ranks - now;
         });
-        const std::vector<int> free = free_ranks();
+        const std::vector<int> free = joiner_candidates();
         if (static_cast<int>(free.size()) < target.ranks - now) {
           return failed_precondition("only " + std::to_string(free.size()) +
                                      " rank ids are free (others are still exiting)");

@@ -197,18 +197,34 @@ Result<nlohmann::json> run_elastic(const ElasticRunOptions& o) {
         rec["status"] = "rank " + std::to_string(ev.rank) + " is not serving";
         rec["end_s"] = at;
       } else {
+        const size_t size = status["members"].size();
         kill(pid, SIGKILL);
-        // Recovered: a later epoch that serves.
+        // Recovered: a later epoch that serves (in place, or with a replacement rank);
+        // healed: back to the size before the kill (the healer's scale-up, if needed).
         const auto deadline = Clock::now() + std::chrono::seconds(60);
         nlohmann::json now;
-        do {
+        bool recovered = false;
+        while (Clock::now() < deadline) {
           std::this_thread::sleep_for(std::chrono::milliseconds(2));
           now = engine->status();
-        } while (Clock::now() < deadline &&
-                 (now["epoch"].get<uint64_t>() <= epoch || now["phase"] != "serving"));
+          if (!recovered && now["epoch"].get<uint64_t>() > epoch && now["phase"] == "serving") {
+            recovered = true;
+            rec["recovered_s"] = seconds(t0, Clock::now());
+          }
+          if (recovered && now["members"].size() == size &&
+              !now["reconfiguration"]["in_progress"].get<bool>()) {
+            break;
+          }
+        }
         rec["end_s"] = seconds(t0, Clock::now());
-        rec["status"] = now["phase"] == "serving" ? "ok" : "not recovered";
-        rec["recovery"] = now["reconfiguration"]["last"];
+        rec["status"] = !recovered                      ? "not recovered"
+                        : now["members"].size() == size ? "ok"
+                                                        : "recovered, not healed";
+        rec["recovery"] = now["reconfiguration"]["last_recovery"];
+        const nlohmann::json& replaced = rec["recovery"].contains("replacements")
+                                             ? rec["recovery"]["replacements"]
+                                             : nlohmann::json::array();
+        rec["recovery_kind"] = replaced.empty() ? "in place, then healed" : "replacement";
       }
     }
     log("  " + rec.dump());

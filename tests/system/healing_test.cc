@@ -228,6 +228,36 @@ TEST(HealingTest, KillDuringARebalance) {
   EXPECT_EQ(server.stop(), 0);
 }
 
+TEST(HealingTest, SpareTakesALostRanksPlace) {
+  Server server(
+      {"--ranks", "2", "--max-ranks", "3", "--spare-ranks", "1", "--threads-per-worker", "1"});
+  ASSERT_TRUE(server.up());
+  auto spare_ready = [](const nlohmann::json& s, int rank) {
+    for (const auto& r : s["ranks"]) {
+      if (r["rank"] == rank && r.value("spare", false) && r["state"] == "ready") return true;
+    }
+    return false;
+  };
+  ASSERT_TRUE(wait_status(server, [&](const nlohmann::json& s) { return spare_ready(s, 2); }))
+      << server.get_json("/v1/status").dump();
+  Load load(server, 4);
+  pause_ms(300);
+  kill(rank_pid(server, 0), SIGKILL);
+  // The spare (rank 2) replaces rank 0 at once; a new spare starts at the freed id 0.
+  ASSERT_TRUE(wait_status(server, [&](const nlohmann::json& s) {
+    return serving_with(s, 2) && recovered_ok(s) && spare_ready(s, 0);
+  })) << server.get_json("/v1/status").dump();
+  load.stop();
+  EXPECT_EQ(load.failed(), 0);
+  EXPECT_EQ(load.wrong(), 0);
+  const auto status = server.get_json("/v1/status");
+  EXPECT_EQ(status["members"], nlohmann::json({1, 2})) << status.dump();
+  EXPECT_EQ(status["reconfiguration"]["last_recovery"]["replacements"], nlohmann::json({2}));
+  check_reference(server, load_reference(), 1);
+  EXPECT_EQ(server.stop(), 0);
+  EXPECT_TRUE(shm_segments(server.pid()).empty());
+}
+
 TEST(HealingTest, NoCapacityAnswers503UntilAScaleRepairsIt) {
   // Hand-started workers: a replacement must be started by someone; none comes in time.
   Server server(
