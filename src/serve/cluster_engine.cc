@@ -107,6 +107,7 @@ Status ClusterEngine::Impl::spawn(int rank) {
 }
 
 Status ClusterEngine::Impl::start() {
+  create_metrics();
   FLEX_ASSIGN_OR_RETURN(model_config_, ModelConfig::load(options_.model_dir));
   if (options_.ranks < 1) return invalid_argument("--ranks must be >= 1");
   if (options_.max_ranks == 0) options_.max_ranks = options_.ranks;
@@ -190,9 +191,6 @@ Status ClusterEngine::Impl::start() {
                              std::to_string(options_.start_timeout_ms) + " ms");
   accepting_ = true;
   target_ranks_ = options_.ranks;
-  for (const char* outcome : {"in_place", "replacement", "failed"}) (void)recoveries(outcome);
-  (void)recovery_seconds();
-  (void)held_total();
   healer_ = std::thread([this] { heal_loop(); });
   if (options_.eplb) eplb_thread_ = std::thread([this] { eplb_loop(); });
   return Status();
@@ -706,57 +704,46 @@ nlohmann::json ClusterEngine::status() const {
   return out;
 }
 
+void ClusterEngine::Impl::create_metrics() const {
+  registry_.gauge("flexpert_epoch", "Current membership epoch.");
+  (void)reconfigurations();
+  (void)reruns();
+  for (const char* outcome : {"in_place", "replacement", "failed"}) (void)recoveries(outcome);
+  (void)recovery_seconds();
+  (void)held_total();
+  (void)rebalances();
+  (void)moved_bytes();
+}
+
+void ClusterEngine::Impl::update_gauges() const {
+  registry_.gauge("flexpert_epoch", "Current membership epoch.").set(static_cast<double>(epoch_));
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    const RankInfo& info = ranks_[r];
+    if (info.state == RankState::kEmpty) continue;
+    const metrics::Labels rank = {{"rank", std::to_string(r)}};
+    registry_.gauge("flexpert_rank_up", "1 when the rank is a serving member.", rank)
+        .set(info.state == RankState::kServing ? 1 : 0);
+    registry_.gauge("flexpert_rank_step_seconds", "Mean busy step time per rank.", rank)
+        .set(info.step_ms / 1e3);
+    registry_
+        .gauge("flexpert_rank_graph_captures",
+               "CUDA graphs a rank captured since it started (flat across expert-map switches "
+               "and epochs).",
+               rank)
+        .set(static_cast<double>(info.graph_captures));
+    registry_.gauge("flexpert_rank_in_flight", "Requests placed on each rank.", rank)
+        .set(info.in_flight);
+  }
+  update_eplb_gauges();
+}
+
 std::string ClusterEngine::metrics_text() const {
   const Impl& m = *impl_;
-  std::lock_guard<std::mutex> lock(m.mutex_);
-  std::string out =
-      "# HELP flexpert_epoch Current membership epoch.\n# TYPE flexpert_epoch gauge\n"
-      "flexpert_epoch " +
-      std::to_string(m.epoch_) +
-      "\n"
-      "# HELP flexpert_rank_up 1 when the rank is a serving member.\n# TYPE flexpert_rank_up "
-      "gauge\n";
-  for (size_t r = 0; r < m.ranks_.size(); ++r) {
-    if (m.ranks_[r].state == RankState::kEmpty) continue;
-    out += "flexpert_rank_up{rank=\"" + std::to_string(r) + "\"} " +
-           (m.ranks_[r].state == RankState::kServing ? "1" : "0") + "\n";
+  {
+    std::lock_guard<std::mutex> lock(m.mutex_);
+    m.update_gauges();
   }
-  out +=
-      "# HELP flexpert_rank_step_seconds Mean busy step time per rank.\n"
-      "# TYPE flexpert_rank_step_seconds gauge\n";
-  for (size_t r = 0; r < m.ranks_.size(); ++r) {
-    if (m.ranks_[r].state == RankState::kEmpty) continue;
-    out += "flexpert_rank_step_seconds{rank=\"" + std::to_string(r) + "\"} " +
-           std::to_string(m.ranks_[r].step_ms / 1e3) + "\n";
-  }
-  out +=
-      "# HELP flexpert_rank_graph_captures CUDA graphs a rank captured since it started (flat "
-      "across expert-map switches and epochs).\n"
-      "# TYPE flexpert_rank_graph_captures gauge\n";
-  for (size_t r = 0; r < m.ranks_.size(); ++r) {
-    if (m.ranks_[r].state == RankState::kEmpty) continue;
-    out += "flexpert_rank_graph_captures{rank=\"" + std::to_string(r) + "\"} " +
-           std::to_string(m.ranks_[r].graph_captures) + "\n";
-  }
-  out +=
-      "# HELP flexpert_rank_in_flight Requests placed on each rank.\n"
-      "# TYPE flexpert_rank_in_flight gauge\n";
-  for (size_t r = 0; r < m.ranks_.size(); ++r) {
-    if (m.ranks_[r].state == RankState::kEmpty) continue;
-    out += "flexpert_rank_in_flight{rank=\"" + std::to_string(r) + "\"} " +
-           std::to_string(m.ranks_[r].in_flight) + "\n";
-  }
-  out +=
-      "# HELP flexpert_reconfigurations_total Committed membership changes (scale, recovery).\n"
-      "# TYPE flexpert_reconfigurations_total counter\n"
-      "flexpert_reconfigurations_total " +
-      std::to_string(m.num_reconfigs_) +
-      "\n"
-      "# HELP flexpert_requests_rerun_total Requests moved to another rank and re-run.\n"
-      "# TYPE flexpert_requests_rerun_total counter\n"
-      "flexpert_requests_rerun_total " +
-      std::to_string(m.num_reruns_) + "\n";
-  return out + m.registry_.render() + m.eplb_metrics();
+  return m.registry_.render();
 }
 
 Status ClusterEngine::shutdown() { return impl_->shutdown(); }

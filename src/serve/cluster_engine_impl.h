@@ -115,7 +115,6 @@ class ClusterEngine::Impl {
     std::vector<std::vector<double>> load;  // [layer][logical expert]
   };
   std::deque<LoadBucket> load_window_;
-  std::vector<std::vector<double>> slot_tokens_total_;  // [layer][slot], since start.
   bool rebalancing_ = false;
   uint64_t rebalance_epoch_ = 0;  // The epoch a running rebalance started in.
   bool cancel_rebalance_ = false;
@@ -125,8 +124,6 @@ class ClusterEngine::Impl {
   double rebalance_max_step_ms_ = 0;  // Longest step any rank reported during a rebalance.
   double pull_seconds_ = 0;           // PullDone::seconds of every move_layer pull so far.
   nlohmann::json last_rebalance_;
-  uint64_t num_rebalances_ = 0;
-  uint64_t moved_bytes_total_ = 0;
   std::thread eplb_thread_;
   std::condition_variable eplb_cv_;
 
@@ -136,19 +133,34 @@ class ClusterEngine::Impl {
   // that a group without load yet still spreads its experts) and the current
   // placement. Caller holds mutex_.
   eplb::PlanInput plan_input(const std::vector<int>& ranks, double prior) const;
+  // Expert copies (PullCommands), one command per (destination rank, layer): the
+  // scale-up's joiners, the EPLB mover and the recovery's reloads build them alike.
+  using Pulls = std::map<std::pair<int, int>, proto::PullCommand>;
+  // Fill global slot `dst_slot` of `layer` from local slot `src_slot` of `src_rank`
+  // (or, with src_rank kFromCheckpoint, logical expert `src_slot` from the checkpoint).
+  void add_pull(Pulls* pulls, int layer, int dst_slot, int src_rank, int src_slot) const;
+  struct PullTotals {
+    uint64_t num_bytes = 0;
+    uint64_t device_copies = 0;
+    double seconds = 0;  // Summed over the commands (mover time).
+    int commands = 0;
+  };
+  // Posts the commands (ids assigned) and waits, lock held, until every one answered,
+  // `stop` holds or `timeout` passes. Answers are consumed; the first failed pull's
+  // status, Cancelled when stopped, DeadlineExceeded on timeout.
+  Status run_pulls(Pulls pulls, std::unique_lock<std::mutex>& lock, Clock::duration timeout,
+                   const std::function<bool()>& stop, PullTotals* totals);
   Result<nlohmann::json> rebalance(const std::string& trigger);
-  Status move_layer(int layer, const std::vector<int>& target, uint64_t* bytes, int* pulls);
+  Status move_layer(int layer, const std::vector<int>& target, uint64_t* bytes, int* pulls_made);
   Status commit_map(ExpertPlacement next);
   void eplb_loop();
   nlohmann::json eplb_status() const;
-  std::string eplb_metrics() const;
+  void update_eplb_gauges() const;  // Balancedness per layer; caller holds mutex_.
 
   // Elastic membership (cluster_scale.cc), guarded by mutex_.
   bool reconfiguring_ = false;
   std::string reconfig_step_;  // What a running reconfiguration is doing (status).
   nlohmann::json last_reconfig_;
-  uint64_t num_reconfigs_ = 0;
-  uint64_t num_reruns_ = 0;
   uint64_t next_connect_id_ = 1;
   // Answers to the connect commands connect_all() waits for; others (a detach after a
   // rollback, answers arriving after connect_all gave up) are dropped on arrival.
@@ -165,7 +177,7 @@ class ClusterEngine::Impl {
   std::string degraded_reason_;
   nlohmann::json last_recovery_ =
       nlohmann::json::object();  // The last recovery's report (status: "recovery").
-  // Recovery metrics (thread-safe on their own). Outcomes: in_place (the survivors'
+  // /metrics (thread-safe on its own). Recovery outcomes: in_place (the survivors'
   // slots), replacement (new ranks), failed (degraded).
   mutable metrics::Registry registry_;  // Thread-safe; created on first use.
   metrics::Counter& recoveries(const std::string& outcome) const {
@@ -177,6 +189,25 @@ class ClusterEngine::Impl {
                                "From a rank's loss to the epoch without it (or the failure).",
                                {0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60});
   }
+  metrics::Counter& reconfigurations() const {
+    return registry_.counter("flexpert_reconfigurations_total",
+                             "Committed membership changes (scale, recovery).");
+  }
+  metrics::Counter& reruns() const {
+    return registry_.counter("flexpert_requests_rerun_total",
+                             "Requests moved to another rank and re-run.");
+  }
+  metrics::Counter& rebalances() const {
+    return registry_.counter("flexpert_eplb_rebalances_total", "Completed rebalances.");
+  }
+  metrics::Counter& moved_bytes() const {
+    return registry_.counter("flexpert_eplb_moved_bytes_total",
+                             "Expert weight bytes moved between slots.");
+  }
+  // Every family, in a fixed order (created at start), so that /metrics is stable.
+  void create_metrics() const;
+  // Sets the gauges that are read off the state (caller holds mutex_).
+  void update_gauges() const;
   metrics::Counter& held_total() const {
     return registry_.counter("flexpert_requests_held_total",
                              "Requests held at the front end while a recovery ran.");

@@ -3,11 +3,11 @@
 // (plan -> per layer: the steps of eplb::next_transition_step — pull experts into
 // free slots then switch the map, or switch to a map that frees slots) and its status.
 //
-// Safety argument (DEVELOPERS.md intent 3): a slot is written only while no map
-// of any member points at it (it is free in the committed map), and a slot is
-// freed only after every pull that reads it finished; a map points at a slot only
-// after its bytes landed. Map switches happen at a step boundary all members
-// agree on (worker.cc), so a step never mixes two maps.
+// Safety argument (docs/ARCHITECTURE.md, "Expert load balancing"): a slot is written only while no
+// map of any member points at it (it is free in the committed map), and a slot is freed only after
+// every pull that reads it finished; a map points at a slot only after its bytes landed. Map
+// switches happen at a step boundary all members agree on (worker.cc), so a step never mixes two
+// maps.
 #include <algorithm>
 #include <chrono>
 #include <map>
@@ -40,17 +40,16 @@ void ClusterEngine::Impl::record_load(int rank, const std::vector<int64_t>& slot
       load_window_.pop_front();
     }
   }
-  if (slot_tokens_total_.empty()) {
-    slot_tokens_total_.assign(L,
-                              std::vector<double>(static_cast<size_t>(placement_.num_slots()), 0));
-  }
   auto& bucket = load_window_.back().load;
   for (int l = 0; l < L; ++l) {
     for (size_t i = 0; i < S; ++i) {
       const int64_t n = slot_counts[l * S + i];
       if (n == 0) continue;
       const int slot = rank * slots_per_rank_ + static_cast<int>(i);
-      slot_tokens_total_[l][slot] += static_cast<double>(n);
+      registry_
+          .counter("flexpert_slot_tokens_total", "Rows computed per layer and physical slot.",
+                   {{"layer", std::to_string(l)}, {"slot", std::to_string(slot)}})
+          .inc(static_cast<double>(n));
       const int expert = placement_.slot_expert(l, slot);
       if (expert >= 0) bucket[l][expert] += static_cast<double>(n);
     }
@@ -113,8 +112,49 @@ Status ClusterEngine::Impl::commit_map(ExpertPlacement next) {
   return Status();
 }
 
+void ClusterEngine::Impl::add_pull(Pulls* pulls, int layer, int dst_slot, int src_rank,
+                                   int src_slot) const {
+  const int S = slots_per_rank_;
+  proto::PullCommand& cmd = (*pulls)[{dst_slot / S, layer}];
+  cmd.layer = layer;
+  cmd.dst_slots.push_back(dst_slot % S);
+  cmd.src_ranks.push_back(src_rank);
+  cmd.src_slots.push_back(src_slot);
+}
+
+Status ClusterEngine::Impl::run_pulls(Pulls pulls, std::unique_lock<std::mutex>& lock,
+                                      Clock::duration timeout, const std::function<bool()>& stop,
+                                      PullTotals* totals) {
+  std::vector<uint64_t> ids;
+  for (auto& [key, cmd] : pulls) {
+    cmd.id = next_pull_id_++;
+    ids.push_back(cmd.id);
+    post(key.first, cmd);
+  }
+  wake();
+  const bool answered = cv_.wait_for(lock, timeout, [&] {
+    return stop() || std::all_of(ids.begin(), ids.end(),
+                                 [&](uint64_t id) { return pulls_done_.count(id) > 0; });
+  });
+  Status s = stop()      ? aborted("stopped while experts were copied")
+             : !answered ? deadline_exceeded("expert copies timed out")
+                         : Status();
+  for (uint64_t id : ids) {
+    auto it = pulls_done_.find(id);
+    if (it == pulls_done_.end()) continue;
+    const proto::PullDone& d = it->second;
+    if (s.ok() && d.code != 0) s = Status(static_cast<StatusCode>(d.code), "pull: " + d.message);
+    totals->num_bytes += d.num_bytes;
+    totals->device_copies += d.device_copies;
+    totals->seconds += d.seconds;
+    totals->commands += 1;
+    pulls_done_.erase(it);
+  }
+  return s;
+}
+
 Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target, uint64_t* bytes,
-                                       int* pulls) {
+                                       int* pulls_made) {
   const int S = slots_per_rank_;
   for (int round = 0; round < 512; ++round) {
     std::vector<int> current;
@@ -131,47 +171,27 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
     }
     if (step->kind == eplb::TransitionStep::Kind::kFill) {
       // The destination slots are free in every member's map: pull, then point at them.
-      std::map<int, proto::PullCommand> by_rank;
-      for (const auto& [dst, src] : step->copies) {
-        auto& cmd = by_rank[dst / S];
-        cmd.layer = layer;
-        cmd.dst_slots.push_back(dst % S);
-        cmd.src_ranks.push_back(src / S);
-        cmd.src_slots.push_back(src % S);
-      }
-      std::vector<uint64_t> ids;
+      Pulls pulls;
+      for (const auto& [dst, src] : step->copies) add_pull(&pulls, layer, dst, src / S, src % S);
       std::unique_lock<std::mutex> lock(mutex_);
       // Re-checked under the lock that posts: a recovery may own the free slots now.
       if (cancel_rebalance_ || recovery_.active || epoch_ != rebalance_epoch_) {
         return aborted("the group changed during the rebalance");
       }
-      for (auto& [rank, cmd] : by_rank) {
-        cmd.id = next_pull_id_++;
-        ids.push_back(cmd.id);
-        post(rank, cmd);
-      }
-      wake();
-      const bool done = cv_.wait_for(lock, kAckTimeout, [&] {
-        if (stop_.load() || epoch_ != rebalance_epoch_ || cancel_rebalance_) return true;
-        for (uint64_t id : ids) {
-          if (!pulls_done_.count(id)) return false;
-        }
-        return true;
-      });
+      PullTotals done;
+      Status s = run_pulls(
+          std::move(pulls), lock, kAckTimeout,
+          [&] { return stop_.load() || epoch_ != rebalance_epoch_ || cancel_rebalance_; }, &done);
       if (stop_.load()) return unavailable("shutting down");
       if (epoch_ != rebalance_epoch_) return aborted("membership changed during the rebalance");
       if (cancel_rebalance_) return aborted("rebalance cancelled");
-      if (!done) {
+      if (s.code() == StatusCode::kDeadlineExceeded) {
         return deadline_exceeded("expert pulls of layer " + std::to_string(layer) + " timed out");
       }
-      for (uint64_t id : ids) {
-        const proto::PullDone d = pulls_done_[id];
-        pulls_done_.erase(id);
-        if (d.code != 0) return Status(static_cast<StatusCode>(d.code), "pull: " + d.message);
-        *bytes += d.num_bytes;
-        *pulls += 1;
-        pull_seconds_ += d.seconds;
-      }
+      FLEX_RETURN_IF_ERROR(s);
+      *bytes += done.num_bytes;
+      *pulls_made += done.commands;
+      pull_seconds_ += done.seconds;
     }
     maps[layer] = step->map;
     FLEX_ASSIGN_OR_RETURN(ExpertPlacement next, ExpertPlacement::from_slot_maps(
@@ -239,7 +259,7 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
     report["mean_step_ms_before"] = step_ms_before;
     last_rebalance_ = report;
     if (!s.ok()) return s;
-    ++num_rebalances_;
+    rebalances().inc();
     return report;
   };
   const auto t0 = Clock::now();
@@ -277,7 +297,7 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
                            {"balancedness_planned", plan->balancedness}};
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    moved_bytes_total_ += bytes;
+    moved_bytes().inc(static_cast<double>(bytes));
   }
   FLEX_LOG(INFO) << "rebalance (" << trigger << "): " << plan->moved_slots << " slots, " << bytes
                  << " bytes in " << report["duration_s"].get<double>() << " s"
@@ -320,47 +340,21 @@ nlohmann::json ClusterEngine::Impl::eplb_status() const {
           {"slots_per_rank", slots_per_rank_},
           {"map_version", map_version_},
           {"in_progress", rebalancing_},
-          {"rebalances", num_rebalances_},
-          {"moved_bytes_total", moved_bytes_total_},
+          {"rebalances", static_cast<uint64_t>(rebalances().value())},
+          {"moved_bytes_total", static_cast<uint64_t>(moved_bytes().value())},
           {"layers", layers},
           {"last_rebalance", last_rebalance_}};
 }
 
-std::string ClusterEngine::Impl::eplb_metrics() const {
-  // Caller holds mutex_.
-  std::string out =
-      "# HELP flexpert_eplb_rebalances_total Completed rebalances.\n"
-      "# TYPE flexpert_eplb_rebalances_total counter\n"
-      "flexpert_eplb_rebalances_total " +
-      std::to_string(num_rebalances_) +
-      "\n"
-      "# HELP flexpert_eplb_moved_bytes_total Expert weight bytes moved between slots.\n"
-      "# TYPE flexpert_eplb_moved_bytes_total counter\n"
-      "flexpert_eplb_moved_bytes_total " +
-      std::to_string(moved_bytes_total_) +
-      "\n"
-      "# HELP flexpert_eplb_balancedness Mean over max rank load in the window, per layer.\n"
-      "# TYPE flexpert_eplb_balancedness gauge\n";
+void ClusterEngine::Impl::update_eplb_gauges() const {
   const auto load = window_load();
   for (int l = 0; l < placement_.num_layers(); ++l) {
     if (!model_config_.is_moe_layer(l)) continue;
-    out += "flexpert_eplb_balancedness{layer=\"" + std::to_string(l) + "\"} " +
-           std::to_string(
-               eplb::balancedness(load[l], placement_.slot_map(l), members_, slots_per_rank_)) +
-           "\n";
+    registry_
+        .gauge("flexpert_eplb_balancedness", "Mean over max rank load in the window, per layer.",
+               {{"layer", std::to_string(l)}})
+        .set(eplb::balancedness(load[l], placement_.slot_map(l), members_, slots_per_rank_));
   }
-  out +=
-      "# HELP flexpert_slot_tokens_total Rows computed per layer and physical slot.\n"
-      "# TYPE flexpert_slot_tokens_total counter\n";
-  for (size_t l = 0; l < slot_tokens_total_.size(); ++l) {
-    for (size_t s = 0; s < slot_tokens_total_[l].size(); ++s) {
-      if (slot_tokens_total_[l][s] == 0) continue;
-      out += "flexpert_slot_tokens_total{layer=\"" + std::to_string(l) + "\",slot=\"" +
-             std::to_string(s) + "\"} " +
-             std::to_string(static_cast<int64_t>(slot_tokens_total_[l][s])) + "\n";
-    }
-  }
-  return out;
 }
 
 Result<nlohmann::json> ClusterEngine::rebalance() { return impl_->rebalance("request"); }

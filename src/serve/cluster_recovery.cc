@@ -64,7 +64,7 @@ bool ClusterEngine::Impl::rehome(uint64_t id, RequestInfo& req, int avoid, Calls
       ranks_[req.rank].in_flight -= 1;
     }
     ++req.reruns;
-    ++num_reruns_;
+    reruns().inc();
   }
   const int done = static_cast<int>(req.streamed.size());
   if (done > 0 && done >= req.params.max_tokens) {
@@ -302,35 +302,15 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
     }
     // The lost experts come from the checkpoint: no replica is left to copy from.
     reconfig_step_ = "reloading experts";
-    std::map<std::pair<int, int>, proto::PullCommand> cmds;  // (rank, layer)
+    Pulls pulls;
     for (const cluster::RecoveryLoad& ld : plan.loads) {
-      proto::PullCommand& cmd = cmds[{ld.slot / S, ld.layer}];
-      cmd.layer = ld.layer;
-      cmd.dst_slots.push_back(ld.slot % S);
-      cmd.src_ranks.push_back(proto::PullCommand::kFromCheckpoint);
-      cmd.src_slots.push_back(ld.logical_expert);
+      add_pull(&pulls, ld.layer, ld.slot, proto::PullCommand::kFromCheckpoint, ld.logical_expert);
     }
-    std::vector<uint64_t> ids;
-    for (auto& [key, cmd] : cmds) {
-      cmd.id = next_pull_id_++;
-      ids.push_back(cmd.id);
-      post(key.first, cmd);
-    }
-    wake();
     const auto t_load = Clock::now();
-    const bool loaded = cv_.wait_for(lock, kPullTimeout, [&] {
-      return changed() || std::all_of(ids.begin(), ids.end(),
-                                      [&](uint64_t id) { return pulls_done_.count(id) > 0; });
-    });
-    Status s = loaded ? Status() : deadline_exceeded("expert reloads timed out");
-    for (uint64_t id : ids) {
-      auto it = pulls_done_.find(id);
-      if (it == pulls_done_.end()) continue;
-      if (s.ok() && it->second.code != 0) {
-        s = Status(static_cast<StatusCode>(it->second.code), "reload: " + it->second.message);
-      }
-      pulls_done_.erase(it);
-    }
+    PullTotals done;
+    Status s = run_pulls(std::move(pulls), lock, kPullTimeout, changed, &done);
+    if (s.code() == StatusCode::kDeadlineExceeded)
+      s = deadline_exceeded("expert reloads timed out");
     if (s.ok() && changed()) s = aborted("a rank was lost during the reload");
     if (!s.ok()) {
       retry(s);
@@ -345,7 +325,7 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
     placement_ = std::move(next).value();
     commit_epoch(sorted_union(survivors, joiners));
     for (int r : joiners) ranks_[r].joining = false;
-    ++num_reconfigs_;
+    reconfigurations().inc();
     recovery_.active = false;
     degraded_reason_.clear();
     phase_ = reconfiguring_ ? "scaling" : "serving";

@@ -326,57 +326,44 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
   if (group_changed()) return fail(aborted("a rank was lost during the preparation"));
   const int S = slots_per_rank_;
   std::vector<std::vector<int>> maps = input.current;
-  std::vector<uint64_t> ids;
+  Pulls copy_cmds;
   int copies = 0;
   for (int l = 0; l < placement_.num_layers(); ++l) {
     if (!model_config_.is_moe_layer(l)) continue;
     std::vector<int> rotation(placement_.num_experts(), 0);
     for (int j : joiners) {
-      proto::PullCommand cmd;
-      cmd.layer = l;
       for (int s = j * S; s < (j + 1) * S; ++s) {
         const int e = plan->placement[l][s];
         if (e < 0) continue;
         const std::vector<int>& from = placement_.replicas(l, e);
         if (from.empty()) return fail(internal_error("expert without a replica"));
         const int src = from[rotation[e]++ % from.size()];
-        cmd.dst_slots.push_back(s % S);
-        cmd.src_ranks.push_back(src / S);
-        cmd.src_slots.push_back(src % S);
+        add_pull(&copy_cmds, l, s, src / S, src % S);
         maps[l][s] = e;
         ++copies;
       }
-      if (cmd.dst_slots.empty()) continue;
-      cmd.id = next_pull_id_++;
-      ids.push_back(cmd.id);
-      post(j, cmd);
     }
   }
-  wake();
   const auto t_pull = Clock::now();
-  const bool pulled = cv_.wait_for(lock, kPullTimeout, [&] {
-    if (halting() || group_changed() || joiner_failed() >= 0) return true;
-    return std::all_of(ids.begin(), ids.end(), [&](uint64_t id) { return pulls_done_.count(id); });
-  });
+  PullTotals done;
+  const Status pulled = run_pulls(
+      std::move(copy_cmds), lock, kPullTimeout,
+      [&] { return halting() || group_changed() || joiner_failed() >= 0; }, &done);
   if (halting()) return fail(unavailable("shutting down"));
   if (group_changed()) return fail(aborted("a rank was lost during the preparation"));
   if (int r = joiner_failed(); r >= 0) {
     return fail(unavailable("rank " + std::to_string(r) + " failed while receiving experts"));
   }
-  if (!pulled) return fail(deadline_exceeded("expert copies to the joiners timed out"));
-  uint64_t bytes = 0, device_copies = 0;
-  for (uint64_t id : ids) {
-    const proto::PullDone d = pulls_done_[id];
-    pulls_done_.erase(id);
-    if (d.code != 0) return fail(Status(static_cast<StatusCode>(d.code), "pull: " + d.message));
-    bytes += d.num_bytes;
-    device_copies += d.device_copies;
+  if (pulled.code() == StatusCode::kDeadlineExceeded) {
+    return fail(deadline_exceeded("expert copies to the joiners timed out"));
   }
+  if (!pulled.ok()) return fail(pulled);
+  const uint64_t bytes = done.num_bytes, device_copies = done.device_copies;
   (*report)["expert_copies"] = copies;
   (*report)["device_copies"] = device_copies;
   (*report)["copied_bytes"] = bytes;
   (*report)["copy_s"] = seconds_since(t_pull);
-  moved_bytes_total_ += bytes;
+  moved_bytes().inc(static_cast<double>(bytes));
   auto next = ExpertPlacement::from_slot_maps(placement_.num_experts(), std::move(maps));
   if (!next.ok()) return fail(next.status());
   (*report)["prepare_s"] = seconds_since(t0);
@@ -387,7 +374,7 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
   const auto t_commit = Clock::now();
   commit_epoch(next_members);
   for (int r : joiners) ranks_[r].joining = false;
-  ++num_reconfigs_;
+  reconfigurations().inc();
   const uint64_t epoch1 = epoch_;
   FLEX_RETURN_IF_ERROR(wait_applied(next_members, epoch1, lock));
   (*report)["commit_s"] = seconds_since(t_commit);
@@ -404,7 +391,7 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
     if (model_config_.is_moe_layer(l)) s = move_layer(l, plan->placement[l], &moved, &pulls);
   }
   lock.lock();
-  moved_bytes_total_ += moved;
+  moved_bytes().inc(static_cast<double>(moved));
   (*report)["converge_moved_bytes"] = moved;
   if (!s.ok()) (*report)["converge_status"] = s.to_string();  // Committed all the same.
   return Status();
@@ -439,7 +426,7 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
     if (model_config_.is_moe_layer(l)) s = move_layer(l, plan->placement[l], &moved, &pulls);
   }
   lock.lock();
-  moved_bytes_total_ += moved;
+  moved_bytes().inc(static_cast<double>(moved));
   (*report)["moved_bytes"] = moved;
   (*report)["prepare_s"] = seconds_since(t0);
   if (!s.ok()) {
@@ -458,7 +445,7 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
   }
   const auto t_commit = Clock::now();
   commit_epoch(survivors, leavers);
-  ++num_reconfigs_;
+  reconfigurations().inc();
   const uint64_t epoch1 = epoch_;
   int reruns = 0;
   Calls calls;
@@ -548,7 +535,7 @@ Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report)
     }
   }
   commit_epoch(next);
-  ++num_reconfigs_;
+  reconfigurations().inc();
   FLEX_RETURN_IF_ERROR(wait_applied(next, epoch_, lock));
   phase_ = "serving";
   accepting_ = true;
@@ -708,8 +695,8 @@ nlohmann::json ClusterEngine::Impl::reconfig_status() const {
           {"recoveries", recovered},
           {"last_recovery", last_recovery_},
           {"mode", options_.reconfigure},
-          {"reconfigurations", num_reconfigs_},
-          {"reruns", num_reruns_},
+          {"reconfigurations", static_cast<uint64_t>(reconfigurations().value())},
+          {"reruns", static_cast<uint64_t>(reruns().value())},
           {"last", last_reconfig_}};
 }
 
