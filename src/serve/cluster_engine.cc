@@ -39,6 +39,28 @@ std::string self_exe() {
 
 }  // namespace
 
+const char* phase_name(Phase p) {
+  switch (p) {
+    case Phase::kStarting:
+      return "starting";
+    case Phase::kServing:
+      return "serving";
+    case Phase::kScaling:
+      return "scaling";
+    case Phase::kRecovering:
+      return "recovering";
+    case Phase::kDegraded:
+      return "degraded";
+    case Phase::kRestarting:
+      return "restarting";
+    case Phase::kStopping:
+      return "stopping";
+    case Phase::kStopped:
+      return "stopped";
+  }
+  return "?";
+}
+
 const char* state_name(RankState s) {
   switch (s) {
     case RankState::kEmpty:
@@ -339,7 +361,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
       }
       if (static_cast<int>(ready_ranks.size()) == options_.ranks) {
         commit_epoch(ready_ranks);
-        phase_ = "serving";
+        phase_ = Phase::kServing;
         cv_.notify_all();
       }
     }
@@ -438,8 +460,8 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
       // a heartbeat (a hand-started worker has no parent here).
       on_rank_lost(err->dead_rank, "reported dead by rank " + std::to_string(rank), calls);
     } else if (err->dead_rank < 0 && err->epoch == epoch_ && epoch_ > 0 &&
-               (phase_ == "serving" || phase_ == "scaling") && info.state == RankState::kServing &&
-               !recovery_.active) {
+               (phase_ == Phase::kServing || phase_ == Phase::kScaling) &&
+               info.state == RankState::kServing && !recovery_.active) {
       // A member halted in the current epoch without a dead peer (a timeout, an
       // aborted collective): restart the members' step loop in a fresh epoch.
       FLEX_LOG(WARN) << "re-synchronising the group after rank " << rank << " halted";
@@ -530,11 +552,11 @@ Status ClusterEngine::Impl::shutdown() {
   std::vector<pid_t> children;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (phase_ == "stopped") return Status();
+    if (phase_ == Phase::kStopped) return Status();
     shutting_down_.store(true);
     cv_.notify_all();  // A reconfiguration waiting for workers gives up.
     accepting_ = false;
-    phase_ = "stopping";
+    phase_ = Phase::kStopping;
     for (auto& [id, req] : requests_) {
       CompletionEvent ev;
       ev.finished = true;
@@ -586,7 +608,7 @@ Status ClusterEngine::Impl::shutdown() {
   for (auto& info : ranks_) {
     if (info.state != RankState::kDead) info.state = RankState::kStopped;
   }
-  phase_ = "stopped";
+  phase_ = Phase::kStopped;
   return Status();
 }
 
@@ -620,13 +642,13 @@ Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCall
   FLEX_RETURN_IF_ERROR(probe.validate(request.prompt, request.params));
   std::lock_guard<std::mutex> lock(m.mutex_);
   if (!m.accepting_) {
-    if (m.phase_ == "restarting" || m.phase_ == "scaling") {
+    if (m.phase_ == Phase::kRestarting || m.phase_ == Phase::kScaling) {
       return unavailable("the group is being rebuilt (--reconfigure stop-the-world)");
     }
     return unavailable("the server is shutting down");
   }
   if (!m.admitting()) {
-    return unavailable("no serving epoch (phase " + m.phase_ +
+    return unavailable("no serving epoch (phase " + std::string(phase_name(m.phase_)) +
                        (m.degraded_reason_.empty() ? "" : ": " + m.degraded_reason_) + ")");
   }
   const uint64_t id = m.next_request_id_++;
@@ -636,7 +658,7 @@ Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCall
   req.params = std::move(request.params);
   if (!m.rehome(id, req, -1, nullptr)) {
     m.requests_.erase(id);
-    return unavailable("no serving rank (phase " + m.phase_ + ")");
+    return unavailable("no serving rank (phase " + std::string(phase_name(m.phase_)) + ")");
   }
   m.wake();
   return id;
@@ -658,7 +680,7 @@ void ClusterEngine::cancel(uint64_t request_id) {
 }
 
 bool ClusterEngine::Impl::admitting() const {
-  return phase_ == "serving" || phase_ == "scaling" || phase_ == "recovering";
+  return phase_ == Phase::kServing || phase_ == Phase::kScaling || phase_ == Phase::kRecovering;
 }
 
 bool ClusterEngine::healthy() const {
@@ -690,7 +712,7 @@ nlohmann::json ClusterEngine::status() const {
   }
   nlohmann::json out = {
       {"mode", "cluster"},
-      {"phase", m.phase_},
+      {"phase", phase_name(m.phase_)},
       {"epoch", m.epoch_},
       {"members", m.members_},
       {"max_ranks", m.options_.max_ranks},

@@ -29,6 +29,22 @@ using Clock = std::chrono::steady_clock;
 
 enum class RankState { kEmpty, kStarting, kReady, kServing, kHalted, kDead, kStopped };
 
+// The group's phase (/v1/status "phase"): starting until the first epoch; serving;
+// scaling (a scale runs, requests admitted); recovering (a rank was lost, requests held);
+// degraded (no capacity to recover: 503); restarting (stop-the-world baseline);
+// stopping and stopped (shutdown).
+enum class Phase {
+  kStarting,
+  kServing,
+  kScaling,
+  kRecovering,
+  kDegraded,
+  kRestarting,
+  kStopping,
+  kStopped
+};
+const char* phase_name(Phase p);
+
 const char* state_name(RankState s);
 
 struct RankInfo {
@@ -105,7 +121,7 @@ class ClusterEngine::Impl {
   uint64_t next_request_id_ = 1;
   uint64_t epoch_ = 0;
   std::vector<int> members_;
-  std::string phase_ = "starting";
+  Phase phase_ = Phase::kStarting;
   Status start_error_;
   bool accepting_ = false;
 

@@ -210,7 +210,8 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
     if (reconfiguring_ || recovery_.active) {
       return failed_precondition("a membership change is in progress");
     }
-    if (phase_ != "serving") return unavailable("no serving epoch (phase " + phase_ + ")");
+    if (phase_ != Phase::kServing)
+      return unavailable("no serving epoch (phase " + std::string(phase_name(phase_)) + ")");
     for (int r : members_) {
       // After a timed-out switch the front end cannot know which map a rank uses:
       // no weight may move until every member reports the current one.
@@ -313,7 +314,7 @@ void ClusterEngine::Impl::eplb_loop() {
     if (stop_.load()) break;
     double total = 0;
     for (const auto& row : window_load()) total += std::accumulate(row.begin(), row.end(), 0.0);
-    if (total == 0 || phase_ != "serving") continue;
+    if (total == 0 || phase_ != Phase::kServing) continue;
     lock.unlock();
     auto r = rebalance("periodic");
     if (!r.ok()) FLEX_LOG(WARN) << "periodic rebalance: " << r.status().to_string();

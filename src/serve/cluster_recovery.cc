@@ -136,7 +136,7 @@ void ClusterEngine::Impl::place_held(Calls* calls) {
 
 void ClusterEngine::Impl::enter_degraded(const std::string& why, Calls* calls) {
   FLEX_LOG(ERROR) << "the group is degraded: " << why;
-  phase_ = "degraded";
+  phase_ = Phase::kDegraded;
   degraded_reason_ = why;
   recovery_.active = false;
   recoveries("failed").inc();
@@ -153,7 +153,7 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
       info.state == RankState::kEmpty) {
     return;
   }
-  if (phase_ == "stopping" || stop_.load()) {
+  if (phase_ == Phase::kStopping || stop_.load()) {
     info.state = RankState::kStopped;  // Leaving as asked, not lost.
     return;
   }
@@ -177,7 +177,7 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
     fail_all("rank " + std::to_string(rank) + " died: " + why, calls);
     if (!reconfiguring_) {
       reconfiguring_ = true;
-      phase_ = "restarting";
+      phase_ = Phase::kRestarting;
       accepting_ = false;
       const int n = static_cast<int>(members_.size());
       if (restart_thread_.joinable()) restart_thread_.detach();
@@ -202,7 +202,7 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
     recovery_.start = Clock::now();
   }
   recovery_.lost.push_back(rank);
-  phase_ = "recovering";
+  phase_ = Phase::kRecovering;
   // Its requests continue from their prompt plus what was streamed, once the
   // recovery commits (held at the front end until then).
   for (auto& [id, req] : requests_) {
@@ -328,7 +328,7 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
     reconfigurations().inc();
     recovery_.active = false;
     degraded_reason_.clear();
-    phase_ = reconfiguring_ ? "scaling" : "serving";
+    phase_ = reconfiguring_ ? Phase::kScaling : Phase::kServing;
     (*report)["epoch"] = epoch_;
     (*report)["members"] = members_;
     (*report)["lost"] = recovery_.lost;
@@ -348,7 +348,7 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
 
 void ClusterEngine::Impl::keep_spares() {
   if (options_.spare_ranks <= 0 || !options_.spawn_workers || options_.reconfigure != "live" ||
-      phase_ != "serving" || reconfiguring_ || rebalancing_) {
+      phase_ != Phase::kServing || reconfiguring_ || rebalancing_) {
     return;
   }
   int spares = 0;  // Ready, or still starting.
@@ -401,7 +401,7 @@ void ClusterEngine::Impl::heal_loop() {
     keep_spares();
     // Back to the size the operator asked for, with a live scale-up.
     const bool short_of_ranks = static_cast<int>(members_.size()) < target_ranks_;
-    if (!short_of_ranks || phase_ != "serving" || reconfiguring_ || rebalancing_ ||
+    if (!short_of_ranks || phase_ != Phase::kServing || reconfiguring_ || rebalancing_ ||
         !options_.spawn_workers || options_.reconfigure != "live" || Clock::now() < next_heal) {
       continue;
     }

@@ -530,14 +530,14 @@ Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report)
   });
   for (int r : next) {
     if (ranks_[r].state != RankState::kReady) {
-      phase_ = "degraded";
+      phase_ = Phase::kDegraded;
       return unavailable("rank " + std::to_string(r) + " did not restart");
     }
   }
   commit_epoch(next);
   reconfigurations().inc();
   FLEX_RETURN_IF_ERROR(wait_applied(next, epoch_, lock));
-  phase_ = "serving";
+  phase_ = Phase::kServing;
   accepting_ = true;
   (*report)["epoch"] = epoch_;
   (*report)["members"] = members_;
@@ -554,9 +554,10 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
     if (reconfiguring_) return failed_precondition("a reconfiguration is already in progress");
     if (rebalancing_) return failed_precondition("an expert rebalance is in progress");
     if (halting()) return unavailable("the server is shutting down");
-    if (phase_ == "degraded" && !stop_the_world) return retry_recovery(target, lock);
-    if (phase_ != "serving") {
-      return failed_precondition("the group is not serving (phase " + phase_ + ")");
+    if (phase_ == Phase::kDegraded && !stop_the_world) return retry_recovery(target, lock);
+    if (phase_ != Phase::kServing) {
+      return failed_precondition("the group is not serving (phase " +
+                                 std::string(phase_name(phase_)) + ")");
     }
     for (int r : members_) {
       // As for a rebalance: no weight moves while a member may use an older map.
@@ -613,7 +614,7 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
       return invalid_argument("--reconfigure stop-the-world needs spawned workers");
     }
     reconfiguring_ = true;
-    phase_ = "scaling";
+    phase_ = Phase::kScaling;
     if (stop_the_world) accepting_ = false;
   }
   const auto t0 = Clock::now();
@@ -642,8 +643,9 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
   reconfiguring_ = false;
   reconfig_step_.clear();
   if (!halting()) {
-    if (phase_ == "scaling" || (stop_the_world && phase_ != "degraded")) phase_ = "serving";
-    if (stop_the_world) accepting_ = phase_ == "serving";
+    if (phase_ == Phase::kScaling || (stop_the_world && phase_ != Phase::kDegraded))
+      phase_ = Phase::kServing;
+    if (stop_the_world) accepting_ = phase_ == Phase::kServing;
   }
   report["total_s"] = seconds_since(t0);
   report["epoch"] = epoch_;
@@ -672,11 +674,11 @@ Result<nlohmann::json> ClusterEngine::Impl::retry_recovery(const ScaleTarget& ta
   target_ranks_ = target.ranks;
   recovery_.active = true;
   recovery_.start = Clock::now();
-  phase_ = "recovering";
+  phase_ = Phase::kRecovering;
   cv_.notify_all();
   const auto limit = std::chrono::milliseconds(options_.start_timeout_ms) + std::chrono::minutes(3);
   cv_.wait_for(lock, limit, [&] { return halting() || !recovery_.active; });
-  if (phase_ != "serving" && phase_ != "scaling") {
+  if (phase_ != Phase::kServing && phase_ != Phase::kScaling) {
     return unavailable("recovery failed: " +
                        (degraded_reason_.empty() ? std::string("timed out") : degraded_reason_));
   }
