@@ -3,8 +3,8 @@
 # expert GEMMs (the first two wgmma_ws_kernel launches of moe_layer_bench: gate/up, then
 # down) read from DRAM, how long they take and their L2 hit rate, under Nsight Compute
 # at the GPU's own clocks, for each variant (`NAME:ENV,...`, as scripts/gpu_ab.sh) and
-# each `shape:tokens` case; then a table. The session of 2026-11-30 measured where
-# DeepSeek-V3's DRAM excess comes from this way (bench/results/h200_gemm_l2_2026-11-30/).
+# each `shape:tokens` case; then a table (docs/cuda.md, "One MoE layer on an H200": where
+# DeepSeek-V3's DRAM excess comes from, measured this way).
 #   PACK=.gpu source scripts/gpu_env.sh; echo quit | nvidia-cuda-mps-control
 #   VARIANTS="l2p256:FLEXPERT_TMA_L2_PROMOTION=256 l2p128:" OUT=$OUT bash scripts/gpu_gemm_bytes.sh
 set -uo pipefail

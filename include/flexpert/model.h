@@ -1,14 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
-// Model: a Qwen3-MoE decoder on CPU with its KV cache.
+// Model: an MoE decoder (Qwen3-MoE or DeepSeek-V3/V2) with its KV cache. Model::load
+// picks the implementation from config.json's model_type and ModelOptions::device: the
+// CPU models (src/model) or, with "cuda[:N]" in a FLEXPERT_WITH_CUDA build, the CUDA
+// models (src/cuda).
 //
-// Loads a checkpoint directory (config.json + safetensors), keeps the mapped
-// file alive and borrows dense weights from it; expert weights are copied into
-// physical slots laid out by an ExpertPlacement. forward() runs one step for a
-// batch of sequences, each a chunk of new tokens at consecutive positions in a
-// KV-cache slot (a prefill chunk or one decode token). The KV cache is sized at
-// load for max_sequences x max_seq_len and never reallocated. One thread drives
-// a Model at a time (forward is not re-entrant); it parallelises internally
-// over the ThreadPool.
+// Loads a checkpoint directory (config.json + safetensors): the CPU models keep the
+// mapped file alive and borrow dense weights from it, the CUDA models upload them;
+// expert weights are copied into physical slots laid out by an ExpertPlacement.
+// forward() runs one step for a batch of sequences, each a chunk of new tokens at
+// consecutive positions in a KV-cache slot (a prefill chunk or one decode token). The
+// KV cache is sized at load for max_sequences x max_seq_len and never reallocated. One
+// thread drives a Model at a time (forward is not re-entrant); a CPU model
+// parallelises internally over the ThreadPool, a CUDA model runs on its device's stream.
 #pragma once
 
 #include <cstdint>
