@@ -20,7 +20,7 @@ const char kEplbUsage[] =
     "           \"num_groups\", \"num_nodes\", \"num_gpus\", \"prev_phy2log\"?, "
     "\"prev_num_gpus\"?}]}\n"
     "  output: {\"cases\": [{\"name\", \"phy2log\", \"time_s\", \"balancedness\", "
-    "\"moved_slots\",\n"
+    "\"moved_slots\" (remote receives),\n"
     "           \"policy\"}]}  (--output - writes to stdout)\n";
 
 std::string format_number(double v) {
@@ -69,6 +69,10 @@ int cmd_eplb(const std::vector<std::string>& args) {
              "flexpert planner: keep/repair a previous plan within this fraction of the best "
              "max GPU load")
       .value("min-replicas", "1", "flexpert planner: replicas every expert keeps at least")
+      .value("format", "deepseek",
+             "flexpert planner: deepseek (every slot holds an expert) | flexpert (-1 marks a "
+             "free slot)")
+      .value("threads", "1", "flexpert planner: layers planned in parallel (0 = all cores)")
       .boolean("help", "show this help");
   if (Status s = flags.parse({args.begin() + 1, args.end()}); !s.ok()) {
     return report_error("eplb plan", s);
@@ -91,6 +95,10 @@ int cmd_eplb(const std::vector<std::string>& args) {
       return invalid_argument("--min-replicas must be >= 1");
     }
     options.min_replicas = static_cast<int>(min_replicas);
+    FLEX_ASSIGN_OR_RETURN(options.format, eplb::parse_format(flags.str("format")));
+    FLEX_ASSIGN_OR_RETURN(int64_t threads, flags.integer("threads"));
+    if (threads < 0 || threads > 1024) return invalid_argument("--threads must be in [0, 1024]");
+    options.num_threads = static_cast<int>(threads);
     FLEX_ASSIGN_OR_RETURN(std::string text, read_file(flags.str("input")));
     auto cases = eplb::parse_cases(text);
     if (!cases.ok()) return cases.status().annotate(flags.str("input"));

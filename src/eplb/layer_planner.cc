@@ -11,6 +11,8 @@
 #include <numeric>
 #include <optional>
 #include <tuple>
+#include <cstdio>
+#include <cstdlib>
 
 #include "eplb/layer_state.h"
 
@@ -30,6 +32,8 @@ constexpr int64_t kScratchPairs = 8192;
 // Renumbering the plan from scratch keeps about half of the experts in place under drift: worth
 // computing only when the repair failed or rewrites more than this share of the layer.
 constexpr int kRelabelAbovePercent = 40;
+// Likewise for the repair given the replica counts of the plan from scratch.
+constexpr int kCountsAbovePercent = 10;
 
 int candidate_ranks(const LayerShape& shape) {
   return std::max(8, kPairsPerStep / (shape.slots_per_rank * shape.slots_per_rank));
@@ -181,19 +185,59 @@ std::optional<std::vector<int>> current_host_of_group(
   return host_of;
 }
 
-// The current placement, completed to min_replicas and relieved rank by rank until its max load
-// is <= target, preferring the steps that write the fewest slots. Also accepted: a placement no
-// single step improves whose max load is <= fallback_limit. None otherwise.
+// Gives each expert of the domain counts[e] replicas: spare ones leave their hottest holder, then
+// missing ones go, largest load per replica first, to the coldest rank with a free slot that
+// lacks the expert. Turns the replica counts a plan from scratch chose into a few writes on the
+// current placement, which the search then only has to rearrange (one replica more where every
+// rank is near the mean needs a chain of steps the search does not find). False when a replica
+// finds no rank.
+bool adjust_counts(LayerState& state, const Domain& d, const std::vector<int>& counts) {
+  for (int e : d.experts) {
+    while (state.count(e) > counts[e]) {
+      int hottest = -1;
+      for (int g : state.holders(e)) {
+        if (hottest < 0 || state.rank_load(g) > state.rank_load(hottest)) hottest = g;
+      }
+      state.remove(hottest, e);
+    }
+  }
+  std::vector<int> order;
+  for (int e : d.experts) {
+    if (state.count(e) < counts[e]) order.push_back(e);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return state.weight(a) / counts[a] > state.weight(b) / counts[b];
+  });
+  for (int e : order) {
+    while (state.count(e) < counts[e]) {
+      int coldest = -1;
+      for (int r = d.rank_begin; r < d.rank_end; ++r) {
+        if (state.size(r) >= state.slots_per_rank() || state.holds(r, e)) continue;
+        if (coldest < 0 || state.rank_load(r) < state.rank_load(coldest)) coldest = r;
+      }
+      if (coldest < 0) return false;
+      state.add(coldest, e);
+    }
+  }
+  return true;
+}
+
+// The current placement, completed to min_replicas (with `counts`: first given those replica
+// counts) and relieved rank by rank until its max load is <= target, preferring the steps that
+// write the fewest slots. Also accepted: a placement no single step improves whose max load is
+// <= fallback_limit. None otherwise.
 std::optional<std::vector<std::vector<int>>> repair(const LayerShape& shape,
                                                     const std::vector<double>& load,
                                                     const std::vector<std::vector<int>>& current,
                                                     const std::vector<Domain>& domains,
-                                                    double target, double fallback_limit) {
+                                                    double target, double fallback_limit,
+                                                    const std::vector<int>* counts) {
   LayerState state(load, shape.num_ranks, shape.slots_per_rank);
   state.add_all(current);
   const int m = std::max(1, shape.min_replicas);
   bool reached = true;
   for (const Domain& d : domains) {
+    if (counts && !adjust_counts(state, d, *counts)) return std::nullopt;
     if (!ensure_min_replicas(state, d, m)) return std::nullopt;
     SearchOptions options;
     options.target = target;
@@ -204,6 +248,7 @@ std::optional<std::vector<std::vector<int>>> repair(const LayerShape& shape,
     // Unlimited, so that "stuck" means no step helps at all: a plan returned stuck is then
     // stuck again when planned anew, which keeps unchanged loads at zero moves.
     options.max_pairs = std::numeric_limits<int64_t>::max();
+    options.fill_cost = shape.fill_slots ? 0 : 1;
     const SearchEnd end = improve(state, d, options);
     if (end == SearchEnd::kOutOfSteps ||
         (end == SearchEnd::kStuck && state.max_load(d) > fallback_limit * (1 + kRelEps))) {
@@ -232,8 +277,90 @@ int64_t set_moves(const std::vector<std::vector<int>>& current,
   return moves;
 }
 
+// plan_layer without fill_slots.
+LayerResult plan_layer_sets(const LayerShape& shape, Policy requested,
+                            const std::vector<double>& load,
+                            const std::vector<std::vector<int>>& current);
+
+namespace {
+
+// Fills the free slots of `sets` with extra replicas (PlanInput::fill_slots), coldest rank
+// first. Each takes, among the experts it may hold (hierarchical: those of its host's groups)
+// and does not: the one it held in `current` (no weights to move), else the one with the
+// highest load per replica, provided the rank stays at or below the max load; when every
+// choice raises the max, the one raising it least. A rank with more slots than experts it may
+// hold keeps the rest free.
+void fill_free_slots(const LayerShape& shape, const std::vector<double>& load,
+                     const std::vector<std::vector<int>>& current, Policy used,
+                     std::vector<std::vector<int>>& sets) {
+  LayerState state(load, shape.num_ranks, shape.slots_per_rank);
+  state.add_all(sets);
+  std::vector<int> host_of_group;
+  int ranks_per_host = shape.num_ranks, group_size = shape.num_experts;
+  if (used == Policy::kHierarchical) {
+    ranks_per_host = shape.num_ranks / shape.num_hosts;
+    group_size = shape.num_experts / shape.num_groups;
+    host_of_group.assign(shape.num_groups, -1);
+    for (int r = 0; r < shape.num_ranks; ++r) {
+      for (int e : sets[r]) host_of_group[e / group_size] = r / ranks_per_host;
+    }
+  }
+  auto allowed = [&](int r, int e) {
+    return !state.holds(r, e) &&
+           (host_of_group.empty() || host_of_group[e / group_size] == r / ranks_per_host);
+  };
+  std::vector<uint8_t> full(shape.num_ranks, 0);  // full, or nothing left to add
+  for (;;) {
+    int r = -1;
+    double max_load = 0;
+    for (int q = 0; q < shape.num_ranks; ++q) {
+      max_load = std::max(max_load, state.rank_load(q));
+      if (full[q] || state.size(q) >= shape.slots_per_rank) continue;
+      if (r < 0 || state.rank_load(q) < state.rank_load(r)) r = q;
+    }
+    if (r < 0) break;
+    const double lr = state.rank_load(r);
+    const double cap = max_load * (1 + kRelEps);
+    int best = -1;
+    // Lexicographically smallest: (false, needs weights, -load per replica) when the max stays,
+    // (true, the new load, needs weights) when it rises.
+    std::tuple<bool, double, double> best_key{true, 0, 0};
+    auto consider = [&](int e, bool held) {
+      const double after = lr + state.per_if_more(e);
+      const bool raises = after > cap;
+      const double needs_weights = held ? 0.0 : 1.0;
+      const std::tuple<bool, double, double> key =
+          raises ? std::make_tuple(true, after, needs_weights)
+                 : std::make_tuple(false, needs_weights, -state.per_replica(e));
+      if (best < 0 || key < best_key) best = e, best_key = key;
+    };
+    for (int e : current[r]) {
+      if (allowed(r, e)) consider(e, true);
+    }
+    for (int e = 0; e < shape.num_experts; ++e) {
+      if (allowed(r, e)) consider(e, false);
+    }
+    if (best < 0) {
+      full[r] = 1;
+      continue;
+    }
+    state.add(r, best);
+  }
+  sets = state.rank_sets();
+}
+
+}  // namespace
+
 LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vector<double>& load,
                        const std::vector<std::vector<int>>& current) {
+  LayerResult result = plan_layer_sets(shape, requested, load, current);
+  if (shape.fill_slots) fill_free_slots(shape, load, current, result.used, result.rank_sets);
+  return result;
+}
+
+LayerResult plan_layer_sets(const LayerShape& shape, Policy requested,
+                            const std::vector<double>& load,
+                            const std::vector<std::vector<int>>& current) {
   const bool try_global = requested != Policy::kHierarchical;
   const bool try_hier = requested == Policy::kHierarchical ||
                         (requested == Policy::kAuto && shape.hierarchical_applicable);
@@ -293,7 +420,25 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
   }
   std::optional<std::vector<std::vector<int>>> repaired;
   if (domains) {
-    repaired = repair(shape, load, current, *domains, repair_target, fallback_limit);
+    repaired = repair(shape, load, current, *domains, repair_target, fallback_limit, nullptr);
+  }
+  // The current placement given the replica counts of the plan from scratch: where the plain
+  // repair got stuck or rewrites much (after a membership change), it usually writes less.
+  if (!repaired || set_moves(current, *repaired) * 100 >
+                       static_cast<int64_t>(kCountsAbovePercent) * shape.num_ranks *
+                           shape.slots_per_rank) {
+    std::vector<int> counts(shape.num_experts, 0);
+    for (const auto& set : fresh.sets) {
+      for (int e : set) ++counts[e];
+    }
+    std::optional<std::vector<Domain>> count_domains = domains;
+    if (!count_domains) count_domains = host_domains(shape, hier_host_of);
+    auto by_counts =
+        repair(shape, load, current, *count_domains, repair_target, fallback_limit, &counts);
+    if (getenv("EPLB_DEBUG")) fprintf(stderr, "counts: ok=%d moves=%ld plain=%ld\n", (int)!!by_counts, by_counts ? (long)set_moves(current, *by_counts) : -1L, repaired ? (long)set_moves(current, *repaired) : -1L);
+    if (by_counts && (!repaired || set_moves(current, *by_counts) < set_moves(current, *repaired))) {
+      repaired = std::move(by_counts);
+    }
   }
   if (repaired && set_moves(current, *repaired) == 0) {
     result.rank_sets = std::move(*repaired);
@@ -319,6 +464,13 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
       take_back_moves(state, Domain{begin, begin + ranks_per_block, {}}, current, repair_target);
     }
     renumbered = state.rank_sets();
+  }
+  if (getenv("EPLB_DEBUG")) {
+    int64_t lost = 0, cur = 0;
+    for (auto& c : current) cur += c.size();
+    fprintf(stderr, "layer: repaired=%d rmoves=%ld renum=%ld cur_items=%ld\n", (int)!!repaired,
+            repaired ? (long)set_moves(current, *repaired) : -1L, (long)set_moves(current, renumbered), (long)cur);
+    (void)lost;
   }
   if (repaired && set_moves(current, *repaired) <= set_moves(current, renumbered)) {
     result.rank_sets = std::move(*repaired);

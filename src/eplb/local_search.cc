@@ -231,7 +231,7 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
       const double px_more = state.per_if_more(x);
       const double dx = px_more - px;
       // Drop a spare replica of x: free for the mover (a slot becoming free receives nothing).
-      if (state.count(x) > m) {
+      if (options.allow_drop && state.count(x) > m) {
         chooser.offer(Step::kDrop, x, -1, -1,
                       std::max(lh - px, peaks.max_except(x, h, h) + (state.per_if_fewer(x) - px)),
                       0);
@@ -240,7 +240,8 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
         if (x_on[r]) continue;
         const double lr = state.rank_load(r);
         chooser.offer(Step::kMove, x, -1, r, std::max(lh - px, lr + px), 1);
-        chooser.offer(Step::kReplicate, x, -1, r, std::max(lh + dx, lr + px_more), 1);
+        chooser.offer(Step::kReplicate, x, -1, r, std::max(lh + dx, lr + px_more),
+                      options.fill_cost);
       }
       // Swap x for a lighter replica y; or give x one more replica in place of y: every
       // replica of x gets lighter, every other replica of y heavier. NOTE: a rank holding both
