@@ -108,9 +108,6 @@ struct SearchOptions {
   // Work bound: (replica of the hottest rank, replica of a partner) pairs scored, in all. When
   // the coldest ranks do not help the hottest one, every rank is tried (if the bound allows).
   int64_t max_pairs = 0;
-  // Slot writes charged for a replica added into a free slot: 1, or 0 when every free slot is
-  // filled anyway (PlanInput::fill_slots), so that the search spends them on balance first.
-  int fill_cost = 1;
   bool allow_drop = true;  // false: never leave a slot free by dropping a spare replica
 };
 

@@ -240,8 +240,7 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
         if (x_on[r]) continue;
         const double lr = state.rank_load(r);
         chooser.offer(Step::kMove, x, -1, r, std::max(lh - px, lr + px), 1);
-        chooser.offer(Step::kReplicate, x, -1, r, std::max(lh + dx, lr + px_more),
-                      options.fill_cost);
+        chooser.offer(Step::kReplicate, x, -1, r, std::max(lh + dx, lr + px_more), 1);
       }
       // Swap x for a lighter replica y; or give x one more replica in place of y: every
       // replica of x gets lighter, every other replica of y heavier. NOTE: a rank holding both

@@ -139,23 +139,32 @@ void assign_slots(const PlanInput& in, int current_slots, const std::vector<std:
   }
 }
 
-// After the slots per rank shrank: drops experts from ranks holding more than `slots`, spare
-// replicas first (most replicas, then lowest load per replica), then the lightest experts
-// (which the plan places elsewhere most easily).
+// After the slots per rank shrank: drops experts from ranks holding more than `slots`. Spare
+// replicas go first (no weights to move: most replicas, then lowest load per replica); a last
+// replica must be received elsewhere whichever it is, so among those the rank drops the ones
+// that bring its load nearest the mean rank load (what it drops goes to ranks with room).
 void trim_to_slots(const std::vector<double>& load, int slots, int num_experts,
                    std::vector<std::vector<int>>& sets) {
   std::vector<int> count(num_experts, 0);
   for (const auto& set : sets) {
     for (int e : set) ++count[e];
   }
+  double total = 0;
+  for (int e = 0; e < num_experts; ++e) total += load[e];
+  const double mean = total / static_cast<double>(sets.size());
   for (auto& set : sets) {
     while (static_cast<int>(set.size()) > slots) {
+      double rank_load = 0;
+      for (int e : set) rank_load += load[e] / count[e];
+      const double want = (rank_load - mean) / static_cast<double>(set.size() - slots);
       auto worse = [&](int a, int b) {  // a goes before b
         const bool spare_a = count[a] > 1, spare_b = count[b] > 1;
         if (spare_a != spare_b) return spare_a;
         if (spare_a && count[a] != count[b]) return count[a] > count[b];
         const double pa = load[a] / count[a], pb = load[b] / count[b];
-        return pa != pb ? pa < pb : a < b;
+        if (spare_a) return pa != pb ? pa < pb : a < b;
+        const double da = std::abs(pa - want), db = std::abs(pb - want);
+        return da != db ? da < db : a < b;
       };
       auto drop = std::min_element(set.begin(), set.end(), worse);
       --count[*drop];

@@ -6,9 +6,12 @@
 // How, per layer: a plan from scratch (greedy replica counts, greedy packing, a bounded local
 // search) sets the target, its max rank load times (1 + tolerance); the current placement is
 // then repaired step by step (moves, swaps, replicas added or dropped on the hottest rank,
-// fewest slot writes first) until it meets the target. A repair that gets stuck is kept if no
-// worse than the greedy packing from scratch; otherwise the plan from scratch is used, its
-// ranks renumbered to match the current placement. The fewer moves win.
+// fewest slot writes first) until it meets the target. Where that rewrites much or gets stuck
+// (typically after a membership change), the current placement is first given the replica
+// counts of the plan from scratch, then repaired the same way. A repair that gets stuck is kept
+// if no worse than the greedy packing from scratch; otherwise the plan from scratch is used,
+// its ranks renumbered to match the current placement. The fewer moves win. With fill_slots,
+// the slots left free are filled last.
 //
 // plan() is a pure function: no I/O, no globals; the same input always gives the same output
 // (whatever num_threads), so it is safe to call from any thread. Layers are independent and are
@@ -55,8 +58,9 @@ struct PlanInput {
   Policy policy = Policy::kAuto;
   int min_replicas = 1;  // every expert keeps at least max(1, min_replicas) replicas
   // A current placement whose max rank load is within this fraction of the best this planner
-  // finds from scratch (and no worse than its greedy packing) is kept as is; otherwise it is
-  // repaired until it is, with the fewest moves the planner finds. 0 targets the best balance.
+  // finds from scratch is kept as is; otherwise it is repaired until it is, with the fewest
+  // moves the planner finds. 0 targets the best balance; after a membership change a few
+  // percent buys markedly fewer moves (docs/benchmarks.md, EPLB planner).
   double tolerance = 0.005;
   // Every member slot holds an expert (DeepSeek's contract: no -1 on members): slots the plan
   // leaves free get extra replicas, of the expert the rank held before when that does not
