@@ -389,22 +389,29 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
     domains = host_domains(shape, *current_host_of);
   }
   std::optional<std::vector<std::vector<int>>> repaired;
-  if (domains) {
+  // After a membership change (an expert lost its last replica, or a member rank is empty) the
+  // plain repair mostly gets stuck or rewrites much: only the one given the counts runs.
+  std::vector<int> held(shape.num_experts, 0);
+  bool reshaped = false;
+  for (const auto& set : current) {
+    reshaped = reshaped || set.empty();
+    for (int e : set) held[e] = 1;
+  }
+  reshaped = reshaped || std::count(held.begin(), held.end(), 0) > 0;
+  if (domains && !reshaped) {
     repaired = repair(shape, load, current, *domains, repair_target, fallback_limit, nullptr);
   }
   // The current placement given the replica counts of the plan from scratch: where the plain
   // repair got stuck or rewrites much (after a membership change), it usually writes less.
-  if (!repaired || set_moves(current, *repaired) * 100 >
-                       static_cast<int64_t>(kCountsAbovePercent) * shape.num_ranks *
-                           shape.slots_per_rank) {
+  if (domains && (!repaired || set_moves(current, *repaired) * 100 >
+                                   static_cast<int64_t>(kCountsAbovePercent) * shape.num_ranks *
+                                       shape.slots_per_rank)) {
     std::vector<int> counts(shape.num_experts, 0);
     for (const auto& set : fresh.sets) {
       for (int e : set) ++counts[e];
     }
-    std::optional<std::vector<Domain>> count_domains = domains;
-    if (!count_domains) count_domains = host_domains(shape, hier_host_of);
     auto by_counts =
-        repair(shape, load, current, *count_domains, repair_target, fallback_limit, &counts);
+        repair(shape, load, current, *domains, repair_target, fallback_limit, &counts);
     if (by_counts && (!repaired || set_moves(current, *by_counts) < set_moves(current, *repaired))) {
       repaired = std::move(by_counts);
     }
