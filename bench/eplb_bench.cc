@@ -18,7 +18,8 @@
 //
 // Steady table: window w is planned with the planner's own plan of window w-1 as the current
 // placement (window 0 from nothing). One flexpert row per (tolerance, smooth): smooth a > 0
-// plans on s_w = a s_(w-1) + (1 - a) load_w (load smoothing over windows) instead of load_w.
+// plans on s_w = a s_(w-1) + (1 - a) load_w (eplb::smooth_load: shares of each layer's load,
+// smoothed over windows) instead of load_w.
 // Scale table (--scale old:new): window w (1..) is planned on `new` GPUs with, as the previous
 // placement of both planners, the plan of window w-1 on `old` GPUs by --scale-prev (default
 // DeepSeek's, as a file with prev_phy2log from a DeepSeek deployment has it). GPUs below
@@ -307,17 +308,10 @@ Row run_steady(const Options& o, const std::vector<Matrix>& loads, int num_ranks
   row.tolerance = tolerance;
   row.smooth = smooth;
   Placement prev;
-  Matrix smoothed;
+  Matrix shares;
   for (int t = 0; t < o.windows; ++t) {
-    if (t == 0 || smooth <= 0) {
-      smoothed = loads[t];
-    } else {
-      for (size_t l = 0; l < smoothed.size(); ++l) {
-        for (size_t e = 0; e < smoothed[l].size(); ++e) {
-          smoothed[l][e] = smooth * smoothed[l][e] + (1 - smooth) * loads[t][l][e];
-        }
-      }
-    }
+    Matrix smoothed = loads[t];
+    if (smooth > 0) shares = flexpert::eplb::smooth_load(shares, smooth, smoothed);
     Planned p =
         plan_once(o, smoothed, num_ranks, row.slots, prev, row.slots, deepseek, tolerance);
     score(o, loads, t, num_ranks, row.slots, p, prev, row.slots, t > 0, o.windows,

@@ -302,6 +302,32 @@ Result<PlanOutput> plan(const PlanInput& in) {
   return out;
 }
 
+std::vector<std::vector<double>> smooth_load(const std::vector<std::vector<double>>& previous,
+                                             double weight, std::vector<std::vector<double>>& load) {
+  bool same_shape = previous.size() == load.size();
+  for (size_t l = 0; same_shape && l < load.size(); ++l) {
+    same_shape = previous[l].size() == load[l].size();
+  }
+  std::vector<std::vector<double>> shares(load.size());
+  for (size_t l = 0; l < load.size(); ++l) {
+    double total = 0;
+    for (double x : load[l]) total += x;
+    shares[l].resize(load[l].size());
+    for (size_t e = 0; e < load[l].size(); ++e) {
+      const double now = total > 0 ? load[l][e] / total : 0.0;
+      if (!same_shape) {
+        shares[l][e] = now;
+      } else if (total > 0) {
+        shares[l][e] = weight * previous[l][e] + (1 - weight) * now;
+      } else {
+        shares[l][e] = previous[l][e];
+      }
+      if (total > 0) load[l][e] = shares[l][e] * total;
+    }
+  }
+  return shares;
+}
+
 double balancedness(const std::vector<double>& load_row, const std::vector<int>& placement_row,
                     const std::vector<int>& ranks, int slots_per_rank) {
   const int num_experts = static_cast<int>(load_row.size());

@@ -101,6 +101,15 @@ struct PlanOutput {
 // and for kHierarchical when not applicable (the message says why).
 Result<PlanOutput> plan(const PlanInput& input);
 
+// Load smoothing over windows: per layer, the window's load as shares of its total, averaged
+// with `previous` (shares, [layer][expert]) as weight * previous + (1 - weight) * window, then
+// scaled back to the window's total (a layer without load keeps its previous shares). Plans on
+// the result balance the next window better than plans on the last window alone under drift
+// (docs/benchmarks.md). weight in [0, 1); an empty or differently shaped `previous` starts anew.
+// Returns the new shares; `load` is replaced by the smoothed load.
+std::vector<std::vector<double>> smooth_load(const std::vector<std::vector<double>>& previous,
+                                             double weight, std::vector<std::vector<double>>& load);
+
 // mean / max of the member ranks' loads, where an expert's load is split evenly over the
 // replicas it has on member ranks; 1 when every rank load is 0.
 double balancedness(const std::vector<double>& load_row, const std::vector<int>& placement_row,
