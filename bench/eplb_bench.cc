@@ -64,7 +64,7 @@ struct Options {
   std::vector<double> smooth = {0, 0.5};
   bool fill = true;  // --format deepseek
   int threads = 1;
-  std::vector<std::pair<int, int>> scale = {{16, 24}, {24, 16}, {64, 48},  {48, 64},
+  std::vector<std::pair<int, int>> scale = {{16, 24},   {24, 16},   {64, 48},   {48, 64},
                                             {144, 128}, {128, 144}, {256, 192}, {192, 256}};
   int scale_spare = 1;
   bool scale_prev_deepseek = true;
@@ -288,9 +288,9 @@ void score(const Options& o, const std::vector<Matrix>& loads, int t, int num_ra
     row.balance_next += balancedness(loads[t + 1][l], p.placement[l], ranks, slots) / cells;
   }
   if (scored) {
-    row.moved += static_cast<double>(flexpert::eplb::count_receives(prev, prev_slots, p.placement,
-                                                                     slots)) /
-                 moved_plans;
+    row.moved +=
+        static_cast<double>(flexpert::eplb::count_receives(prev, prev_slots, p.placement, slots)) /
+        moved_plans;
   }
   row.ms_mean += p.ms / plans;
   row.ms_max = std::max(row.ms_max, p.ms);
@@ -312,18 +312,17 @@ Row run_steady(const Options& o, const std::vector<Matrix>& loads, int num_ranks
   for (int t = 0; t < o.windows; ++t) {
     Matrix smoothed = loads[t];
     if (smooth > 0) shares = flexpert::eplb::smooth_load(shares, smooth, smoothed);
-    Planned p =
-        plan_once(o, smoothed, num_ranks, row.slots, prev, row.slots, deepseek, tolerance);
-    score(o, loads, t, num_ranks, row.slots, p, prev, row.slots, t > 0, o.windows,
-          o.windows - 1, row);
+    Planned p = plan_once(o, smoothed, num_ranks, row.slots, prev, row.slots, deepseek, tolerance);
+    score(o, loads, t, num_ranks, row.slots, p, prev, row.slots, t > 0, o.windows, o.windows - 1,
+          row);
     prev = std::move(p.placement);
   }
   row.moved_pct = 100.0 * row.moved / (static_cast<double>(o.layers) * num_ranks * row.slots);
   return row;
 }
 
-Row run_scale(const Options& o, const std::vector<Matrix>& loads, int from, int to,
-              bool deepseek, double tolerance) {
+Row run_scale(const Options& o, const std::vector<Matrix>& loads, int from, int to, bool deepseek,
+              double tolerance) {
   Row row;
   row.gpus = std::to_string(from) + "->" + std::to_string(to);
   row.slots = slots_for(o, to, o.scale_spare);
@@ -365,9 +364,9 @@ void print_row(const Row& x, const std::string& target) {
       "| %s |\n",
       x.gpus.c_str(), x.slots, x.planner.c_str(),
       x.planner == "deepseek" ? "" : std::to_string(x.tolerance).substr(0, 5).c_str(),
-      x.planner == "deepseek" ? "" : std::to_string(x.smooth).substr(0, 4).c_str(),
-      x.balance_now, x.balance_next, x.moved, x.moved_pct, x.ms_mean, x.ms_max, x.hier_pct,
-      x.colocated, x.free_slots, target.c_str());
+      x.planner == "deepseek" ? "" : std::to_string(x.smooth).substr(0, 4).c_str(), x.balance_now,
+      x.balance_next, x.moved, x.moved_pct, x.ms_mean, x.ms_max, x.hier_pct, x.colocated,
+      x.free_slots, target.c_str());
   std::fflush(stdout);
 }
 
@@ -399,8 +398,9 @@ int main(int argc, char** argv) {
     }
   }
   if (!o.scale.empty()) {
-    std::printf("\nmembership changes: previous placement = %s's plan on the old GPUs, spare %d\n\n",
-                o.scale_prev_deepseek ? "deepseek" : "flexpert", o.scale_spare);
+    std::printf(
+        "\nmembership changes: previous placement = %s's plan on the old GPUs, spare %d\n\n",
+        o.scale_prev_deepseek ? "deepseek" : "flexpert", o.scale_spare);
     print_header("GPUs old->new");
     for (auto [from, to] : o.scale) {
       const Row ds = run_scale(o, loads, from, to, true, 0);

@@ -410,9 +410,9 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
     for (const auto& set : fresh.sets) {
       for (int e : set) ++counts[e];
     }
-    auto by_counts =
-        repair(shape, load, current, *domains, repair_target, fallback_limit, &counts);
-    if (by_counts && (!repaired || set_moves(current, *by_counts) < set_moves(current, *repaired))) {
+    auto by_counts = repair(shape, load, current, *domains, repair_target, fallback_limit, &counts);
+    if (by_counts &&
+        (!repaired || set_moves(current, *by_counts) < set_moves(current, *repaired))) {
       repaired = std::move(by_counts);
     }
   }

@@ -8,8 +8,8 @@
 // Slot s lives on GPU s / (num_replicas / num_gpus). Format kDeepSeek (the default) fills every
 // slot, as DeepSeek's interface has it; with kFlexpert, -1 in phy2log marks a free slot (a slot
 // the plan gains nothing by filling, so it needs no weights). "moved_slots" counts remote
-// receives (count_receives in planner.h) against the previous plan. JSON text in and out: the caller does the file
-// I/O and owns the clock (time_s). Pure functions otherwise; thread-safe.
+// receives (count_receives in planner.h) against the previous plan. JSON text in and out: the
+// caller does the file I/O and owns the clock (time_s). Pure functions otherwise; thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +24,7 @@ namespace flexpert::eplb {
 
 enum class Planner { kFlexpert, kDeepSeek };
 enum class Format { kDeepSeek, kFlexpert };
-Result<Format> parse_format(std::string_view name);     // "deepseek" | "flexpert"
+Result<Format> parse_format(std::string_view name);    // "deepseek" | "flexpert"
 Result<Planner> parse_planner(std::string_view name);  // "flexpert" | "deepseek"
 
 struct PlanCase {
@@ -49,11 +49,11 @@ struct CaseResult {
 
 struct RunOptions {
   Planner planner = Planner::kFlexpert;
-  Policy policy = Policy::kAuto;  // flexpert only
-  int min_replicas = 1;           // flexpert only
-  double tolerance = PlanInput().tolerance;           // flexpert only
-  Format format = Format::kDeepSeek;                   // flexpert only (DeepSeek's has no -1)
-  int num_threads = 1;                                 // flexpert only: layers in parallel
+  Policy policy = Policy::kAuto;             // flexpert only
+  int min_replicas = 1;                      // flexpert only
+  double tolerance = PlanInput().tolerance;  // flexpert only
+  Format format = Format::kDeepSeek;         // flexpert only (DeepSeek's has no -1)
+  int num_threads = 1;                       // flexpert only: layers in parallel
 };
 
 // InvalidArgument naming the case and field for anything malformed.

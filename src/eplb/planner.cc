@@ -268,8 +268,8 @@ Result<PlanOutput> plan(const PlanInput& in) {
     out.used[l] = layer.used;
     out.balancedness[l] = balancedness(in.load[l], out.placement[l], in.ranks, in.slots_per_rank);
   };
-  int num_threads = in.num_threads > 0 ? in.num_threads
-                                       : static_cast<int>(std::thread::hardware_concurrency());
+  int num_threads =
+      in.num_threads > 0 ? in.num_threads : static_cast<int>(std::thread::hardware_concurrency());
   num_threads = std::clamp(num_threads, 1, static_cast<int>(std::max<size_t>(1, num_layers)));
   if (num_threads == 1) {
     for (size_t l = 0; l < num_layers; ++l) plan_one(l);
@@ -303,7 +303,8 @@ Result<PlanOutput> plan(const PlanInput& in) {
 }
 
 std::vector<std::vector<double>> smooth_load(const std::vector<std::vector<double>>& previous,
-                                             double weight, std::vector<std::vector<double>>& load) {
+                                             double weight,
+                                             std::vector<std::vector<double>>& load) {
   bool same_shape = previous.size() == load.size();
   for (size_t l = 0; same_shape && l < load.size(); ++l) {
     same_shape = previous[l].size() == load[l].size();

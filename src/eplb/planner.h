@@ -81,8 +81,8 @@ struct PlanOutput {
   std::vector<Policy> used;                 // per layer: kGlobal or kHierarchical
   // count_receives(current, placement): slots receiving an expert their rank did not hold.
   int64_t moved_slots = 0;
-  bool skipped = false;           // min_gain not reached: placement == current
-  double balancedness_gain = 0;   // mean over layers of planned minus current balancedness
+  bool skipped = false;          // min_gain not reached: placement == current
+  double balancedness_gain = 0;  // mean over layers of planned minus current balancedness
 };
 
 // Plans every layer. Guarantees, for each layer:

@@ -83,7 +83,8 @@ TEST_F(EplbCliTest, FormatDeepSeekFillsEverySlot) {
     const json plans = json::parse(r.out.substr(r.out.find("{\"cases\"")));
     int n = 0;
     for (const auto& c : plans["cases"]) {
-      for (const auto& row : c["phy2log"]) n += static_cast<int>(std::count(row.begin(), row.end(), -1));
+      for (const auto& row : c["phy2log"])
+        n += static_cast<int>(std::count(row.begin(), row.end(), -1));
     }
     return n;
   };

@@ -105,23 +105,23 @@ inline void expect_valid(const PlanInput& in, const PlanOutput& out) {
     }
     for (size_t i = 0; in.fill_slots && !out.skipped && i < in.ranks.size(); ++i) {
       const int* slots = &row[static_cast<size_t>(in.ranks[i]) * in.slots_per_rank];
-      const int held = static_cast<int>(std::count_if(slots, slots + in.slots_per_rank,
-                                                      [](int e) { return e >= 0; }));
+      const int held = static_cast<int>(
+          std::count_if(slots, slots + in.slots_per_rank, [](int e) { return e >= 0; }));
       if (held == in.slots_per_rank) continue;
       int may_hold = in.num_experts;
       if (out.used[l] == Policy::kHierarchical) {
-        may_hold = group_size * static_cast<int>(std::count(host_of_group.begin(),
-                                                            host_of_group.end(),
-                                                            static_cast<int>(i) / ranks_per_host));
+        may_hold =
+            group_size * static_cast<int>(std::count(host_of_group.begin(), host_of_group.end(),
+                                                     static_cast<int>(i) / ranks_per_host));
       }
       EXPECT_EQ(held, may_hold) << "layer " << l << ": free slot on member rank " << in.ranks[i];
     }
   }
   const int current_slots =
       in.current_slots_per_rank > 0 ? in.current_slots_per_rank : in.slots_per_rank;
-  EXPECT_EQ(out.moved_slots,
-            out.skipped ? 0 : count_receives(in.current, current_slots, out.placement,
-                                             in.slots_per_rank));
+  EXPECT_EQ(out.moved_slots, out.skipped ? 0
+                                         : count_receives(in.current, current_slots, out.placement,
+                                                          in.slots_per_rank));
 }
 
 inline double mean(const std::vector<double>& v) {

@@ -23,8 +23,8 @@ using testing::Placement;
 using testing::zipf_loads;
 
 // Reference: per GPU a std::set of what it held and of what it holds.
-int64_t receives_reference(const std::vector<int>& from, int from_slots,
-                           const std::vector<int>& to, int to_slots) {
+int64_t receives_reference(const std::vector<int>& from, int from_slots, const std::vector<int>& to,
+                           int to_slots) {
   std::map<int, std::set<int>> held, got;
   for (size_t s = 0; s < from.size(); ++s) held[static_cast<int>(s) / from_slots].insert(from[s]);
   for (size_t s = 0; s < to.size(); ++s) {
@@ -40,7 +40,8 @@ int64_t receives_reference(const std::vector<int>& from, int from_slots,
 TEST(ScaleTest, CountReceivesMatchesASetReference) {
   std::mt19937_64 rng(5);
   for (int trial = 0; trial < 300; ++trial) {
-    const int from_slots = 1 + static_cast<int>(rng() % 5), to_slots = 1 + static_cast<int>(rng() % 5);
+    const int from_slots = 1 + static_cast<int>(rng() % 5),
+              to_slots = 1 + static_cast<int>(rng() % 5);
     std::vector<int> from((1 + rng() % 6) * from_slots), to((1 + rng() % 6) * to_slots);
     for (int& e : from) e = static_cast<int>(rng() % 7) - 1;
     for (int& e : to) e = static_cast<int>(rng() % 7) - 1;
@@ -99,8 +100,8 @@ TEST(ScaleTest, MembershipChangesMoveAtMostHalfOfDeepSeeksReceives) {
     const int to_slots = (experts + c.to - 1) / c.to + 1;
     const Matrix old_load = zipf_loads(layers, experts, 1.0, 9);
     const Matrix load = drift(old_load, 0.15, 10);
-    auto prev = deepseek_rebalance(old_load, c.from * from_slots, 8, std::max(1, c.from / 8),
-                                   c.from);
+    auto prev =
+        deepseek_rebalance(old_load, c.from * from_slots, 8, std::max(1, c.from / 8), c.from);
     auto ds = deepseek_rebalance(load, c.to * to_slots, 8, std::max(1, c.to / 8), c.to);
     ASSERT_TRUE(prev.ok() && ds.ok());
     PlanInput in = deepseek_shaped(layers, experts, c.to, to_slots, 0);
