@@ -31,7 +31,7 @@ constexpr int64_t kScratchPairs = 8192;
 // computing only when the repair failed or rewrites more than this share of the layer.
 constexpr int kRelabelAbovePercent = 40;
 // Likewise for the repair given the replica counts of the plan from scratch.
-constexpr int kCountsAbovePercent = 10;
+constexpr int kCountsAbovePercent = 30;
 
 int candidate_ranks(const LayerShape& shape) {
   return std::max(8, kPairsPerStep / (shape.slots_per_rank * shape.slots_per_rank));
