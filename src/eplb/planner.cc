@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <string>
+#include <system_error>
 #include <thread>
 
 #include "eplb/layer_planner.h"
@@ -271,19 +272,22 @@ Result<PlanOutput> plan(const PlanInput& in) {
   int num_threads =
       in.num_threads > 0 ? in.num_threads : static_cast<int>(std::thread::hardware_concurrency());
   num_threads = std::clamp(num_threads, 1, static_cast<int>(std::max<size_t>(1, num_layers)));
-  if (num_threads == 1) {
-    for (size_t l = 0; l < num_layers; ++l) plan_one(l);
-  } else {
-    // Layers write disjoint rows of `out`; which thread plans a layer does not change its plan.
-    std::atomic<size_t> next{0};
-    std::vector<std::thread> threads;
-    for (int t = 0; t < num_threads; ++t) {
-      threads.emplace_back([&] {
-        for (size_t l; (l = next.fetch_add(1)) < num_layers;) plan_one(l);
-      });
+  // Layers write disjoint rows of `out`; which thread plans a layer does not change its plan.
+  // The calling thread plans too; helpers that cannot be started leave their layers to it.
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t l; (l = next.fetch_add(1)) < num_layers;) plan_one(l);
+  };
+  std::vector<std::thread> helpers;
+  for (int t = 1; t < num_threads; ++t) {
+    try {
+      helpers.emplace_back(work);
+    } catch (const std::system_error&) {
+      break;
     }
-    for (std::thread& t : threads) t.join();
   }
+  work();
+  for (std::thread& t : helpers) t.join();
   out.moved_slots = count_receives(in.current, current_slots, out.placement, in.slots_per_rank);
   if (keepable(in, current_slots)) {
     for (size_t l = 0; l < num_layers; ++l) {
