@@ -8,6 +8,7 @@
 //              [--zipf-max 1.2] [--sigma 0.15] [--swap-prob 0.05] [--tolerance 0.005,...]
 //              [--smooth 0,0.5] [--format deepseek|flexpert] [--threads 1]
 //              [--scale 16:24,24:16,...] [--scale-spare 1] [--scale-prev deepseek|flexpert]
+//              [--scale-tolerance 0.005,0.02,0.05]
 //              [--seed 1] [--json out.json]
 //
 // Loads: per layer a Zipf law (exponent drawn in [zipf-min, zipf-max]) over the experts in a
@@ -20,7 +21,8 @@
 // placement (window 0 from nothing). One flexpert row per (tolerance, smooth): smooth a > 0
 // plans on s_w = a s_(w-1) + (1 - a) load_w (eplb::smooth_load: shares of each layer's load,
 // smoothed over windows) instead of load_w.
-// Scale table (--scale old:new): window w (1..) is planned on `new` GPUs with, as the previous
+// Scale table (--scale old:new, one flexpert row per --scale-tolerance: the trade-off between
+// moves and balance): window w (1..) is planned on `new` GPUs with, as the previous
 // placement of both planners, the plan of window w-1 on `old` GPUs by --scale-prev (default
 // DeepSeek's, as a file with prev_phy2log from a DeepSeek deployment has it). GPUs below
 // min(old, new) are the same GPUs; scale-down removes the highest.
@@ -61,6 +63,7 @@ struct Options {
   int windows = 6, layers = 61, experts = 256, groups = 8, ranks_per_host = 8;
   double zipf_min = 0.6, zipf_max = 1.2, sigma = 0.15, swap_prob = 0.05;
   std::vector<double> tolerance = {flexpert::eplb::PlanInput().tolerance};
+  std::vector<double> scale_tolerance = {flexpert::eplb::PlanInput().tolerance, 0.02, 0.05};
   std::vector<double> smooth = {0, 0.5};
   bool fill = true;  // --format deepseek
   int threads = 1;
@@ -103,6 +106,7 @@ bool parse(int argc, char** argv, Options& o) {
       {"--swap-prob", to_double(o.swap_prob)},
       {"--tolerance", [&](const std::string& v) { o.tolerance = list<double>(v); }},
       {"--smooth", [&](const std::string& v) { o.smooth = list<double>(v); }},
+      {"--scale-tolerance", [&](const std::string& v) { o.scale_tolerance = list<double>(v); }},
       {"--format",
        [&](const std::string& v) {
          o.fill = v == "deepseek";
@@ -142,7 +146,8 @@ bool parse(int argc, char** argv, Options& o) {
   for (auto [a, b] : o.scale) ok = ok && a >= 1 && b >= 1;
   return ok && argc % 2 == 1 && o.windows >= 2 && o.layers >= 1 && o.experts >= 1 &&
          o.groups >= 1 && o.ranks_per_host >= 1 && !o.ranks.empty() && !o.spare.empty() &&
-         !o.tolerance.empty() && !o.smooth.empty() && o.threads >= 0 && o.scale_spare >= 0;
+         !o.tolerance.empty() && !o.scale_tolerance.empty() && !o.smooth.empty() &&
+         o.threads >= 0 && o.scale_spare >= 0;
 }
 
 // windows + 1 load matrices (the last one only scores the last plan).
@@ -406,7 +411,7 @@ int main(int argc, char** argv) {
       const Row ds = run_scale(o, loads, from, to, true, 0);
       print_row(ds, "");
       rows.push_back(ds);
-      for (double tol : o.tolerance) {
+      for (double tol : o.scale_tolerance) {
         const Row ours = run_scale(o, loads, from, to, false, tol);
         print_row(ours, targets(ours, ds));
         rows.push_back(ours);
