@@ -271,12 +271,14 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
       return SearchEnd::kOutOfSteps;
     }
     Chooser chooser(options, lh * (1 - kRelEps));
-    // The coldest ranks first; only when none of them helps, every rank (stuck is expensive:
-    // it makes the caller fall back to a plan with many more moves).
+    // The coldest ranks first; only when none of them helps, four times as many, then every rank
+    // (stuck is expensive: it makes the caller fall back to a plan with many more moves; the
+    // full scan costs ranks / num_cold times a step).
     evaluate(h, lh, num_cold, chooser);
-    if (chooser.best().kind == Step::kNone && num_cold < order.size() - 1) {
+    for (size_t wider : {4 * num_cold, order.size() - 1}) {
+      if (chooser.best().kind != Step::kNone || num_cold >= order.size() - 1) break;
       if (pairs >= options.max_pairs) return SearchEnd::kOutOfSteps;
-      evaluate(h, lh, order.size() - 1, chooser);
+      evaluate(h, lh, std::min(wider, order.size() - 1), chooser);
     }
     if (chooser.best().kind == Step::kNone) return SearchEnd::kStuck;
     const Step& step = chooser.best();
