@@ -53,7 +53,7 @@ struct RunOptions {
   int min_replicas = 1;                      // flexpert only
   double tolerance = PlanInput().tolerance;  // flexpert only
   Format format = Format::kDeepSeek;         // flexpert only (DeepSeek's has no -1)
-  int num_threads = 1;                       // flexpert only: layers in parallel
+  int num_threads = 1;                       // flexpert only: layers in parallel, 0 = all cores
 };
 
 // InvalidArgument naming the case and field for anything malformed.
