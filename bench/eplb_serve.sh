@@ -3,7 +3,8 @@
 # and after a rebalance. Prints a table and writes out/bench-eplb-serve.json.
 #   bash bench/eplb_serve.sh [MODEL_DIR] [RANKS]
 # BIN: the flexpert binary (default build/flexpert); SERVE_ARGS: more `serve` flags, e.g.
-# "--device cuda --gpus 2" for GPU ranks (the rebalance then copies slots device to device).
+# "--device cuda --gpus 2" for GPU ranks (the rebalance then copies slots device to device), or
+# "--eplb-smoothing 0.5 --eplb-min-gain 0.01" (load smoothing, skip threshold).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-testdata/qwen3moe-tiny}

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // `flexpert eplb plan`: plans expert placements for the cases of a DeepSeek-EPLB-style JSON
 // file (see src/eplb/plan_io.h) with flexpert's planner or the DeepSeek port, and writes the
-// plans in the same format, plus balancedness and moved slots per case.
+// plans in the same format (by default with every slot filled, as DeepSeek's interface has
+// it), plus balancedness and remote receives ("moved_slots") per case.
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -20,7 +21,7 @@ const char kEplbUsage[] =
     "           \"num_groups\", \"num_nodes\", \"num_gpus\", \"prev_phy2log\"?, "
     "\"prev_num_gpus\"?}]}\n"
     "  output: {\"cases\": [{\"name\", \"phy2log\", \"time_s\", \"balancedness\", "
-    "\"moved_slots\",\n"
+    "\"moved_slots\" (remote receives),\n"
     "           \"policy\"}]}  (--output - writes to stdout)\n";
 
 std::string format_number(double v) {
@@ -67,8 +68,12 @@ int cmd_eplb(const std::vector<std::string>& args) {
       .value("policy", "auto", "flexpert planner: auto | global | hierarchical")
       .value("tolerance", format_number(eplb::PlanInput().tolerance),
              "flexpert planner: keep/repair a previous plan within this fraction of the best "
-             "max GPU load")
+             "max GPU load (a few percent: fewer moves after a GPU count change)")
       .value("min-replicas", "1", "flexpert planner: replicas every expert keeps at least")
+      .value("format", "deepseek",
+             "flexpert planner: deepseek (every slot holds an expert) | flexpert (-1 marks a "
+             "free slot)")
+      .value("threads", "0", "flexpert planner: layers planned in parallel (0 = all cores)")
       .boolean("help", "show this help");
   if (Status s = flags.parse({args.begin() + 1, args.end()}); !s.ok()) {
     return report_error("eplb plan", s);
@@ -91,13 +96,17 @@ int cmd_eplb(const std::vector<std::string>& args) {
       return invalid_argument("--min-replicas must be >= 1");
     }
     options.min_replicas = static_cast<int>(min_replicas);
+    FLEX_ASSIGN_OR_RETURN(options.format, eplb::parse_format(flags.str("format")));
+    FLEX_ASSIGN_OR_RETURN(int64_t threads, flags.integer("threads"));
+    if (threads < 0 || threads > 1024) return invalid_argument("--threads must be in [0, 1024]");
+    options.num_threads = static_cast<int>(threads);
     FLEX_ASSIGN_OR_RETURN(std::string text, read_file(flags.str("input")));
     auto cases = eplb::parse_cases(text);
     if (!cases.ok()) return cases.status().annotate(flags.str("input"));
     std::vector<eplb::CaseResult> results;
     FILE* table = to_stdout ? stderr : stdout;
     std::fprintf(table, "%-24s %6s %9s %10s %11s %10s\n", "case", "layers", "replicas", "balance",
-                 "moved", "time_ms");
+                 "receives", "time_ms");
     for (const eplb::PlanCase& c : *cases) {
       const auto start = std::chrono::steady_clock::now();
       FLEX_ASSIGN_OR_RETURN(eplb::CaseResult r, eplb::run_case(c, options));

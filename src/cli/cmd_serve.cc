@@ -66,6 +66,12 @@ Status run_serve(const Flags& flags) {
     FLEX_ASSIGN_OR_RETURN(options.min_replicas, int_flag(flags, "min-replicas", 1));
     FLEX_ASSIGN_OR_RETURN(options.spare_ranks, int_flag(flags, "spare-ranks", 0));
     options.eplb_policy = flags.str("eplb-policy");
+    FLEX_ASSIGN_OR_RETURN(options.eplb_smoothing, flags.number("eplb-smoothing"));
+    FLEX_ASSIGN_OR_RETURN(options.eplb_min_gain, flags.number("eplb-min-gain"));
+    if (!(options.eplb_smoothing >= 0 && options.eplb_smoothing < 1) ||
+        !(options.eplb_min_gain >= 0)) {
+      return invalid_argument("--eplb-smoothing must be in [0, 1), --eplb-min-gain >= 0");
+    }
     options.reconfigure = flags.str("reconfigure");
     options.device = flags.str("device");
     if (flags.str("cuda-dtype") != "bf16" && flags.str("cuda-dtype") != "f32") {
@@ -166,6 +172,10 @@ int cmd_serve(const Args& args) {
       .value("eplb-interval-s", "60", "seconds between automatic rebalances (with --eplb)")
       .value("eplb-spare-slots", "1", "free expert slots per rank for replicas and moves")
       .value("eplb-policy", "auto", "placement policy: auto, global, hierarchical")
+      .value("eplb-smoothing", "0",
+             "weight of earlier load windows in a rebalance's plan, in [0, 1) (0: this window)")
+      .value("eplb-min-gain", "0",
+             "skip a rebalance that raises mean balancedness by less than this (0: never skip)")
       .value("min-replicas", "1", "replicas every expert keeps (more: a lost rank needs no reload)")
       .value("spare-ranks", "0",
              "workers kept loaded beside the members (ids of --max-ranks): a lost rank's "

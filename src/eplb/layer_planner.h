@@ -18,6 +18,7 @@ struct LayerShape {
   int min_replicas = 1;
   double tolerance = 0;
   bool hierarchical_applicable = false;
+  bool fill_slots = false;  // PlanInput::fill_slots
 };
 
 struct LayerResult {

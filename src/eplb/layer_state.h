@@ -106,8 +106,10 @@ struct SearchOptions {
   int max_iterations = 0;        // steps at most
   int num_candidate_ranks = 16;  // coldest ranks tried as partners of the hottest
   // Work bound: (replica of the hottest rank, replica of a partner) pairs scored, in all. When
-  // the coldest ranks do not help the hottest one, every rank is tried (if the bound allows).
+  // the coldest ranks do not help the hottest one, four times as many, then every rank are tried
+  // (if the bound allows).
   int64_t max_pairs = 0;
+  bool allow_drop = true;  // false: never leave a slot free by dropping a spare replica
 };
 
 enum class SearchEnd {

@@ -231,7 +231,7 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
       const double px_more = state.per_if_more(x);
       const double dx = px_more - px;
       // Drop a spare replica of x: free for the mover (a slot becoming free receives nothing).
-      if (state.count(x) > m) {
+      if (options.allow_drop && state.count(x) > m) {
         chooser.offer(Step::kDrop, x, -1, -1,
                       std::max(lh - px, peaks.max_except(x, h, h) + (state.per_if_fewer(x) - px)),
                       0);
@@ -271,12 +271,14 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
       return SearchEnd::kOutOfSteps;
     }
     Chooser chooser(options, lh * (1 - kRelEps));
-    // The coldest ranks first; only when none of them helps, every rank (stuck is expensive:
-    // it makes the caller fall back to a plan with many more moves).
+    // The coldest ranks first; only when none of them helps, four times as many, then every rank
+    // (stuck is expensive: it makes the caller fall back to a plan with many more moves; the
+    // full scan costs ranks / num_cold times a step).
     evaluate(h, lh, num_cold, chooser);
-    if (chooser.best().kind == Step::kNone && num_cold < order.size() - 1) {
+    for (size_t wider : {4 * num_cold, order.size() - 1}) {
+      if (chooser.best().kind != Step::kNone || num_cold >= order.size() - 1) break;
       if (pairs >= options.max_pairs) return SearchEnd::kOutOfSteps;
-      evaluate(h, lh, order.size() - 1, chooser);
+      evaluate(h, lh, std::min(wider, order.size() - 1), chooser);
     }
     if (chooser.best().kind == Step::kNone) return SearchEnd::kStuck;
     const Step& step = chooser.best();

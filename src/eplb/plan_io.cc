@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "eplb/plan_io.h"
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -98,6 +99,12 @@ Result<PlanCase> parse_case(const json& c, size_t index) {
 
 }  // namespace
 
+Result<Format> parse_format(std::string_view name) {
+  if (name == "deepseek") return Format::kDeepSeek;
+  if (name == "flexpert") return Format::kFlexpert;
+  return invalid_argument("format must be deepseek or flexpert, got '" + std::string(name) + "'");
+}
+
 Result<Planner> parse_planner(std::string_view name) {
   if (name == "flexpert") return Planner::kFlexpert;
   if (name == "deepseek") return Planner::kDeepSeek;
@@ -121,19 +128,21 @@ Result<std::vector<PlanCase>> parse_cases(std::string_view json_text) {
 std::vector<std::vector<int>> map_previous(const PlanCase& c) {
   std::vector<std::vector<int>> current;
   if (c.prev_phy2log.empty()) return current;
-  const int slots = c.num_replicas / c.num_gpus;
   const int prev_gpus = c.prev_num_gpus > 0 ? c.prev_num_gpus : c.num_gpus;
   for (const auto& prev : c.prev_phy2log) {
-    const int prev_slots = static_cast<int>(prev.size()) / prev_gpus;
-    std::vector<int> row(c.num_replicas, -1);
-    for (int g = 0; g < std::min(prev_gpus, c.num_gpus); ++g) {
-      for (int k = 0; k < std::min(slots, prev_slots); ++k) {
-        row[g * slots + k] = prev[g * prev_slots + k];
-      }
-    }
+    const size_t prev_slots = prev.size() / prev_gpus;
+    std::vector<int> row(static_cast<size_t>(c.num_gpus) * prev_slots, -1);
+    const size_t kept = static_cast<size_t>(std::min(prev_gpus, c.num_gpus)) * prev_slots;
+    std::copy(prev.begin(), prev.begin() + static_cast<std::ptrdiff_t>(kept), row.begin());
     current.push_back(std::move(row));
   }
   return current;
+}
+
+int previous_slots_per_gpu(const PlanCase& c) {
+  if (c.prev_phy2log.empty()) return c.num_replicas / c.num_gpus;
+  const int prev_gpus = c.prev_num_gpus > 0 ? c.prev_num_gpus : c.num_gpus;
+  return static_cast<int>(c.prev_phy2log[0].size()) / prev_gpus;
 }
 
 Result<CaseResult> run_case(const PlanCase& c, const RunOptions& options) {
@@ -141,6 +150,7 @@ Result<CaseResult> run_case(const PlanCase& c, const RunOptions& options) {
   r.name = c.name;
   const std::vector<std::vector<int>> current = map_previous(c);
   const int slots = c.num_replicas / c.num_gpus;
+  const int prev_slots = previous_slots_per_gpu(c);
   std::vector<int> ranks(c.num_gpus);
   std::iota(ranks.begin(), ranks.end(), 0);
   if (options.planner == Planner::kDeepSeek) {
@@ -158,6 +168,9 @@ Result<CaseResult> run_case(const PlanCase& c, const RunOptions& options) {
     in.num_groups = c.num_groups;
     in.load = c.weight;
     in.current = current;
+    in.current_slots_per_rank = prev_slots;
+    in.fill_slots = options.format == Format::kDeepSeek;
+    in.num_threads = options.num_threads;
     in.policy = options.policy;
     in.min_replicas = options.min_replicas;
     in.tolerance = options.tolerance;
@@ -169,7 +182,7 @@ Result<CaseResult> run_case(const PlanCase& c, const RunOptions& options) {
   for (size_t l = 0; l < r.phy2log.size(); ++l) {
     r.balancedness.push_back(balancedness(c.weight[l], r.phy2log[l], ranks, slots));
   }
-  r.moved_slots = count_moves(current, r.phy2log);
+  r.moved_slots = count_receives(current, prev_slots, r.phy2log, slots);
   return r;
 }
 

@@ -5,9 +5,11 @@
 //                    "prev_num_gpus"?}]}
 //   out: {"cases": [{"name", "phy2log": [layers][num_replicas], "time_s", "balancedness":
 //                    [layers], "moved_slots", "policy": [layers]}]}
-// Slot s lives on GPU s / (num_replicas / num_gpus); -1 in a flexpert phy2log marks a free slot
-// (a slot the plan gains nothing by filling). JSON text in and out: the caller does the file
-// I/O and owns the clock (time_s). Pure functions otherwise; thread-safe.
+// Slot s lives on GPU s / (num_replicas / num_gpus). Format kDeepSeek (the default) fills every
+// slot, as DeepSeek's interface has it; with kFlexpert, -1 in phy2log marks a free slot (a slot
+// the plan gains nothing by filling, so it needs no weights). "moved_slots" counts remote
+// receives (count_receives in planner.h) against the previous plan. JSON text in and out: the
+// caller does the file I/O and owns the clock (time_s). Pure functions otherwise; thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +23,8 @@
 namespace flexpert::eplb {
 
 enum class Planner { kFlexpert, kDeepSeek };
+enum class Format { kDeepSeek, kFlexpert };
+Result<Format> parse_format(std::string_view name);    // "deepseek" | "flexpert"
 Result<Planner> parse_planner(std::string_view name);  // "flexpert" | "deepseek"
 
 struct PlanCase {
@@ -38,26 +42,30 @@ struct CaseResult {
   std::string name;
   std::vector<std::vector<int>> phy2log;
   std::vector<double> balancedness;  // per layer, mean / max GPU load
-  int64_t moved_slots = 0;           // against the (mapped) previous plan; all slots if none
+  int64_t moved_slots = 0;           // remote receives against the previous plan; all if none
   std::vector<std::string> policy;   // per layer: "global" or "hierarchical"
   double time_s = 0;                 // set by the caller
 };
 
 struct RunOptions {
   Planner planner = Planner::kFlexpert;
-  Policy policy = Policy::kAuto;  // flexpert only
-  int min_replicas = 1;           // flexpert only
-  double tolerance = PlanInput().tolerance;
+  Policy policy = Policy::kAuto;             // flexpert only
+  int min_replicas = 1;                      // flexpert only
+  double tolerance = PlanInput().tolerance;  // flexpert only
+  Format format = Format::kDeepSeek;         // flexpert only (DeepSeek's has no -1)
+  int num_threads = 1;                       // flexpert only: layers in parallel, 0 = all cores
 };
 
 // InvalidArgument naming the case and field for anything malformed.
 Result<std::vector<PlanCase>> parse_cases(std::string_view json_text);
 
-// The previous plan as a current placement of num_gpus x (num_replicas / num_gpus) slots. A GPU
-// present in both keeps its experts in the same slot indices (slots beyond the new slots per
-// GPU are dropped); GPUs >= num_gpus are gone (scale-down removes the highest ranks) and their
-// experts must be placed anew; new GPUs start empty. Empty when the case has no previous plan.
+// The previous plan as a current placement of num_gpus x (previous slots per GPU) slots
+// (PlanInput::current_slots_per_rank). A GPU present in both keeps all its experts; GPUs >=
+// num_gpus are gone (scale-down removes the highest ranks) and their experts must be placed
+// anew; new GPUs start empty. Empty when the case has no previous plan.
 std::vector<std::vector<int>> map_previous(const PlanCase& c);
+// Slots per GPU of the previous plan (num_replicas / num_gpus when there is none).
+int previous_slots_per_gpu(const PlanCase& c);
 
 Result<CaseResult> run_case(const PlanCase& c, const RunOptions& options);
 

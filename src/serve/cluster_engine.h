@@ -47,6 +47,12 @@ struct ClusterOptions {
   double eplb_interval_s = 60;       // Between automatic rebalances.
   int eplb_spare_slots = 1;          // Free slots per rank beyond what the experts need.
   std::string eplb_policy = "auto";  // auto | global | hierarchical
+  // Load smoothing: a rebalance plans on weight * (earlier windows) + (1 - weight) * (this
+  // window), as shares per layer (eplb::smooth_load); 0 = this window only.
+  double eplb_smoothing = 0;
+  // Skip threshold: a rebalance whose plan raises the mean balancedness by less than this moves
+  // nothing (eplb::PlanInput::min_gain); 0 = always move.
+  double eplb_min_gain = 0;
   int min_replicas = 1;
   // Workers kept started and Ready beside the members (at free ids of max_ranks): a
   // recovery or a scale-up takes them instead of starting a process (its stall).

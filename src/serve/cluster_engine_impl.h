@@ -131,6 +131,7 @@ class ClusterEngine::Impl {
     std::vector<std::vector<double>> load;  // [layer][logical expert]
   };
   std::deque<LoadBucket> load_window_;
+  std::vector<std::vector<double>> smoothed_shares_;  // [layer][expert], eplb_smoothing.
   bool rebalancing_ = false;
   uint64_t rebalance_epoch_ = 0;  // The epoch a running rebalance started in.
   bool cancel_rebalance_ = false;

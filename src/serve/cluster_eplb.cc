@@ -226,6 +226,10 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
     pulls_done_.clear();
     rebalance_max_step_ms_ = 0;
     input = plan_input(members_, /*prior=*/0.0);
+    if (options_.eplb_smoothing > 0) {
+      smoothed_shares_ = eplb::smooth_load(smoothed_shares_, options_.eplb_smoothing, input.load);
+    }
+    input.min_gain = options_.eplb_min_gain;
     int n = 0;
     for (int r : members_) {
       if (ranks_[r].step_ms > 0) {
@@ -279,7 +283,7 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
     pull_s0 = pull_seconds_;
   }
   Status s;
-  for (int l = 0; s.ok() && l < static_cast<int>(input.current.size()); ++l) {
+  for (int l = 0; s.ok() && !plan->skipped && l < static_cast<int>(input.current.size()); ++l) {
     if (!model_config_.is_moe_layer(l)) continue;
     s = move_layer(l, plan->placement[l], &bytes, &pulls);
   }
@@ -295,7 +299,9 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
                            {"pull_commands", pulls},
                            {"plan_s", plan_s},
                            {"duration_s", std::chrono::duration<double>(Clock::now() - t0).count()},
-                           {"balancedness_planned", plan->balancedness}};
+                           {"balancedness_planned", plan->balancedness},
+                           {"balancedness_gain", plan->balancedness_gain},
+                           {"skipped", plan->skipped}};
   {
     std::lock_guard<std::mutex> lock(mutex_);
     moved_bytes().inc(static_cast<double>(bytes));
@@ -338,6 +344,8 @@ nlohmann::json ClusterEngine::Impl::eplb_status() const {
           {"window_s", options_.eplb_window_s},
           {"interval_s", options_.eplb_interval_s},
           {"policy", options_.eplb_policy},
+          {"smoothing", options_.eplb_smoothing},
+          {"min_gain", options_.eplb_min_gain},
           {"slots_per_rank", slots_per_rank_},
           {"map_version", map_version_},
           {"in_progress", rebalancing_},

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
@@ -72,6 +73,26 @@ TEST_F(EplbCliTest, PlansWithBothPlanners) {
   ASSERT_EQ(r.exit_code, 0) << r.out;
 }
 
+// DeepSeek's format (the default) fills every slot; flexpert's may leave some free (-1), here
+// the shrink case's: 9 slots for 6 experts where extra replicas gain nothing.
+TEST_F(EplbCliTest, FormatDeepSeekFillsEverySlot) {
+  const std::string input = write("cases.json", kCases);
+  auto free_slots = [&](const std::string& flags) {
+    CliRun r = run("eplb plan --input " + input + " --output - --threads 2 " + flags);
+    EXPECT_EQ(r.exit_code, 0) << r.out;
+    const json plans = json::parse(r.out.substr(r.out.find("{\"cases\"")));
+    int n = 0;
+    for (const auto& c : plans["cases"]) {
+      for (const auto& row : c["phy2log"])
+        n += static_cast<int>(std::count(row.begin(), row.end(), -1));
+    }
+    return n;
+  };
+  EXPECT_EQ(free_slots(""), 0);
+  EXPECT_EQ(free_slots("--format deepseek"), 0);
+  EXPECT_GT(free_slots("--format flexpert"), 0);
+}
+
 TEST_F(EplbCliTest, BadInputExitsWithTwoAndAMessage) {
   const std::string good = write("good.json", kCases);
   const std::string bad = write("bad.json", R"({"cases": [{"name": "x"}]})");
@@ -88,6 +109,8 @@ TEST_F(EplbCliTest, BadInputExitsWithTwoAndAMessage) {
       {"eplb plan --input " + good + " --output " + out + " --tolerance -1", "tolerance"},
       {"eplb plan --input " + good + " --output " + out + " --min-replicas 0", "min-replicas"},
       {"eplb plan --input " + good + " --output " + out + " --bogus 1", "unknown flag"},
+      {"eplb plan --input " + good + " --output " + out + " --format csv", "format"},
+      {"eplb plan --input " + good + " --output " + out + " --threads -1", "threads"},
   };
   for (const auto& [args, expected] : cases) {
     CliRun r = run(args);

@@ -54,7 +54,8 @@ inline std::vector<int> iota_ranks(int n) {
 }
 
 // The plan's guarantees: shape, replicas >= max(1, min_replicas) on members, no expert twice
-// on a rank, nothing on non-members, the reported balancedness and moves.
+// on a rank, nothing on non-members, with fill_slots no free member slot (unless the rank holds
+// every expert it may hold), the reported balancedness and moves.
 inline void expect_valid(const PlanInput& in, const PlanOutput& out) {
   const size_t num_slots = static_cast<size_t>(in.max_ranks) * in.slots_per_rank;
   ASSERT_EQ(out.placement.size(), in.load.size());
@@ -84,11 +85,11 @@ inline void expect_valid(const PlanInput& in, const PlanOutput& out) {
     }
     EXPECT_DOUBLE_EQ(out.balancedness[l],
                      balancedness(in.load[l], row, in.ranks, in.slots_per_rank));
+    const int group_size = in.num_experts / in.num_groups;
+    const int ranks_per_host = static_cast<int>(in.ranks.size()) / in.num_hosts;
+    std::vector<int> host_of_group(in.num_groups, -1);
     if (out.used[l] == Policy::kHierarchical) {
       // Every group on one host.
-      const int group_size = in.num_experts / in.num_groups;
-      const int ranks_per_host = static_cast<int>(in.ranks.size()) / in.num_hosts;
-      std::vector<int> host_of_group(in.num_groups, -1);
       for (size_t i = 0; i < in.ranks.size(); ++i) {
         for (int k = 0; k < in.slots_per_rank; ++k) {
           const int e = row[static_cast<size_t>(in.ranks[i]) * in.slots_per_rank + k];
@@ -102,8 +103,25 @@ inline void expect_valid(const PlanInput& in, const PlanOutput& out) {
     } else {
       EXPECT_EQ(out.used[l], Policy::kGlobal);
     }
+    for (size_t i = 0; in.fill_slots && !out.skipped && i < in.ranks.size(); ++i) {
+      const int* slots = &row[static_cast<size_t>(in.ranks[i]) * in.slots_per_rank];
+      const int held = static_cast<int>(
+          std::count_if(slots, slots + in.slots_per_rank, [](int e) { return e >= 0; }));
+      if (held == in.slots_per_rank) continue;
+      int may_hold = in.num_experts;
+      if (out.used[l] == Policy::kHierarchical) {
+        may_hold =
+            group_size * static_cast<int>(std::count(host_of_group.begin(), host_of_group.end(),
+                                                     static_cast<int>(i) / ranks_per_host));
+      }
+      EXPECT_EQ(held, may_hold) << "layer " << l << ": free slot on member rank " << in.ranks[i];
+    }
   }
-  EXPECT_EQ(out.moved_slots, count_moves(in.current, out.placement));
+  const int current_slots =
+      in.current_slots_per_rank > 0 ? in.current_slots_per_rank : in.slots_per_rank;
+  EXPECT_EQ(out.moved_slots, out.skipped ? 0
+                                         : count_receives(in.current, current_slots, out.placement,
+                                                          in.slots_per_rank));
 }
 
 inline double mean(const std::vector<double>& v) {

@@ -41,7 +41,11 @@ TEST(PlanIoTest, RoundTripBothPlanners) {
       ASSERT_EQ(r->phy2log.size(), 3u);
       EXPECT_EQ(r->phy2log[0].size(), static_cast<size_t>(c.num_replicas));
       EXPECT_EQ(r->balancedness.size(), 3u);
-      EXPECT_EQ(r->moved_slots, count_moves({}, r->phy2log));  // no previous plan
+      const int slots = c.num_replicas / c.num_gpus;
+      EXPECT_EQ(r->moved_slots, count_receives({}, slots, r->phy2log, slots));  // no previous plan
+      if (planner == Planner::kFlexpert) {  // the default format: DeepSeek's, no free slot
+        for (const auto& row : r->phy2log) EXPECT_EQ(std::count(row.begin(), row.end(), -1), 0);
+      }
       r->time_s = 0.25;
       results.push_back(*r);
     }
@@ -77,7 +81,7 @@ TEST(PlanIoTest, PreviousPlanGivesZeroMovesOnSameLoads) {
   ds.planner = Planner::kDeepSeek;
   auto ds_plan = run_case(c, ds);
   ASSERT_TRUE(ds_plan.ok());
-  EXPECT_EQ(ds_plan->moved_slots, count_moves(first->phy2log, ds_plan->phy2log));
+  EXPECT_EQ(ds_plan->moved_slots, count_receives(first->phy2log, 6, ds_plan->phy2log, 6));
 }
 
 TEST(PlanIoTest, PreviousPlanOnAnotherNumberOfGpus) {
@@ -95,30 +99,39 @@ TEST(PlanIoTest, PreviousPlanOnAnotherNumberOfGpus) {
   auto mapped = map_previous(c);
   ASSERT_EQ(mapped.size(), 2u);
   EXPECT_EQ(mapped[0], std::vector<int>(prev.begin(), prev.begin() + 12));
+  EXPECT_EQ(previous_slots_per_gpu(c), 4);
   auto down = run_case(c, {});
   ASSERT_TRUE(down.ok()) << down.status().to_string();
-  EXPECT_EQ(down->moved_slots, count_moves(mapped, down->phy2log));
+  EXPECT_EQ(down->moved_slots, count_receives(mapped, 4, down->phy2log, 4));
   for (const auto& row : down->phy2log) {
     for (int e = 0; e < 12; ++e) EXPECT_EQ(std::count(row.begin(), row.end(), e), 1);
   }
 
-  // Scale-up with fewer slots per GPU: 2 GPUs x 8 slots -> 4 GPUs x 4 slots. GPUs 0-1 keep
-  // their first 4 slots, GPUs 2-3 start empty.
+  // Scale-up with fewer slots per GPU: 2 GPUs x 8 slots -> 4 GPUs x 4 slots. GPUs 0-1 keep all
+  // their 8 experts as the current placement (the planner picks the 4 each keeps), GPUs 2-3
+  // start empty; every slot gets an expert (DeepSeek's format).
   c.prev_num_gpus = 2;
   c.num_gpus = 4;
   c.num_replicas = 16;
   mapped = map_previous(c);
-  for (int g = 0; g < 2; ++g) {
-    for (int k = 0; k < 4; ++k) EXPECT_EQ(mapped[1][g * 4 + k], prev[g * 8 + k]);
-  }
-  for (int s = 8; s < 16; ++s) EXPECT_EQ(mapped[1][s], -1);
+  EXPECT_EQ(previous_slots_per_gpu(c), 8);
+  ASSERT_EQ(mapped[1].size(), 32u);
+  for (int s = 0; s < 16; ++s) EXPECT_EQ(mapped[1][s], prev[s]);
+  for (int s = 16; s < 32; ++s) EXPECT_EQ(mapped[1][s], -1);
   auto up = run_case(c, {});
   ASSERT_TRUE(up.ok()) << up.status().to_string();
-  EXPECT_EQ(up->moved_slots, count_moves(mapped, up->phy2log));
+  EXPECT_EQ(up->moved_slots, count_receives(mapped, 8, up->phy2log, 4));
+  EXPECT_GE(up->moved_slots, 2 * 8);  // GPUs 2-3 receive all their slots, in both layers
   for (const auto& row : up->phy2log) {
     for (int e = 0; e < 12; ++e) EXPECT_GE(std::count(row.begin(), row.end(), e), 1);
-    EXPECT_GT(std::count_if(row.begin() + 8, row.end(), [](int e) { return e >= 0; }), 0);
+    EXPECT_EQ(std::count(row.begin(), row.end(), -1), 0);
   }
+  // With --format flexpert, slots may stay free.
+  RunOptions keep_free;
+  keep_free.format = Format::kFlexpert;
+  auto free_up = run_case(c, keep_free);
+  ASSERT_TRUE(free_up.ok());
+  EXPECT_LE(free_up->moved_slots, up->moved_slots);
 }
 
 TEST(PlanIoTest, MalformedInput) {

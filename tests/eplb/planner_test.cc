@@ -80,6 +80,15 @@ PlanInput random_input(std::mt19937_64& rng) {
   }
   const Policy policies[] = {Policy::kAuto, Policy::kGlobal, Policy::kAuto};
   in.policy = policies[rng() % 3];
+  in.fill_slots = rng() % 2 == 0 && !getenv("NOFILL");
+  if (!in.current.empty() && rng() % 3 == 0) {
+    // A membership change that changed the slots per rank: more or fewer than now.
+    in.current_slots_per_rank = std::max(1, in.slots_per_rank + pick(-2, 3));
+    for (auto& row : in.current) {
+      row.resize(static_cast<size_t>(in.max_ranks) * in.current_slots_per_rank);
+      for (int& e : row) e = static_cast<int>(rng() % (in.num_experts + 1)) - 1;
+    }
+  }
   return in;
 }
 
@@ -107,6 +116,7 @@ TEST(PlannerTest, UnchangedLoadsGiveZeroMoves) {
     auto first = plan(in);
     ASSERT_TRUE(first.ok()) << first.status().to_string();
     in.current = first->placement;
+    in.current_slots_per_rank = 0;
     auto second = plan(in);
     ASSERT_TRUE(second.ok());
     EXPECT_EQ(second->moved_slots, 0);
@@ -368,7 +378,7 @@ TEST(PlannerTest, InputErrors) {
        [](PlanInput& in) {
          in.current = {{}, {}};
        }},
-      {"max_ranks x slots_per_rank",
+      {"max_ranks x current_slots_per_rank",
        [](PlanInput& in) {
          in.current = {{0, 1}};
        }},
@@ -376,6 +386,9 @@ TEST(PlannerTest, InputErrors) {
        [](PlanInput& in) { in.current = {std::vector<int>(16, -1)}, in.current[0][3] = 8; }},
       {"num_experts", [](PlanInput& in) { in.num_experts = 0; }},
       {"tolerance", [](PlanInput& in) { in.tolerance = -1; }},
+      {"min_gain", [](PlanInput& in) { in.min_gain = -0.1; }},
+      {"num_threads", [](PlanInput& in) { in.num_threads = -1; }},
+      {"current_slots_per_rank must", [](PlanInput& in) { in.current_slots_per_rank = -1; }},
   };
   for (const Case& c : cases) {
     PlanInput in = basic_input(8, 4, 4, load);

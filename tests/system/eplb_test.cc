@@ -105,9 +105,11 @@ TEST(EplbServeTest, RebalancesUnderLoadKeepReferenceTokens) {
   EXPECT_EQ(server.stop(), 0);
 }
 
+// With smoothing and a skip threshold above any possible gain (balancedness is <= 1): the
+// rebalances run and plan, but move nothing.
 TEST(EplbServeTest, AutomaticRebalancing) {
   Server server({"--ranks", "2", "--threads-per-worker", "1", "--eplb", "--eplb-interval-s", "0.3",
-                 "--eplb-window-s", "1"});
+                 "--eplb-window-s", "1", "--eplb-smoothing", "0.5", "--eplb-min-gain", "2"});
   ASSERT_TRUE(server.up());
   const Reference ref = load_reference();
   for (int round = 0; round < 6; ++round) {
@@ -116,6 +118,11 @@ TEST(EplbServeTest, AutomaticRebalancing) {
   }
   auto status = server.get_json("/v1/eplb");
   EXPECT_GE(status["rebalances"].get<int>(), 1);
+  EXPECT_EQ(status["smoothing"].get<double>(), 0.5);
+  const auto& last = status["last_rebalance"];
+  EXPECT_EQ(last["moved_bytes"].get<uint64_t>(), 0u) << last.dump();
+  EXPECT_TRUE(last["skipped"].get<bool>() || last["planned_moved_slots"].get<int64_t>() == 0)
+      << last.dump();
   EXPECT_EQ(server.stop(), 0);
 }
 
