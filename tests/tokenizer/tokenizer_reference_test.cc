@@ -1,0 +1,106 @@
+// SPDX-License-Identifier: Apache-2.0
+// The published Qwen3 and DeepSeek-V3 tokenizers against Hugging Face's JS tokenizer
+// (@huggingface/tokenizers, an independent implementation of the Rust library's pipeline):
+// identical ids for every string of testdata/strings.json and for seeded random mixtures of
+// them, and decode(encode(x)) giving x back (Qwen3: x in NFC, its normalizer's form).
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flexpert/tokenizer.h"
+#include "reference_util.h"
+
+namespace {
+
+using nlohmann::json;
+
+std::vector<std::string> hand_written_strings() {
+  std::ifstream in(std::string(FLEXPERT_TOKENIZER_TESTDATA_DIR) + "/strings.json");
+  const json j = json::parse(in);
+  return j["strings"].get<std::vector<std::string>>();
+}
+
+// Mixtures of fragments of the hand-written strings and of special tokens, joined by
+// whitespace or nothing, so that boundaries fall in places nobody chose.
+std::vector<std::string> mixed_strings(const std::vector<std::string>& base,
+                                       const std::vector<std::string>& specials, size_t count) {
+  std::mt19937 rng(20261201);
+  const std::vector<std::string> joins = {"", " ", "  ", "\n", "\n\n", "\t", " \n ", "\r\n"};
+  std::vector<std::string> out;
+  while (out.size() < count) {
+    std::string s;
+    const int parts = 2 + static_cast<int>(rng() % 5);
+    for (int p = 0; p < parts; ++p) {
+      if (p > 0) s += joins[rng() % joins.size()];
+      if (rng() % 5 == 0) {
+        s += specials[rng() % specials.size()];
+        continue;
+      }
+      const std::string& src = base[rng() % base.size()];
+      // Whole strings, or a cut at a character boundary.
+      size_t begin = src.empty() ? 0 : rng() % src.size();
+      while (begin > 0 && (static_cast<unsigned char>(src[begin]) & 0xC0) == 0x80) --begin;
+      s += rng() % 2 == 0 ? src : src.substr(begin);
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+class ReferenceTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ReferenceTest, IdsAndRoundTripMatchTheJsTokenizer) {
+  const std::string family = GetParam();
+  if (const std::string why = flexpert_test::references_missing(); !why.empty())
+    GTEST_SKIP() << why;
+  ASSERT_NO_FATAL_FAILURE(flexpert_test::require_files(family));
+  auto tokenizer = flexpert::Tokenizer::load(flexpert_test::model_dir(family));
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status().to_string();
+
+  std::vector<std::string> specials;
+  if (family == "qwen3") {
+    specials = {"<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>"};
+  } else {
+    specials = {"<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                "<｜end▁of▁sentence｜>"};
+  }
+  std::vector<std::string> texts = hand_written_strings();
+  const std::vector<std::string> mixed = mixed_strings(texts, specials, 160);
+  texts.insert(texts.end(), mixed.begin(), mixed.end());
+  ASSERT_GE(texts.size(), 300u);
+
+  std::string error;
+  const json answer =
+      flexpert_test::run_reference("encode", {{"family", family}, {"texts", texts}}, &error);
+  ASSERT_TRUE(error.empty()) << error;
+  ASSERT_EQ(answer["ids"].size(), texts.size());
+
+  int mismatches = 0;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    const auto expected = answer["ids"][i].get<std::vector<int32_t>>();
+    auto ids = (*tokenizer)->encode(texts[i]);
+    ASSERT_TRUE(ids.ok()) << ids.status().to_string();
+    if (*ids != expected && ++mismatches <= 10) {
+      ADD_FAILURE() << family << " string " << i << " " << json(texts[i]).dump()
+                    << "\n  ours: " << json(*ids).dump() << "\n  js:   " << json(expected).dump();
+    }
+    auto decoded = (*tokenizer)->decode(*ids);
+    ASSERT_TRUE(decoded.ok());
+    // The JS decode of its own ids: x for DeepSeek-V3 (no normalizer), NFC(x) for Qwen3.
+    const std::string js_decoded = answer["decoded"][i].get<std::string>();
+    EXPECT_EQ(*decoded, js_decoded) << family << " string " << i;
+    if (family == "deepseek_v3") {
+      EXPECT_EQ(*decoded, texts[i]) << "string " << i;
+    }
+  }
+  EXPECT_EQ(mismatches, 0) << "of " << texts.size() << " strings";
+}
+
+INSTANTIATE_TEST_SUITE_P(Published, ReferenceTest, ::testing::Values("qwen3", "deepseek_v3"));
+
+}  // namespace
