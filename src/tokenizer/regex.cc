@@ -44,8 +44,8 @@ struct Regex::Code {
 };
 
 Result<std::unique_ptr<Regex>> Regex::compile(std::string_view pattern, bool literal) {
-  uint32_t options = PCRE2_UTF | PCRE2_UCP;
-  if (literal) options |= PCRE2_LITERAL;
+  // PCRE2_LITERAL admits no UCP (it has no classes to apply it to).
+  const uint32_t options = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);
   int error = 0;
   PCRE2_SIZE offset = 0;
   pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
