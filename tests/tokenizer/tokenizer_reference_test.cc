@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "flexpert/tokenizer.h"
-#include "reference_util.h"
+#include "js_reference.h"
 
 namespace {
 
@@ -52,13 +52,19 @@ std::vector<std::string> mixed_strings(const std::vector<std::string>& base,
   return out;
 }
 
+void require_files(const std::string& family) {
+  ASSERT_TRUE(std::filesystem::exists(flexpert_test::model_dir(family) + "/tokenizer.json"))
+      << flexpert_test::model_dir(family) << "/tokenizer.json is missing: run `npm ci --prefix "
+      << flexpert_test::js_dir() << "` (bash scripts/setup.sh --deps-only does)";
+}
+
 class ReferenceTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ReferenceTest, IdsAndRoundTripMatchTheJsTokenizer) {
   const std::string family = GetParam();
   if (const std::string why = flexpert_test::references_missing(); !why.empty())
     GTEST_SKIP() << why;
-  ASSERT_NO_FATAL_FAILURE(flexpert_test::require_files(family));
+  ASSERT_NO_FATAL_FAILURE(require_files(family));
   auto tokenizer = flexpert::Tokenizer::load(flexpert_test::model_dir(family));
   ASSERT_TRUE(tokenizer.ok()) << tokenizer.status().to_string();
 

