@@ -36,11 +36,12 @@ inline std::string references_missing() {
 
 // Runs `node reference.mjs MODE` with `request` on stdin; the parsed answer (null on failure,
 // with the reason in *error).
-inline nlohmann::json run_reference(const std::string& mode, const nlohmann::json& request,
+// `request` is JSON text (keeping the key order of an ordered_json, as Python dicts do).
+inline nlohmann::json run_reference(const std::string& mode, const std::string& request,
                                     std::string* error) {
   const std::string in = std::filesystem::temp_directory_path() /
                          ("flexpert_tok_req_" + std::to_string(::getpid()) + ".json");
-  std::ofstream(in) << request.dump();
+  std::ofstream(in) << request;
   const std::string cmd = "node " + js_dir() + "/reference.mjs " + mode + " < " + in + " 2>&1";
   FILE* pipe = popen(cmd.c_str(), "r");
   std::string out;
@@ -60,4 +61,8 @@ inline nlohmann::json run_reference(const std::string& mode, const nlohmann::jso
   return answer;
 }
 
+inline nlohmann::json run_reference(const std::string& mode, const nlohmann::json& request,
+                                    std::string* error) {
+  return run_reference(mode, request.dump(), error);
+}
 }  // namespace flexpert_test

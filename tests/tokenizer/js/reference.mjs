@@ -5,6 +5,8 @@
 //     -> {"ids": [[...], ...], "decoded": ["...", ...]}
 //   node reference.mjs render  {"family": ..., "cases": [{"messages", "add_generation_prompt",
 //                                 "enable_thinking"?}]}  -> {"texts": ["...", ...]}
+//   node reference.mjs jinja   {"cases": [{"template": "...", "variables": {...}}]}
+//     -> {"texts": ["...", ...]}   (no tokenizer files needed)
 //   node reference.mjs bench   {"family": ..., "text": "...", "repeats": N}
 //     -> {"seconds": S, "bytes": B, "num_ids": K}
 import { readFileSync } from "node:fs";
@@ -35,6 +37,11 @@ if (mode === "dir") {
   process.exit(0);
 }
 const request = JSON.parse(readFileSync(0, "utf8"));
+if (mode === "jinja") {
+  const texts = request.cases.map((c) => new Template(c.template).render(c.variables));
+  process.stdout.write(JSON.stringify({ texts }));
+  process.exit(0);
+}
 const { tokenizer, config } = load(request.family);
 let answer;
 if (mode === "encode") {
