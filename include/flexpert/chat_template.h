@@ -19,6 +19,7 @@
 
 namespace flexpert {
 
+class Tokenizer;
 namespace jinja {
 struct Template;
 }
@@ -29,7 +30,8 @@ struct ChatRenderOptions {
   std::optional<bool> enable_thinking;
   // A JSON array of tool specifications, or empty for none.
   std::string tools_json;
-  // Values for the template's bos_token / eos_token variables.
+  // Values for the template's bos_token / eos_token variables; empty: those of the tokenizer
+  // the template came from (from_tokenizer), else empty.
   std::string bos_token;
   std::string eos_token;
 };
@@ -39,6 +41,9 @@ class ChatTemplate {
   // InvalidArgument (with line and what is unsupported) when the template uses Jinja outside
   // the subset or is malformed.
   static Result<std::unique_ptr<ChatTemplate>> parse(std::string_view source);
+  // The `chat_template` of the tokenizer's tokenizer_config.json, with its bos/eos token
+  // strings as render()'s defaults. NotFound when the config has no template.
+  static Result<std::unique_ptr<ChatTemplate>> from_tokenizer(const Tokenizer& tokenizer);
   ~ChatTemplate();
   ChatTemplate(const ChatTemplate&) = delete;
   ChatTemplate& operator=(const ChatTemplate&) = delete;
@@ -55,6 +60,7 @@ class ChatTemplate {
  private:
   explicit ChatTemplate(std::unique_ptr<jinja::Template> t);
   std::unique_ptr<jinja::Template> template_;
+  std::string default_bos_token_, default_eos_token_;
 };
 
 }  // namespace flexpert

@@ -65,6 +65,7 @@ const char kUsage[] =
     "  demo      [--out out/demo]   an elastic group under load: scale, kill, report\n"
     "  tokenize    --tokenizer DIR (--text T | --input FILE.jsonl)   prints {\"ids\": [...]}\n"
     "  detokenize  --tokenizer DIR --ids 1,2,3\n"
+    "  chat-template --tokenizer DIR --messages FILE.json [--add-generation-prompt]\n"
     "Run `flexpert <command> --help` for the flags of a command.\n";
 
 }  // namespace
@@ -87,6 +88,7 @@ int main(int argc, char** argv) {
   if (command == "demo") return cmd_demo(args);
   if (command == "tokenize") return cmd_tokenize(args);
   if (command == "detokenize") return cmd_detokenize(args);
+  if (command == "chat-template") return cmd_chat_template(args);
   std::fprintf(stderr, "flexpert: unknown command '%s'\n%s", command.c_str(), kUsage);
   return 2;
 }

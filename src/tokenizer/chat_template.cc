@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "flexpert/tokenizer.h"
 #include "tokenizer/jinja/eval.h"
 
 namespace flexpert {
@@ -17,6 +18,16 @@ Result<std::unique_ptr<ChatTemplate>> ChatTemplate::parse(std::string_view sourc
   auto t = jinja::parse_template(source);
   if (!t.ok()) return t.status().annotate("chat template");
   return std::unique_ptr<ChatTemplate>(new ChatTemplate(std::move(t).value()));
+}
+
+Result<std::unique_ptr<ChatTemplate>> ChatTemplate::from_tokenizer(const Tokenizer& tokenizer) {
+  if (tokenizer.chat_template().empty()) {
+    return not_found("tokenizer_config.json has no chat_template");
+  }
+  FLEX_ASSIGN_OR_RETURN(auto t, parse(tokenizer.chat_template()));
+  t->default_bos_token_ = tokenizer.bos_token();
+  t->default_eos_token_ = tokenizer.eos_token();
+  return t;
 }
 
 Result<std::string> ChatTemplate::render_variables(std::string_view variables_json) const {
@@ -41,8 +52,8 @@ Result<std::string> ChatTemplate::render(std::string_view messages_json,
   nlohmann::ordered_json vars = nlohmann::ordered_json::object();
   vars["messages"] = std::move(messages);
   vars["add_generation_prompt"] = options.add_generation_prompt;
-  vars["bos_token"] = options.bos_token;
-  vars["eos_token"] = options.eos_token;
+  vars["bos_token"] = options.bos_token.empty() ? default_bos_token_ : options.bos_token;
+  vars["eos_token"] = options.eos_token.empty() ? default_eos_token_ : options.eos_token;
   if (options.enable_thinking) vars["enable_thinking"] = *options.enable_thinking;
   if (!options.tools_json.empty()) {
     auto tools = nlohmann::ordered_json::parse(options.tools_json, nullptr, false);

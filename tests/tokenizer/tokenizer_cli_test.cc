@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// `flexpert tokenize` / `flexpert detokenize` as a user runs them on the published Qwen3
+// `flexpert tokenize` / `detokenize` / `chat-template` as a user runs them on the published Qwen3
 // tokenizer: the same ids as the library (itself checked against the JS reference), JSON-lines
 // input, and exit code 2 with a message for bad input.
 #include <gtest/gtest.h>
@@ -12,6 +12,7 @@
 #include <string>
 
 #include "../common/run_flexpert.h"
+#include "flexpert/chat_template.h"
 #include "flexpert/tokenizer.h"
 #include "js_reference.h"
 
@@ -78,9 +79,39 @@ TEST_F(TokenizerCliTest, TokenizeAndDetokenize) {
   EXPECT_EQ(r.out, "user\nhi\n");
 }
 
+TEST_F(TokenizerCliTest, ChatTemplate) {
+  auto tokenizer = flexpert::Tokenizer::load(model_);
+  ASSERT_TRUE(tokenizer.ok());
+  auto tmpl = flexpert::ChatTemplate::from_tokenizer(**tokenizer);
+  ASSERT_TRUE(tmpl.ok()) << tmpl.status().to_string();
+  const std::string messages =
+      R"([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"}])";
+  const std::string file = write("messages.json", messages);
+  flexpert::ChatRenderOptions options;
+  options.add_generation_prompt = true;
+  options.enable_thinking = false;
+  const std::string expected = (*tmpl)->render(messages, options).value();
+  ASSERT_NE(expected.find("<think>\n\n</think>"), std::string::npos);
+
+  flexpert_test::CliRun r =
+      flexpert_test::run_flexpert("chat-template --tokenizer " + model_ + " --messages " + file +
+                                  " --add-generation-prompt --enable-thinking false");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_EQ(r.out, expected);
+  r = flexpert_test::run_flexpert("chat-template --tokenizer " + model_ + " --messages " + file +
+                                  " --add-generation-prompt --enable-thinking false --ids");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_EQ(json::parse(r.out),
+            json({{"ids", (*tokenizer)->encode(expected, {.add_special_tokens = false}).value()}}));
+}
+
 TEST_F(TokenizerCliTest, BadInputExitsWithTwoAndAMessage) {
   const std::string bad_line = write("bad.jsonl", "{\"text\": \"ok\"}\n{\"txt\": 1}\n");
   const std::string t = " --tokenizer " + model_;
+  const std::string messages = write("m.json", R"([{"role": "user", "content": "x"}])");
+  const std::string no_template = (dir_ / "no_template").string();
+  fs::create_directories(no_template);
+  fs::create_symlink(model_ + "/tokenizer.json", no_template + "/tokenizer.json");
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"tokenize --text hi", "--tokenizer DIR is required"},
       {"tokenize" + t, "exactly one of"},
@@ -94,6 +125,12 @@ TEST_F(TokenizerCliTest, BadInputExitsWithTwoAndAMessage) {
       {"detokenize" + t + " --ids 1,x", "--ids"},
       {"detokenize" + t + " --ids 1,999999", "outside"},
       {"detokenize" + t + " --ids -5", "out of range"},
+      {"chat-template" + t, "--messages"},
+      {"chat-template" + t + " --messages /nonexistent.json", "cannot read"},
+      {"chat-template" + t + " --messages " + bad_line, "not a JSON array"},
+      {"chat-template" + t + " --messages " + messages + " --enable-thinking maybe",
+       "true or false"},
+      {"chat-template --tokenizer " + no_template + " --messages " + messages, "no chat_template"},
   };
   for (const auto& [args, says] : cases) {
     const flexpert_test::CliRun r = flexpert_test::run_flexpert(args);
