@@ -105,6 +105,24 @@ TEST_F(TokenizerCliTest, ChatTemplate) {
             json({{"ids", (*tokenizer)->encode(expected, {.add_special_tokens = false}).value()}}));
 }
 
+TEST_F(TokenizerCliTest, SynthWithTokenizer) {
+  const std::string out = (dir_ / "model").string();
+  flexpert_test::CliRun r = flexpert_test::run_flexpert(
+      "synth --preset tiny --layers 1 --dtype bf16 --tokenizer " + model_ + " --out " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  std::ifstream config_file(out + "/config.json");
+  const json config = json::parse(config_file);
+  auto tokenizer = flexpert::Tokenizer::load(out);  // The copied files load.
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status().to_string();
+  EXPECT_EQ(config["vocab_size"], (*tokenizer)->vocab_size());
+  // Qwen3's tokenizer_config.json names <|im_end|> as its eos_token.
+  EXPECT_EQ(config["eos_token_id"], *(*tokenizer)->token_to_id("<|im_end|>"));
+  r = flexpert_test::run_flexpert("synth --preset tiny --layers 1 --vocab-size 1000 --tokenizer " +
+                                  model_ + " --out " + out);
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_NE(r.out.find("smaller than the tokenizer"), std::string::npos) << r.out;
+}
+
 TEST_F(TokenizerCliTest, BadInputExitsWithTwoAndAMessage) {
   const std::string bad_line = write("bad.jsonl", "{\"text\": \"ok\"}\n{\"txt\": 1}\n");
   const std::string t = " --tokenizer " + model_;
