@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "flexpert/tokenizer.h"
@@ -214,6 +215,39 @@ TEST(TokenizerUnitTest, IncrementalDecoderOnPublishedTokenizers) {
       expect_streams_like_decode(**t, *ids, *bytes);
     }
   }
+}
+
+TEST(TokenizerUnitTest, ConcurrentEncodesAgreeWithOneThread) {
+  // One Tokenizer shared by threads, as a server shares it: the per-word cache and PCRE2's
+  // per-thread match state must not mix results.
+  if (!std::filesystem::exists(flexpert_test::model_dir("qwen3") + "/tokenizer.json")) {
+    GTEST_SKIP() << "published tokenizer files missing";
+  }
+  auto loaded = Tokenizer::load(flexpert_test::model_dir("qwen3"));
+  ASSERT_TRUE(loaded.ok());
+  const Tokenizer& t = **loaded;
+  std::vector<std::string> texts;
+  for (int i = 0; i < 64; ++i) {
+    texts.push_back("word" + std::to_string(i * 7919) + " Привет " + std::to_string(i) +
+                    " 你好世界 <|im_end|> tail" + std::string(static_cast<size_t>(i % 5), ' '));
+  }
+  std::vector<std::vector<int32_t>> expected;
+  for (const std::string& text : texts) expected.push_back(val(t.encode(text)));
+  std::vector<int> mismatches(4, 0);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 4; ++w) {
+    threads.emplace_back([&, w] {
+      for (int rep = 0; rep < 20; ++rep) {
+        for (size_t i = 0; i < texts.size(); ++i) {
+          const size_t k = (i + static_cast<size_t>(w * 13 + rep)) % texts.size();
+          auto ids = t.encode(texts[k]);
+          if (!ids.ok() || *ids != expected[k]) ++mismatches[w];
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(mismatches, std::vector<int>(4, 0));
 }
 
 TEST(TokenizerUnitTest, BadInputIsInvalidArgument) {
