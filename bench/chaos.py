@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 # SPDX-License-Identifier: Apache-2.0
 """Chaos benchmark: random kills, stops, scales and rebalances under load against the
-real `flexpert serve` binary, for a bounded time (docs/benchmarks.md, "Chaos").
+real `flexpert serve` binary, for a bounded time (docs/benchmarks.md, "Losing a rank").
 
 Streaming greedy clients send the reference prompts of the tiny checkpoint and check
 every completion against its reference; the longest gap between two tokens of one

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Expert parallelism on one GPU (issue 6), on the GPU machine, with the binaries that
+# Expert parallelism on one GPU, on the GPU machine, with the binaries that
 #   BUILD=build-gep PACK=.gpu-gep bash scripts/gpu_pack.sh     (carry .gpu-gep)
 # packed: the EP unit tests, the serve system test (4 ranks under MPS, reference tokens,
 # rebalance, scale 4 -> 3 -> 4, graph captures) with the device exchange and again with

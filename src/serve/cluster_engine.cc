@@ -163,7 +163,7 @@ Status ClusterEngine::Impl::start() {
     extra = std::max(extra, E * (options_.min_replicas - 1));
   }
   if (spec.empty() || spec == "identity" || spec.rfind("replicate:", 0) == 0) {
-    // Capacity for the smallest group it may shrink to (design intent 1).
+    // Capacity for the smallest group it may shrink to (docs/ARCHITECTURE.md, "Capacity").
     const int min_ranks =
         options_.min_ranks > 0 ? std::min(options_.min_ranks, options_.ranks) : options_.ranks;
     slots_per_rank_ = options_.slots_per_rank > 0 ? options_.slots_per_rank
