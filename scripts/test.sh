@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --deps-only
 jobs=$(nproc)
 
+echo "== module order"
+bash scripts/check_modules.sh
+
 echo "== clang-format check"
 git ls-files '*.h' '*.cc' '*.cu' '*.cuh' | xargs clang-format --dry-run --Werror
 

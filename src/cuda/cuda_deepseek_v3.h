@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/rope.h"
 #include "cuda/blas.h"
 #include "cuda/device.h"
 #include "cuda/ep_moe.h"
@@ -37,14 +38,13 @@
 #include "cuda/moe_layer.h"
 #include "flexpert/checkpoint.h"
 #include "flexpert/model.h"
-#include "model/rope.h"
 
 namespace flexpert::cuda {
 
 // Loads a deepseek_v3 / deepseek_v2 checkpoint onto the GPU named by options.device.
-// `rope` holds the config's RoPE frequencies and scales (model/rope.h rope_tables() for
-// qk_rope_head_dim; passed in because that code lives in the model library, which
-// links this one). Errors as load_cuda_model (cuda_model.h).
+// `rope` holds the config's RoPE frequencies and scales (checkpoint/rope.h rope_tables()
+// for qk_rope_head_dim; the factory, src/factory, computes them). Errors as
+// load_cuda_model (cuda_model.h).
 Result<std::unique_ptr<Model>> load_cuda_deepseek_model(const std::string& dir,
                                                         const ModelOptions& options,
                                                         const RopeTables& rope);

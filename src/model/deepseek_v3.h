@@ -17,9 +17,9 @@
 
 #include <memory>
 
+#include "checkpoint/rope.h"
 #include "flexpert/checkpoint.h"
 #include "flexpert/model.h"
-#include "model/rope.h"
 #include "model/routed_experts.h"
 
 namespace flexpert {

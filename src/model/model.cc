@@ -1,34 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
-// Model::load: the model class for a checkpoint's model_type.
+// The CPU model class for a checkpoint's model_type (Model::load is src/factory's).
 #include "flexpert/model.h"
 
 #include <string>
 
 #include "kernels/cpu_ops.h"
+#include "model/cpu_model.h"
 #include "model/deepseek_v3.h"
 #include "model/qwen3_moe.h"
-#include "model/rope.h"
-#ifdef FLEXPERT_WITH_CUDA
-#include "cuda/cuda_deepseek_v3.h"
-#include "cuda/cuda_model.h"
-#endif
 
 namespace flexpert {
 
-Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
-  if (options.device != "cpu") {
-#ifdef FLEXPERT_WITH_CUDA
-    // DeepSeek gets its RoPE tables from here: model/rope.cc is this library's.
-    auto config = ModelConfig::load(dir);
-    if (config.ok() && config->is_deepseek()) {
-      return cuda::load_cuda_deepseek_model(dir, options,
-                                            rope_tables(*config, config->qk_rope_head_dim));
-    }
-    return cuda::load_cuda_model(dir, options);
-#else
-    return unimplemented("device '" + options.device + "': this build has no CUDA support");
-#endif
-  }
+Result<std::unique_ptr<Model>> load_cpu_model(const std::string& dir, const ModelOptions& options) {
   FLEX_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::load(dir));
   FLEX_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::open(dir));
   if (config.model_type == "qwen3_moe") {

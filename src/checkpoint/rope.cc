@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "model/rope.h"
+#include "checkpoint/rope.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,0 +1,30 @@
+// SPDX-License-Identifier: Apache-2.0
+// Model::load: the model class for a checkpoint and a device. It sits above both
+// backends (docs/ARCHITECTURE.md, "Modules"): the CPU models of src/model and the
+// CUDA models of src/cuda, neither of which includes the other.
+#include "flexpert/model.h"
+
+#include "model/cpu_model.h"
+#ifdef FLEXPERT_WITH_CUDA
+#include "checkpoint/rope.h"
+#include "cuda/cuda_deepseek_v3.h"
+#include "cuda/cuda_model.h"
+#endif
+
+namespace flexpert {
+
+Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
+  if (options.device == "cpu") return load_cpu_model(dir, options);
+#ifdef FLEXPERT_WITH_CUDA
+  auto config = ModelConfig::load(dir);
+  if (config.ok() && config->is_deepseek()) {
+    return cuda::load_cuda_deepseek_model(dir, options,
+                                          rope_tables(*config, config->qk_rope_head_dim));
+  }
+  return cuda::load_cuda_model(dir, options);
+#else
+  return unimplemented("device '" + options.device + "': this build has no CUDA support");
+#endif
+}
+
+}  // namespace flexpert
