@@ -18,6 +18,7 @@
 #include "checkpoint/synth.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
+#include "cli/step_floor.h"
 #include "flexpert/model.h"
 #include "flexpert/thread_pool.h"
 #include "kernels/cpu_ops.h"
@@ -75,7 +76,9 @@ Status run_generate_bench(const Flags& flags) {
   const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
   ModelOptions options;
   options.max_sequences = static_cast<int>(max_batch);
-  options.max_seq_len = static_cast<int>(prompt_len + gen_tokens + 1);
+  const bool floor = flags.flag("floor");
+  constexpr int kCounted = 4;  // --floor: decode steps that count the routed experts.
+  options.max_seq_len = static_cast<int>(prompt_len + gen_tokens + 1 + (floor ? kCounted : 0));
   options.device = flags.str("device");
   FLEX_ASSIGN_OR_RETURN(options.device_dtype, parse_weight_dtype(flags.str("cuda-dtype")));
   Progress progress("loading " + dir);
@@ -83,10 +86,23 @@ Status run_generate_bench(const Flags& flags) {
   FLEX_ASSIGN_OR_RETURN(auto model, Model::load(dir, options));
   progress.finish();
   const ModelConfig& c = model->config();
+  // --floor: what a decode step must read, against the copy bandwidth measured now.
+  StepBytes floor_bytes;
+  double copy_rate = 0;
+  if (floor) {
+    FLEX_ASSIGN_OR_RETURN(floor_bytes, step_bytes(dir, c, options.device, options.device_dtype));
+    FLEX_ASSIGN_OR_RETURN(copy_rate, copy_bytes_per_s(options.device));
+    std::printf(
+        "floor: %.1f MB dense per step, %.2f MB per expert, %.1f KB KV per token "
+        "(%s); copy %.0f GB/s (read + write)\n",
+        floor_bytes.dense / 1e6, floor_bytes.expert / 1e6, floor_bytes.kv_per_token / 1e3,
+        floor_bytes.weights_dtype.c_str(), copy_rate / 1e9);
+  }
 
   std::mt19937 rng(1);
   nlohmann::json runs = nlohmann::json::array();
-  std::printf("%-6s %12s %12s %14s\n", "batch", "prefill tok/s", "decode tok/s", "decode ms/step");
+  std::printf("%-6s %12s %12s %14s%s\n", "batch", "prefill tok/s", "decode tok/s", "decode ms/step",
+              floor ? "   experts/step  floor ms  % of floor" : "");
   Tensor logits;
   std::vector<int32_t> tokens;
   std::mt19937_64 draws(7);
@@ -136,11 +152,41 @@ Status run_generate_bench(const Flags& flags) {
       FLEX_RETURN_IF_ERROR(step());
     }
     const double decode_s = seconds_since(t0);
+    // The floor's expert term: slots each layer routed to, over a few more (untimed)
+    // decode steps; a step reads each such slot once whatever its number of rows.
+    double experts_per_step = 0, floor_ms = 0;
+    if (floor) {
+      double slots = 0;
+      for (int s = 0; s < kCounted; ++s) {
+        for (int64_t i = 0; i < b; ++i) {
+          batch[i].start_pos = static_cast<int>(prompt_len + gen_tokens + s);
+          batch[i].tokens = {tokens[i]};
+        }
+        model->reset_slot_counts();
+        FLEX_RETURN_IF_ERROR(step());
+        for (const auto& layer : model->slot_counts()) {
+          slots += static_cast<double>(
+              std::count_if(layer.begin(), layer.end(), [](int64_t n) { return n > 0; }));
+        }
+      }
+      experts_per_step = slots / kCounted;
+      const double context =
+          static_cast<double>(prompt_len) + 0.5 * static_cast<double>(gen_tokens);
+      const double bytes = floor_bytes.dense + experts_per_step * floor_bytes.expert +
+                           static_cast<double>(b) * context * floor_bytes.kv_per_token;
+      // At the copy rate (read + write counted): what a read stream reaches on these chips.
+      floor_ms = 1e3 * bytes / copy_rate;
+    }
     const double prefill_tps = static_cast<double>(b * prompt_len) / prefill_s;
     const double decode_tps = static_cast<double>(b * gen_tokens) / decode_s;
     const double step_ms = 1e3 * decode_s / static_cast<double>(gen_tokens);
-    std::printf("%-6lld %12.1f %12.1f %14.2f\n", static_cast<long long>(b), prefill_tps, decode_tps,
+    std::printf("%-6lld %12.1f %12.1f %14.2f", static_cast<long long>(b), prefill_tps, decode_tps,
                 step_ms);
+    if (floor) {
+      std::printf(" %14.1f %9.3f %10.1f %%", experts_per_step, floor_ms,
+                  100.0 * floor_ms / step_ms);
+    }
+    std::printf("\n");
     std::fflush(stdout);
     runs.push_back({{"batch", b},
                     {"prefill_tokens_per_s", prefill_tps},
@@ -148,6 +194,11 @@ Status run_generate_bench(const Flags& flags) {
                     {"decode_ms_per_step", step_ms},
                     {"prefill_s", prefill_s},
                     {"decode_s", decode_s}});
+    if (floor) {
+      runs.back()["experts_per_step"] = experts_per_step;
+      runs.back()["floor_ms"] = floor_ms;
+      runs.back()["floor_fraction"] = floor_ms / step_ms;
+    }
   }
   nlohmann::json out = {{"benchmark", "generate"},
                         {"model", dir},
@@ -164,6 +215,12 @@ Status run_generate_bench(const Flags& flags) {
                         {"threads", ThreadPool::global().num_threads()},
                         {"hardware_threads", std::thread::hardware_concurrency()},
                         {"runs", runs}};
+  if (floor) {
+    out["floor"] = {{"dense_bytes", floor_bytes.dense},
+                    {"expert_bytes", floor_bytes.expert},
+                    {"kv_bytes_per_token", floor_bytes.kv_per_token},
+                    {"copy_bytes_per_s", copy_rate}};
+  }
   if (flags.has("json")) {
     std::ofstream f(flags.str("json"));
     f << out.dump(2) << "\n";
@@ -248,6 +305,7 @@ int cmd_bench(const Args& args) {
       .value("device", "cpu", "cpu, cuda or cuda:N")
       .value("cuda-dtype", "bf16", "weights and activations on the GPU: bf16 or f32")
       .value("json", "", "write results to this file")
+      .boolean("floor", "also the step's byte floor and the % of it reached (decode)")
       .boolean("help", "show this help");
   const Args rest(args.begin() + 1, args.end());
   if (Status s = flags.parse(rest); !s.ok()) return report_error("bench generate", s);

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 
 #include "flexpert/logging.h"
@@ -50,6 +51,25 @@ Result<int> parse_device(const std::string& spec) {
 }
 
 Status set_device(int device) { return cuda_status(cudaSetDevice(device), "cudaSetDevice"); }
+
+Result<double> copy_bytes_per_s(size_t num_bytes) {
+  FLEX_ASSIGN_OR_RETURN(DeviceBuffer a, DeviceBuffer::create_zeroed(num_bytes));
+  FLEX_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::create(num_bytes));
+  FLEX_ASSIGN_OR_RETURN(Stream stream, Stream::create());
+  FLEX_ASSIGN_OR_RETURN(Event start, Event::create());
+  FLEX_ASSIGN_OR_RETURN(Event end, Event::create());
+  double best = 0;
+  for (int i = 0; i < 6; ++i) {
+    FLEX_RETURN_IF_ERROR(start.record(stream.get()));
+    FLEX_CUDA_TRY(
+        cudaMemcpyAsync(b.data(), a.data(), num_bytes, cudaMemcpyDeviceToDevice, stream.get()));
+    FLEX_RETURN_IF_ERROR(end.record(stream.get()));
+    FLEX_RETURN_IF_ERROR(end.synchronize());
+    FLEX_ASSIGN_OR_RETURN(float ms, Event::elapsed_ms(start, end));
+    if (i > 0 && ms > 0) best = std::max(best, 2.0 * static_cast<double>(num_bytes) / (ms * 1e-3));
+  }
+  return best;
+}
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
   if (this != &o) {

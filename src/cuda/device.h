@@ -146,6 +146,11 @@ class GraphExec {
 // Makes `device` current for the calling thread.
 Status set_device(int device);
 
+// Read plus written bytes per second of a device-to-device copy of `num_bytes` on the
+// current device (the best of five after a warm-up): the bandwidth a memory-bound
+// kernel can reach, measured rather than taken from a datasheet.
+Result<double> copy_bytes_per_s(size_t num_bytes);
+
 // New device buffers filled from the host (synchronous: model loading): raw bytes, a
 // tensor converted to `dtype`, or tensors of one width stacked along rows.
 Result<DeviceBuffer> upload(const void* data, size_t num_bytes);
