@@ -3,6 +3,7 @@
 // and cluster_eplb.cc (load statistics, rebalancing). Not an API.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -46,6 +47,21 @@ enum class Phase {
 const char* phase_name(Phase p);
 
 const char* state_name(RankState s);
+
+// How long a scale-up's copies or a recovery's reloads may take.
+constexpr auto kPullTimeout = std::chrono::seconds(120);
+
+inline double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// The ranks of both, sorted, each once.
+inline std::vector<int> sorted_union(std::vector<int> a, const std::vector<int>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  std::sort(a.begin(), a.end());
+  a.erase(std::unique(a.begin(), a.end()), a.end());
+  return a;
+}
 
 struct RankInfo {
   RankState state = RankState::kEmpty;

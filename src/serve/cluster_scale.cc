@@ -34,19 +34,7 @@ namespace flexpert {
 namespace {
 
 constexpr auto kConnectTimeout = std::chrono::seconds(30);
-constexpr auto kPullTimeout = std::chrono::seconds(120);
 constexpr auto kApplyTimeout = std::chrono::seconds(30);
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-std::vector<int> sorted_union(std::vector<int> a, const std::vector<int>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  std::sort(a.begin(), a.end());
-  a.erase(std::unique(a.begin(), a.end()), a.end());
-  return a;
-}
 
 }  // namespace
 

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "../common/run_flexpert.h"
+#include "../common/scratch_dir.h"
 
 namespace {
 
@@ -26,17 +27,11 @@ CliRun run(const std::string& args) { return flexpert_test::run_flexpert(args); 
 
 class EplbCliTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("flexpert_eplb_cli_" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
   std::string write(const std::string& name, const std::string& text) {
-    const fs::path p = dir_ / name;
-    std::ofstream(p) << text;
-    return p.string();
+    return scratch_.write(name, text);
   }
-  fs::path dir_;
+  flexpert_test::ScratchDir scratch_{"flexpert_eplb_cli"};
+  const fs::path& dir_ = scratch_.path();
 };
 
 const char kCases[] = R"({"cases": [

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "../common/run_flexpert.h"
+#include "../common/scratch_dir.h"
 #include "flexpert/chat_template.h"
 #include "flexpert/tokenizer.h"
 #include "js_reference.h"
@@ -24,20 +25,16 @@ using nlohmann::json;
 class TokenizerCliTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("flexpert_tok_cli_" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
     model_ = flexpert_test::model_dir("qwen3");
     if (!fs::exists(model_ + "/tokenizer.json")) {
       GTEST_SKIP() << model_ << " missing: bash scripts/setup.sh --deps-only installs it";
     }
   }
-  void TearDown() override { fs::remove_all(dir_); }
   std::string write(const std::string& name, const std::string& text) {
-    const fs::path p = dir_ / name;
-    std::ofstream(p) << text;
-    return p.string();
+    return scratch_.write(name, text);
   }
-  fs::path dir_;
+  flexpert_test::ScratchDir scratch_{"flexpert_tok_cli"};
+  const fs::path& dir_ = scratch_.path();
   std::string model_;
 };
 
