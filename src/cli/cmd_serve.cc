@@ -121,7 +121,15 @@ Status run_serve(const Flags& flags) {
                           });
     server.add_post_route(
         "/v1/eplb/drain", [cluster](const nlohmann::json& body) -> Result<nlohmann::json> {
-          const bool cancel = body.is_object() && body.value("cancel", false);
+          bool cancel = false;
+          if (!body.is_null()) {
+            if (!body.is_object()) return invalid_argument("body must be a JSON object");
+            auto it = body.find("cancel");
+            if (it != body.end() && !it->is_null()) {
+              if (!it->is_boolean()) return invalid_argument("\"cancel\" must be true or false");
+              cancel = it->get<bool>();
+            }
+          }
           const bool was_running = cluster->drain_rebalance(cancel);
           return nlohmann::json{{"was_running", was_running}, {"cancelled", cancel && was_running}};
         });

@@ -11,8 +11,10 @@ namespace flexpert::cli {
 
 int report_error(const std::string& command, const Status& status) {
   std::fprintf(stderr, "flexpert %s: %s\n", command.c_str(), status.to_string().c_str());
-  const bool user_error =
-      status.code() == StatusCode::kInvalidArgument || status.code() == StatusCode::kNotFound;
+  // A corrupt input file (DataLoss) is bad input too, like a wrong flag.
+  const bool user_error = status.code() == StatusCode::kInvalidArgument ||
+                          status.code() == StatusCode::kNotFound ||
+                          status.code() == StatusCode::kDataLoss;
   return user_error ? 2 : 1;
 }
 

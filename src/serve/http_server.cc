@@ -12,6 +12,7 @@
 #include <string_view>
 #include <thread>
 
+#include "core/json_limits.h"
 #include "flexpert/logging.h"
 #include "serve/completion_api.h"
 
@@ -293,6 +294,10 @@ void HttpServer::handle_admin(const AdminHandler& handler, const httplib::Reques
   }
   json body = nullptr;
   if (!req.body.empty()) {
+    if (Status s = check_json_nesting(req.body, "the request body"); !s.ok()) {
+      send_json(res, 400, status_error_json(s));
+      return;
+    }
     body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
     if (body.is_discarded()) {
       send_json(res, 400,
