@@ -4,10 +4,13 @@
 #include "serve/http_server.h"
 
 #include <httplib.h>
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <random>
 #include <string_view>
 #include <thread>
@@ -15,6 +18,7 @@
 #include "core/json_limits.h"
 #include "flexpert/logging.h"
 #include "serve/completion_api.h"
+#include "serve/http_gate.h"
 
 namespace flexpert {
 namespace {
@@ -25,13 +29,83 @@ constexpr int kListenBacklog = 512;
 // How long stop() waits for requests to get their final answer out.
 constexpr auto kStopGrace = std::chrono::seconds(2);
 
+}  // namespace
+
 // NOTE: httplib listens with a backlog of 5 (a compile-time constant of the
 // Debian library). A burst of concurrent clients then overflows the accept queue
 // and their SYNs are retried after a second, which shows up as 1 s latency
 // outliers. Linux lets listen() on a listening socket raise the backlog.
+//
+// httplib's own accept loop holds a pool thread per connection from its first
+// byte, with no deadline for the request (docs/ARCHITECTURE.md, "Trust
+// boundaries"); HttpGate accepts instead and hands over complete requests, which
+// httplib's request processing (routing, handlers, responses) then answers.
 class ListenServer : public httplib::Server {
  public:
   void raise_backlog(int backlog) { (void)::listen(svr_sock_, backlog); }
+  int listen_socket() const { return svr_sock_; }
+  // Answers one request read from `stream`; false when the connection must close.
+  bool serve(httplib::Stream& stream) {
+    bool connection_closed = false;
+    const bool ok = process_request(stream, /*close_connection=*/false, connection_closed,
+                                    [](httplib::Request&) {});
+    return ok && !connection_closed;
+  }
+  // Stream providers poll whether the listener is open: this ends them.
+  void mark_stopped() { svr_sock_ = INVALID_SOCKET; }
+};
+
+namespace {
+
+// A connection as httplib reads and writes it: the request comes from the bytes the
+// gate read whole (so no read waits on the client), the response goes to the socket
+// with a timeout per write.
+class GatedStream : public httplib::Stream {
+ public:
+  GatedStream(const GatedRequest& request, int write_timeout_ms)
+      : request_(request), write_timeout_ms_(write_timeout_ms) {}
+
+  bool is_readable() const override { return pos_ < request_.bytes.size(); }
+  bool is_writable() const override {
+    pollfd p{request_.fd, POLLOUT, 0};
+    return ::poll(&p, 1, write_timeout_ms_) > 0 && (p.revents & (POLLERR | POLLHUP)) == 0;
+  }
+  ssize_t read(char* ptr, size_t size) override {
+    const size_t n = std::min(size, request_.bytes.size() - pos_);
+    std::memcpy(ptr, request_.bytes.data() + pos_, n);
+    pos_ += n;
+    return static_cast<ssize_t>(n);  // 0 past the request: httplib sees its end.
+  }
+  ssize_t write(const char* ptr, size_t size) override {
+    size_t done = 0;
+    while (done < size) {
+      const ssize_t n = ::send(request_.fd, ptr + done, size - done, MSG_NOSIGNAL);
+      if (n > 0) {
+        done += static_cast<size_t>(n);
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && is_writable()) {
+        continue;
+      } else {
+        return -1;  // A reader slower than the write timeout, or gone.
+      }
+    }
+    return static_cast<ssize_t>(size);
+  }
+  void get_remote_ip_and_port(std::string& ip, int& port) const override {
+    ip = request_.peer;
+    port = 0;
+  }
+  void get_local_ip_and_port(std::string& ip, int& port) const override {
+    ip.clear();
+    port = 0;
+  }
+  socket_t socket() const override { return request_.fd; }
+
+ private:
+  const GatedRequest& request_;
+  const int write_timeout_ms_;
+  size_t pos_ = 0;
 };
 
 void send_json(httplib::Response& res, int status, const json& body) {
@@ -128,12 +202,9 @@ void HttpServer::add_get_route(const std::string& path,
 Status HttpServer::start() {
   FLEX_CHECK(!server_) << "start() called twice";
   auto server = std::make_unique<ListenServer>();
-  const size_t num_threads = static_cast<size_t>(std::max(1, options_.num_threads));
-  server->new_task_queue = [num_threads] { return new httplib::ThreadPool(num_threads); };
   server->set_payload_max_length(options_.max_body_bytes);
   server->set_keep_alive_timeout(options_.keep_alive_timeout_s);
   server->set_keep_alive_max_count(10000);
-  server->set_tcp_nodelay(true);  // Stream events are small writes: no Nagle delay.
   // NOTE: httplib's default sets SO_REUSEPORT, which lets a second server bind the
   // same port and silently take half the traffic. SO_REUSEADDR alone still allows
   // a quick restart but makes a busy port an error.
@@ -183,22 +254,30 @@ Status HttpServer::start() {
   }
   server->raise_backlog(kListenBacklog);
 
-  auto listen_returned = std::make_shared<std::atomic<bool>>(false);  // Shared with the thread.
+  HttpGateOptions gate;
+  gate.request_timeout_ms = options_.request_timeout_ms;
+  gate.max_body_bytes = options_.max_body_bytes;
+  gate.max_connections = options_.max_connections;
+  gate.max_connections_per_client = options_.max_connections_per_client;
+  gate.num_threads = options_.num_threads;
+  gate.num_light_threads = options_.num_light_threads;
   ListenServer* raw = server.get();
+  const int write_timeout_ms = options_.write_timeout_ms;
+  auto gate_server = std::make_unique<HttpGate>(
+      gate,
+      [raw, write_timeout_ms](const GatedRequest& request) {
+        GatedStream stream(request, write_timeout_ms);
+        return raw->serve(stream);
+      },
+      [this](const std::string& method, const std::string& path) {
+        return is_light_route(method, path);
+      });
+  if (Status s = gate_server->start(raw->listen_socket()); !s.ok()) {
+    ::close(raw->listen_socket());
+    return s.annotate("starting the HTTP accept loop on " + where);
+  }
   server_ = std::move(server);
-  listen_thread_ = std::thread([raw, listen_returned] {
-    raw->listen_after_bind();
-    *listen_returned = true;
-  });
-  // stop() only works once the accept loop runs, so start() returns only then.
-  while (!raw->is_running() && !*listen_returned) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  if (!raw->is_running()) {
-    listen_thread_.join();
-    server_.reset();
-    return unavailable("the HTTP accept loop on " + where + " failed to start");
-  }
+  gate_ = std::move(gate_server);
   port_ = port;
   FLEX_LOG(INFO) << "serving on http://" << options_.host << ":" << port_;
   return Status();
@@ -246,9 +325,16 @@ void HttpServer::stop() {
   while (num_open_exchanges_.load() > 0 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  server_->stop();
-  if (listen_thread_.joinable()) listen_thread_.join();  // Joins httplib's workers too.
+  server_->mark_stopped();  // Stream providers end (they have sent their final event).
+  gate_->stop();            // Closes the listener; joins the pools.
+  gate_.reset();
   server_.reset();
+}
+
+bool HttpServer::is_light_route(const std::string& method, const std::string& path) const {
+  // Quick, read-only routes, answered by their own pool whatever holds the other.
+  if (method != "GET") return false;
+  return path == "/health" || path == "/metrics" || path == "/v1/models" || path == "/v1/status";
 }
 
 void HttpServer::handle_health(httplib::Response& res) {
