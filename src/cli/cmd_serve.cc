@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // `flexpert serve` (front end + workers behind HTTP) and `flexpert worker` (one rank).
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <cstdio>
 
@@ -21,6 +22,16 @@ Result<int> int_flag(const Flags& flags, const std::string& name, int64_t min_va
     return invalid_argument("--" + name + " must be >= " + std::to_string(min_value));
   }
   return static_cast<int>(v);
+}
+
+// Every HTTP connection is a descriptor: the soft limit (often 1024) would cap the
+// server below --http-max-connections, so it is raised to the hard limit.
+void raise_open_file_limit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    (void)::setrlimit(RLIMIT_NOFILE, &limit);
+  }
 }
 
 ClusterEngine* cluster_ = nullptr;  // Set when serving a group (not --local).
@@ -105,7 +116,12 @@ Status run_serve(const Flags& flags) {
   HttpOptions http;
   http.host = flags.str("host");
   FLEX_ASSIGN_OR_RETURN(http.port, int_flag(flags, "port", 0));
-  http.admin_key = flags.str("admin-key");
+  FLEX_ASSIGN_OR_RETURN(http.admin_key, admin_key_from(flags));
+  FLEX_ASSIGN_OR_RETURN(http.max_connections, int_flag(flags, "http-max-connections", 1));
+  FLEX_ASSIGN_OR_RETURN(http.max_connections_per_client,
+                        int_flag(flags, "http-max-connections-per-client", 1));
+  FLEX_ASSIGN_OR_RETURN(http.request_timeout_ms, int_flag(flags, "http-request-timeout-ms", 1));
+  raise_open_file_limit();
   http.model_name = flags.str("served-model-name");
   HttpServer server(*engine, http);
   if (cluster_ != nullptr) {
@@ -167,7 +183,15 @@ int cmd_serve(const Args& args) {
       .value("host", "127.0.0.1", "HTTP address")
       .value("port", "8000", "HTTP port (0: any free port)")
       .value("control-port", "0", "ZeroMQ control port (0: any free port)")
-      .value("admin-key", "", "bearer key required by admin endpoints")
+      .value("admin-key", "",
+             "bearer key for admin routes and /v1/status detail (visible in ps: prefer "
+             "FLEXPERT_ADMIN_KEY or --admin-key-file)")
+      .value("admin-key-file", "", "a file whose first line is the admin key")
+      .value("http-max-connections", "1024", "open HTTP connections in all (more get 503)")
+      .value("http-max-connections-per-client", "256",
+             "open HTTP connections per client address (more get 503)")
+      .value("http-request-timeout-ms", "10000",
+             "for a request's headers and body to arrive (408 otherwise)")
       .value("served-model-name", "flexpert", "the model name in responses")
       .value("eplb-window-s", "30", "EPLB load window (seconds)")
       .value("eplb-interval-s", "60", "seconds between automatic rebalances (with --eplb)")

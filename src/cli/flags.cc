@@ -1,9 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "cli/flags.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
+
+#include "flexpert/logging.h"
 
 namespace flexpert::cli {
 
@@ -101,6 +108,45 @@ std::string Flags::help() const {
     out << "\n      " << spec.help << "\n";
   }
   return out.str();
+}
+
+Result<std::string> admin_key_from(const Flags& flags) {
+  const bool has_file = !flags.str("admin-key-file").empty();
+  const bool has_flag = !flags.str("admin-key").empty();
+  if (has_file && has_flag) {
+    return invalid_argument("give --admin-key-file or --admin-key, not both");
+  }
+  if (has_file) {
+    const std::string path = flags.str("admin-key-file");
+    // O_NONBLOCK: a FIFO must not hang the start; only a regular file is read.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) return invalid_argument("--admin-key-file " + path + ": " + std::strerror(errno));
+    struct stat st;
+    char buf[4096];
+    ssize_t n = -1;
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size < 4096) {
+      n = ::read(fd, buf, sizeof(buf));
+    }
+    ::close(fd);
+    if (n < 0) {
+      return invalid_argument("--admin-key-file " + path +
+                              ": not a readable regular file under 4 KiB");
+    }
+    std::string key(buf, static_cast<size_t>(n));
+    key = key.substr(0, key.find_first_of("\r\n"));
+    while (!key.empty() && (key.back() == ' ' || key.back() == '\t')) key.pop_back();
+    if (key.empty()) return invalid_argument("--admin-key-file " + path + " holds no key");
+    return key;
+  }
+  if (const char* env = std::getenv("FLEXPERT_ADMIN_KEY"); env != nullptr && *env != '\0') {
+    if (has_flag) return invalid_argument("give FLEXPERT_ADMIN_KEY or --admin-key, not both");
+    return std::string(env);
+  }
+  if (has_flag) {
+    FLEX_LOG(WARN) << "--admin-key is visible to every user of this host (/proc/PID/cmdline); "
+                      "prefer FLEXPERT_ADMIN_KEY or --admin-key-file";
+  }
+  return flags.str("admin-key");
 }
 
 }  // namespace flexpert::cli

@@ -45,4 +45,10 @@ class Flags {
 
 Result<int64_t> parse_int(const std::string& text, const std::string& what);
 
+// The admin key from --admin-key-file (its first line), else the FLEXPERT_ADMIN_KEY
+// environment variable, else --admin-key (visible to every user in /proc/PID/cmdline:
+// kept for compatibility, with a warning). "" when none is given. Both flags at once,
+// an unreadable or empty file: InvalidArgument.
+Result<std::string> admin_key_from(const Flags& flags);
+
 }  // namespace flexpert::cli

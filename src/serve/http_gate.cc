@@ -25,6 +25,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr size_t kReadChunk = 64 << 10;
+// Connections accepted beyond a cap for light routes only (see accept_all).
+constexpr int kLightReserve = 16;
 
 std::string peer_address(const sockaddr_storage& addr) {
   char text[INET6_ADDRSTRLEN] = {0};
@@ -138,7 +140,18 @@ struct HttpGate::Conn {
   std::string buf;  // Bytes read and not yet handed over (a request, or its start).
   Clock::time_point deadline;
   bool sent_continue = false;
+  bool over_cap = false;  // Accepted into the reserve: light routes only.
 };
+
+std::string HttpGate::over_cap_message(int total, int by_peer) const {
+  if (total >= options_.max_connections) {
+    return "the server has " + std::to_string(total) +
+           " connections open, its limit (--http-max-connections); retry later";
+  }
+  return "this client has " + std::to_string(by_peer) +
+         " connections open, the limit per client (--http-max-connections-per-client); "
+         "retry later";
+}
 
 HttpGate::HttpGate(HttpGateOptions options, Serve serve, IsLight is_light)
     : options_(options), serve_(std::move(serve)), is_light_(std::move(is_light)) {}
@@ -281,12 +294,14 @@ void HttpGate::accept_all() {
     std::string refusal;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (num_open_ >= options_.max_connections) {
-        refusal = "the server has " + std::to_string(num_open_) +
-                  " connections open, its limit; retry later";
-      } else if (open_by_peer_[conn->peer] >= options_.max_connections_per_client) {
-        refusal = "this client has " + std::to_string(open_by_peer_[conn->peer]) +
-                  " connections open, the limit per client; retry later";
+      const int by_peer = open_by_peer_[conn->peer];
+      // Over a cap, a connection is still read (within a small reserve) but served
+      // only if it asks for a light route: a client at its cap can still probe /health.
+      conn->over_cap =
+          num_open_ >= options_.max_connections || by_peer >= options_.max_connections_per_client;
+      if (num_open_ >= options_.max_connections + kLightReserve ||
+          by_peer >= options_.max_connections_per_client + kLightReserve) {
+        refusal = over_cap_message(num_open_, by_peer);
       } else {
         ++num_open_;
         ++open_by_peer_[conn->peer];
@@ -362,6 +377,17 @@ void HttpGate::on_readable(Conn* conn) {
     }
     return;  // The deadline bounds the wait.
   }
+  const bool light = is_light_(head.method, head.path);
+  if (conn->over_cap && !light) {
+    int total = 0, by_peer = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      total = num_open_ - 1;
+      by_peer = open_by_peer_[conn->peer] - 1;
+    }
+    close_with(conn, 503, over_cap_message(total, by_peer));
+    return;
+  }
   std::string request = conn->buf.substr(0, request_bytes);
   conn->buf.erase(0, request_bytes);  // The start of a pipelined next request, if any.
   // The gate answered (or the body is here): the server must not send 100 again.
@@ -370,7 +396,7 @@ void HttpGate::on_readable(Conn* conn) {
   }
   ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn->fd, nullptr);
   Conn* raw = waiting_.extract(conn->fd).mapped().release();
-  dispatch(raw, std::move(request), is_light_(head.method, head.path));
+  dispatch(raw, std::move(request), light);
 }
 
 void HttpGate::dispatch(Conn* conn, std::string request, bool light) {

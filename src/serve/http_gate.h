@@ -9,9 +9,10 @@
 // inference pool. So a thread is never held by a client that sends slowly, and the
 // light routes answer however many streams hold the inference pool. Connections
 // over a cap (in total, or per client address) get 503 at once; a request not read
-// within the deadline gets 408; oversized headers 431, bodies 413, chunked request
-// bodies 411. After a response the connection returns to the loop (keep-alive),
-// with a fresh deadline for its next request.
+// within the deadline gets 408 (a few connections beyond a cap are still read, and
+// served if they ask for a light route, so /health answers a client at its cap); oversized headers
+// 431, bodies 413, chunked request bodies 411. After a response the connection returns to the loop
+// (keep-alive), with a fresh deadline for its next request.
 //
 // start(), stop() belong to one controlling thread; the serve callback runs on pool
 // threads. Thread-safe otherwise.
@@ -84,6 +85,7 @@ class HttpGate {
   void release(Conn* conn);  // Closes and forgets a connection (any thread).
   void close_with(Conn* conn, int status, const std::string& message);
   void wake();
+  std::string over_cap_message(int total, int by_peer) const;
 
   const HttpGateOptions options_;
   const Serve serve_;

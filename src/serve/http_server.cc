@@ -159,7 +159,8 @@ HttpServer::HttpServer(ServingEngine& engine, HttpOptions options)
     handle_completions(req, res);
   });
   add_route("GET", "/health", [this](const auto&, auto& res) { handle_health(res); });
-  add_route("GET", "/v1/status", [this](const auto&, auto& res) { handle_status(res); });
+  add_route("GET", "/v1/status",
+            [this](const httplib::Request& req, auto& res) { handle_status(req, res); });
   add_route("GET", "/v1/models", [this](const auto&, auto& res) { handle_models(res); });
   add_route("GET", "/metrics", [this](const auto&, auto& res) { handle_metrics(res); });
 }
@@ -337,15 +338,41 @@ bool HttpServer::is_light_route(const std::string& method, const std::string& pa
   return path == "/health" || path == "/metrics" || path == "/v1/models" || path == "/v1/status";
 }
 
+bool HttpServer::authorized(const httplib::Request& req) const {
+  return options_.admin_key.empty() ||
+         same_secret(req.get_header_value("Authorization"), "Bearer " + options_.admin_key);
+}
+
+// What anyone may see of the engine's status: no pids, errors or per-rank detail.
+json HttpServer::public_status() const {
+  const json full = engine_.status();
+  json out = json::object();
+  if (full.is_object()) {
+    for (const char* key : {"mode", "phase", "epoch", "members", "max_ranks"}) {
+      if (full.contains(key)) out[key] = full[key];
+    }
+  }
+  out["vocab_size"] = engine_.vocab_size();
+  out["max_context"] = engine_.max_context();
+  out["model"] = options_.model_name;
+  return out;
+}
+
 void HttpServer::handle_health(httplib::Response& res) {
   if (engine_.healthy() && !stopping_) {
     send_json(res, 200, {{"status", "ok"}});
   } else {
-    send_json(res, 503, {{"status", "degraded"}, {"detail", engine_.status()}});
+    send_json(res, 503, {{"status", "degraded"}, {"detail", public_status()}});
   }
 }
 
-void HttpServer::handle_status(httplib::Response& res) {
+void HttpServer::handle_status(const httplib::Request& req, httplib::Response& res) {
+  // With an admin key, pids, errors and per-rank detail are for its holders only;
+  // others get the limits clients need (bench serve reads them).
+  if (!authorized(req)) {
+    send_json(res, 200, public_status());
+    return;
+  }
   json status = engine_.status();
   // Clients such as `bench serve` need the limits whatever the engine reports.
   if (status.is_object()) {
@@ -372,8 +399,7 @@ void HttpServer::handle_metrics(httplib::Response& res) {
 
 void HttpServer::handle_admin(const AdminHandler& handler, const httplib::Request& req,
                               httplib::Response& res) {
-  if (!options_.admin_key.empty() &&
-      !same_secret(req.get_header_value("Authorization"), "Bearer " + options_.admin_key)) {
+  if (!authorized(req)) {
     res.set_header("WWW-Authenticate", "Bearer");
     send_json(res, 401, error_json("missing or wrong admin key", "authentication_error"));
     return;

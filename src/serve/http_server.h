@@ -2,7 +2,8 @@
 // HttpServer: the OpenAI-style HTTP front end over a ServingEngine.
 //
 // Routes: POST /v1/completions (a JSON response, or server-sent events with
-// "stream": true), GET /v1/models, GET /health, GET /v1/status, GET /metrics
+// "stream": true), GET /v1/models, GET /health, GET /v1/status (per-rank detail
+// only with the admin key, when one is set), GET /metrics
 // (Prometheus text), and admin POST routes added with add_post_route(). Every
 // error is a JSON body {"error": {...}}; exceptions from httplib or JSON handling
 // are caught at the handler edge and never reach the server loop.
@@ -47,9 +48,11 @@ class ListenServer;  // http_server.cc: httplib's request processing, fed by the
 
 struct HttpOptions {
   std::string host = "127.0.0.1";
-  int port = 8000;                       // 0: an ephemeral port; see HttpServer::port().
-  std::string model_name = "flexpert";   // Reported as "model" in responses and /v1/models.
-  std::string admin_key;                 // Empty: admin routes need no Authorization header.
+  int port = 8000;                      // 0: an ephemeral port; see HttpServer::port().
+  std::string model_name = "flexpert";  // Reported as "model" in responses and /v1/models.
+  // Empty: admin routes need no Authorization header. Set: admin routes need
+  // `Authorization: Bearer <key>`, and /v1/status shows its per-rank detail only then.
+  std::string admin_key;
   size_t max_body_bytes = 1 << 20;       // Larger request bodies get 413.
   int num_threads = 64;                  // Threads answering completions and admin routes.
   int num_light_threads = 4;             // Threads for /health, /metrics, /v1/models, /v1/status.
@@ -94,7 +97,9 @@ class HttpServer {
   // The JSON error body for a response httplib made itself; false when it has a body.
   bool fill_error_body(const httplib::Request& req, httplib::Response& res);
   void handle_health(httplib::Response& res);
-  void handle_status(httplib::Response& res);
+  void handle_status(const httplib::Request& req, httplib::Response& res);
+  bool authorized(const httplib::Request& req) const;  // The admin key, when one is set.
+  nlohmann::json public_status() const;
   void handle_models(httplib::Response& res);
   void handle_metrics(httplib::Response& res);
   void handle_admin(const AdminHandler& handler, const httplib::Request& req,

@@ -2,6 +2,9 @@
 // Hostile input against the real binary (docs/ARCHITECTURE.md, "Trust boundaries"):
 // each case gets a clear 4xx or exit code 2, and the service afterwards answers the
 // same greedy tokens as before.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -116,6 +119,110 @@ TEST(HostileCheckpoint, TruncatedWhileServingKillsNobody) {
   EXPECT_EQ(server.get_json("/v1/status")["members"].size(), 2u);
   check_reference(server, ref, 1);
   EXPECT_EQ(server.stop(), 0);
+}
+
+// A raw TCP connection to the server, for clients that misbehave on purpose.
+int connect_raw(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// What the server sends on `fd` before closing it (or `timeout_s` passing).
+std::string read_all(int fd, int timeout_s) {
+  timeval tv{timeout_s, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
+  return out;
+}
+
+// Slow clients hold no thread: /health and /metrics answer while 100 connections
+// trickle their headers, a client over its cap gets 503 (yet may still probe
+// /health), and the slow ones get 408 at the request deadline.
+TEST(HostileHttp, SlowClientsDoNotStarveHealth) {
+  const Reference ref = load_reference();
+  Server server({"--ranks", "2", "--threads-per-worker", "1", "--http-request-timeout-ms", "3000",
+                 "--http-max-connections-per-client", "100"});
+  ASSERT_TRUE(server.up());
+  std::vector<int> slow;
+  for (int i = 0; i < 100; ++i) {
+    const int fd = connect_raw(server.port());
+    ASSERT_GE(fd, 0);
+    const std::string partial = "POST /v1/completions HTTP/1.1\r\nHost: x\r\n";
+    ASSERT_EQ(::send(fd, partial.data(), partial.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(partial.size()));
+    slow.push_back(fd);
+  }
+  for (const char* path : {"/health", "/metrics"}) {
+    httplib::Client c("127.0.0.1", server.port());
+    c.set_read_timeout(2, 0);  // Was: blocked until the slow clients finished.
+    auto res = c.Get(path);
+    ASSERT_TRUE(res) << path << ": " << httplib::to_string(res.error());
+    EXPECT_EQ(res->status, 200) << path;
+  }
+  // Over the per-client cap: a completion is refused with a JSON 503.
+  {
+    httplib::Client c("127.0.0.1", server.port());
+    auto res = c.Post("/v1/completions", R"({"prompt": [1], "max_tokens": 1})", "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 503) << res->body;
+    const json body = json::parse(res->body, nullptr, false);
+    EXPECT_NE(body["error"]["message"].get<std::string>().find("per client"), std::string::npos)
+        << res->body;
+  }
+  // The deadline: each slow client gets 408 and its connection closes.
+  const std::string answer = read_all(slow[0], 10);
+  EXPECT_EQ(answer.rfind("HTTP/1.1 408", 0), 0u) << answer;
+  for (int fd : slow) ::close(fd);
+  check_reference(server, ref, 1);
+  EXPECT_EQ(server.stop(), 0);
+}
+
+TEST(HostileHttp, AdminKeyFromFileOrEnvironmentGuardsStatus) {
+  TempModel tmp;  // Only for a private directory to hold the key file.
+  const std::string key_file = tmp.dir() + "/admin.key";
+  std::ofstream(key_file) << "s3cret-from-file\n";
+  for (const bool from_env : {false, true}) {
+    if (from_env) ::setenv("FLEXPERT_ADMIN_KEY", "s3cret-from-env", 1);
+    Server server(from_env
+                      ? std::vector<std::string>{"--ranks", "1"}
+                      : std::vector<std::string>{"--ranks", "1", "--admin-key-file", key_file});
+    ::unsetenv("FLEXPERT_ADMIN_KEY");
+    ASSERT_TRUE(server.up());
+    const std::string key = from_env ? "s3cret-from-env" : "s3cret-from-file";
+    std::ifstream cmdline("/proc/" + std::to_string(server.pid()) + "/cmdline");
+    const std::string args((std::istreambuf_iterator<char>(cmdline)), {});
+    EXPECT_EQ(args.find(key), std::string::npos);
+
+    httplib::Client c("127.0.0.1", server.port());
+    auto open = c.Get("/v1/status");
+    ASSERT_TRUE(open);
+    EXPECT_EQ(open->status, 200);
+    const json public_view = json::parse(open->body);
+    EXPECT_FALSE(public_view.contains("ranks")) << open->body;  // No pids, no errors.
+    EXPECT_TRUE(public_view.contains("vocab_size")) << open->body;
+    auto guarded = c.Get("/v1/status", {{"Authorization", "Bearer " + key}});
+    ASSERT_TRUE(guarded);
+    EXPECT_TRUE(json::parse(guarded->body)["ranks"][0].contains("pid")) << guarded->body;
+    auto scale = c.Post("/v1/scale", R"({"ranks": 1})", "application/json");
+    ASSERT_TRUE(scale);
+    EXPECT_EQ(scale->status, 401);
+    EXPECT_EQ(server.stop(), 0);
+  }
+  // An empty key file is bad input, not "no key".
+  std::ofstream(key_file, std::ios::trunc) << "\n";
+  CliRun r = run_flexpert("serve --model " + kModel + " --admin-key-file " + key_file);
+  EXPECT_EQ(r.exit_code, 2) << r.out;
 }
 
 TEST(HostileCli, CorruptOrSpecialFilesExitWithTwo) {
