@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PACKAGES=(build-essential cmake ccache pkg-config libopenblas-dev nlohmann-json3-dev libgtest-dev
-          clang-format libzmq3-dev libmsgpack-cxx-dev libcpp-httplib-dev curl python3-matplotlib)
+          clang-format libzmq3-dev libmsgpack-cxx-dev libcpp-httplib-dev curl python3-matplotlib
+          clang libclang-rt-dev)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
