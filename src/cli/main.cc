@@ -63,6 +63,7 @@ const char kUsage[] =
     "  bench generate [--model DIR | --preset P --layers N] [--batches 1,8,32] ...\n"
     "  bench serve    --url URL --concurrency C --requests N [--prompt-len L --max-tokens T]\n"
     "  bench elastic  [--modes live,stop-the-world] [--events 3:scale:4,9:kill:1,...]\n"
+    "  bench slow-clients --url URL [--steps 64,256,1024] [--streams S]\n"
     "  scale     --url URL (--to N | --remove R1,R2) [--admin-key K]\n"
     "  demo      [--out out/demo]   an elastic group under load: scale, kill, report\n"
     "Run `flexpert <command> --help` for the flags of a command.\n";

@@ -25,8 +25,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr size_t kReadChunk = 64 << 10;
+constexpr auto kSweepInterval = std::chrono::milliseconds(50);
 // Connections accepted beyond a cap for light routes only (see accept_all).
 constexpr int kLightReserve = 16;
+constexpr auto kReserveTimeout = std::chrono::milliseconds(1000);
 
 std::string peer_address(const sockaddr_storage& addr) {
   char text[INET6_ADDRSTRLEN] = {0};
@@ -214,17 +216,12 @@ void HttpGate::wake() {
 
 void HttpGate::loop() {
   std::vector<epoll_event> events(256);
+  auto last_sweep = Clock::now();
   while (!stopping_) {
-    // Sleep until the earliest deadline (at most 100 ms: deadlines are coarse).
-    int timeout_ms = 100;
-    const auto now = Clock::now();
-    for (const auto& [fd, conn] : waiting_) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(conn->deadline - now).count();
-      timeout_ms = static_cast<int>(std::clamp<int64_t>(left + 1, 0, timeout_ms));
-    }
-    const int n =
-        ::epoll_wait(epoll_fd_, events.data(), static_cast<int>(events.size()), timeout_ms);
+    // Deadlines are coarse (seconds): checking them every kSweepInterval keeps an
+    // event on one of thousands of connections from costing a scan of all of them.
+    const int n = ::epoll_wait(epoll_fd_, events.data(), static_cast<int>(events.size()),
+                               static_cast<int>(kSweepInterval.count()));
     for (int i = 0; i < n && !stopping_; ++i) {
       const int fd = events[static_cast<size_t>(i)].data.fd;
       if (fd == listen_fd_) {
@@ -252,6 +249,8 @@ void HttpGate::loop() {
       }
     }
     const auto t = Clock::now();
+    if (t - last_sweep < kSweepInterval) continue;
+    last_sweep = t;
     std::vector<Conn*> expired;
     for (const auto& [fd, conn] : waiting_) {
       if (conn->deadline <= t) expired.push_back(conn.get());
@@ -307,6 +306,9 @@ void HttpGate::accept_all() {
         ++open_by_peer_[conn->peer];
       }
       if (!refusal.empty() && open_by_peer_[conn->peer] == 0) open_by_peer_.erase(conn->peer);
+    }
+    if (conn->over_cap) {  // A reserve place is held briefly: a probe is quick.
+      conn->deadline = std::min(conn->deadline, Clock::now() + kReserveTimeout);
     }
     if (!refusal.empty()) {
       send_all_nonblocking(fd, error_response(503, refusal));
