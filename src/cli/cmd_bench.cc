@@ -255,7 +255,7 @@ int cmd_bench_slow_clients(const Args& args) {
     FLEX_ASSIGN_OR_RETURN(auto steps, flags.int_list("steps"));
     o.steps.clear();
     for (int64_t n : steps) {
-      if (n < 1 || n > 1000000) return invalid_argument("--steps must be in [1, 1000000]");
+      if (n < 0 || n > 1000000) return invalid_argument("--steps must be in [0, 1000000]");
       o.steps.push_back(static_cast<int>(n));
     }
     FLEX_ASSIGN_OR_RETURN(o.hold_s, flags.number("hold-s"));
