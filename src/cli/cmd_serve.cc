@@ -70,6 +70,12 @@ Status run_serve(const Flags& flags) {
     FLEX_ASSIGN_OR_RETURN(options.control_port, int_flag(flags, "control-port", 0));
     options.placement = flags.str("placement");
     options.spawn_workers = !flags.flag("no-spawn");
+    FLEX_ASSIGN_OR_RETURN(options.cluster_key,
+                          secret_from(flags, "cluster-key", "FLEXPERT_CLUSTER_KEY"));
+    if (!options.spawn_workers && options.cluster_key.empty()) {
+      FLEX_LOG(WARN) << "--no-spawn without a cluster key: anyone who reaches the control port "
+                        "can join as a worker (set FLEXPERT_CLUSTER_KEY or --cluster-key-file)";
+    }
     options.eplb = flags.flag("eplb");
     FLEX_ASSIGN_OR_RETURN(options.eplb_window_s, flags.number("eplb-window-s"));
     FLEX_ASSIGN_OR_RETURN(options.eplb_interval_s, flags.number("eplb-interval-s"));
@@ -187,6 +193,10 @@ int cmd_serve(const Args& args) {
              "bearer key for admin routes and /v1/status detail (visible in ps: prefer "
              "FLEXPERT_ADMIN_KEY or --admin-key-file)")
       .value("admin-key-file", "", "a file whose first line is the admin key")
+      .value("cluster-key", "",
+             "key workers must present (default with spawned workers: a random one; "
+             "visible in ps: prefer FLEXPERT_CLUSTER_KEY or --cluster-key-file)")
+      .value("cluster-key-file", "", "a file whose first line is the cluster key")
       .value("http-max-connections", "1024", "open HTTP connections in all (more get 503)")
       .value("http-max-connections-per-client", "256",
              "open HTTP connections per client address (more get 503)")
@@ -221,6 +231,9 @@ int cmd_worker(const Args& args) {
   Flags flags;
   flags.value("join", "", "the front end's control address HOST:PORT")
       .value("rank", "", "rank id to take")
+      .value("cluster-key", "",
+             "the group's key (visible in ps: prefer FLEXPERT_CLUSTER_KEY or --cluster-key-file)")
+      .value("cluster-key-file", "", "a file whose first line is the cluster key")
       .boolean("help", "show this help");
   if (Status s = flags.parse(args); !s.ok()) return report_error("worker", s);
   if (flags.flag("help")) {
@@ -236,6 +249,9 @@ int cmd_worker(const Args& args) {
     return report_error("worker", invalid_argument("--rank must be an integer >= 0"));
   }
   options.rank = static_cast<int>(rank.value());
+  auto key = secret_from(flags, "cluster-key", "FLEXPERT_CLUSTER_KEY");
+  if (!key.ok()) return report_error("worker", key.status());
+  options.cluster_key = key.value();
   return run_worker(options);
 }
 

@@ -29,7 +29,10 @@ struct Hello {
   int rank = 0;
   uint64_t incarnation = 0;
   int pid = 0;
-  MSGPACK_DEFINE_MAP(rank, incarnation, pid);
+  // The group's cluster key (docs/ARCHITECTURE.md, "Trust boundaries"): the front
+  // end answers a hello only when it matches. Empty when the group has none.
+  std::string key;
+  MSGPACK_DEFINE_MAP(rank, incarnation, pid, key);
 };
 
 // Everything a worker needs to build its model and transport.

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "core/json_limits.h"
+#include "core/secret.h"
 #include "flexpert/logging.h"
 #include "serve/completion_api.h"
 #include "serve/http_gate.h"
@@ -121,16 +122,6 @@ std::string literal_pattern(const std::string& path) {
     out += c;
   }
   return out;
-}
-
-// Compares without an early exit, so that response timing does not reveal a key prefix.
-bool same_secret(const std::string& a, const std::string& b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  const size_t n = std::max(a.size(), b.size());
-  for (size_t i = 0; i < n; ++i) {
-    diff |= static_cast<unsigned char>((i < a.size() ? a[i] : 0) ^ (i < b.size() ? b[i] : 0));
-  }
-  return diff == 0;
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <thread>
 
 #include "../common/run_flexpert.h"
 #include "server_fixture.h"
@@ -223,6 +224,47 @@ TEST(HostileHttp, AdminKeyFromFileOrEnvironmentGuardsStatus) {
   std::ofstream(key_file, std::ios::trunc) << "\n";
   CliRun r = run_flexpert("serve --model " + kModel + " --admin-key-file " + key_file);
   EXPECT_EQ(r.exit_code, 2) << r.out;
+}
+
+// Joining takes the group's key, not a pid: a hand-started worker without it is
+// refused, one with it joins; spawned workers get theirs through the environment.
+TEST(HostileWorker, JoiningNeedsTheClusterKey) {
+  const Reference ref = load_reference();
+  ::setenv("FLEXPERT_CLUSTER_KEY", "group-secret", 1);  // Inherited by the fixture's workers.
+  Server server({"--no-spawn", "--ranks", "1", "--max-ranks", "2", "--threads-per-worker", "1",
+                 "--start-timeout-ms", "30000"},
+                {0});
+  ASSERT_TRUE(server.up());
+  std::thread scale;
+  Reply scaled;
+  scale = std::thread([&] { scaled = post_text(server, "/v1/scale", R"({"ranks": 2})"); });
+  ::unsetenv("FLEXPERT_CLUSTER_KEY");
+  for (const char* key : {"", "--cluster-key wrong-secret"}) {
+    CliRun bad = run_flexpert("worker --join " + server.join_address() + " --rank 1 " + key);
+    EXPECT_NE(bad.exit_code, 0) << bad.out;
+    EXPECT_NE(bad.out.find("cluster key"), std::string::npos) << bad.out;
+  }
+  ::setenv("FLEXPERT_CLUSTER_KEY", "group-secret", 1);
+  server.join_worker(1);
+  ::unsetenv("FLEXPERT_CLUSTER_KEY");
+  scale.join();
+  EXPECT_EQ(scaled.status, 200) << scaled.body.dump();
+  EXPECT_EQ(server.get_json("/v1/status")["members"].size(), 2u);
+  check_reference(server, ref, 1);
+  EXPECT_EQ(server.stop(), 0);
+
+  // Spawned workers: the key is in their environment, never on their command line.
+  Server spawned({"--ranks", "1", "--threads-per-worker", "1"});
+  ASSERT_TRUE(spawned.up());
+  const int pid = spawned.get_json("/v1/status")["ranks"][0]["pid"];
+  std::ifstream cmdline("/proc/" + std::to_string(pid) + "/cmdline");
+  const std::string args((std::istreambuf_iterator<char>(cmdline)), {});
+  std::ifstream environ_file("/proc/" + std::to_string(pid) + "/environ");
+  const std::string env((std::istreambuf_iterator<char>(environ_file)), {});
+  EXPECT_NE(env.find("FLEXPERT_CLUSTER_KEY="), std::string::npos);
+  EXPECT_EQ(args.find("key"), std::string::npos) << args;
+  check_reference(spawned, ref, 1);
+  EXPECT_EQ(spawned.stop(), 0);
 }
 
 TEST(HostileCli, CorruptOrSpecialFilesExitWithTwo) {

@@ -97,6 +97,7 @@ class Server {
   bool up() const { return port_ > 0; }
   // With --no-spawn: starts `flexpert worker --join` for `rank` (e.g. a scale-up's joiner).
   void join_worker(int rank) { workers_.push_back(start_worker(join_, rank)); }
+  const std::string& join_address() const { return join_; }  // With --no-spawn.
   httplib::Client& client() { return *client_; }
   pid_t pid() const { return pid_; }
   int port() const { return port_; }
