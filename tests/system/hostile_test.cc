@@ -267,6 +267,30 @@ TEST(HostileWorker, JoiningNeedsTheClusterKey) {
   EXPECT_EQ(spawned.stop(), 0);
 }
 
+// Recovery reloads a lost rank's experts from the checkpoint (PullCommand
+// kFromCheckpoint): from a truncated file that is a clear error, never a signal in
+// the survivor that reads it.
+TEST(HostileCheckpoint, ReloadFromATruncatedFileIsAnErrorNotASignal) {
+  TempModel model;
+  Server server({"--ranks", "2", "--min-ranks", "1", "--threads-per-worker", "1"}, {}, model.dir());
+  ASSERT_TRUE(server.up());
+  const json status = server.get_json("/v1/status");
+  const int survivor = status["ranks"][0]["pid"], victim = status["ranks"][1]["pid"];
+  const std::string weights = model.dir() + "/model.safetensors";
+  ASSERT_EQ(::truncate(weights.c_str(), std::filesystem::file_size(weights) / 2), 0);
+  ::kill(victim, SIGKILL);
+  std::this_thread::sleep_for(std::chrono::seconds(2));  // Recovery runs meanwhile.
+  EXPECT_TRUE(process_alive(survivor));
+  auto health = server.client().Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_TRUE(health->status == 200 || health->status == 503) << health->status;
+  const Reply r = post_text(server, "/v1/completions", R"({"prompt": [1, 2], "max_tokens": 2})");
+  EXPECT_TRUE(r.status == 200 || (r.status >= 500 && r.body.contains("error")))
+      << r.status << " " << r.body.dump();
+  EXPECT_TRUE(process_alive(survivor));
+  EXPECT_EQ(server.stop(), 0);
+}
+
 TEST(HostileCli, CorruptOrSpecialFilesExitWithTwo) {
   TempModel model;
   const std::string gen = "generate --model " + model.dir() + " --prompt-ids 1,2,3 --max-tokens 2";
