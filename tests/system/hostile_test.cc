@@ -107,7 +107,8 @@ TEST(HostileCheckpoint, TruncatedWhileServingKillsNobody) {
   ASSERT_TRUE(server.up());
   check_reference(server, ref, 1);
   std::vector<int> pids;
-  for (const auto& r : server.get_json("/v1/status")["ranks"]) pids.push_back(r["pid"]);
+  const json status = server.get_json("/v1/status");  // Kept: the loop reads into it.
+  for (const auto& r : status["ranks"]) pids.push_back(r["pid"]);
   const std::string weights = model.dir() + "/model.safetensors";
   ASSERT_EQ(::truncate(weights.c_str(), std::filesystem::file_size(weights) / 2), 0);
 
