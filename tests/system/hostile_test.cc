@@ -190,6 +190,41 @@ TEST(HostileHttp, SlowClientsDoNotStarveHealth) {
   EXPECT_EQ(server.stop(), 0);
 }
 
+// What the gate answers itself, before any thread is involved, and keep-alive
+// pipelining through it.
+TEST(HostileHttp, GateRefusesOversizedAndChunkedRequests) {
+  Server server({"--ranks", "1", "--threads-per-worker", "1"});
+  ASSERT_TRUE(server.up());
+  auto exchange = [&](const std::string& bytes) {
+    const int fd = connect_raw(server.port());
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(bytes.size()));
+    std::string answer = read_all(fd, 10);
+    ::close(fd);
+    return answer;
+  };
+  std::string answer = exchange(
+      "POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{}");
+  EXPECT_EQ(answer.rfind("HTTP/1.1 411", 0), 0u) << answer;
+  EXPECT_NE(answer.find("\"error\""), std::string::npos) << answer;
+  answer = exchange("GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + std::string(20000, 'a'));
+  EXPECT_EQ(answer.rfind("HTTP/1.1 431", 0), 0u) << answer;
+  // Refused from the header alone: the 2 MB body is never sent.
+  answer = exchange("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n");
+  EXPECT_EQ(answer.rfind("HTTP/1.1 413", 0), 0u) << answer;
+  // Two requests in one write: both answered, in order, on one connection.
+  const std::string body = R"({"prompt": [1, 2], "max_tokens": 2, "temperature": 0})";
+  answer = exchange(
+      "GET /health HTTP/1.1\r\nHost: x\r\n\r\nPOST /v1/completions HTTP/1.1\r\n"
+      "Host: x\r\nConnection: close\r\nContent-Length: " +
+      std::to_string(body.size()) + "\r\n\r\n" + body);
+  EXPECT_EQ(answer.rfind("HTTP/1.1 200", 0), 0u) << answer;
+  EXPECT_NE(answer.find("HTTP/1.1 200", 1), std::string::npos) << answer;
+  EXPECT_NE(answer.find("\"token_ids\""), std::string::npos) << answer;
+  EXPECT_EQ(server.stop(), 0);
+}
+
 TEST(HostileHttp, AdminKeyFromFileOrEnvironmentGuardsStatus) {
   TempModel tmp;  // Only for a private directory to hold the key file.
   const std::string key_file = tmp.dir() + "/admin.key";
