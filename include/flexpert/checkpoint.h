@@ -1,12 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// Checkpoint: the tensors of a Hugging Face safetensors checkpoint, memory-mapped.
+// Checkpoint: the tensors of a Hugging Face safetensors checkpoint.
 //
 // A checkpoint directory holds either `model.safetensors` or shards listed by
 // `model.safetensors.index.json`. Every file is validated when opened (header
 // JSON, dtypes, offsets inside the file, no overlaps), so a truncated or
-// corrupt file gives a DataLoss status, never a crash. Tensors are returned as
-// borrowed views of the mapping: no copy. The Checkpoint owns the mappings;
-// tensors it returns must not outlive it. Read-only after open: thread-safe.
+// corrupt file gives a DataLoss status, never a crash. Tensors are read (pread)
+// into memory of their own, never memory-mapped: a file truncated or rewritten
+// while a process serves from it cannot raise SIGBUS. Each read first checks that
+// the file still has the size, inode and modification time it had when opened
+// (DataLoss otherwise: "changed on disk"), and a short read is DataLoss too.
+// Read-only after open: thread-safe (pread on a shared descriptor).
 #pragma once
 
 #include <cstdint>
@@ -21,7 +24,7 @@
 
 namespace flexpert {
 
-// One mapped .safetensors file.
+// One open .safetensors file.
 class SafetensorsFile {
  public:
   struct Entry {
@@ -42,17 +45,22 @@ class SafetensorsFile {
   // Tensors in a dtype flexpert does not compute in (I64, U8, F8_E5M2, ...): name ->
   // dtype as written. They are validated like the others but are not in entries().
   const std::map<std::string, std::string>& unsupported() const { return unsupported_; }
-  // A borrowed, read-only view of the named tensor, or NotFound (Unimplemented for
-  // an unsupported dtype).
+  // An owned copy of the named tensor read from the file, or NotFound (Unimplemented
+  // for an unsupported dtype; DataLoss when the file changed since open()).
   Result<Tensor> get(const std::string& name) const;
+  // DataLoss when the file's size, inode or modification time differ from open().
+  Status check_unchanged() const;
 
  private:
   SafetensorsFile() = default;
 
   std::string path_;
-  void* map_ = nullptr;
-  size_t map_bytes_ = 0;
-  const uint8_t* data_ = nullptr;  // Start of the data section inside the mapping.
+  int fd_ = -1;
+  uint64_t data_offset_ = 0;  // Of the data section: 8 + header length.
+  // What open() saw, compared before every read.
+  uint64_t file_bytes_ = 0;
+  uint64_t inode_ = 0;
+  int64_t mtime_ns_ = 0;
   std::map<std::string, Entry> entries_;
   std::map<std::string, std::string> metadata_;
   std::map<std::string, std::string> unsupported_;
@@ -66,7 +74,7 @@ class Checkpoint {
   const std::string& dir() const { return dir_; }
   bool contains(const std::string& name) const;
   std::vector<std::string> names() const;
-  // A borrowed view of the tensor (NotFound names the tensor and directory).
+  // An owned copy of the tensor (NotFound names the tensor and directory).
   Result<Tensor> get(const std::string& name) const;
   // As get(), and InvalidArgument when the shape differs from `expected`.
   Result<Tensor> get(const std::string& name, const Shape& expected) const;

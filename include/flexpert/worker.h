@@ -22,6 +22,7 @@ struct WorkerOptions {
   std::string endpoint;  // tcp://HOST:PORT of the front end's control socket.
   int rank = 0;
   int connect_timeout_ms = 30000;  // For the front end's configuration.
+  std::string cluster_key;         // Sent in the hello; the front end checks it.
 };
 
 int run_worker(const WorkerOptions& options);

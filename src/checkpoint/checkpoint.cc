@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "core/json_limits.h"
 #include "file_util.h"
 
 namespace flexpert {
@@ -55,6 +56,9 @@ Result<std::unique_ptr<Checkpoint>> Checkpoint::open(const std::string& dir) {
   }
 
   FLEX_ASSIGN_OR_RETURN(std::string text, read_text_file(index_path));
+  if (Status s = check_json_nesting(text, "index"); !s.ok()) {
+    return data_loss(index_path + ": " + s.message());
+  }
   json index;
   try {
     index = json::parse(text);

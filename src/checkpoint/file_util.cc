@@ -8,12 +8,23 @@
 
 namespace flexpert {
 
-Result<std::string> read_text_file(const std::string& path, size_t max_bytes) {
-  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+Result<ScopedFd> open_regular_file(const std::string& path) {
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever.
+  // It changes nothing for the regular files this accepts.
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
   if (fd.get() < 0) return errno_status(errno, "open " + path);
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) return errno_status(errno, "stat " + path);
-  if (!S_ISREG(st.st_mode)) return failed_precondition(path + ": not a regular file");
+  if (!S_ISREG(st.st_mode)) {
+    return invalid_argument(path + ": not a regular file (a FIFO, device or directory)");
+  }
+  return fd;
+}
+
+Result<std::string> read_text_file(const std::string& path, size_t max_bytes) {
+  FLEX_ASSIGN_OR_RETURN(ScopedFd fd, open_regular_file(path));
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return errno_status(errno, "stat " + path);
   if (static_cast<uint64_t>(st.st_size) > max_bytes) {
     return data_loss(path + ": " + std::to_string(st.st_size) + " bytes, more than the " +
                      std::to_string(max_bytes) + " expected of this file");

@@ -21,8 +21,23 @@ class ScopedFd {
   }
   ScopedFd(const ScopedFd&) = delete;
   ScopedFd& operator=(const ScopedFd&) = delete;
+  ScopedFd(ScopedFd&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+  ScopedFd& operator=(ScopedFd&& other) noexcept {
+    if (this != &other) {
+      close();
+      fd_ = other.fd_;
+      other.fd_ = -1;
+    }
+    return *this;
+  }
 
   int get() const { return fd_; }
+  // Gives up ownership: the caller closes the descriptor.
+  int release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
   // Closes now so that the error of close() (deferred write failures) is seen.
   int close() {
     int rc = fd_ >= 0 ? ::close(fd_) : 0;
@@ -57,6 +72,9 @@ inline Status errno_status(int err, const std::string& what) {
   }
 }
 
+// Opens `path` read-only; InvalidArgument unless it is a regular file. Never blocks
+// on a FIFO.
+Result<ScopedFd> open_regular_file(const std::string& path);
 // The whole of a small file (config.json, an index); DataLoss beyond `max_bytes`.
 Result<std::string> read_text_file(const std::string& path, size_t max_bytes = size_t{64} << 20);
 // Writes PATH.tmp and renames it to PATH, so that readers see all or nothing.

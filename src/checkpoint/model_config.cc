@@ -5,6 +5,7 @@
 #include <climits>
 #include <nlohmann/json.hpp>
 
+#include "core/json_limits.h"
 #include "file_util.h"
 #include "flexpert/logging.h"
 
@@ -438,7 +439,52 @@ const Architecture* find_architecture(const std::string& model_type) {
   return nullptr;
 }
 
+// Upper bounds, checked before anything is sized from the config: a hostile
+// config.json (2^31-1 experts, 1e8 layers) must be an error, not an allocation that
+// aborts or swaps. Each is far above any published model (DeepSeek-V3: 61 layers,
+// 256 experts, vocabulary 129,280, hidden 7,168; Qwen3-235B: 94 layers, 128 experts).
+Status check_sizes(const ModelConfig& c) {
+  const struct {
+    const char* field;
+    int64_t value;
+    int64_t max;
+  } limits[] = {
+      {"vocab_size", c.vocab_size, int64_t{1} << 22},
+      {"hidden_size", c.hidden_size, int64_t{1} << 16},
+      {"intermediate_size", c.intermediate_size, int64_t{1} << 20},
+      {"moe_intermediate_size", c.moe_intermediate_size, int64_t{1} << 20},
+      {"num_hidden_layers", c.num_hidden_layers, 1024},
+      {"num_attention_heads", c.num_attention_heads, 1024},
+      {"num_key_value_heads", c.num_key_value_heads, 1024},
+      {"head_dim", c.head_dim, 4096},
+      {"num_experts", c.num_experts, 16384},
+      {"num_experts_per_tok", c.num_experts_per_tok, 1024},
+      {"num_shared_experts", c.num_shared_experts, 1024},
+      {"kv_lora_rank", c.kv_lora_rank, int64_t{1} << 16},
+      {"q_lora_rank", c.q_lora_rank, int64_t{1} << 16},
+      {"qk_nope_head_dim", c.qk_nope_head_dim, 4096},
+      {"qk_rope_head_dim", c.qk_rope_head_dim, 4096},
+      {"v_head_dim", c.v_head_dim, 4096},
+      {"max_position_embeddings", c.max_position_embeddings, int64_t{1} << 24},
+  };
+  for (const auto& l : limits) {
+    if (l.value > l.max) {
+      return invalid_argument("field '" + std::string(l.field) + "' is " + std::to_string(l.value) +
+                              ", above the supported " + std::to_string(l.max));
+    }
+  }
+  // Per-expert state (placement, slots, router rows) scales with layers x experts.
+  constexpr int64_t kMaxExpertInstances = int64_t{1} << 20;
+  if (int64_t{c.num_hidden_layers} * c.num_experts > kMaxExpertInstances) {
+    return invalid_argument("num_hidden_layers x num_experts (" +
+                            std::to_string(int64_t{c.num_hidden_layers} * c.num_experts) +
+                            ") is above the supported " + std::to_string(kMaxExpertInstances));
+  }
+  return Status();
+}
+
 Status validate(const ModelConfig& c) {
+  FLEX_RETURN_IF_ERROR(check_sizes(c));
   FLEX_RETURN_IF_ERROR(check_positive("vocab_size", c.vocab_size));
   FLEX_RETURN_IF_ERROR(check_positive("hidden_size", c.hidden_size));
   FLEX_RETURN_IF_ERROR(check_positive("intermediate_size", c.intermediate_size));
@@ -495,6 +541,7 @@ bool ModelConfig::is_moe_layer(int layer) const {
 }
 
 Result<ModelConfig> ModelConfig::from_json(const std::string& text) {
+  FLEX_RETURN_IF_ERROR(check_json_nesting(text, "config"));
   json j;
   try {
     j = json::parse(text);

@@ -2,7 +2,6 @@
 // Reading side of the safetensors format: 8-byte little-endian header length N,
 // N bytes of JSON, then the data section that the JSON's data_offsets index.
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -11,6 +10,7 @@
 #include <string_view>
 #include <tuple>
 
+#include "core/json_limits.h"
 #include "file_util.h"
 #include "flexpert/checkpoint.h"
 
@@ -138,15 +138,42 @@ Status check_no_overlap(const std::string& path, std::vector<Range>& ranges) {
 }  // namespace
 
 SafetensorsFile::~SafetensorsFile() {
-  if (map_ != nullptr) ::munmap(map_, map_bytes_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
+namespace {
+
+// Reads exactly `num_bytes` at `offset`; DataLoss on a short read (a file cut meanwhile).
+Status pread_exact(int fd, const std::string& path, uint64_t offset, void* dst,
+                   uint64_t num_bytes) {
+  auto* out = static_cast<char*>(dst);
+  uint64_t done = 0;
+  while (done < num_bytes) {
+    const size_t chunk = static_cast<size_t>(std::min<uint64_t>(num_bytes - done, 1ull << 30));
+    const ssize_t n = ::pread(fd, out + done, chunk, static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno_status(errno, "read " + path);
+    }
+    if (n == 0) {
+      return data_loss(path + ": ends at byte " + std::to_string(offset + done) + ", expected " +
+                       std::to_string(offset + num_bytes) + " (truncated while open?)");
+    }
+    done += static_cast<uint64_t>(n);
+  }
+  return Status();
+}
+
+int64_t mtime_ns(const struct stat& st) {
+  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+}
+
+}  // namespace
+
 Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string& path) {
-  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return errno_status(errno, "open " + path);
+  FLEX_ASSIGN_OR_RETURN(ScopedFd fd, open_regular_file(path));
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) return errno_status(errno, "stat " + path);
-  if (!S_ISREG(st.st_mode)) return failed_precondition(path + ": not a regular file");
   const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
   if (file_bytes < 8) {
     return data_loss(path + ": file is " + std::to_string(file_bytes) +
@@ -155,14 +182,14 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
 
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
   file->path_ = path;
-  void* map = ::mmap(nullptr, file_bytes, PROT_READ, MAP_SHARED, fd.get(), 0);
-  if (map == MAP_FAILED) return errno_status(errno, "mmap " + path);
-  file->map_ = map;  // Owned from here: the destructor unmaps on every error path.
-  file->map_bytes_ = file_bytes;
-  const auto* bytes = static_cast<const uint8_t*>(map);
+  file->file_bytes_ = file_bytes;
+  file->inode_ = static_cast<uint64_t>(st.st_ino);
+  file->mtime_ns_ = mtime_ns(st);
 
+  uint8_t length_bytes[8];
+  FLEX_RETURN_IF_ERROR(pread_exact(fd.get(), path, 0, length_bytes, 8));
   uint64_t header_bytes = 0;
-  for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | bytes[i];  // Little-endian.
+  for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | length_bytes[i];
   if (header_bytes > kMaxHeaderBytes) {
     return data_loss(path + ": header length " + std::to_string(header_bytes) +
                      " is absurd (limit " + std::to_string(kMaxHeaderBytes) +
@@ -172,13 +199,18 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
     return data_loss(path + ": header length " + std::to_string(header_bytes) + " exceeds the " +
                      std::to_string(file_bytes) + "-byte file (truncated?)");
   }
-  const auto* header_begin = reinterpret_cast<const char*>(bytes + 8);
+  std::string header_text(header_bytes, '\0');
+  FLEX_RETURN_IF_ERROR(pread_exact(fd.get(), path, 8, header_text.data(), header_bytes));
   const uint64_t data_bytes = file_bytes - 8 - header_bytes;
-  file->data_ = bytes + 8 + header_bytes;
+  file->data_offset_ = 8 + header_bytes;
+  file->fd_ = fd.release();  // Owned by `file` from here: its destructor closes it.
 
+  if (Status s = check_json_nesting(header_text, "header"); !s.ok()) {
+    return data_loss(path + ": " + s.message());
+  }
   json header;
   try {
-    header = json::parse(header_begin, header_begin + header_bytes);
+    header = json::parse(header_text);
   } catch (const json::exception& e) {
     return data_loss(path + ": header is not valid JSON: " + e.what());
   }
@@ -192,6 +224,7 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
     if (name == "__metadata__") {
       if (!value.is_object()) return data_loss(path + ": __metadata__ is not an object");
       for (const auto& [key, v] : value.items()) {
+        // dump() recurses, but check_json_nesting() bounded the depth above.
         file->metadata_[key] = v.is_string() ? v.get<std::string>() : v.dump();
       }
       continue;
@@ -210,6 +243,21 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
   return file;
 }
 
+Status SafetensorsFile::check_unchanged() const {
+  struct stat st;
+  if (::fstat(fd_, &st) != 0) return errno_status(errno, "stat " + path_);
+  struct stat by_path;
+  const bool replaced = ::stat(path_.c_str(), &by_path) != 0 || by_path.st_ino != st.st_ino;
+  if (static_cast<uint64_t>(st.st_size) != file_bytes_ ||
+      static_cast<uint64_t>(st.st_ino) != inode_ || mtime_ns(st) != mtime_ns_ || replaced) {
+    return data_loss(path_ + ": changed on disk since it was opened (size " +
+                     std::to_string(file_bytes_) + " -> " + std::to_string(st.st_size) +
+                     (replaced ? ", replaced or removed" : "") +
+                     "); restart on the new checkpoint");
+  }
+  return Status();
+}
+
 Result<Tensor> SafetensorsFile::get(const std::string& name) const {
   auto it = entries_.find(name);
   if (it == entries_.end()) {
@@ -220,15 +268,14 @@ Result<Tensor> SafetensorsFile::get(const std::string& name) const {
     }
     return not_found(path_ + ": no tensor '" + name + "'");
   }
+  FLEX_RETURN_IF_ERROR(check_unchanged());
   const Entry& entry = it->second;
-  const uint8_t* p = data_ + entry.begin;
-  // NOTE: the format does not promise alignment; Hugging Face writers pad the header
-  // to 8 bytes and order tensors so it holds. A misaligned view would be UB to read.
-  if (reinterpret_cast<uintptr_t>(p) % dtype_size(entry.dtype) != 0) {
-    return unimplemented(path_ + ": tensor '" + name + "' at data offset " +
-                         std::to_string(entry.begin) + " is not aligned to its element size");
-  }
-  return Tensor::borrow(static_cast<const void*>(p), entry.dtype, entry.shape);
+  // NOTE: a copy, never a view of a mapping (checkpoint.h says why). The byte count
+  // was checked against the shape at open.
+  Tensor out = Tensor::empty(entry.dtype, entry.shape);
+  FLEX_RETURN_IF_ERROR(
+      pread_exact(fd_, path_, data_offset_ + entry.begin, out.raw(), entry.end - entry.begin));
+  return out;
 }
 
 }  // namespace flexpert

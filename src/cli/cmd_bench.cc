@@ -23,6 +23,7 @@
 #include "flexpert/thread_pool.h"
 #include "kernels/cpu_ops.h"
 #include "serve/bench_serve.h"
+#include "serve/slow_clients_bench.h"
 
 namespace flexpert::cli {
 
@@ -280,13 +281,83 @@ int cmd_bench_serve(const Args& args) {
   return 0;
 }
 
+int cmd_bench_slow_clients(const Args& args) {
+  Flags flags;
+  flags.value("url", "http://127.0.0.1:8000", "server to probe (http://HOST:PORT, IPv4)")
+      .value("steps", "64,256,1024", "slow connections held, one step after another")
+      .value("hold-s", "3", "seconds each step is held while /health is probed")
+      .value("streams", "0", "streaming completions started first")
+      .value("probe-source", "127.0.0.2", "local address of the /health probe (\"\": any)")
+      .value("stream-max-tokens", "256", "tokens per streaming completion")
+      .value("json", "", "write results to this file")
+      .boolean("help", "show this help");
+  if (Status s = flags.parse(args); !s.ok()) return report_error("bench slow-clients", s);
+  if (flags.flag("help")) {
+    std::printf("usage: flexpert bench slow-clients [flags]\n%s", flags.help().c_str());
+    return 0;
+  }
+  auto run = [&]() -> Status {
+    SlowClientsOptions o;
+    const std::string url = flags.str("url");
+    const size_t host_at = url.rfind("http://", 0) == 0 ? 7 : 0;
+    const size_t colon = url.rfind(':');
+    if (colon == std::string::npos || colon < host_at) {
+      return invalid_argument("--url must be http://HOST:PORT");
+    }
+    o.host = url.substr(host_at, colon - host_at);
+    FLEX_ASSIGN_OR_RETURN(int64_t port, parse_int(url.substr(colon + 1), "--url port"));
+    if (port < 1 || port > 65535) return invalid_argument("--url port must be in [1, 65535]");
+    o.port = static_cast<int>(port);
+    o.probe_source = flags.str("probe-source");
+    FLEX_ASSIGN_OR_RETURN(auto steps, flags.int_list("steps"));
+    o.steps.clear();
+    for (int64_t n : steps) {
+      if (n < 0 || n > 1000000) return invalid_argument("--steps must be in [0, 1000000]");
+      o.steps.push_back(static_cast<int>(n));
+    }
+    FLEX_ASSIGN_OR_RETURN(o.hold_s, flags.number("hold-s"));
+    if (!(o.hold_s > 0 && o.hold_s <= 3600))
+      return invalid_argument("--hold-s must be in (0, 3600]");
+    FLEX_ASSIGN_OR_RETURN(int64_t streams, flags.integer("streams"));
+    FLEX_ASSIGN_OR_RETURN(int64_t stream_tokens, flags.integer("stream-max-tokens"));
+    if (streams < 0 || streams > 100000 || stream_tokens < 1 || stream_tokens > 1000000) {
+      return invalid_argument("--streams must be in [0, 100000], --stream-max-tokens >= 1");
+    }
+    o.num_streams = static_cast<int>(streams);
+    o.stream_max_tokens = static_cast<int>(stream_tokens);
+    FLEX_ASSIGN_OR_RETURN(nlohmann::json result, bench_slow_clients(o));
+    std::printf("%8s %8s %6s %6s %8s %10s %10s %10s %s\n", "slow", "held", "503", "408", "probes",
+                "p50_ms", "p99_ms", "max_ms", "health<100ms");
+    for (const auto& s : result["steps"]) {
+      std::printf("%8d %8.0f %6d %6d %8d %10.2f %10.2f %10.2f %s\n", s["slow_target"].get<int>(),
+                  s["slow_held"].get<double>(), s["refused_503"].get<int>(),
+                  s["timed_out_408"].get<int>(), s["probes"].get<int>(),
+                  s["health_ms"]["p50"].get<double>(), s["health_ms"]["p99"].get<double>(),
+                  s["health_ms"]["max"].get<double>(),
+                  s["within_target"].get<bool>() ? "yes" : "no");
+    }
+    std::printf("tolerated: %d slow connections with every /health probe under %.0f ms\n",
+                result["tolerated"].get<int>(), o.health_target_ms);
+    if (flags.has("json")) {
+      std::ofstream f(flags.str("json"));
+      f << result.dump(2) << "\n";
+      if (!f) return invalid_argument("cannot write " + flags.str("json"));
+    }
+    return Status();
+  };
+  if (Status s = run(); !s.ok()) return report_error("bench slow-clients", s);
+  return 0;
+}
+
 int cmd_bench(const Args& args) {
+  if (!args.empty() && args[0] == "slow-clients")
+    return cmd_bench_slow_clients(Args(args.begin() + 1, args.end()));
   if (!args.empty() && args[0] == "serve")
     return cmd_bench_serve(Args(args.begin() + 1, args.end()));
   if (!args.empty() && args[0] == "elastic")
     return cmd_bench_elastic(Args(args.begin() + 1, args.end()));
   if (args.empty() || args[0] != "generate") {
-    std::fprintf(stderr, "usage: flexpert bench generate|serve|elastic [flags]\n");
+    std::fprintf(stderr, "usage: flexpert bench generate|serve|elastic|slow-clients [flags]\n");
     return 2;
   }
   Flags flags;

@@ -32,9 +32,8 @@ Status run_scale(const Flags& flags) {
   client.set_connection_timeout(5, 0);
   client.set_read_timeout(600, 0);  // Returns when the change has committed.
   httplib::Headers headers;
-  if (!flags.str("admin-key").empty()) {
-    headers.emplace("Authorization", "Bearer " + flags.str("admin-key"));
-  }
+  FLEX_ASSIGN_OR_RETURN(const std::string key, admin_key_from(flags));
+  if (!key.empty()) headers.emplace("Authorization", "Bearer " + key);
   auto res = client.Post("/v1/scale", headers, body.dump(), "application/json");
   if (!res) return unavailable("no answer from " + url + ": " + httplib::to_string(res.error()));
   if (res->status != 200) {
@@ -54,7 +53,8 @@ int cmd_scale(const Args& args) {
   flags.value("url", "http://127.0.0.1:8000", "the server")
       .value("to", "", "the number of ranks to have")
       .value("remove", "", "rank ids to remove, comma-separated")
-      .value("admin-key", "", "the server's --admin-key")
+      .value("admin-key", "", "the server's admin key (visible in ps: prefer the next two)")
+      .value("admin-key-file", "", "a file whose first line is the admin key")
       .boolean("help", "show this help");
   if (Status s = flags.parse(args); !s.ok()) return report_error("scale", s);
   if (flags.flag("help")) {

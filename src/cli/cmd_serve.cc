@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // `flexpert serve` (front end + workers behind HTTP) and `flexpert worker` (one rank).
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <cstdio>
 
@@ -21,6 +22,16 @@ Result<int> int_flag(const Flags& flags, const std::string& name, int64_t min_va
     return invalid_argument("--" + name + " must be >= " + std::to_string(min_value));
   }
   return static_cast<int>(v);
+}
+
+// Every HTTP connection is a descriptor: the soft limit (often 1024) would cap the
+// server below --http-max-connections, so it is raised to the hard limit.
+void raise_open_file_limit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    (void)::setrlimit(RLIMIT_NOFILE, &limit);
+  }
 }
 
 ClusterEngine* cluster_ = nullptr;  // Set when serving a group (not --local).
@@ -59,6 +70,12 @@ Status run_serve(const Flags& flags) {
     FLEX_ASSIGN_OR_RETURN(options.control_port, int_flag(flags, "control-port", 0));
     options.placement = flags.str("placement");
     options.spawn_workers = !flags.flag("no-spawn");
+    FLEX_ASSIGN_OR_RETURN(options.cluster_key,
+                          secret_from(flags, "cluster-key", "FLEXPERT_CLUSTER_KEY"));
+    if (!options.spawn_workers && options.cluster_key.empty()) {
+      FLEX_LOG(WARN) << "--no-spawn without a cluster key: anyone who reaches the control port "
+                        "can join as a worker (set FLEXPERT_CLUSTER_KEY or --cluster-key-file)";
+    }
     options.eplb = flags.flag("eplb");
     FLEX_ASSIGN_OR_RETURN(options.eplb_window_s, flags.number("eplb-window-s"));
     FLEX_ASSIGN_OR_RETURN(options.eplb_interval_s, flags.number("eplb-interval-s"));
@@ -112,7 +129,12 @@ Status run_serve(const Flags& flags) {
   HttpOptions http;
   http.host = flags.str("host");
   FLEX_ASSIGN_OR_RETURN(http.port, int_flag(flags, "port", 0));
-  http.admin_key = flags.str("admin-key");
+  FLEX_ASSIGN_OR_RETURN(http.admin_key, admin_key_from(flags));
+  FLEX_ASSIGN_OR_RETURN(http.max_connections, int_flag(flags, "http-max-connections", 1));
+  FLEX_ASSIGN_OR_RETURN(http.max_connections_per_client,
+                        int_flag(flags, "http-max-connections-per-client", 1));
+  FLEX_ASSIGN_OR_RETURN(http.request_timeout_ms, int_flag(flags, "http-request-timeout-ms", 1));
+  raise_open_file_limit();
   http.model_name = flags.str("served-model-name");
   HttpServer server(*engine, http);
   if (cluster_ != nullptr) {
@@ -128,7 +150,15 @@ Status run_serve(const Flags& flags) {
                           });
     server.add_post_route(
         "/v1/eplb/drain", [cluster](const nlohmann::json& body) -> Result<nlohmann::json> {
-          const bool cancel = body.is_object() && body.value("cancel", false);
+          bool cancel = false;
+          if (!body.is_null()) {
+            if (!body.is_object()) return invalid_argument("body must be a JSON object");
+            auto it = body.find("cancel");
+            if (it != body.end() && !it->is_null()) {
+              if (!it->is_boolean()) return invalid_argument("\"cancel\" must be true or false");
+              cancel = it->get<bool>();
+            }
+          }
           const bool was_running = cluster->drain_rebalance(cancel);
           return nlohmann::json{{"was_running", was_running}, {"cancelled", cancel && was_running}};
         });
@@ -166,7 +196,19 @@ int cmd_serve(const Args& args) {
       .value("host", "127.0.0.1", "HTTP address")
       .value("port", "8000", "HTTP port (0: any free port)")
       .value("control-port", "0", "ZeroMQ control port (0: any free port)")
-      .value("admin-key", "", "bearer key required by admin endpoints")
+      .value("admin-key", "",
+             "bearer key for admin routes and /v1/status detail (visible in ps: prefer "
+             "FLEXPERT_ADMIN_KEY or --admin-key-file)")
+      .value("admin-key-file", "", "a file whose first line is the admin key")
+      .value("cluster-key", "",
+             "key workers must present (default with spawned workers: a random one; "
+             "visible in ps: prefer FLEXPERT_CLUSTER_KEY or --cluster-key-file)")
+      .value("cluster-key-file", "", "a file whose first line is the cluster key")
+      .value("http-max-connections", "1024", "open HTTP connections in all (more get 503)")
+      .value("http-max-connections-per-client", "256",
+             "open HTTP connections per client address (more get 503)")
+      .value("http-request-timeout-ms", "10000",
+             "for a request's headers and body to arrive (408 otherwise)")
       .value("served-model-name", "flexpert", "the model name in responses")
       .value("eplb-window-s", "30", "EPLB load window (seconds)")
       .value("eplb-interval-s", "60", "seconds between automatic rebalances (with --eplb)")
@@ -203,6 +245,9 @@ int cmd_worker(const Args& args) {
   Flags flags;
   flags.value("join", "", "the front end's control address HOST:PORT")
       .value("rank", "", "rank id to take")
+      .value("cluster-key", "",
+             "the group's key (visible in ps: prefer FLEXPERT_CLUSTER_KEY or --cluster-key-file)")
+      .value("cluster-key-file", "", "a file whose first line is the cluster key")
       .boolean("help", "show this help");
   if (Status s = flags.parse(args); !s.ok()) return report_error("worker", s);
   if (flags.flag("help")) {
@@ -218,6 +263,9 @@ int cmd_worker(const Args& args) {
     return report_error("worker", invalid_argument("--rank must be an integer >= 0"));
   }
   options.rank = static_cast<int>(rank.value());
+  auto key = secret_from(flags, "cluster-key", "FLEXPERT_CLUSTER_KEY");
+  if (!key.ok()) return report_error("worker", key.status());
+  options.cluster_key = key.value();
   return run_worker(options);
 }
 

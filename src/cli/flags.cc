@@ -1,9 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "cli/flags.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
+
+#include "flexpert/logging.h"
 
 namespace flexpert::cli {
 
@@ -101,6 +108,50 @@ std::string Flags::help() const {
     out << "\n      " << spec.help << "\n";
   }
   return out.str();
+}
+
+Result<std::string> secret_from(const Flags& flags, const std::string& name, const char* env) {
+  const std::string file_flag = name + "-file";
+  const bool has_file = !flags.str(file_flag).empty();
+  const bool has_flag = !flags.str(name).empty();
+  const char* env_value = std::getenv(env);
+  const bool has_env = env_value != nullptr && *env_value != '\0';
+  if (has_file + has_flag + has_env > 1) {
+    return invalid_argument("give one of --" + file_flag + ", " + env + " or --" + name);
+  }
+  if (has_file) {
+    const std::string path = flags.str(file_flag);
+    // O_NONBLOCK: a FIFO must not hang the start; only a regular file is read.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0)
+      return invalid_argument("--" + file_flag + " " + path + ": " + std::strerror(errno));
+    struct stat st;
+    char buf[4096];
+    ssize_t n = -1;
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size < 4096) {
+      n = ::read(fd, buf, sizeof(buf));
+    }
+    ::close(fd);
+    if (n < 0) {
+      return invalid_argument("--" + file_flag + " " + path +
+                              ": not a readable regular file under 4 KiB");
+    }
+    std::string key(buf, static_cast<size_t>(n));
+    key = key.substr(0, key.find_first_of("\r\n"));
+    while (!key.empty() && (key.back() == ' ' || key.back() == '\t')) key.pop_back();
+    if (key.empty()) return invalid_argument("--" + file_flag + " " + path + " holds no key");
+    return key;
+  }
+  if (has_env) return std::string(env_value);
+  if (has_flag) {
+    FLEX_LOG(WARN) << "--" << name << " is visible to every user of this host (/proc/PID/cmdline); "
+                   << "prefer " << env << " or --" << file_flag;
+  }
+  return flags.str(name);
+}
+
+Result<std::string> admin_key_from(const Flags& flags) {
+  return secret_from(flags, "admin-key", "FLEXPERT_ADMIN_KEY");
 }
 
 }  // namespace flexpert::cli

@@ -45,4 +45,12 @@ class Flags {
 
 Result<int64_t> parse_int(const std::string& text, const std::string& what);
 
+// A secret from --NAME-file (its first line), else the environment variable `env`,
+// else --NAME (visible to every user in /proc/PID/cmdline: kept for compatibility,
+// with a warning). "" when none is given. Two sources at once, an unreadable or
+// empty file: InvalidArgument. The flags NAME and NAME-file must be declared.
+Result<std::string> secret_from(const Flags& flags, const std::string& name, const char* env);
+// The admin key: secret_from(flags, "admin-key", "FLEXPERT_ADMIN_KEY").
+Result<std::string> admin_key_from(const Flags& flags);
+
 }  // namespace flexpert::cli

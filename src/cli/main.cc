@@ -11,8 +11,10 @@ namespace flexpert::cli {
 
 int report_error(const std::string& command, const Status& status) {
   std::fprintf(stderr, "flexpert %s: %s\n", command.c_str(), status.to_string().c_str());
-  const bool user_error =
-      status.code() == StatusCode::kInvalidArgument || status.code() == StatusCode::kNotFound;
+  // A corrupt input file (DataLoss) is bad input too, like a wrong flag.
+  const bool user_error = status.code() == StatusCode::kInvalidArgument ||
+                          status.code() == StatusCode::kNotFound ||
+                          status.code() == StatusCode::kDataLoss;
   return user_error ? 2 : 1;
 }
 
@@ -61,6 +63,7 @@ const char kUsage[] =
     "  bench generate [--model DIR | --preset P --layers N] [--batches 1,8,32] ...\n"
     "  bench serve    --url URL --concurrency C --requests N [--prompt-len L --max-tokens T]\n"
     "  bench elastic  [--modes live,stop-the-world] [--events 3:scale:4,9:kill:1,...]\n"
+    "  bench slow-clients --url URL [--steps 64,256,1024] [--streams S]\n"
     "  scale     --url URL (--to N | --remove R1,R2) [--admin-key K]\n"
     "  demo      [--out out/demo]   an elastic group under load: scale, kill, report\n"
     "  tokenize    --tokenizer DIR (--text T | --input FILE.jsonl)   prints {\"ids\": [...]}\n"

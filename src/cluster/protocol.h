@@ -29,7 +29,10 @@ struct Hello {
   int rank = 0;
   uint64_t incarnation = 0;
   int pid = 0;
-  MSGPACK_DEFINE_MAP(rank, incarnation, pid);
+  // The group's cluster key (docs/ARCHITECTURE.md, "Trust boundaries"): the front
+  // end answers a hello only when it matches. Empty when the group has none.
+  std::string key;
+  MSGPACK_DEFINE_MAP(rank, incarnation, pid, key);
 };
 
 // Everything a worker needs to build its model and transport.
@@ -239,11 +242,21 @@ std::string encode(const T& msg) {
   return std::string(buf.data(), buf.size());
 }
 
+// Bounds for a control message from a peer: every struct here nests a few levels,
+// and an array or map cannot hold more elements than the body has bytes. Without
+// them a 10-byte body can claim 2^32 elements and make the unpacker allocate them.
+inline msgpack::unpack_limit decode_limits(size_t body_bytes) {
+  constexpr size_t kMaxDepth = 16;
+  return msgpack::unpack_limit(body_bytes, body_bytes, body_bytes, body_bytes, body_bytes,
+                               kMaxDepth);
+}
+
 // DataLoss when the body does not hold a T.
 template <typename T>
 Result<T> decode(const std::string& body) {
   try {
-    msgpack::object_handle oh = msgpack::unpack(body.data(), body.size());
+    msgpack::object_handle oh =
+        msgpack::unpack(body.data(), body.size(), nullptr, nullptr, decode_limits(body.size()));
     T msg;
     oh.get().convert(msg);
     return msg;

@@ -181,6 +181,7 @@ Status Worker::connect_and_configure() {
   proto::Hello hello;
   hello.rank = options_.rank;
   hello.pid = getpid();
+  hello.key = options_.cluster_key;
   FLEX_RETURN_IF_ERROR(send_msg(control_, hello));
   FLEX_ASSIGN_OR_RETURN(auto parts, control_.recv(options_.connect_timeout_ms));
   if (parts.size() != 2 || parts[0] != proto::WorkerConfig::kType) {

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
+#include "core/json_limits.h"
 #include "eplb/deepseek_eplb.h"
 
 namespace flexpert::eplb {
@@ -112,6 +113,7 @@ Result<Planner> parse_planner(std::string_view name) {
 }
 
 Result<std::vector<PlanCase>> parse_cases(std::string_view json_text) {
+  FLEX_RETURN_IF_ERROR(check_json_nesting(json_text, "input"));
   json doc = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return invalid_argument("input is not valid JSON");
   if (!doc.is_object() || !doc.contains("cases") || !doc["cases"].is_array()) {

@@ -9,6 +9,8 @@
 #include <sstream>
 #include <string>
 
+#include "core/json_limits.h"
+
 namespace flexpert {
 
 ExpertPlacement ExpertPlacement::identity(int num_layers, int num_experts, int num_slots) {
@@ -128,6 +130,7 @@ Result<ExpertPlacement> ExpertPlacement::parse(const std::string& spec, int num_
     text << in.rdbuf();
   }
   std::vector<std::vector<int>> maps;
+  FLEX_RETURN_IF_ERROR(check_json_nesting(text.str(), "placement " + spec));
   try {
     auto j = nlohmann::json::parse(text.str());
     const auto& layers = j.at("layers");

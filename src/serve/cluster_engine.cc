@@ -14,15 +14,18 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
+#include <random>
 #include <thread>
 
 #include "cluster/protocol.h"
 #include "cluster/zmq_socket.h"
+#include "core/secret.h"
 #include "flexpert/logging.h"
 #include "flexpert/model_config.h"
 #include "flexpert/placement.h"
@@ -93,6 +96,12 @@ Status ClusterEngine::Impl::spawn(int rank) {
     if (std::string(*e).rfind("FLEXPERT_THREADS=", 0) != 0) env_strings.emplace_back(*e);
   }
   env_strings.push_back("FLEXPERT_THREADS=" + std::to_string(threads));
+  // The key goes through the environment: argv is readable by every user (/proc/PID/cmdline).
+  std::erase_if(env_strings,
+                [](const std::string& e) { return e.rfind("FLEXPERT_CLUSTER_KEY=", 0) == 0; });
+  if (!options_.cluster_key.empty()) {
+    env_strings.push_back("FLEXPERT_CLUSTER_KEY=" + options_.cluster_key);
+  }
   std::vector<char*> envp;
   for (auto& e : env_strings) envp.push_back(e.data());
   envp.push_back(nullptr);
@@ -186,6 +195,12 @@ Status ClusterEngine::Impl::start() {
                                           : std::min(model_config_.max_position_embeddings, 4096);
   session_ = std::to_string(getpid()) + "-" +
              std::to_string(Clock::now().time_since_epoch().count() % 1000000007);
+  if (options_.cluster_key.empty() && options_.spawn_workers) {
+    std::random_device rd;  // 128 bits from the kernel.
+    char key[33];
+    std::snprintf(key, sizeof(key), "%08x%08x%08x%08x", rd(), rd(), rd(), rd());
+    options_.cluster_key = key;
+  }
   FLEX_RETURN_IF_ERROR(router_.bind(
       "tcp://" + options_.control_host + ":" +
       (options_.control_port ? std::to_string(options_.control_port) : std::string("*"))));
@@ -295,6 +310,15 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     auto hello = proto::decode<proto::Hello>(body);
     if (!hello.ok()) return;
     const int r = hello->rank;
+    // Who may join is decided by the key, not by a pid (which /proc shows to anyone).
+    if (!options_.cluster_key.empty() && !same_secret(hello->key, options_.cluster_key)) {
+      FLEX_LOG(WARN) << "refused a hello for rank " << r << " without the cluster key";
+      proto::WorkerError err{epoch_, static_cast<int>(StatusCode::kFailedPrecondition),
+                             "missing or wrong cluster key (FLEXPERT_CLUSTER_KEY or "
+                             "--cluster-key-file)"};
+      (void)router_.send({routing_id, proto::WorkerError::kType, proto::encode(err)});
+      return;
+    }
     // Open: an initial rank of a --no-spawn group, or one a scale-up reserved.
     const bool ok = r >= 0 && r < static_cast<int>(ranks_.size()) &&
                     ((ranks_[r].state == RankState::kEmpty && epoch_ == 0) ||

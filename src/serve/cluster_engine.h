@@ -32,7 +32,11 @@ struct ClusterOptions {
   int heartbeat_timeout_ms = 2000;   // Heartbeats come from a thread of their own.
   bool spawn_workers = true;         // false: wait for `flexpert worker --join`.
   std::string worker_binary;         // Default: this executable.
-  int threads_per_worker = 0;        // 0: cores / ranks (at least 1).
+  // What every worker's hello must carry. Empty with spawn_workers: a random key,
+  // handed to spawned workers through their environment (never argv). Empty
+  // without: hellos are not checked.
+  std::string cluster_key;
+  int threads_per_worker = 0;  // 0: cores / ranks (at least 1).
   std::string control_host = "127.0.0.1";
   int control_port = 0;           // 0: any free port.
   int start_timeout_ms = 120000;  // For every rank to be ready.

@@ -39,6 +39,8 @@ constexpr auto kApplyTimeout = std::chrono::seconds(30);
 }  // namespace
 
 Result<ScaleTarget> ScaleTarget::from_json(const nlohmann::json& body) {
+  // No group has this many ranks; the bound only keeps the narrowing to int exact.
+  constexpr int64_t kMaxRankId = 1 << 20;
   if (!body.is_object()) return invalid_argument("body must be a JSON object");
   ScaleTarget t;
   const bool has_ranks = body.contains("ranks"), has_remove = body.contains("remove");
@@ -46,9 +48,14 @@ Result<ScaleTarget> ScaleTarget::from_json(const nlohmann::json& body) {
     return invalid_argument("give exactly one of \"ranks\" (an integer) or \"remove\" (a list)");
   }
   if (has_ranks) {
+    // Range-checked as 64-bit before narrowing: 4294967298 must not become 2.
     const auto& v = body["ranks"];
     if (!v.is_number_integer()) return invalid_argument("\"ranks\" must be an integer");
-    t.ranks = v.get<int>();
+    if (v.is_number_unsigned() ? v.get<uint64_t>() > uint64_t{kMaxRankId}
+                               : v.get<int64_t>() < 1 || v.get<int64_t>() > kMaxRankId) {
+      return invalid_argument("\"ranks\" must be in [1, " + std::to_string(kMaxRankId) + "]");
+    }
+    t.ranks = static_cast<int>(v.get<int64_t>());
     if (t.ranks < 1) return invalid_argument("\"ranks\" must be >= 1");
   } else {
     const auto& v = body["remove"];
@@ -57,7 +64,12 @@ Result<ScaleTarget> ScaleTarget::from_json(const nlohmann::json& body) {
     }
     for (const auto& r : v) {
       if (!r.is_number_integer()) return invalid_argument("\"remove\" holds a non-integer");
-      t.remove.push_back(r.get<int>());
+      if (r.is_number_unsigned() ? r.get<uint64_t>() > uint64_t{kMaxRankId}
+                                 : r.get<int64_t>() < 0 || r.get<int64_t>() > kMaxRankId) {
+        return invalid_argument("\"remove\" holds " + r.dump() + ", not a rank id in [0, " +
+                                std::to_string(kMaxRankId) + "]");
+      }
+      t.remove.push_back(static_cast<int>(r.get<int64_t>()));
     }
   }
   return t;

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <limits>
 
+#include "core/json_limits.h"
+
 namespace flexpert {
 namespace {
 
@@ -57,8 +59,11 @@ struct FieldReader {
   Status token_ids(const char* field, const json& list, int vocab_size, std::vector<int32_t>* out) {
     for (const json& id : list) {
       if (!id.is_number_integer()) {
-        return fail(field, std::string(field) + " must contain only integer token ids, got " +
-                               id.dump(-1, ' ', false, json::error_handler_t::replace));
+        // The type name, not the value: an array may nest deep, and dump() recurses.
+        return fail(field,
+                    std::string(field) + " must contain only integer token ids, got " +
+                        (id.is_primitive() ? id.dump(-1, ' ', false, json::error_handler_t::replace)
+                                           : std::string("an ") + id.type_name()));
       }
       // Compare as 64-bit (or unsigned) first so that huge values cannot wrap into range.
       const bool in_range = id.is_number_unsigned()
@@ -80,6 +85,7 @@ struct FieldReader {
 Status parse_completion_request(const std::string& body, int vocab_size, int max_context,
                                 ParsedCompletion* out, std::string* error_param) {
   error_param->clear();
+  FLEX_RETURN_IF_ERROR(check_json_nesting(body, "the request body"));
   const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return invalid_argument("the request body is not valid JSON");
   if (!j.is_object()) return invalid_argument("the request body must be a JSON object");
@@ -127,6 +133,8 @@ Status parse_completion_request(const std::string& body, int vocab_size, int max
   FLEX_RETURN_IF_ERROR(r.number("top_p", &top_p));
   if (!(top_p > 0.0 && top_p <= 1.0)) return r.fail("top_p", "top_p must be in (0, 1]");
   p.top_p = static_cast<float>(top_p);
+  // The sampler works in float: a top_p that rounds to 0 would silently mean "off".
+  if (!(p.top_p > 0.0f)) return r.fail("top_p", "top_p must be in (0, 1] and at least 1e-38");
 
   int64_t top_k = 0;  // vLLM spells "off" as -1; we also take 0.
   FLEX_RETURN_IF_ERROR(r.integer("top_k", &top_k));

@@ -204,8 +204,15 @@ void HttpServer::respond_when_finished(Exchange& ex, httplib::Response& res) {
     finish_exchange(ex, "error");
     return;
   }
+  if (reason == "abort") {
+    // The engine shut down under the request: an error status, so that a client
+    // checking only the status does not take a cut answer for a whole one.
+    send_json(res, 503, shutting_down_json());
+    finish_exchange(ex, "abort");
+    return;
+  }
   send_json(res, 200, completion_response(ex.header, tokens, reason, ex.prompt_tokens));
-  finish_exchange(ex, reason == "abort" ? "abort" : "ok");
+  finish_exchange(ex, "ok");
 }
 
 bool HttpServer::stream_step(Exchange& ex, httplib::DataSink& sink) {

@@ -4,16 +4,22 @@
 #include "serve/http_server.h"
 
 #include <httplib.h>
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <random>
 #include <string_view>
 #include <thread>
 
+#include "core/json_limits.h"
+#include "core/secret.h"
 #include "flexpert/logging.h"
 #include "serve/completion_api.h"
+#include "serve/http_gate.h"
 
 namespace flexpert {
 namespace {
@@ -24,13 +30,83 @@ constexpr int kListenBacklog = 512;
 // How long stop() waits for requests to get their final answer out.
 constexpr auto kStopGrace = std::chrono::seconds(2);
 
+}  // namespace
+
 // NOTE: httplib listens with a backlog of 5 (a compile-time constant of the
 // Debian library). A burst of concurrent clients then overflows the accept queue
 // and their SYNs are retried after a second, which shows up as 1 s latency
 // outliers. Linux lets listen() on a listening socket raise the backlog.
+//
+// httplib's own accept loop holds a pool thread per connection from its first
+// byte, with no deadline for the request (docs/ARCHITECTURE.md, "Trust
+// boundaries"); HttpGate accepts instead and hands over complete requests, which
+// httplib's request processing (routing, handlers, responses) then answers.
 class ListenServer : public httplib::Server {
  public:
   void raise_backlog(int backlog) { (void)::listen(svr_sock_, backlog); }
+  int listen_socket() const { return svr_sock_; }
+  // Answers one request read from `stream`; false when the connection must close.
+  bool serve(httplib::Stream& stream) {
+    bool connection_closed = false;
+    const bool ok = process_request(stream, /*close_connection=*/false, connection_closed,
+                                    [](httplib::Request&) {});
+    return ok && !connection_closed;
+  }
+  // Stream providers poll whether the listener is open: this ends them.
+  void mark_stopped() { svr_sock_ = INVALID_SOCKET; }
+};
+
+namespace {
+
+// A connection as httplib reads and writes it: the request comes from the bytes the
+// gate read whole (so no read waits on the client), the response goes to the socket
+// with a timeout per write.
+class GatedStream : public httplib::Stream {
+ public:
+  GatedStream(const GatedRequest& request, int write_timeout_ms)
+      : request_(request), write_timeout_ms_(write_timeout_ms) {}
+
+  bool is_readable() const override { return pos_ < request_.bytes.size(); }
+  bool is_writable() const override {
+    pollfd p{request_.fd, POLLOUT, 0};
+    return ::poll(&p, 1, write_timeout_ms_) > 0 && (p.revents & (POLLERR | POLLHUP)) == 0;
+  }
+  ssize_t read(char* ptr, size_t size) override {
+    const size_t n = std::min(size, request_.bytes.size() - pos_);
+    std::memcpy(ptr, request_.bytes.data() + pos_, n);
+    pos_ += n;
+    return static_cast<ssize_t>(n);  // 0 past the request: httplib sees its end.
+  }
+  ssize_t write(const char* ptr, size_t size) override {
+    size_t done = 0;
+    while (done < size) {
+      const ssize_t n = ::send(request_.fd, ptr + done, size - done, MSG_NOSIGNAL);
+      if (n > 0) {
+        done += static_cast<size_t>(n);
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && is_writable()) {
+        continue;
+      } else {
+        return -1;  // A reader slower than the write timeout, or gone.
+      }
+    }
+    return static_cast<ssize_t>(size);
+  }
+  void get_remote_ip_and_port(std::string& ip, int& port) const override {
+    ip = request_.peer;
+    port = 0;
+  }
+  void get_local_ip_and_port(std::string& ip, int& port) const override {
+    ip.clear();
+    port = 0;
+  }
+  socket_t socket() const override { return request_.fd; }
+
+ private:
+  const GatedRequest& request_;
+  const int write_timeout_ms_;
+  size_t pos_ = 0;
 };
 
 void send_json(httplib::Response& res, int status, const json& body) {
@@ -48,16 +124,6 @@ std::string literal_pattern(const std::string& path) {
     out += c;
   }
   return out;
-}
-
-// Compares without an early exit, so that response timing does not reveal a key prefix.
-bool same_secret(const std::string& a, const std::string& b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  const size_t n = std::max(a.size(), b.size());
-  for (size_t i = 0; i < n; ++i) {
-    diff |= static_cast<unsigned char>((i < a.size() ? a[i] : 0) ^ (i < b.size() ? b[i] : 0));
-  }
-  return diff == 0;
 }
 
 }  // namespace
@@ -86,7 +152,8 @@ HttpServer::HttpServer(ServingEngine& engine, HttpOptions options)
     handle_completions(req, res);
   });
   add_route("GET", "/health", [this](const auto&, auto& res) { handle_health(res); });
-  add_route("GET", "/v1/status", [this](const auto&, auto& res) { handle_status(res); });
+  add_route("GET", "/v1/status",
+            [this](const httplib::Request& req, auto& res) { handle_status(req, res); });
   add_route("GET", "/v1/models", [this](const auto&, auto& res) { handle_models(res); });
   add_route("GET", "/metrics", [this](const auto&, auto& res) { handle_metrics(res); });
 }
@@ -129,12 +196,9 @@ void HttpServer::add_get_route(const std::string& path,
 Status HttpServer::start() {
   FLEX_CHECK(!server_) << "start() called twice";
   auto server = std::make_unique<ListenServer>();
-  const size_t num_threads = static_cast<size_t>(std::max(1, options_.num_threads));
-  server->new_task_queue = [num_threads] { return new httplib::ThreadPool(num_threads); };
   server->set_payload_max_length(options_.max_body_bytes);
   server->set_keep_alive_timeout(options_.keep_alive_timeout_s);
   server->set_keep_alive_max_count(10000);
-  server->set_tcp_nodelay(true);  // Stream events are small writes: no Nagle delay.
   // NOTE: httplib's default sets SO_REUSEPORT, which lets a second server bind the
   // same port and silently take half the traffic. SO_REUSEADDR alone still allows
   // a quick restart but makes a busy port an error.
@@ -184,22 +248,30 @@ Status HttpServer::start() {
   }
   server->raise_backlog(kListenBacklog);
 
-  auto listen_returned = std::make_shared<std::atomic<bool>>(false);  // Shared with the thread.
+  HttpGateOptions gate;
+  gate.request_timeout_ms = options_.request_timeout_ms;
+  gate.max_body_bytes = options_.max_body_bytes;
+  gate.max_connections = options_.max_connections;
+  gate.max_connections_per_client = options_.max_connections_per_client;
+  gate.num_threads = options_.num_threads;
+  gate.num_light_threads = options_.num_light_threads;
   ListenServer* raw = server.get();
+  const int write_timeout_ms = options_.write_timeout_ms;
+  auto gate_server = std::make_unique<HttpGate>(
+      gate,
+      [raw, write_timeout_ms](const GatedRequest& request) {
+        GatedStream stream(request, write_timeout_ms);
+        return raw->serve(stream);
+      },
+      [this](const std::string& method, const std::string& path) {
+        return is_light_route(method, path);
+      });
+  if (Status s = gate_server->start(raw->listen_socket()); !s.ok()) {
+    ::close(raw->listen_socket());
+    return s.annotate("starting the HTTP accept loop on " + where);
+  }
   server_ = std::move(server);
-  listen_thread_ = std::thread([raw, listen_returned] {
-    raw->listen_after_bind();
-    *listen_returned = true;
-  });
-  // stop() only works once the accept loop runs, so start() returns only then.
-  while (!raw->is_running() && !*listen_returned) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  if (!raw->is_running()) {
-    listen_thread_.join();
-    server_.reset();
-    return unavailable("the HTTP accept loop on " + where + " failed to start");
-  }
+  gate_ = std::move(gate_server);
   port_ = port;
   FLEX_LOG(INFO) << "serving on http://" << options_.host << ":" << port_;
   return Status();
@@ -247,20 +319,53 @@ void HttpServer::stop() {
   while (num_open_exchanges_.load() > 0 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  server_->stop();
-  if (listen_thread_.joinable()) listen_thread_.join();  // Joins httplib's workers too.
+  server_->mark_stopped();  // Stream providers end (they have sent their final event).
+  gate_->stop();            // Closes the listener; joins the pools.
+  gate_.reset();
   server_.reset();
+}
+
+bool HttpServer::is_light_route(const std::string& method, const std::string& path) const {
+  // Quick, read-only routes, answered by their own pool whatever holds the other.
+  if (method != "GET") return false;
+  return path == "/health" || path == "/metrics" || path == "/v1/models" || path == "/v1/status";
+}
+
+bool HttpServer::authorized(const httplib::Request& req) const {
+  return options_.admin_key.empty() ||
+         same_secret(req.get_header_value("Authorization"), "Bearer " + options_.admin_key);
+}
+
+// What anyone may see of the engine's status: no pids, errors or per-rank detail.
+json HttpServer::public_status() const {
+  const json full = engine_.status();
+  json out = json::object();
+  if (full.is_object()) {
+    for (const char* key : {"mode", "phase", "epoch", "members", "max_ranks"}) {
+      if (full.contains(key)) out[key] = full[key];
+    }
+  }
+  out["vocab_size"] = engine_.vocab_size();
+  out["max_context"] = engine_.max_context();
+  out["model"] = options_.model_name;
+  return out;
 }
 
 void HttpServer::handle_health(httplib::Response& res) {
   if (engine_.healthy() && !stopping_) {
     send_json(res, 200, {{"status", "ok"}});
   } else {
-    send_json(res, 503, {{"status", "degraded"}, {"detail", engine_.status()}});
+    send_json(res, 503, {{"status", "degraded"}, {"detail", public_status()}});
   }
 }
 
-void HttpServer::handle_status(httplib::Response& res) {
+void HttpServer::handle_status(const httplib::Request& req, httplib::Response& res) {
+  // With an admin key, pids, errors and per-rank detail are for its holders only;
+  // others get the limits clients need (bench serve reads them).
+  if (!authorized(req)) {
+    send_json(res, 200, public_status());
+    return;
+  }
   json status = engine_.status();
   // Clients such as `bench serve` need the limits whatever the engine reports.
   if (status.is_object()) {
@@ -287,14 +392,17 @@ void HttpServer::handle_metrics(httplib::Response& res) {
 
 void HttpServer::handle_admin(const AdminHandler& handler, const httplib::Request& req,
                               httplib::Response& res) {
-  if (!options_.admin_key.empty() &&
-      !same_secret(req.get_header_value("Authorization"), "Bearer " + options_.admin_key)) {
+  if (!authorized(req)) {
     res.set_header("WWW-Authenticate", "Bearer");
     send_json(res, 401, error_json("missing or wrong admin key", "authentication_error"));
     return;
   }
   json body = nullptr;
   if (!req.body.empty()) {
+    if (Status s = check_json_nesting(req.body, "the request body"); !s.ok()) {
+      send_json(res, 400, status_error_json(s));
+      return;
+    }
     body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
     if (body.is_discarded()) {
       send_json(res, 400,

@@ -2,18 +2,22 @@
 // HttpServer: the OpenAI-style HTTP front end over a ServingEngine.
 //
 // Routes: POST /v1/completions (a JSON response, or server-sent events with
-// "stream": true), GET /v1/models, GET /health, GET /v1/status, GET /metrics
+// "stream": true), GET /v1/models, GET /health, GET /v1/status (per-rank detail
+// only with the admin key, when one is set), GET /metrics
 // (Prometheus text), and admin POST routes added with add_post_route(). Every
 // error is a JSON body {"error": {...}}; exceptions from httplib or JSON handling
 // are caught at the handler edge and never reach the server loop.
 //
-// start() binds and serves on threads of its own: one per open connection, so a
-// streaming request holds its thread until it ends (HttpOptions::num_threads caps
-// concurrent connections). stop() closes the listener, ends requests still waiting
-// for the engine (503, or a final error event; cancelled in the engine) and joins.
-// For a graceful stop shut the engine down first: requests then end normally with
-// finish_reason "abort". add_post_route(), start() and stop() belong to one
-// controlling thread; everything else is thread-safe.
+// start() binds and serves on threads of its own (http_gate.h): one event loop reads
+// each request whole under a deadline (HttpOptions::request_timeout_ms), caps open
+// connections in total and per client (503 beyond), and hands complete requests to
+// a pool: /health, /metrics, /v1/models, /v1/status to a small pool of their own,
+// so they answer however busy the other is. A streaming request holds its pool
+// thread until it ends (HttpOptions::num_threads). stop() closes the listener, ends requests still
+// waiting for the engine (503, or a final error event; cancelled in the engine) and joins. For a
+// graceful stop shut the engine down first: requests then end normally with finish_reason "abort".
+// add_post_route(), start() and stop() belong to one controlling thread; everything else is
+// thread-safe.
 #pragma once
 
 #include <atomic>
@@ -39,14 +43,24 @@ class DataSink;
 
 namespace flexpert {
 
+class HttpGate;
+class ListenServer;  // http_server.cc: httplib's request processing, fed by the gate.
+
 struct HttpOptions {
   std::string host = "127.0.0.1";
   int port = 8000;                      // 0: an ephemeral port; see HttpServer::port().
   std::string model_name = "flexpert";  // Reported as "model" in responses and /v1/models.
-  std::string admin_key;                // Empty: admin routes need no Authorization header.
-  size_t max_body_bytes = 1 << 20;      // Larger request bodies get 413.
-  int num_threads = 64;                 // Connection threads (concurrent connections).
-  int keep_alive_timeout_s = 5;         // Idle keep-alive connections close after this.
+  // Empty: admin routes need no Authorization header. Set: admin routes need
+  // `Authorization: Bearer <key>`, and /v1/status shows its per-rank detail only then.
+  std::string admin_key;
+  size_t max_body_bytes = 1 << 20;       // Larger request bodies get 413.
+  int num_threads = 64;                  // Threads answering completions and admin routes.
+  int num_light_threads = 4;             // Threads for /health, /metrics, /v1/models, /v1/status.
+  int keep_alive_timeout_s = 5;          // Advertised to clients in Keep-Alive.
+  int request_timeout_ms = 10000;        // A request (headers and body) not read by then: 408.
+  int write_timeout_ms = 5000;           // A client not reading a response this long is dropped.
+  int max_connections = 1024;            // Open connections in all; more get 503.
+  int max_connections_per_client = 256;  // Per client address; more get 503.
 };
 
 class HttpServer {
@@ -79,10 +93,13 @@ class HttpServer {
   struct Exchange;  // One completion request's state (http_completions.cc).
 
   void add_route(const std::string& method, const std::string& path, Handler handler);
+  bool is_light_route(const std::string& method, const std::string& path) const;
   // The JSON error body for a response httplib made itself; false when it has a body.
   bool fill_error_body(const httplib::Request& req, httplib::Response& res);
   void handle_health(httplib::Response& res);
-  void handle_status(httplib::Response& res);
+  void handle_status(const httplib::Request& req, httplib::Response& res);
+  bool authorized(const httplib::Request& req) const;  // The admin key, when one is set.
+  nlohmann::json public_status() const;
   void handle_models(httplib::Response& res);
   void handle_metrics(httplib::Response& res);
   void handle_admin(const AdminHandler& handler, const httplib::Request& req,
@@ -99,8 +116,8 @@ class HttpServer {
 
   ServingEngine& engine_;
   const HttpOptions options_;
-  std::unique_ptr<httplib::Server> server_;
-  std::thread listen_thread_;
+  std::unique_ptr<ListenServer> server_;
+  std::unique_ptr<HttpGate> gate_;
   int port_ = -1;
   std::atomic<bool> stopping_{false};
   std::atomic<int> num_open_exchanges_{0};  // Accepted completions not yet answered.

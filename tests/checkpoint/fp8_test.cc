@@ -70,10 +70,10 @@ TEST(Fp8Weights, DequantizesPerBlock) {
             StatusCode::kInvalidArgument);
   EXPECT_EQ((*ckpt)->get_weight("w.weight", {cols, rows}).status().code(),
             StatusCode::kInvalidArgument);
-  // Other dtypes pass through as borrowed views.
+  // Other dtypes pass through unconverted.
   auto s = (*ckpt)->get_weight("w.weight_scale_inv", {3, 2});
   ASSERT_TRUE(s.ok());
-  EXPECT_FALSE(s->owned());
+  EXPECT_EQ(s->dtype(), (*ckpt)->get("w.weight_scale_inv")->dtype());
 }
 
 TEST(DeepseekSynth, TinyPresetMatchesTheRealFixtureLayout) {

@@ -104,6 +104,7 @@ class Server {
     waitpid(workers_[i], nullptr, 0);
     workers_.erase(workers_.begin() + static_cast<std::ptrdiff_t>(i));
   }
+  const std::string& join_address() const { return join_; }  // With --no-spawn.
   httplib::Client& client() { return *client_; }
   pid_t pid() const { return pid_; }
   int port() const { return port_; }
