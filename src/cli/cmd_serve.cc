@@ -73,8 +73,10 @@ Status run_serve(const Flags& flags) {
     FLEX_ASSIGN_OR_RETURN(options.cluster_key,
                           secret_from(flags, "cluster-key", "FLEXPERT_CLUSTER_KEY"));
     if (!options.spawn_workers && options.cluster_key.empty()) {
-      FLEX_LOG(WARN) << "--no-spawn without a cluster key: anyone who reaches the control port "
-                        "can join as a worker (set FLEXPERT_CLUSTER_KEY or --cluster-key-file)";
+      // Without a key anyone who reaches the control port could take a rank.
+      return invalid_argument(
+          "--no-spawn needs the group's cluster key (FLEXPERT_CLUSTER_KEY or "
+          "--cluster-key-file), which the hand-started workers give too");
     }
     options.eplb = flags.flag("eplb");
     FLEX_ASSIGN_OR_RETURN(options.eplb_window_s, flags.number("eplb-window-s"));

@@ -262,6 +262,14 @@ TEST(HostileHttp, AdminKeyFromFileOrEnvironmentGuardsStatus) {
   EXPECT_EQ(r.exit_code, 2) << r.out;
 }
 
+// A group of hand-started workers without a key would let anyone take a rank.
+TEST(HostileWorker, NoSpawnWithoutAClusterKeyIsRefused) {
+  ASSERT_EQ(std::getenv("FLEXPERT_CLUSTER_KEY"), nullptr);
+  const CliRun r = run_flexpert("serve --model " + kModel + " --no-spawn --ranks 1 --port 0");
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_NE(r.out.find("cluster key"), std::string::npos) << r.out;
+}
+
 // Joining takes the group's key, not a pid: a hand-started worker without it is
 // refused, one with it joins; spawned workers get theirs through the environment.
 TEST(HostileWorker, JoiningNeedsTheClusterKey) {

@@ -20,6 +20,10 @@
 
 namespace flexpert_test {
 
+// The cluster key of --no-spawn groups and their hand-started workers where a test sets
+// none of its own (FLEXPERT_CLUSTER_KEY in the environment wins).
+inline constexpr const char* kTestClusterKey = "flexpert-test-cluster-key";
+
 inline const std::string kModel = std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny";
 
 struct Reference {
@@ -56,6 +60,7 @@ class Server {
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
+      setenv("FLEXPERT_CLUSTER_KEY", kTestClusterKey, /*overwrite=*/0);  // --no-spawn needs one.
       execv(FLEXPERT_BINARY, argv.data());
       _exit(127);
     }
@@ -144,6 +149,7 @@ class Server {
     const pid_t pid = fork();
     if (pid == 0) {
       const std::string r = std::to_string(rank);
+      setenv("FLEXPERT_CLUSTER_KEY", kTestClusterKey, /*overwrite=*/0);  // The server's.
       execl(FLEXPERT_BINARY, FLEXPERT_BINARY, "worker", "--join", join.c_str(), "--rank", r.c_str(),
             static_cast<char*>(nullptr));
       _exit(127);
