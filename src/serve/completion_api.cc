@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <set>
 
 #include "core/json_limits.h"
 
@@ -91,6 +92,39 @@ Status parse_completion_request(const std::string& body, int vocab_size, int max
   if (!j.is_object()) return invalid_argument("the request body must be a JSON object");
   FieldReader r{j, error_param};
   *out = ParsedCompletion();
+  // Every field is read below; anything else is refused by name.
+  static const std::set<std::string> kKnown = {"prompt",
+                                               "max_tokens",
+                                               "temperature",
+                                               "top_p",
+                                               "top_k",
+                                               "seed",
+                                               "stream",
+                                               "ignore_eos",
+                                               "stream_options",
+                                               "stop_token_ids",
+                                               "n",
+                                               "stop",
+                                               "echo",
+                                               "logprobs",
+                                               "model",
+                                               "user",
+                                               "presence_penalty",
+                                               "frequency_penalty",
+                                               "logit_bias",
+                                               "best_of"};
+  for (const auto& [key, value] : j.items()) {
+    if (!kKnown.count(key)) {
+      return r.fail(key.substr(0, 64).c_str(), "unsupported field '" + key.substr(0, 64) + "'");
+    }
+  }
+  if (const json* model = r.get("model")) {
+    if (!model->is_string()) return r.fail("model", "model must be a string");
+    out->model = model->get<std::string>();
+  }
+  if (const json* user = r.get("user"); user != nullptr && !user->is_string()) {
+    return r.fail("user", "user must be a string");  // An end-user id: metadata only.
+  }
   SamplingParams& p = out->request.params;
 
   // prompt: [ids] or [[ids]] (the batched form, with exactly one prompt).
@@ -174,6 +208,18 @@ Status parse_completion_request(const std::string& body, int vocab_size, int max
   FLEX_RETURN_IF_ERROR(r.boolean("echo", &echo));
   if (echo) return r.fail("echo", "echo is not supported");
   if (r.get("logprobs") != nullptr) return r.fail("logprobs", "logprobs is not supported");
+  for (const char* penalty : {"presence_penalty", "frequency_penalty"}) {
+    double v = 0;
+    FLEX_RETURN_IF_ERROR(r.number(penalty, &v));
+    if (v != 0.0) return r.fail(penalty, std::string(penalty) + " is not supported (only 0)");
+  }
+  if (const json* bias = r.get("logit_bias");
+      bias != nullptr && !bias->is_null() && !(bias->is_object() && bias->empty())) {
+    return r.fail("logit_bias", "logit_bias is not supported (only {})");
+  }
+  int64_t best_of = 1;
+  FLEX_RETURN_IF_ERROR(r.integer("best_of", &best_of));
+  if (best_of != 1) return r.fail("best_of", "only best_of = 1 is supported");
   return Status();
 }
 

@@ -24,11 +24,14 @@ struct ParsedCompletion {
   bool has_seed = false;  // False: the caller picks a seed.
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage: a final usage chunk.
+  std::string model;           // "model" as sent ("" when absent); the server checks it.
 };
 
 // Parses and validates a request body against the engine's limits. On failure the
 // Status is InvalidArgument and `*error_param` names the offending field ("" when
-// the body as a whole is wrong).
+// the body as a whole is wrong). A field this server does not know, or one it knows but
+// cannot honour (a non-zero penalty, a non-empty logit_bias, best_of > 1, ...), is an
+// error naming it, never silently ignored.
 Status parse_completion_request(const std::string& body, int vocab_size, int max_context,
                                 ParsedCompletion* out, std::string* error_param);
 

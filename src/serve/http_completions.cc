@@ -126,6 +126,15 @@ void HttpServer::handle_completions(const httplib::Request& req, httplib::Respon
     send_json(res, 400, error_json(s.message(), "invalid_request_error", param));
     return;
   }
+  if (!parsed.model.empty() && parsed.model != options_.model_name) {
+    // As OpenAI answers a model it does not serve.
+    requests_counter("invalid").inc();
+    send_json(res, 404,
+              error_json("The model '" + parsed.model.substr(0, 128) +
+                             "' does not exist: this server serves '" + options_.model_name + "'",
+                         "invalid_request_error", "model", "model_not_found"));
+    return;
+  }
   if (!parsed.has_seed) parsed.request.params.seed = next_seed();
   ex->prompt_tokens = parsed.request.prompt.size();
   ex->include_usage = parsed.include_usage;

@@ -104,6 +104,16 @@ TEST(CompletionApiTest, RejectsBadRequestsNamingTheField) {
       {R"({"prompt": [1], "stop": ["\n"]})", "stop"},
       {R"({"prompt": [1], "echo": true})", "echo"},
       {R"({"prompt": [1], "logprobs": 2})", "logprobs"},
+      // Fields this server cannot honour are refused by name, never ignored.
+      {R"({"prompt": [1], "presence_penalty": 0.5})", "presence_penalty"},
+      {R"({"prompt": [1], "frequency_penalty": -1})", "frequency_penalty"},
+      {R"({"prompt": [1], "logit_bias": {"5": 100}})", "logit_bias"},
+      {R"({"prompt": [1], "logit_bias": [1]})", "logit_bias"},
+      {R"({"prompt": [1], "best_of": 2})", "best_of"},
+      {R"({"prompt": [1], "suffix": "x"})", "suffix"},
+      {R"({"prompt": [1], "min_tokens": 3})", "min_tokens"},
+      {R"({"prompt": [1], "model": 7})", "model"},
+      {R"({"prompt": [1], "user": 7})", "user"},
   };
   for (const auto& [body, param] : cases) {
     Parsed p = parse(body);
@@ -111,6 +121,13 @@ TEST(CompletionApiTest, RejectsBadRequestsNamingTheField) {
     EXPECT_EQ(p.param, param) << body << ": " << p.status.message();
     EXPECT_FALSE(p.status.message().empty()) << body;
   }
+}
+
+TEST(CompletionApiTest, NeutralValuesOfUnsupportedOptionsAreAccepted) {
+  Parsed p = parse(R"({"prompt": [1], "presence_penalty": 0, "frequency_penalty": 0.0,
+                       "logit_bias": {}, "best_of": 1, "model": "tiny", "user": "u-1"})");
+  ASSERT_TRUE(p.status.ok()) << p.status.to_string();
+  EXPECT_EQ(p.out.model, "tiny");  // The server compares it with the name it serves.
 }
 
 TEST(CompletionApiTest, ContextLimitCountsPromptAndMaxTokens) {

@@ -44,7 +44,8 @@ LocalEngine* HttpTest::engine_ = nullptr;
 HttpServer* HttpTest::server_ = nullptr;
 
 json greedy_request(const RefPrompt& p) {
-  return {{"model", "x"}, {"prompt", p.input_ids}, {"max_tokens", 16}, {"temperature", 0}};
+  return {
+      {"model", "qwen3moe-tiny"}, {"prompt", p.input_ids}, {"max_tokens", 16}, {"temperature", 0}};
 }
 
 TEST_F(HttpTest, GreedyCompletionsMatchReference) {
@@ -142,6 +143,9 @@ TEST_F(HttpTest, BadRequestsGetJsonErrorsAndTheServerKeepsServing) {
       {R"({"prompt": [1], "temperature": -1})", "temperature"},
       {R"({"prompt": [1], "top_p": 2})", "top_p"},
       {R"({"prompt": [1], "stream": 1})", "stream"},
+      {R"({"prompt": [1], "logit_bias": {"7": 100}})", "logit_bias"},  // Not ignored.
+      {R"({"prompt": [1], "presence_penalty": 1.5})", "presence_penalty"},
+      {R"({"prompt": [1], "frobnicate": true})", "frobnicate"},
   };
   for (const auto& [body, param] : bad) {
     HttpReply r = post(*c, "/v1/completions", body);
@@ -152,7 +156,12 @@ TEST_F(HttpTest, BadRequestsGetJsonErrorsAndTheServerKeepsServing) {
     EXPECT_TRUE(r.body["error"]["code"].is_null());
     EXPECT_FALSE(r.body["error"]["message"].get<std::string>().empty());
   }
-  HttpReply r = get(*c, "/nope");
+  // A model this server does not serve: 404, as OpenAI answers.
+  HttpReply r = post(*c, "/v1/completions", json{{"model", "gpt-4"}, {"prompt", {1}}});
+  EXPECT_EQ(r.status, 404) << r.text;
+  EXPECT_EQ(r.body["error"]["code"], "model_not_found");
+  EXPECT_EQ(r.body["error"]["param"], "model");
+  r = get(*c, "/nope");
   EXPECT_EQ(r.status, 404);
   EXPECT_EQ(r.body["error"]["type"], "not_found_error");
   r = post(*c, "/v1/nope", std::string("{}"));
