@@ -20,7 +20,6 @@ Result<StepBytes> step_bytes(const std::string& dir, const ModelConfig& config,
   StepBytes out;
   out.weights_dtype = gpu ? dtype_name(device_dtype) : "as stored";
   double expert_total = 0;
-  int64_t expert_tensors = 0;
   for (const std::string& name : ckpt->names()) {
     FLEX_ASSIGN_OR_RETURN(Tensor t, ckpt->get(name));
     if (name.find("embed_tokens") != std::string::npos) continue;       // Only the batch's rows.
@@ -29,7 +28,6 @@ Result<StepBytes> step_bytes(const std::string& dir, const ModelConfig& config,
                          static_cast<double>(dtype_size(gpu ? device_dtype : t.dtype()));
     if (name.find(".mlp.experts.") != std::string::npos) {
       expert_total += bytes;
-      ++expert_tensors;
     } else {
       out.dense += bytes;
     }
@@ -48,7 +46,6 @@ Result<StepBytes> step_bytes(const std::string& dir, const ModelConfig& config,
                               : 2.0 * config.num_key_value_heads * config.head_dim;
   out.kv_per_token = kv_elems * config.num_hidden_layers *
                      static_cast<double>(dtype_size(gpu ? device_dtype : DType::kF32));
-  (void)expert_tensors;
   return out;
 }
 
