@@ -28,8 +28,23 @@ struct SamplingParams {
   int max_tokens = 16;
   std::vector<int32_t> stop_token_ids;  // Besides the model's EOS ids.
   bool ignore_eos = false;
+  // Logit processing, applied on the host in this order before temperature/top-k/top-p
+  // (a row that needs any of it is computed as RowOutput::kLogits).
+  float repetition_penalty = 1.0f;  // > 0; 1: off. Prompt and generated tokens (HF, vLLM).
+  float presence_penalty = 0.0f;    // Subtracted once per distinct generated token (OpenAI).
+  float frequency_penalty = 0.0f;   // Subtracted per occurrence in the generated tokens (OpenAI).
+  std::vector<std::pair<int32_t, float>> logit_bias;  // Added to the token's logit.
+  int min_tokens = 0;  // EOS and stop ids cannot be sampled before this many tokens.
+  int logprobs = -1;   // -1: none; k >= 0: the sampled token's logprob and the k most likely.
 
   Status validate() const;
+};
+
+// One generated token's log-probabilities (SamplingParams::logprobs >= 0).
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0.0f;
+  std::vector<std::pair<int32_t, float>> top;  // Most likely first; params.logprobs entries.
 };
 
 class Sampler {
