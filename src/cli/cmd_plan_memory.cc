@@ -117,9 +117,9 @@ void print_terms(const std::vector<MemoryTerm>& terms) {
 }
 
 void print_text(const MemoryPlan& p, const MemoryFit& fit) {
-  std::printf("%s, %s weights on %s: %d ranks (capacity %d, smallest group %d, %d spare)\n",
-              p.model_type.c_str(), p.quantization.c_str(), p.device.c_str(), p.ranks, p.max_ranks,
-              p.min_ranks, p.spare_ranks);
+  std::printf("%s, %s weights on %s: %d rank%s (capacity %d, smallest group %d, %d spare)\n",
+              p.model_type.c_str(), p.quantization.c_str(), p.device.c_str(), p.ranks,
+              p.ranks == 1 ? "" : "s", p.max_ranks, p.min_ranks, p.spare_ranks);
   std::printf(
       "parameters: %s = dense %s + routed experts %s (%d x %d MoE layers); "
       "activated %s\n",
