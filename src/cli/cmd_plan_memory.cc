@@ -80,6 +80,7 @@ nlohmann::json to_json(const MemoryPlan& p, const MemoryFit& fit) {
       {"host_per_rank", {{"total", p.host_bytes}, {"terms", terms_json(p.host)}}},
       {"cuda_ipc_recv_bytes", p.cuda_ipc_recv_bytes},
       {"group_total", p.total_bytes * static_cast<uint64_t>(p.ranks + p.spare_ranks)},
+      {"group_host_total", p.host_bytes * static_cast<uint64_t>(p.ranks + p.spare_ranks)},
       {"largest",
        {{"max_seq_len_at_max_sequences", fit.max_seq_len},
         {"max_sequences_at_max_seq_len", fit.max_sequences},
@@ -145,6 +146,10 @@ void print_text(const MemoryPlan& p, const MemoryFit& fit) {
   print_line(fits ? "free" : "over by",
              fits ? p.memory_bytes - p.total_bytes : p.total_bytes - p.memory_bytes,
              fits ? "fits" : "DOES NOT FIT");
+  const int group = p.ranks + p.spare_ranks;
+  std::printf("group of %d rank%s: %.2f GiB of device memory, %.2f GiB of host memory\n", group,
+              group == 1 ? "" : "s", static_cast<double>(p.total_bytes) * group / kGiB,
+              static_cast<double>(p.host_bytes) * group / kGiB);
   std::printf("host memory per rank%22s\n", "GiB");
   print_terms(p.host);
   std::printf(

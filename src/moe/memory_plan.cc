@@ -240,8 +240,8 @@ Status check_options(const ModelConfig& c, const MemoryPlanOptions& o) {
   if (o.max_sequences < 1) return invalid_argument("--max-sequences must be >= 1");
   if (o.max_tokens_per_step < 1) return invalid_argument("--max-tokens-per-step must be >= 1");
   if (o.max_seq_len < 0) return invalid_argument("--max-context must be >= 0");
-  if (o.device != "cuda" && o.device != "cpu") {
-    return invalid_argument("--device must be cuda or cpu, got '" + o.device + "'");
+  if (o.device != "cpu" && o.device != "cuda" && o.device.rfind("cuda:", 0) != 0) {
+    return invalid_argument("--device must be cuda, cuda:N or cpu, got '" + o.device + "'");
   }
   if (!o.quantization.empty() && o.quantization != "bf16" && o.quantization != "fp8") {
     return invalid_argument("--quantization must be bf16 or fp8, got '" + o.quantization + "'");
@@ -260,8 +260,8 @@ Result<MemoryPlan> plan_memory(const ModelConfig& c, const MemoryPlanOptions& o)
   FLEX_RETURN_IF_ERROR(check_options(c, o));
   MemoryPlan p;
   p.model_type = c.model_type;
-  p.device = o.device;
   const bool cpu = o.device == "cpu";
+  p.device = cpu ? "cpu" : "cuda";
   p.quantization = !o.quantization.empty()             ? o.quantization
                    : (!cpu && c.quant_method == "fp8") ? "fp8"
                                                        : "bf16";

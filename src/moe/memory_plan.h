@@ -33,7 +33,7 @@ struct MemoryPlanOptions {
   int min_replicas = 1;
   // "bf16" or "fp8"; "": fp8 for a block-FP8 checkpoint on cuda, else bf16.
   std::string quantization;
-  std::string device = "cuda";  // "cuda" or "cpu".
+  std::string device = "cuda";  // "cuda" (or "cuda:N") or "cpu".
   int max_seq_len = 0;          // 0: the model's, at most 4096 (as `serve`).
   int max_sequences = 32;       // Per rank.
   int max_tokens_per_step = 256;
