@@ -288,7 +288,12 @@ Result<MemoryPlan> plan_memory(const ModelConfig& c, const MemoryPlanOptions& o)
 
   // Weights: bf16 on the GPU; the checkpoint's dtype on the CPU (FP8 dequantized to bf16).
   MatrixFormat proj;
-  proj.elem_bytes = cpu && c.torch_dtype == "float32" ? 4 : 2;
+  if (cpu && c.torch_dtype == "float32") {
+    proj.elem_bytes = 4;
+    p.quantization = "f32";
+  } else if (cpu && c.torch_dtype == "float16") {
+    p.quantization = "f16";
+  }
   const uint64_t plain = proj.elem_bytes;
   if (p.quantization == "fp8") {
     proj.fp8 = true;

@@ -52,7 +52,7 @@ struct MemoryTerm {
 
 struct MemoryPlan {
   std::string model_type;
-  std::string quantization;  // "bf16" or "fp8" (resolved).
+  std::string quantization;  // "bf16" or "fp8" (resolved); on the CPU "f32" or "f16" too.
   std::string device;
   int ranks = 0, max_ranks = 0, min_ranks = 0, spare_ranks = 0;
   int num_experts = 0, num_moe_layers = 0, slots_per_rank = 0;

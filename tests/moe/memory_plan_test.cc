@@ -99,6 +99,15 @@ void expect_matches_checkpoint(const std::string& dir, bool compare_bytes) {
 TEST(MemoryPlanTest, TinyFixturesMatchTheirSafetensorsHeaders) {
   expect_matches_checkpoint(kTestdata + "/qwen3moe-tiny", false);  // f32 files.
   expect_matches_checkpoint(kTestdata + "/deepseekv3-tiny", false);
+  // The CPU path keeps the checkpoint's dtype: f32 slots of the f32 fixture, as in its file.
+  auto c = ModelConfig::load(kTestdata + "/qwen3moe-tiny");
+  ASSERT_TRUE(c.ok());
+  MemoryPlanOptions o = options(1);
+  o.device = "cpu";
+  const MemoryPlan cpu = plan_or_die(*c, o);
+  EXPECT_EQ(cpu.quantization, "f32");
+  EXPECT_EQ(cpu.slot_bytes * c->num_experts * cpu.num_moe_layers,
+            sum_headers(kTestdata + "/qwen3moe-tiny").expert_bytes);
 }
 
 TEST(MemoryPlanTest, SynthCheckpointsMatchByteForByte) {
