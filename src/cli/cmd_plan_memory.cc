@@ -83,6 +83,7 @@ nlohmann::json to_json(const MemoryPlan& p, const MemoryFit& fit) {
       {"group_host_total", p.host_bytes * static_cast<uint64_t>(p.ranks + p.spare_ranks)},
       {"largest",
        {{"max_seq_len_at_max_sequences", fit.max_seq_len},
+        {"at_model_limit", fit.at_model_limit},
         {"max_sequences_at_max_seq_len", fit.max_sequences},
         {"kv_tokens", fit.kv_tokens}}},
   };
@@ -157,10 +158,10 @@ void print_text(const MemoryPlan& p, const MemoryFit& fit) {
       "device memory)\n",
       static_cast<double>(p.cuda_ipc_recv_bytes) / kGiB);
   std::printf(
-      "largest context at %d sequences: %d tokens; largest batch at %d tokens: %d "
+      "largest context at %d sequences: %d tokens%s; largest batch at %d tokens: %d "
       "sequences; KV room: %lld tokens\n",
-      p.max_sequences, fit.max_seq_len, p.max_seq_len, fit.max_sequences,
-      static_cast<long long>(fit.kv_tokens));
+      p.max_sequences, fit.max_seq_len, fit.at_model_limit ? " (the model's limit)" : "",
+      p.max_seq_len, fit.max_sequences, static_cast<long long>(fit.kv_tokens));
 }
 
 Status run(const Flags& flags) {

@@ -376,6 +376,7 @@ Result<MemoryFit> fit_memory(const ModelConfig& c, const MemoryPlanOptions& o) {
   FLEX_ASSIGN_OR_RETURN(fit.max_seq_len,
                         largest(std::max(c.max_position_embeddings, 1),
                                 [](MemoryPlanOptions& t, int v) { t.max_seq_len = v; }));
+  fit.at_model_limit = fit.max_seq_len == std::max(c.max_position_embeddings, 1);
   FLEX_ASSIGN_OR_RETURN(fit.max_sequences,
                         largest(int64_t{1} << 20, [&](MemoryPlanOptions& t, int v) {
                           t.max_sequences = v;

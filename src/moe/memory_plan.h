@@ -93,6 +93,7 @@ Result<MemoryPlan> plan_memory(const ModelConfig& config, const MemoryPlanOption
 // none does. Contexts stop at max_position_embeddings.
 struct MemoryFit {
   int max_seq_len = 0;
+  bool at_model_limit = false;  // max_seq_len is max_position_embeddings: memory allows more.
   int max_sequences = 0;
   int64_t kv_tokens = 0;  // Cached tokens the memory left after the rest holds (all sequences).
 };
