@@ -213,6 +213,40 @@ TEST(MemoryPlanTest, SlotsFollowTheCapacityRule) {
   EXPECT_EQ(plan_memory(*c, o).status().code(), StatusCode::kInvalidArgument);
 }
 
+const MemoryTerm* find_term(const std::vector<MemoryTerm>& terms, const std::string& name) {
+  for (const MemoryTerm& t : terms) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+// Capacity (--max-ranks) sizes the exchange buffers and the mailboxes, not the slots.
+TEST(MemoryPlanTest, CapacitySizesExchangeBuffers) {
+  auto c = ModelConfig::load(kTestdata + "/configs/qwen3-30b-a3b");
+  ASSERT_TRUE(c.ok());
+  MemoryPlanOptions o = options(1);
+  const MemoryPlan alone = plan_or_die(*c, o);
+  EXPECT_EQ(find_term(alone.workspaces, "EP exchange"), nullptr);  // All slots local.
+  o.max_ranks = 4;
+  const MemoryPlan four = plan_or_die(*c, o);
+  o.max_ranks = 8;
+  const MemoryPlan eight = plan_or_die(*c, o);
+  EXPECT_EQ(four.slots_per_rank, alone.slots_per_rank);
+  EXPECT_EQ(four.expert_slot_bytes, alone.expert_slot_bytes);
+  ASSERT_NE(find_term(four.workspaces, "EP exchange"), nullptr);
+  // An owner may receive 2048 tokens x top-8 from each of max_ranks ranks, up to 65536 rows.
+  EXPECT_EQ(find_term(four.workspaces, "EP exchange")->detail, "65536 rows an owner receives");
+  const MemoryTerm* m4 = find_term(four.host, "transport (shm mailboxes)");
+  const MemoryTerm* m8 = find_term(eight.host, "transport (shm mailboxes)");
+  ASSERT_TRUE(m4 != nullptr && m8 != nullptr);
+  // Two exchange mailboxes per possible peer: 256 tokens x top-8 rows of 2048 f32 each.
+  const uint64_t mailbox = 4 + 256 * 8 * (4 + 2048 * 4);
+  EXPECT_GE(m8->bytes - m4->bytes, 8 * mailbox);
+  EXPECT_LT(m8->bytes - m4->bytes, 8 * mailbox + 8 * 4096);
+  o.spare_ranks = 3;  // Spare ranks hold what a member holds.
+  EXPECT_EQ(plan_or_die(*c, o).total_bytes, eight.total_bytes);
+}
+
 TEST(MemoryPlanTest, FitIsTheLargestThatFits) {
   auto c = deepseek_v3();
   ASSERT_TRUE(c.ok());
