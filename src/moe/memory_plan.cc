@@ -13,7 +13,7 @@
 namespace flexpert {
 namespace {
 
-// src/cuda/step_driver.h kDefaultStepTokens; src/cuda/ep_moe.cc kChunkRows, kMaxDeviceRows;
+// src/cuda/cuda_moe_model.h kDefaultStepTokens; src/cuda/ep_moe.cc kChunkRows, kMaxDeviceRows;
 // src/cuda/blas.cc and head_gemm.cc kWorkspaceBytes; src/cuda/ep_exchange.h kEpMaxRanks,
 // sizeof(EpWindow), sizeof(EpPeer), sizeof(EpStatus); src/cuda/moe_layer.cc kMinTileRows;
 // src/cuda/kernels.h kPermuteCountInts, sample_rows_chunks; src/cuda/attention.cu
