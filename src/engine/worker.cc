@@ -9,18 +9,17 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <mutex>
 #include <random>
 #include <thread>
 #include <unordered_map>
 
 #include "cluster/protocol.h"
 #include "cluster/zmq_socket.h"
+#include "core/mutex.h"
 #include "flexpert/logging.h"
 #include "flexpert/model.h"
 #include "flexpert/scheduler.h"
@@ -111,7 +110,7 @@ class Worker {
   void heartbeat_loop(std::string routing_id);
   void stop_heartbeat() {
     {
-      std::lock_guard<std::mutex> lock(heartbeat_mutex_);
+      MutexLock lock(heartbeat_mutex_);
       heartbeat_stop_ = true;
     }
     heartbeat_cv_.notify_all();
@@ -119,7 +118,7 @@ class Worker {
   }
   void stop_mover() {
     {
-      std::lock_guard<std::mutex> lock(mover_mutex_);
+      MutexLock lock(mover_mutex_);
       mover_stop_ = true;
     }
     mover_cv_.notify_all();
@@ -155,18 +154,18 @@ class Worker {
   uint64_t map_version_ = 0;
   bool has_pending_map_ = false;
   proto::MapCommand pending_map_;
-  // Mover thread and its queues, guarded by mover_mutex_.
+  // Mover thread and its queues.
   std::thread mover_;
-  std::mutex mover_mutex_;
-  std::condition_variable mover_cv_;
-  std::deque<proto::PullCommand> pulls_;
-  std::deque<proto::PullDone> pulled_;
-  bool mover_stop_ = false;
+  Mutex mover_mutex_;
+  CondVar mover_cv_;
+  std::deque<proto::PullCommand> pulls_ GUARDED_BY(mover_mutex_);
+  std::deque<proto::PullDone> pulled_ GUARDED_BY(mover_mutex_);
+  bool mover_stop_ GUARDED_BY(mover_mutex_) = false;
   std::thread heartbeat_;
-  std::mutex heartbeat_mutex_;
-  std::condition_variable heartbeat_cv_;
-  bool heartbeat_stop_ = false;  // Guarded by heartbeat_mutex_.
-  bool fenced_ = false;          // Declared lost by the front end: exit, touch nothing.
+  Mutex heartbeat_mutex_;
+  CondVar heartbeat_cv_;
+  bool heartbeat_stop_ GUARDED_BY(heartbeat_mutex_) = false;
+  bool fenced_ = false;  // Declared lost by the front end: exit, touch nothing.
 
  public:
   ~Worker() {
@@ -208,11 +207,11 @@ void Worker::heartbeat_loop(std::string routing_id) {
     return;
   }
   const proto::Heartbeat beat{options_.rank, config_.incarnation};
-  std::unique_lock<std::mutex> lock(heartbeat_mutex_);
+  MutexLock lock(heartbeat_mutex_);
   while (!heartbeat_stop_) {
     (void)send_msg(socket, beat);
     heartbeat_cv_.wait_for(lock, std::chrono::milliseconds(proto::Heartbeat::kHeartbeatIntervalMs),
-                           [&] { return heartbeat_stop_; });
+                           [&]() REQUIRES(heartbeat_mutex_) { return heartbeat_stop_; });
   }
 }
 
@@ -370,7 +369,7 @@ Status Worker::handle(const std::vector<std::string>& parts) {
   } else if (type == proto::PullCommand::kType) {
     FLEX_ASSIGN_OR_RETURN(auto cmd, proto::decode<proto::PullCommand>(parts[1]));
     {
-      std::lock_guard<std::mutex> lock(mover_mutex_);
+      MutexLock lock(mover_mutex_);
       pulls_.push_back(std::move(cmd));
     }
     mover_cv_.notify_one();
@@ -563,9 +562,9 @@ proto::PullDone Worker::pull(const proto::PullCommand& cmd) {
 }
 
 void Worker::mover_loop() {
-  std::unique_lock<std::mutex> lock(mover_mutex_);
+  MutexLock lock(mover_mutex_);
   for (;;) {
-    mover_cv_.wait(lock, [&] { return mover_stop_ || !pulls_.empty(); });
+    mover_cv_.wait(lock, [&]() REQUIRES(mover_mutex_) { return mover_stop_ || !pulls_.empty(); });
     if (mover_stop_) return;
     proto::PullCommand cmd = std::move(pulls_.front());
     pulls_.pop_front();
@@ -579,7 +578,7 @@ void Worker::mover_loop() {
 void Worker::send_pull_results() {
   std::deque<proto::PullDone> done;
   {
-    std::lock_guard<std::mutex> lock(mover_mutex_);
+    MutexLock lock(mover_mutex_);
     done.swap(pulled_);
   }
   for (const auto& d : done) (void)send_msg(control_, d);
