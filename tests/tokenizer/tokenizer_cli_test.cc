@@ -154,4 +154,26 @@ TEST_F(TokenizerCliTest, BadInputExitsWithTwoAndAMessage) {
   }
 }
 
+TEST_F(TokenizerCliTest, ServeRefusesATemplateItCannotRunAtStart) {
+  // A template outside the Jinja subset: serve exits 2 before any worker starts, naming it.
+  const std::string bad = (dir_ / "bad_template").string();
+  fs::create_directories(bad);
+  fs::create_symlink(model_ + "/tokenizer.json", bad + "/tokenizer.json");
+  write("bad_template/tokenizer_config.json",
+        json({{"chat_template", "{% macro m() %}x{% endmacro %}{{ m() }}"}}).dump());
+  const std::string model = (dir_ / "model").string();
+  flexpert_test::CliRun r = flexpert_test::run_flexpert(
+      "synth --preset tiny --layers 1 --dtype bf16 --tokenizer " + model_ + " --out " + model);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  r = flexpert_test::run_flexpert("serve --local --port 0 --model " + model + " --tokenizer " +
+                                  bad);
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_NE(r.out.find("chat template"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("macro"), std::string::npos) << r.out;
+  r = flexpert_test::run_flexpert("serve --local --port 0 --model " + model +
+                                  " --tokenizer /nonexistent");
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_NE(r.out.find("tokenizer"), std::string::npos) << r.out;
+}
+
 }  // namespace
