@@ -6,7 +6,9 @@
 namespace flexpert {
 
 TextStream::TextStream(const Tokenizer& tokenizer, StopStrings stops)
-    : decoder_(tokenizer, /*skip_special_tokens=*/true), stops_(std::move(stops)) {}
+    : tokenizer_(&tokenizer),
+      decoder_(tokenizer, /*skip_special_tokens=*/true),
+      stops_(std::move(stops)) {}
 
 size_t TextStream::held_suffix(const std::string& text, const std::vector<std::string>& stops) {
   size_t best = 0;
@@ -54,7 +56,7 @@ std::string TextStream::advance(const std::string& piece, bool final) {
 }
 
 Result<std::string> TextStream::push(int32_t id) {
-  if (stopped_) return std::string();
+  if (stopped_ || id < 0 || id >= tokenizer_->vocab_size()) return std::string();
   FLEX_ASSIGN_OR_RETURN(std::string piece, decoder_.push(id));
   if (piece.empty()) return std::string();
   return advance(piece, /*final=*/false);

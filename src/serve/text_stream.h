@@ -31,7 +31,9 @@ class TextStream {
   TextStream(const Tokenizer& tokenizer, StopStrings stops);
 
   // Feeds one generated token; returns the text that is now final (often empty). After a
-  // stop string matched, stopped() is true and further pushes return "".
+  // stop string matched, stopped() is true and further pushes return "". An id the
+  // tokenizer does not have (a model's vocabulary is often padded past it) is no text, as
+  // the Rust `tokenizers` library decodes it.
   Result<std::string> push(int32_t id);
   // The model finished: the text still held back (the decoder's unfinished character as
   // U+FFFD, text that could have begun a stop string), stop strings checked once more.
@@ -46,6 +48,7 @@ class TextStream {
   // Appends `piece` to the held text and returns what became final.
   std::string advance(const std::string& piece, bool final);
 
+  const Tokenizer* tokenizer_;
   IncrementalDecoder decoder_;
   StopStrings stops_;
   std::string held_;  // Decoded, not yet returned: could be the start of a stop string.

@@ -45,8 +45,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const flexpert::TextModel& text = loaded().text;
   flexpert::ParsedCompletion parsed;
   std::string param, model;
-  const flexpert::Status s = flexpert::parse_chat_request(
-      body, text, text.tokenizer->vocab_size(), /*max_context=*/4096, &parsed, &param);
+  const flexpert::Status s = flexpert::parse_chat_request(body, text, text.tokenizer->vocab_size(),
+                                                          /*max_context=*/4096, &parsed, &param);
   check(s);
   if (s.ok()) {
     FLEX_CHECK(parsed.prompts.size() == 1 && !parsed.prompts[0].empty());

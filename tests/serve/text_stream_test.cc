@@ -125,6 +125,12 @@ TEST(TextStreamTest, HalfACharacterIsHeldUntilItsTokenArrives) {
   }
   out += stream.finish();
   EXPECT_EQ(out, "🦊🦊🦊");
+  // Ids past the tokenizer (a padded model vocabulary) are no text, not an error.
+  TextStream padded(qwen3(), {});
+  EXPECT_EQ(padded.push(qwen3().vocab_size() + 5).value(), "");
+  const std::vector<int32_t> hello = qwen3().encode("Hello").value();
+  ASSERT_EQ(hello.size(), 1u);
+  EXPECT_EQ(padded.push(hello[0]).value(), "Hello");
 }
 
 struct ChatApiTest : ::testing::Test {

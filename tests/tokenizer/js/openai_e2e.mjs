@@ -114,6 +114,8 @@ try {
   assert.equal(tokenized.status, 200, JSON.stringify(tokenized.body));
   assert.deepEqual(tokenized.body.tokens, promptIds, "chat prompt != @huggingface/jinja render");
   assert.equal(tokenized.body.count, promptIds.length);
+  const renderedBack = await post(base, "/detokenize", { model: kModel, tokens: tokenized.body.tokens });
+  assert.equal(renderedBack.body.prompt, rendered, "chat prompt text != @huggingface/jinja render");
   const models = await client.models.list();
   assert.equal(models.data[0].id, kModel);
   assert.equal(tokenized.body.max_model_len, models.data[0].max_model_len);
