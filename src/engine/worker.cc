@@ -27,6 +27,7 @@
 #include "flexpert/thread_pool.h"
 #include "moe/ep_executor.h"
 #include "moe/expert_slots.h"
+#include "moe/memory_plan.h"
 #include "transport/transport.h"
 
 namespace flexpert {
@@ -61,6 +62,8 @@ struct StepHeader {
   uint32_t device_ready = 0;  // 1: this rank's model can run a device exchange with the group.
   uint32_t pad = 0;
 };
+// plan-memory sizes the gather mailboxes by it (moe/memory_plan.h).
+static_assert(sizeof(StepHeader) == kStepHeaderBytes);
 
 SamplingParams params_of(const proto::AddRequest& r) {
   SamplingParams p;

@@ -173,11 +173,10 @@ Status ClusterEngine::Impl::start() {
   }
   if (spec.empty() || spec == "identity" || spec.rfind("replicate:", 0) == 0) {
     // Capacity for the smallest group it may shrink to (docs/ARCHITECTURE.md, "Capacity").
-    const int min_ranks =
-        options_.min_ranks > 0 ? std::min(options_.min_ranks, options_.ranks) : options_.ranks;
-    slots_per_rank_ = options_.slots_per_rank > 0 ? options_.slots_per_rank
-                                                  : (E + extra + min_ranks - 1) / min_ranks +
-                                                        std::max(0, options_.eplb_spare_slots);
+    slots_per_rank_ = options_.slots_per_rank > 0
+                          ? options_.slots_per_rank
+                          : expert_slots_per_rank(E, extra, options_.ranks, options_.min_ranks,
+                                                  options_.eplb_spare_slots);
     FLEX_ASSIGN_OR_RETURN(
         placement_, ExpertPlacement::spread(model_config_.num_hidden_layers, E, options_.max_ranks,
                                             slots_per_rank_, members, extra, seed));
