@@ -26,7 +26,10 @@ class HttpTextTest : public ::testing::Test {
   void start(bool with_tokenizer) {
     HttpOptions options;
     options.port = 0;
-    if (with_tokenizer) options.text.tokenizer = &qwen3();
+    if (with_tokenizer) {
+      chat_template_ = ChatTemplate::from_tokenizer(qwen3()).value();
+      options.text = {&qwen3(), chat_template_.get()};
+    }
     server_ = std::make_unique<HttpServer>(engine_, options);
     ASSERT_TRUE(server_->start().ok());
     client_ = make_client(server_->port());
@@ -37,6 +40,7 @@ class HttpTextTest : public ::testing::Test {
   }
 
   FakeEngine engine_;
+  std::unique_ptr<ChatTemplate> chat_template_;
   std::unique_ptr<HttpServer> server_;
   std::unique_ptr<httplib::Client> client_;
 };
@@ -88,6 +92,57 @@ TEST_F(HttpTextTest, AStopStringCancelsTheEngineRequest) {
   EXPECT_EQ(s.chunks.back()["choices"][0]["finish_reason"], "stop");
   for (const json& chunk : s.chunks) EXPECT_EQ(chunk["choices"][0]["text"], "");
   EXPECT_EQ(engine_.num_cancelled.load(), 2);
+}
+
+TEST_F(HttpTextTest, LogprobsInBothShapes) {
+  start(/*with_tokenizer=*/true);
+  // Legacy: the engine's logprobs with the tokens' text; offsets run on across stream chunks.
+  const json body = {{"prompt", {15, 16, 17}}, {"logprobs", 2}};
+  HttpReply r = post(*client_, "/v1/completions", body);
+  ASSERT_EQ(r.status, 200) << r.text;
+  const json& legacy = r.body["choices"][0]["logprobs"];
+  EXPECT_EQ(legacy["tokens"], json({"0", "1", "2"}));
+  EXPECT_EQ(legacy["token_logprobs"], json({-0.25, -0.25, -0.25}));
+  EXPECT_EQ(legacy["top_logprobs"][0], json({{"0", -0.25}, {"1", -1.5}}));
+  EXPECT_EQ(legacy["text_offset"], json({0, 1, 2}));
+  StreamReply s = stream(*client_, body);
+  json tokens = json::array(), offsets = json::array();
+  for (const json& chunk : s.chunks) {
+    const json& lp = chunk["choices"][0]["logprobs"];
+    if (lp.is_null()) continue;
+    for (const json& t : lp["tokens"]) tokens.push_back(t);
+    for (const json& o : lp["text_offset"]) offsets.push_back(o);
+  }
+  EXPECT_EQ(tokens, legacy["tokens"]) << s.raw;
+  EXPECT_EQ(offsets, legacy["text_offset"]) << s.raw;
+
+  // Chat: content[] with bytes; the fake engine answers with the rendered prompt itself.
+  engine_.vocab = qwen3().vocab_size();
+  r = post(*client_, "/v1/chat/completions",
+           json{{"messages", {{{"role", "user"}, {"content", "Hi"}}}},
+                {"logprobs", true},
+                {"top_logprobs", 1},
+                {"max_tokens", 8}});
+  ASSERT_EQ(r.status, 200) << r.text;
+  const json& content = r.body["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), r.body["usage"]["completion_tokens"].get<size_t>());
+  std::string bytes;
+  for (const json& c : content) {
+    for (const json& b : c["bytes"]) bytes += static_cast<char>(b.get<int>());
+    EXPECT_EQ(c["logprob"], -0.25);
+    EXPECT_EQ(c["top_logprobs"].size(), 1u);
+  }
+  // Special tokens (<|im_start|>) are skipped in the text but listed in logprobs.
+  EXPECT_NE(bytes.find("Hi"), std::string::npos) << bytes;
+  EXPECT_NE(bytes.find("<|im_start|>"), std::string::npos) << bytes;
+  EXPECT_EQ(r.body["choices"][0]["message"]["content"].get<std::string>().find("<|im_start|>"),
+            std::string::npos);
+
+  // An engine that does not compute them: 501, never a response without them.
+  engine_.computes_logprobs = false;
+  r = post(*client_, "/v1/completions", body);
+  EXPECT_EQ(r.status, 501) << r.text;
+  EXPECT_EQ(r.body["error"]["code"], "UNIMPLEMENTED");
 }
 
 TEST_F(HttpTextTest, WithoutATokenizerTextIsRefused) {
