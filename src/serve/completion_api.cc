@@ -90,6 +90,10 @@ Status read_stop_fields(const json& body, const Tokenizer* tokenizer, StopString
     }
     for (const std::string& s : stops) {
       if (s.empty()) return r.fail("stop", "stop strings must not be empty");
+      if (s.size() > kMaxStopStringBytes) {
+        return r.fail("stop", "stop strings must be at most " +
+                                  std::to_string(kMaxStopStringBytes) + " bytes");
+      }
     }
     if (!stops.empty() && tokenizer == nullptr) {
       return r.fail("stop",

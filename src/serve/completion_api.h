@@ -25,8 +25,10 @@ namespace flexpert {
 
 // Choices (prompts x n) one request may ask for.
 constexpr int kMaxChoices = 64;
-// Stop strings per request, as OpenAI allows.
+// Stop strings per request, as OpenAI allows, and bytes per stop string: matching costs up
+// to (bytes)^2 per token (TextStream::held_suffix), so a client cannot make it large.
 constexpr int kMaxStopStrings = 4;
+constexpr size_t kMaxStopStringBytes = 256;
 // Most likely alternatives per token (`logprobs` / `top_logprobs`), as vLLM allows.
 constexpr int kMaxTopLogprobs = 20;
 

@@ -107,6 +107,10 @@ TEST(CompletionApiTest, RejectsBadRequestsNamingTheField) {
       // Without a tokenizer: no text prompts, stop strings or echo.
       {R"({"prompt": [1], "stop": ["\n"]})", "stop"},
       {R"({"prompt": [1], "stop": "x"})", "stop"},
+      {R"({"prompt": [1], "stop": ["a", "b", "c", "d", "e"]})", "stop"},
+      {R"({"prompt": [1], "stop": [""]})", "stop"},
+      {R"({"prompt": [1], "stop": [1]})", "stop"},
+      {"{\"prompt\": [1], \"stop\": \"" + std::string(257, 'a') + "\"}", "stop"},
       {R"({"prompt": [1], "echo": true})", "echo"},
       {R"({"prompt": [1], "logprobs": 21})", "logprobs"},
       {R"({"prompt": [1], "logprobs": -1})", "logprobs"},

@@ -207,6 +207,21 @@ TEST_F(ChatApiTest, RefusesWhatItCannotHonourByName) {
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << body;
     EXPECT_EQ(param, expected_param) << body << ": " << s.message();
   }
+  // A stop string over kMaxStopStringBytes (matching costs its length squared per token).
+  {
+    ParsedCompletion out;
+    std::string param;
+    const json body = {{"messages", {{{"role", "user"}, {"content", "x"}}}},
+                       {"stop", std::string(kMaxStopStringBytes + 1, 'a')}};
+    Status s = parse(body.dump(), &out, &param);
+    EXPECT_EQ(param, "stop");
+    EXPECT_NE(s.message().find("bytes"), std::string::npos) << s.message();
+    EXPECT_TRUE(parse(json({{"messages", body["messages"]},
+                            {"stop", std::string(kMaxStopStringBytes, 'a')}})
+                          .dump(),
+                      &out, &param)
+                    .ok());
+  }
   // No tokenizer: a clear 400 naming the messages.
   ParsedCompletion out;
   std::string param;
