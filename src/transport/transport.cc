@@ -45,8 +45,7 @@ Result<std::unique_ptr<Transport>> create_transport(const std::string& backend,
         "libucx-dev, see scripts/setup.sh)");
 #endif
   }
-  return invalid_argument("unknown transport backend '" + backend +
-                          "'; known: shm, cuda_ipc, ucx");
+  return invalid_argument("unknown transport backend '" + backend + "'; known: shm, cuda_ipc, ucx");
 }
 
 }  // namespace flexpert

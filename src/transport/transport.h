@@ -55,7 +55,9 @@ struct TransportOptions {
   size_t max_exchange_bytes = 1 << 20;
   int timeout_ms = 10000;
   int device = 0;  // CUDA device ordinal of device-memory backends (cuda_ipc); shm ignores it.
-  // IP address network backends (ucx) listen on; empty: 127.0.0.1. Host-local backends ignore it.
+  // ucx: when set (or FLEXPERT_UCX_LISTEN_HOST is), the rank listens on this IP and peers connect
+  // to that socket (UCX's client-server wireup, which needs tcp in UCX_TLS); when empty, peers
+  // connect by the rank's UCP worker address (any UCX_TLS). Host-local backends ignore it.
   std::string listen_host;
 };
 

@@ -63,8 +63,8 @@ void UcxTransport::on_send_done(void* request, ucs_status_t status, void* user_d
   ucp_request_free(request);
 }
 
-Status UcxTransport::post_send(const Peer& peer, const WireHeader& h, const void* payload,
-                               size_t n, int* pending) {
+Status UcxTransport::post_send(const Peer& peer, const WireHeader& h, const void* payload, size_t n,
+                               int* pending) {
   if (peer.conn == nullptr || peer.conn->ep == nullptr) {
     return unavailable("rank " + std::to_string(peer.rank) + ": endpoint closed");
   }
@@ -254,8 +254,8 @@ void UcxTransport::deliver(const WireHeader& h, const void* data, size_t length,
   }
   box->state = Box::State::kFilling;
   ucp_request_param_t param{};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                       UCP_OP_ATTR_FIELD_MEMH;
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
   param.cb.recv_am = &UcxTransport::on_recv_done;
   param.user_data = box;
   param.memh = mailboxes_memh_;
@@ -322,10 +322,9 @@ Status UcxTransport::validate_group(const Group& group, const char* op) const {
   int prev = -1;
   for (int r : group.ranks) {
     if (r <= prev || r >= options_.max_ranks) {
-      return invalid_argument(std::string(op) +
-                              ": group ranks must be ascending, unique and in [0, " +
-                              std::to_string(options_.max_ranks) + "), got rank " +
-                              std::to_string(r));
+      return invalid_argument(
+          std::string(op) + ": group ranks must be ascending, unique and in [0, " +
+          std::to_string(options_.max_ranks) + "), got rank " + std::to_string(r));
     }
     prev = r;
     if (r == options_.rank) {
@@ -423,11 +422,10 @@ Status UcxTransport::run_collective(OpKind kind, const Group& group, const ByteS
     const Peer& peer = *peers_[r];
     if (!peer_error(peer).ok()) continue;  // Reported by the wait below, naming the rank.
     const ByteSpan& s = sends[static_cast<size_t>(r) * stride];
-    int* pending = &staging_pending_[(static_cast<size_t>(pool) * options_.max_ranks + r) * 2 +
-                                     (cur & 1)];
-    if (*pending > 0 && !progress_until(lock, deadline_ns, [&] {
-          return *pending == 0 || !peer_error(peer).ok();
-        })) {
+    int* pending =
+        &staging_pending_[(static_cast<size_t>(pool) * options_.max_ranks + r) * 2 + (cur & 1)];
+    if (*pending > 0 && !progress_until(lock, deadline_ns,
+                                        [&] { return *pending == 0 || !peer_error(peer).ok(); })) {
       return deadline_exceeded(op_label(kind) + " timed out after " +
                                std::to_string(options_.timeout_ms) + " ms: rank " +
                                std::to_string(r) + " has not taken our previous message");

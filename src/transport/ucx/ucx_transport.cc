@@ -62,12 +62,12 @@ Status ucs_error(ucs_status_t status, const std::string& what) {
   }
 }
 
-#define FLEX_UCS_TRY(expr, what)                            \
-  do {                                                      \
-    const ucs_status_t flex_ucs_status_ = (expr);           \
-    if (flex_ucs_status_ != UCS_OK) {                       \
+#define FLEX_UCS_TRY(expr, what)                             \
+  do {                                                       \
+    const ucs_status_t flex_ucs_status_ = (expr);            \
+    if (flex_ucs_status_ != UCS_OK) {                        \
       return ucs_error(flex_ucs_status_, std::string(what)); \
-    }                                                       \
+    }                                                        \
   } while (0)
 
 Result<sockaddr_storage> resolve(const std::string& host, uint16_t port, socklen_t* len) {
@@ -90,8 +90,8 @@ Result<sockaddr_storage> resolve(const std::string& host, uint16_t port, socklen
 Status map_registered(ucp_context_h context, size_t num_bytes, void** data, ucp_mem_h* memh) {
   void* p = ::mmap(nullptr, num_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) {
-    return resource_exhausted("mmap of " + std::to_string(num_bytes) + " bytes: " +
-                              std::strerror(errno));
+    return resource_exhausted("mmap of " + std::to_string(num_bytes) +
+                              " bytes: " + std::strerror(errno));
   }
   ucp_mem_map_params_t params{};
   params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
@@ -133,7 +133,8 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::create(const TransportOption
   if (options.timeout_ms <= 0) {
     return invalid_argument("timeout_ms must be > 0, got " + std::to_string(options.timeout_ms));
   }
-  if (options.max_gather_bytes > (size_t{1} << 32) || options.max_exchange_bytes > (size_t{1} << 36)) {
+  if (options.max_gather_bytes > (size_t{1} << 32) ||
+      options.max_exchange_bytes > (size_t{1} << 36)) {
     return invalid_argument("max_gather_bytes / max_exchange_bytes too large for ucx mailboxes");
   }
   std::unique_ptr<UcxTransport> t(new UcxTransport(options));
@@ -144,6 +145,11 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::create(const TransportOption
 Status UcxTransport::init() {
   ucp_config_t* config = nullptr;
   FLEX_UCS_TRY(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read");
+  // Deaths over shared memory (no socket to reset) are found by UCX's keepalive: check often
+  // enough that a dead rank is reported within about a second. UCX_KEEPALIVE_INTERVAL wins.
+  if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
+    (void)ucp_config_modify(config, "KEEPALIVE_INTERVAL", "250ms");
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA;
@@ -174,32 +180,42 @@ Status UcxTransport::init() {
   am.arg = this;
   FLEX_UCS_TRY(ucp_worker_set_am_recv_handler(worker_, &am), "ucp_worker_set_am_recv_handler");
 
-  const std::string host = options_.listen_host.empty() ? "127.0.0.1" : options_.listen_host;
-  socklen_t len = 0;
-  FLEX_ASSIGN_OR_RETURN(sockaddr_storage sa, resolve(host, 0, &len));
-  ucp_listener_params_t lp{};
-  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-  lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
-  lp.sockaddr.addrlen = len;
-  lp.conn_handler.cb = &UcxTransport::on_conn_request;
-  lp.conn_handler.arg = this;
-  FLEX_UCS_TRY(ucp_listener_create(worker_, &lp, &listener_),
-               "ucp_listener_create on " + host);
-  ucp_listener_attr_t la{};
-  la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-  FLEX_UCS_TRY(ucp_listener_query(listener_, &la), "ucp_listener_query");
-  uint16_t port = 0;
-  if (la.sockaddr.ss_family == AF_INET) {
-    port = ntohs(reinterpret_cast<const sockaddr_in*>(&la.sockaddr)->sin_port);
-  } else {
-    port = ntohs(reinterpret_cast<const sockaddr_in6*>(&la.sockaddr)->sin6_port);
-  }
   ucx::Address self;
-  self.host = host;
-  self.port = port;
   self.rank = options_.rank;
   self.incarnation = options_.incarnation;
   self.pid = static_cast<int32_t>(::getpid());
+  self.start_time = shm::process_start_time(self.pid);
+  std::string host = options_.listen_host;
+  if (host.empty()) {
+    if (const char* env = std::getenv("FLEXPERT_UCX_LISTEN_HOST")) host = env;
+  }
+  if (host.empty()) {
+    // Peers connect by our worker address (UCX's own wireup: any UCX_TLS).
+    ucp_address_t* worker_address = nullptr;
+    size_t worker_address_bytes = 0;
+    FLEX_UCS_TRY(ucp_worker_get_address(worker_, &worker_address, &worker_address_bytes),
+                 "ucp_worker_get_address");
+    self.worker.assign(reinterpret_cast<const char*>(worker_address), worker_address_bytes);
+    ucp_worker_release_address(worker_, worker_address);
+  } else {
+    // Peers connect to our socket (UCX's client-server wireup: needs tcp in UCX_TLS).
+    socklen_t len = 0;
+    FLEX_ASSIGN_OR_RETURN(sockaddr_storage sa, resolve(host, 0, &len));
+    ucp_listener_params_t lp{};
+    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
+    lp.sockaddr.addrlen = len;
+    lp.conn_handler.cb = &UcxTransport::on_conn_request;
+    lp.conn_handler.arg = this;
+    FLEX_UCS_TRY(ucp_listener_create(worker_, &lp, &listener_), "ucp_listener_create on " + host);
+    ucp_listener_attr_t la{};
+    la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    FLEX_UCS_TRY(ucp_listener_query(listener_, &la), "ucp_listener_query");
+    self.host = host;
+    self.port = la.sockaddr.ss_family == AF_INET
+                    ? ntohs(reinterpret_cast<const sockaddr_in*>(&la.sockaddr)->sin_port)
+                    : ntohs(reinterpret_cast<const sockaddr_in6*>(&la.sockaddr)->sin6_port);
+  }
   address_ = self.to_string();
 
   const size_t ranks = static_cast<size_t>(options_.max_ranks);
@@ -259,9 +275,11 @@ UcxTransport::~UcxTransport() {
     unmap_registered(context_, mailboxes_, mailboxes_bytes_, mailboxes_memh_);
     unmap_registered(context_, staging_, staging_bytes_, staging_memh_);
   } else {
+    // Sends to a dead peer over an endpoint without error handling never complete.
     FLEX_LOG(WARN) << "ucx rank " << options_.rank << ": " << inflight_
-                   << " requests still in flight at teardown; their buffers are leaked";
+                   << " requests still in flight at teardown; UCX state and buffers are leaked";
   }
+  if (inflight_ > 0) return;  // UCX asserts on a teardown with requests in use: leak it all.
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
   if (context_ != nullptr) ucp_cleanup(context_);
 }
@@ -316,16 +334,18 @@ void UcxTransport::on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status) {
   const Inbox& in = self->inboxes_[conn->rank];
   const bool said_bye = in.seen && in.incarnation == conn->incarnation && in.bye;
   p->lost = true;
-  p->lost_why = said_bye ? "shut down"
-                         : std::string("died (UCX endpoint error: ") + ucs_status_string(status) +
-                               ")";
+  p->lost_why = said_bye
+                    ? "shut down"
+                    : std::string("died (UCX endpoint error: ") + ucs_status_string(status) + ")";
 }
 
 void UcxTransport::close_ep(Conn* conn, bool force) {
   if (conn->ep == nullptr) return;
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  // Forced closes need UCP_ERR_HANDLING_MODE_PEER; the others flush (and may never complete
+  // towards a dead peer: the request is released and left to UCX).
+  param.flags = force && conn->peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   void* request = ucp_ep_close_nbx(conn->ep, &param);
   if (request != nullptr && !UCS_PTR_IS_ERR(request)) ucp_request_free(request);
   conn->ep = nullptr;
@@ -337,11 +357,21 @@ void UcxTransport::progress_locked() {
   // Endpoints that failed are closed here, outside their callbacks.
   for (Conn* c : to_close_) close_ep(c, /*force=*/true);
   to_close_.clear();
+  const int64_t now = now_ns();
+  if (now < next_watch_ns_) return;
+  next_watch_ns_ = now + shm::kLivenessSliceNs;
+  for (const auto& p : peers_) {
+    if (p == nullptr || p->lost || !p->watch.watching() || !p->watch.ended()) continue;
+    const Inbox& in = inboxes_[p->rank];
+    const bool said_bye = in.seen && in.incarnation == p->parsed.incarnation && in.bye;
+    p->lost = true;
+    p->lost_why = said_bye ? "shut down" : "died (its process ended)";
+  }
 }
 
 Status UcxTransport::peer_error(const Peer& peer) const {
-  const std::string who = "rank " + std::to_string(peer.rank) + " (pid " +
-                          std::to_string(peer.parsed.pid) + ")";
+  const std::string who =
+      "rank " + std::to_string(peer.rank) + " (pid " + std::to_string(peer.parsed.pid) + ")";
   if (peer.lost) return unavailable(who + " " + peer.lost_why);
   const Inbox& in = inboxes_[peer.rank];
   if (in.seen && in.incarnation == peer.parsed.incarnation && in.bye) {
@@ -371,8 +401,11 @@ Status UcxTransport::connect(int peer, const std::string& address) {
     return invalid_argument("connect: " + address + " belongs to rank " +
                             std::to_string(parsed.rank) + ", not " + std::to_string(peer));
   }
+  sockaddr_storage sa{};
   socklen_t len = 0;
-  FLEX_ASSIGN_OR_RETURN(sockaddr_storage sa, resolve(parsed.host, parsed.port, &len));
+  if (!parsed.host.empty()) {
+    FLEX_ASSIGN_OR_RETURN(sa, resolve(parsed.host, parsed.port, &len));
+  }
   if (peers_[peer] != nullptr) {
     // A new incarnation: the old endpoint is closed, never reused; its rkeys go with it.
     Peer& old = *peers_[peer];
@@ -388,16 +421,38 @@ Status UcxTransport::connect(int peer, const std::string& address) {
   conn->rank = peer;
   conn->incarnation = parsed.incarnation;
   ucp_ep_params_t ep{};
-  ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                  UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER | UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID;
-  ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
-  ep.sockaddr.addrlen = len;
+  ep.field_mask = UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  if (parsed.host.empty()) {
+    ep.field_mask |= UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+    ep.address = reinterpret_cast<const ucp_address_t*>(parsed.worker.data());
+  } else {
+    ep.field_mask |= UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR;
+    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER | UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID;
+    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
+    ep.sockaddr.addrlen = len;
+  }
   ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   ep.err_handler.cb = &UcxTransport::on_ep_error;
   ep.err_handler.arg = conn.get();
-  FLEX_UCS_TRY(ucp_ep_create(worker_, &ep, &conn->ep),
-               "connecting to rank " + std::to_string(peer) + " at " + address);
+  ucs_status_t created = UCS_ERR_UNREACHABLE;
+  if (!no_peer_errors_ || !parsed.host.empty()) created = ucp_ep_create(worker_, &ep, &conn->ep);
+  if (created == UCS_ERR_UNREACHABLE && parsed.host.empty()) {
+    no_peer_errors_ = true;  // Do not ask again (UCX logs an error each time).
+    // UCX 1.13's shared-memory transports have no peer-failure handling: such a peer is on
+    // this host, so its death is found by watching its process instead.
+    ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    conn->peer_errors = false;
+    created = ucp_ep_create(worker_, &ep, &conn->ep);
+    if (created == UCS_OK) {
+      p->watch = shm::ProcessWatch::watch(parsed.pid, parsed.start_time);
+      if (!p->watch.watching()) {
+        FLEX_LOG(WARN) << "ucx rank " << options_.rank << ": rank " << peer << " (pid "
+                       << parsed.pid << ") is reached without UCX error handling and its "
+                       << "process is not visible from here: its death is noticed by timeouts";
+      }
+    }
+  }
+  FLEX_UCS_TRY(created, "connecting to rank " + std::to_string(peer) + " at " + address);
   p->conn = conn.get();
   conns_.push_back(std::move(conn));
   Inbox& in = inboxes_[peer];
@@ -471,7 +526,8 @@ Result<Region> UcxTransport::allocate_region(int region_id, size_t num_bytes) {
     unmap_registered(context_, r.data, r.num_bytes, r.memh);
     return ucs_error(st, "ucp_rkey_pack of region " + std::to_string(region_id));
   }
-  r.packed_rkey.assign(static_cast<std::byte*>(packed), static_cast<std::byte*>(packed) + packed_bytes);
+  r.packed_rkey.assign(static_cast<std::byte*>(packed),
+                       static_cast<std::byte*>(packed) + packed_bytes);
   ucp_rkey_buffer_release(packed);
   OwnRegion& stored = own_regions_[region_id] = std::move(r);
   for (const auto& p : peers_) {

@@ -2,14 +2,22 @@
 // UcxTransport: the Transport backend on UCX's UCP API, for ranks on any hosts (TCP, shared
 // memory or RDMA, as UCX_TLS allows; the Debian build has no CUDA, so host memory only).
 //
-// Connection: each rank's worker listens on options.listen_host (default 127.0.0.1), port
-// chosen by the kernel; its address is "ucx://HOST:PORT/r<rank>/i<incarnation>/p<pid>".
-// connect() creates this rank's client endpoint to the peer (one per peer, used for all it
-// sends there); the peer's own client endpoint towards us only delivers its messages to us.
-// connect() does not wait: an unreachable peer shows up as an endpoint error, i.e. as
-// Unavailable in the next wait on it. A new address for a rank (a new incarnation) closes the
-// old endpoint (forced) and drops its remote keys: an endpoint is never reused across
-// incarnations, and messages of an older incarnation than the newest seen are dropped.
+// Connection, two modes. By default a rank's address carries its UCP worker address
+// ("ucx:///r<rank>/i<incarnation>/p<pid>/t<start>/w<base64url>", ~300 characters) and peers
+// connect to it with UCX's own wireup, whatever UCX_TLS selects (tcp, shm/self, RDMA). With
+// options.listen_host (or FLEXPERT_UCX_LISTEN_HOST) the rank listens on that IP, port chosen by
+// the kernel ("ucx://HOST:PORT/r../i../p../t.."), and peers connect to the socket (UCX's
+// client-server wireup; UCX 1.13 needs tcp in UCX_TLS for it). Either way connect() creates
+// this rank's endpoint to the peer (one per peer, for all it sends there) and does not wait:
+// an unreachable peer shows up as an endpoint error, i.e. Unavailable in the next wait on it.
+// Endpoints ask for UCP_ERR_HANDLING_MODE_PEER (a dead peer is an endpoint error; UCX's
+// keepalive, every 250 ms unless UCX_KEEPALIVE_INTERVAL says otherwise, finds deaths without
+// traffic). UCX 1.13's shared-memory transports cannot do that: then the endpoint is created
+// without error handling and, the peer being on this host, its process is watched (pid and
+// start time from its address), as the shm backend does. A new address for a rank (a new
+// incarnation) closes the old endpoint (forced) and drops its remote keys: an endpoint is
+// never reused across incarnations, and messages of an older incarnation than the newest seen
+// are dropped.
 //
 // Memory, registered once at capacity (ucp_mem_map): regions (mmap'd, zeroed; their remote
 // keys packed once and announced to every connected peer in a kRegion message, on connect and
@@ -58,6 +66,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "transport/shm/shm_segment.h"
 #include "transport/transport.h"
 #include "transport/ucx/ucx_wire.h"
 
@@ -132,6 +141,7 @@ class UcxTransport final : public Transport {
     uint64_t incarnation = 0;
     ucp_ep_h ep = nullptr;
     bool failed = false;
+    bool peer_errors = true;  // Created with UCP_ERR_HANDLING_MODE_PEER.
   };
   // This rank's connection to one incarnation of a peer. GUARDED_BY(mu_); shared with read()
   // calls in flight, which keep its rkeys alive after connect() replaced it.
@@ -143,6 +153,9 @@ class UcxTransport final : public Transport {
     bool lost = false;
     std::string lost_why;
     std::unordered_map<int, ucp_rkey_h> rkeys;
+    // Watched when the endpoint has no UCX error handling (shared memory only: the peer is on
+    // this host), so that its death is still an event.
+    shm::ProcessWatch watch;
   };
   struct OwnRegion {
     void* data = nullptr;
@@ -204,6 +217,9 @@ class UcxTransport final : public Transport {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   ucp_listener_h listener_ = nullptr;
+  int64_t next_watch_ns_ = 0;
+  bool no_peer_errors_ = false;  // UCX could not give an endpoint peer-failure handling.  // When
+                                 // progress_locked() next looks at watched processes.
 
   // Guards the worker, every callback's state and everything below.
   mutable std::mutex mu_;

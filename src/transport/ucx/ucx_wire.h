@@ -52,17 +52,26 @@ struct WireHeader {
 };
 static_assert(sizeof(WireHeader) == 104);
 
-// "ucx://HOST:PORT/r<rank>/i<incarnation>/p<pid>" (HOST an IPv4 address or [IPv6]).
+// "ucx://HOST:PORT/r<rank>/i<incarnation>/p<pid>/t<start>" (HOST an IPv4 address or [IPv6]): a
+// rank listening on a socket (connect by sockaddr); or "ucx:///r<rank>/i<incarnation>/p<pid>/
+// t<start>/w<W>" with W the rank's UCP worker address in base64url (connect by worker address).
+// <start> is the process start time (/proc/<pid>/stat), telling a reused pid apart.
 struct Address {
-  std::string host;
+  std::string host;  // Empty: no listener.
   uint16_t port = 0;
   int rank = -1;
   uint64_t incarnation = 0;
   int32_t pid = 0;
+  uint64_t start_time = 0;
+  std::string worker;  // Raw UCP worker address bytes; empty with a listener.
 
   std::string to_string() const;
   static Result<Address> parse(std::string_view text);
 };
+
+std::string base64url_encode(std::string_view bytes);
+// False on a character outside the alphabet or a bad length.
+bool base64url_decode(std::string_view text, std::string* out);
 
 // The client id a rank's worker sends when it connects (UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID):
 // tells the accepting side which rank and incarnation an incoming endpoint belongs to.
