@@ -4,14 +4,16 @@
 // the conformance harness to start ranks; the first exchange's contents are checked.
 //
 //   transport_exchange_bandwidth [--backend cuda_ipc] [--ranks 4] [--bytes 4194304]
-//                                [--iters 50]
+//                                [--iters 50] [--json out.json]
 //
 // exchange: every rank sends `bytes` to every other rank (and itself) per op; GB/s per rank
 // counts what one rank sends to the others ((ranks - 1) * bytes per op, slowest rank's time);
 // aggregate = x ranks. read: each rank reads `bytes` of the next rank's region per op.
+// --json writes the figures (and UCX_TLS, for the ucx backend) to a file as well.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <string>
 
 #include "conformance_harness.h"
@@ -24,6 +26,7 @@ struct Args {
   int ranks = 4;
   size_t bytes = size_t{4} << 20;
   int iters = 50;
+  std::string json_path;
 };
 
 constexpr int kWarmup = 5;
@@ -76,6 +79,8 @@ int main_impl(int argc, char** argv) {
       args.bytes = std::strtoull(value, nullptr, 10);
     } else if (flag == "--iters") {
       args.iters = std::atoi(value);
+    } else if (flag == "--json") {
+      args.json_path = value;
     } else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -120,10 +125,27 @@ int main_impl(int argc, char** argv) {
       "%s exchange: %d ranks, %.2f MiB per peer: %.1f us/op, %.1f GB/s per rank, %.1f GB/s "
       "aggregate\n",
       args.backend.c_str(), args.ranks, mb, op_s * 1e6, per_rank, per_rank * args.ranks);
+  const double read_s = static_cast<double>(read_ns) * 1e-9 / args.iters;
   if (read_ns > 0) {
-    const double read_s = static_cast<double>(read_ns) * 1e-9 / args.iters;
     std::printf("%s read: %.2f MiB from the next rank: %.1f us/op, %.1f GB/s per rank\n",
                 args.backend.c_str(), mb, read_s * 1e6, args.bytes / read_s * 1e-9);
+  }
+  if (!args.json_path.empty()) {
+    const char* tls = std::getenv("UCX_TLS");
+    std::ofstream out(args.json_path);
+    out << "{\"backend\": \"" << args.backend << "\", \"ucx_tls\": \"" << (tls ? tls : "")
+        << "\", \"ranks\": " << args.ranks << ", \"bytes\": " << args.bytes
+        << ", \"iters\": " << args.iters << ", \"exchange_us\": " << op_s * 1e6
+        << ", \"exchange_gbps_per_rank\": " << per_rank;
+    if (read_ns > 0) {
+      out << ", \"read_us\": " << read_s * 1e6 << ", \"read_gbps\": " << args.bytes / read_s * 1e-9;
+    }
+    out << "}\n";
+    if (!out) {
+      std::fprintf(stderr, "cannot write %s\n", args.json_path.c_str());
+      return 1;
+    }
+    std::printf("wrote %s\n", args.json_path.c_str());
   }
   return 0;
 }

@@ -513,7 +513,28 @@ Status UcxTransport::run_collective(OpKind kind, const Group& group, const ByteS
                              std::to_string(options_.timeout_ms) + " ms; no message from rank" +
                              (pending.size() > 1 ? "s " : " ") + ranks);
   }
-  return status;
+  FLEX_RETURN_IF_ERROR(status);
+  // Our own messages must have left too: a rank that returns and then dies (or exits) must
+  // not take a message still queued in UCX (an endpoint still wiring up, a rendezvous not yet
+  // fetched) with it. Live members take theirs within this very op.
+  int unsent = -1;
+  auto all_sent = [&] {
+    for (int r : group.ranks) {
+      if (r == me || !peer_error(*peers_[r]).ok()) continue;
+      if (staging_pending_[(static_cast<size_t>(pool) * options_.max_ranks + r) * 2 + (cur & 1)] >
+          0) {
+        unsent = r;
+        return false;
+      }
+    }
+    return true;
+  };
+  if (!progress_until(lock, deadline_ns, all_sent)) {
+    return deadline_exceeded(op_label(kind) + " timed out after " +
+                             std::to_string(options_.timeout_ms) + " ms: our message to rank " +
+                             std::to_string(unsent) + " has not left");
+  }
+  return Status();
 }
 
 }  // namespace flexpert

@@ -27,7 +27,9 @@
 // Collectives are active messages (ucp_am_send_nbx) of ucx_wire.h's WireHeader plus payload.
 // A payload is first copied into this rank's staging slot [kind][destination][op parity] (so
 // that no UCX request references the caller's buffer once the call returns, even after an
-// error); a slot whose previous send is still in flight is waited for. The receiver files a
+// error); a slot whose previous send is still in flight is waited for. A collective returns
+// once every member's message is in and its own sends to live members completed (a rank that
+// returns and exits must not take a queued message with it). The receiver files a
 // message into one of three mailboxes of the sender's pool for its kind (gather/barrier or
 // exchange): the op being taken, the op after it (a peer runs at most one op ahead within an
 // epoch) and one of a newer epoch (the op 0 a peer that moved on sent first; the newest wins).
