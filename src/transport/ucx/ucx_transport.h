@@ -19,10 +19,13 @@
 // never reused across incarnations, and messages of an older incarnation than the newest seen
 // are dropped.
 //
-// Memory, registered once at capacity (ucp_mem_map): regions (mmap'd, zeroed; their remote
-// keys packed once and announced to every connected peer in a kRegion message, on connect and
-// on allocation), the per-source mailboxes and the per-destination send staging. read() is
-// one-sided gets (ucp_get_nbx) in chunks of FLEXPERT_UCX_READ_CHUNK_KB (1024), up to 8 in flight.
+// Memory, registered once at capacity (ucp_mem_map): regions (allocated by UCX, zeroed: over
+// shared memory that makes them segments peers map, so a get needs nothing from the owner; in
+// memory we mmap'd, UCX 1.13 served gets only while the owner progressed), their remote keys
+// packed once and announced to every connected peer in a kRegion message, on connect and on
+// allocation; the per-source mailboxes and the per-destination send staging (mmap'd). read() is
+// gets (ucp_get_nbx) in chunks of FLEXPERT_UCX_READ_CHUNK_KB (1024), up to 8 in flight: one-sided
+// over shared memory and RDMA; over TCP UCX emulates them, so the owner must be progressing.
 //
 // Collectives are active messages (ucp_am_send_nbx) of ucx_wire.h's WireHeader plus payload.
 // A payload is first copied into this rank's staging slot [kind][destination][op parity] (so
