@@ -86,28 +86,9 @@ Result<sockaddr_storage> resolve(const std::string& host, uint16_t port, socklen
   return out;
 }
 
-// Maps `num_bytes` of zeroed anonymous memory and registers it with UCX.
-Status map_registered(ucp_context_h context, size_t num_bytes, void** data, ucp_mem_h* memh) {
-  void* p = ::mmap(nullptr, num_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) {
-    return resource_exhausted("mmap of " + std::to_string(num_bytes) +
-                              " bytes: " + std::strerror(errno));
-  }
-  ucp_mem_map_params_t params{};
-  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-  params.address = p;
-  params.length = num_bytes;
-  const ucs_status_t st = ucp_mem_map(context, &params, memh);
-  if (st != UCS_OK) {
-    ::munmap(p, num_bytes);
-    return ucs_error(st, "ucp_mem_map of " + std::to_string(num_bytes) + " bytes");
-  }
-  *data = p;
-  return Status();
-}
-
 // Lets UCX allocate `num_bytes` (registered with every memory domain that can: over shared
-// memory that is a segment peers map, so their gets need nothing from us), zeroed.
+// memory that is a segment peers map, so their gets need nothing from us; gets of memory we
+// mmap'd ourselves waited for our progress in UCX 1.13), zeroed.
 Status allocate_registered(ucp_context_h context, size_t num_bytes, void** data, ucp_mem_h* memh) {
   ucp_mem_map_params_t params{};
   params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
@@ -127,11 +108,6 @@ Status allocate_registered(ucp_context_h context, size_t num_bytes, void** data,
   std::memset(attr.address, 0, num_bytes);
   *data = attr.address;
   return Status();
-}
-
-void unmap_registered(ucp_context_h context, void* data, size_t num_bytes, ucp_mem_h memh) {
-  if (memh != nullptr) ucp_mem_unmap(context, memh);
-  if (data != nullptr) ::munmap(data, num_bytes);
 }
 
 size_t round_up(size_t n, size_t align) { return (n + align - 1) / align * align; }
@@ -243,9 +219,10 @@ Status UcxTransport::init() {
 
   const size_t ranks = static_cast<size_t>(options_.max_ranks);
   mailboxes_bytes_ = round_up(ranks * kBoxesPerPool * (pool_bytes_[0] + pool_bytes_[1]), 4096);
-  FLEX_RETURN_IF_ERROR(map_registered(context_, mailboxes_bytes_, &mailboxes_, &mailboxes_memh_));
+  FLEX_RETURN_IF_ERROR(
+      allocate_registered(context_, mailboxes_bytes_, &mailboxes_, &mailboxes_memh_));
   staging_bytes_ = round_up(ranks * 2 * (pool_bytes_[0] + pool_bytes_[1]), 4096);
-  FLEX_RETURN_IF_ERROR(map_registered(context_, staging_bytes_, &staging_, &staging_memh_));
+  FLEX_RETURN_IF_ERROR(allocate_registered(context_, staging_bytes_, &staging_, &staging_memh_));
   staging_pending_.assign(kNumPools * ranks * 2, 0);
 
   inboxes_.resize(ranks);
@@ -293,8 +270,8 @@ UcxTransport::~UcxTransport() {
   if (inflight_ == 0) {
     // Else a request may still write into them: leak them rather than corrupt memory.
     for (auto& [id, r] : own_regions_) ucp_mem_unmap(context_, r.memh);  // UCX allocated it.
-    unmap_registered(context_, mailboxes_, mailboxes_bytes_, mailboxes_memh_);
-    unmap_registered(context_, staging_, staging_bytes_, staging_memh_);
+    ucp_mem_unmap(context_, mailboxes_memh_);                            // UCX allocated them.
+    ucp_mem_unmap(context_, staging_memh_);
   } else {
     // Sends to a dead peer over an endpoint without error handling never complete.
     FLEX_LOG(WARN) << "ucx rank " << options_.rank << ": " << inflight_

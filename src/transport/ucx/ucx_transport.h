@@ -23,7 +23,7 @@
 // shared memory that makes them segments peers map, so a get needs nothing from the owner; in
 // memory we mmap'd, UCX 1.13 served gets only while the owner progressed), their remote keys
 // packed once and announced to every connected peer in a kRegion message, on connect and on
-// allocation; the per-source mailboxes and the per-destination send staging (mmap'd). read() is
+// allocation; the per-source mailboxes and the per-destination send staging (likewise). read() is
 // gets (ucp_get_nbx) in chunks of FLEXPERT_UCX_READ_CHUNK_KB (1024), up to 8 in flight: one-sided
 // over shared memory and RDMA; over TCP UCX emulates them, so the owner must be progressing.
 //
