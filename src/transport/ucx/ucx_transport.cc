@@ -324,7 +324,6 @@ void UcxTransport::on_conn_request(ucp_conn_request_h request, void* arg) {
 void UcxTransport::on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status) {
   auto* conn = static_cast<Conn*>(arg);
   UcxTransport* self = conn->self;
-  conn->failed = true;
   self->to_close_.push_back(conn);
   if (conn->rank < 0 || conn->rank >= self->options_.max_ranks) return;
   Peer* p = self->peers_[conn->rank].get();

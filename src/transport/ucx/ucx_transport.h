@@ -145,7 +145,6 @@ class UcxTransport final : public Transport {
     int rank = -1;  // -1: an accepted endpoint of a client that sent no id.
     uint64_t incarnation = 0;
     ucp_ep_h ep = nullptr;
-    bool failed = false;
     bool peer_errors = true;  // Created with UCP_ERR_HANDLING_MODE_PEER.
   };
   // This rank's connection to one incarnation of a peer. GUARDED_BY(mu_); shared with read()
