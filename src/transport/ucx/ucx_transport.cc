@@ -270,8 +270,9 @@ UcxTransport::~UcxTransport() {
   if (inflight_ == 0) {
     // Else a request may still write into them: leak them rather than corrupt memory.
     for (auto& [id, r] : own_regions_) ucp_mem_unmap(context_, r.memh);  // UCX allocated it.
-    ucp_mem_unmap(context_, mailboxes_memh_);                            // UCX allocated them.
-    ucp_mem_unmap(context_, staging_memh_);
+    // UCX allocated them. Null when create() failed before.
+    if (mailboxes_memh_ != nullptr) ucp_mem_unmap(context_, mailboxes_memh_);
+    if (staging_memh_ != nullptr) ucp_mem_unmap(context_, staging_memh_);
   } else {
     // Sends to a dead peer over an endpoint without error handling never complete.
     FLEX_LOG(WARN) << "ucx rank " << options_.rank << ": " << inflight_
