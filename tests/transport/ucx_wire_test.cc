@@ -74,7 +74,9 @@ TEST(UcxWireTest, MalformedAddressesAreRefused) {
         "ucx://1.2.3.4:5/r0/i0/p1/t1/wZm9v", "ucx://[::1:5/r0/i0/p1/t1"}) {
     auto parsed = Address::parse(bad);
     EXPECT_FALSE(parsed.ok()) << bad;
-    if (!parsed.ok()) EXPECT_EQ(parsed.status().code(), StatusCode::kInvalidArgument) << bad;
+    if (!parsed.ok()) {
+      EXPECT_EQ(parsed.status().code(), StatusCode::kInvalidArgument) << bad;
+    }
   }
 }
 
