@@ -29,8 +29,18 @@ namespace flexpert::cluster {
 
 // starting: until the first epoch; serving; scaling: a scale's proposal is being
 // prepared (requests admitted); recovering: a member was lost, requests held;
-// degraded: no capacity to recover (503); stopping, stopped: shutdown.
-enum class Phase { kStarting, kServing, kScaling, kRecovering, kDegraded, kStopping, kStopped };
+// degraded: no capacity to recover (503); restarting: the stop-the-world baseline
+// (--reconfigure stop-the-world, entered by the driver only); stopping, stopped: shutdown.
+enum class Phase {
+  kStarting,
+  kServing,
+  kScaling,
+  kRecovering,
+  kDegraded,
+  kRestarting,
+  kStopping,
+  kStopped
+};
 const char* phase_name(Phase p);
 
 // empty: never started; starting: spawned or opened for a hello; ready: loaded, not a
@@ -171,6 +181,21 @@ class Membership {
 
   Actions shutdown();  // Every open request fails ("abort"); stopping.
   void stopped();
+
+  // --- Driver hooks ------------------------------------------------------------------
+  // ClusterEngine::Impl still runs its scale, recovery and restart flows itself
+  // (docs/ARCHITECTURE.md, "The membership state machine", says which); it records
+  // their steps here, under the same rules: incarnations only grow and a dead one is
+  // never admitted again; an epoch commits only admitted, live ranks and only grows.
+  // Opens `rank` for its next incarnation (a joiner, a spare, a restarted rank).
+  void open_rank(int rank, int64_t now_ms);
+  // Commits the next epoch with `members` (`also`: leavers switching with them):
+  // FailedPrecondition when one is not an admitted, live rank.
+  Status commit_members(std::vector<int> members, const std::vector<int>& also, Actions* out);
+  // `rank` is lost (dead, fenced) or left (stopped): out of the members, no planning.
+  void mark_lost(int rank);
+  void mark_stopped(int rank);
+  void enter(Phase p) { set_phase(p); }
 
   // --- Reads -------------------------------------------------------------------------
   Phase phase() const { return phase_; }

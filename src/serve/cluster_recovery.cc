@@ -34,7 +34,7 @@ bool ClusterEngine::Impl::rehome(uint64_t id, RequestInfo& req, int avoid, Calls
   // During a recovery nothing is placed: the survivors are halted, and the next
   // epoch (with replacements, perhaps) takes the held requests.
   for (bool allow_leaving : {false, true}) {
-    for (int r : recovery_.active ? std::vector<int>{} : members_) {
+    for (int r : recovery_.active ? std::vector<int>{} : members()) {
       const RankInfo& info = ranks_[r];
       // Ranks about to leave only when nobody else can take it (they still step).
       if (r == avoid || (info.leaving && !allow_leaving) ||
@@ -124,11 +124,11 @@ void ClusterEngine::Impl::place_held(Calls* calls) {
 
 void ClusterEngine::Impl::enter_degraded(const std::string& why, Calls* calls) {
   FLEX_LOG(ERROR) << "the group is degraded: " << why;
-  phase_ = Phase::kDegraded;
+  enter_phase(Phase::kDegraded);
   degraded_reason_ = why;
   recovery_.active = false;
   recoveries("failed").inc();
-  for (int r : members_) {
+  for (int r : members()) {
     if (ranks_[r].state == RankState::kServing) ranks_[r].state = RankState::kHalted;
   }
   fail_all("the group cannot serve: " + why, calls);
@@ -141,21 +141,24 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
       info.state == RankState::kEmpty) {
     return;
   }
-  if (phase_ == Phase::kStopping || stop_.load()) {
+  if (phase() == Phase::kStopping || stop_.load()) {
     info.state = RankState::kStopped;  // Leaving as asked, not lost.
+    membership_.mark_stopped(rank);
     return;
   }
-  const bool was_member = std::find(members_.begin(), members_.end(), rank) != members_.end();
+  const bool was_member = std::find(members().begin(), members().end(), rank) != members().end();
   info.state = RankState::kDead;
+  membership_.mark_lost(rank);  // Out of the members: its incarnation is fenced.
   info.last_error = why;
   info.leaving = false;
   if (info.spawned && info.pid > 0) kill(info.pid, SIGKILL);  // Declared lost: make it so.
   if (!info.spawned) {
     // Not ours to kill: if it is alive but silent, fence it (it exits when it wakes).
     if (!info.routing_id.empty()) post(rank, proto::Shutdown{proto::Shutdown::kFenced});
-    unlink_rank_segments(rank, info.incarnation);
+    unlink_rank_segments(rank, incarnation(rank));
     info.pid = 0;
   }
+  if (info.pid == 0) rank_reaped(rank);  // No process of ours to wait for.
   cv_.notify_all();
   FLEX_LOG(WARN) << "rank " << rank << " lost: " << why;
   if (!was_member) return;   // A joiner in preparation: its scale-up rolls back.
@@ -165,9 +168,9 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
     fail_all("rank " + std::to_string(rank) + " died: " + why, calls);
     if (!reconfiguring_) {
       reconfiguring_ = true;
-      phase_ = Phase::kRestarting;
+      enter_phase(Phase::kRestarting);
       accepting_ = false;
-      const int n = static_cast<int>(members_.size());
+      const int n = static_cast<int>(members().size()) + 1;  // The group's size before the loss.
       if (restart_thread_.joinable()) restart_thread_.detach();
       restart_thread_ = std::thread([this, n] {
         nlohmann::json report = {{"kind", "restart"}, {"mode", "stop-the-world"}};
@@ -182,7 +185,6 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
     }
     return;
   }
-  members_.erase(std::remove(members_.begin(), members_.end(), rank), members_.end());
   ++losses_;
   if (!recovery_.active) {
     recovery_ = Recovery{};
@@ -190,7 +192,7 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
     recovery_.start = Clock::now();
   }
   recovery_.lost.push_back(rank);
-  phase_ = Phase::kRecovering;
+  enter_phase(Phase::kRecovering);
   // Its requests continue from their prompt plus what was streamed, once the
   // recovery commits (held at the front end until then).
   for (auto& [id, req] : requests_) {
@@ -214,7 +216,7 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
                  [&] { return halting() || (!reconfiguring_ && !rebalancing_); });
     const uint64_t losses0 = losses_;
     auto changed = [&] { return losses_ != losses0 || halting(); };
-    const std::vector<int> survivors = members_;
+    const std::vector<int> survivors = members();
     auto input = [&](const std::vector<int>& joiners) {
       cluster::RecoveryInput in;
       for (int l = 0; l < placement_.num_layers(); ++l) {
@@ -316,9 +318,9 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
     reconfigurations().inc();
     recovery_.active = false;
     degraded_reason_.clear();
-    phase_ = reconfiguring_ ? Phase::kScaling : Phase::kServing;
-    (*report)["epoch"] = epoch_;
-    (*report)["members"] = members_;
+    enter_phase(reconfiguring_ ? Phase::kScaling : Phase::kServing);
+    (*report)["epoch"] = epoch();
+    (*report)["members"] = members();
     (*report)["lost"] = recovery_.lost;
     (*report)["reloaded_experts"] = plan.loads.size();
     (*report)["evicted_replicas"] = plan.evicted;
@@ -336,7 +338,7 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
 
 void ClusterEngine::Impl::keep_spares() {
   if (options_.spare_ranks <= 0 || !options_.spawn_workers || options_.reconfigure != "live" ||
-      phase_ != Phase::kServing || reconfiguring_ || rebalancing_) {
+      phase() != Phase::kServing || reconfiguring_ || rebalancing_) {
     return;
   }
   int spares = 0;  // Ready, or still starting.
@@ -346,10 +348,9 @@ void ClusterEngine::Impl::keep_spares() {
   const std::vector<int> free = free_ranks();
   for (size_t i = 0; spares < options_.spare_ranks && i < free.size(); ++i, ++spares) {
     RankInfo& info = ranks_[free[i]];
-    const uint64_t incarnation = info.incarnation;
     info = RankInfo{};
-    info.incarnation = incarnation;
     info.spare = true;
+    membership_.open_rank(free[i], now_ms());
     request_spawn(free[i]);
     FLEX_LOG(INFO) << "starting rank " << free[i] << " as a spare";
   }
@@ -388,8 +389,8 @@ void ClusterEngine::Impl::heal_loop() {
     }
     keep_spares();
     // Back to the size the operator asked for, with a live scale-up.
-    const bool short_of_ranks = static_cast<int>(members_.size()) < target_ranks_;
-    if (!short_of_ranks || phase_ != Phase::kServing || reconfiguring_ || rebalancing_ ||
+    const bool short_of_ranks = static_cast<int>(members().size()) < target_ranks_;
+    if (!short_of_ranks || phase() != Phase::kServing || reconfiguring_ || rebalancing_ ||
         !options_.spawn_workers || options_.reconfigure != "live" || Clock::now() < next_heal) {
       continue;
     }

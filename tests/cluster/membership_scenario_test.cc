@@ -208,5 +208,37 @@ TEST(MembershipScenario, DeathDuringARebalance) {
   EXPECT_TRUE(g.m.begin_rebalance().ok());
 }
 
+// The hooks ClusterEngine::Impl records its own flows with keep the same rules.
+TEST(MembershipScenario, DriverHooksKeepTheRules) {
+  Group g(config(3, 2, 2, 4));
+  Actions out;
+  EXPECT_EQ(g.m.commit_members({0, 2}, {}, &out).code(), StatusCode::kFailedPrecondition)
+      << "rank 2 never said hello";
+  g.m.mark_lost(1);
+  EXPECT_FALSE(g.m.accepts(1, g.inc[1]));
+  EXPECT_EQ(g.m.members(), (std::vector<int>{0}));
+  EXPECT_EQ(g.m.commit_members({0, 1}, {}, &out).code(), StatusCode::kFailedPrecondition)
+      << "rank 1's incarnation is dead";
+  EXPECT_FALSE(g.m.hello(1, g.now).ok()) << "not reopened, and its process not reaped";
+  (void)g.m.reaped(1, g.now);
+  g.m.open_rank(1, g.now);
+  const uint64_t dead = g.inc[1];
+  g.join(1);
+  EXPECT_GT(g.inc[1], dead);
+  EXPECT_FALSE(g.m.accepts(1, dead));
+  ASSERT_TRUE(g.m.commit_members({1, 0}, {}, &out).ok());
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].epoch, 2u);
+  EXPECT_EQ(out[0].ranks, (std::vector<int>{0, 1}));
+  // A halt in the current epoch re-commits the members; one in an old epoch does not.
+  EXPECT_TRUE(g.m.halted(0, g.inc[0], 1, g.now).empty());
+  Actions again = g.m.halted(0, g.inc[0], 2, g.now);
+  ASSERT_EQ(of(again, ActionKind::kCommit).size(), 1u);
+  EXPECT_EQ(g.m.epoch(), 3u);
+  g.m.mark_stopped(1);
+  EXPECT_EQ(g.m.members(), (std::vector<int>{0}));
+  EXPECT_TRUE(g.m.accepts(1, g.inc[1])) << "a leaver's last reports are still heard";
+}
+
 }  // namespace
 }  // namespace flexpert::cluster

@@ -126,10 +126,10 @@ class World {
           kill(a.rank);
           break;
         case ActionKind::kStop:
-          kill(a.rank);
+          kill(a.rank, /*fenced=*/false);  // Left: its last messages are still heard.
           break;
         case ActionKind::kRollback:
-          for (int r : a.ranks) kill(r);
+          for (int r : a.ranks) kill(r, /*fenced=*/false);
           prepares_.clear();
           break;
         case ActionKind::kPrepare:
@@ -181,10 +181,11 @@ class World {
     }
   }
 
-  void kill(int r) {
+  void kill(int r, bool fenced = true) {
     Proc& p = procs_[r];
     if (p.alive || p.spawned) {
-      if (p.inc > 0 && p.alive) dead_.insert({r, p.inc});
+      if (p.inc > 0 && p.alive && fenced) dead_.insert({r, p.inc});
+      if (p.inc > 0 && p.alive && !fenced) gone_.insert({r, p.inc});
       p.alive = false;
       p.spawned = false;
       p.exited = true;
@@ -212,7 +213,9 @@ class World {
         if (r < 0) break;
         auto inc = m_.hello(r, now_);
         if (!inc.ok()) break;
-        for (auto [dr, di] : dead_) {
+        std::set<std::pair<int, uint64_t>> ended = dead_;
+        ended.insert(gone_.begin(), gone_.end());
+        for (auto [dr, di] : ended) {
           ASSERT_FALSE(dr == r && di >= *inc)
               << "incarnation " << *inc << " of rank " << r << " reuses or precedes a dead one";
         }
@@ -659,8 +662,9 @@ class World {
   std::mt19937_64 rng_;
   Membership m_;
   std::vector<Proc> procs_;
-  std::set<std::pair<int, uint64_t>> dead_;
-  std::map<int, uint64_t> prepares_;  // rank -> proposal
+  std::set<std::pair<int, uint64_t>> dead_;  // Killed or fenced incarnations.
+  std::set<std::pair<int, uint64_t>> gone_;  // Stopped ones (left, rolled back).
+  std::map<int, uint64_t> prepares_;         // rank -> proposal
   std::map<uint64_t, Req> reqs_;
   std::vector<int> committed_;
   uint64_t last_commit_epoch_ = 0;
