@@ -340,15 +340,71 @@ void Membership::mark_stopped(int r) {
 // --- Reconfiguration -------------------------------------------------------------------
 
 std::vector<int> Membership::free_ids() const {
-  std::vector<int> reaped, waiting;
+  std::vector<int> spares, reaped, waiting;
   for (int r = 0; r < num_ranks(); ++r) {
     const RankState s = ranks_[r].state;
     if (is_member(r) || (proposal_ && contains(proposal_->joiners, r))) continue;
-    if (s != RankState::kEmpty && s != RankState::kDead && s != RankState::kStopped) continue;
-    (ranks_[r].reaped ? reaped : waiting).push_back(r);
+    if (s == RankState::kReady) {
+      spares.push_back(r);  // Started ahead (--spare-ranks): loaded, not a member.
+    } else if (s == RankState::kEmpty || s == RankState::kDead || s == RankState::kStopped) {
+      (ranks_[r].reaped ? reaped : waiting).push_back(r);
+    }
   }
-  reaped.insert(reaped.end(), waiting.begin(), waiting.end());
-  return reaped;
+  spares.insert(spares.end(), reaped.begin(), reaped.end());
+  spares.insert(spares.end(), waiting.begin(), waiting.end());
+  return spares;
+}
+
+void Membership::open_joiners(const std::vector<int>& joiners, int64_t now_ms, Actions* out) {
+  for (int r : joiners) {
+    if (ranks_[r].state == RankState::kReady) continue;  // A spare: Ready already.
+    open(r, out);
+    ranks_[r].last_seen_ms = now_ms;
+  }
+}
+
+Result<ScaleChoice> Membership::choose_scale(int target, const std::vector<int>& remove,
+                                             const std::vector<int>& in_flight) const {
+  const int max = num_ranks();
+  const int now = static_cast<int>(members_.size());
+  ScaleChoice choice;
+  if (!remove.empty()) {
+    for (int r : remove) {
+      if (!is_member(r)) return invalid_argument("rank " + std::to_string(r) + " is not a member");
+      if (!contains(choice.leavers, r)) choice.leavers.push_back(r);
+    }
+    if (static_cast<int>(choice.leavers.size()) >= now) {
+      return invalid_argument("cannot remove every member (at least 1 rank must stay)");
+    }
+  } else {
+    if (target < 1 || target > max) {
+      return invalid_argument("\"ranks\" must be in [1, " + std::to_string(max) +
+                              "] (--max-ranks), got " + std::to_string(target));
+    }
+    if (target > now) {
+      const std::vector<int> free = free_ids();
+      if (static_cast<int>(free.size()) < target - now) {
+        return failed_precondition("only " + std::to_string(free.size()) + " rank ids are free");
+      }
+      choice.joiners.assign(free.begin(), free.begin() + (target - now));
+      for (int r : choice.joiners) {
+        choice.not_reaped += ranks_[r].state != RankState::kReady && !ranks_[r].reaped;
+      }
+    } else if (target < now) {
+      // The least loaded leave (ties: the highest ids), so that fewest requests move.
+      auto load = [&](int r) {
+        return r < static_cast<int>(in_flight.size()) ? in_flight[r] : ranks_[r].in_flight;
+      };
+      std::vector<int> order = members_;
+      std::sort(order.begin(), order.end(), [&](int a, int b) {
+        if (load(a) != load(b)) return load(a) < load(b);
+        return a > b;
+      });
+      choice.leavers.assign(order.begin(), order.begin() + (now - target));
+    }
+  }
+  std::sort(choice.leavers.begin(), choice.leavers.end());
+  return choice;
 }
 
 void Membership::set_phase(Phase p) {
@@ -380,39 +436,8 @@ Result<Actions> Membership::scale(int target, const std::vector<int>& remove, in
     return failed_precondition("the group is not serving (phase " +
                                std::string(phase_name(phase_)) + ")");
   }
-  const int now = static_cast<int>(members_.size());
-  std::vector<int> joiners, leavers;
-  if (!remove.empty()) {
-    for (int r : remove) {
-      if (!is_member(r)) return invalid_argument("rank " + std::to_string(r) + " is not a member");
-      if (!contains(leavers, r)) leavers.push_back(r);
-    }
-    if (static_cast<int>(leavers.size()) >= now) {
-      return invalid_argument("cannot remove every member (at least 1 rank must stay)");
-    }
-  } else {
-    if (target < 1 || target > max) {
-      return invalid_argument("\"ranks\" must be in [1, " + std::to_string(max) +
-                              "] (--max-ranks), got " + std::to_string(target));
-    }
-    if (target > now) {
-      const std::vector<int> free = free_ids();
-      if (static_cast<int>(free.size()) < target - now) {
-        return failed_precondition("only " + std::to_string(free.size()) + " rank ids are free");
-      }
-      joiners.assign(free.begin(), free.begin() + (target - now));
-    } else if (target < now) {
-      // The least loaded leave (ties: the highest ids), so that fewest requests move.
-      std::vector<int> order = members_;
-      std::sort(order.begin(), order.end(), [&](int a, int b) {
-        if (ranks_[a].in_flight != ranks_[b].in_flight) {
-          return ranks_[a].in_flight < ranks_[b].in_flight;
-        }
-        return a > b;
-      });
-      leavers.assign(order.begin(), order.begin() + (now - target));
-    }
-  }
+  FLEX_ASSIGN_OR_RETURN(const ScaleChoice choice, choose_scale(target, remove));
+  std::vector<int> joiners = choice.joiners, leavers = choice.leavers;
   std::sort(joiners.begin(), joiners.end());
   std::sort(leavers.begin(), leavers.end());
   if (joiners.empty() && leavers.empty()) return out;
@@ -427,10 +452,7 @@ Result<Actions> Membership::scale(int target, const std::vector<int>& remove, in
   p.awaiting.insert(joiners.begin(), joiners.end());
   p.deadline_ms = now_ms + config_.prepare_timeout_ms;
   proposal_ = std::move(p);
-  for (int r : joiners) {
-    open(r, &out);
-    ranks_[r].last_seen_ms = now_ms;
-  }
+  open_joiners(joiners, now_ms, &out);
   for (int r : leavers) ranks_[r].leaving = true;  // No new requests from here on.
   set_phase(Phase::kScaling);
   return out;
@@ -668,10 +690,7 @@ void Membership::plan_recovery_proposal(int64_t now_ms, Actions* out) {
   for (const RecoveryLoad& ld : p.loads) p.awaiting.insert(ld.slot / config_.slots_per_rank);
   p.deadline_ms = now_ms + config_.prepare_timeout_ms;
   proposal_ = std::move(p);
-  for (int r : joiners) {
-    open(r, out);
-    ranks_[r].last_seen_ms = now_ms;
-  }
+  open_joiners(joiners, now_ms, out);
   set_phase(Phase::kRecovering);
   send_prepares(out);
   maybe_commit(now_ms, out);

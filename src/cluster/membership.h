@@ -107,6 +107,13 @@ struct Proposal {
   int64_t deadline_ms = 0;
 };
 
+// Who joins or leaves for a scale.
+struct ScaleChoice {
+  std::vector<int> joiners;  // Ready spares first, then free ids (ended processes first).
+  std::vector<int> leavers;  // Sorted.
+  int not_reaped = 0;        // Joiners whose id's old process still runs.
+};
+
 struct RankView {
   RankState state = RankState::kEmpty;
   uint64_t incarnation = 0;  // The current one (0: none admitted yet).
@@ -155,6 +162,13 @@ class Membership {
   // POST /v1/scale {"ranks": n} (or {"remove": [...]} with n < 0): chooses joiners or
   // leavers and opens a proposal; degraded: another recovery with room for n.
   Result<Actions> scale(int target_ranks, const std::vector<int>& remove, int64_t now_ms);
+  // The choice scale() makes, without opening anything: joiners are Ready spares
+  // (admitted, not members), then free ids whose process has ended, then free ids whose
+  // old process still runs (counted in not_reaped); leavers are the named members, or
+  // the least loaded (`in_flight` per rank when given, else the requests placed here;
+  // ties: the highest ids). The errors are scale()'s.
+  Result<ScaleChoice> choose_scale(int target_ranks, const std::vector<int>& remove,
+                                   const std::vector<int>& in_flight = {}) const;
   // The driver's plan (src/eplb) for a scale's proposal: the next maps. Checked: every
   // expert keeps a replica on the next members, nothing on other ranks.
   Result<Actions> set_plan(uint64_t proposal, std::vector<std::vector<int>> maps, int64_t now_ms);
@@ -225,6 +239,7 @@ class Membership {
   void set_phase(Phase p);
   // Opens `rank` for its next incarnation and spawns it once its id is free.
   void open(int rank, Actions* out);
+  void open_joiners(const std::vector<int>& joiners, int64_t now_ms, Actions* out);
   void plan_recovery_proposal(int64_t now_ms, Actions* out);
   void send_prepares(Actions* out);
   void maybe_commit(int64_t now_ms, Actions* out);

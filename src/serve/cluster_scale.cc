@@ -565,48 +565,27 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
                                    std::to_string(map_version_) + " yet");
       }
     }
-    const int max = options_.max_ranks;
-    const int now = static_cast<int>(members().size());
-    if (!target.remove.empty()) {
-      for (int r : target.remove) {
-        if (r < 0 || r >= max ||
-            std::find(members().begin(), members().end(), r) == members().end()) {
-          return invalid_argument("rank " + std::to_string(r) + " is not a member");
-        }
-        if (std::find(leavers.begin(), leavers.end(), r) == leavers.end()) leavers.push_back(r);
-      }
-      if (static_cast<int>(leavers.size()) >= now) {
-        return invalid_argument("cannot remove every member (at least 1 rank must stay)");
-      }
-    } else {
-      if (target.ranks < 1 || target.ranks > max) {
-        return invalid_argument("\"ranks\" must be in [1, " + std::to_string(max) +
-                                "] (--max-ranks), got " + std::to_string(target.ranks));
-      }
-      if (target.ranks > now) {
-        // Ids of ranks still exiting (a scale-down a moment ago) free up shortly.
-        cv_.wait_for(lock, std::chrono::seconds(5), [&] {
-          return halting() || static_cast<int>(joiner_candidates().size()) >= target.ranks - now;
-        });
-        const std::vector<int> free = joiner_candidates();
-        if (static_cast<int>(free.size()) < target.ranks - now) {
-          return failed_precondition("only " + std::to_string(free.size()) +
-                                     " rank ids are free (others are still exiting)");
-        }
-        joiners.assign(free.begin(), free.begin() + (target.ranks - now));
-      } else if (target.ranks < now) {
-        // The least loaded leave (ties: the highest ids), so that fewest requests move.
-        std::vector<int> order = members();
-        std::sort(order.begin(), order.end(), [&](int a, int b) {
-          if (ranks_[a].in_flight != ranks_[b].in_flight) {
-            return ranks_[a].in_flight < ranks_[b].in_flight;
-          }
-          return a > b;
-        });
-        leavers.assign(order.begin(), order.begin() + (now - target.ranks));
-        std::sort(leavers.begin(), leavers.end());
-      }
+    // The membership chooses (docs/ARCHITECTURE.md, "The membership state machine"):
+    // Ready spares, then free ids; the least loaded leave.
+    std::vector<int> in_flight;
+    for (const RankInfo& info : ranks_) in_flight.push_back(info.in_flight);
+    auto choose = [&] {
+      return membership_.choose_scale(target.remove.empty() ? target.ranks : -1, target.remove,
+                                      in_flight);
+    };
+    // Ids of ranks still exiting (a scale-down a moment ago) free up shortly.
+    cv_.wait_for(lock, std::chrono::seconds(5), [&] {
+      auto c = choose();
+      return halting() || !c.ok() || c->not_reaped == 0;
+    });
+    FLEX_ASSIGN_OR_RETURN(const cluster::ScaleChoice choice, choose());
+    if (choice.not_reaped > 0) {
+      return failed_precondition("only " +
+                                 std::to_string(choice.joiners.size() - choice.not_reaped) +
+                                 " rank ids are free (others are still exiting)");
     }
+    joiners = choice.joiners;
+    leavers = choice.leavers;
     if (joiners.empty() && leavers.empty()) {
       return nlohmann::json{{"epoch", epoch()}, {"members", members()}, {"changed", false}};
     }

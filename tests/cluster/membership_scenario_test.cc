@@ -208,6 +208,33 @@ TEST(MembershipScenario, DeathDuringARebalance) {
   EXPECT_TRUE(g.m.begin_rebalance().ok());
 }
 
+// A Ready spare (started ahead, not a member) joins before any new process is spawned:
+// for a scale-up and for a recovery.
+TEST(MembershipScenario, SparesJoinFirst) {
+  Group g(config(4, 2, 2, 4));  // Every slot of ranks 0 and 1 used.
+  g.m.open_rank(3, g.now);
+  g.join(3);
+  ASSERT_EQ(g.m.rank(3).state, RankState::kReady);
+  auto choice = g.m.choose_scale(3, {});
+  ASSERT_TRUE(choice.ok());
+  EXPECT_EQ(choice->joiners, (std::vector<int>{3}));
+  EXPECT_EQ(choice->not_reaped, 0);
+  Actions a = g.m.lost(1, g.inc[1], "killed", g.now);
+  EXPECT_TRUE(of(a, ActionKind::kSpawn).empty()) << "the spare is Ready already";
+  ASSERT_TRUE(g.m.proposal().has_value());
+  EXPECT_EQ(g.m.proposal()->joiners, (std::vector<int>{3}));
+  a = g.ack_all(g.m.proposal()->id);
+  ASSERT_EQ(of(a, ActionKind::kCommit).size(), 1u);
+  EXPECT_EQ(g.m.members(), (std::vector<int>{0, 3}));
+  // Scale-down: the least loaded leave (given loads), ties the highest id.
+  choice = g.m.choose_scale(1, {}, {5, 0, 0, 7});
+  ASSERT_TRUE(choice.ok());
+  EXPECT_EQ(choice->leavers, (std::vector<int>{0}));
+  EXPECT_FALSE(g.m.choose_scale(1, {2}).ok()) << "not a member";
+  EXPECT_FALSE(g.m.choose_scale(1, {0, 3}).ok()) << "every member";
+  EXPECT_FALSE(g.m.choose_scale(5, {}).ok()) << "beyond --max-ranks";
+}
+
 // The hooks ClusterEngine::Impl records its own flows with keep the same rules.
 TEST(MembershipScenario, DriverHooksKeepTheRules) {
   Group g(config(3, 2, 2, 4));
