@@ -640,44 +640,64 @@ void Membership::abandon(Actions* out) {
   }
 }
 
-void Membership::plan_recovery_proposal(int64_t now_ms, Actions* out) {
-  const std::vector<int> survivors = members_;
+Result<RecoveryChoice> Membership::choose_recovery(
+    const std::vector<std::vector<int>>& maps, const std::vector<int>& survivors, int target_ranks,
+    bool started_only, const std::vector<std::vector<double>>& load) const {
   auto input = [&](const std::vector<int>& joiners) {
     RecoveryInput in;
-    in.maps = maps_;
+    in.maps = maps;
     in.num_experts = config_.num_experts;
     in.slots_per_rank = config_.slots_per_rank;
     in.routed = config_.routed;
     in.survivors = survivors;
     in.joiners = joiners;
+    in.load = load;
     return in;
   };
-  RecoveryPlan plan = plan_recovery(input({}));
-  std::vector<int> joiners;
-  if (!plan.ok() || survivors.empty()) {
-    // Replacements: new incarnations of free ids (the lost ones once their process ended).
-    const int now = static_cast<int>(survivors.size());
-    const int need = std::max(ranks_for_slots(plan.missing_slots, config_.slots_per_rank),
-                              survivors.empty() ? 1 : 0);
-    const int room = num_ranks() - now;
-    const std::vector<int> free = free_ids();
-    if (need > room || static_cast<int>(free.size()) < need) {
-      enter_degraded("the experts need " + std::to_string(need) + " more ranks and --max-ranks " +
-                         std::to_string(num_ranks()) + " leaves room for " +
-                         std::to_string(std::min<int>(room, static_cast<int>(free.size()))),
-                     out);
-      return;
-    }
-    const int want = std::min<int>(static_cast<int>(free.size()),
-                                   std::min(room, std::max(need, target_ranks_ - now)));
-    joiners.assign(free.begin(), free.begin() + want);
-    std::sort(joiners.begin(), joiners.end());
-    plan = plan_recovery(input(joiners));
-    if (!plan.ok()) {
-      enter_degraded("no room for every expert with the replacements", out);
-      return;
-    }
+  RecoveryChoice choice;
+  choice.plan = plan_recovery(input({}));
+  if (choice.plan.ok() && !survivors.empty()) return choice;  // In place.
+  // Replacements: new incarnations of free ids (the lost ones once their process ended).
+  const int now = static_cast<int>(survivors.size());
+  const int need = std::max(ranks_for_slots(choice.plan.missing_slots, config_.slots_per_rank),
+                            survivors.empty() ? 1 : 0);
+  const int room = num_ranks() - now;
+  if (need > room) {
+    return failed_precondition("the experts need " + std::to_string(need) +
+                               " more ranks and --max-ranks " + std::to_string(num_ranks()) +
+                               " leaves room for " + std::to_string(room));
   }
+  std::vector<int> free = free_ids();
+  if (started_only) {
+    std::erase_if(free,
+                  [&](int r) { return ranks_[r].state != RankState::kReady && !ranks_[r].reaped; });
+  }
+  if (static_cast<int>(free.size()) < need) {
+    return unavailable("only " + std::to_string(free.size()) + " rank ids are free");
+  }
+  const int want = std::min<int>(static_cast<int>(free.size()),
+                                 std::min(room, std::max(need, target_ranks - now)));
+  choice.joiners.assign(free.begin(), free.begin() + want);
+  std::sort(choice.joiners.begin(), choice.joiners.end());
+  for (int r : choice.joiners) {
+    choice.not_reaped += ranks_[r].state != RankState::kReady && !ranks_[r].reaped;
+  }
+  choice.plan = plan_recovery(input(choice.joiners));
+  if (!choice.plan.ok()) {
+    return internal_error("no room for every expert with the replacements");
+  }
+  return choice;
+}
+
+void Membership::plan_recovery_proposal(int64_t now_ms, Actions* out) {
+  const std::vector<int> survivors = members_;
+  auto chosen = choose_recovery(maps_, survivors, target_ranks_, /*started_only=*/false);
+  if (!chosen.ok()) {
+    enter_degraded(chosen.status().message(), out);
+    return;
+  }
+  std::vector<int> joiners = std::move(chosen->joiners);
+  RecoveryPlan plan = std::move(chosen->plan);
   Proposal p;
   p.kind = Proposal::Kind::kRecovery;
   p.id = next_proposal_++;

@@ -114,6 +114,14 @@ struct ScaleChoice {
   int not_reaped = 0;        // Joiners whose id's old process still runs.
 };
 
+// Where a recovery puts the experts that lost their last replica, and with which
+// replacements.
+struct RecoveryChoice {
+  std::vector<int> joiners;  // Replacements (Ready spares first); empty: in place.
+  RecoveryPlan plan;         // Over the survivors and the joiners.
+  int not_reaped = 0;        // Joiners whose id's old process still runs.
+};
+
 struct RankView {
   RankState state = RankState::kEmpty;
   uint64_t incarnation = 0;  // The current one (0: none admitted yet).
@@ -169,6 +177,15 @@ class Membership {
   // ties: the highest ids). The errors are scale()'s.
   Result<ScaleChoice> choose_scale(int target_ranks, const std::vector<int>& remove,
                                    const std::vector<int>& in_flight = {}) const;
+  // Recovery planning over `survivors` and the slot maps `maps`: plan_recovery over the
+  // survivors; when their slots cannot hold every expert, replacements from the free ids
+  // (as many as the slots need, up to `target_ranks` in all, within --max-ranks; only
+  // spares and ids whose process ended when `started_only`). FailedPrecondition: the
+  // ids of --max-ranks cannot hold the experts; Unavailable: too few ids free now.
+  Result<RecoveryChoice> choose_recovery(const std::vector<std::vector<int>>& maps,
+                                         const std::vector<int>& survivors, int target_ranks,
+                                         bool started_only,
+                                         const std::vector<std::vector<double>>& load = {}) const;
   // The driver's plan (src/eplb) for a scale's proposal: the next maps. Checked: every
   // expert keeps a replica on the next members, nothing on other ranks.
   Result<Actions> set_plan(uint64_t proposal, std::vector<std::vector<int>> maps, int64_t now_ms);

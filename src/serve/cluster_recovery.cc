@@ -204,7 +204,6 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
 }
 
 Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann::json* report) {
-  const int S = slots_per_rank_;
   Status last = unavailable("no attempt made");
   int attempts = 0;
   // Hand-started replacements: one bounded wait (--start-timeout-ms), then degraded.
@@ -217,20 +216,14 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
     const uint64_t losses0 = losses_;
     auto changed = [&] { return losses_ != losses0 || halting(); };
     const std::vector<int> survivors = members();
-    auto input = [&](const std::vector<int>& joiners) {
-      cluster::RecoveryInput in;
-      for (int l = 0; l < placement_.num_layers(); ++l) {
-        in.maps.push_back(placement_.slot_map(l));
-        in.routed.push_back(model_config_.is_moe_layer(l));
-      }
-      in.num_experts = placement_.num_experts();
-      in.slots_per_rank = S;
-      in.survivors = survivors;
-      in.joiners = joiners;
-      in.load = window_load();
-      return in;
+    std::vector<std::vector<int>> maps;
+    for (int l = 0; l < placement_.num_layers(); ++l) maps.push_back(placement_.slot_map(l));
+    const std::vector<std::vector<double>> load = window_load();
+    // The membership plans: in place, or with replacements (docs/ARCHITECTURE.md, "The
+    // membership state machine"); here they are started, attached and loaded.
+    auto choose = [&](bool started_only) {
+      return membership_.choose_recovery(maps, survivors, target_ranks_, started_only, load);
     };
-    cluster::RecoveryPlan plan = cluster::plan_recovery(input({}));
     std::vector<int> joiners;
     auto retry = [&](Status s) {
       if (!joiners.empty()) rollback_joiners(joiners);
@@ -241,32 +234,30 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
         last = std::move(s);
       }
     };
-    if (!plan.ok() || survivors.empty()) {
-      // Replacements: new incarnations of free ids (the lost ones, once reaped).
-      const int now = static_cast<int>(survivors.size());
-      const int need =
-          std::max(cluster::ranks_for_slots(plan.missing_slots, S), survivors.empty() ? 1 : 0);
-      const int room = options_.max_ranks - now;
-      if (need > room) {
-        return failed_precondition(
-            "the experts need " + std::to_string(need) + " more ranks and --max-ranks " +
-            std::to_string(options_.max_ranks) + " leaves room for " + std::to_string(room));
-      }
-      const int want = std::min(room, std::max(need, target_ranks_ - now));
+    auto chosen = choose(/*started_only=*/false);
+    if (!chosen.ok() && chosen.status().code() == StatusCode::kFailedPrecondition) {
+      return chosen.status();  // --max-ranks cannot hold the experts: degraded.
+    }
+    if (chosen.ok() && !chosen->joiners.empty()) {
+      // Ids of ranks still exiting (the lost ones) free up once reaped.
       reconfig_step_ = "waiting for free rank ids";
       cv_.wait_for(lock, std::chrono::seconds(5), [&] {
-        return changed() || static_cast<int>(joiner_candidates().size()) >= want;
+        auto c = choose(false);
+        return changed() || !c.ok() || c->not_reaped == 0;
       });
       if (changed()) {
         retry(aborted("a rank was lost"));
         continue;
       }
-      const std::vector<int> free = joiner_candidates();  // Ready spares first.
-      if (static_cast<int>(free.size()) < need) {
-        retry(unavailable("only " + std::to_string(free.size()) + " rank ids are free"));
-        continue;
-      }
-      joiners.assign(free.begin(), free.begin() + std::min<size_t>(want, free.size()));
+      chosen = choose(/*started_only=*/true);
+    }
+    if (!chosen.ok()) {
+      retry(chosen.status());
+      continue;
+    }
+    cluster::RecoveryPlan plan = std::move(chosen->plan);
+    if (!chosen->joiners.empty()) {
+      joiners = chosen->joiners;
       (*report)["replacements"] = joiners;
       reconfig_step_ = "starting replacements";
       Status s = start_joiners(joiners, lock, changed);
@@ -282,11 +273,6 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
       if (s.ok() && changed()) s = aborted("a rank was lost");
       if (!s.ok()) {
         retry(s);
-        continue;
-      }
-      plan = cluster::plan_recovery(input(joiners));
-      if (!plan.ok()) {
-        retry(internal_error("no room for every expert with the replacements"));
         continue;
       }
     }

@@ -78,6 +78,7 @@ TEST(MembershipScenario, TwoDeathsAtOnce) {
   EXPECT_EQ(p.joiners, (std::vector<int>{1, 2}));
   EXPECT_EQ(p.loads.size(), 4u);                   // Experts 2..5 from the checkpoint.
   EXPECT_EQ(p.spawn_wait, (std::set<int>{1, 2}));  // Until their processes are reaped.
+
   // New requests are held, not refused.
   ASSERT_EQ(g.m.submit(100)->kind, ActionKind::kHold);
   for (int r : {2, 1}) {
@@ -233,6 +234,35 @@ TEST(MembershipScenario, SparesJoinFirst) {
   EXPECT_FALSE(g.m.choose_scale(1, {2}).ok()) << "not a member";
   EXPECT_FALSE(g.m.choose_scale(1, {0, 3}).ok()) << "every member";
   EXPECT_FALSE(g.m.choose_scale(5, {}).ok()) << "beyond --max-ranks";
+}
+
+// Recovery planning for a driver that spawns at once: ids whose process still runs are
+// not free yet; the plan names them once reaped.
+TEST(MembershipScenario, ChooseRecoveryWaitsForIds) {
+  Group g(config(4, 4, 2, 8));
+  g.m.mark_lost(1);
+  g.m.mark_lost(2);
+  auto now = g.m.choose_recovery(g.m.maps(), {0, 3}, 4, /*started_only=*/true);
+  EXPECT_EQ(now.status().code(), StatusCode::kUnavailable) << now.status().to_string();
+  auto later = g.m.choose_recovery(g.m.maps(), {0, 3}, 4, /*started_only=*/false);
+  ASSERT_TRUE(later.ok());
+  EXPECT_EQ(later->joiners, (std::vector<int>{1, 2}));
+  EXPECT_EQ(later->not_reaped, 2);
+  EXPECT_EQ(later->plan.loads.size(), 4u);
+  (void)g.m.reaped(1, g.now);
+  (void)g.m.reaped(2, g.now);
+  auto ready = g.m.choose_recovery(g.m.maps(), {0, 3}, 4, /*started_only=*/true);
+  ASSERT_TRUE(ready.ok());
+  EXPECT_EQ(ready->not_reaped, 0);
+  // Fewer free ids than the slots need: Unavailable (try again once more are free).
+  Group h(config(2, 2, 2, 4));
+  h.m.mark_lost(0);
+  EXPECT_EQ(h.m.choose_recovery(h.m.maps(), {}, 2, false).status().code(), StatusCode::kUnavailable)
+      << "4 experts need both ids; rank 1 is still a member";
+  auto one = h.m.choose_recovery(h.m.maps(), {1}, 2, false);
+  ASSERT_TRUE(one.ok()) << one.status().to_string();
+  EXPECT_EQ(one->joiners, (std::vector<int>{0})) << "rank 1's slots are full";
+  EXPECT_EQ(one->not_reaped, 1);
 }
 
 // The hooks ClusterEngine::Impl records its own flows with keep the same rules.
