@@ -207,7 +207,7 @@ class Membership {
   // The final event of `request` from `rank` (attempt): kAnswer, or nothing when it
   // comes from a rank or attempt the request has left.
   Actions finished(uint64_t request, int rank, uint32_t attempt);
-  // The client went away: true when it was placed (the driver cancels it there).
+  // The client went away: the rank it was placed on (the driver cancels it there), if any.
   std::optional<int> cancel(uint64_t request);
 
   Actions shutdown();  // Every open request fails ("abort"); stopping.
