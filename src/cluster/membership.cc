@@ -321,6 +321,14 @@ Status Membership::commit_members(std::vector<int> members, const std::vector<in
   return Status();
 }
 
+Status Membership::record_maps(std::vector<std::vector<int>> maps,
+                               const std::vector<int>& members) {
+  FLEX_RETURN_IF_ERROR(check_maps(maps, members));
+  maps_ = std::move(maps);
+  map_version_ += 1;
+  return Status();
+}
+
 void Membership::mark_lost(int r) {
   if (!valid_rank(r)) return;
   ranks_[r].state = RankState::kDead;
@@ -466,10 +474,7 @@ Status Membership::check_maps(const std::vector<std::vector<int>>& maps,
     if (maps[l].size() != maps_[l].size()) {
       return invalid_argument("layer " + std::to_string(l) + " has the wrong slot count");
     }
-    if (l >= config_.routed.size() || !config_.routed[l]) {
-      if (maps[l] != maps_[l]) return invalid_argument("a dense layer's map changed");
-      continue;
-    }
+    if (l >= config_.routed.size() || !config_.routed[l]) continue;  // No routed experts.
     std::vector<int> count(static_cast<size_t>(config_.num_experts), 0);
     for (size_t s = 0; s < maps[l].size(); ++s) {
       const int e = maps[l][s];

@@ -223,6 +223,10 @@ class Membership {
   // Commits the next epoch with `members` (`also`: leavers switching with them):
   // FailedPrecondition when one is not an admitted, live rank.
   Status commit_members(std::vector<int> members, const std::vector<int>& also, Actions* out);
+  // The slot maps of a commit or of an EPLB transition step the driver made, checked
+  // (every expert of a MoE layer keeps a replica on `members`, no other rank's slot holds
+  // one) and recorded; InvalidArgument says which expert or slot breaks the rule.
+  Status record_maps(std::vector<std::vector<int>> maps, const std::vector<int>& members);
   // `rank` is lost (dead, fenced) or left (stopped): out of the members, no planning.
   void mark_lost(int rank);
   void mark_stopped(int rank);

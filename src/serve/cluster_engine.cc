@@ -241,6 +241,11 @@ int ClusterEngine::Impl::rank_of_routing_id(const std::string& id) const {
 void ClusterEngine::Impl::wake() { (void)wake_tx_.send({"w"}); }
 
 void ClusterEngine::Impl::commit_epoch(std::vector<int> members, const std::vector<int>& also) {
+  std::vector<std::vector<int>> maps;
+  for (int l = 0; l < placement_.num_layers(); ++l) maps.push_back(placement_.slot_map(l));
+  // Every expert on a member of the new epoch, nothing on other ranks (the membership's rule).
+  const Status m = membership_.record_maps(std::move(maps), members);
+  FLEX_CHECK(m.ok()) << m.to_string();
   cluster::Actions actions;
   const Status s = membership_.commit_members(std::move(members), also, &actions);
   FLEX_CHECK(s.ok()) << s.to_string();  // The flows commit only ranks they saw Ready.

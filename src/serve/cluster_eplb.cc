@@ -89,6 +89,11 @@ Status ClusterEngine::Impl::commit_map(ExpertPlacement next) {
   if (epoch() != rebalance_epoch_ || cancel_rebalance_ || recovery_.active) {
     return aborted("the group changed during the rebalance");
   }
+  std::vector<std::vector<int>> maps;
+  for (int l = 0; l < next.num_layers(); ++l) maps.push_back(next.slot_map(l));
+  // A step that leaves an expert without a replica on a member is refused, never sent.
+  FLEX_RETURN_IF_ERROR(
+      membership_.record_maps(std::move(maps), members()).annotate("expert map refused"));
   const uint64_t version = ++map_version_;
   proto::MapCommand cmd{version, next.to_json()};
   for (int r : members()) post(r, cmd);
