@@ -186,6 +186,9 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
     return;
   }
   ++losses_;
+  if (const auto& p = membership_.proposal()) {
+    (void)membership_.abandon_proposal(p->id, why, now_ms());  // Its flow rolls back.
+  }
   if (!recovery_.active) {
     recovery_ = Recovery{};
     recovery_.active = true;

@@ -281,8 +281,20 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
   auto group_changed = [&] {
     return epoch() != epoch0 || members() != old_members || recovery_.active;
   };
+  // The membership's proposal: these joiners, prepared, then one commit.
+  const int target = static_cast<int>(old_members.size() + joiners.size());
+  FLEX_ASSIGN_OR_RETURN(const cluster::Actions opened, membership_.scale(target, {}, now_ms()));
+  (void)opened;  // Its spawns are start_joiners' below.
+  if (!membership_.proposal() || membership_.proposal()->joiners != joiners) {
+    if (membership_.proposal()) {
+      (void)membership_.abandon_proposal(membership_.proposal()->id, "changed", now_ms());
+    }
+    return aborted("the group changed before the scale-up started");
+  }
+  const uint64_t proposal = membership_.proposal()->id;
   auto fail = [&](Status s) {
     rollback_joiners(joiners);
+    (void)membership_.abandon_proposal(proposal, s.message(), now_ms());
     (*report)["rolled_back"] = true;
     return s;
   };
@@ -371,9 +383,24 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
 
   // 4. Commit: every rank switches at one step boundary; joiners start stepping.
   reconfig_step_ = "committing";
+  std::vector<std::vector<int>> next_maps;
+  for (int l = 0; l < next->num_layers(); ++l) next_maps.push_back(next->slot_map(l));
+  auto planned = membership_.set_plan(proposal, std::move(next_maps), now_ms());
+  if (!planned.ok()) return fail(planned.status());
+  // Every joiner is loaded and attached: its acknowledgement; the last one commits.
+  cluster::Actions acks;
+  for (int r : joiners) {
+    for (cluster::Action& a : membership_.prepared(r, incarnation(r), proposal, now_ms())) {
+      acks.push_back(std::move(a));
+    }
+  }
+  auto commit = std::find_if(acks.begin(), acks.end(), [](const cluster::Action& a) {
+    return a.kind == cluster::ActionKind::kCommit;
+  });
+  if (commit == acks.end()) return fail(internal_error("the membership did not commit"));
   placement_ = std::move(next).value();
   const auto t_commit = Clock::now();
-  commit_epoch(next_members);
+  send_epoch(*commit);
   for (int r : joiners) ranks_[r].joining = false;
   reconfigurations().inc();
   const uint64_t epoch1 = epoch();
@@ -593,7 +620,8 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
       return invalid_argument("--reconfigure stop-the-world needs spawned workers");
     }
     reconfiguring_ = true;
-    enter_phase(Phase::kScaling);
+    // A live scale-up's phase comes with its proposal (scale_up opens it).
+    if (stop_the_world || joiners.empty()) enter_phase(Phase::kScaling);
     if (stop_the_world) accepting_ = false;
   }
   const auto t0 = Clock::now();
