@@ -438,9 +438,20 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
     return invalid_argument("cannot shrink to " + std::to_string(survivors.size()) +
                             " ranks: " + plan.status().message());
   }
+  // The membership's proposal: these leavers (phase scaling), committed without them.
+  FLEX_ASSIGN_OR_RETURN(const cluster::Actions opened, membership_.scale(-1, leavers, now_ms()));
+  (void)opened;
+  if (!membership_.proposal() || membership_.proposal()->leavers != leavers) {
+    if (membership_.proposal()) {
+      (void)membership_.abandon_proposal(membership_.proposal()->id, "changed", now_ms());
+    }
+    return aborted("the group changed before the scale-down started");
+  }
+  const uint64_t proposal = membership_.proposal()->id;
   for (int r : leavers) ranks_[r].leaving = true;  // No new requests from here on.
   auto unmark = [&] {
     for (int r : leavers) ranks_[r].leaving = false;
+    (void)membership_.abandon_proposal(proposal, "the scale-down stopped", now_ms());
   };
   // 2. Move experts off the leavers (transition steps; everybody keeps serving).
   reconfig_step_ = "moving experts";
@@ -471,8 +482,23 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
       return aborted("the group changed while experts moved (rank " + std::to_string(r) + ")");
     }
   }
+  // The maps without the leavers: nothing left to load, so the plan commits at once.
+  std::vector<std::vector<int>> maps;
+  for (int l = 0; l < placement_.num_layers(); ++l) maps.push_back(placement_.slot_map(l));
+  auto planned = membership_.set_plan(proposal, std::move(maps), now_ms());
+  const cluster::Action* commit = nullptr;
+  if (planned.ok()) {
+    for (const cluster::Action& a : *planned) {
+      if (a.kind == cluster::ActionKind::kCommit) commit = &a;
+    }
+  }
+  if (commit == nullptr) {
+    unmark();
+    return planned.ok() ? internal_error("the membership did not commit the scale-down")
+                        : planned.status();
+  }
   const auto t_commit = Clock::now();
-  commit_epoch(survivors, leavers);
+  send_epoch(*commit);
   reconfigurations().inc();
   const uint64_t epoch1 = epoch();
   int reruns = 0;
@@ -487,8 +513,7 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
   for (int r : leavers) {
     ranks_[r].in_flight = 0;
     ranks_[r].leaving = false;
-    ranks_[r].state = RankState::kStopped;  // Its exit is not a loss.
-    membership_.mark_stopped(r);
+    ranks_[r].state = RankState::kStopped;  // Its exit is not a loss (the commit stopped it).
     post(r, proto::Shutdown{proto::Shutdown::kLeave});
   }
   wake();
@@ -620,8 +645,8 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
       return invalid_argument("--reconfigure stop-the-world needs spawned workers");
     }
     reconfiguring_ = true;
-    // A live scale-up's phase comes with its proposal (scale_up opens it).
-    if (stop_the_world || joiners.empty()) enter_phase(Phase::kScaling);
+    // A live scale's phase comes with its proposal (scale_up, scale_down open it).
+    if (stop_the_world) enter_phase(Phase::kScaling);
     if (stop_the_world) accepting_ = false;
   }
   const auto t0 = Clock::now();
