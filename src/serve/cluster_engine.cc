@@ -190,17 +190,7 @@ Status ClusterEngine::Impl::start() {
   ranks_.assign(static_cast<size_t>(options_.max_ranks), RankInfo{});
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    cluster::MembershipConfig mc;
-    mc.max_ranks = options_.max_ranks;
-    mc.initial_ranks = options_.ranks;
-    mc.slots_per_rank = slots_per_rank_;
-    mc.num_experts = placement_.num_experts();
-    for (int l = 0; l < placement_.num_layers(); ++l) {
-      mc.maps.push_back(placement_.slot_map(l));
-      mc.routed.push_back(model_config_.is_moe_layer(l));
-    }
-    mc.heartbeat_timeout_ms = options_.heartbeat_timeout_ms;
-    membership_ = cluster::Membership(std::move(mc));
+    membership_ = cluster::Membership(membership_config());
     (void)membership_.start(now_ms());  // Opens the initial ranks; spawned below.
     if (options_.spawn_workers) {
       for (int r : members) FLEX_RETURN_IF_ERROR(spawn(r));

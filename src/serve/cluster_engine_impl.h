@@ -126,6 +126,7 @@ class ClusterEngine::Impl {
   // Phase, members, incarnations and the epoch with its commit rule (src/cluster,
   // pure); the flows below execute it and record their steps in it.
   cluster::Membership membership_{cluster::MembershipConfig{}};
+  cluster::MembershipConfig membership_config() const;  // From the options and placement.
   uint64_t epoch() const { return membership_.epoch(); }
   const std::vector<int>& members() const { return membership_.members(); }
   Phase phase() const { return membership_.phase(); }

@@ -29,6 +29,20 @@ constexpr int kRecoveryAttempts = 3;
 
 }  // namespace
 
+cluster::MembershipConfig ClusterEngine::Impl::membership_config() const {
+  cluster::MembershipConfig mc;
+  mc.max_ranks = options_.max_ranks;
+  mc.initial_ranks = options_.ranks;
+  mc.slots_per_rank = slots_per_rank_;
+  mc.num_experts = placement_.num_experts();
+  for (int l = 0; l < placement_.num_layers(); ++l) {
+    mc.maps.push_back(placement_.slot_map(l));
+    mc.routed.push_back(model_config_.is_moe_layer(l));
+  }
+  mc.heartbeat_timeout_ms = options_.heartbeat_timeout_ms;
+  return mc;
+}
+
 bool ClusterEngine::Impl::rehome(uint64_t id, RequestInfo& req, int avoid, Calls* calls) {
   int best = -1;
   // During a recovery nothing is placed: the survivors are halted, and the next

@@ -712,6 +712,7 @@ TEST(MembershipProperty, RandomEventSequences) {
   for (auto [kind, n] : World::stats_) {
     std::printf("  %-16s %llu\n", action_name(kind), static_cast<unsigned long long>(n));
   }
+  if (runs < 100) return;  // A replayed seed need not exercise everything.
   EXPECT_GT(World::stats_[ActionKind::kRollback], runs / 10);
   EXPECT_GT(World::stats_[ActionKind::kFail], 0u);
   EXPECT_GT(World::stats_[ActionKind::kCancelRebalance], 0u);
