@@ -635,12 +635,7 @@ int Worker::run() {
                      << s.to_string();
       halted_ = true;
       proto::WorkerError err{group_.epoch, static_cast<int>(s.code()), s.message()};
-      // The transport names a peer whose process it saw end ("rank R (pid P) died").
-      int dead = -1, pid = 0;
-      if (s.code() == StatusCode::kUnavailable &&
-          std::sscanf(s.message().c_str(), "rank %d (pid %d) died", &dead, &pid) == 2) {
-        err.dead_rank = dead;
-      }
+      err.dead_rank = s.dead_rank();  // A peer whose process the transport saw end.
       (void)send_msg(control_, err);
     }
     report(false);

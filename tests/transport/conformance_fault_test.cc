@@ -112,6 +112,8 @@ TEST_P(FaultConformanceTest, PeerStatusSeesADeathOutsideCollectives) {
         CT_REQUIRE(st.message().rfind(cat("rank ", victim, " (pid "), 0) == 0 &&
                        st.message().find(") died") != std::string::npos,
                    st.to_string());
+        // The dead rank travels as a number (WorkerError::dead_rank), not as text.
+        CT_REQUIRE(st.dead_rank() == victim, st.dead_rank());
         std::fprintf(stderr, "[rank %d] %.1f ms after the barrier: %s\n", ctx.rank, ms_since(start),
                      st.to_string().c_str());
         break;
