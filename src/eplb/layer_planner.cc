@@ -282,6 +282,10 @@ std::optional<std::vector<std::vector<int>>> repair(const LayerShape& shape,
   LayerState state(load, shape.num_ranks, shape.slots_per_rank);
   state.add_all(current);
   const int m = std::max(1, shape.min_replicas);
+  std::vector<uint8_t> held(static_cast<size_t>(shape.num_experts) * shape.num_ranks, 0);
+  for (int r = 0; r < shape.num_ranks; ++r) {
+    for (int e : current[r]) held[static_cast<size_t>(e) * shape.num_ranks + r] = 1;
+  }
   bool reached = true;
   for (const Domain& d : domains) {
     if (counts && !adjust_counts(state, d, *counts)) return std::nullopt;
@@ -299,6 +303,7 @@ std::optional<std::vector<std::vector<int>>> repair(const LayerShape& shape,
     // stuck again when planned anew, which keeps unchanged loads at zero moves.
     options.max_pairs = std::numeric_limits<int64_t>::max();
     options.allow_drop = !shape.fill_slots;
+    options.held = held.data();
     const SearchEnd end = improve(state, d, options);
     if (end == SearchEnd::kOutOfSteps ||
         (end == SearchEnd::kStuck && state.max_load(d) > fallback_limit * (1 + kRelEps))) {
@@ -367,13 +372,22 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
     used = Policy::kHierarchical;
   }
   const Candidate& fresh = used == Policy::kHierarchical ? *hier : *global;
-  // The repair aims at the target. NOTE: not capped at the greedy packing from scratch any more:
-  // a tolerance of a few percent trades balance for moves after a membership change (see the
-  // trade-off in docs/benchmarks.md); the default stays below that packing in practice. One
-  // that gets stuck short of the target is still taken when it is no worse than that greedy
-  // packing (the kind of plan DeepSeek's balancer returns): the alternative, the plan from
-  // scratch renumbered, rewrites about half of the layer.
-  const double repair_target = target;
+  // After a membership change (an expert lost its last replica, or a member rank is empty) most
+  // of the layer is rewritten whatever the plan; the repair then (greedy_after_change) aims no
+  // higher than the greedy packing from scratch (the kind of plan DeepSeek's balancer returns):
+  // weights are not moved to beat it during the change, the next replan (no longer reshaped) does
+  // that with fewer moves. Otherwise the repair aims at the target. One that gets stuck short of
+  // its aim is still taken when no worse than that greedy packing: the alternative, the plan from
+  // scratch renumbered, rewrites about half of the layer. See the trade-off in docs/benchmarks.md.
+  std::vector<int> held(shape.num_experts, 0);
+  bool reshaped = false;
+  for (const auto& set : current) {
+    reshaped = reshaped || set.empty();
+    for (int e : set) held[e] = 1;
+  }
+  reshaped = reshaped || std::count(held.begin(), held.end(), 0) > 0;
+  const double repair_target =
+      reshaped && shape.greedy_after_change ? std::max(target, fresh.greedy_load) : target;
   const double fallback_limit = std::max(fresh.greedy_load, repair_target);
   LayerResult result;
   result.used = used;
@@ -389,15 +403,8 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
     domains = host_domains(shape, *current_host_of);
   }
   std::optional<std::vector<std::vector<int>>> repaired;
-  // After a membership change (an expert lost its last replica, or a member rank is empty) the
-  // plain repair mostly gets stuck or rewrites much: only the one given the counts runs.
-  std::vector<int> held(shape.num_experts, 0);
-  bool reshaped = false;
-  for (const auto& set : current) {
-    reshaped = reshaped || set.empty();
-    for (int e : set) held[e] = 1;
-  }
-  reshaped = reshaped || std::count(held.begin(), held.end(), 0) > 0;
+  // After a membership change the plain repair mostly gets stuck or rewrites much: only the one
+  // given the counts runs.
   if (domains && !reshaped) {
     repaired = repair(shape, load, current, *domains, repair_target, fallback_limit, nullptr);
   }

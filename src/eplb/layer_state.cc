@@ -209,14 +209,17 @@ void pack_lpt(LayerState& state, const Domain& domain, const std::vector<int>& c
   const int slots = state.slots_per_rank();
   const int n = static_cast<int>(domain.experts.size());
   std::vector<double> per(n);
-  std::vector<int> list;  // domain expert index per replica, heaviest replicas first
+  std::vector<int> by_per(n);
   for (int i = 0; i < n; ++i) {
     per[i] = state.weight(domain.experts[i]) / counts[i];
-    list.insert(list.end(), counts[i], i);
+    by_per[i] = i;
   }
-  // Heaviest first; ties by expert (replicas of one expert are interchangeable).
-  std::sort(list.begin(), list.end(),
+  // Heaviest replicas first; ties by expert (replicas of one expert are interchangeable, so
+  // sorting the experts and repeating each counts[i] times gives the order of the replicas).
+  std::sort(by_per.begin(), by_per.end(),
             [&](int a, int b) { return per[a] != per[b] ? per[a] > per[b] : a < b; });
+  std::vector<int> list;  // domain expert index per replica, heaviest replicas first
+  for (int i : by_per) list.insert(list.end(), counts[i], i);
   // Local bookkeeping with the final per-replica loads; the state is filled at the end.
   std::vector<double> load(num_ranks, 0.0);
   std::vector<int> held(static_cast<size_t>(num_ranks) * slots);  // [rank * slots + k]

@@ -110,6 +110,11 @@ struct SearchOptions {
   // (if the bound allows).
   int64_t max_pairs = 0;
   bool allow_drop = true;  // false: never leave a slot free by dropping a spare replica
+  // [expert * ranks + rank]: 1 where the rank held the expert before the plan. With it a step
+  // costs the receives it adds on the ranks it changes, less those it takes back (a step on a
+  // rank that receives anyway, e.g. one that joined, can cost nothing); without it, one per
+  // slot written.
+  const uint8_t* held = nullptr;
 };
 
 enum class SearchEnd {
