@@ -232,12 +232,41 @@ std::optional<std::vector<int>> current_host_of_group(
   return host_of;
 }
 
+// Places one more replica of `e` when every rank with a free slot holds it already: the least
+// loaded such rank r takes an item x of a full rank q that lacks e and that r lacks, and e takes
+// x's place on q (the pair with the lowest peak). False when no such pair exists.
+bool make_room(LayerState& state, const Domain& d, int e) {
+  int r = -1;
+  for (int g = d.rank_begin; g < d.rank_end; ++g) {
+    if (state.size(g) >= state.slots_per_rank()) continue;
+    if (r < 0 || state.rank_load(g) < state.rank_load(r)) r = g;
+  }
+  if (r < 0) return false;
+  int best_q = -1, best_x = -1;
+  double best_peak = std::numeric_limits<double>::infinity();
+  for (int q = d.rank_begin; q < d.rank_end; ++q) {
+    if (q == r || state.holds(q, e)) continue;
+    for (int k = 0; k < state.size(q); ++k) {
+      const int x = state.items(q)[k];
+      if (state.holds(r, x)) continue;
+      const double px = state.per_replica(x);
+      const double peak =
+          std::max(state.rank_load(r) + px, state.rank_load(q) - px + state.per_if_more(e));
+      if (peak < best_peak) best_peak = peak, best_q = q, best_x = x;
+    }
+  }
+  if (best_q < 0) return false;
+  state.move(best_q, r, best_x);
+  state.add(best_q, e);
+  return true;
+}
+
 // Gives each expert of the domain counts[e] replicas: spare ones leave their hottest holder, then
 // missing ones go, largest load per replica first, to the coldest rank with a free slot that
-// lacks the expert. Turns the replica counts a plan from scratch chose into a few writes on the
-// current placement, which the search then only has to rearrange (one replica more where every
-// rank is near the mean needs a chain of steps the search does not find). False when a replica
-// finds no rank.
+// lacks the expert (make_room when every such rank holds it). Turns the replica counts a plan from
+// scratch chose into a few writes on the current placement, which the search then only has to
+// rearrange (one replica more where every rank is near the mean needs a chain of steps the search
+// does not find). False when a replica finds no rank.
 bool adjust_counts(LayerState& state, const Domain& d, const std::vector<int>& counts) {
   for (int e : d.experts) {
     while (state.count(e) > counts[e]) {
@@ -262,7 +291,8 @@ bool adjust_counts(LayerState& state, const Domain& d, const std::vector<int>& c
         if (state.size(r) >= state.slots_per_rank() || state.holds(r, e)) continue;
         if (coldest < 0 || state.rank_load(r) < state.rank_load(coldest)) coldest = r;
       }
-      if (coldest < 0) return false;
+      if (coldest < 0 && !make_room(state, d, e)) return false;
+      if (coldest < 0) continue;
       state.add(coldest, e);
     }
   }
