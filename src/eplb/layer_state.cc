@@ -66,7 +66,7 @@ LayerState::LayerState(const std::vector<double>& load, int num_ranks, int slots
       more_(load.size()),
       fewer_(load.size()),
       has_(load.size() * num_ranks, 0),
-      holders_(load.size()) {
+      holders_(new int[load.size() * static_cast<size_t>(num_ranks)]) {
   for (size_t e = 0; e < load.size(); ++e) set_count_changed(static_cast<int>(e));
 }
 
@@ -75,8 +75,7 @@ void LayerState::place(int rank, int expert) {
       << "rank " << rank << " expert " << expert;
   items_[static_cast<size_t>(rank) * slots_ + size_[rank]++] = expert;
   has_[static_cast<size_t>(expert) * num_ranks_ + rank] = 1;
-  holders_[expert].push_back(rank);
-  ++count_[expert];
+  holders_[static_cast<size_t>(expert) * num_ranks_ + count_[expert]++] = rank;
 }
 
 void LayerState::unplace(int rank, int expert) {
@@ -86,9 +85,10 @@ void LayerState::unplace(int rank, int expert) {
   std::copy(pos + 1, it + size_[rank], pos);  // keeps the others' order
   --size_[rank];
   has_[static_cast<size_t>(expert) * num_ranks_ + rank] = 0;
-  auto& h = holders_[expert];
-  h.erase(std::find(h.begin(), h.end(), rank));
-  --count_[expert];
+  int* h = &holders_[static_cast<size_t>(expert) * num_ranks_];
+  int* const end = h + count_[expert]--;
+  int* at = std::find(h, end, rank);
+  std::copy(at + 1, end, at);  // keeps the others' order
 }
 
 void LayerState::set_count_changed(int expert) {
@@ -107,7 +107,7 @@ void LayerState::add(int rank, int expert) {
   place(rank, expert);
   set_count_changed(expert);
   const double delta = per_[expert] - before;
-  for (int g : holders_[expert]) rank_load_[g] += g == rank ? per_[expert] : delta;
+  for (int g : holders(expert)) rank_load_[g] += g == rank ? per_[expert] : delta;
 }
 
 void LayerState::remove(int rank, int expert) {
@@ -116,7 +116,7 @@ void LayerState::remove(int rank, int expert) {
   set_count_changed(expert);
   rank_load_[rank] -= before;
   const double delta = per_[expert] - before;
-  for (int g : holders_[expert]) rank_load_[g] += delta;
+  for (int g : holders(expert)) rank_load_[g] += delta;
 }
 
 void LayerState::move(int from, int to, int expert) {
@@ -136,15 +136,10 @@ void LayerState::swap(int a, int x, int b, int y) {
 }
 
 void LayerState::add_all(const std::vector<std::vector<int>>& sets) {
-  std::vector<int> count(holders_.size(), 0);
-  for (const auto& set : sets) {
-    for (int e : set) ++count[e];
-  }
-  for (size_t e = 0; e < holders_.size(); ++e) holders_[e].reserve(holders_[e].size() + count[e]);
   for (size_t r = 0; r < sets.size(); ++r) {
     for (int e : sets[r]) place(static_cast<int>(r), e);
   }
-  for (size_t e = 0; e < holders_.size(); ++e) set_count_changed(static_cast<int>(e));
+  for (size_t e = 0; e < count_.size(); ++e) set_count_changed(static_cast<int>(e));
   for (int r = 0; r < num_ranks_; ++r) {
     double sum = 0;
     for (int k = 0; k < size_[r]; ++k) sum += per_[items(r)[k]];

@@ -9,6 +9,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <span>
 #include <vector>
 
 namespace flexpert::eplb::detail {
@@ -46,8 +48,12 @@ class LayerState {
   const uint8_t* holds_row(int expert) const {
     return &has_[static_cast<size_t>(expert) * num_ranks_];
   }
-  const std::vector<int>& holders(int expert) const { return holders_[expert]; }
-  size_t num_experts() const { return holders_.size(); }
+  // The ranks holding `expert`, in the order they took it.
+  std::span<const int> holders(int expert) const {
+    return {&holders_[static_cast<size_t>(expert) * num_ranks_],
+            static_cast<size_t>(count_[expert])};
+  }
+  size_t num_experts() const { return count_.size(); }
 
   // One replica more or less: the load of every rank holding `expert` follows (O(replicas)).
   void add(int rank, int expert);     // rank must have a free slot and not hold expert
@@ -80,7 +86,9 @@ class LayerState {
   std::vector<double> more_;   // [expert]: load / (replicas + 1)
   std::vector<double> fewer_;  // [expert]: load / (replicas - 1)
   std::vector<uint8_t> has_;   // [expert * num_ranks_ + rank]
-  std::vector<std::vector<int>> holders_;
+  // [expert * num_ranks_ + k], k < count_[expert]: one flat block, left uninitialised (a
+  // vector per expert cost an allocation per expert and state, a tenth of a plan's time).
+  std::unique_ptr<int[]> holders_;
 };
 
 // Replica counts for domain.experts (same order): min_replicas each, then one more at a time to

@@ -188,6 +188,24 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
   HolderPeaks peaks(state);
   const int num_ranks = state.num_ranks();
   const uint8_t* const held = options.held;
+  const std::vector<uint8_t> none_held(held ? 0 : num_ranks, 0);  // without `held`: all new
+  // Highest load among the holders of `expert` other than a and b (-inf: none). An expert held
+  // by many ranks is found near the hot end of `order` at once; the cached top three of its
+  // holders would be recomputed after almost every step (one of them changed load). Only when
+  // the domain is every rank (`order` holds them all).
+  auto max_except = [&](int expert, int a, int b) {
+    const int c = state.count(expert);
+    if (static_cast<int64_t>(c) * c <= 4 * num_ranks ||
+        order.size() != static_cast<size_t>(num_ranks)) {
+      return peaks.max_except(expert, a, b);
+    }
+    const uint8_t* on = state.holds_row(expert);
+    for (size_t i = order.size(); i-- > 0;) {
+      const int g = order[i];
+      if (on[g] && g != a && g != b) return state.rank_load(g);
+    }
+    return -kInf;
+  };
   auto held_at = [&](int e, int r) -> int { return held[static_cast<size_t>(e) * num_ranks + r]; };
   const size_t num_cold = std::min<size_t>(order.size() - 1, options.num_candidate_ranks);
   // The replicas of the partner ranks, as flat arrays (the inner loops run over them for every
@@ -259,16 +277,16 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
       const int x = h_items[hi];
       const uint8_t* x_on = state.holds_row(x);
       // new_on[r]: x would be a receive on rank r; x_new: it is one on h (leaving saves it).
-      const uint8_t* x_held = held ? held + static_cast<size_t>(x) * num_ranks : nullptr;
+      const uint8_t* x_held = held ? held + static_cast<size_t>(x) * num_ranks : none_held.data();
       const int x_new = held ? 1 - x_held[h] : 0;
-      auto new_on = [&](int r) { return held ? 1 - x_held[r] : 1; };
+      auto new_on = [&](int r) { return 1 - x_held[r]; };
       const double px = state.per_replica(x);
       const double px_more = state.per_if_more(x);
       const double dx = px_more - px;
       // Drop a spare replica of x: free for the mover (a slot becoming free receives nothing).
       if (options.allow_drop && state.count(x) > m) {
         chooser.offer(Step::kDrop, x, -1, -1,
-                      std::max(lh - px, peaks.max_except(x, h, h) + (state.per_if_fewer(x) - px)),
+                      std::max(lh - px, max_except(x, h, h) + (state.per_if_fewer(x) - px)),
                       -x_new);
       }
       for (int r : cand.free_ranks) {
@@ -297,8 +315,7 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
         if (!(chooser.key(e, e_cost, scale) < evict_key)) continue;  // a lower bound of the key
         if (std::isnan(cand.evict_peak[j])) {
           const int y = cand.expert[j];
-          cand.evict_peak[j] =
-              peaks.max_except(y, r, h) + (state.per_if_fewer(y) - state.per_replica(y));
+          cand.evict_peak[j] = max_except(y, r, h) + (state.per_if_fewer(y) - state.per_replica(y));
         }
         const double k = chooser.key(std::max(e, cand.evict_peak[j]), e_cost, scale);
         if (k < evict_key) evict_key = k, evict_j = j;
