@@ -11,7 +11,9 @@
 // counts of the plan from scratch, then repaired the same way. A repair that gets stuck is kept
 // if no worse than the greedy packing from scratch; otherwise the plan from scratch is used,
 // its ranks renumbered to match the current placement. The fewer moves win. With fill_slots,
-// the slots left free are filled last.
+// the slots left free are filled last. A repair step costs the remote receives it adds less
+// those it takes back; after a membership change the repair aims no higher than the greedy
+// packing from scratch (greedy_after_change).
 //
 // plan() is a pure function: no I/O, no globals; the same input always gives the same output
 // (whatever num_threads), so it is safe to call from any thread. Layers are independent and are
