@@ -31,6 +31,30 @@ class MinTree {
   }
   int top() const { return idx_[1]; }
   double top_key() const { return key_[1]; }
+  // The index with the smallest finite key (ties: the lowest index) for which ok(index) holds;
+  // -1 when none. Reads only: a node's winner is the least of its subtree, so subtrees that
+  // cannot beat the best found are skipped and only the paths to excluded leaves are walked.
+  template <typename Ok>
+  int top_where(Ok ok) {
+    int best = -1;
+    double best_key = kInf;
+    stack_.assign(1, 1);
+    while (!stack_.empty()) {
+      const int v = stack_.back();
+      stack_.pop_back();
+      const double k = key_[v];
+      const int i = idx_[v];
+      if (!(k < kInf) || (best >= 0 && (k > best_key || (k == best_key && i > best)))) continue;
+      if (ok(i)) {
+        best = i, best_key = k;
+      } else if (v < leaves_) {
+        const bool right_first = key_[2 * v + 1] < key_[2 * v];  // popped first: pushed last
+        stack_.push_back(right_first ? 2 * v : 2 * v + 1);
+        stack_.push_back(right_first ? 2 * v + 1 : 2 * v);
+      }
+    }
+    return best;
+  }
   void set(int i, double key) {
     key_[leaves_ + i] = key;
     for (int v = (leaves_ + i) / 2; v >= 1; v /= 2) pull(v);
@@ -50,6 +74,7 @@ class MinTree {
   int leaves_;
   std::vector<double> key_;  // [node]
   std::vector<int> idx_;     // [node]: the winning leaf
+  std::vector<int> stack_;   // top_where's nodes to visit
 };
 
 }  // namespace
@@ -237,22 +262,16 @@ void pack_lpt(LayerState& state, const Domain& domain, const std::vector<int>& c
   std::vector<double> keys(num_ranks);
   for (int r = 0; r < num_ranks; ++r) keys[r] = size[r] < slots ? load[r] : kInf;
   MinTree open(keys);  // ranks with room, by load
-  std::vector<int> skipped;
   for (; li < list.size(); ++li) {
     int i = list[li];
-    skipped.clear();
-    while (open.top_key() < kInf && has_at(i, open.top())) {
-      skipped.push_back(open.top());
-      open.set(open.top(), kInf);
-    }
-    int chosen = open.top_key() < kInf ? open.top() : -1;
+    int chosen = open.top_where([&](int r) { return !has_at(i, r); });
     if (chosen < 0) {
       // Every rank with room holds this expert already. Take the least loaded of them, r, and
       // a full rank q without the expert; q has an item x that r lacks (r holds at most
       // slots - 1 items, one of them this expert, q holds `slots` others): x moves to r and the
       // expert takes its place on q.
-      FLEX_CHECK(!skipped.empty()) << "more replicas than slots";
-      const int r = skipped.front();
+      FLEX_CHECK(open.top_key() < kInf) << "more replicas than slots";
+      const int r = open.top();
       int best_q = -1, best_k = -1;
       double best_peak = kInf;
       for (int q = 0; q < num_ranks; ++q) {
@@ -275,7 +294,6 @@ void pack_lpt(LayerState& state, const Domain& domain, const std::vector<int>& c
       i = x;
     }
     place(chosen, i);
-    for (int r : skipped) open.set(r, load[r]);
     open.set(chosen, size[chosen] < slots ? load[chosen] : kInf);
   }
   std::vector<std::vector<int>> sets(state.num_ranks());
