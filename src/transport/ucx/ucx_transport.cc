@@ -370,13 +370,14 @@ void UcxTransport::progress_locked() {
 Status UcxTransport::peer_error(const Peer& peer) const {
   const std::string who =
       "rank " + std::to_string(peer.rank) + " (pid " + std::to_string(peer.parsed.pid) + ")";
-  if (peer.lost) return unavailable(who + " " + peer.lost_why);
+  if (peer.lost) return unavailable(who + " " + peer.lost_why).with_dead_rank(peer.rank);
   const Inbox& in = inboxes_[peer.rank];
   if (in.seen && in.incarnation == peer.parsed.incarnation && in.bye) {
-    return unavailable(who + " shut down");
+    return unavailable(who + " shut down").with_dead_rank(peer.rank);
   }
   if (in.seen && in.incarnation > peer.parsed.incarnation) {
-    return unavailable(who + " was replaced by incarnation " + std::to_string(in.incarnation));
+    return unavailable(who + " was replaced by incarnation " + std::to_string(in.incarnation))
+        .with_dead_rank(peer.rank);
   }
   return Status();
 }
