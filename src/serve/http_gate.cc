@@ -196,7 +196,7 @@ void HttpGate::stop() {
   light_pool_->shutdown();
   std::vector<Conn*> rearmed;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     rearmed.swap(rearm_);
   }
   for (Conn* c : rearmed) release(c);
@@ -205,7 +205,7 @@ void HttpGate::stop() {
 }
 
 int HttpGate::num_open_connections() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return num_open_;
 }
 
@@ -231,7 +231,7 @@ void HttpGate::loop() {
         (void)!::read(wake_fd_, &count, sizeof(count));
         std::vector<Conn*> back;
         {
-          std::lock_guard<std::mutex> lock(mu_);
+          MutexLock lock(mu_);
           back.swap(rearm_);
         }
         for (Conn* c : back) {
@@ -292,7 +292,7 @@ void HttpGate::accept_all() {
     conn->deadline = Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms);
     std::string refusal;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       const int by_peer = open_by_peer_[conn->peer];
       // Over a cap, a connection is still read (within a small reserve) but served
       // only if it asks for a light route: a client at its cap can still probe /health.
@@ -383,7 +383,7 @@ void HttpGate::on_readable(Conn* conn) {
   if (conn->over_cap && !light) {
     int total = 0, by_peer = 0;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       total = num_open_ - 1;
       by_peer = open_by_peer_[conn->peer] - 1;
     }
@@ -411,7 +411,7 @@ void HttpGate::dispatch(Conn* conn, std::string request, bool light) {
     }
     if (keep && !stopping_) {
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         rearm_.push_back(conn);
       }
       wake();
@@ -425,7 +425,7 @@ void HttpGate::dispatch(Conn* conn, std::string request, bool light) {
 void HttpGate::release(Conn* conn) {
   ::close(conn->fd);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     --num_open_;
     if (--open_by_peer_[conn->peer] <= 0) open_by_peer_.erase(conn->peer);
   }

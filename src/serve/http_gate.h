@@ -25,11 +25,11 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "core/mutex.h"
 #include "flexpert/status.h"
 
 namespace httplib {
@@ -98,10 +98,10 @@ class HttpGate {
   std::unique_ptr<httplib::TaskQueue> pool_;
   std::unique_ptr<httplib::TaskQueue> light_pool_;
 
-  mutable std::mutex mu_;
-  int num_open_ = 0;                         // GUARDED_BY(mu_)
-  std::map<std::string, int> open_by_peer_;  // GUARDED_BY(mu_)
-  std::vector<Conn*> rearm_;                 // GUARDED_BY(mu_): back from a pool.
+  mutable Mutex mu_;
+  int num_open_ GUARDED_BY(mu_) = 0;
+  std::map<std::string, int> open_by_peer_ GUARDED_BY(mu_);
+  std::vector<Conn*> rearm_ GUARDED_BY(mu_);  // Back from a pool.
   // Owned by the loop thread: connections it is reading (the key is the fd).
   std::map<int, std::unique_ptr<Conn>> waiting_;
 };
