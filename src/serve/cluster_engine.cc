@@ -410,6 +410,9 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
       if (batch->tokens[i] >= 0) {
         ev.tokens.push_back(batch->tokens[i]);
         it->second.streamed.push_back(batch->tokens[i]);
+        if (it->second.params.logprobs >= 0 && i < batch->logprobs.size()) {
+          ev.logprobs.push_back(batch->logprobs[i]);
+        }
       }
       if (!reason.empty()) {
         ev.finished = true;
@@ -658,6 +661,10 @@ std::string ClusterEngine::control_endpoint() const { return impl_->endpoint_; }
 int ClusterEngine::vocab_size() const { return impl_->model_config_.vocab_size; }
 
 int ClusterEngine::max_context() const { return impl_->max_seq_len_; }
+
+SamplingDefaults ClusterEngine::sampling_defaults() const {
+  return impl_->model_config_.sampling_defaults;  // Set in start(), read-only afterwards.
+}
 
 Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCallback on_event) {
   Impl& m = *impl_;

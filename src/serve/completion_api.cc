@@ -8,6 +8,7 @@
 #include <set>
 
 #include "core/json_limits.h"
+#include "serve/sampling_fields.h"
 
 namespace flexpert {
 namespace {
@@ -84,7 +85,8 @@ struct FieldReader {
 }  // namespace
 
 Status parse_completion_request(const std::string& body, int vocab_size, int max_context,
-                                ParsedCompletion* out, std::string* error_param) {
+                                ParsedCompletion* out, std::string* error_param,
+                                const SamplingDefaults& defaults) {
   error_param->clear();
   FLEX_RETURN_IF_ERROR(check_json_nesting(body, "the request body"));
   const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
@@ -112,7 +114,9 @@ Status parse_completion_request(const std::string& body, int vocab_size, int max
                                                "presence_penalty",
                                                "frequency_penalty",
                                                "logit_bias",
-                                               "best_of"};
+                                               "best_of",
+                                               "repetition_penalty",
+                                               "min_tokens"};
   for (const auto& [key, value] : j.items()) {
     if (!kKnown.count(key)) {
       return r.fail(key.substr(0, 64).c_str(), "unsupported field '" + key.substr(0, 64) + "'");
@@ -144,57 +148,24 @@ Status parse_completion_request(const std::string& body, int vocab_size, int max
   if (ids->empty()) return r.fail("prompt", "prompt must not be empty");
   FLEX_RETURN_IF_ERROR(r.token_ids("prompt", *ids, vocab_size, &out->request.prompt));
 
-  int64_t max_tokens = 16;
-  FLEX_RETURN_IF_ERROR(r.integer("max_tokens", &max_tokens));
-  if (max_tokens < 1) return r.fail("max_tokens", "max_tokens must be >= 1");
-  const int64_t prompt_len = static_cast<int64_t>(out->request.prompt.size());
-  if (max_tokens > max_context - prompt_len) {  // Not a sum: max_tokens may be near INT64_MAX.
-    return r.fail("max_tokens", "prompt (" + std::to_string(prompt_len) +
-                                    " tokens) + max_tokens (" + std::to_string(max_tokens) +
-                                    ") exceeds the context length " + std::to_string(max_context));
-  }
-  p.max_tokens = static_cast<int>(max_tokens);
-
-  double temperature = 1.0;  // OpenAI's default; send 0 for greedy.
-  FLEX_RETURN_IF_ERROR(r.number("temperature", &temperature));
-  // Bounded so that the float conversion below stays defined.
-  if (!(temperature >= 0.0 && temperature <= 1e6)) {
-    return r.fail("temperature", "temperature must be a number in [0, 1e6]");
-  }
-  p.temperature = static_cast<float>(temperature);
-
-  double top_p = 1.0;
-  FLEX_RETURN_IF_ERROR(r.number("top_p", &top_p));
-  if (!(top_p > 0.0 && top_p <= 1.0)) return r.fail("top_p", "top_p must be in (0, 1]");
-  p.top_p = static_cast<float>(top_p);
-  // The sampler works in float: a top_p that rounds to 0 would silently mean "off".
-  if (!(p.top_p > 0.0f)) return r.fail("top_p", "top_p must be in (0, 1] and at least 1e-38");
-
-  int64_t top_k = 0;  // vLLM spells "off" as -1; we also take 0.
-  FLEX_RETURN_IF_ERROR(r.integer("top_k", &top_k));
-  if (top_k < -1) return r.fail("top_k", "top_k must be >= 1, or 0 / -1 for no limit");
-  p.top_k = top_k <= 0 ? 0 : static_cast<int>(std::min<int64_t>(top_k, vocab_size));
-
-  if (const json* seed = r.get("seed")) {
-    if (!seed->is_number_integer()) return r.fail("seed", "seed must be an integer");
-    // Negative seeds are fine: only the bits matter.
-    p.seed = seed->is_number_unsigned() ? seed->get<uint64_t>()
-                                        : static_cast<uint64_t>(seed->get<int64_t>());
-    out->has_seed = true;
+  FLEX_RETURN_IF_ERROR(
+      parse_sampling_fields(j, vocab_size, defaults, &p, &out->has_seed, error_param));
+  // OpenAI's legacy integer (0..5 there): the sampled token's logprob and the k most likely.
+  if (const json* lp = r.get("logprobs")) {
+    if (!lp->is_number_integer()) return r.fail("logprobs", "logprobs must be an integer");
+    const int64_t k = lp->get<int64_t>();
+    if (lp->is_number_unsigned() || k < 0 || k > SamplingParams::kMaxLogprobs) {
+      return r.fail("logprobs", "logprobs must be in [0, " +
+                                    std::to_string(SamplingParams::kMaxLogprobs) + "]");
+    }
+    p.logprobs = static_cast<int>(k);
   }
 
   FLEX_RETURN_IF_ERROR(r.boolean("stream", &out->stream));
-  FLEX_RETURN_IF_ERROR(r.boolean("ignore_eos", &p.ignore_eos));
   if (const json* opts = r.get("stream_options")) {
     if (!opts->is_object()) return r.fail("stream_options", "stream_options must be an object");
     FieldReader o{*opts, error_param};
     FLEX_RETURN_IF_ERROR(o.boolean("include_usage", &out->include_usage));
-  }
-  if (const json* stops = r.get("stop_token_ids")) {
-    if (!stops->is_array()) {
-      return r.fail("stop_token_ids", "stop_token_ids must be an array of token ids");
-    }
-    FLEX_RETURN_IF_ERROR(r.token_ids("stop_token_ids", *stops, vocab_size, &p.stop_token_ids));
   }
 
   // Options we cannot honour are refused rather than silently ignored.
@@ -207,20 +178,10 @@ Status parse_completion_request(const std::string& body, int vocab_size, int max
   bool echo = false;
   FLEX_RETURN_IF_ERROR(r.boolean("echo", &echo));
   if (echo) return r.fail("echo", "echo is not supported");
-  if (r.get("logprobs") != nullptr) return r.fail("logprobs", "logprobs is not supported");
-  for (const char* penalty : {"presence_penalty", "frequency_penalty"}) {
-    double v = 0;
-    FLEX_RETURN_IF_ERROR(r.number(penalty, &v));
-    if (v != 0.0) return r.fail(penalty, std::string(penalty) + " is not supported (only 0)");
-  }
-  if (const json* bias = r.get("logit_bias");
-      bias != nullptr && !bias->is_null() && !(bias->is_object() && bias->empty())) {
-    return r.fail("logit_bias", "logit_bias is not supported (only {})");
-  }
   int64_t best_of = 1;
   FLEX_RETURN_IF_ERROR(r.integer("best_of", &best_of));
   if (best_of != 1) return r.fail("best_of", "only best_of = 1 is supported");
-  return Status();
+  return validate_request(out->request.prompt, p, vocab_size, max_context, error_param);
 }
 
 nlohmann::json usage_json(size_t prompt_tokens, size_t completion_tokens) {
@@ -229,13 +190,33 @@ nlohmann::json usage_json(size_t prompt_tokens, size_t completion_tokens) {
           {"total_tokens", prompt_tokens + completion_tokens}};
 }
 
+nlohmann::json completion_logprobs_json(const std::vector<TokenLogprob>& logprobs) {
+  auto text = [](int32_t id) { return "token_id:" + std::to_string(id); };
+  json tokens = json::array(), token_logprobs = json::array(), top = json::array(),
+       offsets = json::array();
+  for (const TokenLogprob& lp : logprobs) {
+    tokens.push_back(text(lp.token));
+    token_logprobs.push_back(lp.logprob);
+    json entries = json::object();
+    for (const auto& [id, logprob] : lp.top) entries[text(id)] = logprob;
+    entries[text(lp.token)] = lp.logprob;
+    top.push_back(std::move(entries));
+    offsets.push_back(0);
+  }
+  return {{"tokens", std::move(tokens)},
+          {"token_logprobs", std::move(token_logprobs)},
+          {"top_logprobs", std::move(top)},
+          {"text_offset", std::move(offsets)}};
+}
+
 nlohmann::json completion_response(const CompletionHeader& header,
                                    const std::vector<int32_t>& tokens,
-                                   const std::string& finish_reason, size_t prompt_tokens) {
+                                   const std::string& finish_reason, size_t prompt_tokens,
+                                   const std::vector<TokenLogprob>* logprobs) {
   json choice = {{"index", 0},
                  {"text", ""},
                  {"token_ids", tokens},
-                 {"logprobs", nullptr},
+                 {"logprobs", logprobs ? completion_logprobs_json(*logprobs) : json(nullptr)},
                  {"finish_reason", finish_reason}};
   return {{"id", header.id},
           {"object", "text_completion"},
@@ -247,11 +228,11 @@ nlohmann::json completion_response(const CompletionHeader& header,
 
 nlohmann::json completion_chunk(const CompletionHeader& header, const std::vector<int32_t>& tokens,
                                 const std::optional<std::string>& finish_reason,
-                                const Status& error) {
+                                const Status& error, const std::vector<TokenLogprob>* logprobs) {
   json choice = {{"index", 0},
                  {"text", ""},
                  {"token_ids", tokens},
-                 {"logprobs", nullptr},
+                 {"logprobs", logprobs ? completion_logprobs_json(*logprobs) : json(nullptr)},
                  {"finish_reason", finish_reason ? json(*finish_reason) : json(nullptr)}};
   json chunk = {{"id", header.id},
                 {"object", "text_completion"},

@@ -48,6 +48,7 @@ struct HttpServer::Exchange {
   Clock::time_point start;
   size_t prompt_tokens = 0;
   bool include_usage = false;
+  bool want_logprobs = false;  // The request asked for logprobs.
   // Set on the HTTP thread after submit(); the callback never reads them.
   uint64_t request_id = 0;
   CompletionHeader header;
@@ -57,14 +58,15 @@ struct HttpServer::Exchange {
 
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<int32_t> tokens;        // GUARDED_BY(mu): all tokens (JSON), unsent ones (stream).
-  size_t num_tokens = 0;              // GUARDED_BY(mu)
-  bool finished = false;              // GUARDED_BY(mu)
-  std::string finish_reason;          // GUARDED_BY(mu)
-  Status error;                       // GUARDED_BY(mu)
-  std::optional<double> ttft_s;       // GUARDED_BY(mu)
-  std::vector<double> pending_itl_s;  // GUARDED_BY(mu): not yet in the histogram.
-  Clock::time_point last_token;       // GUARDED_BY(mu)
+  std::vector<int32_t> tokens;         // GUARDED_BY(mu): all tokens (JSON), unsent ones (stream).
+  std::vector<TokenLogprob> logprobs;  // GUARDED_BY(mu): parallel to tokens (want_logprobs).
+  size_t num_tokens = 0;               // GUARDED_BY(mu)
+  bool finished = false;               // GUARDED_BY(mu)
+  std::string finish_reason;           // GUARDED_BY(mu)
+  Status error;                        // GUARDED_BY(mu)
+  std::optional<double> ttft_s;        // GUARDED_BY(mu)
+  std::vector<double> pending_itl_s;   // GUARDED_BY(mu): not yet in the histogram.
+  Clock::time_point last_token;        // GUARDED_BY(mu)
 
   // The engine callback.
   void on_event(const CompletionEvent& ev) {
@@ -80,6 +82,7 @@ struct HttpServer::Exchange {
       }
       last_token = now;
       tokens.insert(tokens.end(), ev.tokens.begin(), ev.tokens.end());
+      logprobs.insert(logprobs.end(), ev.logprobs.begin(), ev.logprobs.end());
       num_tokens += ev.tokens.size();
     }
     if (ev.finished) {
@@ -120,7 +123,7 @@ void HttpServer::handle_completions(const httplib::Request& req, httplib::Respon
   ParsedCompletion parsed;
   std::string param;
   Status s = parse_completion_request(req.body, engine_.vocab_size(), engine_.max_context(),
-                                      &parsed, &param);
+                                      &parsed, &param, engine_.sampling_defaults());
   if (!s.ok()) {
     requests_counter("invalid").inc();
     send_json(res, 400, error_json(s.message(), "invalid_request_error", param));
@@ -138,6 +141,7 @@ void HttpServer::handle_completions(const httplib::Request& req, httplib::Respon
   if (!parsed.has_seed) parsed.request.params.seed = next_seed();
   ex->prompt_tokens = parsed.request.prompt.size();
   ex->include_usage = parsed.include_usage;
+  ex->want_logprobs = parsed.request.params.logprobs >= 0;
 
   Result<uint64_t> id = engine_.submit(std::move(parsed.request),
                                        [ex](const CompletionEvent& ev) { ex->on_event(ev); });
@@ -200,6 +204,7 @@ void HttpServer::respond_when_finished(Exchange& ex, httplib::Response& res) {
     return;
   }
   const std::vector<int32_t> tokens = ex.tokens;
+  const std::vector<TokenLogprob> logprobs = ex.logprobs;
   const std::string reason = ex.finish_reason;
   const Status error = ex.error;
   lock.unlock();
@@ -220,12 +225,15 @@ void HttpServer::respond_when_finished(Exchange& ex, httplib::Response& res) {
     finish_exchange(ex, "abort");
     return;
   }
-  send_json(res, 200, completion_response(ex.header, tokens, reason, ex.prompt_tokens));
+  send_json(res, 200,
+            completion_response(ex.header, tokens, reason, ex.prompt_tokens,
+                                ex.want_logprobs ? &logprobs : nullptr));
   finish_exchange(ex, "ok");
 }
 
 bool HttpServer::stream_step(Exchange& ex, httplib::DataSink& sink) {
   std::vector<int32_t> tokens;
+  std::vector<TokenLogprob> logprobs;
   bool finished = false;
   std::string reason;
   Status error;
@@ -234,24 +242,26 @@ bool HttpServer::stream_step(Exchange& ex, httplib::DataSink& sink) {
     ex.cv.wait_for(lock, kPollInterval,
                    [&] { return !ex.tokens.empty() || ex.finished || stopping_.load(); });
     tokens.swap(ex.tokens);
+    logprobs.swap(ex.logprobs);
     finished = ex.finished;
     reason = ex.finish_reason;
     error = ex.error;
   }
   observe_tokens(ex);
+  const std::vector<TokenLogprob>* lp = ex.want_logprobs ? &logprobs : nullptr;
 
   std::string out;
   std::string outcome;
   if (finished) {
     if (!error.ok() && reason != "error") reason = "error";
-    out = sse_event(dump_json(completion_chunk(ex.header, tokens, reason, error)));
+    out = sse_event(dump_json(completion_chunk(ex.header, tokens, reason, error, lp)));
     outcome = reason == "error" ? "error" : reason == "abort" ? "abort" : "ok";
   } else if (stopping_) {
-    out = sse_event(dump_json(
-        completion_chunk(ex.header, tokens, "abort", unavailable("the server is shutting down"))));
+    out = sse_event(dump_json(completion_chunk(ex.header, tokens, "abort",
+                                               unavailable("the server is shutting down"), lp)));
     outcome = "abort";
   } else if (!tokens.empty()) {
-    out = sse_event(dump_json(completion_chunk(ex.header, tokens, std::nullopt)));
+    out = sse_event(dump_json(completion_chunk(ex.header, tokens, std::nullopt, Status(), lp)));
   } else {
     return true;  // Nothing new yet: httplib calls again.
   }
