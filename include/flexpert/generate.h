@@ -63,6 +63,8 @@ struct SamplingParams {
   // True when a row must be processed on the host (RowOutput::kLogits): any logit
   // processing, or logprobs.
   bool needs_logits() const;
+
+  bool operator==(const SamplingParams&) const = default;
 };
 
 // The one validation of a request: prompt ids in [0, vocab_size), params.validate(), and

@@ -82,8 +82,13 @@ int cmd_synth(const Args& args) {
     };
     Status s = synthesize_checkpoint(options);
     progress.finish();
+    const std::string gen_path = options.out_dir + "/generation_config.json";
+    if (s.ok() && !flags.has("generation-config")) {
+      std::error_code ec;
+      std::filesystem::remove(gen_path, ec);  // A stale one would change the new model.
+    }
     if (s.ok() && flags.has("generation-config")) {
-      const std::string path = options.out_dir + "/generation_config.json";
+      const std::string& path = gen_path;
       std::ofstream out(path, std::ios::binary | std::ios::trunc);
       out << flags.str("generation-config");
       if (!out.flush()) return failed_precondition("writing " + path + " failed");
