@@ -2,6 +2,8 @@
 // generation_config.json beside config.json: extra EOS ids and the sampling defaults.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include "flexpert/model_config.h"
 #include "test_util.h"
 
@@ -16,10 +18,9 @@ const std::string kTiny = std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny";
 
 // The tiny fixture's config.json (vocabulary 512, no EOS) with eos_token_id 7.
 std::string tiny_dir(const TempDir& dir, const std::string& generation_config) {
-  std::string config = read_file(kTiny + "/config.json");
-  const size_t brace = config.find('{');
-  config.insert(brace + 1, "\"eos_token_id\": 7, ");
-  write_file(dir.file("config.json"), config);
+  nlohmann::json config = nlohmann::json::parse(read_file(kTiny + "/config.json"));
+  config["eos_token_id"] = 7;
+  write_file(dir.file("config.json"), config.dump());
   if (!generation_config.empty()) write_file(dir.file("generation_config.json"), generation_config);
   return dir.path();
 }

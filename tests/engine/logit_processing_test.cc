@@ -265,10 +265,14 @@ TEST(SchedulerProcessingTest, ProcessedRowsAreLogitsAndMinTokensGoesPastEos) {
       ASSERT_EQ(events.size(), 1u);
       got.push_back(events[0].token);
       EXPECT_EQ(events[0].has_logprob, min_tokens > 0);
-      if (events[0].has_logprob) EXPECT_EQ(events[0].logprob.token, events[0].token);
+      if (events[0].has_logprob) {
+        EXPECT_EQ(events[0].logprob.token, events[0].token);
+      }
       if (events[0].finished) reason = events[0].finish_reason;
     }
-    EXPECT_EQ(got, min_tokens == 0 ? std::vector<int32_t>{3} : std::vector<int32_t>{0, 0, 0, 3});
+    const std::vector<int32_t> want =
+        min_tokens == 0 ? std::vector<int32_t>{3} : std::vector<int32_t>{0, 0, 0, 3};
+    EXPECT_EQ(got, want);
     EXPECT_EQ(reason, "stop");
   }
 }

@@ -159,17 +159,17 @@ class FakeEngine : public ServingEngine {
     cancelled_[id] = cancelled;
     threads_.emplace_back([this, request, cb, cancelled] {
       if (mode == Mode::kEcho) {
-        for (int32_t t : request.prompt) cb({{t}, false, "", Status()});
-        cb({{}, true, "length", Status()});
+        for (int32_t t : request.prompt) cb({{t}, {}, false, "", Status()});
+        cb({{}, {}, true, "length", Status()});
       } else if (mode == Mode::kFailMidway) {
-        cb({{1}, false, "", Status()});
-        cb({{2}, false, "", Status()});
-        cb({{}, true, "error", unavailable("rank 2 died")});
+        cb({{1}, {}, false, "", Status()});
+        cb({{2}, {}, false, "", Status()});
+        cb({{}, {}, true, "error", unavailable("rank 2 died")});
       } else {
-        cb({{7}, false, "", Status()});
+        cb({{7}, {}, false, "", Status()});
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock, [&] { return stopping_ || cancelled->load(); });
-        if (!cancelled->load()) cb({{}, true, "abort", Status()});
+        if (!cancelled->load()) cb({{}, {}, true, "abort", Status()});
       }
     });
     return id;
