@@ -153,8 +153,11 @@ Status parse_completion_request(const std::string& body, int vocab_size, int max
   // OpenAI's legacy integer (0..5 there): the sampled token's logprob and the k most likely.
   if (const json* lp = r.get("logprobs")) {
     if (!lp->is_number_integer()) return r.fail("logprobs", "logprobs must be an integer");
-    const int64_t k = lp->get<int64_t>();
-    if (lp->is_number_unsigned() || k < 0 || k > SamplingParams::kMaxLogprobs) {
+    // JSON's non-negative integers parse as unsigned; compare before any narrowing.
+    const int64_t k = lp->is_number_unsigned()
+                          ? static_cast<int64_t>(std::min<uint64_t>(lp->get<uint64_t>(), 1000))
+                          : lp->get<int64_t>();
+    if (k < 0 || k > SamplingParams::kMaxLogprobs) {
       return r.fail("logprobs", "logprobs must be in [0, " +
                                     std::to_string(SamplingParams::kMaxLogprobs) + "]");
     }

@@ -106,6 +106,7 @@ TEST(CompletionApiTest, RejectsBadRequestsNamingTheField) {
       {R"({"prompt": [1], "stop": ["\n"]})", "stop"},
       {R"({"prompt": [1], "echo": true})", "echo"},
       {R"({"prompt": [1], "logprobs": 21})", "logprobs"},
+      {R"({"prompt": [1], "logprobs": 18446744073709551615})", "logprobs"},
       {R"({"prompt": [1], "logprobs": -1})", "logprobs"},
       {R"({"prompt": [1], "logprobs": true})", "logprobs"},
       {R"({"prompt": [1], "presence_penalty": 2.5})", "presence_penalty"},
