@@ -26,10 +26,10 @@
 #include "cluster/protocol.h"
 #include "cluster/zmq_socket.h"
 #include "core/secret.h"
+#include "flexpert/generate.h"
 #include "flexpert/logging.h"
 #include "flexpert/model_config.h"
 #include "flexpert/placement.h"
-#include "flexpert/scheduler.h"
 
 namespace flexpert {
 namespace {
@@ -669,8 +669,8 @@ SamplingDefaults ClusterEngine::sampling_defaults() const {
 Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCallback on_event) {
   Impl& m = *impl_;
   // The same checks the workers' schedulers make, before anything is queued.
-  Scheduler probe(SchedulerLimits{m.model_config_.vocab_size, 1, m.max_seq_len_, 1, {}});
-  FLEX_RETURN_IF_ERROR(probe.validate(request.prompt, request.params));
+  FLEX_RETURN_IF_ERROR(
+      validate_request(request.prompt, request.params, m.model_config_.vocab_size, m.max_seq_len_));
   std::lock_guard<std::mutex> lock(m.mutex_);
   if (!m.accepting_) {
     if (m.phase_ == Phase::kRestarting || m.phase_ == Phase::kScaling) {
