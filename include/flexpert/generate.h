@@ -84,8 +84,8 @@ struct TokenLogprob {
   bool operator==(const TokenLogprob&) const = default;
 };
 
-// log_softmax(logits)[token] and the k most likely (ties by lower id) into *out, in double
-// precision internally. A NaN logit counts as -inf.
+// log_softmax(logits)[token] and the k most likely (ties by lower id) into *out; the
+// normaliser is summed in double. A NaN logit counts as -inf.
 void compute_logprobs(const float* logits, int64_t vocab, int32_t token, int k, TokenLogprob* out);
 
 class Sampler {

@@ -106,15 +106,16 @@ Status validate_request(const std::vector<int32_t>& prompt, const SamplingParams
 }
 
 void compute_logprobs(const float* logits, int64_t vocab, int32_t token, int k, TokenLogprob* out) {
-  double max = -std::numeric_limits<double>::infinity();
-  for (int64_t v = 0; v < vocab; ++v) {
-    if (logits[v] > max) max = logits[v];  // NaN compares false.
-  }
+  float max = -std::numeric_limits<float>::infinity();
+  for (int64_t v = 0; v < vocab; ++v) max = logits[v] > max ? logits[v] : max;  // NaN: false.
+  // Each term in float (exp of a value <= 0, relative error ~1e-7), summed in double: a
+  // float sum over 150k terms would lose more than the terms' own error.
   double sum = 0;
   for (int64_t v = 0; v < vocab; ++v) {
-    if (!std::isnan(logits[v])) sum += std::exp(static_cast<double>(logits[v]) - max);
+    const float e = std::exp(logits[v] - max);
+    sum += std::isnan(e) ? 0.0 : static_cast<double>(e);
   }
-  const double log_z = max + std::log(sum);
+  const double log_z = static_cast<double>(max) + std::log(sum);
   auto logprob = [&](int64_t v) -> double {
     return std::isnan(logits[v]) ? -std::numeric_limits<double>::infinity()
                                  : static_cast<double>(logits[v]) - log_z;
