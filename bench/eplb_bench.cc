@@ -8,7 +8,7 @@
 //              [--zipf-max 1.2] [--sigma 0.05] [--noise 0.2] [--swap-prob 0.05]
 //              [--tolerance 0.005,...] [--smooth 0,0.3] [--format deepseek|flexpert] [--threads 1]
 //              [--scale 16:24,24:16,...] [--scale-spare 1] [--scale-prev deepseek|flexpert]
-//              [--scale-tolerance 0.005,0.02,0.05]
+//              [--scale-tolerance 0.005,0.02,0.05] [--greedy-after-change 1,0]
 //              [--seed 1] [--json out.json]
 //
 // Loads: per layer a Zipf law (exponent drawn in [zipf-min, zipf-max]) over the experts in a
@@ -27,7 +27,8 @@
 // moves and balance): window w (1..) is planned on `new` GPUs with, as the previous
 // placement of both planners, the plan of window w-1 on `old` GPUs by --scale-prev (default
 // DeepSeek's, as a file with prev_phy2log from a DeepSeek deployment has it). GPUs below
-// min(old, new) are the same GPUs; scale-down removes the highest.
+// min(old, new) are the same GPUs; scale-down removes the highest. --greedy-after-change 0
+// adds rows without PlanInput::greedy_after_change (the tolerance alone sets the aim).
 //
 // Reported per row, means over layers and plans: balancedness (mean / max rank load) on the
 // planned window and on the next one; remote receives per plan (count_receives: per GPU, the
@@ -72,6 +73,7 @@ struct Options {
   std::vector<std::pair<int, int>> scale = {{16, 24},   {24, 16},   {64, 48},   {48, 64},
                                             {144, 128}, {128, 144}, {256, 192}, {192, 256}};
   int scale_spare = 1;
+  std::vector<int> greedy_after_change = {1};
   bool scale_prev_deepseek = true;
   unsigned seed = 1;
   std::string json;
@@ -132,6 +134,8 @@ bool parse(int argc, char** argv, Options& o) {
          }
        }},
       {"--scale-spare", to_int(o.scale_spare)},
+      {"--greedy-after-change",
+       [&](const std::string& v) { o.greedy_after_change = list<int>(v); }},
       {"--scale-prev",
        [&](const std::string& v) {
          o.scale_prev_deepseek = v == "deepseek";
@@ -150,7 +154,7 @@ bool parse(int argc, char** argv, Options& o) {
   return ok && argc % 2 == 1 && o.windows >= 2 && o.layers >= 1 && o.experts >= 1 &&
          o.groups >= 1 && o.ranks_per_host >= 1 && !o.ranks.empty() && !o.spare.empty() &&
          !o.tolerance.empty() && !o.scale_tolerance.empty() && !o.smooth.empty() &&
-         o.threads >= 0 && o.scale_spare >= 0;
+         !o.greedy_after_change.empty() && o.threads >= 0 && o.scale_spare >= 0;
 }
 
 // windows + 1 load matrices (the last one only scores the last plan).
@@ -239,7 +243,8 @@ struct Planned {
 };
 
 Planned plan_once(const Options& o, const Matrix& load, int num_ranks, int slots,
-                  const Placement& prev, int prev_slots, bool deepseek, double tolerance) {
+                  const Placement& prev, int prev_slots, bool deepseek, double tolerance,
+                  bool greedy_after_change = true) {
   Planned out;
   const int hosts = std::max(1, num_ranks / o.ranks_per_host);
   const auto start = std::chrono::steady_clock::now();
@@ -272,6 +277,7 @@ Planned plan_once(const Options& o, const Matrix& load, int num_ranks, int slots
       in.current_slots_per_rank = prev_slots;
     }
     in.tolerance = tolerance;
+    in.greedy_after_change = greedy_after_change;
     in.fill_slots = o.fill;
     in.num_threads = o.threads;
     auto p = flexpert::eplb::plan(in);
@@ -331,11 +337,11 @@ Row run_steady(const Options& o, const std::vector<Matrix>& loads, int num_ranks
 }
 
 Row run_scale(const Options& o, const std::vector<Matrix>& loads, int from, int to, bool deepseek,
-              double tolerance) {
+              double tolerance, bool greedy_after_change = true) {
   Row row;
   row.gpus = std::to_string(from) + "->" + std::to_string(to);
   row.slots = slots_for(o, to, o.scale_spare);
-  row.planner = deepseek ? "deepseek" : "flexpert";
+  row.planner = deepseek ? "deepseek" : greedy_after_change ? "flexpert" : "flexpert/tol";
   row.tolerance = tolerance;
   const int from_slots = slots_for(o, from, o.scale_spare);
   const double plans = o.windows - 1;
@@ -343,7 +349,8 @@ Row run_scale(const Options& o, const std::vector<Matrix>& loads, int from, int 
     const Placement prev = plan_once(o, loads[t - 1], from, from_slots, {}, from_slots,
                                      o.scale_prev_deepseek, flexpert::eplb::PlanInput().tolerance)
                                .placement;
-    Planned p = plan_once(o, loads[t], to, row.slots, prev, from_slots, deepseek, tolerance);
+    Planned p = plan_once(o, loads[t], to, row.slots, prev, from_slots, deepseek, tolerance,
+                          greedy_after_change);
     score(o, loads, t, to, row.slots, p, prev, from_slots, true, plans, plans, row);
   }
   row.moved_pct = 100.0 * row.moved / (static_cast<double>(o.layers) * to * row.slots);
@@ -420,10 +427,12 @@ int main(int argc, char** argv) {
       const Row ds = run_scale(o, loads, from, to, true, 0);
       print_row(ds, "");
       rows.push_back(ds);
-      for (double tol : o.scale_tolerance) {
-        const Row ours = run_scale(o, loads, from, to, false, tol);
-        print_row(ours, targets(ours, ds));
-        rows.push_back(ours);
+      for (int greedy : o.greedy_after_change) {
+        for (double tol : o.scale_tolerance) {
+          const Row ours = run_scale(o, loads, from, to, false, tol, greedy != 0);
+          print_row(ours, targets(ours, ds));
+          rows.push_back(ours);
+        }
       }
     }
   }

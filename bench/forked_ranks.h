@@ -16,7 +16,7 @@ namespace flexpert::bench {
 template <int kMaxRanks>
 struct RankAddresses {
   std::atomic<int> ready[kMaxRanks];
-  char address[kMaxRanks][256];
+  char address[kMaxRanks][1024];  // ucx addresses carry a worker address (~300 chars).
 
   // Publishes t's address as rank `rank`'s, then connects t to every other rank below n.
   Status connect_all(Transport& t, int rank, int n) {

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // tokenizer_bench: encode throughput (MB of UTF-8 text per second, one thread) of the
 // published Qwen3 and DeepSeek-V3 tokenizers, beside Hugging Face's JS tokenizer on the same
-// text in the same run, and the cost per streamed token of IncrementalDecoder::push.
+// text in the same run, and the cost per streamed token of IncrementalDecoder::push, alone and
+// inside the server's TextStream with stop strings.
 // Prints a table; --json FILE writes the figures. The corpus: the strings of
 // tests/tokenizer/testdata/strings.json (many scripts, emoji, code, whitespace) cut and mixed
 // by a seeded generator up to --mib MiB, so that words repeat as in real text but not in one
@@ -16,6 +17,7 @@
 
 #include "../tests/tokenizer/js_reference.h"
 #include "flexpert/tokenizer.h"
+#include "serve/text_stream.h"
 
 namespace {
 
@@ -62,8 +64,8 @@ int main(int argc, char** argv) {
   const double mb = static_cast<double>(corpus.size()) / 1e6;
   json results = json::array();
   std::printf("corpus: %.2f MB of mixed-script text (tests/tokenizer/testdata/strings.json)\n", mb);
-  std::printf("%-12s %10s %12s %12s %10s %14s %14s\n", "tokenizer", "ids", "cold MB/s", "warm MB/s",
-              "JS MB/s", "push ns/token", "decode ns/tok");
+  std::printf("%-12s %10s %12s %12s %10s %14s %14s %14s\n", "tokenizer", "ids", "cold MB/s",
+              "warm MB/s", "JS MB/s", "push ns/token", "+stops ns/tok", "decode ns/tok");
   for (const std::string family : {"qwen3", "deepseek_v3"}) {
     auto loaded = flexpert::Tokenizer::load(flexpert_test::model_dir(family));
     if (!loaded.ok()) {
@@ -89,10 +91,21 @@ int main(int argc, char** argv) {
     for (int32_t id : ids) streamed_bytes += stream.push(id).value().size();
     streamed_bytes += stream.flush().size();
     const double push_s = seconds_since(start);
+    // The server's streaming path (src/serve/text_stream.h): the same pushes plus four stop
+    // strings that never match but whose first characters are common, so text is held back.
+    flexpert::TextStream stops(
+        tokenizer, {{"\n\n<<stop>>", "The end.\x01", "。。。\x01", "</answer>\x01"}, false});
+    size_t stopped_bytes = 0;
+    start = Clock::now();
+    for (int32_t id : ids) stopped_bytes += stops.push(id).value().size();
+    stopped_bytes += stops.finish().size();
+    const double stop_s = seconds_since(start);
     start = Clock::now();
     const std::string decoded = tokenizer.decode(ids).value();
     const double decode_s = seconds_since(start);
-    if (decoded.size() != streamed_bytes) {
+    // TextStream skips special tokens, as the server does.
+    if (decoded.size() != streamed_bytes ||
+        tokenizer.decode(ids, /*skip_special_tokens=*/true).value().size() != stopped_bytes) {
       std::fprintf(stderr, "streamed text differs from decode\n");
       return 1;
     }
@@ -108,8 +121,9 @@ int main(int argc, char** argv) {
       }
     }
     const double n = static_cast<double>(ids.size());
-    std::printf("%-12s %10zu %12.2f %12.2f %10.2f %14.1f %14.1f\n", family.c_str(), ids.size(),
-                mb / cold_s, mb / warm_s, js_mbps, push_s / n * 1e9, decode_s / n * 1e9);
+    std::printf("%-12s %10zu %12.2f %12.2f %10.2f %14.1f %14.1f %14.1f\n", family.c_str(),
+                ids.size(), mb / cold_s, mb / warm_s, js_mbps, push_s / n * 1e9, stop_s / n * 1e9,
+                decode_s / n * 1e9);
     results.push_back({{"tokenizer", family},
                        {"corpus_bytes", corpus.size()},
                        {"num_ids", ids.size()},
@@ -117,6 +131,7 @@ int main(int argc, char** argv) {
                        {"encode_warm_mb_per_s", mb / warm_s},
                        {"js_encode_mb_per_s", js_mbps},
                        {"stream_push_ns_per_token", push_s / n * 1e9},
+                       {"stream_with_stop_strings_ns_per_token", stop_s / n * 1e9},
                        {"decode_ns_per_token", decode_s / n * 1e9}});
   }
   if (!json_path.empty()) {

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}
-targets=(fuzz_completion_request fuzz_safetensors_header fuzz_model_config fuzz_control_message)
+targets=(fuzz_completion_request fuzz_chat_request fuzz_safetensors_header fuzz_model_config fuzz_control_message)
 
 echo "== fuzz build (build-fuzz/, clang, -fsanitize=fuzzer,address,undefined)"
 cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang \

@@ -5,7 +5,7 @@
 # `NAME:@DIR` (another packed bin/ directory, e.g. an older build copied to .gpu/old),
 # run REPS times in turn; prints the layer and the two GEMMs per variant and shape.
 #   PACK=.gpu source scripts/gpu_env.sh
-#   VARIANTS="fixed:FLEXPERT_WS_DYNAMIC=0 counter:FLEXPERT_WS_DYNAMIC=1" \
+#   VARIANTS="pdl: nopdl:FLEXPERT_NO_PDL=1" \
 #     TOKENS=4096,16384 REPS=2 OUT=$OUT bash scripts/gpu_ab.sh
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1

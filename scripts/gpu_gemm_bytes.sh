@@ -6,7 +6,7 @@
 # each `shape:tokens` case; then a table (docs/cuda.md, "One MoE layer on an H200": where
 # DeepSeek-V3's DRAM excess comes from, measured this way).
 #   PACK=.gpu source scripts/gpu_env.sh; echo quit | nvidia-cuda-mps-control
-#   VARIANTS="l2p256:FLEXPERT_TMA_L2_PROMOTION=256 l2p128:" OUT=$OUT bash scripts/gpu_gemm_bytes.sh
+#   VARIANTS="old:@.gpu/old new:" OUT=$OUT bash scripts/gpu_gemm_bytes.sh
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 source scripts/variants.sh

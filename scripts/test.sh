@@ -9,6 +9,9 @@ jobs=$(nproc)
 echo "== module order"
 bash scripts/check_modules.sh
 
+echo "== thread-safety annotations (clang)"
+bash scripts/check_thread_safety.sh
+
 echo "== clang-format check"
 git ls-files '*.h' '*.cc' '*.cu' '*.cuh' | xargs clang-format --dry-run --Werror
 

@@ -16,6 +16,14 @@
 
 namespace flexpert {
 
+// Expert slots per rank and MoE layer that a serving group sizes at start
+// (docs/ARCHITECTURE.md, "Membership, epochs, failure"): every expert and
+// `extra_replicas` more replicas fit on `min_ranks` ranks (0: `ranks`; never more than
+// `ranks`), plus `spare_slots` free slots a rank keeps for EPLB moves. The front end
+// (ClusterEngine) and `flexpert plan-memory` size slots by this one rule.
+int expert_slots_per_rank(int num_experts, int extra_replicas, int ranks, int min_ranks,
+                          int spare_slots);
+
 class ExpertPlacement {
  public:
   static constexpr int kFreeSlot = -1;

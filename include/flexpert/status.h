@@ -43,13 +43,18 @@ class [[nodiscard]] Status {
   const std::string& message() const;
   // "CODE: message", or "OK".
   std::string to_string() const;
-  // Prefixes context to the message ("loading layer 3: ..."), keeps the code.
+  // Prefixes context to the message ("loading layer 3: ..."), keeps the code and fields.
   Status annotate(std::string_view context) const;
+  // A peer rank whose process a transport saw end, or -1: carried as a number (to the
+  // front end in WorkerError::dead_rank), never parsed out of the message.
+  int dead_rank() const { return ok() ? -1 : state_->dead_rank; }
+  Status with_dead_rank(int rank) const;
 
  private:
   struct State {
     StatusCode code;
     std::string message;
+    int dead_rank = -1;
   };
   std::shared_ptr<const State> state_;  // Shared by copies; immutable.
 };

@@ -69,6 +69,9 @@ int cmd_eplb(const std::vector<std::string>& args) {
       .value("tolerance", format_number(eplb::PlanInput().tolerance),
              "flexpert planner: keep/repair a previous plan within this fraction of the best "
              "max GPU load (a few percent: fewer moves after a GPU count change)")
+      .boolean("tolerance-after-change",
+               "flexpert planner: after a GPU count change, repair to the tolerance too (default: "
+               "no better than a greedy packing from scratch, fewer moves)")
       .value("min-replicas", "1", "flexpert planner: replicas every expert keeps at least")
       .value("format", "deepseek",
              "flexpert planner: deepseek (every slot holds an expert) | flexpert (-1 marks a "
@@ -91,6 +94,7 @@ int cmd_eplb(const std::vector<std::string>& args) {
     FLEX_ASSIGN_OR_RETURN(options.policy, eplb::parse_policy(flags.str("policy")));
     FLEX_ASSIGN_OR_RETURN(options.tolerance, flags.number("tolerance"));
     if (!(options.tolerance >= 0)) return invalid_argument("--tolerance must be >= 0");
+    options.greedy_after_change = !flags.flag("tolerance-after-change");
     FLEX_ASSIGN_OR_RETURN(int64_t min_replicas, flags.integer("min-replicas"));
     if (min_replicas < 1 || min_replicas > 1 << 20) {
       return invalid_argument("--min-replicas must be >= 1");

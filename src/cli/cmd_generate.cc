@@ -1,14 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
-// `flexpert generate`: run prompts of token ids through a model and print the new ids.
+// `flexpert generate`: run prompts through a model and print the new ids, or the new text for
+// a text prompt (--prompt) or a chat (--chat, rendered with the tokenizer's chat template).
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "cli/commands.h"
 #include "cli/flags.h"
+#include "flexpert/chat_template.h"
 #include "flexpert/generate.h"
 #include "flexpert/model.h"
+#include "flexpert/tokenizer.h"
 
 namespace flexpert::cli {
 
@@ -35,9 +39,36 @@ Result<std::vector<std::vector<int32_t>>> parse_prompts(const std::string& text)
   return prompts;
 }
 
+// --prompt TEXT or --chat FILE.json, encoded with --tokenizer (default: --model).
+Result<std::vector<int32_t>> text_prompt(const Flags& flags, const Tokenizer& tokenizer) {
+  if (flags.has("prompt")) return tokenizer.encode(flags.str("prompt"));
+  std::ifstream in(flags.str("chat"));
+  std::stringstream messages;
+  messages << in.rdbuf();
+  if (!in) return invalid_argument("--chat " + flags.str("chat") + ": cannot read the file");
+  FLEX_ASSIGN_OR_RETURN(auto chat_template, ChatTemplate::from_tokenizer(tokenizer));
+  ChatRenderOptions options;
+  options.add_generation_prompt = true;
+  FLEX_ASSIGN_OR_RETURN(std::string text, chat_template->render(messages.str(), options));
+  // The template writes the special tokens itself.
+  return tokenizer.encode(text, {.add_special_tokens = false});
+}
+
 Status run(const Flags& flags) {
   if (!flags.has("model")) return invalid_argument("--model DIR is required");
-  FLEX_ASSIGN_OR_RETURN(auto prompts, parse_prompts(flags.str("prompt-ids")));
+  const int num_inputs = flags.has("prompt-ids") + flags.has("prompt") + flags.has("chat");
+  if (num_inputs != 1) return invalid_argument("give one of --prompt-ids, --prompt or --chat");
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::vector<std::vector<int32_t>> prompts;
+  if (flags.has("prompt-ids")) {
+    FLEX_ASSIGN_OR_RETURN(prompts, parse_prompts(flags.str("prompt-ids")));
+  } else {
+    FLEX_ASSIGN_OR_RETURN(tokenizer, Tokenizer::load(flags.has("tokenizer") ? flags.str("tokenizer")
+                                                                            : flags.str("model")));
+    FLEX_ASSIGN_OR_RETURN(std::vector<int32_t> ids, text_prompt(flags, *tokenizer));
+    if (ids.empty()) return invalid_argument("the prompt encodes to no tokens");
+    prompts.push_back(std::move(ids));
+  }
   SamplingParams params;
   FLEX_ASSIGN_OR_RETURN(int64_t max_tokens, flags.integer("max-tokens"));
   FLEX_ASSIGN_OR_RETURN(double temperature, flags.number("temperature"));
@@ -81,10 +112,18 @@ Status run(const Flags& flags) {
       out["choices"].push_back({{"index", i},
                                 {"token_ids", results[i].tokens},
                                 {"finish_reason", results[i].finish_reason}});
+      if (tokenizer) {
+        FLEX_ASSIGN_OR_RETURN(out["choices"][i]["text"],
+                              tokenizer->decode(results[i].tokens, /*skip_special_tokens=*/true));
+      }
     }
     out["load_s"] = std::chrono::duration<double>(t1 - t0).count();
     out["generate_s"] = std::chrono::duration<double>(t2 - t1).count();
     std::printf("%s\n", out.dump().c_str());
+  } else if (tokenizer) {
+    FLEX_ASSIGN_OR_RETURN(std::string text,
+                          tokenizer->decode(results[0].tokens, /*skip_special_tokens=*/true));
+    std::printf("%s\n", text.c_str());
   } else {
     for (const auto& r : results) {
       for (size_t i = 0; i < r.tokens.size(); ++i) std::printf(i ? ",%d" : "%d", r.tokens[i]);
@@ -100,6 +139,12 @@ int cmd_generate(const Args& args) {
   Flags flags;
   flags.value("model", "", "checkpoint directory (config.json + safetensors)")
       .value("prompt-ids", "", "prompt token ids, comma-separated; ';' separates prompts")
+      .value("prompt", "", "a text prompt (prints the new text)")
+      .value("chat", "",
+             "a JSON file of chat messages, rendered with the chat template and a generation "
+             "prompt (prints the new text)")
+      .value("tokenizer", "",
+             "directory with tokenizer.json for --prompt / --chat (default: --model)")
       .value("max-tokens", "16", "new tokens per prompt")
       .value("temperature", "0", "0 = greedy")
       .value("top-k", "0", "sample among the k most likely (0 = all)")

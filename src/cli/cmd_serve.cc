@@ -4,10 +4,13 @@
 #include <sys/resource.h>
 
 #include <cstdio>
+#include <filesystem>
 
 #include "cli/commands.h"
 #include "cli/flags.h"
+#include "flexpert/chat_template.h"
 #include "flexpert/logging.h"
+#include "flexpert/tokenizer.h"
 #include "flexpert/worker.h"
 #include "serve/cluster_engine.h"
 #include "serve/http_server.h"
@@ -36,6 +39,40 @@ void raise_open_file_limit() {
 
 ClusterEngine* cluster_ = nullptr;  // Set when serving a group (not --local).
 
+// The text layer: --tokenizer DIR, else the model directory when it holds tokenizer.json,
+// else none (token ids only). The chat template is parsed here, so that one the engine cannot
+// run fails at start (InvalidArgument: exit 2), never at request time.
+struct LoadedText {
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::unique_ptr<ChatTemplate> chat_template;
+};
+
+Result<LoadedText> load_text(const Flags& flags) {
+  LoadedText text;
+  std::string dir = flags.str("tokenizer");
+  if (dir.empty()) {
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(flags.str("model") + "/tokenizer.json", ec)) return text;
+    dir = flags.str("model");
+  }
+  Result<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::load(dir);
+  if (!tokenizer.ok()) {
+    return invalid_argument("loading the tokenizer from " + dir + ": " +
+                            tokenizer.status().to_string());
+  }
+  text.tokenizer = std::move(tokenizer.value());
+  Result<std::unique_ptr<ChatTemplate>> chat = ChatTemplate::from_tokenizer(*text.tokenizer);
+  if (chat.ok()) {
+    text.chat_template = std::move(chat.value());
+  } else if (chat.status().code() != StatusCode::kNotFound) {
+    return invalid_argument("the chat template of " + dir +
+                            "/tokenizer_config.json cannot be run: " + chat.status().message());
+  }
+  FLEX_LOG(INFO) << "tokenizer from " << dir << " (" << text.tokenizer->vocab_size() << " tokens"
+                 << (text.chat_template ? ", chat template" : ", no chat template") << ")";
+  return text;
+}
+
 Status run_serve(const Flags& flags) {
   if (!flags.has("model")) return invalid_argument("--model DIR is required");
   // Block the stop signals in every thread; the main thread waits for them below.
@@ -45,6 +82,8 @@ Status run_serve(const Flags& flags) {
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
+  // Before any worker starts: a bad tokenizer or template costs no group start.
+  FLEX_ASSIGN_OR_RETURN(LoadedText text, load_text(flags));
   std::unique_ptr<ServingEngine> engine;
   std::string description;
   if (flags.flag("local")) {
@@ -132,6 +171,15 @@ Status run_serve(const Flags& flags) {
   http.host = flags.str("host");
   FLEX_ASSIGN_OR_RETURN(http.port, int_flag(flags, "port", 0));
   FLEX_ASSIGN_OR_RETURN(http.admin_key, admin_key_from(flags));
+  FLEX_ASSIGN_OR_RETURN(http.api_key, secret_from(flags, "api-key", "FLEXPERT_API_KEY"));
+  if (text.tokenizer && text.tokenizer->vocab_size() > engine->vocab_size()) {
+    Status s = invalid_argument(
+        "the tokenizer has " + std::to_string(text.tokenizer->vocab_size()) +
+        " tokens, more than the model's vocabulary (" + std::to_string(engine->vocab_size()) + ")");
+    (void)engine->shutdown();
+    return s;
+  }
+  http.text = {text.tokenizer.get(), text.chat_template.get()};
   FLEX_ASSIGN_OR_RETURN(http.max_connections, int_flag(flags, "http-max-connections", 1));
   FLEX_ASSIGN_OR_RETURN(http.max_connections_per_client,
                         int_flag(flags, "http-max-connections-per-client", 1));
@@ -202,6 +250,13 @@ int cmd_serve(const Args& args) {
              "bearer key for admin routes and /v1/status detail (visible in ps: prefer "
              "FLEXPERT_ADMIN_KEY or --admin-key-file)")
       .value("admin-key-file", "", "a file whose first line is the admin key")
+      .value("api-key", "",
+             "bearer key for the inference routes (visible in ps: prefer FLEXPERT_API_KEY or "
+             "--api-key-file)")
+      .value("api-key-file", "", "a file whose first line is the API key")
+      .value("tokenizer", "",
+             "directory with tokenizer.json (and tokenizer_config.json: chat template); default: "
+             "--model when it holds tokenizer.json")
       .value("cluster-key", "",
              "key workers must present (default with spawned workers: a random one; "
              "visible in ps: prefer FLEXPERT_CLUSTER_KEY or --cluster-key-file)")

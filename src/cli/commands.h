@@ -25,6 +25,7 @@ int cmd_bench_elastic(const Args& args);
 int cmd_tokenize(const Args& args);       // cmd_tokenize.cc
 int cmd_detokenize(const Args& args);     // cmd_tokenize.cc
 int cmd_chat_template(const Args& args);  // cmd_chat_template.cc
+int cmd_plan_memory(const Args& args);    // cmd_plan_memory.cc
 
 // Prints the status and returns its exit code (2 for InvalidArgument/NotFound, else 1).
 int report_error(const std::string& command, const Status& status);

@@ -69,6 +69,7 @@ const char kUsage[] =
     "  tokenize    --tokenizer DIR (--text T | --input FILE.jsonl)   prints {\"ids\": [...]}\n"
     "  detokenize  --tokenizer DIR --ids 1,2,3\n"
     "  chat-template --tokenizer DIR --messages FILE.json [--add-generation-prompt]\n"
+    "  plan-memory --model DIR --ranks N [--max-ranks M] [--quantization bf16|fp8] [--json]\n"
     "Run `flexpert <command> --help` for the flags of a command.\n";
 
 }  // namespace
@@ -92,6 +93,7 @@ int main(int argc, char** argv) {
   if (command == "tokenize") return cmd_tokenize(args);
   if (command == "detokenize") return cmd_detokenize(args);
   if (command == "chat-template") return cmd_chat_template(args);
+  if (command == "plan-memory") return cmd_plan_memory(args);
   std::fprintf(stderr, "flexpert: unknown command '%s'\n%s", command.c_str(), kUsage);
   return 2;
 }

@@ -49,7 +49,14 @@ std::string Status::to_string() const {
 
 Status Status::annotate(std::string_view context) const {
   if (ok()) return *this;
-  return Status(code(), std::string(context) + ": " + message());
+  return Status(code(), std::string(context) + ": " + message()).with_dead_rank(dead_rank());
+}
+
+Status Status::with_dead_rank(int rank) const {
+  if (ok()) return *this;
+  Status out;
+  out.state_ = std::make_shared<const State>(State{code(), message(), rank});
+  return out;
 }
 
 Status invalid_argument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }

@@ -21,6 +21,7 @@
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.h"
+#include "cuda/knobs.h"
 #include "cuda/mma_sync.cuh"
 #include "cuda/pdl.cuh"
 
@@ -730,7 +731,7 @@ int warp_splits(const AttentionArgs& a) {
 // the rows no prefill tile took): up to kGqaMaxGroup query heads a kv head.
 // FLEXPERT_NO_GQA_ATTENTION=1: a warp per (token, head) instead (for comparisons).
 bool gqa_ok(const AttentionArgs& a) {
-  static const bool off = std::getenv("FLEXPERT_NO_GQA_ATTENTION") != nullptr;
+  const bool off = knobs().no_gqa_attention;
   return !off && a.num_q_heads / a.num_kv_heads <= kGqaMaxGroup;
 }
 
@@ -813,7 +814,7 @@ struct Plan {
   int splits = 1;
 };
 Plan plan(DType dtype, const AttentionArgs& a) {
-  static const bool no_tiles = std::getenv("FLEXPERT_NO_ATTENTION_TILES") != nullptr;
+  const bool no_tiles = knobs().no_attention_tiles;
   const bool tensor_cores = dtype == DType::kBF16 && (a.head_dim == 64 || a.head_dim == 128);
   const int64_t tiles = (a.num_tokens + kFaRows - 1) / kFaRows;
   const int warp_split = warp_splits(a);

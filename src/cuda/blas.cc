@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "cuda/kernels.h"
+#include "cuda/knobs.h"
 
 namespace flexpert::cuda {
 namespace {
@@ -72,14 +73,7 @@ Status Blas::gemm_nt(DType in_dtype, const void* x, int64_t m, int64_t k, const 
 namespace {
 
 // Rows up to which linear() takes the GEMV.
-int64_t gemv_max_rows() {
-  static const int64_t max_rows = [] {
-    if (std::getenv("FLEXPERT_NO_GEMV") != nullptr) return int64_t{0};
-    const char* v = std::getenv("FLEXPERT_GEMV_ROWS");  // Experiments.
-    return v != nullptr ? int64_t{std::atoi(v)} : Blas::kLinearGemvRows;
-  }();
-  return max_rows;
-}
+int64_t gemv_max_rows() { return knobs().no_gemv ? int64_t{0} : Blas::kLinearGemvRows; }
 
 // Whether linear() and its fused forms take the GEMV for m rows of k over n columns (more
 // than one row: short rows of small weights only, blas.h).
@@ -101,7 +95,7 @@ Status Blas::linear(DType in_dtype, const void* x, int64_t m, int64_t k, const v
 }
 
 bool Blas::norm_fuses(DType in_dtype, int64_t m, int64_t k, int64_t n) {
-  static const bool no_fusion = std::getenv("FLEXPERT_NO_NORM_FUSION") != nullptr;
+  const bool no_fusion = knobs().no_norm_fusion;
   return !no_fusion && in_dtype == DType::kBF16 && gemv_takes(m, k, n) && gemv_norm_nt_fits(m, k);
 }
 
@@ -130,7 +124,7 @@ Status Blas::linear_norm_rows(DType in_dtype, const float* x, int64_t x_stride,
 
 Status Blas::linear_swiglu(DType in_dtype, const float* gu, int64_t m, int64_t inter, const void* w,
                            int64_t n, float* y, bool accumulate, void* act) {
-  static const bool no_fusion = std::getenv("FLEXPERT_NO_SWIGLU_FUSION") != nullptr;
+  const bool no_fusion = knobs().no_swiglu_fusion;
   if (!no_fusion && in_dtype == DType::kBF16 && gemv_takes(m, inter, n) &&
       gemv_swiglu_nt_fits(m, inter)) {
     FLEX_CUDA_TRY(gemv_swiglu_nt(gu, static_cast<int>(m), static_cast<int>(inter), w,

@@ -41,7 +41,7 @@ class Blas {
   // with the GEMV up to 1 / 2 / 4 / 8 rows: batch 1 0.92 (cuBLAS 1.03), batch 2 1.23 /
   // 1.21, batch 4 1.72 / 1.72 / 1.78-1.81, batch 8 2.27 / 2.26 / 2.26-2.30 / 2.43-2.45.
   // The LM head stays with cuBLAS, which streams it at ~4.3 TB/s. FLEXPERT_NO_GEMV=1:
-  // always gemm_nt; FLEXPERT_GEMV_ROWS=N: the GEMV up to N rows (experiments).
+  // always gemm_nt (cuda/knobs.h).
   static constexpr int64_t kLinearGemvRows = 2;
   static constexpr int64_t kLinearGemvMax = int64_t{64} << 20;
   // Two rows take the GEMV only for rows up to kLinearGemvLongRow and weights up to

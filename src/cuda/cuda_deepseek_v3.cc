@@ -1,7 +1,4 @@
 // SPDX-License-Identifier: Apache-2.0
-// NOTE: the step driving (inputs, decode graphs, pieces, validation, routing tables,
-// slot statistics) follows cuda_qwen3_moe.cc line for line; the two differ in their
-// layers. Sharing it is a refactor of both models, left for when a third one comes.
 #include "cuda/cuda_deepseek_v3.h"
 
 #include <algorithm>
@@ -11,7 +8,6 @@
 
 #include "cuda/kernels.h"
 #include "cuda/mla_kernels.h"
-#include "cuda/step_driver.h"
 #include "flexpert/logging.h"
 #include "flexpert/thread_pool.h"
 
@@ -37,39 +33,27 @@ Result<std::unique_ptr<Model>> load_cuda_deepseek_model(const std::string& dir,
 Result<std::unique_ptr<CudaDeepseekV3Model>> CudaDeepseekV3Model::create(
     std::unique_ptr<Checkpoint> checkpoint, ModelConfig config, const ModelOptions& options,
     const RopeTables& rope, int device) {
-  std::unique_ptr<CudaDeepseekV3Model> m(new CudaDeepseekV3Model());
-  m->checkpoint_ = std::move(checkpoint);
-  m->config_ = std::move(config);
-  m->device_ = device;
-  m->dtype_ = options.device_dtype;
-  m->use_graphs_ = options.cuda_graphs;
-  FLEX_RETURN_IF_ERROR(m->check_config(options));
+  std::unique_ptr<CudaDeepseekV3Model> m(
+      new CudaDeepseekV3Model(std::move(checkpoint), std::move(config), options, device));
+  FLEX_RETURN_IF_ERROR(m->init_placement(options));
+  FLEX_RETURN_IF_ERROR(m->check_config());
   const ModelConfig& c = m->config_;
   m->softmax_scale_ =
       static_cast<float>(rope.softmax_mscale /
                          std::sqrt(static_cast<double>(c.qk_nope_head_dim + c.qk_rope_head_dim)));
-  FLEX_RETURN_IF_ERROR(set_device(device));
-  FLEX_ASSIGN_OR_RETURN(m->stream_, Stream::create());
-  FLEX_ASSIGN_OR_RETURN(m->blas_, Blas::create(m->stream_.get()));
+  FLEX_RETURN_IF_ERROR(m->create_streams());
   FLEX_ASSIGN_OR_RETURN(m->head_gemm_, HeadGemm::create(m->stream_.get()));
   FLEX_RETURN_IF_ERROR(m->load_weights(options, rope));
   FLEX_RETURN_IF_ERROR(m->allocate_scratch());
-  if (m->ep_) FLEX_RETURN_IF_ERROR(StepDriver::init_ep(*m, options));
-  m->slot_counts_.assign(c.num_hidden_layers,
-                         std::vector<int64_t>(static_cast<size_t>(m->placement_.num_slots()), 0));
+  FLEX_RETURN_IF_ERROR(m->finish_create(options));
   return m;
 }
 
-CudaDeepseekV3Model::~CudaDeepseekV3Model() {
-  (void)set_device(device_);
-  (void)stream_.synchronize();
-}
+CudaDeepseekV3Model::~CudaDeepseekV3Model() { release_device(); }
 
-Status CudaDeepseekV3Model::check_config(const ModelOptions& options) {
+// After init_placement (moe_dims_ set).
+Status CudaDeepseekV3Model::check_config() {
   const ModelConfig& c = config_;
-  if (dtype_ != DType::kF32 && dtype_ != DType::kBF16) {
-    return invalid_argument("CUDA computes in f32 or bf16, not " + std::string(dtype_name(dtype_)));
-  }
   if (!c.is_deepseek()) {
     return unimplemented("model_type '" + c.model_type + "' is not a DeepSeek model");
   }
@@ -80,24 +64,6 @@ Status CudaDeepseekV3Model::check_config(const ModelOptions& options) {
   }
   if (c.qk_rope_head_dim <= 0 || c.qk_rope_head_dim % 8 != 0) {
     return unimplemented("qk_rope_head_dim must be a multiple of 8 on CUDA");
-  }
-  max_sequences_ = std::max(1, options.max_sequences);
-  max_seq_len_ = options.max_seq_len > 0 ? options.max_seq_len
-                                         : std::min(std::max(c.max_position_embeddings, 1), 4096);
-  FLEX_ASSIGN_OR_RETURN(placement_, ExpertPlacement::parse(options.placement, c.num_hidden_layers,
-                                                           std::max(c.num_experts, 1)));
-  const int num_slots = placement_.num_slots();
-  first_slot_ = options.first_slot;
-  num_local_slots_ = options.num_local_slots < 0 ? num_slots : options.num_local_slots;
-  if (first_slot_ < 0 || num_local_slots_ < 1 || first_slot_ + num_local_slots_ > num_slots) {
-    return invalid_argument("local slots [" + std::to_string(first_slot_) + ", +" +
-                            std::to_string(num_local_slots_) + ") outside the placement's " +
-                            std::to_string(num_slots) + " slots");
-  }
-  // All slots local (one rank): the single-process path, executor unused.
-  ep_ = !(first_slot_ == 0 && num_local_slots_ == num_slots);
-  if (ep_ && options.moe_executor == nullptr) {
-    return invalid_argument("a CUDA model holding part of the slots needs a moe_executor");
   }
   if (c.scoring_func == "sigmoid") {
     router_.sigmoid = true;
@@ -118,17 +84,9 @@ Status CudaDeepseekV3Model::check_config(const ModelOptions& options) {
   router_.num_groups = c.n_group;
   router_.topk_groups = c.topk_group;
   router_.routed_scaling_factor = static_cast<float>(c.routed_scaling_factor);
-  moe_dims_.dtype = dtype_;
-  moe_dims_.hidden = c.hidden_size;
-  moe_dims_.intermediate = c.moe_intermediate_size;
-  moe_dims_.num_experts = c.num_experts;
-  moe_dims_.top_k = c.num_experts_per_tok;
-  moe_dims_.num_slots = placement_.num_slots();
-  moe_dims_.norm_topk_prob = c.norm_topk_prob;
   bool any_moe = false;
   for (int l = 0; l < c.num_hidden_layers; ++l) any_moe = any_moe || c.is_moe_layer(l);
   if (any_moe) {
-    FLEX_RETURN_IF_ERROR(moe_dims_.validate());
     if (router_.method != GroupedTopkMethod::kGreedy &&
         (c.n_group < 1 || c.n_group > 32 || c.num_experts % c.n_group != 0 || c.topk_group < 1 ||
          c.topk_group > c.n_group)) {
@@ -179,10 +137,12 @@ Status CudaDeepseekV3Model::load_weights(const ModelOptions& options, const Rope
   }
   FLEX_ASSIGN_OR_RETURN(rope_cos_, upload(cosv.data(), cosv.size() * sizeof(float)));
   FLEX_ASSIGN_OR_RETURN(rope_sin_, upload(sinv.data(), sinv.size() * sizeof(float)));
-  return StepDriver::load_layers(*this, options);
+  layers_.resize(c.num_hidden_layers);
+  return load_layers(options);
 }
 
-Status CudaDeepseekV3Model::load_layer(int index, Layer* layer) {
+Status CudaDeepseekV3Model::load_layer(int index) {
+  Layer* layer = &layers_[index];
   const ModelConfig& c = config_;
   const Checkpoint& ck = *checkpoint_;
   const std::string p = "model.layers." + std::to_string(index) + ".";
@@ -241,14 +201,7 @@ Status CudaDeepseekV3Model::load_layer(int index, Layer* layer) {
     if (router_.method == GroupedTopkMethod::kNoauxTc) {
       FLEX_RETURN_IF_ERROR(f32(p + "mlp.gate.e_score_correction_bias", E, &layer->score_bias));
     }
-    FLEX_RETURN_IF_ERROR(load_slots(index, layer));
-    const size_t num_slots = static_cast<size_t>(placement_.num_slots());
-    FLEX_ASSIGN_OR_RETURN(layer->rep_start, DeviceBuffer::create(E * sizeof(int32_t)));
-    FLEX_ASSIGN_OR_RETURN(layer->rep_count, DeviceBuffer::create(E * sizeof(int32_t)));
-    FLEX_ASSIGN_OR_RETURN(layer->rep_slots, DeviceBuffer::create(num_slots * sizeof(int32_t)));
-    FLEX_ASSIGN_OR_RETURN(layer->stats, DeviceBuffer::create_zeroed(num_slots * sizeof(int64_t)));
-    FLEX_RETURN_IF_ERROR(
-        StepDriver::write_routing_tables(*this, index, placement_.slot_map(index)));
+    FLEX_RETURN_IF_ERROR(load_moe_state(index, layer));
     I = static_cast<int64_t>(c.moe_intermediate_size) * c.num_shared_experts;
     mlp += "shared_experts.";
   }
@@ -280,81 +233,10 @@ Status CudaDeepseekV3Model::pack_slot(int layer, int expert, uint8_t* image) con
   return Status();
 }
 
-Status CudaDeepseekV3Model::load_slots(int index, Layer* layer) {
-  const int num_slots = num_local_slots_;  // Global slots first_slot_ + [0, num_slots).
-  const size_t slot_bytes = static_cast<size_t>(moe_dims_.slot_elems()) * dtype_size(dtype_);
-  FLEX_ASSIGN_OR_RETURN(layer->slots, DeviceBuffer::create_zeroed(num_slots * slot_bytes));
-  const std::vector<int>& map = placement_.slot_map(index);
-  ExpertSlots& mirror = mirrors_[index];
-  // Pack a batch of slots in parallel on the host (into the mirror when there is
-  // one), then copy it up.
-  constexpr int kBatch = 16;
-  std::vector<uint8_t> own_staging(mirror.num_slots() > 0 ? 0 : kBatch * slot_bytes);
-  ThreadPool& pool = ThreadPool::global();
-  for (int s0 = 0; s0 < num_slots; s0 += kBatch) {
-    const int n = std::min(kBatch, num_slots - s0);
-    uint8_t* staging =
-        mirror.num_slots() > 0 ? static_cast<uint8_t*>(mirror.slot_data(s0)) : own_staging.data();
-    std::vector<Status> errors(static_cast<size_t>(n));
-    pool.parallel_for(n, 1, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        uint8_t* image = staging + i * slot_bytes;
-        const int expert = map[first_slot_ + s0 + i];
-        if (expert == ExpertPlacement::kFreeSlot) {
-          std::memset(image, 0, slot_bytes);
-        } else {
-          errors[i] = pack_slot(index, expert, image);
-        }
-      }
-    });
-    for (const Status& s : errors) FLEX_RETURN_IF_ERROR(s);
-    FLEX_CUDA_TRY(cudaMemcpy(layer->slots.as<uint8_t>() + s0 * slot_bytes, staging, n * slot_bytes,
-                             cudaMemcpyHostToDevice));
-  }
-  return Status();
-}
-
-Status CudaDeepseekV3Model::load_expert(int layer, int expert, int local_slot) {
-  if (layer < 0 || layer >= static_cast<int>(layers_.size()) || !layers_[layer].is_moe) {
-    return invalid_argument("layer " + std::to_string(layer) + " has no routed experts");
-  }
-  if (expert < 0 || expert >= config_.num_experts || local_slot < 0 ||
-      local_slot >= num_local_slots_) {
-    return invalid_argument("expert " + std::to_string(expert) + " or local slot " +
-                            std::to_string(local_slot) + " out of range");
-  }
-  const size_t slot_bytes = static_cast<size_t>(moe_dims_.slot_elems()) * dtype_size(dtype_);
-  ExpertSlots& mirror = mirrors_[layer];
-  if (mirror.num_slots() > 0) {
-    FLEX_RETURN_IF_ERROR(
-        pack_slot(layer, expert, static_cast<uint8_t*>(mirror.slot_data(local_slot))));
-    return slots_written(layer, local_slot);
-  }
-  std::vector<uint8_t> image(slot_bytes);
-  FLEX_RETURN_IF_ERROR(pack_slot(layer, expert, image.data()));
-  FLEX_RETURN_IF_ERROR(set_device(device_));
-  FLEX_CUDA_TRY(cudaMemcpyAsync(layers_[layer].slots.as<uint8_t>() + local_slot * slot_bytes,
-                                image.data(), slot_bytes, cudaMemcpyHostToDevice,
-                                upload_stream_.get()));
-  return upload_stream_.synchronize();
-}
-
-ExpertSlots* CudaDeepseekV3Model::local_slots(int layer) {
-  return StepDriver::local_slots(*this, layer);
-}
-
-Status CudaDeepseekV3Model::slots_written(int layer, int local_slot) {
-  return StepDriver::slots_written(*this, layer, local_slot);
-}
-
-Status CudaDeepseekV3Model::copy_slot(int layer, int local_slot, int src_rank, int src_slot) {
-  return StepDriver::copy_slot(*this, layer, local_slot, src_rank, src_slot);
-}
-
 Status CudaDeepseekV3Model::allocate_scratch() {
   const ModelConfig& c = config_;
   const size_t esize = dtype_size(dtype_);
-  FLEX_RETURN_IF_ERROR(StepDriver::allocate_io(*this));
+  FLEX_RETURN_IF_ERROR(allocate_io());
   const size_t T = static_cast<size_t>(max_step_tokens_);
   const size_t H = c.hidden_size, nh = c.num_attention_heads;
   const size_t r = c.kv_lora_rank, dr = c.qk_rope_head_dim;
@@ -482,7 +364,7 @@ Status CudaDeepseekV3Model::enqueue_mlp(Layer& L, int n) {
     // serves the routed and the shared experts.
     const SharedExperts shared{L.w_gu.data(), L.w_down.data(), I, gu_.as<float>(), act_.data()};
     return run_grouped_moe_norm(
-        moe_dims_, router_, L.score_bias.as<float>(), StepDriver::moe_weights(L), moe_,
+        moe_dims_, router_, L.score_bias.as<float>(), L.weights(), moe_,
         MoeInputNorm{x, L.post_norm.as<float>(), eps}, h_.data(), n, in_.num_valid, x,
         /*accumulate=*/true, blas_, stream_.get(), I > 0 ? &shared : nullptr);
   }
@@ -495,45 +377,13 @@ Status CudaDeepseekV3Model::enqueue_mlp(Layer& L, int n) {
 
 Status CudaDeepseekV3Model::enqueue_step(int n, int num_rows) {
   mla_prompt_groups_ = attention_tiles_wanted(n, num_rows);
-  const ModelConfig& c = config_;
-  cudaStream_t s = stream_.get();
-  const int H = c.hidden_size;
-  const float eps = static_cast<float>(c.rms_norm_eps);
-  float* x = x_.as<float>();
-  FLEX_CUDA_TRY(embedding(dtype_, embed_.data(), in_.ids, n, H, x, s));
+  FLEX_CUDA_TRY(embedding(dtype_, embed_.data(), in_.ids, n, config_.hidden_size, x_.as<float>(),
+                          stream_.get()));
   for (Layer& L : layers_) {
     FLEX_RETURN_IF_ERROR(enqueue_attention(L, n));
     FLEX_RETURN_IF_ERROR(enqueue_mlp(L, n));
   }
-  if (num_rows > 0) {
-    FLEX_CUDA_TRY(rms_norm(dtype_, x, in_.last_rows, final_norm_.as<float>(), num_rows, H, eps,
-                           last_h_.data(), s));
-    FLEX_RETURN_IF_ERROR(blas_.gemm_nt(dtype_, last_h_.data(), num_rows, H, lm_head_.data(),
-                                       c.vocab_size, DType::kF32, logits_.data()));
-  }
-  return Status();
-}
-
-Status CudaDeepseekV3Model::forward(const std::vector<SequenceChunk>& batch, Tensor* logits) {
-  return StepDriver::forward(*this, batch, logits);
-}
-
-Status CudaDeepseekV3Model::forward_step(const std::vector<SequenceChunk>& batch,
-                                         const std::vector<RowOutput>& rows, Tensor* logits,
-                                         std::vector<int32_t>* tokens) {
-  return StepDriver::forward(*this, batch, logits, &rows, tokens);
-}
-
-const std::vector<std::vector<int64_t>>& CudaDeepseekV3Model::slot_counts() const {
-  return StepDriver::slot_counts(*this);
-}
-
-void CudaDeepseekV3Model::reset_slot_counts() { StepDriver::reset_slot_counts(*this); }
-
-Status CudaDeepseekV3Model::warm_up() { return StepDriver::warm_up(*this); }
-
-Status CudaDeepseekV3Model::set_placement(ExpertPlacement placement) {
-  return StepDriver::set_placement(*this, std::move(placement));
+  return enqueue_head(num_rows);
 }
 
 }  // namespace flexpert::cuda

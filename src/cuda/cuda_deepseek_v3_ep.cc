@@ -8,7 +8,6 @@
 
 #include "cuda/cuda_deepseek_v3.h"
 #include "cuda/kernels.h"
-#include "cuda/step_driver.h"
 
 namespace flexpert::cuda {
 
@@ -41,17 +40,11 @@ Status CudaDeepseekV3Model::enqueue_segment(int seg, int n, int num_rows) {
     }
     FLEX_RETURN_IF_ERROR(enqueue_mlp(L, n));  // Dense.
   }
-  if (seg == num_moe) {
-    if (num_rows == 0) return Status();
-    FLEX_CUDA_TRY(rms_norm(dtype_, x, in_.last_rows, final_norm_.as<float>(), num_rows, H, eps,
-                           last_h_.data(), s));
-    return blas_.gemm_nt(dtype_, last_h_.data(), num_rows, H, lm_head_.data(), c.vocab_size,
-                         DType::kF32, logits_.data());
-  }
+  if (seg == num_moe) return enqueue_head(num_rows);
   Layer& L = layers_[end];
   // DeepSeek's router only; the routed experts run wherever the slots are.
-  FLEX_RETURN_IF_ERROR(route_grouped(moe_dims_, router_, L.score_bias.as<float>(),
-                                     StepDriver::moe_weights(L), moe_, h_.data(), n, blas_, s));
+  FLEX_RETURN_IF_ERROR(route_grouped(moe_dims_, router_, L.score_bias.as<float>(), L.weights(),
+                                     moe_, h_.data(), n, blas_, s));
   return ep_moe_->enqueue_route_out(n);
 }
 

@@ -7,7 +7,6 @@
 
 #include "cuda/cuda_qwen3_moe.h"
 #include "cuda/kernels.h"
-#include "cuda/step_driver.h"
 
 namespace flexpert::cuda {
 
@@ -34,9 +33,9 @@ Status CudaQwen3MoeModel::enqueue_segment(int seg, int n, int num_rows) {
   FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.post_norm.as<float>(), n, config_.hidden_size,
                          static_cast<float>(config_.rms_norm_eps), h_.data(), stream_.get()));
   // Router and top-k with replica choice only; the experts run wherever the slots are.
-  FLEX_RETURN_IF_ERROR(
-      run_moe(moe_dims_, StepDriver::moe_weights(L), moe_, h_.data(), n, nullptr, x,
-              /*accumulate=*/true, blas_, stream_.get(), -1, kMoeRouter | kMoeTopk));
+  FLEX_RETURN_IF_ERROR(run_moe(moe_dims_, L.weights(), moe_, h_.data(), n, nullptr, x,
+                               /*accumulate=*/true, blas_, stream_.get(), -1,
+                               kMoeRouter | kMoeTopk));
   return ep_moe_->enqueue_route_out(n);
 }
 

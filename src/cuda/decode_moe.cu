@@ -453,13 +453,9 @@ bool route_clusters_ok() {
 }  // namespace
 
 int decode_route_cluster_blocks(int num_experts) {
-  // FLEXPERT_NO_ROUTE_CLUSTER=1: the ticket instead (comparisons).
-  static const bool off = [] {
-    const char* v = std::getenv("FLEXPERT_NO_ROUTE_CLUSTER");
-    return v != nullptr && v[0] != '\0' && v[0] != '0';
-  }();
-  if (off || num_experts < 1 || num_experts > 2 * kRouteWarps * kRouteCluster ||
-      !route_clusters_ok()) {
+  // FLEXPERT_NO_ROUTE_CLUSTER=1: the ticket instead (comparisons, cuda/knobs.h).
+  if (knobs().no_route_cluster || num_experts < 1 ||
+      num_experts > 2 * kRouteWarps * kRouteCluster || !route_clusters_ok()) {
     return 0;
   }
   // A power of two of blocks, one expert a warp where that takes at most kRouteCluster

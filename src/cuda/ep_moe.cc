@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "cuda/kernels.h"
+#include "cuda/knobs.h"
 #include "flexpert/logging.h"
 #include "transport/cuda_ipc/cuda_ipc_runtime.h"
 #include "transport/shm/shm_segment.h"
@@ -166,8 +167,7 @@ Result<std::unique_ptr<DeviceEpMoe>> DeviceEpMoe::create(Config config, Blas& bl
   // The device exchange: an owner's rows of one step and its GEMM scratch (the host
   // exchange's chunks fit in them too).
   auto* ep = dynamic_cast<EpMoeExecutor*>(m->config_.executor);
-  const char* mode = std::getenv("FLEXPERT_EP_EXCHANGE");
-  const bool host_only = mode != nullptr && std::string(mode) == "host";
+  const bool host_only = ep_exchange_host();
   const bool device_exchange = ep != nullptr && !host_only &&
                                ep->transport().max_ranks() <= kEpMaxRanks && d.top_k <= 64 &&
                                d.hidden % 8 == 0;

@@ -6,6 +6,7 @@
 
 #include "cuda/decode_moe.h"
 #include "cuda/kernels.h"
+#include "cuda/knobs.h"
 
 namespace flexpert::cuda {
 
@@ -57,7 +58,7 @@ Status run_grouped_moe(const MoeDims& dims, const GroupedRouter& router, const f
                        const MoeLayerWeights& w, MoeScratch& scratch, const void* h, int num_tokens,
                        const int32_t* num_valid_tokens, float* out, bool accumulate, Blas& blas,
                        cudaStream_t stream, int force_tile) {
-  static const bool no_decode = std::getenv("FLEXPERT_NO_DECODE_MOE") != nullptr;
+  const bool no_decode = knobs().no_decode_moe;
   if (num_tokens == 0) return Status();
   if (num_tokens > scratch.max_tokens) {
     return internal_error("MoE step of " + std::to_string(num_tokens) +
@@ -90,8 +91,8 @@ Status run_grouped_moe_norm(const MoeDims& dims, const GroupedRouter& router,
                             const MoeInputNorm& norm, void* h, int num_tokens,
                             const int32_t* num_valid_tokens, float* out, bool accumulate,
                             Blas& blas, cudaStream_t stream, const SharedExperts* shared) {
-  static const bool no_decode = std::getenv("FLEXPERT_NO_DECODE_MOE") != nullptr;
-  static const bool no_shared_fusion = std::getenv("FLEXPERT_NO_SHARED_FUSION") != nullptr;
+  const bool no_decode = knobs().no_decode_moe;
+  const bool no_shared_fusion = knobs().no_shared_fusion;
   if (num_tokens == 0) return Status();
   if (shared != nullptr && shared->inter == 0) shared = nullptr;
   const bool decode =

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "cuda/blas.h"
+#include "cuda/knobs.h"
 #include "cuda/mla_kernels.h"
 
 namespace flexpert::cuda {
@@ -50,7 +51,7 @@ Status HeadGemm::run(DType in_dtype, const void* x, int64_t m, int64_t x_row_str
                      int64_t x_head_stride, const void* w, int64_t num_heads, int64_t n, int64_t k,
                      DType out_dtype, void* y, int64_t y_row_stride, int64_t y_head_stride,
                      const MlaRopeArgs* rope) {
-  static const bool no_gemv = std::getenv("FLEXPERT_NO_HEAD_GEMV") != nullptr;
+  const bool no_gemv = knobs().no_head_gemv;
   if (m == 0 || n == 0 || num_heads == 0) return Status();
   const HeadGemvArgs args{x,
                           x_row_stride,

@@ -12,6 +12,7 @@
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.h"
+#include "cuda/knobs.h"
 #include "cuda/pdl.cuh"
 #include "cuda/topk.cuh"
 
@@ -990,10 +991,9 @@ cudaError_t launch_gemv(const bf16* x, int m, int k, const void* w, int n, void*
   // RMSNorm at 2 / 4 / 8 rows 11.6 / 18.1 / 32.2 -> 9.5 / 13.2 / 21.7 us, DeepSeek-V2-Lite's
   // dense gate/up 37.6 / 63.0 / 120 -> 27.0 / 37.6 / 63.9). Not for rows loaded a pass
   // ahead: their loop takes more registers, a block an SM (DeepSeek-V3's q_a + kv_a at 2
-  // rows 11.6 -> 12.6 us). FLEXPERT_GEMV_NO_LOOP=1: a block per 8 columns always.
-  static const bool no_loop = std::getenv("FLEXPERT_GEMV_NO_LOOP") != nullptr;
+  // rows 11.6 -> 12.6 us).
   bool loop = false;
-  if (m >= 2 && io.prologue != GemvIo::kNone && !ahead && !no_loop) {
+  if (m >= 2 && io.prologue != GemvIo::kNone && !ahead) {
     int per_sm = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernels[1][0][m - 1],
                                                       kGemvWarps * 32, smem) != cudaSuccess) {
@@ -1219,13 +1219,12 @@ cudaError_t sample_rows(const SampleRowsArgs& args, cudaStream_t stream) {
   // Draws with a cut overwrite their token (the others return at once).
   if (args.top_k == nullptr || args.top_p == nullptr) return cudaGetLastError();
   // Few draws: a cluster of CS blocks each, the largest CS of 8, 4, 2 with n x CS blocks
-  // within the SMs, else a block each (FLEXPERT_SAMPLE_CLUSTER=0: always, experiments).
+  // within the SMs, else a block each.
   static const int sms = [] {
-    const char* v = std::getenv("FLEXPERT_SAMPLE_CLUSTER");
     int device = 0, ok = 0, count = 0;
     cudaFuncAttributes fa{};
     const bool usable =
-        !(v != nullptr && std::strcmp(v, "0") == 0) && cudaGetDevice(&device) == cudaSuccess &&
+        cudaGetDevice(&device) == cudaSuccess &&
         cudaDeviceGetAttribute(&ok, cudaDevAttrClusterLaunch, device) == cudaSuccess && ok != 0 &&
         cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
         cudaFuncGetAttributes(&fa, sample_truncated_kernel<2>) == cudaSuccess &&

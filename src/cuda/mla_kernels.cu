@@ -17,6 +17,7 @@
 
 #include "cuda/device_util.cuh"
 #include "cuda/grouped_topk.cuh"
+#include "cuda/knobs.h"
 #include "cuda/mla_kernels.h"
 #include "cuda/mma_sync.cuh"
 #include "cuda/pdl.cuh"
@@ -617,7 +618,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32 * G)
 }
 
 bool mla_mma_ok(DType dtype, const MlaAttentionArgs& a) {
-  static const bool off = std::getenv("FLEXPERT_NO_MLA_MMA") != nullptr;
+  const bool off = knobs().no_mla_mma;
   return !off && dtype == DType::kBF16 &&
          (a.kv_lora_rank == 128 || a.kv_lora_rank == 256 || a.kv_lora_rank == 512) &&
          a.rope_dim % 8 == 0 && a.rope_dim <= 64;

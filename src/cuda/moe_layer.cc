@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "cuda/moe_layer.h"
+#include "cuda/knobs.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -312,7 +313,7 @@ Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratc
 constexpr int kRouteNormMaxTokens = 2;
 
 bool route_norm_fuses(const MoeDims& dims, const MoeScratch& scratch, int num_tokens) {
-  static const bool no_fusion = std::getenv("FLEXPERT_NO_NORM_FUSION") != nullptr;
+  const bool no_fusion = knobs().no_norm_fusion;
   return !no_fusion && num_tokens >= 1 && num_tokens <= kRouteNormMaxTokens &&
          num_tokens <= scratch.max_tokens && uses_decode_path(dims, num_tokens) &&
          decode_route_norm_fits(num_tokens, dims.hidden);

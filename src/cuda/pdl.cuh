@@ -18,8 +18,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <utility>
+
+#include "cuda/knobs.h"
 
 namespace flexpert::cuda {
 
@@ -44,13 +45,7 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   return v;
 }
 
-inline bool pdl_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("FLEXPERT_NO_PDL");
-    return v == nullptr || v[0] == '\0' || v[0] == '0';
-  }();
-  return on;
-}
+inline bool pdl_enabled() { return !knobs().no_pdl; }
 
 // kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialisation,
 // and with cluster_x > 0 in clusters of cluster_x blocks (grid.x a multiple of it).

@@ -22,6 +22,7 @@
 
 #include "cuda/device_util.cuh"
 #include "cuda/grouped_gemm.h"
+#include "cuda/knobs.h"
 #include "cuda/mma_sync.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -940,19 +941,8 @@ const CUtensorMap* rows_tensor_map(const void* ptr, int k, int box_rows, int pro
   return &cache.emplace(key, map).first->second;
 }
 
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr ? std::atoi(v) : fallback;
-}
-
 // FLEXPERT_GEMM_MAX_CTAS caps the persistent grid (tests: several units per CTA).
-int max_ctas_env() {
-  static const int cap = [] {
-    const char* v = std::getenv("FLEXPERT_GEMM_MAX_CTAS");
-    return v != nullptr ? std::atoi(v) : 0;
-  }();
-  return cap;
-}
+int max_ctas_env() { return knobs().gemm_max_ctas; }
 
 int sm_count() {
   int device = 0, count = 0;
@@ -968,12 +958,9 @@ int sm_count() {
 template <int BM, bool TMA_A>
 cudaError_t launch_ws_kernel(const GroupedGemmArgs& g, const CUtensorMap& map_b,
                              const CUtensorMap& map_a, cudaStream_t stream) {
-  // The epilogue by TMA (store_block_tma) needs a tensor map over the output rows;
-  // FLEXPERT_WS_TMA_STORE=0 stores from registers (experiments).
-  static const int tma_store_env = env_int("FLEXPERT_WS_TMA_STORE", 1);
-  const CUtensorMap* map_out = BM == 128 && tma_store_env != 0
-                                   ? rows_tensor_map(g.out, g.swiglu ? g.n / 2 : g.n, 64)
-                                   : nullptr;
+  // The epilogue by TMA (store_block_tma) needs a tensor map over the output rows.
+  const CUtensorMap* map_out =
+      BM == 128 ? rows_tensor_map(g.out, g.swiglu ? g.n / 2 : g.n, 64) : nullptr;
   if (const cudaError_t err = ensure_smem_limit<wgmma_ws_kernel<BM, TMA_A>>(ws_smem_bytes<BM>());
       err != cudaSuccess) {
     return err;
@@ -990,29 +977,17 @@ cudaError_t launch_ws_kernel(const GroupedGemmArgs& g, const CUtensorMap& map_b,
   // CTAs sharing a B block drift apart (16384 tokens: 30.4 ms against 23.3 ms per layer
   // with a CTA per unit), and for ws128 with >= 32 units per SM, since with fewer the
   // fixed walk balances worse than in-order block launch (Qwen3 4096 tokens gate/up
-  // 523 against 475 us). Knobs (experiments, tests): FLEXPERT_WS_DYNAMIC=0 drops the
-  // counter; FLEXPERT_WS_PERSIST=0/1 forces either grid for the fixed walk (0 also
-  // drops the counter); FLEXPERT_WS_GROUP=N groups N tiles (N < 0: all, i.e.
-  // tile-fastest order).
-  static const int persist_env = env_int("FLEXPERT_WS_PERSIST", -1);
-  static const int group_env = env_int("FLEXPERT_WS_GROUP", 0);
-  static const int dynamic_env = env_int("FLEXPERT_WS_DYNAMIC", 1);
-  const bool dynamic = g.sched != nullptr && dynamic_env != 0 && persist_env != 0;
+  // 523 against 475 us).
+  const bool dynamic = g.sched != nullptr;
   const bool persist =
       dynamic ||
-      (persist_env >= 0 ? persist_env != 0
-                        : static_cast<int64_t>(g.n) * g.k * 2 <= (int64_t{16} << 20) &&
-                              (BM != 128 || units >= 32 * static_cast<int64_t>(sm_count()) ||
-                               max_ctas_env() > 0));
+      (static_cast<int64_t>(g.n) * g.k * 2 <= (int64_t{16} << 20) &&
+       (BM != 128 || units >= 32 * static_cast<int64_t>(sm_count()) || max_ctas_env() > 0));
   const int grid = static_cast<int>(persist ? std::min<int64_t>(units, sm_count()) : units);
-  const int group = group_env > 0   ? group_env
-                    : group_env < 0 ? std::max(1, g.max_tiles)
-                                    : std::max(1, std::min(grid, sm_count()) / nb);
-  // FLEXPERT_WS_SPLIT_TAIL=0: a slot's last tile of <= 64 rows runs one consumer on all
-  // 256 columns while the other idles (experiments).
-  static const int split_env = env_int("FLEXPERT_WS_SPLIT_TAIL", 1);
+  const int group = std::max(1, std::min(grid, sm_count()) / nb);
+  // A slot's last tile of <= 64 rows splits its 256 columns between the two consumers.
   const int flags = (map_out != nullptr ? kWsTmaStore : 0) | (dynamic ? kWsDynamic : 0) |
-                    (BM == 128 && split_env != 0 ? kWsSplitTail : 0);
+                    (BM == 128 ? kWsSplitTail : 0);
   wgmma_ws_kernel<BM, TMA_A><<<grid, kWsThreads, ws_smem_bytes<BM>(), stream>>>(
       g, map_b, map_a, map_out != nullptr ? *map_out : map_b, group, flags);
   return cudaGetLastError();
@@ -1025,9 +1000,7 @@ cudaError_t launch_ws(const GroupedGemmArgs& g, cudaStream_t stream) {
   // 4096 tokens (ws128, ~128 rows a slot, the weights streamed from DRAM) took 5-7 % less
   // on both (5.74 -> 5.45 ms, 5.97 -> 5.63); at 16384 ~1 % more on both; ws64 at 1024
   // tokens 1-2 % less on one, 2-3 % more on the other; Qwen3 within the spread.
-  // FLEXPERT_TMA_L2_PROMOTION=0/64/128/256 sets it for both tiles (experiments).
-  static const int promotion_env = env_int("FLEXPERT_TMA_L2_PROMOTION", -1);
-  const int promotion = promotion_env >= 0 ? promotion_env : BM == 128 ? 128 : 256;
+  const int promotion = BM == 128 ? 128 : 256;
   const CUtensorMap* map_b = g.slot_stride % g.k == 0 && g.weight_offset % g.k == 0
                                  ? rows_tensor_map(g.weights, g.k, kWsBN, promotion)
                                  : nullptr;
@@ -1058,17 +1031,11 @@ cudaError_t launch_pp_kernel(const GroupedGemmArgs& g, const CUtensorMap& map_b,
   const int nb = g.n / kPpBN;
   const int64_t pairs = (static_cast<int64_t>(g.max_tiles) * nb + 1) / 2;
   // Persistent under the same rule as wgmma_ws (a slot's B <= 16 MB); otherwise one
-  // CTA per unit pair. FLEXPERT_PP_PERSIST=0/1 forces either.
-  static const int persist_env = env_int("FLEXPERT_PP_PERSIST", -1);
-  static const int group_env = env_int("FLEXPERT_WS_GROUP", 0);
-  const bool persist = persist_env >= 0
-                           ? persist_env != 0
-                           : static_cast<int64_t>(g.n) * g.k * 2 <= (int64_t{16} << 20);
+  // CTA per unit pair.
+  const bool persist = static_cast<int64_t>(g.n) * g.k * 2 <= (int64_t{16} << 20);
   const int grid = static_cast<int>(persist ? std::min<int64_t>(pairs, sm_count()) : pairs);
   // About 2 units per CTA are in flight (one in its mainloop, one storing).
-  const int group = group_env > 0   ? group_env
-                    : group_env < 0 ? std::max(1, g.max_tiles)
-                                    : std::max(1, 2 * std::min(grid, sm_count()) / nb);
+  const int group = std::max(1, 2 * std::min(grid, sm_count()) / nb);
   wgmma_pp_kernel<TMA_A><<<grid, kWsThreads, pp_smem_bytes(), stream>>>(g, map_b, map_a, group);
   return cudaGetLastError();
 }

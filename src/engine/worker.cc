@@ -9,24 +9,24 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <mutex>
 #include <random>
 #include <thread>
 #include <unordered_map>
 
 #include "cluster/protocol.h"
 #include "cluster/zmq_socket.h"
+#include "core/mutex.h"
 #include "flexpert/logging.h"
 #include "flexpert/model.h"
 #include "flexpert/scheduler.h"
 #include "flexpert/thread_pool.h"
 #include "moe/ep_executor.h"
 #include "moe/expert_slots.h"
+#include "moe/memory_plan.h"
 #include "transport/transport.h"
 
 namespace flexpert {
@@ -61,6 +61,8 @@ struct StepHeader {
   uint32_t device_ready = 0;  // 1: this rank's model can run a device exchange with the group.
   uint32_t pad = 0;
 };
+// plan-memory sizes the gather mailboxes by it (moe/memory_plan.h).
+static_assert(sizeof(StepHeader) == kStepHeaderBytes);
 
 template <typename T>
 Status send_msg(ZmqSocket& socket, const T& msg) {
@@ -96,7 +98,7 @@ class Worker {
   void heartbeat_loop(std::string routing_id);
   void stop_heartbeat() {
     {
-      std::lock_guard<std::mutex> lock(heartbeat_mutex_);
+      MutexLock lock(heartbeat_mutex_);
       heartbeat_stop_ = true;
     }
     heartbeat_cv_.notify_all();
@@ -104,7 +106,7 @@ class Worker {
   }
   void stop_mover() {
     {
-      std::lock_guard<std::mutex> lock(mover_mutex_);
+      MutexLock lock(mover_mutex_);
       mover_stop_ = true;
     }
     mover_cv_.notify_all();
@@ -140,18 +142,18 @@ class Worker {
   uint64_t map_version_ = 0;
   bool has_pending_map_ = false;
   proto::MapCommand pending_map_;
-  // Mover thread and its queues, guarded by mover_mutex_.
+  // Mover thread and its queues.
   std::thread mover_;
-  std::mutex mover_mutex_;
-  std::condition_variable mover_cv_;
-  std::deque<proto::PullCommand> pulls_;
-  std::deque<proto::PullDone> pulled_;
-  bool mover_stop_ = false;
+  Mutex mover_mutex_;
+  CondVar mover_cv_;
+  std::deque<proto::PullCommand> pulls_ GUARDED_BY(mover_mutex_);
+  std::deque<proto::PullDone> pulled_ GUARDED_BY(mover_mutex_);
+  bool mover_stop_ GUARDED_BY(mover_mutex_) = false;
   std::thread heartbeat_;
-  std::mutex heartbeat_mutex_;
-  std::condition_variable heartbeat_cv_;
-  bool heartbeat_stop_ = false;  // Guarded by heartbeat_mutex_.
-  bool fenced_ = false;          // Declared lost by the front end: exit, touch nothing.
+  Mutex heartbeat_mutex_;
+  CondVar heartbeat_cv_;
+  bool heartbeat_stop_ GUARDED_BY(heartbeat_mutex_) = false;
+  bool fenced_ = false;  // Declared lost by the front end: exit, touch nothing.
 
  public:
   ~Worker() {
@@ -193,11 +195,11 @@ void Worker::heartbeat_loop(std::string routing_id) {
     return;
   }
   const proto::Heartbeat beat{options_.rank, config_.incarnation};
-  std::unique_lock<std::mutex> lock(heartbeat_mutex_);
+  MutexLock lock(heartbeat_mutex_);
   while (!heartbeat_stop_) {
     (void)send_msg(socket, beat);
     heartbeat_cv_.wait_for(lock, std::chrono::milliseconds(proto::Heartbeat::kHeartbeatIntervalMs),
-                           [&] { return heartbeat_stop_; });
+                           [&]() REQUIRES(heartbeat_mutex_) { return heartbeat_stop_; });
   }
 }
 
@@ -354,7 +356,7 @@ Status Worker::handle(const std::vector<std::string>& parts) {
   } else if (type == proto::PullCommand::kType) {
     FLEX_ASSIGN_OR_RETURN(auto cmd, proto::decode<proto::PullCommand>(parts[1]));
     {
-      std::lock_guard<std::mutex> lock(mover_mutex_);
+      MutexLock lock(mover_mutex_);
       pulls_.push_back(std::move(cmd));
     }
     mover_cv_.notify_one();
@@ -550,9 +552,9 @@ proto::PullDone Worker::pull(const proto::PullCommand& cmd) {
 }
 
 void Worker::mover_loop() {
-  std::unique_lock<std::mutex> lock(mover_mutex_);
+  MutexLock lock(mover_mutex_);
   for (;;) {
-    mover_cv_.wait(lock, [&] { return mover_stop_ || !pulls_.empty(); });
+    mover_cv_.wait(lock, [&]() REQUIRES(mover_mutex_) { return mover_stop_ || !pulls_.empty(); });
     if (mover_stop_) return;
     proto::PullCommand cmd = std::move(pulls_.front());
     pulls_.pop_front();
@@ -566,7 +568,7 @@ void Worker::mover_loop() {
 void Worker::send_pull_results() {
   std::deque<proto::PullDone> done;
   {
-    std::lock_guard<std::mutex> lock(mover_mutex_);
+    MutexLock lock(mover_mutex_);
     done.swap(pulled_);
   }
   for (const auto& d : done) (void)send_msg(control_, d);
@@ -623,12 +625,7 @@ int Worker::run() {
                      << s.to_string();
       halted_ = true;
       proto::WorkerError err{group_.epoch, static_cast<int>(s.code()), s.message()};
-      // The transport names a peer whose process it saw end ("rank R (pid P) died").
-      int dead = -1, pid = 0;
-      if (s.code() == StatusCode::kUnavailable &&
-          std::sscanf(s.message().c_str(), "rank %d (pid %d) died", &dead, &pid) == 2) {
-        err.dead_rank = dead;
-      }
+      err.dead_rank = s.dead_rank();  // A peer whose process the transport saw end.
       (void)send_msg(control_, err);
     }
     report(false);

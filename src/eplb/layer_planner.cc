@@ -232,12 +232,41 @@ std::optional<std::vector<int>> current_host_of_group(
   return host_of;
 }
 
+// Places one more replica of `e` when every rank with a free slot holds it already: the least
+// loaded such rank r takes an item x of a full rank q that lacks e and that r lacks, and e takes
+// x's place on q (the pair with the lowest peak). False when no such pair exists.
+bool make_room(LayerState& state, const Domain& d, int e) {
+  int r = -1;
+  for (int g = d.rank_begin; g < d.rank_end; ++g) {
+    if (state.size(g) >= state.slots_per_rank()) continue;
+    if (r < 0 || state.rank_load(g) < state.rank_load(r)) r = g;
+  }
+  if (r < 0) return false;
+  int best_q = -1, best_x = -1;
+  double best_peak = std::numeric_limits<double>::infinity();
+  for (int q = d.rank_begin; q < d.rank_end; ++q) {
+    if (q == r || state.holds(q, e)) continue;
+    for (int k = 0; k < state.size(q); ++k) {
+      const int x = state.items(q)[k];
+      if (state.holds(r, x)) continue;
+      const double px = state.per_replica(x);
+      const double peak =
+          std::max(state.rank_load(r) + px, state.rank_load(q) - px + state.per_if_more(e));
+      if (peak < best_peak) best_peak = peak, best_q = q, best_x = x;
+    }
+  }
+  if (best_q < 0) return false;
+  state.move(best_q, r, best_x);
+  state.add(best_q, e);
+  return true;
+}
+
 // Gives each expert of the domain counts[e] replicas: spare ones leave their hottest holder, then
 // missing ones go, largest load per replica first, to the coldest rank with a free slot that
-// lacks the expert. Turns the replica counts a plan from scratch chose into a few writes on the
-// current placement, which the search then only has to rearrange (one replica more where every
-// rank is near the mean needs a chain of steps the search does not find). False when a replica
-// finds no rank.
+// lacks the expert (make_room when every such rank holds it). Turns the replica counts a plan from
+// scratch chose into a few writes on the current placement, which the search then only has to
+// rearrange (one replica more where every rank is near the mean needs a chain of steps the search
+// does not find). False when a replica finds no rank.
 bool adjust_counts(LayerState& state, const Domain& d, const std::vector<int>& counts) {
   for (int e : d.experts) {
     while (state.count(e) > counts[e]) {
@@ -262,7 +291,8 @@ bool adjust_counts(LayerState& state, const Domain& d, const std::vector<int>& c
         if (state.size(r) >= state.slots_per_rank() || state.holds(r, e)) continue;
         if (coldest < 0 || state.rank_load(r) < state.rank_load(coldest)) coldest = r;
       }
-      if (coldest < 0) return false;
+      if (coldest < 0 && !make_room(state, d, e)) return false;
+      if (coldest < 0) continue;
       state.add(coldest, e);
     }
   }
@@ -282,6 +312,10 @@ std::optional<std::vector<std::vector<int>>> repair(const LayerShape& shape,
   LayerState state(load, shape.num_ranks, shape.slots_per_rank);
   state.add_all(current);
   const int m = std::max(1, shape.min_replicas);
+  std::vector<uint8_t> held(static_cast<size_t>(shape.num_experts) * shape.num_ranks, 0);
+  for (int r = 0; r < shape.num_ranks; ++r) {
+    for (int e : current[r]) held[static_cast<size_t>(e) * shape.num_ranks + r] = 1;
+  }
   bool reached = true;
   for (const Domain& d : domains) {
     if (counts && !adjust_counts(state, d, *counts)) return std::nullopt;
@@ -299,6 +333,7 @@ std::optional<std::vector<std::vector<int>>> repair(const LayerShape& shape,
     // stuck again when planned anew, which keeps unchanged loads at zero moves.
     options.max_pairs = std::numeric_limits<int64_t>::max();
     options.allow_drop = !shape.fill_slots;
+    options.held = held.data();
     const SearchEnd end = improve(state, d, options);
     if (end == SearchEnd::kOutOfSteps ||
         (end == SearchEnd::kStuck && state.max_load(d) > fallback_limit * (1 + kRelEps))) {
@@ -367,13 +402,22 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
     used = Policy::kHierarchical;
   }
   const Candidate& fresh = used == Policy::kHierarchical ? *hier : *global;
-  // The repair aims at the target. NOTE: not capped at the greedy packing from scratch any more:
-  // a tolerance of a few percent trades balance for moves after a membership change (see the
-  // trade-off in docs/benchmarks.md); the default stays below that packing in practice. One
-  // that gets stuck short of the target is still taken when it is no worse than that greedy
-  // packing (the kind of plan DeepSeek's balancer returns): the alternative, the plan from
-  // scratch renumbered, rewrites about half of the layer.
-  const double repair_target = target;
+  // After a membership change (an expert lost its last replica, or a member rank is empty) most
+  // of the layer is rewritten whatever the plan; the repair then (greedy_after_change) aims no
+  // higher than the greedy packing from scratch (the kind of plan DeepSeek's balancer returns):
+  // weights are not moved to beat it during the change, the next replan (no longer reshaped) does
+  // that with fewer moves. Otherwise the repair aims at the target. One that gets stuck short of
+  // its aim is still taken when no worse than that greedy packing: the alternative, the plan from
+  // scratch renumbered, rewrites about half of the layer. See the trade-off in docs/benchmarks.md.
+  std::vector<int> held(shape.num_experts, 0);
+  bool reshaped = false;
+  for (const auto& set : current) {
+    reshaped = reshaped || set.empty();
+    for (int e : set) held[e] = 1;
+  }
+  reshaped = reshaped || std::count(held.begin(), held.end(), 0) > 0;
+  const double repair_target =
+      reshaped && shape.greedy_after_change ? std::max(target, fresh.greedy_load) : target;
   const double fallback_limit = std::max(fresh.greedy_load, repair_target);
   LayerResult result;
   result.used = used;
@@ -389,15 +433,8 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
     domains = host_domains(shape, *current_host_of);
   }
   std::optional<std::vector<std::vector<int>>> repaired;
-  // After a membership change (an expert lost its last replica, or a member rank is empty) the
-  // plain repair mostly gets stuck or rewrites much: only the one given the counts runs.
-  std::vector<int> held(shape.num_experts, 0);
-  bool reshaped = false;
-  for (const auto& set : current) {
-    reshaped = reshaped || set.empty();
-    for (int e : set) held[e] = 1;
-  }
-  reshaped = reshaped || std::count(held.begin(), held.end(), 0) > 0;
+  // After a membership change the plain repair mostly gets stuck or rewrites much: only the one
+  // given the counts runs.
   if (domains && !reshaped) {
     repaired = repair(shape, load, current, *domains, repair_target, fallback_limit, nullptr);
   }

@@ -18,7 +18,8 @@ struct LayerShape {
   int min_replicas = 1;
   double tolerance = 0;
   bool hierarchical_applicable = false;
-  bool fill_slots = false;  // PlanInput::fill_slots
+  bool fill_slots = false;           // PlanInput::fill_slots
+  bool greedy_after_change = false;  // PlanInput::greedy_after_change
 };
 
 struct LayerResult {

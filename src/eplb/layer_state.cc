@@ -31,6 +31,30 @@ class MinTree {
   }
   int top() const { return idx_[1]; }
   double top_key() const { return key_[1]; }
+  // The index with the smallest finite key (ties: the lowest index) for which ok(index) holds;
+  // -1 when none. Reads only: a node's winner is the least of its subtree, so subtrees that
+  // cannot beat the best found are skipped and only the paths to excluded leaves are walked.
+  template <typename Ok>
+  int top_where(Ok ok) {
+    int best = -1;
+    double best_key = kInf;
+    stack_.assign(1, 1);
+    while (!stack_.empty()) {
+      const int v = stack_.back();
+      stack_.pop_back();
+      const double k = key_[v];
+      const int i = idx_[v];
+      if (!(k < kInf) || (best >= 0 && (k > best_key || (k == best_key && i > best)))) continue;
+      if (ok(i)) {
+        best = i, best_key = k;
+      } else if (v < leaves_) {
+        const bool right_first = key_[2 * v + 1] < key_[2 * v];  // popped first: pushed last
+        stack_.push_back(right_first ? 2 * v : 2 * v + 1);
+        stack_.push_back(right_first ? 2 * v + 1 : 2 * v);
+      }
+    }
+    return best;
+  }
   void set(int i, double key) {
     key_[leaves_ + i] = key;
     for (int v = (leaves_ + i) / 2; v >= 1; v /= 2) pull(v);
@@ -50,6 +74,7 @@ class MinTree {
   int leaves_;
   std::vector<double> key_;  // [node]
   std::vector<int> idx_;     // [node]: the winning leaf
+  std::vector<int> stack_;   // top_where's nodes to visit
 };
 
 }  // namespace
@@ -66,7 +91,7 @@ LayerState::LayerState(const std::vector<double>& load, int num_ranks, int slots
       more_(load.size()),
       fewer_(load.size()),
       has_(load.size() * num_ranks, 0),
-      holders_(load.size()) {
+      holders_(new int[load.size() * static_cast<size_t>(num_ranks)]) {
   for (size_t e = 0; e < load.size(); ++e) set_count_changed(static_cast<int>(e));
 }
 
@@ -75,8 +100,7 @@ void LayerState::place(int rank, int expert) {
       << "rank " << rank << " expert " << expert;
   items_[static_cast<size_t>(rank) * slots_ + size_[rank]++] = expert;
   has_[static_cast<size_t>(expert) * num_ranks_ + rank] = 1;
-  holders_[expert].push_back(rank);
-  ++count_[expert];
+  holders_[static_cast<size_t>(expert) * num_ranks_ + count_[expert]++] = rank;
 }
 
 void LayerState::unplace(int rank, int expert) {
@@ -86,9 +110,10 @@ void LayerState::unplace(int rank, int expert) {
   std::copy(pos + 1, it + size_[rank], pos);  // keeps the others' order
   --size_[rank];
   has_[static_cast<size_t>(expert) * num_ranks_ + rank] = 0;
-  auto& h = holders_[expert];
-  h.erase(std::find(h.begin(), h.end(), rank));
-  --count_[expert];
+  int* h = &holders_[static_cast<size_t>(expert) * num_ranks_];
+  int* const end = h + count_[expert]--;
+  int* at = std::find(h, end, rank);
+  std::copy(at + 1, end, at);  // keeps the others' order
 }
 
 void LayerState::set_count_changed(int expert) {
@@ -107,7 +132,7 @@ void LayerState::add(int rank, int expert) {
   place(rank, expert);
   set_count_changed(expert);
   const double delta = per_[expert] - before;
-  for (int g : holders_[expert]) rank_load_[g] += g == rank ? per_[expert] : delta;
+  for (int g : holders(expert)) rank_load_[g] += g == rank ? per_[expert] : delta;
 }
 
 void LayerState::remove(int rank, int expert) {
@@ -116,7 +141,7 @@ void LayerState::remove(int rank, int expert) {
   set_count_changed(expert);
   rank_load_[rank] -= before;
   const double delta = per_[expert] - before;
-  for (int g : holders_[expert]) rank_load_[g] += delta;
+  for (int g : holders(expert)) rank_load_[g] += delta;
 }
 
 void LayerState::move(int from, int to, int expert) {
@@ -136,15 +161,10 @@ void LayerState::swap(int a, int x, int b, int y) {
 }
 
 void LayerState::add_all(const std::vector<std::vector<int>>& sets) {
-  std::vector<int> count(holders_.size(), 0);
-  for (const auto& set : sets) {
-    for (int e : set) ++count[e];
-  }
-  for (size_t e = 0; e < holders_.size(); ++e) holders_[e].reserve(holders_[e].size() + count[e]);
   for (size_t r = 0; r < sets.size(); ++r) {
     for (int e : sets[r]) place(static_cast<int>(r), e);
   }
-  for (size_t e = 0; e < holders_.size(); ++e) set_count_changed(static_cast<int>(e));
+  for (size_t e = 0; e < count_.size(); ++e) set_count_changed(static_cast<int>(e));
   for (int r = 0; r < num_ranks_; ++r) {
     double sum = 0;
     for (int k = 0; k < size_[r]; ++k) sum += per_[items(r)[k]];
@@ -209,14 +229,17 @@ void pack_lpt(LayerState& state, const Domain& domain, const std::vector<int>& c
   const int slots = state.slots_per_rank();
   const int n = static_cast<int>(domain.experts.size());
   std::vector<double> per(n);
-  std::vector<int> list;  // domain expert index per replica, heaviest replicas first
+  std::vector<int> by_per(n);
   for (int i = 0; i < n; ++i) {
     per[i] = state.weight(domain.experts[i]) / counts[i];
-    list.insert(list.end(), counts[i], i);
+    by_per[i] = i;
   }
-  // Heaviest first; ties by expert (replicas of one expert are interchangeable).
-  std::sort(list.begin(), list.end(),
+  // Heaviest replicas first; ties by expert (replicas of one expert are interchangeable, so
+  // sorting the experts and repeating each counts[i] times gives the order of the replicas).
+  std::sort(by_per.begin(), by_per.end(),
             [&](int a, int b) { return per[a] != per[b] ? per[a] > per[b] : a < b; });
+  std::vector<int> list;  // domain expert index per replica, heaviest replicas first
+  for (int i : by_per) list.insert(list.end(), counts[i], i);
   // Local bookkeeping with the final per-replica loads; the state is filled at the end.
   std::vector<double> load(num_ranks, 0.0);
   std::vector<int> held(static_cast<size_t>(num_ranks) * slots);  // [rank * slots + k]
@@ -239,22 +262,16 @@ void pack_lpt(LayerState& state, const Domain& domain, const std::vector<int>& c
   std::vector<double> keys(num_ranks);
   for (int r = 0; r < num_ranks; ++r) keys[r] = size[r] < slots ? load[r] : kInf;
   MinTree open(keys);  // ranks with room, by load
-  std::vector<int> skipped;
   for (; li < list.size(); ++li) {
     int i = list[li];
-    skipped.clear();
-    while (open.top_key() < kInf && has_at(i, open.top())) {
-      skipped.push_back(open.top());
-      open.set(open.top(), kInf);
-    }
-    int chosen = open.top_key() < kInf ? open.top() : -1;
+    int chosen = open.top_where([&](int r) { return !has_at(i, r); });
     if (chosen < 0) {
       // Every rank with room holds this expert already. Take the least loaded of them, r, and
       // a full rank q without the expert; q has an item x that r lacks (r holds at most
       // slots - 1 items, one of them this expert, q holds `slots` others): x moves to r and the
       // expert takes its place on q.
-      FLEX_CHECK(!skipped.empty()) << "more replicas than slots";
-      const int r = skipped.front();
+      FLEX_CHECK(open.top_key() < kInf) << "more replicas than slots";
+      const int r = open.top();
       int best_q = -1, best_k = -1;
       double best_peak = kInf;
       for (int q = 0; q < num_ranks; ++q) {
@@ -277,7 +294,6 @@ void pack_lpt(LayerState& state, const Domain& domain, const std::vector<int>& c
       i = x;
     }
     place(chosen, i);
-    for (int r : skipped) open.set(r, load[r]);
     open.set(chosen, size[chosen] < slots ? load[chosen] : kInf);
   }
   std::vector<std::vector<int>> sets(state.num_ranks());

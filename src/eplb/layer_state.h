@@ -9,6 +9,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <span>
 #include <vector>
 
 namespace flexpert::eplb::detail {
@@ -46,8 +48,12 @@ class LayerState {
   const uint8_t* holds_row(int expert) const {
     return &has_[static_cast<size_t>(expert) * num_ranks_];
   }
-  const std::vector<int>& holders(int expert) const { return holders_[expert]; }
-  size_t num_experts() const { return holders_.size(); }
+  // The ranks holding `expert`, in the order they took it.
+  std::span<const int> holders(int expert) const {
+    return {&holders_[static_cast<size_t>(expert) * num_ranks_],
+            static_cast<size_t>(count_[expert])};
+  }
+  size_t num_experts() const { return count_.size(); }
 
   // One replica more or less: the load of every rank holding `expert` follows (O(replicas)).
   void add(int rank, int expert);     // rank must have a free slot and not hold expert
@@ -80,7 +86,9 @@ class LayerState {
   std::vector<double> more_;   // [expert]: load / (replicas + 1)
   std::vector<double> fewer_;  // [expert]: load / (replicas - 1)
   std::vector<uint8_t> has_;   // [expert * num_ranks_ + rank]
-  std::vector<std::vector<int>> holders_;
+  // [expert * num_ranks_ + k], k < count_[expert]: one flat block, left uninitialised (a
+  // vector per expert cost an allocation per expert and state, a tenth of a plan's time).
+  std::unique_ptr<int[]> holders_;
 };
 
 // Replica counts for domain.experts (same order): min_replicas each, then one more at a time to
@@ -110,6 +118,11 @@ struct SearchOptions {
   // (if the bound allows).
   int64_t max_pairs = 0;
   bool allow_drop = true;  // false: never leave a slot free by dropping a spare replica
+  // [expert * ranks + rank]: 1 where the rank held the expert before the plan. With it a step
+  // costs the receives it adds on the ranks it changes, less those it takes back (a step on a
+  // rank that receives anyway, e.g. one that joined, can cost nothing); without it, one per
+  // slot written.
+  const uint8_t* held = nullptr;
 };
 
 enum class SearchEnd {

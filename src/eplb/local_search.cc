@@ -3,6 +3,7 @@
 // rank of a domain with the best single step.
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <limits>
 
 #include "eplb/layer_state.h"
@@ -11,6 +12,7 @@ namespace flexpert::eplb::detail {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kLazy = std::numeric_limits<double>::quiet_NaN();
 // Relative slack for float comparisons: rank loads are sums whose order may differ between two
 // states holding the same sets.
 constexpr double kRelEps = 1e-12;
@@ -47,6 +49,15 @@ class Chooser {
     best_tier_ = tier;
   }
   const Step& best() const { return best_; }
+  // A key whose order is the order of preference above (smaller first); +inf for a step that
+  // does not count. For choosing among many candidates before offering the best.
+  double key(double peak, int cost, double scale) const {
+    if (!(peak < bound_)) return kInf;
+    const int tier = minimise_moves_ && peak <= reach_ ? cost + kCostBias : kTiers;
+    return peak + scale * tier;
+  }
+  static constexpr int kCostBias = 2;  // the lowest cost: a swap that takes back two receives
+  static constexpr int kTiers = 5;
 
  private:
   static constexpr int kNotReached = 1 << 20;
@@ -113,9 +124,10 @@ void sort_by_load(const LayerState& state, std::vector<int>& order) {
   std::sort(order.begin(), order.end(), LoadLess{state});
 }
 
-// Moves ranks a and b, whose loads changed, to their places in `order` (sorted otherwise).
+// Moves ranks a (the hottest: found from the hot end) and b (a partner: found from the cold
+// end), whose loads changed, to their places in `order` (sorted otherwise).
 void reposition(const LayerState& state, std::vector<int>& order, int a, int b) {
-  order.erase(std::find(order.begin(), order.end(), a));
+  order.erase(std::find(order.rbegin(), order.rend(), a).base() - 1);
   order.erase(std::find(order.begin(), order.end(), b));
   for (int r : {a, b}) {
     order.insert(std::lower_bound(order.begin(), order.end(), r, LoadLess{state}), r);
@@ -174,6 +186,27 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
   for (int r = domain.rank_begin; r < domain.rank_end; ++r) order[r - domain.rank_begin] = r;
   sort_by_load(state, order);
   HolderPeaks peaks(state);
+  const int num_ranks = state.num_ranks();
+  const uint8_t* const held = options.held;
+  const std::vector<uint8_t> none_held(held ? 0 : num_ranks, 0);  // without `held`: all new
+  // Highest load among the holders of `expert` other than a and b (-inf: none). An expert held
+  // by many ranks is found near the hot end of `order` at once; the cached top three of its
+  // holders would be recomputed after almost every step (one of them changed load). Only when
+  // the domain is every rank (`order` holds them all).
+  auto max_except = [&](int expert, int a, int b) {
+    const int c = state.count(expert);
+    if (static_cast<int64_t>(c) * c <= 4 * num_ranks ||
+        order.size() != static_cast<size_t>(num_ranks)) {
+      return peaks.max_except(expert, a, b);
+    }
+    const uint8_t* on = state.holds_row(expert);
+    for (size_t i = order.size(); i-- > 0;) {
+      const int g = order[i];
+      if (on[g] && g != a && g != b) return state.rank_load(g);
+    }
+    return -kInf;
+  };
+  auto held_at = [&](int e, int r) -> int { return held[static_cast<size_t>(e) * num_ranks + r]; };
   const size_t num_cold = std::min<size_t>(order.size() - 1, options.num_candidate_ranks);
   // The replicas of the partner ranks, as flat arrays (the inner loops run over them for every
   // replica of the hottest rank; keep them free of branches and indirections).
@@ -184,21 +217,27 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
     std::vector<double> h_dy;        // what evicting it adds to the hottest rank (if it holds it)
     std::vector<double> evict_peak;  // highest other holder after evicting it; +inf: not evictable
     std::vector<uint8_t> on_h;       // the hottest rank holds this expert too
-    std::vector<int> free_ranks;     // partners with a free slot
+    // Receives a swap adds on both ranks, less those of x: (y new on h) - (y was new on r).
+    std::vector<int> swap_cost;
+    std::vector<int> evict_cost;  // receives evicting it saves: -(y was new on its rank)
+    std::vector<int> free_ranks;  // partners with a free slot
     void clear() { free_ranks.clear(); }
     void resize(size_t n) {
       rank.resize(n), expert.resize(n), py.resize(n), rest.resize(n), h_dy.resize(n);
-      evict_peak.resize(n), on_h.resize(n);
+      evict_peak.resize(n), on_h.resize(n), swap_cost.resize(n), evict_cost.resize(n);
     }
   } cand;
   std::vector<int> partners;
   int64_t pairs = 0;  // scored so far
   // Offers the best steps that relieve the hottest rank h with one of the num_partners coldest.
-  auto evaluate = [&](int h, double lh, size_t num_partners, Chooser& chooser) {
+  // Partners: the ranks other than h from the begin-th coldest to the end-th (exclusive).
+  auto evaluate = [&](int h, double lh, size_t begin, size_t end, Chooser& chooser) {
     cand.clear();
     partners.clear();
-    for (size_t ci = 0; ci < order.size() && partners.size() < num_partners; ++ci) {
-      if (order[ci] != h) partners.push_back(order[ci]);
+    size_t seen = 0;
+    for (size_t ci = 0; ci < order.size() && seen < end; ++ci) {
+      if (order[ci] == h) continue;
+      if (seen++ >= begin) partners.push_back(order[ci]);
     }
     size_t total = 0;
     for (int r : partners) total += state.size(r);
@@ -218,48 +257,81 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
         cand.rest[j] = lr - py;
         cand.on_h[j] = on_h;
         cand.h_dy[j] = on_h ? dy : 0.0;
-        cand.evict_peak[j] = state.count(y) > m ? peaks.max_except(y, r, h) + dy : kInf;
+        // Computed when first needed (kLazy): refreshing a hot expert's holders is the costly
+        // part of building the candidates, and most are never the best eviction.
+        cand.evict_peak[j] = state.count(y) > m ? kLazy : kInf;
+        if (held) {
+          cand.swap_cost[j] = (1 - held_at(y, h)) - (1 - held_at(y, r));
+          cand.evict_cost[j] = -(1 - held_at(y, r));
+        } else {
+          cand.swap_cost[j] = 1;  // with x's 1: two slots written
+          cand.evict_cost[j] = 0;
+        }
       }
     }
     const int n = static_cast<int>(cand.rank.size());
     pairs += static_cast<int64_t>(n) * state.size(h);
     const int* h_items = state.items(h);
+    const double scale = 4 * lh;  // above any peak that counts (< lh)
     for (int hi = 0; hi < state.size(h); ++hi) {
       const int x = h_items[hi];
       const uint8_t* x_on = state.holds_row(x);
+      // new_on[r]: x would be a receive on rank r; x_new: it is one on h (leaving saves it).
+      const uint8_t* x_held = held ? held + static_cast<size_t>(x) * num_ranks : none_held.data();
+      const int x_new = held ? 1 - x_held[h] : 0;
+      auto new_on = [&](int r) { return 1 - x_held[r]; };
       const double px = state.per_replica(x);
       const double px_more = state.per_if_more(x);
       const double dx = px_more - px;
       // Drop a spare replica of x: free for the mover (a slot becoming free receives nothing).
       if (options.allow_drop && state.count(x) > m) {
         chooser.offer(Step::kDrop, x, -1, -1,
-                      std::max(lh - px, peaks.max_except(x, h, h) + (state.per_if_fewer(x) - px)),
-                      0);
+                      std::max(lh - px, max_except(x, h, h) + (state.per_if_fewer(x) - px)),
+                      -x_new);
       }
       for (int r : cand.free_ranks) {
         if (x_on[r]) continue;
         const double lr = state.rank_load(r);
-        chooser.offer(Step::kMove, x, -1, r, std::max(lh - px, lr + px), 1);
-        chooser.offer(Step::kReplicate, x, -1, r, std::max(lh + dx, lr + px_more), 1);
+        chooser.offer(Step::kMove, x, -1, r, std::max(lh - px, lr + px), new_on(r) - x_new);
+        chooser.offer(Step::kReplicate, x, -1, r, std::max(lh + dx, lr + px_more), new_on(r));
       }
       // Swap x for a lighter replica y; or give x one more replica in place of y: every
       // replica of x gets lighter, every other replica of y heavier. NOTE: a rank holding both
       // x and y is scored without the relief from x (an upper bound), which keeps this O(1).
-      double swap_peak = kInf, evict_peak = kInf;
+      // Per step kind, the candidate with the smallest chooser key, then offered.
+      double swap_key = kInf, evict_key = kInf;
       int swap_j = -1, evict_j = -1;
       for (int j = 0; j < n; ++j) {
-        if (x_on[cand.rank[j]]) continue;
-        const double s = std::max(lh - px + cand.py[j], cand.rest[j] + px);
-        if (cand.py[j] < px && !cand.on_h[j] && s < swap_peak) swap_peak = s, swap_j = j;
-        const double e =
-            std::max(std::max(lh + dx + cand.h_dy[j], cand.rest[j] + px_more), cand.evict_peak[j]);
-        if (e < evict_peak) evict_peak = e, evict_j = j;
+        const int r = cand.rank[j];
+        if (x_on[r]) continue;
+        const int x_cost = new_on(r);
+        if (cand.py[j] < px && !cand.on_h[j]) {
+          const double s = std::max(lh - px + cand.py[j], cand.rest[j] + px);
+          const double k = chooser.key(s, cand.swap_cost[j] + x_cost - x_new, scale);
+          if (k < swap_key) swap_key = k, swap_j = j;
+        }
+        const double e = std::max(lh + dx + cand.h_dy[j], cand.rest[j] + px_more);
+        const int e_cost = cand.evict_cost[j] + x_cost;
+        if (!(chooser.key(e, e_cost, scale) < evict_key)) continue;  // a lower bound of the key
+        if (std::isnan(cand.evict_peak[j])) {
+          const int y = cand.expert[j];
+          cand.evict_peak[j] = max_except(y, r, h) + (state.per_if_fewer(y) - state.per_replica(y));
+        }
+        const double k = chooser.key(std::max(e, cand.evict_peak[j]), e_cost, scale);
+        if (k < evict_key) evict_key = k, evict_j = j;
       }
       if (swap_j >= 0) {
-        chooser.offer(Step::kSwap, x, cand.expert[swap_j], cand.rank[swap_j], swap_peak, 2);
+        const int j = swap_j, r = cand.rank[j];
+        chooser.offer(Step::kSwap, x, cand.expert[j], r,
+                      std::max(lh - px + cand.py[j], cand.rest[j] + px),
+                      cand.swap_cost[j] + new_on(r) - x_new);
       }
       if (evict_j >= 0) {
-        chooser.offer(Step::kReplicate, x, cand.expert[evict_j], cand.rank[evict_j], evict_peak, 1);
+        const int j = evict_j, r = cand.rank[j];
+        chooser.offer(
+            Step::kReplicate, x, cand.expert[j], r,
+            std::max(std::max(lh + dx + cand.h_dy[j], cand.rest[j] + px_more), cand.evict_peak[j]),
+            cand.evict_cost[j] + new_on(r));
       }
     }
   };
@@ -271,14 +343,17 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
       return SearchEnd::kOutOfSteps;
     }
     Chooser chooser(options, lh * (1 - kRelEps));
-    // The coldest ranks first; only when none of them helps, four times as many, then every rank
-    // (stuck is expensive: it makes the caller fall back to a plan with many more moves; the
-    // full scan costs ranks / num_cold times a step).
-    evaluate(h, lh, num_cold, chooser);
-    for (size_t wider : {4 * num_cold, order.size() - 1}) {
-      if (chooser.best().kind != Step::kNone || num_cold >= order.size() - 1) break;
+    // The coldest ranks first; only when none of them helps, as many again, and so on up to
+    // every rank (stuck is expensive: it makes the caller fall back to a plan with many more
+    // moves). NOTE: the widening that finds a step is most of the search's work, so each pass
+    // scores only the ranks the previous one did not.
+    const size_t num_others = order.size() - 1;
+    for (size_t done = 0, width = num_cold;; width *= 2) {
+      width = std::min(width, num_others);
+      evaluate(h, lh, done, width, chooser);
+      done = width;
+      if (chooser.best().kind != Step::kNone || done >= num_others) break;
       if (pairs >= options.max_pairs) return SearchEnd::kOutOfSteps;
-      evaluate(h, lh, std::min(wider, order.size() - 1), chooser);
     }
     if (chooser.best().kind == Step::kNone) return SearchEnd::kStuck;
     const Step& step = chooser.best();

@@ -176,6 +176,7 @@ Result<CaseResult> run_case(const PlanCase& c, const RunOptions& options) {
     in.policy = options.policy;
     in.min_replicas = options.min_replicas;
     in.tolerance = options.tolerance;
+    in.greedy_after_change = options.greedy_after_change;
     auto out = plan(in);
     if (!out.ok()) return out.status().annotate("case '" + c.name + "'");
     r.phy2log = std::move(out->placement);

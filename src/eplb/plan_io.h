@@ -49,11 +49,12 @@ struct CaseResult {
 
 struct RunOptions {
   Planner planner = Planner::kFlexpert;
-  Policy policy = Policy::kAuto;             // flexpert only
-  int min_replicas = 1;                      // flexpert only
-  double tolerance = PlanInput().tolerance;  // flexpert only
-  Format format = Format::kDeepSeek;         // flexpert only (DeepSeek's has no -1)
-  int num_threads = 1;                       // flexpert only: layers in parallel, 0 = all cores
+  Policy policy = Policy::kAuto;                               // flexpert only
+  int min_replicas = 1;                                        // flexpert only
+  double tolerance = PlanInput().tolerance;                    // flexpert only
+  bool greedy_after_change = PlanInput().greedy_after_change;  // flexpert only
+  Format format = Format::kDeepSeek;  // flexpert only (DeepSeek's has no -1)
+  int num_threads = 1;                // flexpert only: layers in parallel, 0 = all cores
 };
 
 // InvalidArgument naming the case and field for anything malformed.

@@ -241,6 +241,7 @@ Result<PlanOutput> plan(const PlanInput& in) {
       blocker.empty() && (in.num_hosts > 1 || in.policy == Policy::kHierarchical);
 
   shape.fill_slots = in.fill_slots;
+  shape.greedy_after_change = in.greedy_after_change;
   const int current_slots =
       in.current_slots_per_rank > 0 ? in.current_slots_per_rank : in.slots_per_rank;
 
@@ -383,22 +384,24 @@ int64_t count_receives(const std::vector<int>& from_row, int from_slots_per_rank
                        const std::vector<int>& to_row, int to_slots_per_rank) {
   const size_t from_ranks = from_slots_per_rank > 0 ? from_row.size() / from_slots_per_rank : 0;
   const size_t to_ranks = to_row.size() / to_slots_per_rank;
+  int num_experts = 0;
+  for (int e : from_row) num_experts = std::max(num_experts, e + 1);
+  for (int e : to_row) num_experts = std::max(num_experts, e + 1);
+  // mark[e] == stamp: e is on rank r (in `from`, or counted already); stamps avoid clearing.
+  std::vector<size_t> mark(num_experts, 0);
   int64_t receives = 0;
-  std::vector<int> held, got;
   for (size_t r = 0; r < to_ranks; ++r) {
-    held.clear();
-    got.clear();
+    const size_t stamp = r + 1;
     for (int k = 0; r < from_ranks && k < from_slots_per_rank; ++k) {
-      held.push_back(from_row[r * from_slots_per_rank + k]);
+      if (const int e = from_row[r * from_slots_per_rank + k]; e >= 0) mark[e] = stamp;
     }
     for (int k = 0; k < to_slots_per_rank; ++k) {
       const int e = to_row[r * to_slots_per_rank + k];
-      if (e >= 0) got.push_back(e);
+      if (e >= 0 && mark[e] != stamp) {
+        mark[e] = stamp;
+        ++receives;
+      }
     }
-    std::sort(held.begin(), held.end());
-    std::sort(got.begin(), got.end());
-    got.erase(std::unique(got.begin(), got.end()), got.end());
-    for (int e : got) receives += !std::binary_search(held.begin(), held.end(), e);
   }
   return receives;
 }

@@ -11,7 +11,9 @@
 // counts of the plan from scratch, then repaired the same way. A repair that gets stuck is kept
 // if no worse than the greedy packing from scratch; otherwise the plan from scratch is used,
 // its ranks renumbered to match the current placement. The fewer moves win. With fill_slots,
-// the slots left free are filled last.
+// the slots left free are filled last. A repair step costs the remote receives it adds less
+// those it takes back; after a membership change the repair aims no higher than the greedy
+// packing from scratch (greedy_after_change).
 //
 // plan() is a pure function: no I/O, no globals; the same input always gives the same output
 // (whatever num_threads), so it is safe to call from any thread. Layers are independent and are
@@ -62,6 +64,12 @@ struct PlanInput {
   // moves the planner finds. 0 targets the best balance; after a membership change a few
   // percent buys markedly fewer moves (docs/benchmarks.md, EPLB planner).
   double tolerance = 0.005;
+  // After a membership change (an expert without a replica on a member, or an empty member
+  // rank) a layer is repaired only until it balances as well as the greedy packing from
+  // scratch (the kind of plan DeepSeek's balancer returns) when that is below the tolerance's
+  // aim: fewer moves during the change (docs/benchmarks.md); the next plan, no longer after a
+  // change, balances the rest. false: the tolerance alone sets the aim.
+  bool greedy_after_change = true;
   // Every member slot holds an expert (DeepSeek's contract: no -1 on members): slots the plan
   // leaves free get extra replicas, of the expert the rank held before when that does not
   // raise the max load (no weights to move), else of the expert with the highest load per
@@ -91,7 +99,9 @@ struct PlanOutput {
 //    fill_slots, no member slot is -1;
 //  - an expert that stays on a rank keeps its slot index; new experts take slots that were free
 //    first, then slots whose expert leaves;
-//  - unchanged loads give zero moves: a plan applied to its own output returns it unchanged.
+//  - unchanged loads give zero moves: a plan applied to its own output returns it unchanged
+//    (after a membership change with greedy_after_change, from the second plan on: the first
+//    stops at the greedy packing's balance, the next one balances the rest).
 // Any number of ranks works (no divisibility needed): 16 experts on 3 ranks of 6 slots give
 // every expert one replica and 2 extra replicas to the experts with the highest load per
 // replica; ranks then hold different numbers of experts, balanced by load, not by count. A

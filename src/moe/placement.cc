@@ -13,6 +13,15 @@
 
 namespace flexpert {
 
+int expert_slots_per_rank(int num_experts, int extra_replicas, int ranks, int min_ranks,
+                          int spare_slots) {
+  const int smallest = min_ranks > 0 ? std::min(min_ranks, ranks) : ranks;
+  const int64_t experts =
+      static_cast<int64_t>(std::max(num_experts, 1)) + std::max(extra_replicas, 0);
+  return static_cast<int>((experts + smallest - 1) / std::max(smallest, 1)) +
+         std::max(0, spare_slots);
+}
+
 ExpertPlacement ExpertPlacement::identity(int num_layers, int num_experts, int num_slots) {
   std::vector<int> map(static_cast<size_t>(num_slots), kFreeSlot);
   for (int s = 0; s < std::min(num_slots, num_experts); ++s) map[s] = s;

@@ -42,28 +42,6 @@ std::string self_exe() {
 
 }  // namespace
 
-const char* phase_name(Phase p) {
-  switch (p) {
-    case Phase::kStarting:
-      return "starting";
-    case Phase::kServing:
-      return "serving";
-    case Phase::kScaling:
-      return "scaling";
-    case Phase::kRecovering:
-      return "recovering";
-    case Phase::kDegraded:
-      return "degraded";
-    case Phase::kRestarting:
-      return "restarting";
-    case Phase::kStopping:
-      return "stopping";
-    case Phase::kStopped:
-      return "stopped";
-  }
-  return "?";
-}
-
 const char* state_name(RankState s) {
   switch (s) {
     case RankState::kEmpty:
@@ -173,11 +151,10 @@ Status ClusterEngine::Impl::start() {
   }
   if (spec.empty() || spec == "identity" || spec.rfind("replicate:", 0) == 0) {
     // Capacity for the smallest group it may shrink to (docs/ARCHITECTURE.md, "Capacity").
-    const int min_ranks =
-        options_.min_ranks > 0 ? std::min(options_.min_ranks, options_.ranks) : options_.ranks;
-    slots_per_rank_ = options_.slots_per_rank > 0 ? options_.slots_per_rank
-                                                  : (E + extra + min_ranks - 1) / min_ranks +
-                                                        std::max(0, options_.eplb_spare_slots);
+    slots_per_rank_ = options_.slots_per_rank > 0
+                          ? options_.slots_per_rank
+                          : expert_slots_per_rank(E, extra, options_.ranks, options_.min_ranks,
+                                                  options_.eplb_spare_slots);
     FLEX_ASSIGN_OR_RETURN(
         placement_, ExpertPlacement::spread(model_config_.num_hidden_layers, E, options_.max_ranks,
                                             slots_per_rank_, members, extra, seed));
@@ -212,6 +189,8 @@ Status ClusterEngine::Impl::start() {
   ranks_.assign(static_cast<size_t>(options_.max_ranks), RankInfo{});
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    membership_ = cluster::Membership(membership_config());
+    (void)membership_.start(now_ms());  // Opens the initial ranks; spawned below.
     if (options_.spawn_workers) {
       for (int r : members) FLEX_RETURN_IF_ERROR(spawn(r));
     }
@@ -221,7 +200,7 @@ Status ClusterEngine::Impl::start() {
   control_ = std::thread([this] { control_loop(); });
   std::unique_lock<std::mutex> lock(mutex_);
   const bool done = cv_.wait_for(lock, std::chrono::milliseconds(options_.start_timeout_ms),
-                                 [&] { return epoch_ > 0 || !start_error_.ok(); });
+                                 [&] { return epoch() > 0 || !start_error_.ok(); });
   if (!start_error_.ok()) return start_error_;
   if (!done)
     return deadline_exceeded("ranks did not become ready within " +
@@ -251,8 +230,28 @@ int ClusterEngine::Impl::rank_of_routing_id(const std::string& id) const {
 void ClusterEngine::Impl::wake() { (void)wake_tx_.send({"w"}); }
 
 void ClusterEngine::Impl::commit_epoch(std::vector<int> members, const std::vector<int>& also) {
+  std::vector<std::vector<int>> maps;
+  for (int l = 0; l < placement_.num_layers(); ++l) maps.push_back(placement_.slot_map(l));
+  // Every expert on a member of the new epoch, nothing on other ranks (the membership's rule).
+  const Status m = membership_.record_maps(std::move(maps), members);
+  FLEX_CHECK(m.ok()) << m.to_string();
+  cluster::Actions actions;
+  const Status s = membership_.commit_members(std::move(members), also, &actions);
+  FLEX_CHECK(s.ok()) << s.to_string();  // The flows commit only ranks they saw Ready.
+  for (const cluster::Action& a : actions) {
+    if (a.kind == cluster::ActionKind::kCommit) send_epoch(a);
+  }
+}
+
+void ClusterEngine::Impl::rank_reaped(int rank) {
+  (void)membership_.reaped(rank, now_ms());  // Flows here open ids themselves.
+}
+
+void ClusterEngine::Impl::send_epoch(const cluster::Action& commit) {
+  const std::vector<int>& members = commit.ranks;
+  const std::vector<int>& also = commit.also;
   proto::EpochCommand cmd;
-  cmd.epoch = ++epoch_;
+  cmd.epoch = commit.epoch;
   cmd.members = members;
   cmd.addresses.assign(ranks_.size(), "");
   for (int r : members) cmd.addresses[r] = ranks_[r].address;
@@ -266,8 +265,7 @@ void ClusterEngine::Impl::commit_epoch(std::vector<int> members, const std::vect
   for (int r : also) post(r, cmd);
   wake();
   cv_.notify_all();  // Waiters on acks of the old epoch give up.
-  members_ = std::move(members);
-  FLEX_LOG(INFO) << "epoch " << epoch_ << ": " << members_.size() << " serving ranks";
+  FLEX_LOG(INFO) << "epoch " << commit.epoch << ": " << members.size() << " serving ranks";
 }
 
 void ClusterEngine::Impl::flush_outbox() {
@@ -313,19 +311,21 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     // Who may join is decided by the key, not by a pid (which /proc shows to anyone).
     if (!options_.cluster_key.empty() && !same_secret(hello->key, options_.cluster_key)) {
       FLEX_LOG(WARN) << "refused a hello for rank " << r << " without the cluster key";
-      proto::WorkerError err{epoch_, static_cast<int>(StatusCode::kFailedPrecondition),
+      proto::WorkerError err{epoch(), static_cast<int>(StatusCode::kFailedPrecondition),
                              "missing or wrong cluster key (FLEXPERT_CLUSTER_KEY or "
                              "--cluster-key-file)"};
       (void)router_.send({routing_id, proto::WorkerError::kType, proto::encode(err)});
       return;
     }
-    // Open: an initial rank of a --no-spawn group, or one a scale-up reserved.
-    const bool ok = r >= 0 && r < static_cast<int>(ranks_.size()) &&
-                    ((ranks_[r].state == RankState::kEmpty && epoch_ == 0) ||
-                     (ranks_[r].state == RankState::kStarting && ranks_[r].routing_id.empty() &&
-                      (!ranks_[r].spawned || ranks_[r].pid == hello->pid)));
-    if (!ok) {
-      proto::WorkerError err{epoch_, static_cast<int>(StatusCode::kFailedPrecondition),
+    // Open (the membership decides): an initial rank, or one a scale-up, a recovery or
+    // a spare reserved; a spawned one only for the process we started.
+    const bool ours = r >= 0 && r < static_cast<int>(ranks_.size()) &&
+                      ranks_[r].routing_id.empty() &&
+                      (!ranks_[r].spawned || ranks_[r].pid == hello->pid);
+    Result<uint64_t> incarnation =
+        ours ? membership_.hello(r, now_ms()) : failed_precondition("not open");
+    if (!incarnation.ok()) {
+      proto::WorkerError err{epoch(), static_cast<int>(StatusCode::kFailedPrecondition),
                              "rank " + std::to_string(r) + " is not open for joining"};
       (void)router_.send({routing_id, proto::WorkerError::kType, proto::encode(err)});
       return;
@@ -333,11 +333,10 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     RankInfo& info = ranks_[r];
     info.routing_id = routing_id;
     info.pid = hello->pid;
-    info.incarnation += 1;
     info.state = RankState::kStarting;
     info.last_seen = Clock::now();
     proto::WorkerConfig cfg;
-    cfg.incarnation = info.incarnation;
+    cfg.incarnation = incarnation.value();
     cfg.session = session_;
     cfg.model_dir = options_.model_dir;
     cfg.max_ranks = options_.max_ranks;
@@ -359,7 +358,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
   const std::string sender =
       heartbeat ? routing_id.substr(0, routing_id.size() - suffix.size()) : routing_id;
   const int rank = rank_of_routing_id(sender);
-  if (rank < 0 || ranks_[rank].state == RankState::kDead) {
+  if (rank < 0 || !membership_.accepts(rank, incarnation(rank))) {
     // An incarnation declared lost (silent too long, or replaced): it must not act.
     FLEX_LOG(DEBUG) << "fencing the sender of '" << type << "': an unknown or lost incarnation";
     (void)router_.send(
@@ -374,20 +373,13 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
   info.last_seen = Clock::now();
   if (type == proto::Ready::kType) {
     auto ready = proto::decode<proto::Ready>(body);
-    if (!ready.ok() || ready->incarnation != info.incarnation) return;
+    if (!ready.ok() || ready->incarnation != incarnation(rank)) return;
     if (info.state != RankState::kStarting) return;  // E.g. a joiner already rolled back.
     info.address = ready->transport_address;
     info.state = RankState::kReady;
-    if (epoch_ == 0) {
-      std::vector<int> ready_ranks;
-      for (size_t r = 0; r < ranks_.size(); ++r) {
-        if (ranks_[r].state == RankState::kReady) ready_ranks.push_back(static_cast<int>(r));
-      }
-      if (static_cast<int>(ready_ranks.size()) == options_.ranks) {
-        commit_epoch(ready_ranks);
-        phase_ = Phase::kServing;
-        cv_.notify_all();
-      }
+    // The first epoch commits once every initial rank is Ready (the membership's rule).
+    for (const cluster::Action& a : membership_.ready(rank, ready->incarnation, now_ms())) {
+      if (a.kind == cluster::ActionKind::kCommit) send_epoch(a);
     }
     cv_.notify_all();  // A scale-up waits for its joiners.
   } else if (type == proto::TokenBatch::kType) {
@@ -463,6 +455,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     auto applied = proto::decode<proto::EpochApplied>(body);
     if (!applied.ok()) return;
     info.applied_epoch = std::max(info.applied_epoch, applied->epoch);
+    membership_.applied(rank, incarnation(rank), applied->epoch);
     cv_.notify_all();
   } else if (type == proto::MapApplied::kType) {
     auto applied = proto::decode<proto::MapApplied>(body);
@@ -474,7 +467,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     if (!err.ok()) return;
     info.last_error = err->message;
     FLEX_LOG(WARN) << "rank " << rank << " reports: " << err->message;
-    if (epoch_ == 0 && info.state == RankState::kStarting) {
+    if (epoch() == 0 && info.state == RankState::kStarting) {
       start_error_ =
           unavailable("rank " + std::to_string(rank) + " failed to start: " + err->message);
       cv_.notify_all();
@@ -486,13 +479,15 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
       // The transport saw the peer's process end: no need to wait for waitpid or
       // a heartbeat (a hand-started worker has no parent here).
       on_rank_lost(err->dead_rank, "reported dead by rank " + std::to_string(rank), calls);
-    } else if (err->dead_rank < 0 && err->epoch == epoch_ && epoch_ > 0 &&
-               (phase_ == Phase::kServing || phase_ == Phase::kScaling) &&
-               info.state == RankState::kServing && !recovery_.active) {
-      // A member halted in the current epoch without a dead peer (a timeout, an
-      // aborted collective): restart the members' step loop in a fresh epoch.
-      FLEX_LOG(WARN) << "re-synchronising the group after rank " << rank << " halted";
-      commit_epoch(members_);
+    } else if (err->dead_rank < 0 && info.state == RankState::kServing && !recovery_.active) {
+      // A member halted without a dead peer (a timeout, an aborted collective): the
+      // membership re-commits the members when it halted in the current epoch.
+      for (const cluster::Action& a :
+           membership_.halted(rank, incarnation(rank), err->epoch, now_ms())) {
+        if (a.kind != cluster::ActionKind::kCommit) continue;
+        FLEX_LOG(WARN) << "re-synchronising the group after rank " << rank << " halted";
+        send_epoch(a);
+      }
     }
   }
 }
@@ -506,17 +501,18 @@ void ClusterEngine::Impl::check_workers(Calls* calls) {
       int wstatus = 0;
       if (waitpid(info.pid, &wstatus, WNOHANG) == info.pid) {
         info.pid = 0;
-        unlink_rank_segments(static_cast<int>(r), info.incarnation);  // If it could not.
+        unlink_rank_segments(static_cast<int>(r), incarnation(static_cast<int>(r)));
         cv_.notify_all();  // Waiters for exits (scale-up reusing the id, restarts).
         const std::string why = WIFSIGNALED(wstatus)
                                     ? "killed by signal " + std::to_string(WTERMSIG(wstatus))
                                     : "exited with code " + std::to_string(WEXITSTATUS(wstatus));
-        if (epoch_ == 0 && start_error_.ok()) {
+        if (epoch() == 0 && start_error_.ok()) {
           start_error_ = unavailable("rank " + std::to_string(r) + " " + why +
                                      (info.last_error.empty() ? "" : ": " + info.last_error));
           cv_.notify_all();
         }
         on_rank_lost(static_cast<int>(r), why, calls);
+        rank_reaped(static_cast<int>(r));
         continue;
       }
     }
@@ -543,6 +539,8 @@ void ClusterEngine::Impl::control_loop() {
         if (ranks_[r].state != RankState::kStarting || ranks_[r].pid != 0) continue;
         if (Status s = spawn(r); !s.ok()) {
           ranks_[r].state = RankState::kDead;
+          membership_.mark_lost(r);
+          rank_reaped(r);  // Nothing was started.
           ranks_[r].last_error = s.to_string();
           cv_.notify_all();
         }
@@ -579,11 +577,11 @@ Status ClusterEngine::Impl::shutdown() {
   std::vector<pid_t> children;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (phase_ == Phase::kStopped) return Status();
+    if (phase() == Phase::kStopped) return Status();
     shutting_down_.store(true);
     cv_.notify_all();  // A reconfiguration waiting for workers gives up.
     accepting_ = false;
-    phase_ = Phase::kStopping;
+    enter_phase(Phase::kStopping);
     for (auto& [id, req] : requests_) {
       CompletionEvent ev;
       ev.finished = true;
@@ -635,7 +633,7 @@ Status ClusterEngine::Impl::shutdown() {
   for (auto& info : ranks_) {
     if (info.state != RankState::kDead) info.state = RankState::kStopped;
   }
-  phase_ = Phase::kStopped;
+  membership_.stopped();
   return Status();
 }
 
@@ -673,13 +671,13 @@ Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCall
       validate_request(request.prompt, request.params, m.model_config_.vocab_size, m.max_seq_len_));
   std::lock_guard<std::mutex> lock(m.mutex_);
   if (!m.accepting_) {
-    if (m.phase_ == Phase::kRestarting || m.phase_ == Phase::kScaling) {
+    if (m.phase() == Phase::kRestarting || m.phase() == Phase::kScaling) {
       return unavailable("the group is being rebuilt (--reconfigure stop-the-world)");
     }
     return unavailable("the server is shutting down");
   }
   if (!m.admitting()) {
-    return unavailable("no serving epoch (phase " + std::string(phase_name(m.phase_)) +
+    return unavailable("no serving epoch (phase " + std::string(phase_name(m.phase())) +
                        (m.degraded_reason_.empty() ? "" : ": " + m.degraded_reason_) + ")");
   }
   const uint64_t id = m.next_request_id_++;
@@ -689,7 +687,7 @@ Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCall
   req.params = std::move(request.params);
   if (!m.rehome(id, req, -1, nullptr)) {
     m.requests_.erase(id);
-    return unavailable("no serving rank (phase " + std::string(phase_name(m.phase_)) + ")");
+    return unavailable("no serving rank (phase " + std::string(phase_name(m.phase())) + ")");
   }
   m.wake();
   return id;
@@ -711,7 +709,7 @@ void ClusterEngine::cancel(uint64_t request_id) {
 }
 
 bool ClusterEngine::Impl::admitting() const {
-  return phase_ == Phase::kServing || phase_ == Phase::kScaling || phase_ == Phase::kRecovering;
+  return phase() == Phase::kServing || phase() == Phase::kScaling || phase() == Phase::kRecovering;
 }
 
 bool ClusterEngine::healthy() const {
@@ -729,7 +727,7 @@ nlohmann::json ClusterEngine::status() const {
     nlohmann::json j = {{"rank", r},
                         {"state", state_name(info.state)},
                         {"pid", info.pid},
-                        {"incarnation", info.incarnation},
+                        {"incarnation", m.incarnation(static_cast<int>(r))},
                         {"in_flight", info.in_flight},
                         {"running", info.running},
                         {"waiting", info.waiting},
@@ -743,9 +741,9 @@ nlohmann::json ClusterEngine::status() const {
   }
   nlohmann::json out = {
       {"mode", "cluster"},
-      {"phase", phase_name(m.phase_)},
-      {"epoch", m.epoch_},
-      {"members", m.members_},
+      {"phase", phase_name(m.phase())},
+      {"epoch", m.epoch()},
+      {"members", m.members()},
       {"max_ranks", m.options_.max_ranks},
       {"slots_per_rank", m.slots_per_rank_},
       {"in_flight", m.requests_.size()},
@@ -769,7 +767,7 @@ void ClusterEngine::Impl::create_metrics() const {
 }
 
 void ClusterEngine::Impl::update_gauges() const {
-  registry_.gauge("flexpert_epoch", "Current membership epoch.").set(static_cast<double>(epoch_));
+  registry_.gauge("flexpert_epoch", "Current membership epoch.").set(static_cast<double>(epoch()));
   for (size_t r = 0; r < ranks_.size(); ++r) {
     const RankInfo& info = ranks_[r];
     if (info.state == RankState::kEmpty) continue;

@@ -17,6 +17,7 @@
 #include <zmq.h>
 #include "cluster/protocol.h"
 
+#include "cluster/membership.h"
 #include "cluster/zmq_socket.h"
 #include "eplb/planner.h"
 #include "flexpert/model_config.h"
@@ -30,21 +31,9 @@ using Clock = std::chrono::steady_clock;
 
 enum class RankState { kEmpty, kStarting, kReady, kServing, kHalted, kDead, kStopped };
 
-// The group's phase (/v1/status "phase"): starting until the first epoch; serving;
-// scaling (a scale runs, requests admitted); recovering (a rank was lost, requests held);
-// degraded (no capacity to recover: 503); restarting (stop-the-world baseline);
-// stopping and stopped (shutdown).
-enum class Phase {
-  kStarting,
-  kServing,
-  kScaling,
-  kRecovering,
-  kDegraded,
-  kRestarting,
-  kStopping,
-  kStopped
-};
-const char* phase_name(Phase p);
+// The group's phase (/v1/status "phase"), owned by cluster::Membership.
+using Phase = cluster::Phase;
+using cluster::phase_name;
 
 const char* state_name(RankState s);
 
@@ -67,8 +56,7 @@ struct RankInfo {
   RankState state = RankState::kEmpty;
   pid_t pid = 0;
   bool spawned = false;
-  std::string routing_id;
-  uint64_t incarnation = 0;
+  std::string routing_id;  // Of the current incarnation (membership_ numbers it).
   std::string address;
   int in_flight = 0;
   int running = 0;
@@ -135,9 +123,19 @@ class ClusterEngine::Impl {
   std::map<uint64_t, RequestInfo> requests_;
   std::deque<std::pair<int, std::vector<std::string>>> outbox_;  // (rank, [type, body])
   uint64_t next_request_id_ = 1;
-  uint64_t epoch_ = 0;
-  std::vector<int> members_;
-  Phase phase_ = Phase::kStarting;
+  // Phase, members, incarnations and the epoch with its commit rule (src/cluster,
+  // pure); the flows below execute it and record their steps in it.
+  cluster::Membership membership_{cluster::MembershipConfig{}};
+  cluster::MembershipConfig membership_config() const;  // From the options and placement.
+  uint64_t epoch() const { return membership_.epoch(); }
+  const std::vector<int>& members() const { return membership_.members(); }
+  Phase phase() const { return membership_.phase(); }
+  void enter_phase(Phase p) { membership_.enter(p); }
+  uint64_t incarnation(int rank) const { return membership_.rank(rank).incarnation; }
+  static int64_t now_ms() {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
+        .count();
+  }
   Status start_error_;
   bool accepting_ = false;
 
@@ -309,6 +307,10 @@ class ClusterEngine::Impl {
   // Commits `members` (and the current placement_) as the next epoch; `also` are
   // old members leaving, who take part in the switch and then stop stepping.
   void commit_epoch(std::vector<int> members, const std::vector<int>& also = {});
+  // Sends a commit the membership decided (EpochCommand to members and leavers).
+  void send_epoch(const cluster::Action& commit);
+  // A rank whose process is gone (reaped, or never ours): its id may take a new incarnation.
+  void rank_reaped(int rank);
   void flush_outbox();
 
   // Any thread, with mutex_ held.

@@ -86,25 +86,30 @@ eplb::PlanInput ClusterEngine::Impl::plan_input(const std::vector<int>& ranks, d
 
 Status ClusterEngine::Impl::commit_map(ExpertPlacement next) {
   std::unique_lock<std::mutex> lock(mutex_);
-  if (epoch_ != rebalance_epoch_ || cancel_rebalance_ || recovery_.active) {
+  if (epoch() != rebalance_epoch_ || cancel_rebalance_ || recovery_.active) {
     return aborted("the group changed during the rebalance");
   }
+  std::vector<std::vector<int>> maps;
+  for (int l = 0; l < next.num_layers(); ++l) maps.push_back(next.slot_map(l));
+  // A step that leaves an expert without a replica on a member is refused, never sent.
+  FLEX_RETURN_IF_ERROR(
+      membership_.record_maps(std::move(maps), members()).annotate("expert map refused"));
   const uint64_t version = ++map_version_;
   proto::MapCommand cmd{version, next.to_json()};
-  for (int r : members_) post(r, cmd);
+  for (int r : members()) post(r, cmd);
   // Requests and load attribution follow the new map from here on.
   placement_ = std::move(next);
   wake();
-  const uint64_t epoch = epoch_;
+  const uint64_t epoch0 = epoch();
   const bool ok = cv_.wait_for(lock, kAckTimeout, [&] {
-    if (stop_.load() || epoch_ != epoch || cancel_rebalance_) return true;
-    for (int r : members_) {
+    if (stop_.load() || epoch() != epoch0 || cancel_rebalance_) return true;
+    for (int r : members()) {
       if (ranks_[r].state == RankState::kServing && ranks_[r].map_version < version) return false;
     }
     return true;
   });
   if (stop_.load()) return unavailable("shutting down");
-  if (epoch_ != epoch) return aborted("membership changed during the rebalance");
+  if (epoch() != epoch0) return aborted("membership changed during the rebalance");
   if (cancel_rebalance_) return aborted("rebalance cancelled");
   if (!ok) {
     return deadline_exceeded("expert map " + std::to_string(version) + " not applied in time");
@@ -175,15 +180,15 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
       for (const auto& [dst, src] : step->copies) add_pull(&pulls, layer, dst, src / S, src % S);
       std::unique_lock<std::mutex> lock(mutex_);
       // Re-checked under the lock that posts: a recovery may own the free slots now.
-      if (cancel_rebalance_ || recovery_.active || epoch_ != rebalance_epoch_) {
+      if (cancel_rebalance_ || recovery_.active || epoch() != rebalance_epoch_) {
         return aborted("the group changed during the rebalance");
       }
       PullTotals done;
       Status s = run_pulls(
           std::move(pulls), lock, kAckTimeout,
-          [&] { return stop_.load() || epoch_ != rebalance_epoch_ || cancel_rebalance_; }, &done);
+          [&] { return stop_.load() || epoch() != rebalance_epoch_ || cancel_rebalance_; }, &done);
       if (stop_.load()) return unavailable("shutting down");
-      if (epoch_ != rebalance_epoch_) return aborted("membership changed during the rebalance");
+      if (epoch() != rebalance_epoch_) return aborted("membership changed during the rebalance");
       if (cancel_rebalance_) return aborted("rebalance cancelled");
       if (s.code() == StatusCode::kDeadlineExceeded) {
         return deadline_exceeded("expert pulls of layer " + std::to_string(layer) + " timed out");
@@ -210,9 +215,9 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
     if (reconfiguring_ || recovery_.active) {
       return failed_precondition("a membership change is in progress");
     }
-    if (phase_ != Phase::kServing)
-      return unavailable("no serving epoch (phase " + std::string(phase_name(phase_)) + ")");
-    for (int r : members_) {
+    if (phase() != Phase::kServing)
+      return unavailable("no serving epoch (phase " + std::string(phase_name(phase())) + ")");
+    for (int r : members()) {
       // After a timed-out switch the front end cannot know which map a rank uses:
       // no weight may move until every member reports the current one.
       if (ranks_[r].map_version != map_version_) {
@@ -222,16 +227,16 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
     }
     rebalancing_ = true;
     cancel_rebalance_ = false;
-    rebalance_epoch_ = epoch_;
+    rebalance_epoch_ = epoch();
     pulls_done_.clear();
     rebalance_max_step_ms_ = 0;
-    input = plan_input(members_, /*prior=*/0.0);
+    input = plan_input(members(), /*prior=*/0.0);
     if (options_.eplb_smoothing > 0) {
       smoothed_shares_ = eplb::smooth_load(smoothed_shares_, options_.eplb_smoothing, input.load);
     }
     input.min_gain = options_.eplb_min_gain;
     int n = 0;
-    for (int r : members_) {
+    for (int r : members()) {
       if (ranks_[r].step_ms > 0) {
         step_ms_before += ranks_[r].step_ms;
         ++n;
@@ -246,9 +251,9 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
       // wait for one report per member after it (its steps since the last one include the
       // rebalance's) before taking the longest step reported.
       std::map<int, uint64_t> seen;
-      for (int r : members_) seen[r] = ranks_[r].reports;
+      for (int r : members()) seen[r] = ranks_[r].reports;
       cv_.wait_for(lock, std::chrono::milliseconds(600), [&] {
-        if (halting() || cancel_rebalance_ || epoch_ != rebalance_epoch_) return true;
+        if (halting() || cancel_rebalance_ || epoch() != rebalance_epoch_) return true;
         for (const auto& [r, n] : seen) {
           if (ranks_[r].reports == n) return false;  // (A dead one: a new epoch, or the timeout.)
         }
@@ -320,7 +325,7 @@ void ClusterEngine::Impl::eplb_loop() {
     if (stop_.load()) break;
     double total = 0;
     for (const auto& row : window_load()) total += std::accumulate(row.begin(), row.end(), 0.0);
-    if (total == 0 || phase_ != Phase::kServing) continue;
+    if (total == 0 || phase() != Phase::kServing) continue;
     lock.unlock();
     auto r = rebalance("periodic");
     if (!r.ok()) FLEX_LOG(WARN) << "periodic rebalance: " << r.status().to_string();
@@ -337,8 +342,8 @@ nlohmann::json ClusterEngine::Impl::eplb_status() const {
     layers.push_back({{"layer", l},
                       {"slot_to_expert", placement_.slot_map(l)},
                       {"window_load", load[l]},
-                      {"balancedness", eplb::balancedness(load[l], placement_.slot_map(l), members_,
-                                                          slots_per_rank_)}});
+                      {"balancedness", eplb::balancedness(load[l], placement_.slot_map(l),
+                                                          members(), slots_per_rank_)}});
   }
   return {{"enabled", options_.eplb},
           {"window_s", options_.eplb_window_s},
@@ -362,7 +367,7 @@ void ClusterEngine::Impl::update_eplb_gauges() const {
     registry_
         .gauge("flexpert_eplb_balancedness", "Mean over max rank load in the window, per layer.",
                {{"layer", std::to_string(l)}})
-        .set(eplb::balancedness(load[l], placement_.slot_map(l), members_, slots_per_rank_));
+        .set(eplb::balancedness(load[l], placement_.slot_map(l), members(), slots_per_rank_));
   }
 }
 

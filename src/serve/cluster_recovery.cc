@@ -29,12 +29,26 @@ constexpr int kRecoveryAttempts = 3;
 
 }  // namespace
 
+cluster::MembershipConfig ClusterEngine::Impl::membership_config() const {
+  cluster::MembershipConfig mc;
+  mc.max_ranks = options_.max_ranks;
+  mc.initial_ranks = options_.ranks;
+  mc.slots_per_rank = slots_per_rank_;
+  mc.num_experts = placement_.num_experts();
+  for (int l = 0; l < placement_.num_layers(); ++l) {
+    mc.maps.push_back(placement_.slot_map(l));
+    mc.routed.push_back(model_config_.is_moe_layer(l));
+  }
+  mc.heartbeat_timeout_ms = options_.heartbeat_timeout_ms;
+  return mc;
+}
+
 bool ClusterEngine::Impl::rehome(uint64_t id, RequestInfo& req, int avoid, Calls* calls) {
   int best = -1;
   // During a recovery nothing is placed: the survivors are halted, and the next
   // epoch (with replacements, perhaps) takes the held requests.
   for (bool allow_leaving : {false, true}) {
-    for (int r : recovery_.active ? std::vector<int>{} : members_) {
+    for (int r : recovery_.active ? std::vector<int>{} : members()) {
       const RankInfo& info = ranks_[r];
       // Ranks about to leave only when nobody else can take it (they still step).
       if (r == avoid || (info.leaving && !allow_leaving) ||
@@ -122,11 +136,11 @@ void ClusterEngine::Impl::place_held(Calls* calls) {
 
 void ClusterEngine::Impl::enter_degraded(const std::string& why, Calls* calls) {
   FLEX_LOG(ERROR) << "the group is degraded: " << why;
-  phase_ = Phase::kDegraded;
+  enter_phase(Phase::kDegraded);
   degraded_reason_ = why;
   recovery_.active = false;
   recoveries("failed").inc();
-  for (int r : members_) {
+  for (int r : members()) {
     if (ranks_[r].state == RankState::kServing) ranks_[r].state = RankState::kHalted;
   }
   fail_all("the group cannot serve: " + why, calls);
@@ -139,21 +153,24 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
       info.state == RankState::kEmpty) {
     return;
   }
-  if (phase_ == Phase::kStopping || stop_.load()) {
+  if (phase() == Phase::kStopping || stop_.load()) {
     info.state = RankState::kStopped;  // Leaving as asked, not lost.
+    membership_.mark_stopped(rank);
     return;
   }
-  const bool was_member = std::find(members_.begin(), members_.end(), rank) != members_.end();
+  const bool was_member = std::find(members().begin(), members().end(), rank) != members().end();
   info.state = RankState::kDead;
+  membership_.mark_lost(rank);  // Out of the members: its incarnation is fenced.
   info.last_error = why;
   info.leaving = false;
   if (info.spawned && info.pid > 0) kill(info.pid, SIGKILL);  // Declared lost: make it so.
   if (!info.spawned) {
     // Not ours to kill: if it is alive but silent, fence it (it exits when it wakes).
     if (!info.routing_id.empty()) post(rank, proto::Shutdown{proto::Shutdown::kFenced});
-    unlink_rank_segments(rank, info.incarnation);
+    unlink_rank_segments(rank, incarnation(rank));
     info.pid = 0;
   }
+  if (info.pid == 0) rank_reaped(rank);  // No process of ours to wait for.
   cv_.notify_all();
   FLEX_LOG(WARN) << "rank " << rank << " lost: " << why;
   if (!was_member) return;   // A joiner in preparation: its scale-up rolls back.
@@ -163,9 +180,9 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
     fail_all("rank " + std::to_string(rank) + " died: " + why, calls);
     if (!reconfiguring_) {
       reconfiguring_ = true;
-      phase_ = Phase::kRestarting;
+      enter_phase(Phase::kRestarting);
       accepting_ = false;
-      const int n = static_cast<int>(members_.size());
+      const int n = static_cast<int>(members().size()) + 1;  // The group's size before the loss.
       if (restart_thread_.joinable()) restart_thread_.detach();
       restart_thread_ = std::thread([this, n] {
         nlohmann::json report = {{"kind", "restart"}, {"mode", "stop-the-world"}};
@@ -180,15 +197,17 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
     }
     return;
   }
-  members_.erase(std::remove(members_.begin(), members_.end(), rank), members_.end());
   ++losses_;
+  if (const auto& p = membership_.proposal()) {
+    (void)membership_.abandon_proposal(p->id, why, now_ms());  // Its flow rolls back.
+  }
   if (!recovery_.active) {
     recovery_ = Recovery{};
     recovery_.active = true;
     recovery_.start = Clock::now();
   }
   recovery_.lost.push_back(rank);
-  phase_ = Phase::kRecovering;
+  enter_phase(Phase::kRecovering);
   // Its requests continue from their prompt plus what was streamed, once the
   // recovery commits (held at the front end until then).
   for (auto& [id, req] : requests_) {
@@ -200,7 +219,6 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
 }
 
 Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann::json* report) {
-  const int S = slots_per_rank_;
   Status last = unavailable("no attempt made");
   int attempts = 0;
   // Hand-started replacements: one bounded wait (--start-timeout-ms), then degraded.
@@ -212,21 +230,15 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
                  [&] { return halting() || (!reconfiguring_ && !rebalancing_); });
     const uint64_t losses0 = losses_;
     auto changed = [&] { return losses_ != losses0 || halting(); };
-    const std::vector<int> survivors = members_;
-    auto input = [&](const std::vector<int>& joiners) {
-      cluster::RecoveryInput in;
-      for (int l = 0; l < placement_.num_layers(); ++l) {
-        in.maps.push_back(placement_.slot_map(l));
-        in.routed.push_back(model_config_.is_moe_layer(l));
-      }
-      in.num_experts = placement_.num_experts();
-      in.slots_per_rank = S;
-      in.survivors = survivors;
-      in.joiners = joiners;
-      in.load = window_load();
-      return in;
+    const std::vector<int> survivors = members();
+    std::vector<std::vector<int>> maps;
+    for (int l = 0; l < placement_.num_layers(); ++l) maps.push_back(placement_.slot_map(l));
+    const std::vector<std::vector<double>> load = window_load();
+    // The membership plans: in place, or with replacements (docs/ARCHITECTURE.md, "The
+    // membership state machine"); here they are started, attached and loaded.
+    auto choose = [&](bool started_only) {
+      return membership_.choose_recovery(maps, survivors, target_ranks_, started_only, load);
     };
-    cluster::RecoveryPlan plan = cluster::plan_recovery(input({}));
     std::vector<int> joiners;
     auto retry = [&](Status s) {
       if (!joiners.empty()) rollback_joiners(joiners);
@@ -237,32 +249,30 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
         last = std::move(s);
       }
     };
-    if (!plan.ok() || survivors.empty()) {
-      // Replacements: new incarnations of free ids (the lost ones, once reaped).
-      const int now = static_cast<int>(survivors.size());
-      const int need =
-          std::max(cluster::ranks_for_slots(plan.missing_slots, S), survivors.empty() ? 1 : 0);
-      const int room = options_.max_ranks - now;
-      if (need > room) {
-        return failed_precondition(
-            "the experts need " + std::to_string(need) + " more ranks and --max-ranks " +
-            std::to_string(options_.max_ranks) + " leaves room for " + std::to_string(room));
-      }
-      const int want = std::min(room, std::max(need, target_ranks_ - now));
+    auto chosen = choose(/*started_only=*/false);
+    if (!chosen.ok() && chosen.status().code() == StatusCode::kFailedPrecondition) {
+      return chosen.status();  // --max-ranks cannot hold the experts: degraded.
+    }
+    if (chosen.ok() && !chosen->joiners.empty()) {
+      // Ids of ranks still exiting (the lost ones) free up once reaped.
       reconfig_step_ = "waiting for free rank ids";
       cv_.wait_for(lock, std::chrono::seconds(5), [&] {
-        return changed() || static_cast<int>(joiner_candidates().size()) >= want;
+        auto c = choose(false);
+        return changed() || !c.ok() || c->not_reaped == 0;
       });
       if (changed()) {
         retry(aborted("a rank was lost"));
         continue;
       }
-      const std::vector<int> free = joiner_candidates();  // Ready spares first.
-      if (static_cast<int>(free.size()) < need) {
-        retry(unavailable("only " + std::to_string(free.size()) + " rank ids are free"));
-        continue;
-      }
-      joiners.assign(free.begin(), free.begin() + std::min<size_t>(want, free.size()));
+      chosen = choose(/*started_only=*/true);
+    }
+    if (!chosen.ok()) {
+      retry(chosen.status());
+      continue;
+    }
+    cluster::RecoveryPlan plan = std::move(chosen->plan);
+    if (!chosen->joiners.empty()) {
+      joiners = chosen->joiners;
       (*report)["replacements"] = joiners;
       reconfig_step_ = "starting replacements";
       Status s = start_joiners(joiners, lock, changed);
@@ -278,11 +288,6 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
       if (s.ok() && changed()) s = aborted("a rank was lost");
       if (!s.ok()) {
         retry(s);
-        continue;
-      }
-      plan = cluster::plan_recovery(input(joiners));
-      if (!plan.ok()) {
-        retry(internal_error("no room for every expert with the replacements"));
         continue;
       }
     }
@@ -314,9 +319,9 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
     reconfigurations().inc();
     recovery_.active = false;
     degraded_reason_.clear();
-    phase_ = reconfiguring_ ? Phase::kScaling : Phase::kServing;
-    (*report)["epoch"] = epoch_;
-    (*report)["members"] = members_;
+    enter_phase(reconfiguring_ ? Phase::kScaling : Phase::kServing);
+    (*report)["epoch"] = epoch();
+    (*report)["members"] = members();
     (*report)["lost"] = recovery_.lost;
     (*report)["reloaded_experts"] = plan.loads.size();
     (*report)["evicted_replicas"] = plan.evicted;
@@ -334,7 +339,7 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
 
 void ClusterEngine::Impl::keep_spares() {
   if (options_.spare_ranks <= 0 || !options_.spawn_workers || options_.reconfigure != "live" ||
-      phase_ != Phase::kServing || reconfiguring_ || rebalancing_) {
+      phase() != Phase::kServing || reconfiguring_ || rebalancing_) {
     return;
   }
   int spares = 0;  // Ready, or still starting.
@@ -344,10 +349,9 @@ void ClusterEngine::Impl::keep_spares() {
   const std::vector<int> free = free_ranks();
   for (size_t i = 0; spares < options_.spare_ranks && i < free.size(); ++i, ++spares) {
     RankInfo& info = ranks_[free[i]];
-    const uint64_t incarnation = info.incarnation;
     info = RankInfo{};
-    info.incarnation = incarnation;
     info.spare = true;
+    membership_.open_rank(free[i], now_ms());
     request_spawn(free[i]);
     FLEX_LOG(INFO) << "starting rank " << free[i] << " as a spare";
   }
@@ -386,8 +390,8 @@ void ClusterEngine::Impl::heal_loop() {
     }
     keep_spares();
     // Back to the size the operator asked for, with a live scale-up.
-    const bool short_of_ranks = static_cast<int>(members_.size()) < target_ranks_;
-    if (!short_of_ranks || phase_ != Phase::kServing || reconfiguring_ || rebalancing_ ||
+    const bool short_of_ranks = static_cast<int>(members().size()) < target_ranks_;
+    if (!short_of_ranks || phase() != Phase::kServing || reconfiguring_ || rebalancing_ ||
         !options_.spawn_workers || options_.reconfigure != "live" || Clock::now() < next_heal) {
       continue;
     }

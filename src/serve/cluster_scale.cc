@@ -79,7 +79,7 @@ std::vector<int> ClusterEngine::Impl::free_ranks() const {
   std::vector<int> out;
   for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
     const RankState s = ranks_[r].state;
-    const bool member = std::find(members_.begin(), members_.end(), r) != members_.end();
+    const bool member = std::find(members().begin(), members().end(), r) != members().end();
     // A rank whose process still runs (reaped later) is not reusable yet.
     if (!member && ranks_[r].pid == 0 &&
         (s == RankState::kEmpty || s == RankState::kDead || s == RankState::kStopped)) {
@@ -121,7 +121,7 @@ Status ClusterEngine::Impl::connect_all(const std::map<int, proto::ConnectComman
                                         std::unique_lock<std::mutex>& lock,
                                         const std::function<bool()>& failed) {
   std::vector<uint64_t> ids;
-  const uint64_t epoch = epoch_;
+  const uint64_t epoch0 = epoch();
   for (auto [rank, cmd] : cmds) {
     cmd.id = next_connect_id_++;
     ids.push_back(cmd.id);
@@ -140,13 +140,13 @@ Status ClusterEngine::Impl::connect_all(const std::map<int, proto::ConnectComman
     }
   };
   const bool done = cv_.wait_for(lock, kConnectTimeout, [&] {
-    if (halting() || epoch_ != epoch || failed()) return true;
+    if (halting() || epoch() != epoch0 || failed()) return true;
     return std::all_of(ids.begin(), ids.end(),
                        [&](uint64_t id) { return connects_done_.count(id); });
   });
   forget();
   if (halting()) return unavailable("shutting down");
-  if (epoch_ != epoch) return aborted("membership changed (a rank was lost)");
+  if (epoch() != epoch0) return aborted("membership changed (a rank was lost)");
   if (failed()) return unavailable("a rank failed while connecting");
   if (!done) return deadline_exceeded("transport connections not confirmed in time");
   for (uint64_t id : ids) {
@@ -156,19 +156,19 @@ Status ClusterEngine::Impl::connect_all(const std::map<int, proto::ConnectComman
   return Status();
 }
 
-Status ClusterEngine::Impl::wait_applied(const std::vector<int>& ranks, uint64_t epoch,
+Status ClusterEngine::Impl::wait_applied(const std::vector<int>& ranks, uint64_t target,
                                          std::unique_lock<std::mutex>& lock) {
   const bool done = cv_.wait_for(lock, kApplyTimeout, [&] {
-    if (halting() || epoch_ != epoch) return true;
+    if (halting() || epoch() != target) return true;
     return std::all_of(ranks.begin(), ranks.end(), [&](int r) {
       const RankInfo& i = ranks_[r];
-      return i.applied_epoch >= epoch || i.state == RankState::kDead ||
+      return i.applied_epoch >= target || i.state == RankState::kDead ||
              (i.state == RankState::kStopped && i.spawned && i.pid == 0);
     });
   });
   if (halting()) return unavailable("shutting down");
-  if (epoch_ != epoch) return aborted("membership changed during the commit");
-  if (!done) return deadline_exceeded("epoch " + std::to_string(epoch) + " not applied in time");
+  if (epoch() != target) return aborted("membership changed during the commit");
+  if (!done) return deadline_exceeded("epoch " + std::to_string(target) + " not applied in time");
   return Status();
 }
 
@@ -181,18 +181,20 @@ void ClusterEngine::Impl::rollback_joiners(const std::vector<int>& joiners) {
     spawn_queue_.erase(std::remove(spawn_queue_.begin(), spawn_queue_.end(), r),
                        spawn_queue_.end());
     if (info.state != RankState::kDead) info.state = RankState::kStopped;
+    membership_.mark_stopped(r);
     if (info.spawned && info.pid > 0) {
       kill(info.pid, SIGKILL);  // Reaped (and its segments removed) by check_workers.
     } else if (!info.routing_id.empty()) {
       post(r, proto::Shutdown{proto::Shutdown::kLeave});
-      unlink_rank_segments(r, info.incarnation);
+      unlink_rank_segments(r, incarnation(r));
     }
-    if (!info.spawned) info.pid = 0;  // Not ours to reap.
+    if (!info.spawned) info.pid = 0;    // Not ours to reap.
+    if (info.pid == 0) rank_reaped(r);  // Not started yet, or not ours: its id is free.
     detach.ranks.push_back(r);
     detach.addresses.push_back("");
   }
   detach.id = next_connect_id_++;  // Not awaited: its answers are dropped.
-  for (int m : members_) post(m, detach);
+  for (int m : members()) post(m, detach);
   wake();
 }
 
@@ -206,9 +208,8 @@ Status ClusterEngine::Impl::start_joiners(const std::vector<int>& joiners,
       info.joining = true;
       continue;
     }
-    const uint64_t incarnation = info.incarnation;
     info = RankInfo{};
-    info.incarnation = incarnation;
+    membership_.open_rank(r, now_ms());  // Its next incarnation.
     info.state = RankState::kStarting;
     info.joining = true;
     info.last_seen = Clock::now();
@@ -274,14 +275,26 @@ std::map<int, proto::ConnectCommand> ClusterEngine::Impl::joiner_connects(
 Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::json* report) {
   const auto t0 = Clock::now();
   std::unique_lock<std::mutex> lock(mutex_);
-  const uint64_t epoch0 = epoch_;
-  const std::vector<int> old_members = members_;
+  const uint64_t epoch0 = epoch();
+  const std::vector<int> old_members = members();
   // A rank lost meanwhile (an epoch, or a recovery under way) ends the preparation.
   auto group_changed = [&] {
-    return epoch_ != epoch0 || members_ != old_members || recovery_.active;
+    return epoch() != epoch0 || members() != old_members || recovery_.active;
   };
+  // The membership's proposal: these joiners, prepared, then one commit.
+  const int target = static_cast<int>(old_members.size() + joiners.size());
+  FLEX_ASSIGN_OR_RETURN(const cluster::Actions opened, membership_.scale(target, {}, now_ms()));
+  (void)opened;  // Its spawns are start_joiners' below.
+  if (!membership_.proposal() || membership_.proposal()->joiners != joiners) {
+    if (membership_.proposal()) {
+      (void)membership_.abandon_proposal(membership_.proposal()->id, "changed", now_ms());
+    }
+    return aborted("the group changed before the scale-up started");
+  }
+  const uint64_t proposal = membership_.proposal()->id;
   auto fail = [&](Status s) {
     rollback_joiners(joiners);
+    (void)membership_.abandon_proposal(proposal, s.message(), now_ms());
     (*report)["rolled_back"] = true;
     return s;
   };
@@ -370,18 +383,33 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
 
   // 4. Commit: every rank switches at one step boundary; joiners start stepping.
   reconfig_step_ = "committing";
+  std::vector<std::vector<int>> next_maps;
+  for (int l = 0; l < next->num_layers(); ++l) next_maps.push_back(next->slot_map(l));
+  auto planned = membership_.set_plan(proposal, std::move(next_maps), now_ms());
+  if (!planned.ok()) return fail(planned.status());
+  // Every joiner is loaded and attached: its acknowledgement; the last one commits.
+  cluster::Actions acks;
+  for (int r : joiners) {
+    for (cluster::Action& a : membership_.prepared(r, incarnation(r), proposal, now_ms())) {
+      acks.push_back(std::move(a));
+    }
+  }
+  auto commit = std::find_if(acks.begin(), acks.end(), [](const cluster::Action& a) {
+    return a.kind == cluster::ActionKind::kCommit;
+  });
+  if (commit == acks.end()) return fail(internal_error("the membership did not commit"));
   placement_ = std::move(next).value();
   const auto t_commit = Clock::now();
-  commit_epoch(next_members);
+  send_epoch(*commit);
   for (int r : joiners) ranks_[r].joining = false;
   reconfigurations().inc();
-  const uint64_t epoch1 = epoch_;
+  const uint64_t epoch1 = epoch();
   FLEX_RETURN_IF_ERROR(wait_applied(next_members, epoch1, lock));
   (*report)["commit_s"] = seconds_since(t_commit);
 
   // 5. The rest of the plan (e.g. replicas old ranks no longer need), while serving.
   reconfig_step_ = "rebalancing";
-  rebalance_epoch_ = epoch_;
+  rebalance_epoch_ = epoch();
   cancel_rebalance_ = false;
   lock.unlock();
   uint64_t moved = 0;
@@ -401,7 +429,7 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
   const auto t0 = Clock::now();
   std::unique_lock<std::mutex> lock(mutex_);
   std::vector<int> survivors;
-  for (int r : members_) {
+  for (int r : members()) {
     if (std::find(leavers.begin(), leavers.end(), r) == leavers.end()) survivors.push_back(r);
   }
   // 1. Plan without the leavers (fails early, e.g. too few slots, before anything moves).
@@ -410,13 +438,24 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
     return invalid_argument("cannot shrink to " + std::to_string(survivors.size()) +
                             " ranks: " + plan.status().message());
   }
+  // The membership's proposal: these leavers (phase scaling), committed without them.
+  FLEX_ASSIGN_OR_RETURN(const cluster::Actions opened, membership_.scale(-1, leavers, now_ms()));
+  (void)opened;
+  if (!membership_.proposal() || membership_.proposal()->leavers != leavers) {
+    if (membership_.proposal()) {
+      (void)membership_.abandon_proposal(membership_.proposal()->id, "changed", now_ms());
+    }
+    return aborted("the group changed before the scale-down started");
+  }
+  const uint64_t proposal = membership_.proposal()->id;
   for (int r : leavers) ranks_[r].leaving = true;  // No new requests from here on.
   auto unmark = [&] {
     for (int r : leavers) ranks_[r].leaving = false;
+    (void)membership_.abandon_proposal(proposal, "the scale-down stopped", now_ms());
   };
   // 2. Move experts off the leavers (transition steps; everybody keeps serving).
   reconfig_step_ = "moving experts";
-  rebalance_epoch_ = epoch_;
+  rebalance_epoch_ = epoch();
   cancel_rebalance_ = false;
   lock.unlock();
   uint64_t moved = 0;
@@ -436,17 +475,32 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
   // 3. Commit: the leavers switch with everyone, then stop stepping; their
   // unfinished requests re-run on survivors.
   reconfig_step_ = "committing";
-  for (int r : members_) {
+  for (int r : members()) {
     if (ranks_[r].state != RankState::kServing || cancel_rebalance_ || recovery_.active ||
-        epoch_ != rebalance_epoch_) {
+        epoch() != rebalance_epoch_) {
       unmark();
       return aborted("the group changed while experts moved (rank " + std::to_string(r) + ")");
     }
   }
+  // The maps without the leavers: nothing left to load, so the plan commits at once.
+  std::vector<std::vector<int>> maps;
+  for (int l = 0; l < placement_.num_layers(); ++l) maps.push_back(placement_.slot_map(l));
+  auto planned = membership_.set_plan(proposal, std::move(maps), now_ms());
+  const cluster::Action* commit = nullptr;
+  if (planned.ok()) {
+    for (const cluster::Action& a : *planned) {
+      if (a.kind == cluster::ActionKind::kCommit) commit = &a;
+    }
+  }
+  if (commit == nullptr) {
+    unmark();
+    return planned.ok() ? internal_error("the membership did not commit the scale-down")
+                        : planned.status();
+  }
   const auto t_commit = Clock::now();
-  commit_epoch(survivors, leavers);
+  send_epoch(*commit);
   reconfigurations().inc();
-  const uint64_t epoch1 = epoch_;
+  const uint64_t epoch1 = epoch();
   int reruns = 0;
   Calls calls;
   for (auto& [id, req] : requests_) {
@@ -459,7 +513,7 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
   for (int r : leavers) {
     ranks_[r].in_flight = 0;
     ranks_[r].leaving = false;
-    ranks_[r].state = RankState::kStopped;  // Its exit is not a loss.
+    ranks_[r].state = RankState::kStopped;  // Its exit is not a loss (the commit stopped it).
     post(r, proto::Shutdown{proto::Shutdown::kLeave});
   }
   wake();
@@ -488,15 +542,14 @@ Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report)
   }
   (*report)["drain_s"] = seconds_since(t0);
   reconfig_step_ = "stopping workers";
-  std::vector<pid_t> children;
-  for (int r : members_) {
+  for (int r : std::vector<int>(members())) {
     RankInfo& info = ranks_[r];
     if (info.state != RankState::kDead) {
       post(r, proto::Shutdown{proto::Shutdown::kStop});
       info.state = RankState::kStopped;
     }
+    membership_.mark_stopped(r);
   }
-  members_.clear();
   wake();
   cv_.wait_for(lock, std::chrono::seconds(10), [&] {
     return halting() ||
@@ -517,10 +570,8 @@ Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report)
       placement_, ExpertPlacement::spread(model_config_.num_hidden_layers, E, options_.max_ranks,
                                           slots_per_rank_, next, 0, 0));
   for (int r : next) {
-    RankInfo& info = ranks_[r];
-    const uint64_t incarnation = info.incarnation;
-    info = RankInfo{};
-    info.incarnation = incarnation;
+    ranks_[r] = RankInfo{};
+    membership_.open_rank(r, now_ms());
     request_spawn(r);
   }
   cv_.wait_for(lock, std::chrono::milliseconds(options_.start_timeout_ms), [&] {
@@ -530,17 +581,17 @@ Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report)
   });
   for (int r : next) {
     if (ranks_[r].state != RankState::kReady) {
-      phase_ = Phase::kDegraded;
+      enter_phase(Phase::kDegraded);
       return unavailable("rank " + std::to_string(r) + " did not restart");
     }
   }
   commit_epoch(next);
   reconfigurations().inc();
-  FLEX_RETURN_IF_ERROR(wait_applied(next, epoch_, lock));
-  phase_ = Phase::kServing;
+  FLEX_RETURN_IF_ERROR(wait_applied(next, epoch(), lock));
+  enter_phase(Phase::kServing);
   accepting_ = true;
-  (*report)["epoch"] = epoch_;
-  (*report)["members"] = members_;
+  (*report)["epoch"] = epoch();
+  (*report)["members"] = members();
   (*report)["total_s"] = seconds_since(t0);
   return Status();
 }
@@ -554,67 +605,48 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
     if (reconfiguring_) return failed_precondition("a reconfiguration is already in progress");
     if (rebalancing_) return failed_precondition("an expert rebalance is in progress");
     if (halting()) return unavailable("the server is shutting down");
-    if (phase_ == Phase::kDegraded && !stop_the_world) return retry_recovery(target, lock);
-    if (phase_ != Phase::kServing) {
+    if (phase() == Phase::kDegraded && !stop_the_world) return retry_recovery(target, lock);
+    if (phase() != Phase::kServing) {
       return failed_precondition("the group is not serving (phase " +
-                                 std::string(phase_name(phase_)) + ")");
+                                 std::string(phase_name(phase())) + ")");
     }
-    for (int r : members_) {
+    for (int r : members()) {
       // As for a rebalance: no weight moves while a member may use an older map.
       if (ranks_[r].map_version != map_version_) {
         return failed_precondition("rank " + std::to_string(r) + " has not applied expert map " +
                                    std::to_string(map_version_) + " yet");
       }
     }
-    const int max = options_.max_ranks;
-    const int now = static_cast<int>(members_.size());
-    if (!target.remove.empty()) {
-      for (int r : target.remove) {
-        if (r < 0 || r >= max || std::find(members_.begin(), members_.end(), r) == members_.end()) {
-          return invalid_argument("rank " + std::to_string(r) + " is not a member");
-        }
-        if (std::find(leavers.begin(), leavers.end(), r) == leavers.end()) leavers.push_back(r);
-      }
-      if (static_cast<int>(leavers.size()) >= now) {
-        return invalid_argument("cannot remove every member (at least 1 rank must stay)");
-      }
-    } else {
-      if (target.ranks < 1 || target.ranks > max) {
-        return invalid_argument("\"ranks\" must be in [1, " + std::to_string(max) +
-                                "] (--max-ranks), got " + std::to_string(target.ranks));
-      }
-      if (target.ranks > now) {
-        // Ids of ranks still exiting (a scale-down a moment ago) free up shortly.
-        cv_.wait_for(lock, std::chrono::seconds(5), [&] {
-          return halting() || static_cast<int>(joiner_candidates().size()) >= target.ranks - now;
-        });
-        const std::vector<int> free = joiner_candidates();
-        if (static_cast<int>(free.size()) < target.ranks - now) {
-          return failed_precondition("only " + std::to_string(free.size()) +
-                                     " rank ids are free (others are still exiting)");
-        }
-        joiners.assign(free.begin(), free.begin() + (target.ranks - now));
-      } else if (target.ranks < now) {
-        // The least loaded leave (ties: the highest ids), so that fewest requests move.
-        std::vector<int> order = members_;
-        std::sort(order.begin(), order.end(), [&](int a, int b) {
-          if (ranks_[a].in_flight != ranks_[b].in_flight) {
-            return ranks_[a].in_flight < ranks_[b].in_flight;
-          }
-          return a > b;
-        });
-        leavers.assign(order.begin(), order.begin() + (now - target.ranks));
-        std::sort(leavers.begin(), leavers.end());
-      }
+    // The membership chooses (docs/ARCHITECTURE.md, "The membership state machine"):
+    // Ready spares, then free ids; the least loaded leave.
+    std::vector<int> in_flight;
+    for (const RankInfo& info : ranks_) in_flight.push_back(info.in_flight);
+    auto choose = [&] {
+      return membership_.choose_scale(target.remove.empty() ? target.ranks : -1, target.remove,
+                                      in_flight);
+    };
+    // Ids of ranks still exiting (a scale-down a moment ago) free up shortly.
+    cv_.wait_for(lock, std::chrono::seconds(5), [&] {
+      auto c = choose();
+      return halting() || !c.ok() || c->not_reaped == 0;
+    });
+    FLEX_ASSIGN_OR_RETURN(const cluster::ScaleChoice choice, choose());
+    if (choice.not_reaped > 0) {
+      return failed_precondition("only " +
+                                 std::to_string(choice.joiners.size() - choice.not_reaped) +
+                                 " rank ids are free (others are still exiting)");
     }
+    joiners = choice.joiners;
+    leavers = choice.leavers;
     if (joiners.empty() && leavers.empty()) {
-      return nlohmann::json{{"epoch", epoch_}, {"members", members_}, {"changed", false}};
+      return nlohmann::json{{"epoch", epoch()}, {"members", members()}, {"changed", false}};
     }
     if (stop_the_world && !options_.spawn_workers) {
       return invalid_argument("--reconfigure stop-the-world needs spawned workers");
     }
     reconfiguring_ = true;
-    phase_ = Phase::kScaling;
+    // A live scale's phase comes with its proposal (scale_up, scale_down open it).
+    if (stop_the_world) enter_phase(Phase::kScaling);
     if (stop_the_world) accepting_ = false;
   }
   const auto t0 = Clock::now();
@@ -631,7 +663,7 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
     int n = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      n = static_cast<int>(members_.size() + joiners.size() - leavers.size());
+      n = static_cast<int>(members().size() + joiners.size() - leavers.size());
     }
     s = restart_group(n, &report);
   } else if (!joiners.empty()) {
@@ -643,16 +675,16 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
   reconfiguring_ = false;
   reconfig_step_.clear();
   if (!halting()) {
-    if (phase_ == Phase::kScaling || (stop_the_world && phase_ != Phase::kDegraded))
-      phase_ = Phase::kServing;
-    if (stop_the_world) accepting_ = phase_ == Phase::kServing;
+    if (phase() == Phase::kScaling || (stop_the_world && phase() != Phase::kDegraded))
+      enter_phase(Phase::kServing);
+    if (stop_the_world) accepting_ = phase() == Phase::kServing;
   }
   report["total_s"] = seconds_since(t0);
-  report["epoch"] = epoch_;
-  report["members"] = members_;
+  report["epoch"] = epoch();
+  report["members"] = members();
   report["status"] = s.ok() ? "ok" : s.to_string();
   last_reconfig_ = report;
-  if (s.ok()) target_ranks_ = static_cast<int>(members_.size());
+  if (s.ok()) target_ranks_ = static_cast<int>(members().size());
   cv_.notify_all();
   FLEX_LOG(INFO) << "reconfiguration: " << report.dump();
   if (!s.ok()) return s;
@@ -674,11 +706,11 @@ Result<nlohmann::json> ClusterEngine::Impl::retry_recovery(const ScaleTarget& ta
   target_ranks_ = target.ranks;
   recovery_.active = true;
   recovery_.start = Clock::now();
-  phase_ = Phase::kRecovering;
+  enter_phase(Phase::kRecovering);
   cv_.notify_all();
   const auto limit = std::chrono::milliseconds(options_.start_timeout_ms) + std::chrono::minutes(3);
   cv_.wait_for(lock, limit, [&] { return halting() || !recovery_.active; });
-  if (phase_ != Phase::kServing && phase_ != Phase::kScaling) {
+  if (phase() != Phase::kServing && phase() != Phase::kScaling) {
     return unavailable("recovery failed: " +
                        (degraded_reason_.empty() ? std::string("timed out") : degraded_reason_));
   }

@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// HttpServer: POST /v1/completions, as one JSON response or as server-sent events.
+// HttpServer: POST /v1/completions and POST /v1/chat/completions, as one JSON response or
+// as server-sent events.
 //
-// The engine reports progress through a callback on its own thread; the callback
-// only appends to the request's Exchange and wakes the HTTP thread, which owns the
-// response, the metrics and the decision to cancel. The Exchange is shared because
-// the engine may call back after the HTTP side gave up on the request.
+// A request runs as one engine request per choice (prompts x n). The engine reports
+// progress through a callback on its own thread; the callback only appends to the
+// request's Exchange and wakes the HTTP thread, which owns the text (detokenization, stop
+// strings), the response, the metrics and the decision to cancel. The Exchange is shared
+// because the engine may call back after the HTTP side gave up on the request.
 #include <httplib.h>
 
 #include <chrono>
@@ -12,8 +14,10 @@
 #include <mutex>
 #include <optional>
 
+#include "serve/chat_api.h"
 #include "serve/completion_api.h"
 #include "serve/http_server.h"
+#include "tokenizer/utf8.h"
 
 namespace flexpert {
 namespace {
@@ -41,37 +45,75 @@ const nlohmann::json& shutting_down_json() {
   return body;
 }
 
+// Code points of the tokens' logprob strings: how far legacy text_offset advances.
+size_t logprob_text_length(const Tokenizer* tokenizer, const std::vector<TokenLogprob>& lps) {
+  size_t n = 0;
+  for (const TokenLogprob& lp : lps) {
+    const std::string text = logprob_token_text(tokenizer, lp.token);
+    size_t pos = 0;
+    while (pos < text.size()) {
+      (void)tok::next_code_point(text, &pos);
+      ++n;
+    }
+  }
+  return n;
+}
+
+// What the engine sent for one choice, not yet taken by the HTTP thread.
+struct Arrivals {
+  std::vector<int32_t> tokens;
+  std::vector<TokenLogprob> logprobs;
+  bool logprobs_missing = false;  // Tokens came without the logprobs asked for.
+  bool finished = false;
+  std::string finish_reason;
+  Status error;
+};
+// One choice as the HTTP thread sees it.
+struct ChoiceState {
+  uint64_t request_id = 0;
+  bool engine_done = false;  // Finished in the engine, or cancelled by us.
+  std::optional<TextStream> text;
+  ChoiceOutput pending;         // Not sent yet (a stream), or everything (a JSON response).
+  size_t next_text_offset = 0;  // Legacy logprobs: where the next token starts.
+  size_t completion_tokens = 0;
+  bool done = false;  // The finish reason is decided.
+  std::string reason;
+  Status error;
+  bool final_sent = false;
+};
+
 }  // namespace
 
 struct HttpServer::Exchange {
   // Set before submit(), read-only afterwards.
+  bool chat = false;
   Clock::time_point start;
   size_t prompt_tokens = 0;
   bool include_usage = false;
-  bool want_logprobs = false;  // The request asked for logprobs.
-  // Set on the HTTP thread after submit(); the callback never reads them.
-  uint64_t request_id = 0;
+  bool logprobs = false;
+  const Tokenizer* tokenizer = nullptr;
+  // HTTP thread only.
   CompletionHeader header;
+  std::vector<ChoiceState> choices;
+  bool role_sent = false;
   std::string outcome;        // Set once the final response or event is decided.
   size_t tokens_counted = 0;  // Tokens already added to flexpert_generated_tokens_total.
   bool ttft_observed = false;
 
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<int32_t> tokens;         // GUARDED_BY(mu): all tokens (JSON), unsent ones (stream).
-  std::vector<TokenLogprob> logprobs;  // GUARDED_BY(mu): parallel to tokens (want_logprobs).
-  size_t num_tokens = 0;               // GUARDED_BY(mu)
-  bool finished = false;               // GUARDED_BY(mu)
-  std::string finish_reason;           // GUARDED_BY(mu)
-  Status error;                        // GUARDED_BY(mu)
-  std::optional<double> ttft_s;        // GUARDED_BY(mu)
-  std::vector<double> pending_itl_s;   // GUARDED_BY(mu): not yet in the histogram.
-  Clock::time_point last_token;        // GUARDED_BY(mu)
+  std::vector<Arrivals> arrivals;     // GUARDED_BY(mu): one per choice.
+  bool dirty = false;                 // GUARDED_BY(mu): arrivals not yet taken.
+  size_t num_tokens = 0;              // GUARDED_BY(mu)
+  std::optional<double> ttft_s;       // GUARDED_BY(mu)
+  std::vector<double> pending_itl_s;  // GUARDED_BY(mu): not yet in the histogram.
+  Clock::time_point last_token;       // GUARDED_BY(mu)
 
-  // The engine callback.
-  void on_event(const CompletionEvent& ev) {
+  // The engine callback of choice `idx`.
+  void on_event(size_t idx, const CompletionEvent& ev) {
     const Clock::time_point now = Clock::now();
     std::lock_guard<std::mutex> lock(mu);
+    Arrivals& a = arrivals[idx];
     if (!ev.tokens.empty()) {
       if (!ttft_s) {
         ttft_s = seconds_between(start, now);
@@ -81,16 +123,27 @@ struct HttpServer::Exchange {
         pending_itl_s.insert(pending_itl_s.end(), ev.tokens.size(), gap);
       }
       last_token = now;
-      tokens.insert(tokens.end(), ev.tokens.begin(), ev.tokens.end());
-      logprobs.insert(logprobs.end(), ev.logprobs.begin(), ev.logprobs.end());
+      a.tokens.insert(a.tokens.end(), ev.tokens.begin(), ev.tokens.end());
+      if (logprobs) {
+        if (ev.logprobs.size() != ev.tokens.size()) a.logprobs_missing = true;
+        a.logprobs.insert(a.logprobs.end(), ev.logprobs.begin(), ev.logprobs.end());
+      }
       num_tokens += ev.tokens.size();
     }
     if (ev.finished) {
-      finished = true;
-      finish_reason = ev.finish_reason;
-      error = ev.error;
+      a.finished = true;
+      a.finish_reason = ev.finish_reason;
+      a.error = ev.error;
     }
+    dirty = true;
     cv.notify_all();
+  }
+
+  bool all_done() const {
+    for (const ChoiceState& c : choices) {
+      if (!c.done) return false;
+    }
+    return true;
   }
 };
 
@@ -102,8 +155,8 @@ uint64_t HttpServer::next_seed() {
   return z ^ (z >> 31);
 }
 
-void HttpServer::handle_completions(const httplib::Request& req, httplib::Response& res) {
-  auto ex = std::make_shared<Exchange>();  // Shared with the engine callback.
+void HttpServer::handle_generation(bool chat, const httplib::Request& req, httplib::Response& res) {
+  auto ex = std::make_shared<Exchange>();  // Shared with the engine callbacks.
   ex->start = Clock::now();
   // Counted open before stopping_ is read, so that stop() either sees this request
   // and waits for its answer, or this request sees stopping_.
@@ -122,40 +175,58 @@ void HttpServer::handle_completions(const httplib::Request& req, httplib::Respon
   }
   ParsedCompletion parsed;
   std::string param;
-  Status s = parse_completion_request(req.body, engine_.vocab_size(), engine_.max_context(),
-                                      &parsed, &param, engine_.sampling_defaults());
+  Status s =
+      chat
+          ? parse_chat_request(req.body, options_.text, engine_.vocab_size(), engine_.max_context(),
+                               &parsed, &param, engine_.sampling_defaults())
+          : parse_completion_request(req.body, engine_.vocab_size(), engine_.max_context(), &parsed,
+                                     &param, options_.text.tokenizer, engine_.sampling_defaults());
   if (!s.ok()) {
     requests_counter("invalid").inc();
     send_json(res, 400, error_json(s.message(), "invalid_request_error", param));
     return;
   }
-  if (!parsed.model.empty() && parsed.model != options_.model_name) {
-    // As OpenAI answers a model it does not serve.
+  if (!check_model(parsed.model, res)) {
     requests_counter("invalid").inc();
-    send_json(res, 404,
-              error_json("The model '" + parsed.model.substr(0, 128) +
-                             "' does not exist: this server serves '" + options_.model_name + "'",
-                         "invalid_request_error", "model", "model_not_found"));
     return;
   }
-  if (!parsed.has_seed) parsed.request.params.seed = next_seed();
-  ex->prompt_tokens = parsed.request.prompt.size();
+  ex->chat = chat;
+  ex->tokenizer = options_.text.tokenizer;
   ex->include_usage = parsed.include_usage;
-  ex->want_logprobs = parsed.request.params.logprobs >= 0;
-
-  Result<uint64_t> id = engine_.submit(std::move(parsed.request),
-                                       [ex](const CompletionEvent& ev) { ex->on_event(ev); });
-  if (!id.ok()) {
-    const StatusCode code = id.status().code();
-    requests_counter(code == StatusCode::kInvalidArgument ? "invalid"
-                     : code == StatusCode::kUnavailable   ? "unavailable"
-                                                          : "error")
-        .inc();
-    send_json(res, http_status_for(id.status()), status_error_json(id.status()));
-    return;
+  ex->logprobs = parsed.request.params.logprobs >= 0;
+  const size_t num_choices = parsed.prompts.size() * static_cast<size_t>(parsed.n);
+  ex->choices.resize(num_choices);
+  ex->arrivals.resize(num_choices);
+  for (size_t i = 0; i < num_choices; ++i) {
+    ChoiceState& c = ex->choices[i];
+    c.pending.index = static_cast<int>(i);
+    c.pending.with_logprobs = ex->logprobs;
+    if (ex->tokenizer != nullptr) c.text.emplace(*ex->tokenizer, parsed.stops);
+    // Echo: the prompt's text opens the choice's text.
+    if (!parsed.echo_texts.empty()) c.pending.text = parsed.echo_texts[i / parsed.n];
   }
-  ex->request_id = id.value();
-  ex->header = {"cmpl-" + std::to_string(id.value()), unix_seconds(), options_.model_name};
+  for (const auto& prompt : parsed.prompts) ex->prompt_tokens += prompt.size();
+
+  // One engine request per choice: choice i is sample i % n of prompt i / n.
+  for (size_t i = 0; i < num_choices; ++i) {
+    CompletionRequest request{parsed.prompts[i / parsed.n], parsed.request.params};
+    request.params.seed = parsed.has_seed ? parsed.request.params.seed + i % parsed.n : next_seed();
+    Result<uint64_t> id = engine_.submit(
+        std::move(request), [ex, i](const CompletionEvent& ev) { ex->on_event(i, ev); });
+    if (!id.ok()) {
+      for (size_t k = 0; k < i; ++k) engine_.cancel(ex->choices[k].request_id);
+      const StatusCode code = id.status().code();
+      requests_counter(code == StatusCode::kInvalidArgument ? "invalid"
+                       : code == StatusCode::kUnavailable   ? "unavailable"
+                                                            : "error")
+          .inc();
+      send_json(res, http_status_for(id.status()), status_error_json(id.status()));
+      return;
+    }
+    ex->choices[i].request_id = id.value();
+  }
+  ex->header = {(chat ? "chatcmpl-" : "cmpl-") + std::to_string(ex->choices[0].request_id),
+                unix_seconds(), options_.model_name};
   prompt_tokens_.inc(static_cast<double>(ex->prompt_tokens));
   in_flight_.add(1);
   open.accepted = true;  // finish_exchange() closes it.
@@ -179,13 +250,8 @@ void HttpServer::handle_completions(const httplib::Request& req, httplib::Respon
       },
       [this, ex](bool) {
         try {
-          bool engine_done = false;
-          {
-            std::lock_guard<std::mutex> lock(ex->mu);
-            engine_done = ex->finished;
-          }
           // The client went away (or the server stopped) before the engine finished.
-          if (!engine_done) engine_.cancel(ex->request_id);
+          cancel_unfinished(*ex);
           if (ex->outcome.empty()) finish_exchange(*ex, "cancelled");
         } catch (...) {
           // Runs in httplib's Response destructor: nothing may escape.
@@ -193,93 +259,216 @@ void HttpServer::handle_completions(const httplib::Request& req, httplib::Respon
       });
 }
 
-void HttpServer::respond_when_finished(Exchange& ex, httplib::Response& res) {
-  std::unique_lock<std::mutex> lock(ex.mu);
-  while (!ex.finished && !stopping_) ex.cv.wait_for(lock, kPollInterval);
-  if (!ex.finished) {
-    lock.unlock();
-    engine_.cancel(ex.request_id);
-    send_json(res, 503, shutting_down_json());
-    finish_exchange(ex, "abort");
-    return;
+void HttpServer::cancel_unfinished(Exchange& ex) {
+  {
+    std::lock_guard<std::mutex> lock(ex.mu);
+    for (size_t i = 0; i < ex.choices.size(); ++i) {
+      if (ex.arrivals[i].finished) ex.choices[i].engine_done = true;
+    }
   }
-  const std::vector<int32_t> tokens = ex.tokens;
-  const std::vector<TokenLogprob> logprobs = ex.logprobs;
-  const std::string reason = ex.finish_reason;
-  const Status error = ex.error;
-  lock.unlock();
+  for (ChoiceState& c : ex.choices) {
+    if (!c.engine_done) engine_.cancel(c.request_id);
+    c.engine_done = true;
+  }
+}
 
-  if (!error.ok() || reason == "error") {
-    const Status cause = error.ok() ? internal_error("the engine failed the request") : error;
-    // Unavailable (a degraded group, a shutdown): 503, which clients retry; else 500.
-    send_json(res, cause.code() == StatusCode::kUnavailable ? 503 : 500,
-              error_json(cause.message(), "server_error", "",
-                         std::string(status_code_name(cause.code()))));
-    finish_exchange(ex, "error");
-    return;
+void HttpServer::absorb(Exchange& ex) {
+  std::vector<Arrivals> taken(ex.choices.size());
+  {
+    std::lock_guard<std::mutex> lock(ex.mu);
+    for (size_t i = 0; i < ex.choices.size(); ++i) {
+      Arrivals& a = ex.arrivals[i];
+      taken[i].tokens.swap(a.tokens);
+      taken[i].logprobs.swap(a.logprobs);
+      taken[i].logprobs_missing = a.logprobs_missing;
+      taken[i].finished = a.finished;
+      taken[i].finish_reason = a.finish_reason;
+      taken[i].error = a.error;
+    }
+    ex.dirty = false;
   }
-  if (reason == "abort") {
-    // The engine shut down under the request: an error status, so that a client
-    // checking only the status does not take a cut answer for a whole one.
-    send_json(res, 503, shutting_down_json());
-    finish_exchange(ex, "abort");
-    return;
+  for (size_t i = 0; i < ex.choices.size(); ++i) {
+    ChoiceState& c = ex.choices[i];
+    Arrivals& a = taken[i];
+    if (a.finished) c.engine_done = true;
+    if (c.done) continue;  // Stopped by a stop string: later tokens are dropped.
+    if (a.logprobs_missing) {
+      c.done = true;
+      c.reason = "error";
+      // Both engines send one per token when asked; anything else is the engine's fault.
+      c.error = internal_error("the engine sent tokens without their logprobs");
+      continue;
+    }
+    for (size_t k = 0; k < a.tokens.size() && !c.done; ++k) {
+      c.pending.tokens.push_back(a.tokens[k]);
+      if (ex.logprobs) c.pending.logprobs.push_back(a.logprobs[k]);
+      ++c.completion_tokens;
+      if (!c.text) continue;
+      Result<std::string> piece = c.text->push(a.tokens[k]);
+      if (!piece.ok()) {
+        c.done = true;
+        c.reason = "error";
+        c.error = piece.status();
+        break;
+      }
+      c.pending.text += piece.value();
+      if (c.text->stopped()) {
+        c.done = true;
+        c.reason = "stop";
+      }
+    }
+    if (!c.done && a.finished) {
+      if (c.text) c.pending.text += c.text->finish();
+      c.done = true;
+      c.reason = a.finish_reason;
+      c.error = a.error;
+      if (!c.error.ok() && c.reason != "error") c.reason = "error";
+    }
   }
-  send_json(res, 200,
-            completion_response(ex.header, tokens, reason, ex.prompt_tokens,
-                                ex.want_logprobs ? &logprobs : nullptr));
+  // A choice that ended here (a stop string, an error) may still run in the engine.
+  for (ChoiceState& c : ex.choices) {
+    if (c.done && !c.engine_done) {
+      engine_.cancel(c.request_id);
+      c.engine_done = true;
+    }
+  }
+}
+
+namespace {
+
+// Moves a choice's unsent output out, with the legacy text_offset where it starts.
+ChoiceOutput take_pending(const Tokenizer* tokenizer, ChoiceState& c) {
+  ChoiceOutput out = std::move(c.pending);
+  out.text_offset = c.next_text_offset;
+  c.next_text_offset += logprob_text_length(tokenizer, out.logprobs);
+  c.pending = ChoiceOutput();
+  c.pending.index = out.index;
+  c.pending.with_logprobs = out.with_logprobs;
+  return out;
+}
+
+}  // namespace
+
+void HttpServer::respond_when_finished(Exchange& ex, httplib::Response& res) {
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(ex.mu);
+      ex.cv.wait_for(lock, kPollInterval, [&] { return ex.dirty || stopping_.load(); });
+    }
+    absorb(ex);
+    if (ex.all_done()) break;
+    if (stopping_) {
+      cancel_unfinished(ex);
+      send_json(res, 503, shutting_down_json());
+      finish_exchange(ex, "abort");
+      return;
+    }
+  }
+  for (const ChoiceState& c : ex.choices) {
+    if (!c.error.ok() || c.reason == "error") {
+      const Status cause = c.error.ok() ? internal_error("the engine failed the request") : c.error;
+      // Unavailable (a degraded group, a shutdown): 503, which clients retry; else 500.
+      send_json(res, cause.code() == StatusCode::kUnavailable ? 503 : 500,
+                error_json(cause.message(), "server_error", "",
+                           std::string(status_code_name(cause.code()))));
+      finish_exchange(ex, "error");
+      return;
+    }
+  }
+  for (const ChoiceState& c : ex.choices) {
+    if (c.reason == "abort") {
+      // The engine shut down under the request: an error status, so that a client
+      // checking only the status does not take a cut answer for a whole one.
+      send_json(res, 503, shutting_down_json());
+      finish_exchange(ex, "abort");
+      return;
+    }
+  }
+  std::vector<ChoiceOutput> outputs;
+  size_t completion_tokens = 0;
+  for (ChoiceState& c : ex.choices) {
+    outputs.push_back(take_pending(ex.tokenizer, c));
+    outputs.back().finish_reason = c.reason;
+    completion_tokens += c.completion_tokens;
+  }
+  send_json(
+      res, 200,
+      ex.chat ? chat_response(ex.header, outputs, ex.prompt_tokens, completion_tokens, ex.tokenizer)
+              : completion_response(ex.header, outputs, ex.prompt_tokens, completion_tokens,
+                                    ex.tokenizer));
   finish_exchange(ex, "ok");
 }
 
 bool HttpServer::stream_step(Exchange& ex, httplib::DataSink& sink) {
-  std::vector<int32_t> tokens;
-  std::vector<TokenLogprob> logprobs;
-  bool finished = false;
-  std::string reason;
-  Status error;
   {
     std::unique_lock<std::mutex> lock(ex.mu);
-    ex.cv.wait_for(lock, kPollInterval,
-                   [&] { return !ex.tokens.empty() || ex.finished || stopping_.load(); });
-    tokens.swap(ex.tokens);
-    logprobs.swap(ex.logprobs);
-    finished = ex.finished;
-    reason = ex.finish_reason;
-    error = ex.error;
+    ex.cv.wait_for(lock, kPollInterval, [&] { return ex.dirty || stopping_.load(); });
   }
+  absorb(ex);
   observe_tokens(ex);
-  const std::vector<TokenLogprob>* lp = ex.want_logprobs ? &logprobs : nullptr;
-
-  std::string out;
-  std::string outcome;
-  if (finished) {
-    if (!error.ok() && reason != "error") reason = "error";
-    out = sse_event(dump_json(completion_chunk(ex.header, tokens, reason, error, lp)));
-    outcome = reason == "error" ? "error" : reason == "abort" ? "abort" : "ok";
-  } else if (stopping_) {
-    out = sse_event(dump_json(completion_chunk(ex.header, tokens, "abort",
-                                               unavailable("the server is shutting down"), lp)));
-    outcome = "abort";
-  } else if (!tokens.empty()) {
-    out = sse_event(dump_json(completion_chunk(ex.header, tokens, std::nullopt, Status(), lp)));
-  } else {
-    return true;  // Nothing new yet: httplib calls again.
+  if (stopping_ && !ex.all_done()) {
+    cancel_unfinished(ex);
+    for (ChoiceState& c : ex.choices) {
+      if (c.done) continue;
+      c.done = true;
+      c.reason = "abort";
+      c.error = unavailable("the server is shutting down");
+    }
   }
-  if (!outcome.empty()) {
+  auto chunk = [&](const ChoiceOutput& choice, bool role, const Status& error) {
+    return sse_event(dump_json(ex.chat ? chat_chunk(ex.header, choice, role, ex.tokenizer, error)
+                                       : completion_chunk(ex.header, choice, ex.tokenizer, error)));
+  };
+  std::string out;
+  if (ex.chat && !ex.role_sent) {
+    for (const ChoiceState& c : ex.choices) {
+      ChoiceOutput role;
+      role.index = c.pending.index;
+      out += chunk(role, /*role=*/true, Status());
+    }
+    ex.role_sent = true;
+  }
+  for (ChoiceState& c : ex.choices) {
+    if (c.final_sent) continue;
+    if (!c.pending.text.empty() || !c.pending.tokens.empty()) {
+      out += chunk(take_pending(ex.tokenizer, c), false, Status());
+    }
+    if (c.done) {
+      // The error event carries no tokens: they went in the chunk above, so that a client
+      // that throws on the error has them (docs/ARCHITECTURE.md, "Text in, text out").
+      ChoiceOutput last;
+      last.index = c.pending.index;
+      last.with_logprobs = false;
+      last.finish_reason = c.reason;
+      out += chunk(last, false, c.error);
+      c.final_sent = true;
+    }
+  }
+  std::string outcome;
+  if (ex.all_done()) {
+    outcome = "ok";
+    for (const ChoiceState& c : ex.choices) {
+      if (c.reason == "abort" && outcome == "ok") outcome = "abort";
+      if (c.reason == "error") outcome = "error";
+    }
     if (ex.include_usage) {
-      nlohmann::json usage = completion_chunk(ex.header, {}, std::nullopt);
-      usage["choices"] = nlohmann::json::array();
-      usage["usage"] = usage_json(ex.prompt_tokens, ex.tokens_counted);
+      size_t completion_tokens = 0;
+      for (const ChoiceState& c : ex.choices) completion_tokens += c.completion_tokens;
+      nlohmann::json usage = {{"id", ex.header.id},
+                              {"object", ex.chat ? "chat.completion.chunk" : "text_completion"},
+                              {"created", ex.header.created},
+                              {"model", ex.header.model},
+                              {"choices", nlohmann::json::array()},
+                              {"usage", usage_json(ex.prompt_tokens, completion_tokens)}};
       out += sse_event(dump_json(usage));
     }
     out += sse_event("[DONE]");
-  }
-  if (!outcome.empty()) {
     // Counted before the write, so that a client that has read [DONE] sees its request
     // in /metrics.
     ex.outcome = outcome;
     finish_exchange(ex, outcome);
   }
+  if (out.empty()) return true;  // Nothing new yet: httplib calls again.
   // A failed write means the client is gone: returning false ends the stream and
   // the releaser cancels the request in the engine.
   if (!sink.write(out.data(), out.size())) return false;

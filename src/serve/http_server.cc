@@ -149,12 +149,24 @@ HttpServer::HttpServer(ServingEngine& engine, HttpOptions options)
                                            metrics::latency_buckets_seconds())) {
   requests_counter("ok");  // Creates the family, so that it renders first and before any request.
   add_route("POST", "/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    handle_completions(req, res);
+    if (check_api_key(req, res)) handle_generation(/*chat=*/false, req, res);
+  });
+  add_route("POST", "/v1/chat/completions",
+            [this](const httplib::Request& req, httplib::Response& res) {
+              if (check_api_key(req, res)) handle_generation(/*chat=*/true, req, res);
+            });
+  add_route("POST", "/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    if (check_api_key(req, res)) handle_tokenize(/*detokenize=*/false, req, res);
+  });
+  add_route("POST", "/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    if (check_api_key(req, res)) handle_tokenize(/*detokenize=*/true, req, res);
   });
   add_route("GET", "/health", [this](const auto&, auto& res) { handle_health(res); });
   add_route("GET", "/v1/status",
             [this](const httplib::Request& req, auto& res) { handle_status(req, res); });
-  add_route("GET", "/v1/models", [this](const auto&, auto& res) { handle_models(res); });
+  add_route("GET", "/v1/models", [this](const httplib::Request& req, auto& res) {
+    if (check_api_key(req, res)) handle_models(res);
+  });
   add_route("GET", "/metrics", [this](const auto&, auto& res) { handle_metrics(res); });
 }
 
@@ -334,6 +346,44 @@ bool HttpServer::is_light_route(const std::string& method, const std::string& pa
 bool HttpServer::authorized(const httplib::Request& req) const {
   return options_.admin_key.empty() ||
          same_secret(req.get_header_value("Authorization"), "Bearer " + options_.admin_key);
+}
+
+bool HttpServer::check_api_key(const httplib::Request& req, httplib::Response& res) const {
+  if (options_.api_key.empty() ||
+      same_secret(req.get_header_value("Authorization"), "Bearer " + options_.api_key)) {
+    return true;
+  }
+  res.set_header("WWW-Authenticate", "Bearer");
+  // As OpenAI answers a missing or wrong key.
+  send_json(res, 401,
+            error_json("missing or wrong API key (Authorization: Bearer <key>)",
+                       "invalid_request_error", "", "invalid_api_key"));
+  return false;
+}
+
+bool HttpServer::check_model(const std::string& model, httplib::Response& res) const {
+  if (model.empty() || model == options_.model_name) return true;
+  // As OpenAI answers a model it does not serve.
+  send_json(res, 404,
+            error_json("The model '" + model.substr(0, 128) +
+                           "' does not exist: this server serves '" + options_.model_name + "'",
+                       "invalid_request_error", "model", "model_not_found"));
+  return false;
+}
+
+void HttpServer::handle_tokenize(bool detokenize, const httplib::Request& req,
+                                 httplib::Response& res) {
+  std::string model, param;
+  Result<json> result =
+      detokenize ? detokenize_request(req.body, options_.text, &model, &param)
+                 : tokenize_request(req.body, options_.text, engine_.max_context(), &model, &param);
+  if (!result.ok()) {
+    send_json(res, http_status_for(result.status()),
+              error_json(result.status().message(), "invalid_request_error", param));
+    return;
+  }
+  if (!check_model(model, res)) return;
+  send_json(res, 200, result.value());
 }
 
 // What anyone may see of the engine's status: no pids, errors or per-rank detail.

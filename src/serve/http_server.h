@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // HttpServer: the OpenAI-style HTTP front end over a ServingEngine.
 //
-// Routes: POST /v1/completions (a JSON response, or server-sent events with
-// "stream": true), GET /v1/models, GET /health, GET /v1/status (per-rank detail
-// only with the admin key, when one is set), GET /metrics
-// (Prometheus text), and admin POST routes added with add_post_route(). Every
+// Routes: POST /v1/completions and POST /v1/chat/completions (a JSON response, or
+// server-sent events with "stream": true), POST /tokenize and /detokenize, GET /v1/models,
+// GET /health, GET /v1/status (per-rank detail only with the admin key, when one is set),
+// GET /metrics (Prometheus text), and admin POST routes added with add_post_route(). With
+// an API key the inference routes (completions, chat, models, tokenize, detokenize) need
+// `Authorization: Bearer <key>` (401 otherwise); /health and /metrics stay open. Every
 // error is a JSON body {"error": {...}}; exceptions from httplib or JSON handling
 // are caught at the handler edge and never reach the server loop.
 //
@@ -31,6 +33,7 @@
 #include <thread>
 
 #include "flexpert/status.h"
+#include "serve/chat_api.h"
 #include "serve/metrics.h"
 #include "serve/serving_engine.h"
 
@@ -53,6 +56,11 @@ struct HttpOptions {
   // Empty: admin routes need no Authorization header. Set: admin routes need
   // `Authorization: Bearer <key>`, and /v1/status shows its per-rank detail only then.
   std::string admin_key;
+  // Empty: the inference routes are open. Set: they need `Authorization: Bearer <key>`.
+  std::string api_key;
+  // The tokenizer and chat template (both may be null: token ids only); they must outlive
+  // the server.
+  TextModel text;
   size_t max_body_bytes = 1 << 20;       // Larger request bodies get 413.
   int num_threads = 64;                  // Threads answering completions and admin routes.
   int num_light_threads = 4;             // Threads for /health, /metrics, /v1/models, /v1/status.
@@ -105,8 +113,16 @@ class HttpServer {
   void handle_admin(const AdminHandler& handler, const httplib::Request& req,
                     httplib::Response& res);
 
+  // The API key, when one is set; false after answering 401.
+  bool check_api_key(const httplib::Request& req, httplib::Response& res) const;
+  // A request naming another model than the one served; false after answering 404.
+  bool check_model(const std::string& model, httplib::Response& res) const;
+  void handle_tokenize(bool detokenize, const httplib::Request& req, httplib::Response& res);
+
   // http_completions.cc
-  void handle_completions(const httplib::Request& req, httplib::Response& res);
+  void handle_generation(bool chat, const httplib::Request& req, httplib::Response& res);
+  void absorb(Exchange& ex);             // Takes the engine's events; decides stops.
+  void cancel_unfinished(Exchange& ex);  // Cancels choices still running in the engine.
   void respond_when_finished(Exchange& ex, httplib::Response& res);
   bool stream_step(Exchange& ex, httplib::DataSink& sink);
   void observe_tokens(Exchange& ex);  // Moves new latencies into histograms.

@@ -113,14 +113,14 @@ Registry::Family& Registry::family(const std::string& name, const std::string& h
 }
 
 Counter& Registry::counter(const std::string& name, const std::string& help, const Labels& labels) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto& slot = family(name, help, Type::kCounter, {}).counters[label_key(labels)];
   if (!slot) slot = std::make_unique<Counter>();
   return *slot;
 }
 
 Gauge& Registry::gauge(const std::string& name, const std::string& help, const Labels& labels) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto& slot = family(name, help, Type::kGauge, {}).gauges[label_key(labels)];
   if (!slot) slot = std::make_unique<Gauge>();
   return *slot;
@@ -128,14 +128,14 @@ Gauge& Registry::gauge(const std::string& name, const std::string& help, const L
 
 Histogram& Registry::histogram(const std::string& name, const std::string& help,
                                const std::vector<double>& upper_bounds, const Labels& labels) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto& slot = family(name, help, Type::kHistogram, upper_bounds).histograms[label_key(labels)];
   if (!slot) slot = std::make_unique<Histogram>(upper_bounds);
   return *slot;
 }
 
 std::string Registry::render() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::string out;
   for (const auto& f : families_) {
     static const char* kTypeNames[] = {"counter", "gauge", "histogram"};

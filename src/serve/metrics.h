@@ -12,10 +12,11 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "core/mutex.h"
 
 namespace flexpert::metrics {
 
@@ -95,10 +96,10 @@ class Registry {
     std::map<std::string, std::unique_ptr<Histogram>> histograms;
   };
   Family& family(const std::string& name, const std::string& help, Type type,
-                 const std::vector<double>& bounds);  // Caller holds mu_.
+                 const std::vector<double>& bounds) REQUIRES(mu_);
 
-  mutable std::mutex mu_;
-  std::vector<std::unique_ptr<Family>> families_;  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::vector<std::unique_ptr<Family>> families_ GUARDED_BY(mu_);
 };
 
 // Prometheus sample value: integers without a fraction, "+Inf", "NaN".

@@ -27,11 +27,11 @@ struct CompletionRequest {
 
 struct CompletionEvent {
   std::vector<int32_t> tokens;  // New tokens since the previous event.
-  // Parallel to `tokens` when the request asked for logprobs (params.logprobs >= 0).
-  std::vector<TokenLogprob> logprobs;
   bool finished = false;
   std::string finish_reason;  // "stop", "length", "abort" (shutdown) or "error" (see `error`).
   Status error;
+  // Parallel to `tokens` when the request asked for logprobs (params.logprobs >= 0).
+  std::vector<TokenLogprob> logprobs;
 };
 
 using CompletionCallback = std::function<void(const CompletionEvent&)>;

@@ -51,6 +51,9 @@ class FaultInjectingTransport final : public Transport {
                                          const std::vector<ByteSpan>& send) override;
   Status shutdown() override;
   Status peer_status(int peer) const override { return inner_->peer_status(peer); }
+  Status mark_peer_lost(int peer, const std::string& why) override {
+    return inner_->mark_peer_lost(peer, why);
+  }
   int timeout_ms() const override { return inner_->timeout_ms(); }
 
  private:

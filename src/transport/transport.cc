@@ -7,6 +7,9 @@
 #ifdef FLEXPERT_WITH_CUDA_IPC
 #include "transport/cuda_ipc/cuda_ipc_transport.h"
 #endif
+#ifdef FLEXPERT_WITH_UCX
+#include "transport/ucx/ucx_transport.h"
+#endif
 
 namespace flexpert {
 
@@ -32,7 +35,17 @@ Result<std::unique_ptr<Transport>> create_transport(const std::string& backend,
         "-DFLEXPERT_WITH_CUDA=ON)");
 #endif
   }
-  return invalid_argument("unknown transport backend '" + backend + "'; known: shm, cuda_ipc");
+  if (backend == "ucx") {
+#ifdef FLEXPERT_WITH_UCX
+    FLEX_ASSIGN_OR_RETURN(std::unique_ptr<UcxTransport> t, UcxTransport::create(options));
+    return std::unique_ptr<Transport>(std::move(t));
+#else
+    return unimplemented(
+        "transport backend 'ucx' is not in this build (CMake did not find UCX: install "
+        "libucx-dev, see scripts/setup.sh)");
+#endif
+  }
+  return invalid_argument("unknown transport backend '" + backend + "'; known: shm, cuda_ipc, ucx");
 }
 
 }  // namespace flexpert

@@ -55,6 +55,10 @@ struct TransportOptions {
   size_t max_exchange_bytes = 1 << 20;
   int timeout_ms = 10000;
   int device = 0;  // CUDA device ordinal of device-memory backends (cuda_ipc); shm ignores it.
+  // ucx: when set (or FLEXPERT_UCX_LISTEN_HOST is), the rank listens on this IP and peers connect
+  // to that socket (UCX's client-server wireup, which needs tcp in UCX_TLS); when empty, peers
+  // connect by the rank's UCP worker address (any UCX_TLS). Host-local backends ignore it.
+  std::string listen_host;
 };
 
 // A block of memory this rank owns that peers may read(). Backend-allocated.
@@ -108,13 +112,22 @@ class Transport {
   // as the collectives report it; OK otherwise. Driving thread. Backends that cannot tell
   // answer OK (their waits still time out).
   virtual Status peer_status(int peer) const { return Status(); }
+  // Declares a connected peer lost on the word of something outside the transport (the front
+  // end's heartbeat: a stopped process or a dropped link, which a network backend does not see
+  // for minutes). From then on waits on it and peer_status() answer Unavailable naming it and
+  // `why`, until connect() attaches a new incarnation. Any thread. Backends without it answer
+  // Unimplemented (their waits still time out).
+  virtual Status mark_peer_lost(int peer, const std::string& why) {
+    return unimplemented("mark_peer_lost: not supported by this transport backend");
+  }
   // options.timeout_ms: how long any wait on a peer may take.
   virtual int timeout_ms() const = 0;
 };
 
-// Creates a backend by name: "shm" (POSIX shared memory, CPU, one host), or "cuda_ipc"
+// Creates a backend by name: "shm" (POSIX shared memory, CPU, one host), "cuda_ipc"
 // (GPU memory shared through CUDA IPC, one host; only in builds with FLEXPERT_WITH_CUDA,
-// Unavailable on a machine without a usable GPU).
+// Unavailable on a machine without a usable GPU), or "ucx" (UCX's UCP over TCP, shared memory
+// or RDMA, ranks on any hosts; only in builds where CMake found UCX, Unimplemented otherwise).
 Result<std::unique_ptr<Transport>> create_transport(const std::string& backend,
                                                     const TransportOptions& options);
 

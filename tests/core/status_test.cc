@@ -74,6 +74,19 @@ TEST(StatusTest, AnnotatePrefixesContextAndKeepsCode) {
   EXPECT_TRUE(Status().annotate("context").ok());
 }
 
+TEST(StatusTest, DeadRankIsAFieldKeptByAnnotate) {
+  EXPECT_EQ(Status().dead_rank(), -1);
+  EXPECT_EQ(unavailable("rank 2 (pid 7) died").dead_rank(), -1);
+  const Status died = unavailable("rank 2 (pid 7) died").with_dead_rank(2);
+  EXPECT_EQ(died.dead_rank(), 2);
+  EXPECT_EQ(died.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(died.message(), "rank 2 (pid 7) died");
+  const Status annotated = died.annotate("layer 3 exchange");
+  EXPECT_EQ(annotated.dead_rank(), 2);
+  EXPECT_EQ(annotated.message(), "layer 3 exchange: rank 2 (pid 7) died");
+  EXPECT_TRUE(Status().with_dead_rank(3).ok());
+}
+
 TEST(StatusTest, CopiesAndMovesKeepContents) {
   Status a = unavailable("peer busy");
   const Status b = a;  // NOLINT: testing the copy.

@@ -92,8 +92,10 @@ TEST(ScaleTest, MembershipChangesMoveAtMostHalfOfDeepSeeksReceives) {
     int from, to;
   };
   // DeepSeek-V3's 256 experts on a few layers: at small shapes the forced moves (new GPUs,
-  // lost experts) are most of DeepSeek's too.
-  for (Change c : {Change{24, 16}, Change{64, 48}, Change{144, 128}}) {
+  // lost experts) are most of DeepSeek's too. Scale-ups: every slot of a new GPU is a receive
+  // for both planners, and the old GPUs lose slots (17 -> 12 at 16 -> 24).
+  for (Change c : {Change{24, 16}, Change{64, 48}, Change{144, 128}, Change{16, 24}, Change{48, 64},
+                   Change{192, 256}}) {
     SCOPED_TRACE(std::to_string(c.from) + " -> " + std::to_string(c.to));
     const int experts = 256, layers = 3;
     const int from_slots = (experts + c.from - 1) / c.from + 1;
@@ -116,16 +118,58 @@ TEST(ScaleTest, MembershipChangesMoveAtMostHalfOfDeepSeeksReceives) {
     auto ours = plan(in);
     ASSERT_TRUE(ours.ok()) << ours.status().to_string();
     expect_valid(in, *ours);
-    const int64_t ds_receives = count_receives(prev->phy2log, from_slots, ds->phy2log, to_slots);
-    EXPECT_EQ(ours->moved_slots,
-              count_receives(prev->phy2log, from_slots, ours->placement, to_slots));
-    EXPECT_LE(ours->moved_slots * 2, ds_receives);
+    int64_t ds_receives = 0, our_receives = 0;
+    for (int l = 0; l < layers; ++l) {
+      ds_receives += receives_reference(prev->phy2log[l], from_slots, ds->phy2log[l], to_slots);
+      our_receives +=
+          receives_reference(prev->phy2log[l], from_slots, ours->placement[l], to_slots);
+      EXPECT_EQ(std::count(ours->placement[l].begin(), ours->placement[l].end(), -1), 0);
+    }
+    EXPECT_EQ(ours->moved_slots, our_receives);
+    EXPECT_LE(our_receives * 2, ds_receives);
     double ds_balance = 0;
     for (size_t l = 0; l < load.size(); ++l) {
       ds_balance += balancedness(load[l], ds->phy2log[l], in.ranks, to_slots) / layers;
     }
     EXPECT_GE(mean(ours->balancedness), ds_balance - 0.005);
   }
+}
+
+// greedy_after_change trades balance for receives only after a membership change: off, the
+// plan balances better and receives more; the plan after it (loads
+// unchanged, no longer after a change) balances as well as the plan with it off.
+TEST(ScaleTest, GreedyAfterChangeTradesBalanceForReceives) {
+  const int experts = 256, layers = 3, from = 192, to = 256;
+  const int from_slots = (experts + from - 1) / from + 1, to_slots = (experts + to - 1) / to + 1;
+  const Matrix old_load = zipf_loads(layers, experts, 1.0, 41);
+  const Matrix load = drift(old_load, 0.15, 42);
+  auto prev = deepseek_rebalance(old_load, from * from_slots, 8, from / 8, from);
+  ASSERT_TRUE(prev.ok());
+  PlanInput in = deepseek_shaped(layers, experts, to, to_slots, 0);
+  in.load = load;
+  in.fill_slots = true;
+  in.current_slots_per_rank = from_slots;
+  for (const auto& row : prev->phy2log) {
+    std::vector<int> cur(static_cast<size_t>(to) * from_slots, -1);
+    std::copy(row.begin(), row.end(), cur.begin());
+    in.current.push_back(cur);
+  }
+  auto greedy = plan(in);
+  in.greedy_after_change = false;
+  auto aimed = plan(in);
+  ASSERT_TRUE(greedy.ok() && aimed.ok());
+  expect_valid(in, *greedy);
+  expect_valid(in, *aimed);
+  EXPECT_LT(greedy->moved_slots, aimed->moved_slots);  // the greedy aim binds at 2 slots per GPU
+  EXPECT_GT(mean(aimed->balancedness), mean(greedy->balancedness));
+
+  in.greedy_after_change = true;
+  in.current = greedy->placement;
+  in.current_slots_per_rank = 0;
+  auto next = plan(in);
+  ASSERT_TRUE(next.ok());
+  expect_valid(in, *next);
+  EXPECT_GE(mean(next->balancedness), mean(aimed->balancedness) - 0.005);
 }
 
 TEST(ScaleTest, MinGainSkipsSmallGainsOnly) {

@@ -79,7 +79,8 @@ TEST(CompletionApiTest, RejectsBadRequestsNamingTheField) {
       {R"({"prompt": ["a"]})", "prompt"},
       {R"({"prompt": [1, 2.5]})", "prompt"},
       {R"({"prompt": [1, true]})", "prompt"},
-      {R"({"prompt": [[1], [2]]})", "prompt"},
+      {R"({"prompt": [[1], []]})", "prompt"},
+      {R"({"prompt": [[1], 2]})", "prompt"},
       {R"({"prompt": [100]})", "prompt"},
       {R"({"prompt": [-1]})", "prompt"},
       {R"({"prompt": [18446744073709551615]})", "prompt"},
@@ -102,8 +103,16 @@ TEST(CompletionApiTest, RejectsBadRequestsNamingTheField) {
       {R"({"prompt": [1], "stop_token_ids": 3})", "stop_token_ids"},
       {R"({"prompt": [1], "stop_token_ids": [100]})", "stop_token_ids"},
       {R"({"prompt": [1], "stream_options": 1})", "stream_options"},
-      {R"({"prompt": [1], "n": 2})", "n"},
+      {R"({"prompt": [1], "n": 0})", "n"},
+      {R"({"prompt": [1], "n": 65})", "n"},
+      {R"({"prompt": [[1], [2]], "n": 33})", "n"},
+      // Without a tokenizer: no text prompts, stop strings or echo.
       {R"({"prompt": [1], "stop": ["\n"]})", "stop"},
+      {R"({"prompt": [1], "stop": "x"})", "stop"},
+      {R"({"prompt": [1], "stop": ["a", "b", "c", "d", "e"]})", "stop"},
+      {R"({"prompt": [1], "stop": [""]})", "stop"},
+      {R"({"prompt": [1], "stop": [1]})", "stop"},
+      {"{\"prompt\": [1], \"stop\": \"" + std::string(257, 'a') + "\"}", "stop"},
       {R"({"prompt": [1], "echo": true})", "echo"},
       {R"({"prompt": [1], "logprobs": 21})", "logprobs"},
       {R"({"prompt": [1], "logprobs": 18446744073709551615})", "logprobs"},
@@ -120,6 +129,7 @@ TEST(CompletionApiTest, RejectsBadRequestsNamingTheField) {
       {R"({"prompt": [1], "logit_bias": {"-1": 1}})", "logit_bias"},
       {R"({"prompt": [1], "logit_bias": {"5x": 1}})", "logit_bias"},
       {R"({"prompt": [1], "logit_bias": {"99999999999999999999": 1}})", "logit_bias"},
+      {R"({"prompt": [1], "stream_options": {"continuous_usage_stats": true}})", "stream_options"},
       {R"({"prompt": [1], "logit_bias": [1]})", "logit_bias"},
       {R"({"prompt": [1], "min_tokens": 17})", "min_tokens"},
       {R"({"prompt": [1], "min_tokens": -1})", "min_tokens"},
@@ -167,7 +177,8 @@ TEST(CompletionApiTest, GenerationConfigDefaultsFillOmittedFields) {
   ParsedCompletion out;
   std::string param;
   ASSERT_TRUE(
-      parse_completion_request(R"({"prompt": [1]})", kVocab, kContext, &out, &param, d).ok());
+      parse_completion_request(R"({"prompt": [1]})", kVocab, kContext, &out, &param, nullptr, d)
+          .ok());
   EXPECT_EQ(out.request.params.temperature, 0.6f);
   EXPECT_EQ(out.request.params.top_p, 0.95f);
   EXPECT_EQ(out.request.params.top_k, 20);
@@ -176,7 +187,7 @@ TEST(CompletionApiTest, GenerationConfigDefaultsFillOmittedFields) {
   ASSERT_TRUE(parse_completion_request(
                   R"({"prompt": [1], "temperature": 0, "top_k": -1, "top_p": null,
                       "repetition_penalty": 1})",
-                  kVocab, kContext, &out, &param, d)
+                  kVocab, kContext, &out, &param, nullptr, d)
                   .ok());
   EXPECT_EQ(out.request.params.temperature, 0.0f);
   EXPECT_EQ(out.request.params.top_k, 0);
@@ -187,19 +198,25 @@ TEST(CompletionApiTest, GenerationConfigDefaultsFillOmittedFields) {
 TEST(CompletionApiTest, LogprobsRenderInTheLegacyShape) {
   const std::vector<TokenLogprob> lps = {{5, -0.5f, {{5, -0.5f}, {9, -1.25f}}},
                                          {3, -2.0f, {{9, -0.75f}, {4, -1.0f}}}};
-  const json j = completion_response({"cmpl-1", 1, "m"}, {5, 3}, "length", 2, &lps);
+  ChoiceOutput choice;
+  choice.tokens = {5, 3};
+  choice.logprobs = lps;
+  choice.with_logprobs = true;
+  choice.finish_reason = "length";
+  const json j = completion_response({"cmpl-1", 1, "m"}, {choice}, 2, 2);
   const json& lp = j["choices"][0]["logprobs"];
   EXPECT_EQ(lp["tokens"], json({"token_id:5", "token_id:3"}));
   EXPECT_EQ(lp["token_logprobs"], json({-0.5, -2.0}));
-  EXPECT_EQ(lp["text_offset"], json({0, 0}));
+  // Code points of the earlier tokens' strings ("token_id:5" is 10).
+  EXPECT_EQ(lp["text_offset"], json({0, 10}));
   // The top entries plus the sampled token (vLLM's form).
   EXPECT_EQ(lp["top_logprobs"][0], json({{"token_id:5", -0.5}, {"token_id:9", -1.25}}));
   EXPECT_EQ(lp["top_logprobs"][1],
             json({{"token_id:9", -0.75}, {"token_id:4", -1.0}, {"token_id:3", -2.0}}));
-  const json chunk = completion_chunk({"cmpl-1", 1, "m"}, {5}, std::nullopt, Status(), &lps);
+  const json chunk = completion_chunk({"cmpl-1", 1, "m"}, choice);
   EXPECT_TRUE(chunk["choices"][0]["logprobs"].is_object());
-  EXPECT_TRUE(
-      completion_chunk({"cmpl-1", 1, "m"}, {5}, std::nullopt)["choices"][0]["logprobs"].is_null());
+  choice.with_logprobs = false;
+  EXPECT_TRUE(completion_chunk({"cmpl-1", 1, "m"}, choice)["choices"][0]["logprobs"].is_null());
 }
 
 TEST(CompletionApiTest, NeutralValuesOfUnsupportedOptionsAreAccepted) {
@@ -216,26 +233,62 @@ TEST(CompletionApiTest, ContextLimitCountsPromptAndMaxTokens) {
   EXPECT_NE(p.status.message().find("context length 64"), std::string::npos);
 }
 
+TEST(CompletionApiTest, ListsOfPromptsAndChoices) {
+  Parsed p = parse(R"({"prompt": [[1, 2], [3]], "n": 2, "logprobs": 3})");
+  ASSERT_TRUE(p.status.ok()) << p.status.to_string();
+  EXPECT_EQ(p.out.prompts, (std::vector<std::vector<int32_t>>{{1, 2}, {3}}));
+  EXPECT_EQ(p.out.n, 2);
+  EXPECT_EQ(p.out.request.params.logprobs, 3);
+  EXPECT_EQ(parse(R"({"prompt": [1]})").out.request.params.logprobs, -1);
+}
+
 TEST(CompletionApiTest, ResponseShapes) {
   const CompletionHeader h{"cmpl-7", 1700000000, "tiny"};
-  const json r = completion_response(h, {4, 5}, "length", 3);
+  ChoiceOutput a;
+  a.tokens = {4, 5};
+  a.finish_reason = "length";
+  ChoiceOutput b;
+  b.index = 1;
+  b.tokens = {6};
+  b.finish_reason = "stop";
+  const json r = completion_response(h, {a, b}, 3, 3);
   EXPECT_EQ(r["id"], "cmpl-7");
   EXPECT_EQ(r["object"], "text_completion");
   EXPECT_EQ(r["created"], 1700000000);
   EXPECT_EQ(r["model"], "tiny");
   EXPECT_EQ(r["choices"][0]["token_ids"], json({4, 5}));
   EXPECT_EQ(r["choices"][0]["text"], "");
+  EXPECT_TRUE(r["choices"][0]["logprobs"].is_null());
   EXPECT_EQ(r["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(r["choices"][1]["index"], 1);
+  EXPECT_EQ(r["choices"][1]["finish_reason"], "stop");
   EXPECT_EQ(r["usage"],
-            json({{"prompt_tokens", 3}, {"completion_tokens", 2}, {"total_tokens", 5}}));
+            json({{"prompt_tokens", 3}, {"completion_tokens", 3}, {"total_tokens", 6}}));
 
-  const json c = completion_chunk(h, {9}, std::nullopt);
+  ChoiceOutput piece;
+  piece.tokens = {9};
+  const json c = completion_chunk(h, piece);
   EXPECT_TRUE(c["choices"][0]["finish_reason"].is_null());
   EXPECT_FALSE(c.contains("error"));
-  const json e = completion_chunk(h, {}, "error", unavailable("rank 2 died"));
+  ChoiceOutput last;
+  last.finish_reason = "error";
+  const json e = completion_chunk(h, last, nullptr, unavailable("rank 2 died"));
   EXPECT_EQ(e["choices"][0]["finish_reason"], "error");
   EXPECT_EQ(e["error"]["message"], "rank 2 died");
   EXPECT_EQ(e["error"]["code"], "UNAVAILABLE");
+
+  // Legacy logprobs without a tokenizer: tokens spelled "token_id:N" (vLLM), offsets in code
+  // points of those strings.
+  ChoiceOutput lp;
+  lp.tokens = {4, 12};
+  lp.with_logprobs = true;
+  lp.text_offset = 5;
+  lp.logprobs = {{4, -0.5f, {{4, -0.5f}, {7, -1.5f}}}, {12, -2.0f, {{3, -0.25f}, {12, -2.0f}}}};
+  const json l = legacy_logprobs_json(lp, nullptr);
+  EXPECT_EQ(l["tokens"], json({"token_id:4", "token_id:12"}));
+  EXPECT_EQ(l["token_logprobs"], json({-0.5, -2.0}));
+  EXPECT_EQ(l["top_logprobs"][0], json({{"token_id:4", -0.5}, {"token_id:7", -1.5}}));
+  EXPECT_EQ(l["text_offset"], json({5, 15}));  // "token_id:4" has 10 code points.
 
   const json err = error_json("bad", "invalid_request_error", "prompt");
   EXPECT_EQ(err, json::parse(R"({"error": {"message": "bad", "type": "invalid_request_error",

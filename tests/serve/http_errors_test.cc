@@ -51,6 +51,8 @@ TEST_F(HttpErrorsTest, EngineFailureEndsAStreamWithAnErrorEvent) {
   ASSERT_FALSE(s.chunks.empty());
   EXPECT_EQ(s.chunks.back()["error"]["message"], "rank 2 died");
   EXPECT_EQ(s.chunks.back()["choices"][0]["finish_reason"], "error");
+  // The error event carries no tokens: the openai client throws on it, and would lose them.
+  EXPECT_TRUE(s.chunks.back()["choices"][0]["token_ids"].empty()) << s.raw;
   const std::string metrics = get(*client_, "/metrics").text;
   EXPECT_EQ(metric_value(metrics, "flexpert_requests_total{status=\"error\"}"), 1);
   EXPECT_EQ(metric_value(metrics, "flexpert_generated_tokens_total"), 2);
@@ -70,6 +72,35 @@ TEST_F(HttpErrorsTest, EngineRefusalsMapToHttpCodes) {
   r = post(*client_, "/v1/completions", kRequest);
   ASSERT_EQ(r.status, 200);
   EXPECT_EQ(r.body["choices"][0]["token_ids"], json({1, 2, 3}));
+}
+
+TEST_F(HttpErrorsTest, ApiKeyGuardsTheInferenceRoutesOnly) {
+  HttpOptions options;
+  options.api_key = "sesame";
+  start(options);
+  for (const char* path : {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}) {
+    HttpReply r = post(*client_, path, kRequest);
+    EXPECT_EQ(r.status, 401) << path;
+    EXPECT_EQ(r.body["error"]["code"], "invalid_api_key") << path;
+  }
+  EXPECT_EQ(get(*client_, "/v1/models").status, 401);
+  const httplib::Headers wrong = {{"Authorization", "Bearer sesamE"}};
+  EXPECT_EQ(client_->Post("/v1/completions", wrong, kRequest.dump(), "application/json")->status,
+            401);
+  const httplib::Headers right = {{"Authorization", "Bearer sesame"}};
+  auto ok = client_->Post("/v1/completions", right, kRequest.dump(), "application/json");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+  EXPECT_EQ(client_->Get("/v1/models", right)->status, 200);
+  // Without a tokenizer the text routes say so (with the key).
+  auto chat =
+      client_->Post("/v1/chat/completions", right,
+                    R"({"messages": [{"role": "user", "content": "hi"}]})", "application/json");
+  EXPECT_EQ(chat->status, 400);
+  EXPECT_NE(chat->body.find("tokenizer"), std::string::npos) << chat->body;
+  // Probes and metrics stay open.
+  EXPECT_EQ(get(*client_, "/health").status, 200);
+  EXPECT_EQ(get(*client_, "/metrics").status, 200);
 }
 
 TEST_F(HttpErrorsTest, DegradedEngineFailsHealth) {

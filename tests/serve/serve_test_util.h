@@ -146,9 +146,11 @@ class FakeEngine : public ServingEngine {
   std::atomic<bool> is_healthy{true};
   bool throw_in_status = false;
   std::atomic<int> num_cancelled{0};
+  int vocab = 100;
+  bool computes_logprobs = true;  // kEcho: logprobs when a request asks (false: none).
 
   ~FakeEngine() override { (void)shutdown(); }
-  int vocab_size() const override { return 100; }
+  int vocab_size() const override { return vocab; }
   int max_context() const override { return 64; }
 
   Result<uint64_t> submit(CompletionRequest request, CompletionCallback cb) override {
@@ -159,17 +161,28 @@ class FakeEngine : public ServingEngine {
     cancelled_[id] = cancelled;
     threads_.emplace_back([this, request, cb, cancelled] {
       if (mode == Mode::kEcho) {
-        for (int32_t t : request.prompt) cb({{t}, {}, false, "", Status()});
-        cb({{}, {}, true, "length", Status()});
+        for (int32_t t : request.prompt) {
+          CompletionEvent ev{{t}, false, "", Status()};
+          // Made-up logprobs: the token at -0.25, then ids t+1, t+2, ... at -1.5, -2.5, ...
+          if (request.params.logprobs >= 0 && computes_logprobs) {
+            TokenLogprob lp{t, -0.25f, {}};
+            for (int k = 0; k < request.params.logprobs; ++k) {
+              lp.top.push_back({k == 0 ? t : t + k, k == 0 ? -0.25f : -0.5f - k});
+            }
+            ev.logprobs.push_back(lp);
+          }
+          cb(ev);
+        }
+        cb({{}, true, "length", Status()});
       } else if (mode == Mode::kFailMidway) {
-        cb({{1}, {}, false, "", Status()});
-        cb({{2}, {}, false, "", Status()});
-        cb({{}, {}, true, "error", unavailable("rank 2 died")});
+        cb({{1}, false, "", Status()});
+        cb({{2}, false, "", Status()});
+        cb({{}, true, "error", unavailable("rank 2 died")});
       } else {
-        cb({{7}, {}, false, "", Status()});
+        cb({{7}, false, "", Status()});
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock, [&] { return stopping_ || cancelled->load(); });
-        if (!cancelled->load()) cb({{}, {}, true, "abort", Status()});
+        if (!cancelled->load()) cb({{}, true, "abort", Status()});
       }
     });
     return id;

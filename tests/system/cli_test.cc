@@ -21,6 +21,7 @@ using flexpert_test::CliRun;
 CliRun run(const std::string& args) { return flexpert_test::run_flexpert(args); }
 
 const std::string kModel = std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny";
+const std::string kDeepseekV3 = std::string(FLEXPERT_TESTDATA_DIR) + "/configs/deepseek-v3";
 
 TEST(CliTest, GenerateMatchesReference) {
   std::ifstream in(kModel + "/reference.json");
@@ -66,6 +67,18 @@ TEST(CliTest, BadInputExitsWithTwoAndAMessage) {
       {"serve --model " + kModel + " --device cuda --gpus 0 --port 0", "--gpus"},
       {"worker --rank 0", "--join"},
       {"bench serve --concurrency x", "integer"},
+      {"plan-memory --ranks 8", "--model"},
+      {"plan-memory --model /no/such/dir", "/no/such/dir"},
+      {"plan-memory --model " + kDeepseekV3 + " --ranks 0", "--ranks"},
+      {"plan-memory --model " + kDeepseekV3 + " --ranks 2 --max-ranks 1", "--max-ranks"},
+      {"plan-memory --model " + kDeepseekV3 + " --ranks 2 --spare-ranks 1", "--spare-ranks"},
+      {"plan-memory --model " + kDeepseekV3 + " --quantization int4", "--quantization"},
+      {"plan-memory --model " + kDeepseekV3 + " --device cpu --quantization fp8", "dequantizes"},
+      {"plan-memory --model " + kDeepseekV3 + " --device tpu", "--device"},
+      {"plan-memory --model " + kDeepseekV3 + " --gpu-memory-gib -1", "--gpu-memory-gib"},
+      {"plan-memory --model " + kDeepseekV3 + " --max-context x", "integer"},
+      {"plan-memory --model " + kDeepseekV3 + " --ranks 8 --slots-per-rank 31", "cannot hold"},
+      {"plan-memory --model " + kDeepseekV3 + " --bogus 1", "unknown flag"},
   };
   for (const auto& [args, needle] : cases) {
     CliRun r = run(args);
@@ -144,6 +157,33 @@ TEST(CliTest, BenchGenerateWritesJson) {
     EXPECT_EQ(tj["temperature"].get<double>(), 0.7);
     EXPECT_EQ(tj["sample_on_host"].get<bool>(), where[0] != '\0');
   }
+  std::filesystem::remove_all(dir);
+}
+
+// plan-memory reads config.json only: a directory holding nothing else plans DeepSeek-V3 on
+// eight H200s, which fits in FP8 (the checkpoint's quantization) and not in bf16.
+TEST(CliTest, PlanMemoryFromConfigAlone) {
+  const std::string dir = ::testing::TempDir() + "/flexpert-plan-config-only";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  std::filesystem::copy_file(kDeepseekV3 + "/config.json", dir + "/config.json");
+  CliRun fp8 = run("plan-memory --model " + dir + " --ranks 8 --json");
+  ASSERT_EQ(fp8.exit_code, 0) << fp8.out;
+  const auto j = nlohmann::json::parse(fp8.out);
+  EXPECT_EQ(j["quantization"], "fp8");
+  EXPECT_EQ(j["slots_per_rank"], 33);
+  EXPECT_NEAR(j["params"]["total"].get<double>(), 671e9, 1e9);
+  EXPECT_TRUE(j["per_rank"]["fits"].get<bool>());
+  EXPECT_GT(j["largest"]["max_seq_len_at_max_sequences"].get<int>(), 4096);
+  EXPECT_EQ(j["per_rank"]["total"].get<uint64_t>(),
+            j["per_rank"]["dense"].get<uint64_t>() + j["per_rank"]["expert_slots"].get<uint64_t>() +
+                j["per_rank"]["kv_cache"].get<uint64_t>() +
+                j["per_rank"]["workspaces"].get<uint64_t>());
+  CliRun bf16 = run("plan-memory --model " + dir + " --ranks 8 --quantization bf16");
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.out;
+  EXPECT_NE(bf16.out.find("DOES NOT FIT"), std::string::npos) << bf16.out;
+  EXPECT_NE(bf16.out.find("largest context at 32 sequences: 0 tokens"), std::string::npos)
+      << bf16.out;
   std::filesystem::remove_all(dir);
 }
 

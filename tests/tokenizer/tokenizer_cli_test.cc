@@ -154,4 +154,70 @@ TEST_F(TokenizerCliTest, BadInputExitsWithTwoAndAMessage) {
   }
 }
 
+TEST_F(TokenizerCliTest, GenerateFromTextAndChat) {
+  // The ids a text prompt or a chat runs are those of --prompt-ids with the library's encoding
+  // (checked against the JS references in tokenizer_test), and the text is their decoding.
+  const std::string model = (dir_ / "model").string();
+  flexpert_test::CliRun r = flexpert_test::run_flexpert(
+      "synth --preset tiny --layers 1 --tokenizer " + model_ + " --out " + model);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto tokenizer = flexpert::Tokenizer::load(model_);
+  ASSERT_TRUE(tokenizer.ok());
+  auto generate = [&](const std::string& input) {
+    flexpert_test::CliRun g = flexpert_test::run_flexpert(
+        "generate --model " + model + " --max-tokens 6 --ignore-eos --json " + input);
+    EXPECT_EQ(g.exit_code, 0) << input << "\n" << g.out;
+    return json::parse(g.out.substr(g.out.find('{')))["choices"][0];
+  };
+  auto ids_arg = [](const std::vector<int32_t>& ids) {
+    std::string out = "--prompt-ids ";
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (i > 0) out += ",";
+      out += std::to_string(ids[i]);
+    }
+    return out;
+  };
+  const json text = generate("--prompt 'Grüße, 世界!'");
+  const json by_ids = generate(ids_arg((*tokenizer)->encode("Grüße, 世界!").value()));
+  EXPECT_EQ(text["token_ids"], by_ids["token_ids"]);
+  EXPECT_EQ(text["text"],
+            (*tokenizer)->decode(text["token_ids"].get<std::vector<int32_t>>(), true).value());
+  const std::string messages = R"([{"role": "user", "content": "Hi"}])";
+  const std::string file = write("chat.json", messages);
+  auto tmpl = flexpert::ChatTemplate::from_tokenizer(**tokenizer);
+  ASSERT_TRUE(tmpl.ok());
+  flexpert::ChatRenderOptions options;
+  options.add_generation_prompt = true;
+  const std::string rendered = (*tmpl)->render(messages, options).value();
+  const json chat = generate("--chat " + file);
+  EXPECT_EQ(
+      chat["token_ids"],
+      generate(ids_arg(
+          (*tokenizer)->encode(rendered, {.add_special_tokens = false}).value()))["token_ids"]);
+  r = flexpert_test::run_flexpert("generate --model " + model + " --prompt x --prompt-ids 1");
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+}
+
+TEST_F(TokenizerCliTest, ServeRefusesATemplateItCannotRunAtStart) {
+  // A template outside the Jinja subset: serve exits 2 before any worker starts, naming it.
+  const std::string bad = (dir_ / "bad_template").string();
+  fs::create_directories(bad);
+  fs::create_symlink(model_ + "/tokenizer.json", bad + "/tokenizer.json");
+  write("bad_template/tokenizer_config.json",
+        json({{"chat_template", "{% macro m() %}x{% endmacro %}{{ m() }}"}}).dump());
+  const std::string model = (dir_ / "model").string();
+  flexpert_test::CliRun r = flexpert_test::run_flexpert(
+      "synth --preset tiny --layers 1 --dtype bf16 --tokenizer " + model_ + " --out " + model);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  r = flexpert_test::run_flexpert("serve --local --port 0 --model " + model + " --tokenizer " +
+                                  bad);
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_NE(r.out.find("chat template"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("macro"), std::string::npos) << r.out;
+  r = flexpert_test::run_flexpert("serve --local --port 0 --model " + model +
+                                  " --tokenizer /nonexistent");
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_NE(r.out.find("tokenizer"), std::string::npos) << r.out;
+}
+
 }  // namespace

@@ -112,6 +112,8 @@ TEST_P(FaultConformanceTest, PeerStatusSeesADeathOutsideCollectives) {
         CT_REQUIRE(st.message().rfind(cat("rank ", victim, " (pid "), 0) == 0 &&
                        st.message().find(") died") != std::string::npos,
                    st.to_string());
+        // The dead rank travels as a number (WorkerError::dead_rank), not as text.
+        CT_REQUIRE(st.dead_rank() == victim, st.dead_rank());
         std::fprintf(stderr, "[rank %d] %.1f ms after the barrier: %s\n", ctx.rank, ms_since(start),
                      st.to_string().c_str());
         break;
@@ -149,6 +151,49 @@ TEST_P(FaultConformanceTest, SilentPeerTimesOut) {
     CT_REQUIRE(
         waited_ms >= ctx.options.timeout_ms - 5 && waited_ms < ctx.options.timeout_ms + kMarginMs,
         "waited ", waited_ms, " ms");
+    return Status();
+  });
+}
+
+// Transport::mark_peer_lost, as the front end's heartbeat calls it for a peer that went silent
+// (a stopped process or a dropped link, which a network backend does not see for minutes): a
+// wait on that peer ends at once with Unavailable naming it and the reason, peer_status() says
+// so too, and the others continue in a new epoch without it. A backend without it answers
+// Unimplemented, and then the wait times out as in SilentPeerTimesOut.
+TEST_P(FaultConformanceTest, MarkPeerLostEndsWaitOnSilentPeer) {
+  run_ok(spec(2000), [](RankContext& ctx) -> Status {
+    const int silent = ctx.num_ranks - 1;
+    for (uint64_t op = 0; op < 5; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, ctx.group(1), 9, op));
+    if (ctx.rank == silent) return ctx.await_value(0, ctx.num_ranks - 1);
+    Status reported;
+    std::thread heartbeat([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      reported = ctx.t().mark_peer_lost(silent, "missed 3 heartbeats");
+    });
+    const int64_t start = mono_now_ns();
+    const Status st = ctx.t().barrier(ctx.group(1));
+    const double waited_ms = ms_since(start);
+    heartbeat.join();
+    ctx.shared->values[0].fetch_add(1);
+    if (reported.code() == StatusCode::kUnimplemented) {
+      CT_REQUIRE(st.code() == StatusCode::kDeadlineExceeded, st.to_string());
+      return Status();
+    }
+    CT_REQUIRE_OK(reported);
+    CT_REQUIRE(st.code() == StatusCode::kUnavailable, st.to_string());
+    CT_REQUIRE(st.message().find(cat("rank ", silent, " (pid ")) != std::string::npos &&
+                   st.message().find("missed 3 heartbeats") != std::string::npos,
+               st.to_string());
+    CT_REQUIRE(waited_ms >= 90 && waited_ms < 100 + kMarginMs, "waited ", waited_ms, " ms");
+    const Status seen = ctx.t().peer_status(silent);
+    CT_REQUIRE(seen.code() == StatusCode::kUnavailable &&
+                   seen.message().find("missed 3 heartbeats") != std::string::npos,
+               seen.to_string());
+    Group survivors{2, {}};
+    for (int r = 0; r < ctx.num_ranks; ++r) {
+      if (r != silent) survivors.ranks.push_back(r);
+    }
+    for (uint64_t op = 0; op < 10; ++op) CT_REQUIRE_OK(all_gather_checked(ctx, survivors, 10, op));
     return Status();
   });
 }

@@ -14,6 +14,8 @@
 // that cannot run on this machine (create_transport says Unavailable or Unimplemented: a GPU
 // backend without a GPU) is skipped with that message.
 // FLEXPERT_CONFORMANCE_DEVICES=N places rank r on device r % N (default: options.device).
+// FLEXPERT_CONFORMANCE_NETNS=A,B places rank r in network namespace r % 2's (needs root;
+// scripts/netns_conformance.sh creates them).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -123,7 +125,8 @@ inline uint64_t seed_of(uint64_t a, uint64_t b, uint64_t c = 0, uint64_t d = 0) 
 struct SharedState {
   static constexpr int kMaxRanks = 16;
   std::atomic<int32_t> address_gen[kMaxRanks];  // Generation of addresses[r] (0: none yet).
-  char addresses[kMaxRanks][256];
+  char addresses[kMaxRanks][1024];  // ucx addresses carry a worker address (~300 chars).
+
   std::atomic<int32_t> pids[kMaxRanks];
   std::atomic<int64_t> values[32];  // Scenario-defined.
 };

@@ -328,7 +328,8 @@ Status CudaIpcTransport::check_peer(const Peer& peer, OpKind kind, bool check_pi
   }
   if (check_pid && peer.watch.ended()) {
     return unavailable("rank " + std::to_string(peer.rank) + " (pid " + std::to_string(peer.pid) +
-                       ") died during " + op_label(kind));
+                       ") died during " + op_label(kind))
+        .with_dead_rank(peer.rank);
   }
   return Status();
 }

@@ -269,7 +269,17 @@ int ShmTransport::try_take(const Awaited& a, OpKind kind, ByteSpan mine, std::ve
   return 0;
 }
 
+Status ShmTransport::lost_status(Peer& peer) {
+  if (!peer.lost.load(std::memory_order_acquire)) return Status();
+  std::lock_guard<std::mutex> lock(peer.lost_mu);
+  return unavailable("rank " + std::to_string(peer.rank) + " (pid " + std::to_string(peer.pid) +
+                     ") lost: " + peer.lost_why);
+}
+
 Status ShmTransport::check_peer(const Peer& peer, OpKind kind, bool check_pid) const {
+  if (Status s = lost_status(const_cast<Peer&>(peer)); !s.ok()) {
+    return unavailable(s.message() + " during " + op_label(kind));
+  }
   const shm::SegmentHeader* h = peer.header;
   if (h->closed.load(std::memory_order_seq_cst) != 0) {
     return unavailable("rank " + std::to_string(peer.rank) + " (pid " + std::to_string(peer.pid) +
@@ -282,7 +292,8 @@ Status ShmTransport::check_peer(const Peer& peer, OpKind kind, bool check_pid) c
   }
   if (check_pid && peer.watch.ended()) {
     return unavailable("rank " + std::to_string(peer.rank) + " (pid " + std::to_string(peer.pid) +
-                       ") died during " + op_label(kind));
+                       ") died during " + op_label(kind))
+        .with_dead_rank(peer.rank);
   }
   return Status();
 }
@@ -376,9 +387,27 @@ Status ShmTransport::peer_status(int peer) const {
   if (peer < 0 || peer >= options_.max_ranks) {
     return invalid_argument("rank " + std::to_string(peer) + " out of range");
   }
-  const Peer* p = peers_[peer].get();
+  Peer* p = peers_[peer].get();
   if (p == nullptr || peer == options_.rank) return Status();
+  FLEX_RETURN_IF_ERROR(lost_status(*p));
   return shm::peer_liveness(peer, p->pid, *p->header, p->watch);
+}
+
+Status ShmTransport::mark_peer_lost(int peer, const std::string& why) {
+  if (peer < 0 || peer >= options_.max_ranks || peer == options_.rank) {
+    return invalid_argument("mark_peer_lost: bad peer rank " + std::to_string(peer));
+  }
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  if (shut_down_) return failed_precondition("mark_peer_lost after shutdown");
+  Peer* p = peers_[peer].get();
+  if (p == nullptr) return Status();
+  {
+    std::lock_guard<std::mutex> why_lock(p->lost_mu);
+    if (!p->lost.load(std::memory_order_relaxed)) p->lost_why = why;
+  }
+  p->lost.store(true, std::memory_order_release);
+  shm::ring_doorbell(header_);  // A wait of ours asleep on the futex looks again now.
+  return Status();
 }
 
 }  // namespace flexpert

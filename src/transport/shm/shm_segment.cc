@@ -237,7 +237,7 @@ Status peer_liveness(int rank, int32_t pid, const SegmentHeader& header,
                      const ProcessWatch& watch) {
   const std::string who = "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";
   if (header.closed.load(std::memory_order_seq_cst) != 0) return unavailable(who + " shut down");
-  if (watch.ended()) return unavailable(who + " died");
+  if (watch.ended()) return unavailable(who + " died").with_dead_rank(rank);
   return Status();
 }
 

@@ -20,6 +20,7 @@
 // by one driving thread; read() and the const accessors may run on any thread concurrently.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -56,6 +57,7 @@ class ShmTransport final : public Transport {
 
   Status shutdown() override;
   Status peer_status(int peer) const override;
+  Status mark_peer_lost(int peer, const std::string& why) override;
   int timeout_ms() const override { return options_.timeout_ms; }
 
  private:
@@ -68,6 +70,10 @@ class ShmTransport final : public Transport {
     shm::SegmentHeader* header = nullptr;
     shm::ProcessWatch watch;
     int32_t pid = 0;
+    // Set by mark_peer_lost (any thread); lost_why is written before, under lost_mu.
+    std::atomic<bool> lost{false};
+    std::mutex lost_mu;
+    std::string lost_why;
     std::mutex regions_mu;
     // GUARDED_BY(regions_mu). Mappings are shared with read() calls in flight.
     std::unordered_map<int, std::shared_ptr<const shm::ShmMapping>> regions;
@@ -99,6 +105,7 @@ class ShmTransport final : public Transport {
   int try_take(const Awaited& awaited, shm::OpKind kind, ByteSpan mine, std::vector<ByteSpan>* out,
                Status* status);
   Status check_peer(const Peer& peer, shm::OpKind kind, bool check_pid) const;
+  static Status lost_status(Peer& peer);  // Unavailable once mark_peer_lost named it.
   std::string op_label(shm::OpKind kind) const;
   void ring_all_peers();
   void close_and_release();

@@ -3,6 +3,8 @@
 // bench/tokenizer_bench. Reads a JSON request on stdin, writes a JSON answer on stdout.
 //   node reference.mjs encode  {"family": "qwen3"|"deepseek_v3", "texts": [...]}
 //     -> {"ids": [[...], ...], "decoded": ["...", ...]}
+//   node reference.mjs decode  {"family": ..., "ids": [[...], ...], "skip_special_tokens"?}
+//     -> {"texts": ["...", ...]}
 //   node reference.mjs render  {"family": ..., "cases": [{"messages", "add_generation_prompt",
 //                                 "enable_thinking"?}]}  -> {"texts": ["...", ...]}
 //   node reference.mjs jinja   {"cases": [{"template": "...", "variables": {...}}]}
@@ -48,6 +50,13 @@ if (mode === "encode") {
   const ids = request.texts.map((t) => tokenizer.encode(t).ids);
   const decoded = ids.map((x) => (x.length ? tokenizer.decode(x) : ""));
   answer = { ids, decoded };
+} else if (mode === "decode") {
+  const skip = Boolean(request.skip_special_tokens);
+  answer = {
+    texts: request.ids.map((x) =>
+      x.length ? tokenizer.decode(x, { skip_special_tokens: skip }) : "",
+    ),
+  };
 } else if (mode === "render") {
   const template = new Template(config.chat_template);
   const tokenText = (t) => (t && typeof t === "object" ? t.content : t);

@@ -1,0 +1,40 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA path's environment switches, all of them, read once per process (the first
+// call) except FLEXPERT_EP_EXCHANGE, which is read whenever a model is built so that one
+// test process can run both exchanges.
+//
+// A switch is on when its variable is set to anything but "" or "0". Each one turns a
+// fast path off so that a figure in docs/cuda.md or docs/benchmarks.md can be measured
+// against the path it replaced, or lets a test reach a case the default never takes;
+// none changes results beyond rounding. Tuning experiments that lost keep no switch:
+// their figures and commits are listed under "Ideas that lost" in docs/benchmarks.md.
+// Thread-safe (a function-local static).
+#pragma once
+
+namespace flexpert::cuda {
+
+struct Knobs {
+  // Comparisons (the path a docs/ figure was measured against).
+  bool no_pdl = false;            // FLEXPERT_NO_PDL: plain launches, no programmatic serialisation.
+  bool no_route_cluster = false;  // FLEXPERT_NO_ROUTE_CLUSTER: the decode router's ticket path.
+  bool no_decode_moe = false;     // FLEXPERT_NO_DECODE_MOE: the unfused decode MoE kernels.
+  bool no_shared_fusion = false;  // FLEXPERT_NO_SHARED_FUSION: shared experts after the MoE.
+  bool no_norm_fusion = false;    // FLEXPERT_NO_NORM_FUSION: RMSNorm as its own kernel.
+  bool no_swiglu_fusion = false;  // FLEXPERT_NO_SWIGLU_FUSION: SwiGLU as its own kernel.
+  bool no_gemv = false;           // FLEXPERT_NO_GEMV: cuBLAS for every linear().
+  bool no_head_gemv = false;      // FLEXPERT_NO_HEAD_GEMV: cuBLAS for MLA's per-head GEMMs.
+  bool no_mla_mma = false;        // FLEXPERT_NO_MLA_MMA: MLA attention on the CUDA cores.
+  bool no_gqa_attention = false;  // FLEXPERT_NO_GQA_ATTENTION: the per-head attention kernel.
+  bool no_attention_tiles = false;  // FLEXPERT_NO_ATTENTION_TILES: a warp per row.
+  // Tests: FLEXPERT_GEMM_MAX_CTAS=N caps the persistent GEMM grid at N CTAs (several
+  // units per CTA on a small problem); 0: the SM count.
+  int gemm_max_ctas = 0;
+};
+
+const Knobs& knobs();
+
+// FLEXPERT_EP_EXCHANGE=host: expert-parallel rows through host shared memory instead of
+// the device exchange (docs/cuda.md). Read at each call.
+bool ep_exchange_host();
+
+}  // namespace flexpert::cuda
