@@ -7,6 +7,7 @@
 //
 // Logits: "flat" ~ N(0, 2) (a top-p prefix spans thousands of tokens) and "peaked" (the
 // same plus a head of 40 tokens 2-12 above the rest, as a language model's logits are).
+// A second table: the host cost of logit processing and logprobs per token (greedy).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -126,12 +127,49 @@ int main(int argc, char** argv) {
                       {"full_sort_ms", ref}});
     }
   }
+  // Host logit processing and logprobs (the kLogits rows of requests that ask for them),
+  // greedy on the peaked logits, with a 1000-token history (2000-token prompt for the
+  // repetition penalty). "plain" is the argmax the fast path would otherwise run.
+  struct Processing {
+    const char* name;
+    bool penalties;
+    int logprobs;
+  };
+  const Processing processing[] = {{"plain", false, -1},
+                                   {"penalties+bias", true, -1},
+                                   {"logprobs 5", false, 5},
+                                   {"logprobs 20", false, 20},
+                                   {"penalties+bias, logprobs 20", true, 20}};
+  nlohmann::json processing_runs = nlohmann::json::array();
+  std::printf("\n%-30s %12s\n", "greedy host row", "ms per token");
+  for (const Processing& c : processing) {
+    SamplingParams p;
+    if (c.penalties) {
+      p.repetition_penalty = 1.1f;
+      p.presence_penalty = 0.5f;
+      p.frequency_penalty = 0.25f;
+      for (int i = 0; i < 10; ++i) p.logit_bias.emplace_back((i * 104729) % vocab, 5.0f);
+    }
+    p.logprobs = c.logprobs;
+    Sampler sampler(p);
+    std::vector<int32_t> history(3000);
+    for (size_t i = 0; i < history.size(); ++i) {
+      history[i] = static_cast<int32_t>((i * 48271) % static_cast<size_t>(vocab));
+    }
+    sampler.add_prompt(history, 1000);
+    flexpert::TokenLogprob lp;
+    const float* l = peaked.data();
+    const double ms = ms_per_draw(draws, [&] { return sampler.sample(l, vocab, &lp); });
+    std::printf("%-30s %12.3f\n", c.name, ms);
+    processing_runs.push_back({{"case", c.name}, {"ms_per_token", ms}});
+  }
   if (!json.empty()) {
     std::ofstream f(json);
     f << nlohmann::json{{"benchmark", "sampler"},
                         {"vocab", vocab},
                         {"draws", draws},
-                        {"runs", runs}}
+                        {"runs", runs},
+                        {"processing", processing_runs}}
              .dump(2)
       << "\n";
     if (!f) {

@@ -2,7 +2,9 @@
 // Sampling and a continuous-batching generation loop over one Model.
 //
 // Sampler draws the next token from logits: greedy (temperature 0), or
-// temperature with optional top-k / top-p, reproducible from a seed.
+// temperature with optional top-k / top-p, reproducible from a seed, after the
+// request's logit processing (penalties, logit_bias, min_tokens), and reports the
+// token's log-probabilities when asked.
 // Generator runs requests to completion: up to max_sequences at once, new
 // requests join between steps, prompts are prefilled in chunks under a
 // per-step token budget, finished requests leave and free their KV slot.
@@ -13,6 +15,9 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "flexpert/model.h"
@@ -29,42 +34,96 @@ struct SamplingParams {
   std::vector<int32_t> stop_token_ids;  // Besides the model's EOS ids.
   bool ignore_eos = false;
   // Logit processing, applied on the host in this order before temperature/top-k/top-p
-  // (a row that needs any of it is computed as RowOutput::kLogits).
-  float repetition_penalty = 1.0f;  // > 0; 1: off. Prompt and generated tokens (HF, vLLM).
-  float presence_penalty = 0.0f;    // Subtracted once per distinct generated token (OpenAI).
-  float frequency_penalty = 0.0f;   // Subtracted per occurrence in the generated tokens (OpenAI).
-  std::vector<std::pair<int32_t, float>> logit_bias;  // Added to the token's logit.
-  int min_tokens = 0;  // EOS and stop ids cannot be sampled before this many tokens.
-  int logprobs = -1;   // -1: none; k >= 0: the sampled token's logprob and the k most likely.
+  // (a row that needs any of it is computed as RowOutput::kLogits):
+  // 1. repetition_penalty over the distinct tokens of prompt and output (HF, vLLM): a
+  //    positive logit is divided by it, a negative one multiplied;
+  // 2. presence_penalty once per distinct output token, frequency_penalty times the
+  //    token's count in the output, both subtracted (OpenAI, vLLM: output tokens only);
+  // 3. logit_bias added (a token listed twice gets both);
+  // 4. while fewer than min_tokens tokens were generated, the stop ids and (unless
+  //    ignore_eos) the EOS ids are -inf.
+  float repetition_penalty = 1.0f;                    // In (0, 2]; 1: off.
+  float presence_penalty = 0.0f;                      // In [-2, 2] (OpenAI's range).
+  float frequency_penalty = 0.0f;                     // In [-2, 2].
+  std::vector<std::pair<int32_t, float>> logit_bias;  // Values in [-100, 100].
+  int min_tokens = 0;                                 // In [0, max_tokens].
+  // -1: none; k in [0, kMaxLogprobs]: the sampled token's logprob and the k most likely.
+  // Log-probabilities are of the model's raw distribution, log_softmax(logits), before
+  // the processing above and before temperature / top-k / top-p (vLLM v1's default,
+  // "raw_logprobs"): what the model thinks, whatever the request did to the draw.
+  int logprobs = -1;
+  static constexpr int kMaxLogprobs = 20;
 
-  Status validate() const;
+  // The one validation of a request's sampling parameters (every layer calls it: the
+  // HTTP parser, the engines' submit, the worker's scheduler). Ranges as documented
+  // above; token ids (stop_token_ids, logit_bias) are checked against the vocabulary
+  // when vocab_size > 0. InvalidArgument naming the field; `*field` (when given) gets
+  // the field's name, as the HTTP API spells it.
+  Status validate(int vocab_size = 0, std::string* field = nullptr) const;
+  // True when a row must be processed on the host (RowOutput::kLogits): any logit
+  // processing, or logprobs.
+  bool needs_logits() const;
+
+  bool operator==(const SamplingParams&) const = default;
 };
+
+// The one validation of a request: prompt ids in [0, vocab_size), params.validate(), and
+// prompt + max_tokens within max_context. `*field` as in SamplingParams::validate
+// ("prompt", "max_tokens", ...).
+Status validate_request(const std::vector<int32_t>& prompt, const SamplingParams& params,
+                        int vocab_size, int max_context, std::string* field = nullptr);
 
 // One generated token's log-probabilities (SamplingParams::logprobs >= 0).
 struct TokenLogprob {
   int32_t token = 0;
   float logprob = 0.0f;
-  std::vector<std::pair<int32_t, float>> top;  // Most likely first; params.logprobs entries.
+  // params.logprobs entries (fewer only when the vocabulary is smaller): the most likely
+  // first, ties by the lower id. The sampled token may or may not be among them.
+  std::vector<std::pair<int32_t, float>> top;
+
+  bool operator==(const TokenLogprob&) const = default;
 };
+
+// log_softmax(logits)[token] and the k most likely (ties by lower id) into *out; the
+// normaliser is summed in double. A NaN logit counts as -inf.
+void compute_logprobs(const float* logits, int64_t vocab, int32_t token, int k, TokenLogprob* out);
 
 class Sampler {
  public:
-  explicit Sampler(const SamplingParams& params);
-  int32_t sample(const float* logits, int64_t vocab);
-  // Temperature 0: sample() is the argmax of the logits, whatever the rest says.
+  // `stop_ids`: the ids min_tokens masks (the request's stop ids, and the EOS ids unless
+  // ignore_eos); the Scheduler passes them.
+  explicit Sampler(const SamplingParams& params, std::vector<int32_t> stop_ids = {});
+  // The request's prompt (for repetition_penalty); its last `num_generated` tokens were
+  // generated by an earlier run of the request (a re-run after a move), and count as
+  // output for the presence and frequency penalties.
+  void add_prompt(const std::vector<int32_t>& prompt, int num_generated = 0);
+  // Draws the next token from a row of raw logits: processing, then greedy or a draw.
+  // When `logprob` is given and params.logprobs >= 0, fills it (see SamplingParams).
+  // Records the token as output.
+  int32_t sample(const float* logits, int64_t vocab, TokenLogprob* logprob = nullptr);
+  // Applies the logit processing (SamplingParams, steps 1-4) to `logits` in place.
+  void process(float* logits, int64_t vocab) const;
+  // Temperature 0: sample() is the argmax of the (processed) logits.
   bool greedy() const { return params_.temperature == 0.0f; }
+  bool needs_logits() const { return params_.needs_logits(); }
   // Temperature > 0: sample() is kernels::sample_truncated(logits, vocab, temperature,
   // top_k, top_p, next_uniform()), which a model can compute where the logits are
-  // (RowOutput::kSample).
+  // (RowOutput::kSample) when needs_logits() is false.
   float temperature() const { return params_.temperature; }
   int top_k() const { return params_.top_k; }
   float top_p() const { return params_.top_p; }
   // The next uniform draw in [0, 1) (what sample() would consume).
   double next_uniform() { return std::generate_canonical<double, 53>(rng_); }
+  int num_output() const { return num_output_; }
 
  private:
   SamplingParams params_;
+  std::vector<int32_t> stop_ids_;
   std::mt19937_64 rng_;
+  std::unordered_set<int32_t> seen_;                // Prompt and output ids (repetition_penalty).
+  std::unordered_map<int32_t, int> output_counts_;  // Presence / frequency penalties.
+  int num_output_ = 0;                              // Tokens produced by this sampler.
+  std::vector<float> scratch_;                      // The processed row.
   std::vector<std::pair<uint32_t, int32_t>> candidates_;  // sample_truncated's scratch.
 };
 
@@ -75,7 +134,8 @@ struct GenerationRequest {
 
 struct GenerationResult {
   std::vector<int32_t> tokens;
-  std::string finish_reason;  // "length" or "stop".
+  std::vector<TokenLogprob> logprobs;  // Parallel to tokens when params.logprobs >= 0.
+  std::string finish_reason;           // "length" or "stop".
 };
 
 struct GeneratorOptions {

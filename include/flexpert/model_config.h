@@ -34,6 +34,18 @@ struct RopeScaling {
   bool operator==(const RopeScaling&) const = default;
 };
 
+// Defaults for the sampling fields a request omits: generation_config.json's where the
+// model directory has one (vLLM's reading of it: `do_sample` is not consulted), else
+// OpenAI's (temperature 1, top_p 1, no top_k, no repetition penalty).
+struct SamplingDefaults {
+  float temperature = 1.0f;
+  float top_p = 1.0f;
+  int top_k = 0;  // 0: no limit.
+  float repetition_penalty = 1.0f;
+
+  bool operator==(const SamplingDefaults&) const = default;
+};
+
 struct ModelConfig {
   std::string model_type;  // "qwen3_moe", "deepseek_v3", "deepseek_v2".
   int vocab_size = 0;
@@ -54,8 +66,9 @@ struct ModelConfig {
   int max_position_embeddings = 0;
   bool attention_bias = false;
   bool tie_word_embeddings = false;
-  std::vector<int> eos_token_ids;
-  std::string torch_dtype;  // "bfloat16", "float32", ... as written; informational.
+  std::vector<int> eos_token_ids;      // config.json's, then generation_config.json's new ones.
+  SamplingDefaults sampling_defaults;  // From generation_config.json; not in to_json().
+  std::string torch_dtype;             // "bfloat16", "float32", ... as written; informational.
 
   // DeepSeek-V2/V3 (zero or default for other families). Each head's query/key is
   // [qk_nope_head_dim | qk_rope_head_dim]; head_dim is set to qk_rope_head_dim.
@@ -86,7 +99,14 @@ struct ModelConfig {
   int num_expert_groups() const { return n_group > 0 ? n_group : 1; }
 
   static Result<ModelConfig> from_json(const std::string& text);
-  static Result<ModelConfig> load(const std::string& dir);  // DIR/config.json.
+  // DIR/config.json, then DIR/generation_config.json when present
+  // (apply_generation_config).
+  static Result<ModelConfig> load(const std::string& dir);
+  // Applies a generation_config.json text: its eos_token_id (a number, a list or null)
+  // adds the ids not yet in eos_token_ids; temperature, top_p, top_k and
+  // repetition_penalty become sampling_defaults. InvalidArgument naming the field for a
+  // wrong type, a value out of range or an EOS id outside the vocabulary.
+  Status apply_generation_config(const std::string& text);
   // A config.json text that from_json() reads back to the same config.
   std::string to_json() const;
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "core/json_limits.h"
@@ -575,6 +576,12 @@ Result<ModelConfig> ModelConfig::load(const std::string& dir) {
   FLEX_ASSIGN_OR_RETURN(std::string text, read_text_file(path));
   auto config = from_json(text);
   if (!config.ok()) return config.status().annotate(path);
+  const std::string gen_path = dir + "/generation_config.json";
+  std::error_code ec;
+  if (std::filesystem::exists(gen_path, ec)) {
+    FLEX_ASSIGN_OR_RETURN(std::string gen_text, read_text_file(gen_path));
+    FLEX_RETURN_IF_ERROR(config->apply_generation_config(gen_text).annotate(gen_path));
+  }
   return config;
 }
 

@@ -2,6 +2,7 @@
 // `flexpert synth`: write a random-weight checkpoint with a real model's shapes.
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 
 #include "checkpoint/synth.h"
 #include "cli/commands.h"
@@ -29,6 +30,9 @@ int cmd_synth(const Args& args) {
       .value("tokenizer", "",
              "copy DIR's tokenizer.json and tokenizer_config.json into --out (the vocabulary "
              "must fit; EOS from tokenizer_config.json)")
+      .value("generation-config", "",
+             "JSON text written as --out's generation_config.json (EOS ids, sampling "
+             "defaults), checked as the model loader reads it")
       .boolean("help", "show this help");
   if (Status s = flags.parse(args); !s.ok()) return report_error("synth", s);
   if (flags.flag("help")) {
@@ -78,6 +82,19 @@ int cmd_synth(const Args& args) {
     };
     Status s = synthesize_checkpoint(options);
     progress.finish();
+    const std::string gen_path = options.out_dir + "/generation_config.json";
+    if (s.ok() && !flags.has("generation-config")) {
+      std::error_code ec;
+      std::filesystem::remove(gen_path, ec);  // A stale one would change the new model.
+    }
+    if (s.ok() && flags.has("generation-config")) {
+      const std::string& path = gen_path;
+      std::ofstream out(path, std::ios::binary | std::ios::trunc);
+      out << flags.str("generation-config");
+      if (!out.flush()) return failed_precondition("writing " + path + " failed");
+      out.close();
+      FLEX_RETURN_IF_ERROR(ModelConfig::load(options.out_dir).status());
+    }
     if (!s.ok() || !tokenizer) return s;
     namespace fs = std::filesystem;
     for (const char* name : {"tokenizer.json", "tokenizer_config.json"}) {

@@ -12,27 +12,25 @@ Scheduler::Scheduler(SchedulerLimits limits) : limits_(std::move(limits)) {
 }
 
 Status Scheduler::validate(const std::vector<int32_t>& prompt, const SamplingParams& params) const {
-  if (prompt.empty()) return invalid_argument("empty prompt");
-  for (int32_t id : prompt) {
-    if (id < 0 || id >= limits_.vocab_size) {
-      return invalid_argument("token id " + std::to_string(id) + " outside the vocabulary [0, " +
-                              std::to_string(limits_.vocab_size) + ")");
-    }
-  }
-  FLEX_RETURN_IF_ERROR(params.validate());
-  if (static_cast<int64_t>(prompt.size()) + params.max_tokens > limits_.max_seq_len) {
-    return invalid_argument("prompt (" + std::to_string(prompt.size()) + " tokens) + max_tokens (" +
-                            std::to_string(params.max_tokens) + ") exceeds the context length " +
-                            std::to_string(limits_.max_seq_len));
-  }
-  return Status();
+  return validate_request(prompt, params, limits_.vocab_size, limits_.max_seq_len);
 }
 
-void Scheduler::add(uint64_t request_id, std::vector<int32_t> prompt, SamplingParams params) {
+void Scheduler::add(uint64_t request_id, std::vector<int32_t> prompt, SamplingParams params,
+                    int num_generated) {
   Sequence seq;
   seq.id = request_id;
   seq.prompt = std::move(prompt);
-  seq.sampler = std::make_unique<Sampler>(params);
+  if (params.needs_logits()) {
+    // What min_tokens masks: the request's stop ids, and EOS unless ignore_eos.
+    std::vector<int32_t> stop_ids = params.stop_token_ids;
+    if (!params.ignore_eos) {
+      stop_ids.insert(stop_ids.end(), limits_.eos_token_ids.begin(), limits_.eos_token_ids.end());
+    }
+    seq.sampler = std::make_unique<Sampler>(params, std::move(stop_ids));
+    seq.sampler->add_prompt(seq.prompt, num_generated);
+  } else {
+    seq.sampler = std::make_unique<Sampler>(params);
+  }
   seq.params = std::move(params);
   waiting_.push_back(std::move(seq));
 }
@@ -96,8 +94,13 @@ const std::vector<SequenceChunk>& Scheduler::build_step() {
     Sequence& s = running_[batch_owner_[b]];
     const bool completes = s.prefilled + static_cast<int>(batch_[b].tokens.size()) >=
                            static_cast<int>(s.prompt.size());
-    if (!completes || s.sampler->greedy()) continue;
+    if (!completes) continue;
     RowOutput& out = row_outputs_[b];
+    if (s.sampler->needs_logits()) {
+      out.kind = RowOutput::kLogits;  // Processed and drawn on the host (complete_step).
+      continue;
+    }
+    if (s.sampler->greedy()) continue;
     out.kind = RowOutput::kSample;
     out.temperature = s.sampler->temperature();
     out.top_k = s.sampler->top_k();
@@ -116,11 +119,15 @@ void Scheduler::complete_step(const Tensor& logits, const std::vector<int32_t>& 
       s.prefilled += static_cast<int>(batch_[b].tokens.size());
       if (s.prefilled < static_cast<int>(s.prompt.size())) continue;  // More chunks to go.
     }
-    const int32_t next = row_outputs_[b].kind == RowOutput::kLogits
-                             ? s.sampler->sample(logits.data<float>() + b * vocab, vocab)
-                             : tokens[b];
+    TokenEvent ev;
+    ev.request_id = s.id;
+    ev.has_logprob = s.params.logprobs >= 0;
+    const int32_t next =
+        row_outputs_[b].kind == RowOutput::kLogits
+            ? s.sampler->sample(logits.data<float>() + b * vocab, vocab, &ev.logprob)
+            : tokens[b];
+    ev.token = next;
     s.output.push_back(next);
-    TokenEvent ev{s.id, next, false, ""};
     const auto& stops = s.params.stop_token_ids;
     const auto& eos = limits_.eos_token_ids;
     if (std::find(stops.begin(), stops.end(), next) != stops.end() ||

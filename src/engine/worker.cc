@@ -64,18 +64,6 @@ struct StepHeader {
 // plan-memory sizes the gather mailboxes by it (moe/memory_plan.h).
 static_assert(sizeof(StepHeader) == kStepHeaderBytes);
 
-SamplingParams params_of(const proto::AddRequest& r) {
-  SamplingParams p;
-  p.temperature = r.temperature;
-  p.top_k = r.top_k;
-  p.top_p = r.top_p;
-  p.seed = r.seed;
-  p.max_tokens = r.max_tokens;
-  p.stop_token_ids = r.stop_token_ids;
-  p.ignore_eos = r.ignore_eos;
-  return p;
-}
-
 template <typename T>
 Status send_msg(ZmqSocket& socket, const T& msg) {
   return socket.send({T::kType, proto::encode(msg)});
@@ -340,8 +328,7 @@ Status Worker::handle(const std::vector<std::string>& parts) {
   const std::string& type = parts[0];
   if (type == proto::AddRequest::kType) {
     FLEX_ASSIGN_OR_RETURN(auto req, proto::decode<proto::AddRequest>(parts[1]));
-    SamplingParams params = params_of(req);
-    Status valid = scheduler_->validate(req.prompt, params);
+    Status valid = scheduler_->validate(req.prompt, req.params);
     if (!valid.ok()) {
       // The front end validates first; this only guards against a mismatch.
       proto::TokenBatch batch;
@@ -352,7 +339,7 @@ Status Worker::handle(const std::vector<std::string>& parts) {
       return send_msg(control_, batch);
     }
     attempts_[req.id] = req.attempt;
-    scheduler_->add(req.id, std::move(req.prompt), std::move(params));
+    scheduler_->add(req.id, std::move(req.prompt), std::move(req.params), req.num_generated);
   } else if (type == proto::CancelRequest::kType) {
     FLEX_ASSIGN_OR_RETURN(auto req, proto::decode<proto::CancelRequest>(parts[1]));
     scheduler_->cancel(req.id);
@@ -486,7 +473,10 @@ Status Worker::step() {
     ++steps_;
     if (!events_.empty()) {
       proto::TokenBatch out;
+      const bool any_logprobs = std::any_of(events_.begin(), events_.end(),
+                                            [](const TokenEvent& ev) { return ev.has_logprob; });
       for (const TokenEvent& ev : events_) {
+        if (any_logprobs) out.logprobs.push_back(ev.logprob);
         out.ids.push_back(ev.request_id);
         out.tokens.push_back(ev.token);
         out.finish_reasons.push_back(ev.finished ? ev.finish_reason : "");

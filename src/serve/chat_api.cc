@@ -6,6 +6,7 @@
 
 #include "core/json_limits.h"
 #include "serve/field_reader.h"
+#include "serve/sampling_fields.h"
 
 namespace flexpert {
 namespace {
@@ -159,34 +160,19 @@ Status render_chat_prompt(const json& body, const TextModel& text, std::string* 
 }
 
 Status parse_chat_request(const std::string& body, const TextModel& text, int vocab_size,
-                          int max_context, ParsedCompletion* out, std::string* error_param) {
+                          int max_context, ParsedCompletion* out, std::string* error_param,
+                          const SamplingDefaults& defaults) {
   error_param->clear();
   json j;
   FLEX_RETURN_IF_ERROR(parse_body(body, &j));
   *out = ParsedCompletion();
-  static const std::set<std::string> kKnown = {"messages",
-                                               "model",
-                                               "user",
-                                               "max_tokens",
-                                               "max_completion_tokens",
-                                               "temperature",
-                                               "top_p",
-                                               "top_k",
-                                               "seed",
-                                               "stream",
-                                               "stream_options",
-                                               "stop",
-                                               "n",
-                                               "logprobs",
-                                               "top_logprobs",
-                                               "presence_penalty",
-                                               "frequency_penalty",
-                                               "logit_bias",
-                                               "ignore_eos",
-                                               "stop_token_ids",
-                                               "include_stop_str_in_output",
-                                               "chat_template_kwargs",
-                                               "add_generation_prompt"};
+  static const std::set<std::string> kKnown = [] {
+    std::set<std::string> known = sampling_field_names();
+    known.insert({"messages", "model", "user", "stream", "stream_options", "stop", "n", "logprobs",
+                  "top_logprobs", "include_stop_str_in_output", "chat_template_kwargs",
+                  "add_generation_prompt"});
+    return known;
+  }();
   FLEX_RETURN_IF_ERROR(refuse_unknown(j, kKnown, error_param));
   FieldReader r{j, error_param};
   FLEX_RETURN_IF_ERROR(read_model(r, &out->model));
@@ -209,16 +195,19 @@ Status parse_chat_request(const std::string& body, const TextModel& text, int vo
   out->prompts.push_back(std::move(ids.value()));
   out->request.prompt = out->prompts[0];
   SamplingParams& p = out->request.params;
-  FLEX_RETURN_IF_ERROR(read_sampling_fields(j, vocab_size, &p, &out->has_seed, error_param));
-
-  const size_t prompt_len = out->prompts[0].size();
-  int64_t max_tokens = max_context - static_cast<int64_t>(prompt_len);
-  const char* max_field = "max_tokens";
-  if (r.get("max_completion_tokens") != nullptr) max_field = "max_completion_tokens";
-  FLEX_RETURN_IF_ERROR(r.integer(max_field, &max_tokens));
   FLEX_RETURN_IF_ERROR(
-      check_max_tokens(max_tokens, max_field, prompt_len, max_context, error_param));
-  p.max_tokens = static_cast<int>(max_tokens);
+      parse_sampling_fields(j, vocab_size, defaults, &p, &out->has_seed, error_param));
+
+  // Without max_tokens / max_completion_tokens, the rest of the context.
+  const size_t prompt_len = out->prompts[0].size();
+  const char* max_field = "max_tokens";
+  if (r.get("max_completion_tokens") != nullptr) {
+    max_field = "max_completion_tokens";
+  } else if (r.get("max_tokens") == nullptr) {
+    p.max_tokens = max_context - static_cast<int>(std::min<size_t>(prompt_len, max_context));
+  }
+  FLEX_RETURN_IF_ERROR(
+      check_max_tokens(p.max_tokens, max_field, prompt_len, max_context, error_param));
   FLEX_RETURN_IF_ERROR(read_stream_fields(j, &out->stream, &out->include_usage, error_param));
   FLEX_RETURN_IF_ERROR(read_stop_fields(j, text.tokenizer, &out->stops, error_param));
 
@@ -240,7 +229,7 @@ Status parse_chat_request(const std::string& body, const TextModel& text, int vo
     return r.fail("top_logprobs", "top_logprobs needs logprobs: true");
   }
   if (logprobs) p.logprobs = static_cast<int>(top);
-  return Status();
+  return validate_request(out->request.prompt, p, vocab_size, max_context, error_param);
 }
 
 json chat_logprobs_json(const ChoiceOutput& choice, const Tokenizer* tokenizer) {

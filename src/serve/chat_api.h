@@ -34,11 +34,13 @@ struct TextModel {
 Status render_chat_prompt(const nlohmann::json& body, const TextModel& text, std::string* prompt,
                           std::string* error_param);
 
-// A chat request: the rendered prompt becomes out->prompts[0]; `logprobs` (bool) with
+// A chat request: the rendered prompt becomes out->prompts[0]; the sampling fields through
+// parse_sampling_fields (`defaults` for the absent ones); `logprobs` (bool) with
 // `top_logprobs` sets params.logprobs; `max_completion_tokens` (or `max_tokens`) defaults to
-// the rest of the context.
+// the rest of the context; validate_request checks the whole.
 Status parse_chat_request(const std::string& body, const TextModel& text, int vocab_size,
-                          int max_context, ParsedCompletion* out, std::string* error_param);
+                          int max_context, ParsedCompletion* out, std::string* error_param,
+                          const SamplingDefaults& defaults = SamplingDefaults());
 
 // Chat logprobs {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}; null when
 // the request asked for none.

@@ -26,10 +26,10 @@
 #include "cluster/protocol.h"
 #include "cluster/zmq_socket.h"
 #include "core/secret.h"
+#include "flexpert/generate.h"
 #include "flexpert/logging.h"
 #include "flexpert/model_config.h"
 #include "flexpert/placement.h"
-#include "flexpert/scheduler.h"
 
 namespace flexpert {
 namespace {
@@ -402,6 +402,9 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
       if (batch->tokens[i] >= 0) {
         ev.tokens.push_back(batch->tokens[i]);
         it->second.streamed.push_back(batch->tokens[i]);
+        if (it->second.params.logprobs >= 0 && i < batch->logprobs.size()) {
+          ev.logprobs.push_back(batch->logprobs[i]);
+        }
       }
       if (!reason.empty()) {
         ev.finished = true;
@@ -657,11 +660,15 @@ int ClusterEngine::vocab_size() const { return impl_->model_config_.vocab_size; 
 
 int ClusterEngine::max_context() const { return impl_->max_seq_len_; }
 
+SamplingDefaults ClusterEngine::sampling_defaults() const {
+  return impl_->model_config_.sampling_defaults;  // Set in start(), read-only afterwards.
+}
+
 Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCallback on_event) {
   Impl& m = *impl_;
   // The same checks the workers' schedulers make, before anything is queued.
-  Scheduler probe(SchedulerLimits{m.model_config_.vocab_size, 1, m.max_seq_len_, 1, {}});
-  FLEX_RETURN_IF_ERROR(probe.validate(request.prompt, request.params));
+  FLEX_RETURN_IF_ERROR(
+      validate_request(request.prompt, request.params, m.model_config_.vocab_size, m.max_seq_len_));
   std::lock_guard<std::mutex> lock(m.mutex_);
   if (!m.accepting_) {
     if (m.phase() == Phase::kRestarting || m.phase() == Phase::kScaling) {

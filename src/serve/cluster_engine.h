@@ -97,6 +97,7 @@ class ClusterEngine : public ServingEngine {
 
   int vocab_size() const override;
   int max_context() const override;
+  SamplingDefaults sampling_defaults() const override;
   Result<uint64_t> submit(CompletionRequest request, CompletionCallback on_event) override;
   void cancel(uint64_t request_id) override;
   bool healthy() const override;

@@ -82,15 +82,13 @@ bool ClusterEngine::Impl::rehome(uint64_t id, RequestInfo& req, int avoid, Calls
     req.rank = kHeldRank;  // place_held() sends it once an epoch commits.
     return true;
   }
-  proto::AddRequest add{id,
-                        req.prompt,
-                        req.params.temperature,
-                        req.params.top_k,
-                        req.params.top_p,
-                        req.params.seed,
-                        req.params.max_tokens - done,
-                        req.params.stop_token_ids,
-                        req.params.ignore_eos};
+  proto::AddRequest add;
+  add.id = id;
+  add.prompt = req.prompt;
+  add.params = req.params;
+  add.params.max_tokens -= done;
+  add.params.min_tokens = std::max(0, add.params.min_tokens - done);
+  add.num_generated = done;
   add.prompt.insert(add.prompt.end(), req.streamed.begin(), req.streamed.end());
   add.attempt = static_cast<uint32_t>(req.reruns);
   req.rank = best;

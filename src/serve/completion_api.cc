@@ -9,6 +9,7 @@
 
 #include "core/json_limits.h"
 #include "serve/field_reader.h"
+#include "serve/sampling_fields.h"
 #include "tokenizer/utf8.h"
 
 namespace flexpert {
@@ -17,57 +18,6 @@ namespace {
 using nlohmann::json;
 
 }  // namespace
-
-Status read_sampling_fields(const json& body, int vocab_size, SamplingParams* params,
-                            bool* has_seed, std::string* error_param) {
-  FieldReader r{body, error_param};
-  SamplingParams& p = *params;
-  double temperature = 1.0;  // OpenAI's default; send 0 for greedy.
-  FLEX_RETURN_IF_ERROR(r.number("temperature", &temperature));
-  // Bounded so that the float conversion below stays defined.
-  if (!(temperature >= 0.0 && temperature <= 1e6)) {
-    return r.fail("temperature", "temperature must be a number in [0, 1e6]");
-  }
-  p.temperature = static_cast<float>(temperature);
-
-  double top_p = 1.0;
-  FLEX_RETURN_IF_ERROR(r.number("top_p", &top_p));
-  if (!(top_p > 0.0 && top_p <= 1.0)) return r.fail("top_p", "top_p must be in (0, 1]");
-  p.top_p = static_cast<float>(top_p);
-  // The sampler works in float: a top_p that rounds to 0 would silently mean "off".
-  if (!(p.top_p > 0.0f)) return r.fail("top_p", "top_p must be in (0, 1] and at least 1e-38");
-
-  int64_t top_k = 0;  // vLLM spells "off" as -1; we also take 0.
-  FLEX_RETURN_IF_ERROR(r.integer("top_k", &top_k));
-  if (top_k < -1) return r.fail("top_k", "top_k must be >= 1, or 0 / -1 for no limit");
-  p.top_k = top_k <= 0 ? 0 : static_cast<int>(std::min<int64_t>(top_k, vocab_size));
-
-  if (const json* seed = r.get("seed")) {
-    if (!seed->is_number_integer()) return r.fail("seed", "seed must be an integer");
-    // Negative seeds are fine: only the bits matter.
-    p.seed = seed->is_number_unsigned() ? seed->get<uint64_t>()
-                                        : static_cast<uint64_t>(seed->get<int64_t>());
-    *has_seed = true;
-  }
-  FLEX_RETURN_IF_ERROR(r.boolean("ignore_eos", &p.ignore_eos));
-  if (const json* stops = r.get("stop_token_ids")) {
-    if (!stops->is_array()) {
-      return r.fail("stop_token_ids", "stop_token_ids must be an array of token ids");
-    }
-    FLEX_RETURN_IF_ERROR(r.token_ids("stop_token_ids", *stops, vocab_size, &p.stop_token_ids));
-  }
-  // Options we cannot honour are refused rather than silently ignored.
-  for (const char* penalty : {"presence_penalty", "frequency_penalty"}) {
-    double v = 0;
-    FLEX_RETURN_IF_ERROR(r.number(penalty, &v));
-    if (v != 0.0) return r.fail(penalty, std::string(penalty) + " is not supported (only 0)");
-  }
-  if (const json* bias = r.get("logit_bias");
-      bias != nullptr && !bias->is_null() && !(bias->is_object() && bias->empty())) {
-    return r.fail("logit_bias", "logit_bias is not supported (only {})");
-  }
-  return Status();
-}
 
 Status read_stop_fields(const json& body, const Tokenizer* tokenizer, StopStrings* out,
                         std::string* error_param) {
@@ -140,7 +90,7 @@ Status check_max_tokens(int64_t max_tokens, const char* field, size_t longest_pr
 
 Status parse_completion_request(const std::string& body, int vocab_size, int max_context,
                                 ParsedCompletion* out, std::string* error_param,
-                                const Tokenizer* tokenizer) {
+                                const Tokenizer* tokenizer, const SamplingDefaults& defaults) {
   error_param->clear();
   FLEX_RETURN_IF_ERROR(check_json_nesting(body, "the request body"));
   const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
@@ -149,27 +99,13 @@ Status parse_completion_request(const std::string& body, int vocab_size, int max
   FieldReader r{j, error_param};
   *out = ParsedCompletion();
   // Every field is read below; anything else is refused by name.
-  static const std::set<std::string> kKnown = {"prompt",
-                                               "max_tokens",
-                                               "temperature",
-                                               "top_p",
-                                               "top_k",
-                                               "seed",
-                                               "stream",
-                                               "ignore_eos",
-                                               "stream_options",
-                                               "stop_token_ids",
-                                               "n",
-                                               "stop",
-                                               "echo",
-                                               "logprobs",
-                                               "model",
-                                               "user",
-                                               "presence_penalty",
-                                               "frequency_penalty",
-                                               "logit_bias",
-                                               "best_of",
-                                               "include_stop_str_in_output"};
+  static const std::set<std::string> kKnown = [] {
+    std::set<std::string> known = sampling_field_names();
+    known.erase("max_completion_tokens");  // Chat's name.
+    known.insert({"prompt", "stream", "stream_options", "n", "stop", "echo", "logprobs", "model",
+                  "user", "best_of", "include_stop_str_in_output"});
+    return known;
+  }();
   for (const auto& [key, value] : j.items()) {
     if (!kKnown.count(key)) {
       return r.fail(key.substr(0, 64), "unsupported field '" + key.substr(0, 64) + "'");
@@ -243,12 +179,11 @@ Status parse_completion_request(const std::string& body, int vocab_size, int max
   out->request.prompt = out->prompts[0];
   if (echo && tokenizer == nullptr) return r.fail("echo", "echo needs a tokenizer");
 
-  FLEX_RETURN_IF_ERROR(read_sampling_fields(j, vocab_size, &p, &out->has_seed, error_param));
-  int64_t max_tokens = 16;
-  FLEX_RETURN_IF_ERROR(r.integer("max_tokens", &max_tokens));
   FLEX_RETURN_IF_ERROR(
-      check_max_tokens(max_tokens, "max_tokens", longest, max_context, error_param));
-  p.max_tokens = static_cast<int>(max_tokens);
+      parse_sampling_fields(j, vocab_size, defaults, &p, &out->has_seed, error_param));
+  // validate_request below sees the first prompt only; every prompt must fit.
+  FLEX_RETURN_IF_ERROR(
+      check_max_tokens(p.max_tokens, "max_tokens", longest, max_context, error_param));
   FLEX_RETURN_IF_ERROR(read_stream_fields(j, &out->stream, &out->include_usage, error_param));
   FLEX_RETURN_IF_ERROR(read_stop_fields(j, tokenizer, &out->stops, error_param));
 
@@ -261,8 +196,9 @@ Status parse_completion_request(const std::string& body, int vocab_size, int max
     return r.fail("n", "prompts x n must be at most " + std::to_string(kMaxChoices));
   }
   out->n = static_cast<int>(n);
+  // OpenAI's legacy integer: the sampled token's logprob and the k most likely.
   if (r.get("logprobs") != nullptr) {
-    int64_t k = 0;
+    int64_t k = 0;  // FieldReader saturates a huge unsigned value, so no narrowing wraps.
     FLEX_RETURN_IF_ERROR(r.integer("logprobs", &k));
     if (k < 0 || k > kMaxTopLogprobs) {
       return r.fail("logprobs", "logprobs must be in [0, " + std::to_string(kMaxTopLogprobs) + "]");
@@ -277,7 +213,7 @@ Status parse_completion_request(const std::string& body, int vocab_size, int max
   int64_t best_of = 1;
   FLEX_RETURN_IF_ERROR(r.integer("best_of", &best_of));
   if (best_of != 1) return r.fail("best_of", "only best_of = 1 is supported");
-  return Status();
+  return validate_request(out->request.prompt, p, vocab_size, max_context, error_param);
 }
 
 std::string logprob_token_text(const Tokenizer* tokenizer, int32_t id) {
@@ -307,6 +243,7 @@ json legacy_logprobs_json(const ChoiceOutput& choice, const Tokenizer* tokenizer
     for (const auto& [id, logprob] : lp.top) {
       alternatives[logprob_token_text(tokenizer, id)] = logprob;
     }
+    alternatives[text] = lp.logprob;  // The sampled token too, as vLLM returns it.
     top.push_back(std::move(alternatives));
     offsets.push_back(offset);
     size_t pos = 0;

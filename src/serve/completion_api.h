@@ -7,7 +7,8 @@
 // Prompts are token ids, or text when the server has a tokenizer (a string, or a list of
 // strings: one choice per prompt, `n` choices each). Output is `text` (decoded, "" without a
 // tokenizer) beside `token_ids`. Defaults follow OpenAI (temperature 1.0, top_p 1.0,
-// max_tokens 16); a request without `seed` samples from a server-chosen seed.
+// max_tokens 16) unless the model's generation_config.json sets them (SamplingDefaults);
+// a request without `seed` samples from a server-chosen seed.
 #pragma once
 
 #include <cstdint>
@@ -30,7 +31,7 @@ constexpr int kMaxChoices = 64;
 constexpr int kMaxStopStrings = 4;
 constexpr size_t kMaxStopStringBytes = 256;
 // Most likely alternatives per token (`logprobs` / `top_logprobs`), as vLLM allows.
-constexpr int kMaxTopLogprobs = 20;
+constexpr int kMaxTopLogprobs = SamplingParams::kMaxLogprobs;
 
 struct ParsedCompletion {
   // The sampling parameters of every choice (seeds are per choice: see HttpServer); `prompt`
@@ -46,21 +47,18 @@ struct ParsedCompletion {
   std::string model;  // "model" as sent ("" when absent); the server checks it.
 };
 
-// Parses and validates a request body against the engine's limits. On failure the
-// Status is InvalidArgument and `*error_param` names the offending field ("" when
-// the body as a whole is wrong). A field this server does not know, or one it knows but
-// cannot honour (a non-zero penalty, a non-empty logit_bias, best_of > 1, ...), is an
+// Parses and validates a request body against the engine's limits (the sampling fields
+// through parse_sampling_fields, with `defaults` for the absent ones; `logprobs` an
+// integer in [0, kMaxTopLogprobs]). On failure the Status is InvalidArgument and
+// `*error_param` names the offending field ("" when the body as a whole is wrong). A field
+// this server does not know, or one it knows but cannot honour (best_of > 1, ...), is an
 // error naming it, never silently ignored. `tokenizer` may be null: text prompts, stop
 // strings and echo are then refused.
 Status parse_completion_request(const std::string& body, int vocab_size, int max_context,
                                 ParsedCompletion* out, std::string* error_param,
-                                const Tokenizer* tokenizer = nullptr);
+                                const Tokenizer* tokenizer = nullptr,
+                                const SamplingDefaults& defaults = SamplingDefaults());
 
-// The sampling fields both routes take: temperature, top_p, top_k, seed, ignore_eos,
-// stop_token_ids, presence/frequency penalties, logit_bias (the last three refused unless
-// neutral). `body` is a JSON object.
-Status read_sampling_fields(const nlohmann::json& body, int vocab_size, SamplingParams* params,
-                            bool* has_seed, std::string* error_param);
 // `stop` (a string or up to kMaxStopStrings strings; needs a tokenizer) and vLLM's
 // `include_stop_str_in_output`.
 Status read_stop_fields(const nlohmann::json& body, const Tokenizer* tokenizer, StopStrings* out,

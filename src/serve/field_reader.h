@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // FieldReader: typed access to the fields of a JSON request body for the OpenAI-style
 // routes (completion_api.cc, chat_api.cc), failing with InvalidArgument that names the field.
+// The sampling fields are parse_sampling_fields' (sampling_fields.h), not read here.
 #pragma once
 
 #include <cstdint>
@@ -40,13 +41,6 @@ struct FieldReader {
     }
     if (!v->is_number_integer()) return fail(field, std::string(field) + " must be an integer");
     *out = v->get<int64_t>();
-    return Status();
-  }
-  Status number(const char* field, double* out) {
-    const json* v = get(field);
-    if (v == nullptr) return Status();
-    if (!v->is_number()) return fail(field, std::string(field) + " must be a number");
-    *out = v->get<double>();
     return Status();
   }
   Status boolean(const char* field, bool* out) {

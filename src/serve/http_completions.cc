@@ -175,10 +175,12 @@ void HttpServer::handle_generation(bool chat, const httplib::Request& req, httpl
   }
   ParsedCompletion parsed;
   std::string param;
-  Status s = chat ? parse_chat_request(req.body, options_.text, engine_.vocab_size(),
-                                       engine_.max_context(), &parsed, &param)
-                  : parse_completion_request(req.body, engine_.vocab_size(), engine_.max_context(),
-                                             &parsed, &param, options_.text.tokenizer);
+  Status s =
+      chat
+          ? parse_chat_request(req.body, options_.text, engine_.vocab_size(), engine_.max_context(),
+                               &parsed, &param, engine_.sampling_defaults())
+          : parse_completion_request(req.body, engine_.vocab_size(), engine_.max_context(), &parsed,
+                                     &param, options_.text.tokenizer, engine_.sampling_defaults());
   if (!s.ok()) {
     requests_counter("invalid").inc();
     send_json(res, 400, error_json(s.message(), "invalid_request_error", param));
@@ -293,7 +295,8 @@ void HttpServer::absorb(Exchange& ex) {
     if (a.logprobs_missing) {
       c.done = true;
       c.reason = "error";
-      c.error = unimplemented("logprobs: this engine does not compute them yet");
+      // Both engines send one per token when asked; anything else is the engine's fault.
+      c.error = internal_error("the engine sent tokens without their logprobs");
       continue;
     }
     for (size_t k = 0; k < a.tokens.size() && !c.done; ++k) {
@@ -365,10 +368,7 @@ void HttpServer::respond_when_finished(Exchange& ex, httplib::Response& res) {
     if (!c.error.ok() || c.reason == "error") {
       const Status cause = c.error.ok() ? internal_error("the engine failed the request") : c.error;
       // Unavailable (a degraded group, a shutdown): 503, which clients retry; else 500.
-      const int status = cause.code() == StatusCode::kUnavailable     ? 503
-                         : cause.code() == StatusCode::kUnimplemented ? 501
-                                                                      : 500;
-      send_json(res, status,
+      send_json(res, cause.code() == StatusCode::kUnavailable ? 503 : 500,
                 error_json(cause.message(), "server_error", "",
                            std::string(status_code_name(cause.code()))));
       finish_exchange(ex, "error");

@@ -196,6 +196,7 @@ void LocalEngine::step() {
   for (const TokenEvent& ev : events_) {
     CompletionEvent out;
     out.tokens.push_back(ev.token);
+    if (ev.has_logprob) out.logprobs.push_back(ev.logprob);
     out.finished = ev.finished;
     out.finish_reason = ev.finish_reason;
     deliver(ev.request_id, out);

@@ -49,6 +49,9 @@ class LocalEngine : public ServingEngine {
 
   int vocab_size() const override { return vocab_size_; }
   int max_context() const override { return max_context_; }
+  SamplingDefaults sampling_defaults() const override {
+    return model_->config().sampling_defaults;  // Fixed at load: safe from any thread.
+  }
   Result<uint64_t> submit(CompletionRequest request, CompletionCallback on_event) override;
   void cancel(uint64_t request_id) override;
   bool healthy() const override;

@@ -42,6 +42,8 @@ class ServingEngine {
 
   virtual int vocab_size() const = 0;
   virtual int max_context() const = 0;  // Prompt + max_tokens limit.
+  // Sampling values for fields a request omits (the model's generation_config.json).
+  virtual SamplingDefaults sampling_defaults() const { return SamplingDefaults(); }
 
   // InvalidArgument for a request the model cannot run (nothing is queued then);
   // Unavailable when the engine is shutting down. Returns the request id.

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // config.json: any bytes give a config within the documented bounds, InvalidArgument,
-// or Unimplemented.
+// or Unimplemented. generation_config.json: any bytes give defaults that pass
+// SamplingParams' ranges and EOS ids in the vocabulary, or InvalidArgument.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -10,6 +11,14 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);
+  flexpert::ModelConfig base;
+  base.vocab_size = 1000;
+  const flexpert::Status gen = base.apply_generation_config(text);
+  FLEX_CHECK(gen.ok() || gen.code() == flexpert::StatusCode::kInvalidArgument) << gen.to_string();
+  const flexpert::SamplingDefaults& d = base.sampling_defaults;
+  FLEX_CHECK(d.temperature >= 0 && d.top_p > 0 && d.top_p <= 1 && d.top_k >= 0 && d.top_k <= 1000 &&
+             d.repetition_penalty > 0 && d.repetition_penalty <= 2);
+  for (int id : base.eos_token_ids) FLEX_CHECK(id >= 0 && id < 1000);
   auto config = flexpert::ModelConfig::from_json(text);
   if (!config.ok()) {
     // Unimplemented: a well-formed feature flexpert does not support (a rope type).

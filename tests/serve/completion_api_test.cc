@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 namespace flexpert {
 namespace {
 
@@ -113,16 +115,27 @@ TEST(CompletionApiTest, RejectsBadRequestsNamingTheField) {
       {"{\"prompt\": [1], \"stop\": \"" + std::string(257, 'a') + "\"}", "stop"},
       {R"({"prompt": [1], "echo": true})", "echo"},
       {R"({"prompt": [1], "logprobs": 21})", "logprobs"},
+      {R"({"prompt": [1], "logprobs": 18446744073709551615})", "logprobs"},
       {R"({"prompt": [1], "logprobs": -1})", "logprobs"},
+      {R"({"prompt": [1], "logprobs": true})", "logprobs"},
+      {R"({"prompt": [1], "presence_penalty": 2.5})", "presence_penalty"},
+      {R"({"prompt": [1], "presence_penalty": "x"})", "presence_penalty"},
+      {R"({"prompt": [1], "frequency_penalty": -3})", "frequency_penalty"},
+      {R"({"prompt": [1], "repetition_penalty": 0})", "repetition_penalty"},
+      {R"({"prompt": [1], "repetition_penalty": 1e300})", "repetition_penalty"},
+      {R"({"prompt": [1], "logit_bias": {"5": 101}})", "logit_bias"},
+      {R"({"prompt": [1], "logit_bias": {"5": "x"}})", "logit_bias"},
+      {R"({"prompt": [1], "logit_bias": {"100": 1}})", "logit_bias"},
+      {R"({"prompt": [1], "logit_bias": {"-1": 1}})", "logit_bias"},
+      {R"({"prompt": [1], "logit_bias": {"5x": 1}})", "logit_bias"},
+      {R"({"prompt": [1], "logit_bias": {"99999999999999999999": 1}})", "logit_bias"},
       {R"({"prompt": [1], "stream_options": {"continuous_usage_stats": true}})", "stream_options"},
-      // Fields this server cannot honour are refused by name, never ignored.
-      {R"({"prompt": [1], "presence_penalty": 0.5})", "presence_penalty"},
-      {R"({"prompt": [1], "frequency_penalty": -1})", "frequency_penalty"},
-      {R"({"prompt": [1], "logit_bias": {"5": 100}})", "logit_bias"},
       {R"({"prompt": [1], "logit_bias": [1]})", "logit_bias"},
+      {R"({"prompt": [1], "min_tokens": 17})", "min_tokens"},
+      {R"({"prompt": [1], "min_tokens": -1})", "min_tokens"},
+      // Fields this server cannot honour are refused by name, never ignored.
       {R"({"prompt": [1], "best_of": 2})", "best_of"},
       {R"({"prompt": [1], "suffix": "x"})", "suffix"},
-      {R"({"prompt": [1], "min_tokens": 3})", "min_tokens"},
       {R"({"prompt": [1], "model": 7})", "model"},
       {R"({"prompt": [1], "user": 7})", "user"},
   };
@@ -132,6 +145,78 @@ TEST(CompletionApiTest, RejectsBadRequestsNamingTheField) {
     EXPECT_EQ(p.param, param) << body << ": " << p.status.message();
     EXPECT_FALSE(p.status.message().empty()) << body;
   }
+}
+
+TEST(CompletionApiTest, LogitProcessingFieldsAndLogprobs) {
+  Parsed p = parse(R"({"prompt": [1], "presence_penalty": -0.5, "frequency_penalty": 2,
+                       "repetition_penalty": 1.25, "logit_bias": {"5": 100, "0": -100.0},
+                       "min_tokens": 4, "max_tokens": 8, "logprobs": 20, "ignore_eos": true})");
+  ASSERT_TRUE(p.status.ok()) << p.status.to_string();
+  const SamplingParams& s = p.out.request.params;
+  EXPECT_EQ(s.presence_penalty, -0.5f);
+  EXPECT_EQ(s.frequency_penalty, 2.0f);
+  EXPECT_EQ(s.repetition_penalty, 1.25f);
+  std::vector<std::pair<int32_t, float>> bias = s.logit_bias;
+  std::sort(bias.begin(), bias.end());
+  EXPECT_EQ(bias, (std::vector<std::pair<int32_t, float>>{{0, -100.0f}, {5, 100.0f}}));
+  EXPECT_EQ(s.min_tokens, 4);
+  EXPECT_EQ(s.logprobs, 20);
+  EXPECT_TRUE(s.ignore_eos);
+  // Absent: no processing, no logprobs (the fast path).
+  Parsed plain = parse(R"({"prompt": [1], "logprobs": null})");
+  ASSERT_TRUE(plain.status.ok());
+  EXPECT_FALSE(plain.out.request.params.needs_logits());
+}
+
+TEST(CompletionApiTest, GenerationConfigDefaultsFillOmittedFields) {
+  SamplingDefaults d;
+  d.temperature = 0.6f;
+  d.top_p = 0.95f;
+  d.top_k = 20;
+  d.repetition_penalty = 1.05f;
+  ParsedCompletion out;
+  std::string param;
+  ASSERT_TRUE(
+      parse_completion_request(R"({"prompt": [1]})", kVocab, kContext, &out, &param, nullptr, d)
+          .ok());
+  EXPECT_EQ(out.request.params.temperature, 0.6f);
+  EXPECT_EQ(out.request.params.top_p, 0.95f);
+  EXPECT_EQ(out.request.params.top_k, 20);
+  EXPECT_EQ(out.request.params.repetition_penalty, 1.05f);
+  // A request's own values win, null included as "unset".
+  ASSERT_TRUE(parse_completion_request(
+                  R"({"prompt": [1], "temperature": 0, "top_k": -1, "top_p": null,
+                      "repetition_penalty": 1})",
+                  kVocab, kContext, &out, &param, nullptr, d)
+                  .ok());
+  EXPECT_EQ(out.request.params.temperature, 0.0f);
+  EXPECT_EQ(out.request.params.top_k, 0);
+  EXPECT_EQ(out.request.params.top_p, 0.95f);
+  EXPECT_EQ(out.request.params.repetition_penalty, 1.0f);
+}
+
+TEST(CompletionApiTest, LogprobsRenderInTheLegacyShape) {
+  const std::vector<TokenLogprob> lps = {{5, -0.5f, {{5, -0.5f}, {9, -1.25f}}},
+                                         {3, -2.0f, {{9, -0.75f}, {4, -1.0f}}}};
+  ChoiceOutput choice;
+  choice.tokens = {5, 3};
+  choice.logprobs = lps;
+  choice.with_logprobs = true;
+  choice.finish_reason = "length";
+  const json j = completion_response({"cmpl-1", 1, "m"}, {choice}, 2, 2);
+  const json& lp = j["choices"][0]["logprobs"];
+  EXPECT_EQ(lp["tokens"], json({"token_id:5", "token_id:3"}));
+  EXPECT_EQ(lp["token_logprobs"], json({-0.5, -2.0}));
+  // Code points of the earlier tokens' strings ("token_id:5" is 10).
+  EXPECT_EQ(lp["text_offset"], json({0, 10}));
+  // The top entries plus the sampled token (vLLM's form).
+  EXPECT_EQ(lp["top_logprobs"][0], json({{"token_id:5", -0.5}, {"token_id:9", -1.25}}));
+  EXPECT_EQ(lp["top_logprobs"][1],
+            json({{"token_id:9", -0.75}, {"token_id:4", -1.0}, {"token_id:3", -2.0}}));
+  const json chunk = completion_chunk({"cmpl-1", 1, "m"}, choice);
+  EXPECT_TRUE(chunk["choices"][0]["logprobs"].is_object());
+  choice.with_logprobs = false;
+  EXPECT_TRUE(completion_chunk({"cmpl-1", 1, "m"}, choice)["choices"][0]["logprobs"].is_null());
 }
 
 TEST(CompletionApiTest, NeutralValuesOfUnsupportedOptionsAreAccepted) {

@@ -143,8 +143,8 @@ TEST_F(HttpTest, BadRequestsGetJsonErrorsAndTheServerKeepsServing) {
       {R"({"prompt": [1], "temperature": -1})", "temperature"},
       {R"({"prompt": [1], "top_p": 2})", "top_p"},
       {R"({"prompt": [1], "stream": 1})", "stream"},
-      {R"({"prompt": [1], "logit_bias": {"7": 100}})", "logit_bias"},  // Not ignored.
-      {R"({"prompt": [1], "presence_penalty": 1.5})", "presence_penalty"},
+      {R"({"prompt": [1], "logit_bias": {"512": 1}})", "logit_bias"},  // Outside the vocabulary.
+      {R"({"prompt": [1], "presence_penalty": 2.5})", "presence_penalty"},
       {R"({"prompt": [1], "frobnicate": true})", "frobnicate"},
   };
   for (const auto& [body, param] : bad) {

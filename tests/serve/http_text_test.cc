@@ -138,11 +138,12 @@ TEST_F(HttpTextTest, LogprobsInBothShapes) {
   EXPECT_EQ(r.body["choices"][0]["message"]["content"].get<std::string>().find("<|im_start|>"),
             std::string::npos);
 
-  // An engine that does not compute them: 501, never a response without them.
+  // An engine that sends tokens without the logprobs asked for breaks its contract: 500,
+  // never a response without them.
   engine_.computes_logprobs = false;
   r = post(*client_, "/v1/completions", body);
-  EXPECT_EQ(r.status, 501) << r.text;
-  EXPECT_EQ(r.body["error"]["code"], "UNIMPLEMENTED");
+  EXPECT_EQ(r.status, 500) << r.text;
+  EXPECT_EQ(r.body["error"]["code"], "INTERNAL");
 }
 
 TEST_F(HttpTextTest, WithoutATokenizerTextIsRefused) {

@@ -176,6 +176,34 @@ TEST_F(ChatApiTest, RendersMessagesAndReadsFields) {
   EXPECT_EQ(out.request.params.logprobs, -1);
 }
 
+TEST_F(ChatApiTest, ReadsTheSamplingFieldsAsCompletionsDoes) {
+  ParsedCompletion out;
+  std::string param;
+  ASSERT_TRUE(parse(R"({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9,
+                        "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+                        "logit_bias": {"5": -100}, "min_tokens": 2, "ignore_eos": true})",
+                    &out, &param)
+                  .ok())
+      << param;
+  const SamplingParams& p = out.request.params;
+  EXPECT_EQ(p.max_tokens, 9);
+  EXPECT_EQ(p.presence_penalty, 0.5f);
+  EXPECT_EQ(p.frequency_penalty, -1.0f);
+  EXPECT_EQ(p.repetition_penalty, 1.2f);
+  EXPECT_EQ(p.logit_bias, (std::vector<std::pair<int32_t, float>>{{5, -100.0f}}));
+  EXPECT_EQ(p.min_tokens, 2);
+  EXPECT_TRUE(p.ignore_eos);
+  // generation_config.json's defaults fill what the request leaves out.
+  SamplingDefaults d;
+  d.temperature = 0.6f;
+  d.top_k = 20;
+  ASSERT_TRUE(parse_chat_request(R"({"messages": [{"role": "user", "content": "Hi"}]})", text,
+                                 qwen3().vocab_size(), 4096, &out, &param, d)
+                  .ok());
+  EXPECT_EQ(out.request.params.temperature, 0.6f);
+  EXPECT_EQ(out.request.params.top_k, 20);
+}
+
 TEST_F(ChatApiTest, RefusesWhatItCannotHonourByName) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {R"({})", "messages"},
@@ -197,8 +225,13 @@ TEST_F(ChatApiTest, RefusesWhatItCannotHonourByName) {
        "stop"},
       {R"({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": 1}})",
        "chat_template_kwargs.tools"},
-      {R"({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 1})",
+      {R"({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3})",
        "presence_penalty"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}})",
+       "logit_bias"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "min_tokens": -1})", "min_tokens"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0})",
+       "repetition_penalty"},
   };
   for (const auto& [body, expected_param] : cases) {
     ParsedCompletion out;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
@@ -101,6 +102,35 @@ TEST(CliTest, SynthThenGenerate) {
             0);
   CliRun g2 = run("generate --model " + dir + " --prompt-ids 1,2,3 --max-tokens 5 --json");
   EXPECT_EQ(nlohmann::json::parse(g2.out)["choices"], j["choices"]);
+  std::filesystem::remove_all(dir);
+}
+
+// `synth --generation-config`: its eos_token_id extends the model's EOS set, which ends
+// generation; a bad one fails the synth naming the field.
+TEST(CliTest, SynthWritesGenerationConfig) {
+  const std::string dir = ::testing::TempDir() + "/flexpert-synth-genconfig";
+  std::filesystem::remove_all(dir);
+  const std::string synth = "synth --preset tiny --out " + dir + " --layers 2 --seed 5";
+  ASSERT_EQ(run(synth).exit_code, 0);
+  CliRun g = run("generate --model " + dir + " --prompt-ids 1,2,3 --max-tokens 6 --json");
+  ASSERT_EQ(g.exit_code, 0) << g.out;
+  const auto tokens =
+      nlohmann::json::parse(g.out)["choices"][0]["token_ids"].get<std::vector<int>>();
+  ASSERT_EQ(tokens.size(), 6u);
+  const int eos = tokens[2];
+  const size_t first = std::find(tokens.begin(), tokens.end(), eos) - tokens.begin();
+  CliRun s = run(synth + " --generation-config '{\"eos_token_id\": [" + std::to_string(eos) +
+                 "], \"temperature\": 0.6}'");
+  ASSERT_EQ(s.exit_code, 0) << s.out;
+  g = run("generate --model " + dir + " --prompt-ids 1,2,3 --max-tokens 6 --json");
+  ASSERT_EQ(g.exit_code, 0) << g.out;
+  const auto choice = nlohmann::json::parse(g.out)["choices"][0];
+  EXPECT_EQ(choice["token_ids"].get<std::vector<int>>(),
+            std::vector<int>(tokens.begin(), tokens.begin() + first + 1));
+  EXPECT_EQ(choice["finish_reason"], "stop");
+  CliRun bad = run(synth + " --generation-config '{\"eos_token_id\": 99999}'");
+  EXPECT_EQ(bad.exit_code, 2) << bad.out;
+  EXPECT_NE(bad.out.find("eos_token_id"), std::string::npos) << bad.out;
   std::filesystem::remove_all(dir);
 }
 

@@ -177,6 +177,67 @@ TEST(ElasticTest, KilledWorkerUnderLoadLosesNoRequest) {
   EXPECT_TRUE(shm_segments(server.pid()).empty());
 }
 
+// A request with logit processing moved to another rank (its rank killed mid-answer) is
+// re-run as prompt + streamed tokens: the penalties must count the streamed tokens as
+// output (AddRequest::num_generated) and min_tokens what is left, so the answer equals
+// the one an unmoved run gives; logprobs stay one per token.
+TEST(ElasticTest, ProcessedRequestsMovedByAKillKeepTheirAnswer) {
+  Server server(
+      {"--ranks", "3", "--max-ranks", "3", "--min-ranks", "2", "--threads-per-worker", "1"});
+  ASSERT_TRUE(server.up());
+  const Reference ref = load_reference();
+  auto body_for = [&](size_t p) {
+    return nlohmann::json{{"prompt", ref.prompts[p]}, {"max_tokens", 48},
+                          {"temperature", 0},         {"frequency_penalty", 0.7},
+                          {"presence_penalty", 0.4},  {"repetition_penalty", 1.3},
+                          {"min_tokens", 40},         {"logprobs", 1}};
+  };
+  std::vector<std::vector<int>> want(ref.prompts.size());
+  for (size_t p = 0; p < ref.prompts.size(); ++p) {
+    const Answer a = post(server, "/v1/completions", body_for(p));
+    ASSERT_EQ(a.status, 200) << a.body.dump();
+    want[p] = a.body["choices"][0]["token_ids"].get<std::vector<int>>();
+    ASSERT_GE(want[p].size(), 40u);
+  }
+  std::atomic<bool> done{false};
+  std::atomic<int> ok{0}, wrong{0}, failed{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 6; ++c) {
+    clients.emplace_back([&, c] {
+      for (size_t i = c; !done.load(); ++i) {
+        const size_t p = i % ref.prompts.size();
+        const Answer a = post(server, "/v1/completions", body_for(p));
+        if (a.status != 200) {
+          ++failed;
+          continue;
+        }
+        const auto& choice = a.body["choices"][0];
+        const bool same = choice["token_ids"].get<std::vector<int>>() == want[p] &&
+                          choice["logprobs"]["tokens"].size() == want[p].size();
+        ++(same ? ok : wrong);
+      }
+    });
+  }
+  pause_ms(400);
+  kill(rank_pid(server, 1), SIGKILL);
+  const bool healed = wait_status(
+      server, [](const nlohmann::json& s) { return serving_with(s, 3) && last_kind(s) == "heal"; });
+  pause_ms(300);
+  done.store(true);
+  for (auto& t : clients) t.join();
+  ASSERT_TRUE(healed) << server.get_json("/v1/status").dump();
+  EXPECT_GT(ok.load(), 10);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(failed.load(), 0);
+  httplib::Client c("127.0.0.1", server.port());
+  auto metrics = c.Get("/metrics");
+  ASSERT_TRUE(metrics);
+  const size_t at = metrics->body.find("\nflexpert_requests_rerun_total ");
+  ASSERT_NE(at, std::string::npos);
+  EXPECT_GT(std::stod(metrics->body.substr(at + 31)), 0.0);  // Some request did move.
+  EXPECT_EQ(server.stop(), 0);
+}
+
 TEST(ElasticTest, KilledWorkerWithReplicasNeedsNoReload) {
   Server server({"--ranks", "3", "--max-ranks", "3", "--threads-per-worker", "1", "--min-replicas",
                  "2", "--placement", "replicate:16"});

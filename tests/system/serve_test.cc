@@ -51,6 +51,39 @@ TEST(ServeTest, ReplicatedExpertsAcrossRanks) {
   EXPECT_EQ(server.stop(), 0);
 }
 
+// Sampling fields through the cluster protocol (AddRequest's SamplingParams, TokenBatch's
+// logprobs) on 2 ranks: logprobs on leave greedy tokens as the reference, one entry per
+// token; a logit_bias of +100 is obeyed.
+TEST(ServeTest, LogprobsAndLogitBiasAcrossRanks) {
+  Server server({"--ranks", "2", "--threads-per-worker", "1"});
+  ASSERT_TRUE(server.up());
+  const Reference ref = load_reference();
+  httplib::Client c("127.0.0.1", server.port());
+  c.set_read_timeout(60, 0);
+  for (size_t i = 0; i < ref.prompts.size(); ++i) {
+    nlohmann::json body = {
+        {"prompt", ref.prompts[i]}, {"max_tokens", 16}, {"temperature", 0}, {"logprobs", 3}};
+    auto res = c.Post("/v1/completions", body.dump(), "application/json");
+    ASSERT_TRUE(res && res->status == 200) << (res ? res->body : "no answer");
+    const auto choice = nlohmann::json::parse(res->body)["choices"][0];
+    EXPECT_EQ(choice["token_ids"].get<std::vector<int>>(), ref.greedy[i]);
+    ASSERT_EQ(choice["logprobs"]["tokens"].size(), ref.greedy[i].size());
+    for (size_t t = 0; t < ref.greedy[i].size(); ++t) {
+      EXPECT_EQ(choice["logprobs"]["tokens"][t], "token_id:" + std::to_string(ref.greedy[i][t]));
+      EXPECT_EQ(choice["logprobs"]["top_logprobs"][t].size(), 3u);
+    }
+  }
+  nlohmann::json body = {{"prompt", ref.prompts[0]},
+                         {"max_tokens", 6},
+                         {"temperature", 0.8},
+                         {"logit_bias", {{"77", 100}}}};
+  auto res = c.Post("/v1/completions", body.dump(), "application/json");
+  ASSERT_TRUE(res && res->status == 200) << (res ? res->body : "no answer");
+  EXPECT_EQ(nlohmann::json::parse(res->body)["choices"][0]["token_ids"].get<std::vector<int>>(),
+            std::vector<int>(6, 77));
+  EXPECT_EQ(server.stop(), 0);
+}
+
 TEST(ServeTest, HandStartedWorkersJoin) {
   // `flexpert worker --join HOST:PORT --rank R`, the path other hosts will use.
   Server server({"--ranks", "2", "--no-spawn"}, {0, 1});

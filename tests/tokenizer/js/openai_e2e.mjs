@@ -230,34 +230,57 @@ try {
   assert.equal(chatStop.choices[0].finish_reason, "stop");
   console.log(`ok stop string ${JSON.stringify(stop)} -> ${JSON.stringify(cut)}`);
 
-  // --- Logprobs (computed by the engine; rendered in both shapes).
+  // --- Logprobs (computed by the engine; rendered in both shapes). A missing or malformed
+  // logprobs answer fails here: both engines compute them.
   const lp = await post(base, "/v1/completions",
                         { prompt, max_tokens: 6, temperature: 0, logprobs: 2 });
-  if (lp.status === 501) {
-    console.log(`SKIP logprobs: ${lp.body.error.message}`);
-  } else {
-    assert.equal(lp.status, 200, JSON.stringify(lp.body));
-    const legacy = lp.body.choices[0].logprobs;
-    assert.equal(legacy.tokens.length, lp.body.choices[0].token_ids.length);
-    assert.equal(legacy.token_logprobs.length, legacy.tokens.length);
-    for (const [i, top] of legacy.top_logprobs.entries()) {
-      assert.ok(Object.keys(top).length >= 1 && Object.keys(top).length <= 2);
-      assert.ok(legacy.token_logprobs[i] <= 0);
-    }
-    const chatLp = await client.chat.completions.create({
-      model: kModel, messages, max_tokens: 6, temperature: 0, logprobs: true, top_logprobs: 2,
-    });
-    const content = chatLp.choices[0].logprobs.content;
-    const bytes = Buffer.concat(content.map((c) => Buffer.from(c.bytes)));
-    assert.equal(bytes.toString(), chatLp.choices[0].message.content);
-    for (const c of content) {
-      assert.equal(c.top_logprobs.length, 2);
-      // Greedy: the chosen token is the most likely one.
-      assert.equal(c.logprob, c.top_logprobs[0].logprob);
-      assert.equal(Buffer.from(c.bytes).toString(), c.token);
-    }
-    console.log("ok logprobs");
+  assert.equal(lp.status, 200, JSON.stringify(lp.body));
+  const legacy = lp.body.choices[0].logprobs;
+  assert.ok(legacy, "completions: no logprobs in the answer");
+  const lpIds = lp.body.choices[0].token_ids;
+  assert.ok(lpIds.length >= 1);
+  assert.equal(legacy.tokens.length, lpIds.length, "completions: one entry per generated token");
+  assert.equal(legacy.token_logprobs.length, lpIds.length);
+  assert.equal(legacy.top_logprobs.length, lpIds.length);
+  assert.equal(lp.body.usage.completion_tokens, lpIds.length);
+  for (const [i, top] of legacy.top_logprobs.entries()) {
+    const values = Object.values(top);
+    // Greedy: the sampled token is one of the 2 most likely, so no third entry.
+    assert.equal(values.length, 2, JSON.stringify(top));
+    for (const v of values) assert.ok(v <= 0, `logprob ${v} > 0`);
+    assert.ok(legacy.token_logprobs[i] <= 0);
+    // Greedy: the chosen token is the top entry (keys are token texts; object order is not
+    // the ranking in this shape).
+    assert.equal(top[legacy.tokens[i]], legacy.token_logprobs[i], JSON.stringify(top));
+    assert.equal(Math.max(...values), legacy.token_logprobs[i], JSON.stringify(top));
   }
+  assert.equal(legacy.tokens.join(""), lp.body.choices[0].text);
+
+  const chatLp = await client.chat.completions.create({
+    model: kModel, messages, max_tokens: 6, temperature: 0, logprobs: true, top_logprobs: 2,
+  });
+  assert.ok(chatLp.choices[0].logprobs, "chat: no logprobs in the answer");
+  const content = chatLp.choices[0].logprobs.content;
+  assert.ok(content.length >= 1);
+  assert.equal(content.length, chatLp.usage.completion_tokens, "chat: one entry per token");
+  const bytes = Buffer.concat(content.map((c) => Buffer.from(c.bytes)));
+  assert.equal(bytes.toString(), chatLp.choices[0].message.content);
+  for (const c of content) {
+    assert.ok(c.logprob <= 0, `logprob ${c.logprob} > 0`);
+    assert.equal(c.top_logprobs.length, 2);
+    for (let k = 0; k < c.top_logprobs.length; ++k) {
+      assert.ok(c.top_logprobs[k].logprob <= 0);
+      if (k > 0) {
+        assert.ok(c.top_logprobs[k - 1].logprob >= c.top_logprobs[k].logprob,
+                  `top_logprobs not sorted: ${JSON.stringify(c.top_logprobs)}`);
+      }
+    }
+    // Greedy: the chosen token is the most likely one.
+    assert.equal(c.token, c.top_logprobs[0].token);
+    assert.equal(c.logprob, c.top_logprobs[0].logprob);
+    assert.equal(Buffer.from(c.bytes).toString(), c.token);
+  }
+  console.log(`ok logprobs: ${lpIds.length} completion and ${content.length} chat tokens`);
 
   // --- Refusals: an unsupported field by name, another model, no or a wrong key.
   await expectApiError(client.chat.completions.create({
