@@ -162,7 +162,7 @@ class FakeEngine : public ServingEngine {
     threads_.emplace_back([this, request, cb, cancelled] {
       if (mode == Mode::kEcho) {
         for (int32_t t : request.prompt) {
-          CompletionEvent ev{{t}, false, "", Status()};
+          CompletionEvent ev{{t}, false, "", Status(), {}};
           // Made-up logprobs: the token at -0.25, then ids t+1, t+2, ... at -1.5, -2.5, ...
           if (request.params.logprobs >= 0 && computes_logprobs) {
             TokenLogprob lp{t, -0.25f, {}};
@@ -173,16 +173,16 @@ class FakeEngine : public ServingEngine {
           }
           cb(ev);
         }
-        cb({{}, true, "length", Status()});
+        cb({{}, true, "length", Status(), {}});
       } else if (mode == Mode::kFailMidway) {
-        cb({{1}, false, "", Status()});
-        cb({{2}, false, "", Status()});
-        cb({{}, true, "error", unavailable("rank 2 died")});
+        cb({{1}, false, "", Status(), {}});
+        cb({{2}, false, "", Status(), {}});
+        cb({{}, true, "error", unavailable("rank 2 died"), {}});
       } else {
-        cb({{7}, false, "", Status()});
+        cb({{7}, false, "", Status(), {}});
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock, [&] { return stopping_ || cancelled->load(); });
-        if (!cancelled->load()) cb({{}, true, "abort", Status()});
+        if (!cancelled->load()) cb({{}, true, "abort", Status(), {}});
       }
     });
     return id;
