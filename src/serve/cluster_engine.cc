@@ -348,6 +348,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     cfg.timeout_ms = options_.transport_timeout_ms;
     cfg.device = rank_device(options_, r);
     cfg.device_f32 = options_.device_f32;
+    cfg.transport = options_.transport;
     post(r, cfg);
     return;
   }
@@ -453,6 +454,10 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     if (!applied.ok()) return;
     info.applied_epoch = std::max(info.applied_epoch, applied->epoch);
     membership_.applied(rank, incarnation(rank), applied->epoch);
+    cv_.notify_all();
+  } else if (type == proto::LeaveRequest::kType) {
+    FLEX_LOG(INFO) << "rank " << rank << " asks to leave";
+    leave_requests_.push_back({rank, Clock::now()});
     cv_.notify_all();
   } else if (type == proto::MapApplied::kType) {
     auto applied = proto::decode<proto::MapApplied>(body);

@@ -109,6 +109,12 @@ class Server {
     waitpid(workers_[i], nullptr, 0);
     workers_.erase(workers_.begin() + static_cast<std::ptrdiff_t>(i));
   }
+  // Hands the i-th hand-started worker to the caller (who signals and reaps it).
+  pid_t take_worker(size_t i) {
+    const pid_t pid = workers_.at(i);
+    workers_.erase(workers_.begin() + static_cast<std::ptrdiff_t>(i));
+    return pid;
+  }
   const std::string& join_address() const { return join_; }  // With --no-spawn.
   httplib::Client& client() { return *client_; }
   pid_t pid() const { return pid_; }

@@ -1,0 +1,50 @@
+// SPDX-License-Identifier: Apache-2.0
+// A worker's SIGTERM is a graceful leave (docs/deployment.md): it asks the front end to
+// remove it, the group scales down live without it, and it exits 0 with no request failed.
+#include "elastic_util.h"
+#include "server_fixture.h"
+
+namespace {
+
+using namespace flexpert_test;
+
+// Waits up to timeout_ms for `pid` to exit; its wait status, or -1 if it did not.
+int wait_exit(pid_t pid, int timeout_ms) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (std::chrono::steady_clock::now() < deadline) {
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) return status;
+    pause_ms(20);
+  }
+  return -1;
+}
+
+TEST(LeaveTest, SigtermLeavesWithoutFailingARequest) {
+  // Hand-started workers, so that the test reaps the leaver and sees its exit status;
+  // --min-ranks 2 sizes the slots so that two ranks hold every expert.
+  Server server({"--no-spawn", "--ranks", "3", "--min-ranks", "2", "--threads-per-worker", "1"},
+                {0, 1, 2});
+  ASSERT_TRUE(server.up());
+  Load load(server, 6);
+  pause_ms(400);
+  const pid_t leaver = server.take_worker(1);  // Rank 1.
+  ASSERT_EQ(kill(leaver, SIGTERM), 0);
+  const int status = wait_exit(leaver, 30000);
+  if (status == -1) kill(leaver, SIGKILL), waitpid(leaver, nullptr, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "wait status " << status;
+  EXPECT_TRUE(wait_status(server, [](const nlohmann::json& s) { return serving_with(s, 2); }))
+      << server.get_json("/v1/status").dump();
+  pause_ms(300);  // Traffic on the smaller group.
+  load.stop();
+  EXPECT_GT(load.ok(), 10);
+  EXPECT_EQ(load.failed(), 0);
+  EXPECT_EQ(load.wrong(), 0);
+  const auto s = server.get_json("/v1/status");
+  EXPECT_EQ(s["members"], nlohmann::json({0, 2})) << s.dump();
+  EXPECT_EQ(last_kind(s), "leave") << s.dump();
+  EXPECT_EQ(s["reconfiguration"]["recoveries"]["replacement"], 0) << s.dump();
+  check_reference(server, load_reference(), 1);
+  EXPECT_EQ(server.stop(), 0);
+}
+
+}  // namespace
