@@ -322,7 +322,7 @@ int cmd_serve(const Args& args) {
 int cmd_worker(const Args& args) {
   Flags flags;
   flags.value("join", "", "the front end's control address HOST:PORT")
-      .value("rank", "", "rank id to take")
+      .value("rank", "", "rank id to take, or auto (the front end assigns an open one)")
       .value("cluster-key", "",
              "the group's key (visible in ps: prefer FLEXPERT_CLUSTER_KEY or --cluster-key-file)")
       .value("cluster-key-file", "", "a file whose first line is the cluster key")
@@ -337,10 +337,13 @@ int cmd_worker(const Args& args) {
   if (join.empty()) return report_error("worker", invalid_argument("--join HOST:PORT is required"));
   options.endpoint = join.rfind("tcp://", 0) == 0 ? join : "tcp://" + join;
   auto rank = flags.integer("rank");
-  if (!rank.ok() || rank.value() < 0) {
-    return report_error("worker", invalid_argument("--rank must be an integer >= 0"));
+  if (flags.str("rank") == "auto") {
+    options.rank = kAutoRank;  // The front end assigns an open id.
+  } else if (!rank.ok() || rank.value() < 0) {
+    return report_error("worker", invalid_argument("--rank must be an integer >= 0 or auto"));
+  } else {
+    options.rank = static_cast<int>(rank.value());
   }
-  options.rank = static_cast<int>(rank.value());
   auto key = secret_from(flags, "cluster-key", "FLEXPERT_CLUSTER_KEY");
   if (!key.ok()) return report_error("worker", key.status());
   options.cluster_key = key.value();

@@ -26,6 +26,7 @@ namespace flexpert::proto {
 
 struct Hello {
   static constexpr const char* kType = "hello";
+  static constexpr int kAnyRank = -1;  // `flexpert worker --rank auto`: WorkerConfig says which.
   int rank = 0;
   uint64_t incarnation = 0;
   int pid = 0;
@@ -38,6 +39,7 @@ struct Hello {
 // Everything a worker needs to build its model and transport.
 struct WorkerConfig {
   static constexpr const char* kType = "config";
+  int rank = 0;              // The id admitted (the hello's, or the one chosen for -1).
   uint64_t incarnation = 0;  // Assigned by the front end; unique per rank id.
   std::string session;
   std::string model_dir;
@@ -52,9 +54,9 @@ struct WorkerConfig {
   std::string device = "cpu";     // ModelOptions::device ("cuda:N" is relative to the rank's GPUs).
   bool device_f32 = false;        // f32 weights/activations on the GPU (verification); else bf16.
   std::string transport = "shm";  // create_transport()'s backend: every pair of ranks uses it.
-  MSGPACK_DEFINE_MAP(incarnation, session, model_dir, max_ranks, slots_per_rank, placement_json,
-                     max_sequences, max_tokens_per_step, max_seq_len, timeout_ms, threads, device,
-                     device_f32, transport);
+  MSGPACK_DEFINE_MAP(rank, incarnation, session, model_dir, max_ranks, slots_per_rank,
+                     placement_json, max_sequences, max_tokens_per_step, max_seq_len, timeout_ms,
+                     threads, device, device_f32, transport);
 };
 
 // A worker has loaded its model and created its transport.

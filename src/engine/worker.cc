@@ -54,6 +54,8 @@ void inject_join_fault() {
 void on_terminate(int) { g_terminate.store(true); }
 void on_leave(int) { g_leave.store(true); }
 
+static_assert(kAutoRank == proto::Hello::kAnyRank);
+
 // The per-step header every member contributes to the all-gather.
 struct StepHeader {
   uint32_t num_tokens = 0;
@@ -197,12 +199,15 @@ Status Worker::connect_and_configure() {
   if (parts.size() != 2 || parts[0] != proto::WorkerConfig::kType) {
     if (parts.size() == 2 && parts[0] == proto::WorkerError::kType) {
       FLEX_ASSIGN_OR_RETURN(auto err, proto::decode<proto::WorkerError>(parts[1]));
-      return failed_precondition("front end refused rank " + std::to_string(options_.rank) + ": " +
-                                 err.message);
+      return failed_precondition("front end refused the hello: " + err.message);
     }
     return data_loss("expected a configuration from the front end");
   }
   FLEX_ASSIGN_OR_RETURN(config_, proto::decode<proto::WorkerConfig>(parts[1]));
+  if (options_.rank == kAutoRank) {
+    options_.rank = config_.rank;
+    FLEX_LOG(INFO) << "joined as rank " << options_.rank;
+  }
   heartbeat_ = std::thread([this, routing_id] { heartbeat_loop(routing_id); });
   return Status();
 }

@@ -280,6 +280,9 @@ class ClusterEngine::Impl {
   Status wait_applied(const std::vector<int>& ranks, uint64_t epoch,
                       std::unique_lock<std::mutex>& lock);
   std::vector<int> free_ranks() const;
+  // A hello's rank id, or for Hello::kAnyRank the lowest open id not reserved for a process we
+  // spawned, admitted by the membership: {rank, incarnation}. Lock held.
+  Result<std::pair<int, uint64_t>> admit(int rank, int pid);
   std::vector<int> spare_ranks() const;  // Ready spares.
   // Ids a scale-up or a recovery may take: Ready spares first, then free ids.
   std::vector<int> joiner_candidates() const;

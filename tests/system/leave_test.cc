@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // A worker's SIGTERM is a graceful leave (docs/deployment.md): it asks the front end to
 // remove it, the group scales down live without it, and it exits 0 with no request failed.
+// Also `--rank auto`: hand-started workers that let the front end pick their ids.
 #include "elastic_util.h"
 #include "server_fixture.h"
 
@@ -44,6 +45,33 @@ TEST(LeaveTest, SigtermLeavesWithoutFailingARequest) {
   EXPECT_EQ(last_kind(s), "leave") << s.dump();
   EXPECT_EQ(s["reconfiguration"]["recoveries"]["replacement"], 0) << s.dump();
   check_reference(server, load_reference(), 1);
+  EXPECT_EQ(server.stop(), 0);
+}
+
+// `flexpert worker --join HOST:PORT --rank auto`: the front end assigns each an open id.
+pid_t start_auto_worker(const std::string& join) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    setenv("FLEXPERT_CLUSTER_KEY", kTestClusterKey, /*overwrite=*/0);
+    execl(FLEXPERT_BINARY, FLEXPERT_BINARY, "worker", "--join", join.c_str(), "--rank", "auto",
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  return pid;
+}
+
+TEST(LeaveTest, AutoRanksJoinAndAnExtraOneIsRefused) {
+  Server server({"--no-spawn", "--ranks", "2", "--threads-per-worker", "1"}, {0, 1}, kModel,
+                [](const std::string& join, int) { return start_auto_worker(join); });
+  ASSERT_TRUE(server.up());
+  EXPECT_EQ(members(server), std::vector<int>({0, 1}));
+  check_reference(server, load_reference(), 1);
+  // No id is open any more: a third one is refused and exits non-zero.
+  const pid_t extra = start_auto_worker(server.join_address());
+  const int status = wait_exit(extra, 20000);
+  if (status == -1) kill(extra, SIGKILL), waitpid(extra, nullptr, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << "wait status " << status;
+  EXPECT_EQ(members(server), std::vector<int>({0, 1}));
   EXPECT_EQ(server.stop(), 0);
 }
 
