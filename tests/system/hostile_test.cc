@@ -274,8 +274,9 @@ TEST(HostileWorker, NoSpawnWithoutAClusterKeyIsRefused) {
 TEST(HostileWorker, ControlHostOffLoopbackWithoutAClusterKeyIsRefused) {
   ASSERT_EQ(std::getenv("FLEXPERT_CLUSTER_KEY"), nullptr);
   for (const char* host : {"0.0.0.0", "10.1.2.3"}) {
-    const CliRun r =
-        run_flexpert("serve --model " + kModel + " --control-host " + host + " --ranks 1 --port 0");
+    // No such model: were the flag let through, the start fails on it instead (no hang).
+    const CliRun r = run_flexpert("serve --model /no/such/model --control-host " +
+                                  std::string(host) + " --ranks 1 --port 0");
     EXPECT_EQ(r.exit_code, 2) << r.out;
     EXPECT_NE(r.out.find("cluster key"), std::string::npos) << r.out;
   }
