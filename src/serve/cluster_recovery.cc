@@ -360,8 +360,9 @@ void ClusterEngine::Impl::keep_spares() {
 }
 
 bool ClusterEngine::Impl::serve_leaves(std::unique_lock<std::mutex>& lock) {
-  // A leave waits for a running reconfiguration or rebalance; one that cannot run within
-  // kLeaveWait is dropped (the worker exits on its own deadline and is healed as lost).
+  // A leave waits for a running reconfiguration or rebalance; one refused as impossible, or
+  // that cannot run within kLeaveWait, is dropped (the worker exits on its own deadline and
+  // is healed as lost).
   constexpr auto kLeaveWait = std::chrono::seconds(60);
   while (!leave_requests_.empty() &&
          (Clock::now() - leave_requests_.front().second > kLeaveWait ||
@@ -383,6 +384,11 @@ bool ClusterEngine::Impl::serve_leaves(std::unique_lock<std::mutex>& lock) {
   if (result.ok()) {
     leave_requests_.pop_front();
     FLEX_LOG(INFO) << "rank " << rank << " left: " << result->dump();
+  } else if (result.status().code() == StatusCode::kInvalidArgument) {
+    // Never possible as asked (e.g. the others' slots cannot hold every expert): the
+    // worker stays a member until its own deadline, then exits and is healed as lost.
+    leave_requests_.pop_front();
+    FLEX_LOG(ERROR) << "rank " << rank << " cannot leave: " << result.status().to_string();
   } else {
     // Retried on the next pass (a map switch in flight, a scale in progress), until kLeaveWait.
     FLEX_LOG(WARN) << "leave of rank " << rank << ": " << result.status().to_string();

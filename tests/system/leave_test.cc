@@ -48,6 +48,32 @@ TEST(LeaveTest, SigtermLeavesWithoutFailingARequest) {
   EXPECT_EQ(server.stop(), 0);
 }
 
+// A spawned worker (the front end's child, reaped there) leaves the same way: not a loss.
+TEST(LeaveTest, SpawnedWorkerLeavesOnSigterm) {
+  Server server({"--ranks", "3", "--min-ranks", "2", "--threads-per-worker", "1"});
+  ASSERT_TRUE(server.up());
+  Load load(server, 4);
+  pause_ms(300);
+  const int pid = rank_pid(server, 2);
+  ASSERT_GT(pid, 0);
+  ASSERT_EQ(kill(pid, SIGTERM), 0);
+  EXPECT_TRUE(wait_status(server, [](const nlohmann::json& s) {
+    return serving_with(s, 2) && last_kind(s) == "leave";
+  })) << server.get_json("/v1/status").dump();
+  for (int i = 0; i < 100 && process_alive(pid); ++i) pause_ms(50);  // Reaped by the front end.
+  EXPECT_FALSE(process_alive(pid));
+  pause_ms(300);
+  load.stop();
+  EXPECT_GT(load.ok(), 5);
+  EXPECT_EQ(load.failed(), 0);
+  EXPECT_EQ(load.wrong(), 0);
+  const auto s = server.get_json("/v1/status");
+  EXPECT_EQ(s["members"], nlohmann::json({0, 1})) << s.dump();
+  EXPECT_EQ(s["reconfiguration"]["recoveries"]["replacement"], 0) << s.dump();
+  EXPECT_EQ(s["reconfiguration"]["recoveries"]["in_place"], 0) << s.dump();
+  EXPECT_EQ(server.stop(), 0);
+}
+
 // `flexpert worker --join HOST:PORT --rank auto`: the front end assigns each an open id.
 pid_t start_auto_worker(const std::string& join) {
   const pid_t pid = fork();
