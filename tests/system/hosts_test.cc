@@ -4,7 +4,8 @@
 // workers in each of the others, the ucx transport over UCX_TLS=tcp. Reference tokens through
 // HTTP, then every worker of one host killed under load: no request fails and the survivors
 // serve on (--min-ranks 2: their slots hold every expert). Needs root (ip netns, veth,
-// bridge); skipped without it, or without the ucx backend.
+// bridge); skipped without it, or without the ucx backend. Also a worker's SIGTERM (a
+// graceful leave) across hosts.
 #include <fcntl.h>
 #include <sched.h>
 
@@ -138,6 +139,43 @@ TEST(HostsTest, UcxAcrossNamespacesLosesAHostWithoutFailingARequest) {
   const auto s = server.get_json("/v1/status");
   EXPECT_EQ(s["members"], nlohmann::json({0, 1})) << s.dump();
   check_reference(server, load_reference(), 1);
+  EXPECT_EQ(server.stop(), 0);
+}
+
+// A graceful leave over ucx: SIGTERM to the worker of host b; it exits 0 once the group
+// runs without it, and no request fails.
+TEST(HostsTest, UcxWorkerLeavesOnSigterm) {
+#ifndef FLEXPERT_TEST_WITH_UCX
+  GTEST_SKIP() << "the ucx transport backend is not in this build (CMake did not find UCX)";
+#endif
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (ip netns, veth, bridge)";
+  if (sh("ip -V") != 0) GTEST_SKIP() << "needs iproute2 (ip)";
+  Hosts hosts;
+  ASSERT_TRUE(hosts.ok()) << "could not set up the namespaces";
+  // Ranks 0, 1 on host a; 2 on host b.
+  Server server(
+      {"--no-spawn", "--ranks", "3", "--min-ranks", "2", "--threads-per-worker", "1", "--transport",
+       "ucx", "--control-host", "10.78.0.1", "--start-timeout-ms", "30000"},
+      {0, 1, 2}, kModel, [&](const std::string& join, int rank) {
+        return hosts.start_worker(rank < 2 ? 0 : 1, join, rank);
+      });
+  ASSERT_TRUE(server.up()) << "the group did not start";
+  Load load(server, 6);
+  pause_ms(500);
+  const pid_t leaver = server.take_worker(2);
+  ASSERT_EQ(kill(leaver, SIGTERM), 0);
+  int status = -1;
+  for (int i = 0; i < 600 && waitpid(leaver, &status, WNOHANG) != leaver; ++i) pause_ms(50);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "wait status " << status;
+  if (!WIFEXITED(status)) kill(leaver, SIGKILL), waitpid(leaver, nullptr, 0);
+  EXPECT_TRUE(wait_status(server, [](const nlohmann::json& s) {
+    return serving_with(s, 2) && last_kind(s) == "leave";
+  })) << server.get_json("/v1/status").dump();
+  pause_ms(300);
+  load.stop();
+  EXPECT_GT(load.ok(), 10);
+  EXPECT_EQ(load.failed(), 0);
+  EXPECT_EQ(load.wrong(), 0);
   EXPECT_EQ(server.stop(), 0);
 }
 
