@@ -20,10 +20,12 @@ namespace flexpert {
 
 struct WorkerOptions {
   std::string endpoint;  // tcp://HOST:PORT of the front end's control socket.
-  int rank = 0;
+  int rank = 0;          // kAutoRank: the front end assigns a free id (WorkerConfig::rank).
   int connect_timeout_ms = 30000;  // For the front end's configuration.
   std::string cluster_key;         // Sent in the hello; the front end checks it.
 };
+
+inline constexpr int kAutoRank = -1;  // `flexpert worker --rank auto`.
 
 int run_worker(const WorkerOptions& options);
 

@@ -73,6 +73,11 @@ Result<LoadedText> load_text(const Flags& flags) {
   return text;
 }
 
+// 127.0.0.0/8, ::1 and localhost: only this machine reaches a control plane there.
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host == "[::1]" || host.rfind("127.", 0) == 0;
+}
+
 Status run_serve(const Flags& flags) {
   if (!flags.has("model")) return invalid_argument("--model DIR is required");
   // Block the stop signals in every thread; the main thread waits for them below.
@@ -111,6 +116,17 @@ Status run_serve(const Flags& flags) {
     options.spawn_workers = !flags.flag("no-spawn");
     FLEX_ASSIGN_OR_RETURN(options.cluster_key,
                           secret_from(flags, "cluster-key", "FLEXPERT_CLUSTER_KEY"));
+    options.control_host = flags.str("control-host");
+    if (!is_loopback(options.control_host) && options.cluster_key.empty()) {
+      // Other machines can reach the control port: only the key tells our workers apart.
+      return invalid_argument("--control-host " + options.control_host +
+                              " is not a loopback address: it needs the group's cluster key "
+                              "(FLEXPERT_CLUSTER_KEY, --cluster-key-file or --cluster-key)");
+    }
+    options.transport = flags.str("transport");
+    if (options.transport != "shm" && options.transport != "ucx") {
+      return invalid_argument("--transport must be shm or ucx");
+    }
     if (!options.spawn_workers && options.cluster_key.empty()) {
       // Without a key anyone who reaches the control port could take a rank.
       return invalid_argument(
@@ -246,6 +262,11 @@ int cmd_serve(const Args& args) {
       .value("host", "127.0.0.1", "HTTP address")
       .value("port", "8000", "HTTP port (0: any free port)")
       .value("control-port", "0", "ZeroMQ control port (0: any free port)")
+      .value("control-host", "127.0.0.1",
+             "address the control plane listens on and workers are told (not loopback: needs "
+             "the cluster key)")
+      .value("transport", "shm",
+             "workers' data plane: shm (one host) or ucx (any hosts; builds with UCX)")
       .value("admin-key", "",
              "bearer key for admin routes and /v1/status detail (visible in ps: prefer "
              "FLEXPERT_ADMIN_KEY or --admin-key-file)")
@@ -301,7 +322,7 @@ int cmd_serve(const Args& args) {
 int cmd_worker(const Args& args) {
   Flags flags;
   flags.value("join", "", "the front end's control address HOST:PORT")
-      .value("rank", "", "rank id to take")
+      .value("rank", "", "rank id to take, or auto (the front end assigns an open one)")
       .value("cluster-key", "",
              "the group's key (visible in ps: prefer FLEXPERT_CLUSTER_KEY or --cluster-key-file)")
       .value("cluster-key-file", "", "a file whose first line is the cluster key")
@@ -316,10 +337,13 @@ int cmd_worker(const Args& args) {
   if (join.empty()) return report_error("worker", invalid_argument("--join HOST:PORT is required"));
   options.endpoint = join.rfind("tcp://", 0) == 0 ? join : "tcp://" + join;
   auto rank = flags.integer("rank");
-  if (!rank.ok() || rank.value() < 0) {
-    return report_error("worker", invalid_argument("--rank must be an integer >= 0"));
+  if (flags.str("rank") == "auto") {
+    options.rank = kAutoRank;  // The front end assigns an open id.
+  } else if (!rank.ok() || rank.value() < 0) {
+    return report_error("worker", invalid_argument("--rank must be an integer >= 0 or auto"));
+  } else {
+    options.rank = static_cast<int>(rank.value());
   }
-  options.rank = static_cast<int>(rank.value());
   auto key = secret_from(flags, "cluster-key", "FLEXPERT_CLUSTER_KEY");
   if (!key.ok()) return report_error("worker", key.status());
   options.cluster_key = key.value();

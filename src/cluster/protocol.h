@@ -87,6 +87,7 @@ namespace flexpert::proto {
 
 struct Hello {
   static constexpr const char* kType = "hello";
+  static constexpr int kAnyRank = -1;  // `flexpert worker --rank auto`: WorkerConfig says which.
   int rank = 0;
   uint64_t incarnation = 0;
   int pid = 0;
@@ -99,6 +100,7 @@ struct Hello {
 // Everything a worker needs to build its model and transport.
 struct WorkerConfig {
   static constexpr const char* kType = "config";
+  int rank = 0;              // The id admitted (the hello's, or the one chosen for -1).
   uint64_t incarnation = 0;  // Assigned by the front end; unique per rank id.
   std::string session;
   std::string model_dir;
@@ -109,12 +111,13 @@ struct WorkerConfig {
   int max_tokens_per_step = 256;
   int max_seq_len = 0;
   int timeout_ms = 10000;
-  int threads = 0;             // 0: the worker's default.
-  std::string device = "cpu";  // ModelOptions::device ("cuda:N" is relative to the rank's GPUs).
-  bool device_f32 = false;     // f32 weights/activations on the GPU (verification); else bf16.
-  MSGPACK_DEFINE_MAP(incarnation, session, model_dir, max_ranks, slots_per_rank, placement_json,
-                     max_sequences, max_tokens_per_step, max_seq_len, timeout_ms, threads, device,
-                     device_f32);
+  int threads = 0;                // 0: the worker's default.
+  std::string device = "cpu";     // ModelOptions::device ("cuda:N" is relative to the rank's GPUs).
+  bool device_f32 = false;        // f32 weights/activations on the GPU (verification); else bf16.
+  std::string transport = "shm";  // create_transport()'s backend: every pair of ranks uses it.
+  MSGPACK_DEFINE_MAP(rank, incarnation, session, model_dir, max_ranks, slots_per_rank,
+                     placement_json, max_sequences, max_tokens_per_step, max_seq_len, timeout_ms,
+                     threads, device, device_f32, transport);
 };
 
 // A worker has loaded its model and created its transport.
@@ -293,6 +296,15 @@ struct Shutdown {
   static constexpr int kFenced = 2;
   int reason = kStop;
   MSGPACK_DEFINE_MAP(reason);
+};
+
+// A member asks to be removed (its SIGTERM: a graceful leave). The front end runs a
+// live scale-down of `rank` and answers with Shutdown{kLeave} once it has committed.
+struct LeaveRequest {
+  static constexpr const char* kType = "leave";
+  int rank = 0;
+  uint64_t incarnation = 0;
+  MSGPACK_DEFINE_MAP(rank, incarnation);
 };
 
 template <typename T>

@@ -32,7 +32,8 @@
 namespace flexpert {
 namespace {
 
-std::atomic<bool> g_terminate{false};
+std::atomic<bool> g_terminate{false};  // SIGINT (and the front end's death): stop now.
+std::atomic<bool> g_leave{false};      // SIGTERM: a graceful leave (docs/deployment.md).
 
 // Fault injection for tests of scale-up rollback (FLEXPERT_FAULT, inherited by
 // spawned workers): "join-crash" kills a joining worker during its preparation,
@@ -51,6 +52,9 @@ void inject_join_fault() {
 }
 
 void on_terminate(int) { g_terminate.store(true); }
+void on_leave(int) { g_leave.store(true); }
+
+static_assert(kAutoRank == proto::Hello::kAnyRank);
 
 // The per-step header every member contributes to the all-gather.
 struct StepHeader {
@@ -154,6 +158,12 @@ class Worker {
   CondVar heartbeat_cv_;
   bool heartbeat_stop_ GUARDED_BY(heartbeat_mutex_) = false;
   bool fenced_ = false;  // Declared lost by the front end: exit, touch nothing.
+  // SIGTERM: a LeaveRequest went out; the front end's scale-down ends it (Shutdown{kLeave})
+  // or, past the deadline, the worker exits 1 on its own.
+  bool leave_requested_ = false;
+  std::chrono::steady_clock::time_point leave_deadline_{};
+  // Whether to stop stepping now for a SIGTERM (false: keep serving until the leave commits).
+  bool leave_now();
 
  public:
   ~Worker() {
@@ -177,12 +187,15 @@ Status Worker::connect_and_configure() {
   if (parts.size() != 2 || parts[0] != proto::WorkerConfig::kType) {
     if (parts.size() == 2 && parts[0] == proto::WorkerError::kType) {
       FLEX_ASSIGN_OR_RETURN(auto err, proto::decode<proto::WorkerError>(parts[1]));
-      return failed_precondition("front end refused rank " + std::to_string(options_.rank) + ": " +
-                                 err.message);
+      return failed_precondition("front end refused the hello: " + err.message);
     }
     return data_loss("expected a configuration from the front end");
   }
   FLEX_ASSIGN_OR_RETURN(config_, proto::decode<proto::WorkerConfig>(parts[1]));
+  if (options_.rank == kAutoRank) {
+    options_.rank = config_.rank;
+    FLEX_LOG(INFO) << "joined as rank " << options_.rank;
+  }
   heartbeat_ = std::thread([this, routing_id] { heartbeat_loop(routing_id); });
   return Status();
 }
@@ -217,7 +230,7 @@ Status Worker::load() {
       std::max(config_.max_tokens_per_step, config_.max_sequences),
       model_config_.num_experts_per_tok, model_config_.hidden_size);
   topts.timeout_ms = config_.timeout_ms;
-  FLEX_ASSIGN_OR_RETURN(transport_, create_transport("shm", topts));
+  FLEX_ASSIGN_OR_RETURN(transport_, create_transport(config_.transport, topts));
   ThreadPool& pool = ThreadPool::global();
   executor_ = std::make_unique<EpMoeExecutor>(*transport_, config_.slots_per_rank, pool);
 
@@ -574,6 +587,22 @@ void Worker::send_pull_results() {
   for (const auto& d : done) (void)send_msg(control_, d);
 }
 
+bool Worker::leave_now() {
+  if (!g_leave.load()) return false;
+  // Not a member (a spare, a joiner, or already left): nothing to hand over.
+  if (group_.ranks.empty()) return true;
+  if (!leave_requested_) {
+    // Longer than the front end waits for a scale to become possible (serve_leaves()).
+    constexpr auto kLeaveTimeout = std::chrono::seconds(90);
+    FLEX_LOG(INFO) << "rank " << options_.rank << ": SIGTERM, asking the front end to leave";
+    (void)send_msg(control_, proto::LeaveRequest{options_.rank, config_.incarnation});
+    leave_requested_ = true;
+    leave_deadline_ = std::chrono::steady_clock::now() + kLeaveTimeout;
+    return false;
+  }
+  return std::chrono::steady_clock::now() > leave_deadline_;
+}
+
 int Worker::run() {
   if (Status s = connect_and_configure(); !s.ok()) {
     FLEX_LOG(ERROR) << "rank " << options_.rank << ": " << s.to_string();
@@ -586,7 +615,16 @@ int Worker::run() {
     return 1;
   }
   mover_ = std::thread([this] { mover_loop(); });
+  int exit_code = 0;
   while (!g_terminate.load()) {
+    if (leave_now()) {
+      if (leave_requested_ && !group_.ranks.empty()) {
+        FLEX_LOG(ERROR) << "rank " << options_.rank << ": the front end did not remove us in "
+                        << "time; exiting while still a member";
+        exit_code = 1;
+      }
+      break;
+    }
     send_pull_results();
     // Idle or halted ranks wait on the control socket; busy ones only drain it.
     // Halted ranks and non-members (joiners, spares) wait for commands: a recovery waits
@@ -634,18 +672,21 @@ int Worker::run() {
   stop_heartbeat();
   stop_mover();  // Before the slot regions it writes into are unmapped.
   if (transport_) (void)transport_->shutdown();
-  return 0;
+  return exit_code;
 }
 
 }  // namespace
 
 int run_worker(const WorkerOptions& options) {
-  // A worker spawned by the front end dies with it (no orphans).
-  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  // A worker spawned by the front end dies with it (no orphans): SIGINT, not SIGTERM,
+  // since with no front end there is nobody to ask for a leave.
+  prctl(PR_SET_PDEATHSIG, SIGINT);
   struct sigaction sa {};
   sa.sa_handler = on_terminate;
-  sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
+  struct sigaction leave {};
+  leave.sa_handler = on_leave;
+  sigaction(SIGTERM, &leave, nullptr);
   sigset_t stop_signals;  // A blocked mask may be inherited from whoever started us.
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);

@@ -307,36 +307,31 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
   if (type == proto::Hello::kType) {
     auto hello = proto::decode<proto::Hello>(body);
     if (!hello.ok()) return;
-    const int r = hello->rank;
     // Who may join is decided by the key, not by a pid (which /proc shows to anyone).
     if (!options_.cluster_key.empty() && !same_secret(hello->key, options_.cluster_key)) {
-      FLEX_LOG(WARN) << "refused a hello for rank " << r << " without the cluster key";
+      FLEX_LOG(WARN) << "refused a hello for rank " << hello->rank << " without the cluster key";
       proto::WorkerError err{epoch(), static_cast<int>(StatusCode::kFailedPrecondition),
                              "missing or wrong cluster key (FLEXPERT_CLUSTER_KEY or "
                              "--cluster-key-file)"};
       (void)router_.send({routing_id, proto::WorkerError::kType, proto::encode(err)});
       return;
     }
-    // Open (the membership decides): an initial rank, or one a scale-up, a recovery or
-    // a spare reserved; a spawned one only for the process we started.
-    const bool ours = r >= 0 && r < static_cast<int>(ranks_.size()) &&
-                      ranks_[r].routing_id.empty() &&
-                      (!ranks_[r].spawned || ranks_[r].pid == hello->pid);
-    Result<uint64_t> incarnation =
-        ours ? membership_.hello(r, now_ms()) : failed_precondition("not open");
-    if (!incarnation.ok()) {
+    Result<std::pair<int, uint64_t>> admitted = admit(hello->rank, hello->pid);
+    if (!admitted.ok()) {
       proto::WorkerError err{epoch(), static_cast<int>(StatusCode::kFailedPrecondition),
-                             "rank " + std::to_string(r) + " is not open for joining"};
+                             admitted.status().message()};
       (void)router_.send({routing_id, proto::WorkerError::kType, proto::encode(err)});
       return;
     }
+    const auto [r, incarnation] = admitted.value();
     RankInfo& info = ranks_[r];
     info.routing_id = routing_id;
     info.pid = hello->pid;
     info.state = RankState::kStarting;
     info.last_seen = Clock::now();
     proto::WorkerConfig cfg;
-    cfg.incarnation = incarnation.value();
+    cfg.rank = r;
+    cfg.incarnation = incarnation;
     cfg.session = session_;
     cfg.model_dir = options_.model_dir;
     cfg.max_ranks = options_.max_ranks;
@@ -348,6 +343,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     cfg.timeout_ms = options_.transport_timeout_ms;
     cfg.device = rank_device(options_, r);
     cfg.device_f32 = options_.device_f32;
+    cfg.transport = options_.transport;
     post(r, cfg);
     return;
   }
@@ -456,6 +452,10 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     if (!applied.ok()) return;
     info.applied_epoch = std::max(info.applied_epoch, applied->epoch);
     membership_.applied(rank, incarnation(rank), applied->epoch);
+    cv_.notify_all();
+  } else if (type == proto::LeaveRequest::kType) {
+    FLEX_LOG(INFO) << "rank " << rank << " asks to leave";
+    leave_requests_.push_back({rank, Clock::now()});
     cv_.notify_all();
   } else if (type == proto::MapApplied::kType) {
     auto applied = proto::decode<proto::MapApplied>(body);

@@ -70,6 +70,8 @@ struct ClusterOptions {
   std::string device = "cpu";  // Workers' ModelOptions::device: cpu, cuda, cuda:N.
   bool device_f32 = false;     // f32 on the GPU (verification) instead of bf16.
   int gpus = 1;                // device "cuda": rank r runs on cuda:(r mod gpus).
+  // The workers' data plane (create_transport): "shm" (one host) or "ucx" (any hosts).
+  std::string transport = "shm";
 };
 
 // The device rank `rank` runs on: options.device, or with device "cuda" and gpus > 1,

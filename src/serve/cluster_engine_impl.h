@@ -205,6 +205,11 @@ class ClusterEngine::Impl {
   } recovery_;
   uint64_t losses_ = 0;   // Members lost so far: a recovery attempt restarts when it moves.
   int target_ranks_ = 0;  // The size the operator asked for; the healer restores it.
+  // Members that asked to leave (LeaveRequest: a worker's SIGTERM), with when they asked;
+  // the healer scales each down once no reconfiguration runs (serve_leaves()).
+  std::deque<std::pair<int, Clock::time_point>> leave_requests_;
+  // Runs the oldest leave request (healer thread, lock held); false when none could run.
+  bool serve_leaves(std::unique_lock<std::mutex>& lock);
   std::string degraded_reason_;
   nlohmann::json last_recovery_ =
       nlohmann::json::object();  // The last recovery's report (status: "recovery").
@@ -275,6 +280,9 @@ class ClusterEngine::Impl {
   Status wait_applied(const std::vector<int>& ranks, uint64_t epoch,
                       std::unique_lock<std::mutex>& lock);
   std::vector<int> free_ranks() const;
+  // A hello's rank id, or for Hello::kAnyRank the lowest open id not reserved for a process we
+  // spawned, admitted by the membership: {rank, incarnation}. Lock held.
+  Result<std::pair<int, uint64_t>> admit(int rank, int pid);
   std::vector<int> spare_ranks() const;  // Ready spares.
   // Ids a scale-up or a recovery may take: Ready spares first, then free ids.
   std::vector<int> joiner_candidates() const;

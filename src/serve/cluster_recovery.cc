@@ -357,6 +357,44 @@ void ClusterEngine::Impl::keep_spares() {
   }
 }
 
+bool ClusterEngine::Impl::serve_leaves(std::unique_lock<std::mutex>& lock) {
+  // A leave waits for a running reconfiguration or rebalance; one refused as impossible, or
+  // that cannot run within kLeaveWait, is dropped (the worker exits on its own deadline and
+  // is healed as lost).
+  constexpr auto kLeaveWait = std::chrono::seconds(60);
+  while (!leave_requests_.empty() &&
+         (Clock::now() - leave_requests_.front().second > kLeaveWait ||
+          std::find(members().begin(), members().end(), leave_requests_.front().first) ==
+              members().end())) {
+    FLEX_LOG(WARN) << "dropping the leave request of rank " << leave_requests_.front().first
+                   << " (not a member, or waited too long)";
+    leave_requests_.pop_front();
+  }
+  if (leave_requests_.empty() || phase() != Phase::kServing || reconfiguring_ || rebalancing_) {
+    return false;
+  }
+  const int rank = leave_requests_.front().first;
+  lock.unlock();
+  // The live scale-down of docs/ARCHITECTURE.md ("The membership state machine"): the
+  // leaver's requests move to the others, it switches with them, then gets Shutdown{kLeave}.
+  auto result = scale(ScaleTarget{-1, {rank}}, "leave");
+  lock.lock();
+  if (result.ok()) {
+    leave_requests_.pop_front();
+    FLEX_LOG(INFO) << "rank " << rank << " left: " << result->dump();
+  } else if (result.status().code() == StatusCode::kInvalidArgument) {
+    // Never possible as asked (e.g. the others' slots cannot hold every expert): the
+    // worker stays a member until its own deadline, then exits and is healed as lost.
+    leave_requests_.pop_front();
+    FLEX_LOG(ERROR) << "rank " << rank << " cannot leave: " << result.status().to_string();
+  } else {
+    // Retried on the next pass (a map switch in flight, a scale in progress), until kLeaveWait.
+    FLEX_LOG(WARN) << "leave of rank " << rank << ": " << result.status().to_string();
+    cv_.wait_for(lock, std::chrono::milliseconds(200), [&] { return halting(); });
+  }
+  return true;
+}
+
 void ClusterEngine::Impl::heal_loop() {
   std::unique_lock<std::mutex> lock(mutex_);
   auto backoff = std::chrono::milliseconds(500);
@@ -388,6 +426,7 @@ void ClusterEngine::Impl::heal_loop() {
       cv_.notify_all();
       continue;
     }
+    if (serve_leaves(lock)) continue;
     keep_spares();
     // Back to the size the operator asked for, with a live scale-up.
     const bool short_of_ranks = static_cast<int>(members().size()) < target_ranks_;

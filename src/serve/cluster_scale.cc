@@ -89,6 +89,24 @@ std::vector<int> ClusterEngine::Impl::free_ranks() const {
   return out;
 }
 
+Result<std::pair<int, uint64_t>> ClusterEngine::Impl::admit(int rank, int pid) {
+  // Open (the membership decides): an initial rank, or one a scale-up, a recovery or a
+  // spare reserved; a spawned one only for the process we started.
+  auto ours = [&](int r) {
+    return r >= 0 && r < static_cast<int>(ranks_.size()) && ranks_[r].routing_id.empty() &&
+           (!ranks_[r].spawned || (rank != proto::Hello::kAnyRank && ranks_[r].pid == pid));
+  };
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+    if (rank != proto::Hello::kAnyRank && r != rank) continue;
+    if (!ours(r)) continue;
+    Result<uint64_t> incarnation = membership_.hello(r, now_ms());
+    if (incarnation.ok()) return std::make_pair(r, incarnation.value());
+  }
+  return failed_precondition(rank == proto::Hello::kAnyRank
+                                 ? std::string("no rank id is open for joining")
+                                 : "rank " + std::to_string(rank) + " is not open for joining");
+}
+
 std::vector<int> ClusterEngine::Impl::spare_ranks() const {
   std::vector<int> out;
   for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {

@@ -24,7 +24,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   namespace p = flexpert::proto;
   const std::string body(reinterpret_cast<const char*>(data) + 1, size - 1);
-  switch (data[0] % 17) {
+  switch (data[0] % 18) {
     case 0:
       decode_as<p::Hello>(body);
       break;
@@ -72,6 +72,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
     case 15:
       decode_as<p::WorkerError>(body);
+      break;
+    case 16:
+      decode_as<p::LeaveRequest>(body);
       break;
     default:
       decode_as<p::Shutdown>(body);

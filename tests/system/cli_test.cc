@@ -66,6 +66,8 @@ TEST(CliTest, BadInputExitsWithTwoAndAMessage) {
       {"serve --model " + kModel + " --gpus 2 --port 0", "--device cuda"},
       {"serve --model " + kModel + " --device cuda --gpus 0 --port 0", "--gpus"},
       {"worker --rank 0", "--join"},
+      {"worker --join 127.0.0.1:1 --rank first", "--rank"},
+      {"serve --model " + kModel + " --transport tcp --port 0", "--transport"},
       {"bench serve --concurrency x", "integer"},
       {"plan-memory --ranks 8", "--model"},
       {"plan-memory --model /no/such/dir", "/no/such/dir"},

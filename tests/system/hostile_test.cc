@@ -270,6 +270,18 @@ TEST(HostileWorker, NoSpawnWithoutAClusterKeyIsRefused) {
   EXPECT_NE(r.out.find("cluster key"), std::string::npos) << r.out;
 }
 
+// A control plane that other machines can reach needs the key too, spawned workers or not.
+TEST(HostileWorker, ControlHostOffLoopbackWithoutAClusterKeyIsRefused) {
+  ASSERT_EQ(std::getenv("FLEXPERT_CLUSTER_KEY"), nullptr);
+  for (const char* host : {"0.0.0.0", "10.1.2.3"}) {
+    // No such model: were the flag let through, the start fails on it instead (no hang).
+    const CliRun r = run_flexpert("serve --model /no/such/model --control-host " +
+                                  std::string(host) + " --ranks 1 --port 0");
+    EXPECT_EQ(r.exit_code, 2) << r.out;
+    EXPECT_NE(r.out.find("cluster key"), std::string::npos) << r.out;
+  }
+}
+
 // Joining takes the group's key, not a pid: a hand-started worker without it is
 // refused, one with it joins; spawned workers get theirs through the environment.
 TEST(HostileWorker, JoiningNeedsTheClusterKey) {

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -44,9 +45,12 @@ inline Reference load_reference(const std::string& model = kModel) {
 // A `flexpert serve` child process and a client for it.
 class Server {
  public:
+  // Starts a hand-started worker: (join address, rank) -> its pid (default: start_worker).
+  using Launcher = std::function<pid_t(const std::string&, int)>;
+
   explicit Server(const std::vector<std::string>& extra_args, std::vector<int> hand_started = {},
-                  const std::string& model = kModel)
-      : hand_started_(std::move(hand_started)) {
+                  const std::string& model = kModel, Launcher launcher = nullptr)
+      : hand_started_(std::move(hand_started)), launcher_(std::move(launcher)) {
     int out[2];
     EXPECT_EQ(pipe(out), 0);
     pid_ = fork();
@@ -74,7 +78,9 @@ class Server {
       char join[128];
       if (std::sscanf(line, "waiting for %*d workers: flexpert worker --join %127s", join) == 1) {
         join_ = join;
-        for (int rank : hand_started_) workers_.push_back(start_worker(join, rank));
+        for (int rank : hand_started_) {
+          workers_.push_back(launcher_ ? launcher_(join, rank) : start_worker(join, rank));
+        }
         continue;
       }
       if (std::sscanf(line, "serving on http://127.0.0.1:%d", &port) == 1) {
@@ -108,6 +114,12 @@ class Server {
     kill(workers_[i], SIGKILL);
     waitpid(workers_[i], nullptr, 0);
     workers_.erase(workers_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  // Hands the i-th hand-started worker to the caller (who signals and reaps it).
+  pid_t take_worker(size_t i) {
+    const pid_t pid = workers_.at(i);
+    workers_.erase(workers_.begin() + static_cast<std::ptrdiff_t>(i));
+    return pid;
   }
   const std::string& join_address() const { return join_; }  // With --no-spawn.
   httplib::Client& client() { return *client_; }
@@ -159,6 +171,7 @@ class Server {
 
  private:
   std::vector<int> hand_started_;
+  Launcher launcher_;
   std::vector<pid_t> workers_;
   std::string join_;
   pid_t pid_ = -1;

@@ -490,7 +490,8 @@ Status UcxTransport::run_collective(OpKind kind, const Group& group, const ByteS
         continue;
       }
       if (Status s = peer_error(peer); !s.ok()) {
-        status = unavailable(s.message() + " during " + op_label(kind)).with_dead_rank(peer.rank);
+        status =
+            unavailable(s.message() + " during " + op_label(kind)).with_dead_rank(s.dead_rank());
         return true;
       }
       // Moved on to a newer epoch without (or before) sending us this op?

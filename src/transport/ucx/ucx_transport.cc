@@ -332,6 +332,7 @@ void UcxTransport::on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status) {
   const Inbox& in = self->inboxes_[conn->rank];
   const bool said_bye = in.seen && in.incarnation == conn->incarnation && in.bye;
   p->lost = true;
+  p->dead = !said_bye;
   p->lost_why = said_bye
                     ? "shut down"
                     : std::string("died (UCX endpoint error: ") + ucs_status_string(status) + ")";
@@ -363,6 +364,7 @@ void UcxTransport::progress_locked() {
     const Inbox& in = inboxes_[p->rank];
     const bool said_bye = in.seen && in.incarnation == p->parsed.incarnation && in.bye;
     p->lost = true;
+    p->dead = !said_bye;
     p->lost_why = said_bye ? "shut down" : "died (its process ended)";
   }
 }
@@ -370,14 +372,16 @@ void UcxTransport::progress_locked() {
 Status UcxTransport::peer_error(const Peer& peer) const {
   const std::string who =
       "rank " + std::to_string(peer.rank) + " (pid " + std::to_string(peer.parsed.pid) + ")";
-  if (peer.lost) return unavailable(who + " " + peer.lost_why).with_dead_rank(peer.rank);
+  if (peer.lost) {
+    const Status s = unavailable(who + " " + peer.lost_why);
+    return peer.dead ? s.with_dead_rank(peer.rank) : s;
+  }
   const Inbox& in = inboxes_[peer.rank];
   if (in.seen && in.incarnation == peer.parsed.incarnation && in.bye) {
-    return unavailable(who + " shut down").with_dead_rank(peer.rank);
+    return unavailable(who + " shut down");
   }
   if (in.seen && in.incarnation > peer.parsed.incarnation) {
-    return unavailable(who + " was replaced by incarnation " + std::to_string(in.incarnation))
-        .with_dead_rank(peer.rank);
+    return unavailable(who + " was replaced by incarnation " + std::to_string(in.incarnation));
   }
   return Status();
 }

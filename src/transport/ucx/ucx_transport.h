@@ -155,6 +155,9 @@ class UcxTransport final : public Transport {
     ucx::Address parsed;
     Conn* conn = nullptr;  // Null for this rank itself.
     bool lost = false;
+    // Its process ended or its endpoint failed (not a goodbye, not silence): errors carry
+    // Status::dead_rank, as shm's do, so that the front end need not wait for a heartbeat.
+    bool dead = false;
     std::string lost_why;
     std::unordered_map<int, ucp_rkey_h> rkeys;
     // Watched when the endpoint has no UCX error handling (shared memory only: the peer is on

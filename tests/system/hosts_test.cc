@@ -1,0 +1,189 @@
+// SPDX-License-Identifier: Apache-2.0
+// Workers on other "hosts" (docs/deployment.md): three network namespaces on a bridge, the
+// front end in one (--control-host on its bridge address, --no-spawn), two hand-started
+// workers in each of the others, the ucx transport over UCX_TLS=tcp. Reference tokens through
+// HTTP, then every worker of one host killed under load: no request fails and the survivors
+// serve on (--min-ranks 2: their slots hold every expert). Needs root (ip netns, veth,
+// bridge); skipped without it, or without the ucx backend. Also a worker's SIGTERM (a
+// graceful leave) across hosts.
+#include <fcntl.h>
+#include <sched.h>
+
+#include <cstdlib>
+
+#include "elastic_util.h"
+#include "server_fixture.h"
+
+namespace {
+
+using namespace flexpert_test;
+
+int sh(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()); }
+
+// Namespaces fxf<pid> (the front end, bridge fxbr 10.78.0.1), fxa<pid> (10.78.0.2) and
+// fxb<pid> (10.78.0.3), each host on the bridge through a veth named fxv0 (one
+// UCX_NET_DEVICES for all). The calling thread enters the front end's namespace, so
+// that the serve child and the HTTP clients started after it live there too; the
+// destructor leaves it and deletes every namespace, whatever the test did.
+class Hosts {
+ public:
+  Hosts() {
+    const std::string id = std::to_string(getpid());
+    fe_ = "fxf" + id;
+    hosts_ = {"fxa" + id, "fxb" + id};
+    cleanup();
+    // Root in a sandbox may still lack CAP_SYS_ADMIN: no namespace at all is a skip.
+    allowed_ = sh("ip netns add " + fe_) == 0;
+    ok_ = allowed_;
+    for (const std::string& ns : hosts_) ok_ &= sh("ip netns add " + ns) == 0;
+    ok_ &= sh("ip -n " + fe_ + " link add fxbr type bridge") == 0;
+    ok_ &= sh("ip -n " + fe_ + " addr add 10.78.0.1/24 dev fxbr") == 0;
+    ok_ &= sh("ip -n " + fe_ + " link set fxbr up") == 0;
+    ok_ &= sh("ip -n " + fe_ + " link set lo up") == 0;
+    for (size_t i = 0; i < hosts_.size(); ++i) {
+      const std::string& ns = hosts_[i];
+      const std::string port = "fxp" + std::to_string(i);
+      ok_ &= sh("ip link add fxv0 netns " + ns + " type veth peer name " + port + " netns " +
+                fe_) == 0;
+      ok_ &= sh("ip -n " + fe_ + " link set " + port + " master fxbr") == 0;
+      ok_ &= sh("ip -n " + fe_ + " link set " + port + " up") == 0;
+      ok_ &= sh("ip -n " + ns + " addr add " + address(i) + "/24 dev fxv0") == 0;
+      ok_ &= sh("ip -n " + ns + " link set fxv0 up") == 0;
+      ok_ &= sh("ip -n " + ns + " link set lo up") == 0;
+    }
+    // UCX takes only links that are up with a carrier; the bridge forwards once ready.
+    const std::string up = "ip -n " + hosts_[0] + " link show fxv0 | grep -q 'state UP' && ip -n " +
+                           hosts_[1] + " link show fxv0 | grep -q 'state UP'";
+    for (int i = 0; ok_ && i < 50 && sh(up) != 0; ++i) pause_ms(100);
+    home_ = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
+    if (ok_) ok_ = enter(fe_);
+  }
+  ~Hosts() {
+    if (home_ >= 0) {
+      setns(home_, CLONE_NEWNET);
+      close(home_);
+    }
+    cleanup();
+  }
+  bool allowed() const { return allowed_; }  // The kernel let us create a namespace.
+  bool ok() const { return ok_; }
+  static std::string address(size_t host) { return "10.78.0." + std::to_string(host + 2); }
+  const std::string& host(size_t i) const { return hosts_[i]; }
+
+  // Starts `flexpert worker --join` for `rank` in host namespace `i`.
+  pid_t start_worker(size_t i, const std::string& join, int rank) const {
+    const std::string ns = hosts_[i];
+    const pid_t pid = fork();
+    if (pid == 0) {
+      setenv("UCX_TLS", "tcp", 1);
+      setenv("UCX_NET_DEVICES", "fxv0", 1);
+      setenv("FLEXPERT_CLUSTER_KEY", kTestClusterKey, 0);
+      const std::string r = std::to_string(rank);
+      // NOTE: `ip netns exec` (which execs in place: this pid) and not a bare setns(): it
+      // also mounts the namespace's /sys, where UCX looks for the device's carrier.
+      execlp("ip", "ip", "netns", "exec", ns.c_str(), FLEXPERT_BINARY, "worker", "--join",
+             join.c_str(), "--rank", r.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    return pid;
+  }
+
+ private:
+  static bool enter(const std::string& ns) {
+    const int fd = open(("/var/run/netns/" + ns).c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    const bool entered = setns(fd, CLONE_NEWNET) == 0;
+    close(fd);
+    return entered;
+  }
+  void cleanup() const {
+    for (const std::string& ns : {fe_, hosts_[0], hosts_[1]}) sh("ip netns del " + ns);
+  }
+
+  std::string fe_;
+  std::vector<std::string> hosts_;
+  int home_ = -1;
+  bool allowed_ = false;
+  bool ok_ = true;
+};
+
+TEST(HostsTest, UcxAcrossNamespacesLosesAHostWithoutFailingARequest) {
+#ifndef FLEXPERT_TEST_WITH_UCX
+  GTEST_SKIP() << "the ucx transport backend is not in this build (CMake did not find UCX)";
+#endif
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (ip netns, veth, bridge)";
+  if (sh("ip -V") != 0) GTEST_SKIP() << "needs iproute2 (ip)";
+  Hosts hosts;
+  if (!hosts.allowed()) GTEST_SKIP() << "ip netns add was refused (no CAP_SYS_ADMIN?)";
+  ASSERT_TRUE(hosts.ok()) << "could not set up the namespaces";
+  // Ranks 0, 1 on host a; 2, 3 on host b.
+  Server server(
+      {"--no-spawn", "--ranks", "4", "--min-ranks", "2", "--threads-per-worker", "1", "--transport",
+       "ucx", "--control-host", "10.78.0.1", "--start-timeout-ms", "30000"},
+      {0, 1, 2, 3}, kModel, [&](const std::string& join, int rank) {
+        return hosts.start_worker(rank < 2 ? 0 : 1, join, rank);
+      });
+  ASSERT_TRUE(server.up()) << "the group did not start";
+  EXPECT_EQ(server.join_address().rfind("10.78.0.1:", 0), 0u) << server.join_address();
+  check_reference(server, load_reference(), 2);
+  Load load(server, 6);
+  pause_ms(500);
+  const pid_t b1 = server.take_worker(3);
+  const pid_t b0 = server.take_worker(2);
+  kill(b0, SIGKILL);
+  kill(b1, SIGKILL);
+  waitpid(b0, nullptr, 0);
+  waitpid(b1, nullptr, 0);
+  EXPECT_TRUE(wait_status(
+      server, [](const nlohmann::json& s) { return serving_with(s, 2); }, 30000))
+      << server.get_json("/v1/status").dump();
+  pause_ms(500);  // Traffic on the survivors.
+  load.stop();
+  EXPECT_GT(load.ok(), 10);
+  EXPECT_EQ(load.failed(), 0);
+  EXPECT_EQ(load.wrong(), 0);
+  const auto s = server.get_json("/v1/status");
+  EXPECT_EQ(s["members"], nlohmann::json({0, 1})) << s.dump();
+  check_reference(server, load_reference(), 1);
+  EXPECT_EQ(server.stop(), 0);
+}
+
+// A graceful leave over ucx: SIGTERM to the worker of host b; it exits 0 once the group
+// runs without it, and no request fails.
+TEST(HostsTest, UcxWorkerLeavesOnSigterm) {
+#ifndef FLEXPERT_TEST_WITH_UCX
+  GTEST_SKIP() << "the ucx transport backend is not in this build (CMake did not find UCX)";
+#endif
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (ip netns, veth, bridge)";
+  if (sh("ip -V") != 0) GTEST_SKIP() << "needs iproute2 (ip)";
+  Hosts hosts;
+  if (!hosts.allowed()) GTEST_SKIP() << "ip netns add was refused (no CAP_SYS_ADMIN?)";
+  ASSERT_TRUE(hosts.ok()) << "could not set up the namespaces";
+  // Ranks 0, 1 on host a; 2 on host b.
+  Server server(
+      {"--no-spawn", "--ranks", "3", "--min-ranks", "2", "--threads-per-worker", "1", "--transport",
+       "ucx", "--control-host", "10.78.0.1", "--start-timeout-ms", "30000"},
+      {0, 1, 2}, kModel, [&](const std::string& join, int rank) {
+        return hosts.start_worker(rank < 2 ? 0 : 1, join, rank);
+      });
+  ASSERT_TRUE(server.up()) << "the group did not start";
+  Load load(server, 6);
+  pause_ms(500);
+  const pid_t leaver = server.take_worker(2);
+  ASSERT_EQ(kill(leaver, SIGTERM), 0);
+  int status = -1;
+  for (int i = 0; i < 600 && waitpid(leaver, &status, WNOHANG) != leaver; ++i) pause_ms(50);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "wait status " << status;
+  if (!WIFEXITED(status)) kill(leaver, SIGKILL), waitpid(leaver, nullptr, 0);
+  EXPECT_TRUE(wait_status(server, [](const nlohmann::json& s) {
+    return serving_with(s, 2) && last_kind(s) == "leave";
+  })) << server.get_json("/v1/status").dump();
+  pause_ms(300);
+  load.stop();
+  EXPECT_GT(load.ok(), 10);
+  EXPECT_EQ(load.failed(), 0);
+  EXPECT_EQ(load.wrong(), 0);
+  EXPECT_EQ(server.stop(), 0);
+}
+
+}  // namespace
