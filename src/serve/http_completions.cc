@@ -10,10 +10,9 @@
 #include <httplib.h>
 
 #include <chrono>
-#include <condition_variable>
-#include <mutex>
 #include <optional>
 
+#include "core/mutex.h"
 #include "serve/chat_api.h"
 #include "serve/completion_api.h"
 #include "serve/http_server.h"
@@ -100,19 +99,19 @@ struct HttpServer::Exchange {
   size_t tokens_counted = 0;  // Tokens already added to flexpert_generated_tokens_total.
   bool ttft_observed = false;
 
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<Arrivals> arrivals;     // GUARDED_BY(mu): one per choice.
-  bool dirty = false;                 // GUARDED_BY(mu): arrivals not yet taken.
-  size_t num_tokens = 0;              // GUARDED_BY(mu)
-  std::optional<double> ttft_s;       // GUARDED_BY(mu)
-  std::vector<double> pending_itl_s;  // GUARDED_BY(mu): not yet in the histogram.
-  Clock::time_point last_token;       // GUARDED_BY(mu)
+  Mutex mu;
+  CondVar cv;
+  std::vector<Arrivals> arrivals GUARDED_BY(mu);  // One per choice.
+  bool dirty GUARDED_BY(mu) = false;              // Arrivals not yet taken.
+  size_t num_tokens GUARDED_BY(mu) = 0;
+  std::optional<double> ttft_s GUARDED_BY(mu);
+  std::vector<double> pending_itl_s GUARDED_BY(mu);  // Not yet in the histogram.
+  Clock::time_point last_token GUARDED_BY(mu);
 
   // The engine callback of choice `idx`.
   void on_event(size_t idx, const CompletionEvent& ev) {
     const Clock::time_point now = Clock::now();
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(mu);
     Arrivals& a = arrivals[idx];
     if (!ev.tokens.empty()) {
       if (!ttft_s) {
@@ -196,7 +195,10 @@ void HttpServer::handle_generation(bool chat, const httplib::Request& req, httpl
   ex->logprobs = parsed.request.params.logprobs >= 0;
   const size_t num_choices = parsed.prompts.size() * static_cast<size_t>(parsed.n);
   ex->choices.resize(num_choices);
-  ex->arrivals.resize(num_choices);
+  {
+    MutexLock lock(ex->mu);  // No callback exists yet; the lock costs nothing.
+    ex->arrivals.resize(num_choices);
+  }
   for (size_t i = 0; i < num_choices; ++i) {
     ChoiceState& c = ex->choices[i];
     c.pending.index = static_cast<int>(i);
@@ -261,7 +263,7 @@ void HttpServer::handle_generation(bool chat, const httplib::Request& req, httpl
 
 void HttpServer::cancel_unfinished(Exchange& ex) {
   {
-    std::lock_guard<std::mutex> lock(ex.mu);
+    MutexLock lock(ex.mu);
     for (size_t i = 0; i < ex.choices.size(); ++i) {
       if (ex.arrivals[i].finished) ex.choices[i].engine_done = true;
     }
@@ -275,7 +277,7 @@ void HttpServer::cancel_unfinished(Exchange& ex) {
 void HttpServer::absorb(Exchange& ex) {
   std::vector<Arrivals> taken(ex.choices.size());
   {
-    std::lock_guard<std::mutex> lock(ex.mu);
+    MutexLock lock(ex.mu);
     for (size_t i = 0; i < ex.choices.size(); ++i) {
       Arrivals& a = ex.arrivals[i];
       taken[i].tokens.swap(a.tokens);
@@ -352,8 +354,9 @@ ChoiceOutput take_pending(const Tokenizer* tokenizer, ChoiceState& c) {
 void HttpServer::respond_when_finished(Exchange& ex, httplib::Response& res) {
   while (true) {
     {
-      std::unique_lock<std::mutex> lock(ex.mu);
-      ex.cv.wait_for(lock, kPollInterval, [&] { return ex.dirty || stopping_.load(); });
+      MutexLock lock(ex.mu);
+      ex.cv.wait_for(lock, kPollInterval,
+                     [&]() REQUIRES(ex.mu) { return ex.dirty || stopping_.load(); });
     }
     absorb(ex);
     if (ex.all_done()) break;
@@ -401,8 +404,9 @@ void HttpServer::respond_when_finished(Exchange& ex, httplib::Response& res) {
 
 bool HttpServer::stream_step(Exchange& ex, httplib::DataSink& sink) {
   {
-    std::unique_lock<std::mutex> lock(ex.mu);
-    ex.cv.wait_for(lock, kPollInterval, [&] { return ex.dirty || stopping_.load(); });
+    MutexLock lock(ex.mu);
+    ex.cv.wait_for(lock, kPollInterval,
+                   [&]() REQUIRES(ex.mu) { return ex.dirty || stopping_.load(); });
   }
   absorb(ex);
   observe_tokens(ex);
@@ -481,7 +485,7 @@ void HttpServer::observe_tokens(Exchange& ex) {
   std::vector<double> itl;
   size_t num_tokens = 0;
   {
-    std::lock_guard<std::mutex> lock(ex.mu);
+    MutexLock lock(ex.mu);
     if (!ex.ttft_observed) ttft = ex.ttft_s;
     itl.swap(ex.pending_itl_s);
     num_tokens = ex.num_tokens;

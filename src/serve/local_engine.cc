@@ -53,7 +53,7 @@ Result<uint64_t> LocalEngine::submit(CompletionRequest request, CompletionCallba
   FLEX_RETURN_IF_ERROR(validator_.validate(request.prompt, request.params));
   uint64_t id = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (stopping_) return unavailable("the engine is shutting down");
     id = next_id_++;
     inbox_.push_back({id, std::move(request), std::move(on_event)});
@@ -65,18 +65,18 @@ Result<uint64_t> LocalEngine::submit(CompletionRequest request, CompletionCallba
 void LocalEngine::cancel(uint64_t request_id) {
   {
     // Marked first, under the delivery lock: from here on no event reaches the callback.
-    std::lock_guard<std::mutex> lock(delivery_mu_);
+    MutexLock lock(delivery_mu_);
     cancelled_.insert(request_id);
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     cancels_.push_back(request_id);
   }
   work_cv_.notify_one();
 }
 
 bool LocalEngine::healthy() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return running_.load() && !stopping_;
 }
 
@@ -84,7 +84,7 @@ nlohmann::json LocalEngine::status() const {
   int64_t queued = 0;
   bool stopping = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     queued = static_cast<int64_t>(inbox_.size());
     stopping = stopping_;
   }
@@ -114,9 +114,9 @@ std::string LocalEngine::metrics_text() const {
 }
 
 Status LocalEngine::shutdown() {
-  std::lock_guard<std::mutex> guard(shutdown_mu_);
+  MutexLock guard(shutdown_mu_);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stopping_ = true;
   }
   work_cv_.notify_all();
@@ -130,9 +130,9 @@ void LocalEngine::run() {
     std::vector<uint64_t> cancels;
     bool stopping = false;
     {
-      std::unique_lock<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       // scheduler_ is read here under mu_ but only ever touched by this thread.
-      work_cv_.wait(lock, [&] {
+      work_cv_.wait(lock, [&]() REQUIRES(mu_) {
         return stopping_ || !inbox_.empty() || !cancels_.empty() || !scheduler_.idle();
       });
       inbox.swap(inbox_);
@@ -145,7 +145,7 @@ void LocalEngine::run() {
       scheduler_.add(s.id, std::move(s.request.prompt), std::move(s.request.params));
     }
     if (!cancels.empty()) {
-      std::lock_guard<std::mutex> lock(delivery_mu_);
+      MutexLock lock(delivery_mu_);
       for (uint64_t id : cancels) {
         scheduler_.cancel(id);
         callbacks_.erase(id);
@@ -207,7 +207,7 @@ void LocalEngine::deliver(uint64_t request_id, const CompletionEvent& event) {
   auto it = callbacks_.find(request_id);
   if (it == callbacks_.end()) return;
   {
-    std::lock_guard<std::mutex> lock(delivery_mu_);
+    MutexLock lock(delivery_mu_);
     if (cancelled_.count(request_id) == 0) it->second(event);
   }
   if (event.finished) callbacks_.erase(it);

@@ -15,16 +15,15 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
+#include "core/mutex.h"
 #include "flexpert/model.h"
 #include "flexpert/scheduler.h"
 #include "serve/metrics.h"
@@ -85,19 +84,19 @@ class LocalEngine : public ServingEngine {
   std::vector<int32_t> tokens_;                                 // Engine thread only.
   std::vector<TokenEvent> events_;                              // Engine thread only.
 
-  mutable std::mutex mu_;
-  std::condition_variable work_cv_;
-  std::vector<Submission> inbox_;  // GUARDED_BY(mu_)
-  std::vector<uint64_t> cancels_;  // GUARDED_BY(mu_)
-  bool stopping_ = false;          // GUARDED_BY(mu_)
-  uint64_t next_id_ = 1;           // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  CondVar work_cv_;
+  std::vector<Submission> inbox_ GUARDED_BY(mu_);
+  std::vector<uint64_t> cancels_ GUARDED_BY(mu_);
+  bool stopping_ GUARDED_BY(mu_) = false;
+  uint64_t next_id_ GUARDED_BY(mu_) = 1;
 
   // Held while callbacks run, so that after cancel() returns no callback of that
   // request is running or will run.
-  std::mutex delivery_mu_;
-  std::unordered_set<uint64_t> cancelled_;  // GUARDED_BY(delivery_mu_)
+  Mutex delivery_mu_;
+  std::unordered_set<uint64_t> cancelled_ GUARDED_BY(delivery_mu_);
 
-  std::mutex shutdown_mu_;  // Serialises shutdown() callers around the join.
+  Mutex shutdown_mu_;  // Serialises shutdown() callers around the join.
   std::thread thread_;
 
   // Published by the engine thread for status() and metrics.
