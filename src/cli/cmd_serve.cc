@@ -3,7 +3,9 @@
 #include <signal.h>
 #include <sys/resource.h>
 
+#include <atomic>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
 
 #include "cli/commands.h"
@@ -18,6 +20,12 @@
 
 namespace flexpert::cli {
 namespace {
+
+// A stop signal taken by a thread that does not block it (libraries start threads
+// before main: UCX's has every signal unblocked) runs this instead of killing the
+// process; the main thread's wait below sees the flag.
+std::atomic<int> g_stop_signal{0};
+void on_stop_signal(int sig) { g_stop_signal.store(sig); }
 
 Result<int> int_flag(const Flags& flags, const std::string& name, int64_t min_value) {
   FLEX_ASSIGN_OR_RETURN(int64_t v, flags.integer(name));
@@ -86,6 +94,11 @@ Status run_serve(const Flags& flags) {
   sigaddset(&stop_signals, SIGINT);
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  struct sigaction stop_action {};
+  stop_action.sa_handler = on_stop_signal;
+  stop_action.sa_flags = SA_RESTART;
+  sigaction(SIGINT, &stop_action, nullptr);
+  sigaction(SIGTERM, &stop_action, nullptr);
 
   // Before any worker starts: a bad tokenizer or template costs no group start.
   FLEX_ASSIGN_OR_RETURN(LoadedText text, load_text(flags));
@@ -234,7 +247,11 @@ Status run_serve(const Flags& flags) {
               description.c_str());
   std::fflush(stdout);
   int sig = 0;
-  sigwait(&stop_signals, &sig);
+  while (sig <= 0) {
+    const timespec poll_interval{0, 100'000'000};
+    sig = sigtimedwait(&stop_signals, nullptr, &poll_interval);
+    if (sig <= 0) sig = g_stop_signal.load();
+  }
   FLEX_LOG(INFO) << "signal " << sig << ": stopping";
   // In-flight requests get their final response before the listener closes.
   Status s = engine->shutdown();
