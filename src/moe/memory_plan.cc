@@ -340,7 +340,7 @@ Result<MemoryPlan> plan_memory(const ModelConfig& c, const MemoryPlanOptions& o)
                          kDeviceAlignBytes);
   if (!cpu) {
     cuda_workspaces(c, p, o.reserve_bytes, &p.workspaces, &p.host);
-    // The host image of the slots peers read one-sidedly (StepDriver::load_layers).
+    // The host image of the slots peers read one-sidedly (CudaMoeModel::load_layers).
     p.host.push_back({"expert slot mirror", 0, p.expert_slot_bytes, false, "shm regions"});
   }
   for (const MemoryTerm& t : p.workspaces) p.workspace_bytes += t.bytes;
