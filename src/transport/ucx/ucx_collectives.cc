@@ -124,6 +124,7 @@ void UcxTransport::reset_inbox(Inbox& in, uint64_t incarnation) {
   in.seen = true;
   in.incarnation = incarnation;
   in.bye = false;
+  in.bye_acked = false;
   in.has_epoch = false;
   in.has_prev = false;
   in.regions_claimed = 0;
@@ -216,6 +217,10 @@ void UcxTransport::deliver(const WireHeader& h, const void* data, size_t length,
   switch (h.type) {
     case MessageType::kBye:
       in.bye = true;
+      acks_due_.push_back(src);  // Answered after progress, outside this callback.
+      return;
+    case MessageType::kByeAck:
+      in.bye_acked = true;
       return;
     case MessageType::kEpoch:
       return;

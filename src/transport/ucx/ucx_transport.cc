@@ -21,6 +21,11 @@ namespace {
 
 constexpr int kMaxReadsInFlight = 8;
 constexpr int64_t kCloseWaitNs = 200'000'000;  // How long shutdown lets graceful closes run.
+// How long shutdown waits for live peers to take its kBye. A send that completed has only left
+// for UCX's buffers (over TCP: not even the socket's), and closing the endpoint discards what
+// is still on its way, so a rank that returned from its last collective and shut down at once
+// could take its share of that op with it.
+constexpr int64_t kByeWaitNs = 1'000'000'000;
 
 int64_t now_ns() {
   timespec ts{};
@@ -247,6 +252,8 @@ Status UcxTransport::init() {
 }
 
 UcxTransport::~UcxTransport() {
+  // Peers hear it and what we sent reaches them (not when create() failed half way).
+  if (worker_ != nullptr && !peers_.empty()) (void)shutdown();
   {
     std::lock_guard<std::mutex> lock(mu_);
     shut_down_ = true;
@@ -356,6 +363,16 @@ void UcxTransport::progress_locked() {
   // Endpoints that failed are closed here, outside their callbacks.
   for (Conn* c : to_close_) close_ep(c, /*force=*/true);
   to_close_.clear();
+  for (int r : acks_due_) {
+    const Peer* p = peers_[r].get();
+    const Inbox& in = inboxes_[r];
+    if (p == nullptr || p->conn == nullptr || p->conn->ep == nullptr || p->lost ||
+        in.incarnation != p->parsed.incarnation) {
+      continue;
+    }
+    (void)post_send(*p, header_for(ucx::MessageType::kByeAck), nullptr, 0, nullptr);
+  }
+  acks_due_.clear();
   const int64_t now = now_ns();
   if (now < next_watch_ns_) return;
   next_watch_ns_ = now + shm::kLivenessSliceNs;
@@ -664,13 +681,24 @@ Status UcxTransport::shutdown() {
   if (shut_down_) return Status();
   // Peers waiting on us hear it now instead of at their deadline.
   const ucx::WireHeader bye = header_for(ucx::MessageType::kBye);
+  std::vector<const Peer*> told;
   for (const auto& p : peers_) {
-    if (p != nullptr && p->conn != nullptr && p->conn->ep != nullptr && !p->lost) {
-      (void)post_send(*p, bye, nullptr, 0, nullptr);
+    if (p != nullptr && p->rank != options_.rank && p->conn != nullptr &&
+        p->conn->ep != nullptr && !p->lost && post_send(*p, bye, nullptr, 0, nullptr).ok()) {
+      told.push_back(p.get());
     }
   }
-  // Let the byes (and sends still in flight) go out, briefly; then close everything.
-  progress_until(lock, now_ns() + kCloseWaitNs, [&] { return inflight_ == 0; });
+  // Until every live peer has taken the bye (and with it all we sent before), or briefly for
+  // one that does not progress; then close everything.
+  progress_until(lock, now_ns() + kByeWaitNs, [&] {
+    if (inflight_ > 0) return false;
+    for (const Peer* p : told) {
+      const Inbox& in = inboxes_[p->rank];
+      const bool acked = in.seen && in.incarnation == p->parsed.incarnation && in.bye_acked;
+      if (!acked && !p->lost && peers_[p->rank].get() == p) return false;
+    }
+    return true;
+  });
   shut_down_ = true;
   for (auto& c : conns_) {
     if (c->ep != nullptr) close_ep(c.get(), /*force=*/true);

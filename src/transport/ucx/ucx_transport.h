@@ -54,6 +54,13 @@
 // that times out closes the endpoint (so no get writes into the caller's buffer afterwards)
 // and marks the peer lost.
 //
+// Shutdown: a kBye to every live peer, then a wait (up to 1 s) until each has answered with a
+// kByeAck or is lost, then forced closes. A completed send has only reached UCX's buffers
+// (over TCP, not even the socket), and closing the endpoint drops what is still on its way, so
+// a rank that returned from its last collective and closed at once could take its share of
+// that op with it (the peer then saw "Endpoint timeout" instead of the message). The
+// destructor shuts down the same way.
+//
 // Thread safety: connect, disconnect, allocate_region, the collectives and shutdown are called
 // by one driving thread; read(), peer_status() and mark_peer_lost() may run on other threads.
 #pragma once
@@ -130,6 +137,7 @@ class UcxTransport final : public Transport {
     bool seen = false;
     uint64_t incarnation = 0;
     bool bye = false;
+    bool bye_acked = false;  // It took our kBye (shutdown waits for that before closing).
     bool has_epoch = false;
     uint64_t epoch = 0;
     bool has_prev = false;
@@ -236,6 +244,7 @@ class UcxTransport final : public Transport {
   std::vector<Inbox> inboxes_;                  // By rank.
   std::deque<std::unique_ptr<Conn>> conns_;     // Every endpoint's callback state.
   std::vector<Conn*> to_close_;                 // Failed endpoints, closed after progress.
+  std::vector<int> acks_due_;                   // Ranks whose kBye we answer after progress.
   std::unordered_map<int, OwnRegion> own_regions_;
   uint64_t num_rejected_ = 0;  // Messages dropped as stale, too far ahead or malformed.
   int inflight_ = 0;           // Sends and receives whose callbacks have not run.

@@ -26,6 +26,7 @@ enum class MessageType : uint16_t {
   kEpoch = 2,       // The sender entered `epoch` (no payload): peers waiting on it may abort.
   kRegion = 3,      // Region `region_id` at `region_addr`, `region_bytes`; payload: packed rkey.
   kBye = 4,         // The sender shuts down.
+  kByeAck = 5,      // The sender took our kBye, and so every message we sent before it.
 };
 
 // The op kinds, as shm names them (the numbering is this backend's own).
