@@ -97,6 +97,15 @@ struct Case {
   uint64_t expected;
 };
 
+// NOTE: a build that fuses multiplies and adds (Release: -march=x86-64-v3 has FMA) rounds some
+// of the search's scores differently from one that does not (Debug, sanitizers); one case here
+// turns out differently, so it has a hash per kind of build. Either build plans deterministically.
+#if defined(__FMA__)
+constexpr uint64_t kFmaDependent = 0xb6705df5261d030eull;
+#else
+constexpr uint64_t kFmaDependent = 0x060bd3bada1181eeull;
+#endif
+
 TEST(GoldenTest, PlansAreBitIdenticalToTheRecordedOnes) {
   const Case cases[] = {
       {6, 16, 24, 1, 1, true, 0x7863f446318fc5d1ull},
@@ -104,7 +113,7 @@ TEST(GoldenTest, PlansAreBitIdenticalToTheRecordedOnes) {
       {6, 64, 48, 1, 3, true, 0x34783c8f2d0f1a4eull},
       {4, 144, 128, 1, 4, true, 0xf7006546556e528cull},
       {4, 256, 192, 1, 5, true, 0x92428aadd5bb567cull},
-      {4, 256, 192, 2, 6, false, 0xb6705df5261d030eull},
+      {4, 256, 192, 2, 6, false, kFmaDependent},
       {4, 192, 256, 1, 7, true, 0x0c6748597267392dull},
       {6, 20, 13, 3, 8, true, 0x022d3deda9a51e3dull},
   };
