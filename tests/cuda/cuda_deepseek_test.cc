@@ -207,19 +207,27 @@ TEST(CudaDeepseekTest, Fp8ExpertsAgreeWithCpu) {
   for (int i = 0; i < 5; ++i) batch[1].tokens.push_back(static_cast<int32_t>(rng() % vocab));
   for (int step = 0; step < 6; ++step) {
     if (step == 4) {
-      // Expert 0 loaded into the last slot (a replica slot) of every MoE layer, then mapped
-      // there: pairs of expert 0 now read that slot too (replica choice), whose weights and
-      // scales came from the checkpoint through load_expert. The CPU keeps its placement:
-      // replicas hold the same weights, so the logits must not change.
+      // Expert 0 loaded into a spare slot (free, or an extra replica of another expert) of
+      // every MoE layer, then mapped there: pairs of expert 0 now read that slot too (replica
+      // choice), whose weights and scales came from the checkpoint through load_expert. The
+      // CPU keeps its placement: replicas hold the same weights, so the logits must not change.
       Model& g = *gpu.value();
       std::vector<std::vector<int>> maps;
       for (int l = 0; l < g.placement().num_layers(); ++l) {
         maps.push_back(g.placement().slot_map(l));
         if (!g.config().is_moe_layer(l)) continue;
-        const int last = static_cast<int>(maps.back().size()) - 1;
-        Status st = g.load_expert(l, 0, last);
+        int spare = -1;
+        for (int s = static_cast<int>(maps.back().size()) - 1; s >= 0 && spare < 0; --s) {
+          const int e = maps.back()[s];
+          if (e == ExpertPlacement::kFreeSlot ||
+              (e != 0 && g.placement().replicas(l, e).size() >= 2)) {
+            spare = s;
+          }
+        }
+        ASSERT_GE(spare, 0) << "layer " << l << " has no spare slot";
+        Status st = g.load_expert(l, 0, spare);
         ASSERT_TRUE(st.ok()) << st.to_string();
-        maps.back()[last] = 0;
+        maps.back()[spare] = 0;
       }
       auto moved = ExpertPlacement::from_slot_maps(g.config().num_experts, maps);
       ASSERT_TRUE(moved.ok()) << moved.status().to_string();
