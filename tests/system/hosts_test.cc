@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
 
 #include "elastic_util.h"
 #include "server_fixture.h"
@@ -175,6 +176,71 @@ std::vector<int> ranks_on(const nlohmann::json& status, const std::vector<pid_t>
   return out;
 }
 
+// Streaming clients that time every chunk of tokens (SSE events): the longest gap between two
+// chunks of one request that ended in [from, to] is that window's stall (a figure, no assert;
+// the bench elastic definition: minus the steady gap).
+class StreamGaps {
+ public:
+  using Clock = std::chrono::steady_clock;
+  StreamGaps(Server& server, int clients) {
+    const Reference ref = load_reference();
+    for (int c = 0; c < clients; ++c) {
+      threads_.emplace_back([this, &server, c, ref] {
+        for (int i = 0; !done_.load(); ++i) {
+          const nlohmann::json body = {{"prompt", ref.prompts[(c + i) % ref.prompts.size()]},
+                                       {"max_tokens", 48},
+                                       {"temperature", 0},
+                                       {"stream", true}};
+          httplib::Client client("127.0.0.1", server.port());
+          client.set_read_timeout(60, 0);
+          httplib::Request req;
+          req.method = "POST";
+          req.path = "/v1/completions";
+          req.body = body.dump();
+          req.set_header("Content-Type", "application/json");
+          Clock::time_point last{};
+          req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) {
+            const Clock::time_point now = Clock::now();
+            if (last != Clock::time_point{}) {
+              std::lock_guard<std::mutex> lock(mu_);
+              gaps_.push_back({last, now});
+            }
+            last = now;
+            return true;
+          };
+          httplib::Response res;
+          httplib::Error error = httplib::Error::Success;
+          (void)client.send(req, res, error);
+        }
+      });
+    }
+  }
+  ~StreamGaps() { stop(); }
+  void stop() {
+    done_.store(true);
+    for (auto& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+  }
+  // The longest gap (ms) that ended in [from, to].
+  double max_gap_ms(Clock::time_point from, Clock::time_point to) {
+    std::lock_guard<std::mutex> lock(mu_);
+    double out = 0;
+    for (const auto& [a, b] : gaps_) {
+      if (b >= from && b <= to) {
+        out = std::max(out, std::chrono::duration<double, std::milli>(b - a).count());
+      }
+    }
+    return out;
+  }
+
+ private:
+  std::atomic<bool> done_{false};
+  std::mutex mu_;
+  std::vector<std::pair<Clock::time_point, Clock::time_point>> gaps_;
+  std::vector<std::thread> threads_;
+};
+
 // POST /v1/scale {"ranks": target}, with one `flexpert worker --join ... --rank auto` started
 // in host namespace `joiner_hosts[i]` for each joiner once the front end is scaling (an id
 // opens only then). The joiners' pids go to `pids[host]` and to the server (stop() waits).
@@ -228,21 +294,30 @@ TEST(HostsTest, UcxScalesAcrossHostsAndHealsACutHost) {
   const Reference ref = load_reference();
   check_reference(server, ref, 1);
 
-  // 4 -> 6: one joiner on each host, under load.
+  // 4 -> 6: one joiner on each host, under load (checked answers and timed streams).
   {
-    Load load(server, 4);
-    pause_ms(300);
+    Load load(server, 3);
+    StreamGaps streams(server, 2);
+    const auto t0 = StreamGaps::Clock::now();
+    pause_ms(600);
+    const auto t_scale = StreamGaps::Clock::now();
     const Answer up = scale_with_joiners(server, hosts, 6, {0, 1}, &pids);
+    const auto t_done = StreamGaps::Clock::now();
     ASSERT_EQ(up.status, 200) << up.body.dump();
     EXPECT_EQ(up.body["members"], nlohmann::json({0, 1, 2, 3, 4, 5})) << up.body.dump();
     pause_ms(300);
     load.stop();
+    streams.stop();
     EXPECT_GT(load.ok(), 0);
     EXPECT_EQ(load.failed(), 0);
     EXPECT_EQ(load.wrong(), 0);
-    std::printf("[hosts] scale 4 -> 6: prepare %.0f ms, commit %.1f ms, longest request %lld ms\n",
-                up.body.value("prepare_s", 0.0) * 1e3, up.body.value("commit_s", 0.0) * 1e3,
-                static_cast<long long>(load.max_ms()));
+    const double steady = streams.max_gap_ms(t0, t_scale);
+    const double during = streams.max_gap_ms(t_scale, t_done);
+    std::printf(
+        "[hosts] scale 4 -> 6: prepare %.0f ms, commit %.1f ms, stall %.1f ms (longest "
+        "token gap %.1f, steady %.1f), longest request %lld ms\n",
+        up.body.value("prepare_s", 0.0) * 1e3, up.body.value("commit_s", 0.0) * 1e3,
+        std::max(0.0, during - steady), during, steady, static_cast<long long>(load.max_ms()));
   }
   check_reference(server, ref, 1);
   const std::vector<int> b_ranks = ranks_on(server.get_json("/v1/status"), pids[1]);
