@@ -859,8 +859,8 @@ Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst,
                               cudaStream_t stream) {
   if (!device_exchange_) return unimplemented("no device exchange");
   // Every rank's slot buffer of a layer has this rank's shape (one configuration).
-  const size_t buffer_bytes = static_cast<size_t>(config_.num_local_slots) *
-                              config_.dims.slot_elems() * dtype_size(config_.dims.dtype);
+  const size_t buffer_bytes =
+      static_cast<size_t>(config_.num_local_slots) * config_.dims.slot_bytes();
   if (offset + bytes > buffer_bytes || offset + bytes < offset) {
     return invalid_argument("slot copy of " + std::to_string(bytes) + " bytes at " +
                             std::to_string(offset) + " past the slot buffer");
