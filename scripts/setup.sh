@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 PACKAGES=(build-essential cmake ccache pkg-config libopenblas-dev nlohmann-json3-dev libgtest-dev
           clang-format libzmq3-dev libmsgpack-cxx-dev libcpp-httplib-dev curl python3-matplotlib
-          libpcre2-dev libutf8proc-dev clang libclang-rt-dev libucx-dev)
+          libpcre2-dev libutf8proc-dev clang libclang-rt-dev libucx-dev iproute2 nftables)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -9,7 +9,8 @@
 //   worker -> front end: Hello, Ready, TokenBatch, StepReport, WorkerError, PullDone, MapApplied,
 //                        Connected, EpochApplied
 //   front end -> worker: WorkerConfig, EpochCommand, AddRequest, CancelRequest, Shutdown,
-//                        PullCommand, MapCommand, ConnectCommand
+//                        PullCommand, MapCommand, ConnectCommand; PeerLost on the heartbeat
+//                        socket
 #pragma once
 
 #ifndef MSGPACK_NO_BOOST
@@ -188,6 +189,19 @@ struct Heartbeat {
   int rank = 0;
   uint64_t incarnation = 0;
   MSGPACK_DEFINE_MAP(rank, incarnation);
+};
+
+// The front end declared `rank` (incarnation `incarnation`) lost: silent past
+// --heartbeat-timeout-ms, its process ended, or fenced. Sent to every other rank that has
+// said hello, on its heartbeat socket: that thread answers while the stepping thread waits in
+// a collective, and marks the peer lost in the transport (Transport::mark_peer_lost), so a
+// wait on a silent host ends at once instead of at the transport timeout.
+struct PeerLost {
+  static constexpr const char* kType = "peer-lost";
+  int rank = 0;
+  uint64_t incarnation = 0;
+  std::string why;
+  MSGPACK_DEFINE_MAP(rank, incarnation, why);
 };
 
 // Sent a few times a second between steps (load statistics).

@@ -98,14 +98,15 @@ class Worker {
     proto::WorkerError err{group_.epoch, static_cast<int>(s.code()), s.message()};
     (void)send_msg(control_, err);
   }
-  // Beats on a socket of its own every kHeartbeatIntervalMs, whatever the step does.
+  // Beats on a socket of its own every kHeartbeatIntervalMs, whatever the step does, and
+  // takes the front end's PeerLost there (the stepping thread may be waiting on that peer).
   void heartbeat_loop(std::string routing_id);
+  void on_peer_lost(const std::vector<std::string>& parts);
   void stop_heartbeat() {
     {
       MutexLock lock(heartbeat_mutex_);
       heartbeat_stop_ = true;
     }
-    heartbeat_cv_.notify_all();
     if (heartbeat_.joinable()) heartbeat_.join();
   }
   void stop_mover() {
@@ -155,8 +156,9 @@ class Worker {
   bool mover_stop_ GUARDED_BY(mover_mutex_) = false;
   std::thread heartbeat_;
   Mutex heartbeat_mutex_;
-  CondVar heartbeat_cv_;
   bool heartbeat_stop_ GUARDED_BY(heartbeat_mutex_) = false;
+  // transport_, once created, for the heartbeat thread's mark_peer_lost (any thread).
+  Transport* lost_sink_ GUARDED_BY(heartbeat_mutex_) = nullptr;
   bool fenced_ = false;  // Declared lost by the front end: exit, touch nothing.
   // SIGTERM: a LeaveRequest went out; the front end's scale-down ends it (Shutdown{kLeave})
   // or, past the deadline, the worker exits 1 on its own.
@@ -208,12 +210,35 @@ void Worker::heartbeat_loop(std::string routing_id) {
     return;
   }
   const proto::Heartbeat beat{options_.rank, config_.incarnation};
-  MutexLock lock(heartbeat_mutex_);
-  while (!heartbeat_stop_) {
-    (void)send_msg(socket, beat);
-    heartbeat_cv_.wait_for(lock, std::chrono::milliseconds(proto::Heartbeat::kHeartbeatIntervalMs),
-                           [&]() REQUIRES(heartbeat_mutex_) { return heartbeat_stop_; });
+  constexpr int kPollMs = 20;  // How long stop_heartbeat() may wait for this thread.
+  auto next_beat = std::chrono::steady_clock::now();
+  for (;;) {
+    {
+      MutexLock lock(heartbeat_mutex_);
+      if (heartbeat_stop_) return;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= next_beat) {
+      (void)send_msg(socket, beat);
+      next_beat = now + std::chrono::milliseconds(proto::Heartbeat::kHeartbeatIntervalMs);
+    }
+    auto parts = socket.recv(kPollMs);
+    if (parts.ok()) on_peer_lost(parts.value());
   }
+}
+
+void Worker::on_peer_lost(const std::vector<std::string>& parts) {
+  if (parts.size() != 2 || parts[0] != proto::PeerLost::kType) return;
+  auto msg = proto::decode<proto::PeerLost>(parts[1]);
+  // Our own loss comes as Shutdown{kFenced} on the control socket.
+  if (!msg.ok() || msg->rank == options_.rank) return;
+  MutexLock lock(heartbeat_mutex_);
+  if (lost_sink_ == nullptr) return;  // Not loaded yet: nothing waits on anyone.
+  const Status s =
+      lost_sink_->mark_peer_lost(msg->rank, "the front end declared it lost (" + msg->why + ")");
+  FLEX_LOG(INFO) << "rank " << options_.rank << ": peer " << msg->rank << " incarnation "
+                 << msg->incarnation << " lost: " << msg->why
+                 << (s.ok() ? "" : " (" + s.to_string() + ")");
 }
 
 Status Worker::load() {
@@ -231,6 +256,10 @@ Status Worker::load() {
       model_config_.num_experts_per_tok, model_config_.hidden_size);
   topts.timeout_ms = config_.timeout_ms;
   FLEX_ASSIGN_OR_RETURN(transport_, create_transport(config_.transport, topts));
+  {
+    MutexLock lock(heartbeat_mutex_);
+    lost_sink_ = transport_.get();
+  }
   ThreadPool& pool = ThreadPool::global();
   executor_ = std::make_unique<EpMoeExecutor>(*transport_, config_.slots_per_rank, pool);
 
@@ -325,12 +354,18 @@ Status Worker::connect_peers(const proto::ConnectCommand& cmd) {
       continue;
     }
     FLEX_RETURN_IF_ERROR(transport_->connect(r, cmd.addresses[i]));
-    if (cmd.probe_region >= 0) {
-      // Exercise the attachment: a one-sided read of the peer's first expert bytes.
-      char probe[64];
-      FLEX_RETURN_IF_ERROR(
-          transport_->read(r, cmd.probe_region, 0, probe, sizeof(probe)).annotate("probe"));
-    }
+  }
+  // Every connect before any probe: a probe may wait until the peer has connected back (over
+  // UCX it needs the peer's region announcement), and a member answers its own command only
+  // between steps, which wait on the members still probing. Probing as each connect is made
+  // let a member wait on a joiner that waited on another member stuck in a step with it.
+  for (size_t i = 0; i < cmd.ranks.size() && cmd.probe_region >= 0; ++i) {
+    const int r = cmd.ranks[i];
+    if (r == options_.rank || cmd.addresses[i].empty()) continue;
+    // Exercise the attachment: a one-sided read of the peer's first expert bytes.
+    char probe[64];
+    FLEX_RETURN_IF_ERROR(
+        transport_->read(r, cmd.probe_region, 0, probe, sizeof(probe)).annotate("probe"));
   }
   return Status();
 }
@@ -651,6 +686,9 @@ int Worker::run() {
     }
     if (halted_ || group_.ranks.empty()) {
       if (stopping_ || (leaving_ && group_.ranks.empty())) break;
+      // Not stepping: peers may still read our slots (a member probing a joiner, a replacement
+      // probing a halted survivor), which over UCX's TCP needs our progress.
+      if (transport_) transport_->progress();
       report(false);
       continue;
     }

@@ -269,18 +269,19 @@ void ClusterEngine::Impl::send_epoch(const cluster::Action& commit) {
 }
 
 void ClusterEngine::Impl::flush_outbox() {
-  std::deque<std::pair<int, std::vector<std::string>>> out;
+  std::deque<Outgoing> out;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     out.swap(outbox_);
   }
-  for (auto& [rank, parts] : out) {
+  for (auto& [rank, to_heartbeat, parts] : out) {
     std::string id;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       id = ranks_[rank].routing_id;
     }
     if (id.empty()) continue;
+    if (to_heartbeat) id += proto::Heartbeat::kHeartbeatSuffix;
     parts.insert(parts.begin(), id);
     Status s = router_.send(parts);
     if (!s.ok()) {

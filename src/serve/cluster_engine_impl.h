@@ -121,7 +121,12 @@ class ClusterEngine::Impl {
   // Guarded by mutex_:
   std::vector<RankInfo> ranks_;
   std::map<uint64_t, RequestInfo> requests_;
-  std::deque<std::pair<int, std::vector<std::string>>> outbox_;  // (rank, [type, body])
+  struct Outgoing {
+    int rank = 0;
+    bool to_heartbeat = false;  // To the rank's heartbeat socket (PeerLost), not its control one.
+    std::vector<std::string> parts;  // [type, body]
+  };
+  std::deque<Outgoing> outbox_;
   uint64_t next_request_id_ = 1;
   // Phase, members, incarnations and the epoch with its commit rule (src/cluster,
   // pure); the flows below execute it and record their steps in it.
@@ -324,8 +329,11 @@ class ClusterEngine::Impl {
   // Any thread, with mutex_ held.
   template <typename T>
   void post(int rank, const T& msg) {
-    outbox_.push_back({rank, {T::kType, proto::encode(msg)}});
+    outbox_.push_back({rank, false, {T::kType, proto::encode(msg)}});
   }
+  // Tells every other rank that said hello that `rank` is lost (proto::PeerLost), so their
+  // transports end waits on it now (docs/ARCHITECTURE.md, "Membership, epochs, failure").
+  void announce_lost(int rank, uint64_t lost_incarnation, const std::string& why);
   void wake();
   Status spawn(int rank);
   // Has the control thread spawn `rank` (workers die with the thread that forked

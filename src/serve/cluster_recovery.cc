@@ -160,7 +160,9 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
   }
   const bool was_member = std::find(members().begin(), members().end(), rank) != members().end();
   info.state = RankState::kDead;
+  const uint64_t lost_incarnation = incarnation(rank);
   membership_.mark_lost(rank);  // Out of the members: its incarnation is fenced.
+  announce_lost(rank, lost_incarnation, why);
   info.last_error = why;
   info.leaving = false;
   if (info.spawned && info.pid > 0) kill(info.pid, SIGKILL);  // Declared lost: make it so.
@@ -216,6 +218,22 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
   sweep_finished();
   info.in_flight = 0;
   cv_.notify_all();  // The healer starts the recovery.
+}
+
+void ClusterEngine::Impl::announce_lost(int rank, uint64_t lost_incarnation,
+                                        const std::string& why) {
+  // A silent host is not seen by a network transport (UCX reports no error for a dropped
+  // link): without this word the survivors' collectives with it end only at their timeout.
+  const proto::PeerLost msg{rank, lost_incarnation, why};
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    const RankState s = ranks_[r].state;
+    if (static_cast<int>(r) == rank || ranks_[r].routing_id.empty() || s == RankState::kDead ||
+        s == RankState::kStopped || s == RankState::kEmpty) {
+      continue;
+    }
+    outbox_.push_back({static_cast<int>(r), true, {proto::PeerLost::kType, proto::encode(msg)}});
+  }
+  wake();
 }
 
 Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann::json* report) {

@@ -50,6 +50,7 @@ class FaultInjectingTransport final : public Transport {
   Result<std::vector<ByteSpan>> exchange(const Group& group,
                                          const std::vector<ByteSpan>& send) override;
   Status shutdown() override;
+  void progress() override { inner_->progress(); }
   Status peer_status(int peer) const override { return inner_->peer_status(peer); }
   Status mark_peer_lost(int peer, const std::string& why) override {
     return inner_->mark_peer_lost(peer, why);

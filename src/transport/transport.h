@@ -107,6 +107,11 @@ class Transport {
   // Releases everything this rank created (segments, mappings). No peer is waited on.
   virtual Status shutdown() = 0;
 
+  // Lets a backend without a progress thread serve its peers between collectives: over TCP a
+  // UCX read() of this rank is messages that this rank must answer, so a rank that is not
+  // stepping (a joiner being attached, a halted survivor) calls this while it waits for
+  // commands. Driving thread; cheap; a no-op where reads are one-sided.
+  virtual void progress() {}
   // Liveness of a connected peer without a collective (for waits that happen elsewhere, e.g.
   // in device kernels): Unavailable "rank R (pid P) died" / "... shut down" once it is gone,
   // as the collectives report it; OK otherwise. Driving thread. Backends that cannot tell

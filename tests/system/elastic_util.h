@@ -35,7 +35,13 @@ class Load {
       threads_.emplace_back([this, &server, c] {
         for (int i = 0; !done_.load(); ++i) {
           const size_t p = (c + i) % ref_.prompts.size();
+          const auto t0 = std::chrono::steady_clock::now();
           const std::vector<int> got = server.complete(ref_.prompts[p], 16);
+          const int64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                                 std::chrono::steady_clock::now() - t0)
+                                 .count();
+          for (int64_t m = max_ms_.load(); ms > m && !max_ms_.compare_exchange_weak(m, ms);) {
+          }
           if (got.empty()) {
             ++failed_;
           } else if (got != ref_.greedy[p]) {
@@ -57,11 +63,13 @@ class Load {
   int ok() const { return ok_.load(); }
   int failed() const { return failed_.load(); }
   int wrong() const { return wrong_.load(); }
+  int64_t max_ms() const { return max_ms_.load(); }  // The longest request (a figure, no assert).
 
  private:
   Reference ref_;
   std::atomic<bool> done_{false};
   std::atomic<int> ok_{0}, failed_{0}, wrong_{0};
+  std::atomic<int64_t> max_ms_{0};
   std::vector<std::thread> threads_;
 };
 

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -114,6 +115,12 @@ class Server {
     kill(workers_[i], SIGKILL);
     waitpid(workers_[i], nullptr, 0);
     workers_.erase(workers_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  // A worker the caller started (e.g. a scale-up's joiner): stop() waits for it like the others.
+  void adopt_worker(pid_t pid) { workers_.push_back(pid); }
+  // The index of a hand-started worker's pid (for take_worker).
+  size_t index_of(pid_t pid) const {
+    return static_cast<size_t>(std::find(workers_.begin(), workers_.end(), pid) - workers_.begin());
   }
   // Hands the i-th hand-started worker to the caller (who signals and reaps it).
   pid_t take_worker(size_t i) {

@@ -284,6 +284,43 @@ TEST_P(CollectiveConformanceTest, ReadPeerRegionsAlsoFromASecondThread) {
   });
 }
 
+// A rank that is not in any collective (a joiner being attached, a halted survivor) but calls
+// progress() while it waits serves reads of its regions: over UCX's TCP a read is messages
+// the owner must take. Rank 0 reads rank 1 while rank 1 only progresses.
+TEST_P(CollectiveConformanceTest, ReadsOfARankThatOnlyProgresses) {
+  run_ok(spec(2000), [](RankContext& ctx) -> Status {
+    if (!ctx.t().capabilities().one_sided_read) return Status();
+    constexpr size_t kBytes = 4096;
+    CT_ASSIGN(Region region, ctx.t().allocate_region(3, kBytes));
+    const std::vector<uint8_t> bytes = pattern(seed_of(ctx.rank, 3), kBytes);
+    ctx.memory->copy_in(region.data, bytes.data(), kBytes);
+    std::atomic<int64_t>& reads_done = ctx.shared->values[0];
+    CT_REQUIRE_OK(ctx.t().barrier(ctx.group(1)));
+    if (ctx.rank == 1) {
+      while (reads_done.load() == 0) {
+        ctx.t().progress();
+        sleep_us(500);  // A worker's wait for its next command.
+      }
+    } else if (ctx.rank == 0) {
+      auto reads = [&]() -> Status {
+        for (int i = 0; i < 20; ++i) {
+          Buffer dst = ctx.buffer(std::vector<uint8_t>(kBytes));
+          CT_REQUIRE_OK(ctx.t().read(1, 3, 0, const_cast<void*>(dst.span().data), kBytes));
+          CT_REQUIRE(ctx.download(dst.span()) == pattern(seed_of(1, 3), kBytes), "read ", i,
+                     " differs");
+        }
+        return Status();
+      };
+      const Status s = reads();
+      reads_done.store(1);  // Also on failure: rank 1 stops waiting.
+      CT_REQUIRE_OK(s);
+    } else {
+      while (reads_done.load() == 0) sleep_us(500);
+    }
+    return ctx.t().barrier(ctx.group(1));
+  });
+}
+
 // Bad input gets a clear error, never a crash, and consumes nothing: the collective after
 // the errors still pairs with the peers' next collective.
 TEST_P(CollectiveConformanceTest, InvalidCallsFailCleanlyAndConsumeNothing) {

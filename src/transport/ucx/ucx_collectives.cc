@@ -123,6 +123,7 @@ void UcxTransport::reset_inbox(Inbox& in, uint64_t incarnation) {
   }
   in.seen = true;
   in.incarnation = incarnation;
+  in.heard = false;
   in.bye = false;
   in.bye_acked = false;
   in.has_epoch = false;
@@ -206,6 +207,7 @@ void UcxTransport::deliver(const WireHeader& h, const void* data, size_t length,
     return;
   }
   if (!in.seen || h.src_incarnation > in.incarnation) reset_inbox(in, h.src_incarnation);
+  in.heard = true;
   if (h.has_epoch != 0 && (!in.has_epoch || h.epoch >= in.epoch)) {
     in.has_epoch = true;
     in.epoch = h.epoch;

@@ -516,6 +516,11 @@ Status UcxTransport::mark_peer_lost(int peer, const std::string& why) {
   return Status();
 }
 
+void UcxTransport::progress() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!shut_down_) progress_locked();
+}
+
 Status UcxTransport::peer_status(int peer) const {
   if (peer < 0 || peer >= options_.max_ranks) {
     return invalid_argument("rank " + std::to_string(peer) + " out of range");
@@ -589,13 +594,21 @@ Status UcxTransport::read(int peer, int region_id, size_t offset, void* dst, siz
   const Inbox& in = inboxes_[peer];
   auto region_known = [&] { return in.seen && in.regions.count(region_id) != 0; };
   if (!region_known()) {
-    // Announced but not here yet (the peer's collective messages count its announcements)?
+    // Announced but not here yet (the peer's messages count its announcements)? Until the
+    // first message of its incarnation arrives nothing is known: a peer told to connect to us
+    // at the same time as we to it (a scale-up's ConnectCommands) announces once it has.
+    auto heard = [&] { return in.seen && in.heard; };
     progress_until(lock, deadline, [&] {
-      return region_known() || !peer_error(*p).ok() || !in.seen ||
-             in.incarnation != p->parsed.incarnation || in.regions.size() >= in.regions_claimed;
+      return region_known() || !peer_error(*p).ok() ||
+             (heard() &&
+              (in.incarnation != p->parsed.incarnation || in.regions.size() >= in.regions_claimed));
     });
     if (!region_known()) {
       FLEX_RETURN_IF_ERROR(peer_error(*p).annotate(what));
+      if (!heard()) {
+        return unavailable(what + ": no message from it within " +
+                           std::to_string(options_.timeout_ms) + " ms");
+      }
       return not_found(what + ": no such region");
     }
   }
@@ -683,8 +696,8 @@ Status UcxTransport::shutdown() {
   const ucx::WireHeader bye = header_for(ucx::MessageType::kBye);
   std::vector<const Peer*> told;
   for (const auto& p : peers_) {
-    if (p != nullptr && p->rank != options_.rank && p->conn != nullptr &&
-        p->conn->ep != nullptr && !p->lost && post_send(*p, bye, nullptr, 0, nullptr).ok()) {
+    if (p != nullptr && p->rank != options_.rank && p->conn != nullptr && p->conn->ep != nullptr &&
+        !p->lost && post_send(*p, bye, nullptr, 0, nullptr).ok()) {
       told.push_back(p.get());
     }
   }

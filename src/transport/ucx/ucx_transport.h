@@ -48,7 +48,8 @@
 // (10), yielding FLEXPERT_UCX_YIELD_US (50), then sleeping in slices growing to 200 µs. Why:
 // no hand-off latency on the step's critical path and no core burnt between steps on machines
 // where ranks share cores. The cost: a rank progresses only while inside a transport call, so
-// over TCP a peer's read() of it waits for its next call, and its death is noticed by peers
+// over TCP a peer's read() of it waits for its next call (a rank that is not stepping calls
+// progress() between commands), and its death is noticed by peers
 // (endpoint error) only while they are inside one; a silent peer is seen by timeouts or by
 // mark_peer_lost() (the front end's heartbeat). Every wait has options.timeout_ms; a read()
 // that times out closes the endpoint (so no get writes into the caller's buffer afterwards)
@@ -107,6 +108,7 @@ class UcxTransport final : public Transport {
                                          const std::vector<ByteSpan>& send) override;
 
   Status shutdown() override;
+  void progress() override;
   Status peer_status(int peer) const override;
   Status mark_peer_lost(int peer, const std::string& why) override;
   int timeout_ms() const override { return options_.timeout_ms; }
@@ -136,6 +138,9 @@ class UcxTransport final : public Transport {
   struct Inbox {
     bool seen = false;
     uint64_t incarnation = 0;
+    // A message of `incarnation` has arrived (so regions_claimed counts its announcements).
+    // False after connect() to a new incarnation: its peer may not have connected back yet.
+    bool heard = false;
     bool bye = false;
     bool bye_acked = false;  // It took our kBye (shutdown waits for that before closing).
     bool has_epoch = false;
