@@ -120,6 +120,7 @@ TransportCapabilities CudaIpcTransport::capabilities() const {
   c.cross_host = false;
   c.max_gather_bytes = options_.max_gather_bytes;
   c.max_exchange_bytes = options_.max_exchange_bytes;
+  c.mapped_peer_buffers = true;
   return c;
 }
 
@@ -235,10 +236,8 @@ Status CudaIpcTransport::disconnect(int peer) {
   return Status();
 }
 
-Result<Region> CudaIpcTransport::allocate_region(int region_id, size_t num_bytes) {
-  if (shut_down_) return failed_precondition("allocate_region after shutdown");
-  if (region_id < 0) return invalid_argument("region id must be >= 0");
-  if (num_bytes == 0) return invalid_argument("region " + std::to_string(region_id) + ": 0 bytes");
+Status CudaIpcTransport::publish_region(int region_id, std::shared_ptr<RegionView> view,
+                                        const cudaIpcMemHandle_t& handle) {
   {
     std::lock_guard<std::mutex> lock(peers_mu_);
     if (own_regions_.count(region_id) != 0) {
@@ -249,37 +248,118 @@ Result<Region> CudaIpcTransport::allocate_region(int region_id, size_t num_bytes
     return resource_exhausted("cuda_ipc: more than " + std::to_string(cuda_ipc::kMaxRegions) +
                               " regions");
   }
-  FLEX_ASSIGN_OR_RETURN(std::shared_ptr<cuda_ipc::DeviceAllocation> memory,
-                        cuda_ipc::DeviceAllocation::create(options_.device, num_bytes));
   cuda_ipc::RegionEntry* entry = layout_.region(base_, num_regions_++);
   entry->region_id = region_id;
-  entry->num_bytes = num_bytes;
-  entry->address = reinterpret_cast<uint64_t>(memory->data());
-  std::memcpy(entry->handle, &memory->ipc_handle(), cuda_ipc::kIpcHandleBytes);
+  entry->num_bytes = view->num_bytes;
+  entry->address = reinterpret_cast<uint64_t>(view->data);
+  std::memcpy(entry->handle, &handle, cuda_ipc::kIpcHandleBytes);
   entry->published.store(1, std::memory_order_release);
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  own_regions_[region_id] = std::move(view);
+  return Status();
+}
+
+Result<Region> CudaIpcTransport::allocate_region(int region_id, size_t num_bytes) {
+  if (shut_down_) return failed_precondition("allocate_region after shutdown");
+  if (region_id < 0) return invalid_argument("region id must be >= 0");
+  if (num_bytes == 0) return invalid_argument("region " + std::to_string(region_id) + ": 0 bytes");
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    if (own_regions_.count(region_id) != 0) {
+      return invalid_argument("region " + std::to_string(region_id) + " already allocated");
+    }
+  }
+  FLEX_ASSIGN_OR_RETURN(std::shared_ptr<cuda_ipc::DeviceAllocation> memory,
+                        cuda_ipc::DeviceAllocation::create(options_.device, num_bytes));
   auto view = std::make_shared<RegionView>();
   view->data = memory->data();
   view->num_bytes = num_bytes;
+  const cudaIpcMemHandle_t handle = memory->ipc_handle();
   view->owner = std::move(memory);
   Region region{region_id, view->data, num_bytes};
-  std::lock_guard<std::mutex> lock(peers_mu_);
-  own_regions_[region_id] = std::move(view);
+  FLEX_RETURN_IF_ERROR(publish_region(region_id, std::move(view), handle));
   return region;
 }
 
+Status CudaIpcTransport::register_buffer(int buffer_id, void* data, size_t num_bytes) {
+  const std::string what = "register_buffer " + std::to_string(buffer_id);
+  if (shut_down_) return failed_precondition(what + " after shutdown");
+  if (buffer_id < 0) return invalid_argument(what + ": buffer id must be >= 0");
+  if (data == nullptr || num_bytes == 0) return invalid_argument(what + ": no memory");
+  ScopedDevice scoped(options_.device);
+  FLEX_RETURN_IF_ERROR(scoped.status());
+  cudaPointerAttributes attr{};
+  FLEX_RETURN_IF_ERROR(
+      cuda_check(cudaPointerGetAttributes(&attr, data), "cudaPointerGetAttributes").annotate(what));
+  if (attr.type != cudaMemoryTypeDevice || attr.device != options_.device) {
+    return invalid_argument(what + ": not device memory of device " +
+                            std::to_string(options_.device));
+  }
+  cudaIpcMemHandle_t handle;
+  FLEX_RETURN_IF_ERROR(
+      cuda_check(cudaIpcGetMemHandle(&handle, data), "cudaIpcGetMemHandle").annotate(what));
+  auto view = std::make_shared<RegionView>();  // The caller owns the memory: no owner.
+  view->data = static_cast<std::byte*>(data);
+  view->num_bytes = num_bytes;
+  return publish_region(buffer_id, std::move(view), handle);
+}
+
+Result<PeerBuffer> CudaIpcTransport::map_peer_buffer(int peer, int buffer_id, MapMode mode) {
+  if (peer < 0 || peer >= options_.max_ranks) {
+    return invalid_argument("map_peer_buffer: rank " + std::to_string(peer) + " not in [0, " +
+                            std::to_string(options_.max_ranks) + ")");
+  }
+  const std::string what =
+      "buffer " + std::to_string(buffer_id) + " of rank " + std::to_string(peer);
+  std::shared_ptr<const RegionView> view;
+  std::shared_ptr<Peer> p;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    if (shut_down_) return failed_precondition(what + ": mapped after shutdown");
+    if (peer == options_.rank) {
+      auto it = own_regions_.find(buffer_id);
+      if (it == own_regions_.end()) return not_found(what + ": not registered");
+      view = it->second;
+    } else {
+      p = peers_[peer];
+      if (p == nullptr) return unavailable(what + ": rank not connected");
+    }
+  }
+  PeerBuffer out;
+  out.incarnation = options_.incarnation;
+  if (p != nullptr) {
+    // A dead or departed incarnation's memory is never handed out, even if mapped before.
+    FLEX_RETURN_IF_ERROR(shm::peer_liveness(peer, p->pid, *p->header, p->watch).annotate(what));
+    out.incarnation = p->header->incarnation;
+    FLEX_ASSIGN_OR_RETURN(view, peer_region(*p, buffer_id, what, mode));
+    if (view == nullptr) return out;  // kLookup, not mapped yet.
+  }
+  out.data = view->data;
+  out.num_bytes = view->num_bytes;
+  out.mapping = std::move(view);
+  return out;
+}
+
 Result<std::shared_ptr<const CudaIpcTransport::RegionView>> CudaIpcTransport::peer_region(
-    Peer& p, int region_id, const std::string& what) {
+    Peer& p, int region_id, const std::string& what, MapMode mode) {
   std::lock_guard<std::mutex> lock(p.regions_mu);
   auto it = p.regions.find(region_id);
   if (it != p.regions.end()) return it->second;
+  const bool same_process = p.pid == ::getpid();
   // The owner publishes entries in order, each after its fields (release).
   for (int i = 0; i < cuda_ipc::kMaxRegions; ++i) {
     const cuda_ipc::RegionEntry* entry = layout_.region(p.control_base, i);
     if (entry->published.load(std::memory_order_acquire) == 0) break;
     if (entry->region_id != region_id) continue;
+    if (mode == MapMode::kLookup && !same_process) return std::shared_ptr<const RegionView>();
+    if (mode == MapMode::kMapSameDevice && !same_process &&
+        std::strncmp(p.info->pci_bus_id, layout_.info(base_)->pci_bus_id,
+                     sizeof(p.info->pci_bus_id)) != 0) {
+      return unimplemented(what + ": on another GPU (" + p.info->pci_bus_id + ") and not mapped");
+    }
     auto view = std::make_shared<RegionView>();
     view->num_bytes = entry->num_bytes;
-    if (p.pid == ::getpid()) {
+    if (same_process) {
       view->data = reinterpret_cast<std::byte*>(entry->address);
     } else {
       auto opened = cuda_ipc::IpcMapping::open(options_.device, handle_from(entry->handle));
@@ -320,7 +400,7 @@ Status CudaIpcTransport::read(int peer, int region_id, size_t offset, void* dst,
     if (p->header->closed.load(std::memory_order_acquire) != 0) {
       return unavailable(what + ": rank " + std::to_string(peer) + " has shut down");
     }
-    FLEX_ASSIGN_OR_RETURN(region, peer_region(*p, region_id, what));
+    FLEX_ASSIGN_OR_RETURN(region, peer_region(*p, region_id, what, MapMode::kMap));
   }
   if (offset > region->num_bytes || num_bytes > region->num_bytes - offset) {
     return invalid_argument(what + ": bytes [" + std::to_string(offset) + ", +" +

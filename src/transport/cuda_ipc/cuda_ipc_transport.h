@@ -13,6 +13,12 @@
 // (same timeouts and liveness: a dead peer is Unavailable "rank R (pid P) died", a silent one
 // DeadlineExceeded, a newer epoch Aborted). read() copies from the peer's IPC-mapped region
 // on a second stream (a copy engine) and synchronizes it.
+// Mapped peer buffers: register_buffer() publishes a device buffer the caller allocated in the
+// region table of the control segment (its IPC handle and, for ranks of the same process, its
+// address), so that it is also a region; map_peer_buffer() imports a peer's entry once per
+// attachment (Peer::regions, shared with read()), refuses it once the peer shut down or died,
+// and drops its reference when connect() attaches a new incarnation or disconnect() detaches
+// (the mapping closes when the caller's PeerBuffer::mapping references are gone too).
 //
 // Device memory: every ByteSpan returned by a collective, and Region::data, is a device
 // pointer of options.device. Inputs may be device or host pointers (cudaMemcpyDefault).
@@ -69,6 +75,9 @@ class CudaIpcTransport final : public Transport {
   Result<std::vector<ByteSpan>> exchange(const Group& group,
                                          const std::vector<ByteSpan>& send) override;
 
+  Status register_buffer(int buffer_id, void* data, size_t num_bytes) override;
+  Result<PeerBuffer> map_peer_buffer(int peer, int buffer_id, MapMode mode) override;
+
   Status shutdown() override;
   Status peer_status(int peer) const override;
   int timeout_ms() const override { return options_.timeout_ms; }
@@ -115,8 +124,12 @@ class CudaIpcTransport final : public Transport {
   CudaIpcTransport(TransportOptions options, cuda_ipc::Layout layout, std::string address);
 
   Result<std::shared_ptr<Peer>> attach(int peer, const std::string& address);
+  // Null for MapMode::kLookup when the region is not mapped yet.
   Result<std::shared_ptr<const RegionView>> peer_region(Peer& peer, int region_id,
-                                                        const std::string& what);
+                                                        const std::string& what, MapMode mode);
+  // Adds an entry to this rank's region table (driving thread).
+  Status publish_region(int region_id, std::shared_ptr<RegionView> view,
+                        const cudaIpcMemHandle_t& handle);
 
   Status run_collective(shm::OpKind kind, const Group& group, const ByteSpan* sends, size_t stride,
                         std::vector<ByteSpan>* out);
