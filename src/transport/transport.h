@@ -63,6 +63,11 @@ struct TransportOptions {
   // to that socket (UCX's client-server wireup, which needs tcp in UCX_TLS); when empty, peers
   // connect by the rank's UCP worker address (any UCX_TLS). Host-local backends ignore it.
   std::string listen_host;
+  // cuda_ipc: collectives and regions in host shared memory (the shm backend's, run inside it)
+  // and device memory only for mapped peer buffers: for callers whose collectives and regions
+  // carry host data (the worker: step headers, the host exchange, host mirrors of the slots).
+  // Other backends ignore it.
+  bool host_collectives = false;
 };
 
 // A block of memory this rank owns that peers may read(). Backend-allocated.
@@ -81,6 +86,10 @@ struct PeerBuffer {
   // incarnation of the owner or disconnect() detaches it; the mapping is closed when the last
   // holder lets go (a caller that still runs work on it holds it until that work is done).
   std::shared_ptr<const void> mapping;
+  // The owner's process (0: not known), for a caller that closes a mapping only once its owner
+  // has exited (shm::ProcessWatch; docs/cuda.md says why the device exchange does).
+  int32_t owner_pid = 0;
+  uint64_t owner_pid_start_time = 0;  // Tells a reused pid apart.
 };
 
 // What map_peer_buffer() may do to get a buffer not mapped yet.
@@ -146,8 +155,9 @@ class Transport {
   // Unimplemented.
   // Publishes `num_bytes` of device memory at `data` under `buffer_id` for peers to map. `data`
   // is the start of an allocation of this rank's device (cudaMalloc) that the caller keeps
-  // until shutdown(); ids share the namespace of region ids (a registered buffer is also a
-  // region peers may read()). Once per id; nothing is ever unregistered. Driving thread.
+  // until shutdown(). Use ids no region uses: a backend may keep both in one table (cuda_ipc
+  // with device collectives does, and there a registered buffer is also a region peers may
+  // read()). Once per id; nothing is ever unregistered. Driving thread.
   virtual Status register_buffer(int buffer_id, void* data, size_t num_bytes) {
     return unimplemented("register_buffer: not supported by this transport backend");
   }

@@ -278,13 +278,14 @@ TEST_P(FaultConformanceTest, MappedBuffersOfAnEndedIncarnationAreRefused) {
       if (ctx.rank == victim) ::raise(SIGKILL);
       return Status();
     }
+    CT_REQUIRE(ctx.device_memory != nullptr, "no device memory for registered buffers");
     constexpr int kId = 3;
     constexpr size_t kBytes = 8192;
     auto seed = [](int rank, uint64_t incarnation) { return seed_of(rank, incarnation, 57); };
     auto register_own = [&]() -> Status {
-      void* memory = ctx.memory->allocate(kBytes);  // Kept until the process ends.
+      void* memory = ctx.device_memory->allocate(kBytes);  // Kept until the process ends.
       const std::vector<uint8_t> bytes = pattern(seed(ctx.rank, ctx.options.incarnation), kBytes);
-      ctx.memory->copy_in(memory, bytes.data(), kBytes);
+      ctx.device_memory->copy_in(memory, bytes.data(), kBytes);
       return ctx.t().register_buffer(kId, memory, kBytes);
     };
     auto check = [&](int owner, uint64_t incarnation) -> Result<PeerBuffer> {
@@ -292,7 +293,7 @@ TEST_P(FaultConformanceTest, MappedBuffersOfAnEndedIncarnationAreRefused) {
       CT_REQUIRE(b.incarnation == incarnation, "rank ", owner, ": incarnation ", b.incarnation);
       CT_REQUIRE(b.num_bytes == kBytes && b.mapping != nullptr);
       std::vector<uint8_t> host(kBytes);
-      ctx.memory->copy_out(host.data(), b.data, kBytes);
+      ctx.device_memory->copy_out(host.data(), b.data, kBytes);
       CT_REQUIRE(host == pattern(seed(owner, incarnation), kBytes), "rank ", owner, " incarnation ",
                  incarnation, ": contents differ");
       return b;

@@ -9,6 +9,7 @@
 #include <new>
 
 #include "flexpert/logging.h"
+#include "transport/shm/shm_transport.h"
 
 namespace flexpert {
 
@@ -51,17 +52,30 @@ Result<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::create(
   char bus_id[32] = {};
   FLEX_RETURN_IF_ERROR(
       cuda_check(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device), "cudaDeviceGetPCIBusId"));
-  std::string address =
-      shm::control_segment_name(options.session, options.rank, options.incarnation);
+  std::unique_ptr<Transport> host;
+  std::string address;
+  if (options.host_collectives) {
+    FLEX_ASSIGN_OR_RETURN(std::unique_ptr<ShmTransport> shm, ShmTransport::create(options));
+    address = shm->address();
+    host = std::move(shm);
+    layout.recv_bytes = 0;  // The shm backend holds the payloads.
+  } else {
+    address = shm::control_segment_name(options.session, options.rank, options.incarnation);
+  }
+  const std::string control_name = table_name(options, address);
   std::unique_ptr<CudaIpcTransport> t(new CudaIpcTransport(options, layout, address));
-  FLEX_ASSIGN_OR_RETURN(t->recv_, cuda_ipc::DeviceAllocation::create(device, layout.recv_bytes));
-  FLEX_ASSIGN_OR_RETURN(t->copy_stream_, cuda_ipc::Stream::create(device, /*non_blocking=*/false));
-  FLEX_ASSIGN_OR_RETURN(t->read_stream_, cuda_ipc::Stream::create(device, /*non_blocking=*/true));
+  t->host_ = std::move(host);
+  if (t->host_ == nullptr) {
+    FLEX_ASSIGN_OR_RETURN(t->recv_, cuda_ipc::DeviceAllocation::create(device, layout.recv_bytes));
+    FLEX_ASSIGN_OR_RETURN(t->copy_stream_,
+                          cuda_ipc::Stream::create(device, /*non_blocking=*/false));
+    FLEX_ASSIGN_OR_RETURN(t->read_stream_, cuda_ipc::Stream::create(device, /*non_blocking=*/true));
+  }
 
-  auto created = ShmMapping::create(address, layout.total_bytes, /*populate=*/true);
+  auto created = ShmMapping::create(control_name, layout.total_bytes, /*populate=*/true);
   if (!created.ok() && created.status().code() == StatusCode::kFailedPrecondition) {
-    FLEX_RETURN_IF_ERROR(shm::remove_if_stale(address, cuda_ipc::kMagic));
-    created = ShmMapping::create(address, layout.total_bytes, /*populate=*/true);
+    FLEX_RETURN_IF_ERROR(shm::remove_if_stale(control_name, cuda_ipc::kMagic));
+    created = ShmMapping::create(control_name, layout.total_bytes, /*populate=*/true);
   }
   FLEX_RETURN_IF_ERROR(created.status());
   std::shared_ptr<ShmMapping> mapping = std::move(created).value();
@@ -88,8 +102,10 @@ Result<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::create(
   std::memcpy(info->pci_bus_id, bus_id, sizeof(info->pci_bus_id));
   info->pci_bus_id[sizeof(info->pci_bus_id) - 1] = '\0';
   info->recv_bytes = layout.recv_bytes;
-  info->recv_address = reinterpret_cast<uint64_t>(t->recv_->data());
-  std::memcpy(info->recv_handle, &t->recv_->ipc_handle(), cuda_ipc::kIpcHandleBytes);
+  if (t->recv_ != nullptr) {
+    info->recv_address = reinterpret_cast<uint64_t>(t->recv_->data());
+    std::memcpy(info->recv_handle, &t->recv_->ipc_handle(), cuda_ipc::kIpcHandleBytes);
+  }
   for (int i = 0; i < cuda_ipc::kMaxRegions; ++i)
     new (layout.region(base, i)) cuda_ipc::RegionEntry();
   h->magic.store(cuda_ipc::kMagic, std::memory_order_release);  // Peers may attach from now on.
@@ -105,7 +121,7 @@ Result<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::create(
   self->info = info;
   self->control_base = base;
   self->pid = h->pid;
-  self->recv = t->recv_->data();
+  self->recv = t->recv_ != nullptr ? t->recv_->data() : nullptr;
   t->peers_.assign(options.max_ranks, nullptr);
   t->peers_[options.rank] = std::move(self);
   return t;
@@ -113,7 +129,17 @@ Result<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::create(
 
 CudaIpcTransport::~CudaIpcTransport() { close_and_release(); }
 
+std::string CudaIpcTransport::table_name(const TransportOptions& options,
+                                         const std::string& address) {
+  return options.host_collectives ? shm::region_segment_name(address, kBufferTableId) : address;
+}
+
 TransportCapabilities CudaIpcTransport::capabilities() const {
+  if (host_ != nullptr) {
+    TransportCapabilities c = host_->capabilities();
+    c.mapped_peer_buffers = true;
+    return c;
+  }
   TransportCapabilities c;
   c.one_sided_read = true;
   c.device_memory = true;
@@ -182,7 +208,9 @@ Result<std::shared_ptr<CudaIpcTransport::Peer>> CudaIpcTransport::attach(
   p->control_base = control->data();
   p->control = std::move(control);
   p->pid = h->pid;
-  if (h->pid == ::getpid()) {
+  if (info->recv_bytes == 0) {
+    // Host collectives: no receive buffer.
+  } else if (h->pid == ::getpid()) {
     // Another transport of this very process: its pointers are valid here, and CUDA refuses
     // to import a handle into the process that exported it.
     p->recv = reinterpret_cast<std::byte*>(info->recv_address);
@@ -218,7 +246,9 @@ Status CudaIpcTransport::connect(int peer, const std::string& address) {
                                                   "' is not this rank's address " + address_);
   }
   if (peers_[peer] != nullptr && peers_[peer]->address == address) return Status();
-  FLEX_ASSIGN_OR_RETURN(std::shared_ptr<Peer> p, attach(peer, address));
+  if (host_ != nullptr) FLEX_RETURN_IF_ERROR(host_->connect(peer, address));
+  FLEX_ASSIGN_OR_RETURN(std::shared_ptr<Peer> p, attach(peer, table_name(options_, address)));
+  p->address = address;
   std::shared_ptr<Peer> dropped;  // Unmapped outside the lock (or by a read() in flight).
   std::lock_guard<std::mutex> lock(peers_mu_);
   dropped = std::move(peers_[peer]);  // An older incarnation's attachment.
@@ -230,10 +260,11 @@ Status CudaIpcTransport::disconnect(int peer) {
   if (peer < 0 || peer >= options_.max_ranks || peer == options_.rank) {
     return invalid_argument("disconnect: bad peer rank " + std::to_string(peer));
   }
+  Status host_status = host_ != nullptr ? host_->disconnect(peer) : Status();
   std::shared_ptr<Peer> dropped;
   std::lock_guard<std::mutex> lock(peers_mu_);
   if (!peers_.empty()) dropped = std::move(peers_[peer]);
-  return Status();
+  return host_status;
 }
 
 Status CudaIpcTransport::publish_region(int region_id, std::shared_ptr<RegionView> view,
@@ -260,6 +291,12 @@ Status CudaIpcTransport::publish_region(int region_id, std::shared_ptr<RegionVie
 }
 
 Result<Region> CudaIpcTransport::allocate_region(int region_id, size_t num_bytes) {
+  if (host_ != nullptr) {
+    if (region_id == kBufferTableId) {
+      return invalid_argument("region id " + std::to_string(region_id) + " is reserved");
+    }
+    return host_->allocate_region(region_id, num_bytes);
+  }
   if (shut_down_) return failed_precondition("allocate_region after shutdown");
   if (region_id < 0) return invalid_argument("region id must be >= 0");
   if (num_bytes == 0) return invalid_argument("region " + std::to_string(region_id) + ": 0 bytes");
@@ -313,9 +350,13 @@ Result<PeerBuffer> CudaIpcTransport::map_peer_buffer(int peer, int buffer_id, Ma
       "buffer " + std::to_string(buffer_id) + " of rank " + std::to_string(peer);
   std::shared_ptr<const RegionView> view;
   std::shared_ptr<Peer> p;
+  PeerBuffer out;
+  out.incarnation = options_.incarnation;
   {
     std::lock_guard<std::mutex> lock(peers_mu_);
     if (shut_down_) return failed_precondition(what + ": mapped after shutdown");
+    out.owner_pid = header_->pid;  // Valid until shutdown, which takes the lock.
+    out.owner_pid_start_time = header_->pid_start_time;
     if (peer == options_.rank) {
       auto it = own_regions_.find(buffer_id);
       if (it == own_regions_.end()) return not_found(what + ": not registered");
@@ -325,9 +366,9 @@ Result<PeerBuffer> CudaIpcTransport::map_peer_buffer(int peer, int buffer_id, Ma
       if (p == nullptr) return unavailable(what + ": rank not connected");
     }
   }
-  PeerBuffer out;
-  out.incarnation = options_.incarnation;
   if (p != nullptr) {
+    out.owner_pid = p->pid;
+    out.owner_pid_start_time = p->header->pid_start_time;
     // A dead or departed incarnation's memory is never handed out, even if mapped before.
     FLEX_RETURN_IF_ERROR(shm::peer_liveness(peer, p->pid, *p->header, p->watch).annotate(what));
     out.incarnation = p->header->incarnation;
@@ -375,6 +416,7 @@ Result<std::shared_ptr<const CudaIpcTransport::RegionView>> CudaIpcTransport::pe
 }
 
 Status CudaIpcTransport::read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) {
+  if (host_ != nullptr) return host_->read(peer, region_id, offset, dst, num_bytes);
   if (peer < 0 || peer >= options_.max_ranks) {
     return invalid_argument("read: rank " + std::to_string(peer) + " not in [0, " +
                             std::to_string(options_.max_ranks) + ")");
@@ -458,7 +500,16 @@ Status CudaIpcTransport::shutdown() {
   if (shut_down_) return Status();
   Status unlinked = control_->unlink();  // Reported (it would leak /dev/shm); teardown goes on.
   close_and_release();
+  if (host_ != nullptr) {
+    Status host_status = host_->shutdown();
+    if (unlinked.ok()) unlinked = std::move(host_status);
+  }
   return unlinked;
+}
+
+Status CudaIpcTransport::mark_peer_lost(int peer, const std::string& why) {
+  if (host_ != nullptr) return host_->mark_peer_lost(peer, why);
+  return Transport::mark_peer_lost(peer, why);
 }
 
 }  // namespace flexpert

@@ -33,6 +33,12 @@
 // NOTE: CUDA documents freeing an exported allocation before its importers close it as
 // undefined; shutdown() frees, so shut down at a step boundary (as the engine does).
 //
+// Host collectives (TransportOptions::host_collectives): the collectives, regions, read() and
+// liveness are an inner ShmTransport's (host memory, its address is this rank's address), and
+// this backend adds only the mapped peer buffers, in a table segment beside the shm segment
+// (named as the shm backend's region kBufferTableId, so session cleanup removes it too); no
+// receive buffer is allocated, and registered buffers are not regions.
+//
 // Thread safety: as ShmTransport. connect, disconnect, allocate_region, the collectives and
 // shutdown on one driving thread; read() and the const accessors on any thread. Every call
 // selects options.device for its own duration and restores the caller's current device.
@@ -80,6 +86,7 @@ class CudaIpcTransport final : public Transport {
 
   Status shutdown() override;
   Status peer_status(int peer) const override;
+  Status mark_peer_lost(int peer, const std::string& why) override;
   int timeout_ms() const override { return options_.timeout_ms; }
 
  private:
@@ -121,6 +128,10 @@ class CudaIpcTransport final : public Transport {
     shm::MailboxHeader* mailbox;  // In the peer's segment, state Writing.
   };
 
+  // host_collectives: the table segment's name is the shm backend's name of this region id.
+  static constexpr int kBufferTableId = 2147483647;
+  static std::string table_name(const TransportOptions& options, const std::string& address);
+
   CudaIpcTransport(TransportOptions options, cuda_ipc::Layout layout, std::string address);
 
   Result<std::shared_ptr<Peer>> attach(int peer, const std::string& address);
@@ -152,6 +163,9 @@ class CudaIpcTransport final : public Transport {
   const TransportOptions options_;
   const cuda_ipc::Layout layout_;
   const std::string address_;
+  // host_collectives: runs collectives, regions and reads; null otherwise. Driving thread for
+  // what it drives, any thread for read() (as ShmTransport).
+  std::unique_ptr<Transport> host_;
 
   std::shared_ptr<shm::ShmMapping> control_;  // This rank's segment. Shared with self's Peer.
   shm::SegmentHeader* header_ = nullptr;
