@@ -217,7 +217,7 @@ void DeviceEpMoe::retire(std::unique_ptr<PeerMapping> peer, std::unique_ptr<Slot
         }
         if (close.empty()) continue;
         lk.unlock();
-        close.clear();  // cudaIpcCloseMemHandle each (IpcMapping selects its device).
+        close.clear();  // The last references: the transport's mappings close now.
         lk.lock();
       }
     });
