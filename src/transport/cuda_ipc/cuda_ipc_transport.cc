@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <new>
+#include <random>
 
 #include "flexpert/logging.h"
 #include "transport/shm/shm_transport.h"
@@ -18,6 +19,14 @@ using cuda_ipc::ScopedDevice;
 using shm::ShmMapping;
 
 namespace {
+
+uint64_t process_token() {
+  static const uint64_t token = [] {
+    std::random_device rd;
+    return (uint64_t{rd()} << 32) ^ rd() ^ static_cast<uint64_t>(::getpid());
+  }();
+  return token;
+}
 
 cudaIpcMemHandle_t handle_from(const unsigned char* bytes) {
   cudaIpcMemHandle_t handle;
@@ -99,6 +108,7 @@ Result<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::create(
   }
   cuda_ipc::DeviceInfo* info = layout.info(base);
   info->device = device;
+  info->process_token = process_token();
   std::memcpy(info->pci_bus_id, bus_id, sizeof(info->pci_bus_id));
   info->pci_bus_id[sizeof(info->pci_bus_id) - 1] = '\0';
   info->recv_bytes = layout.recv_bytes;
@@ -121,6 +131,7 @@ Result<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::create(
   self->info = info;
   self->control_base = base;
   self->pid = h->pid;
+  self->same_process = true;
   self->recv = t->recv_ != nullptr ? t->recv_->data() : nullptr;
   t->peers_.assign(options.max_ranks, nullptr);
   t->peers_[options.rank] = std::move(self);
@@ -208,9 +219,10 @@ Result<std::shared_ptr<CudaIpcTransport::Peer>> CudaIpcTransport::attach(
   p->control_base = control->data();
   p->control = std::move(control);
   p->pid = h->pid;
+  p->same_process = info->process_token == process_token();
   if (info->recv_bytes == 0) {
     // Host collectives: no receive buffer.
-  } else if (h->pid == ::getpid()) {
+  } else if (p->same_process) {
     // Another transport of this very process: its pointers are valid here, and CUDA refuses
     // to import a handle into the process that exported it.
     p->recv = reinterpret_cast<std::byte*>(info->recv_address);
@@ -386,7 +398,7 @@ Result<std::shared_ptr<const CudaIpcTransport::RegionView>> CudaIpcTransport::pe
   std::lock_guard<std::mutex> lock(p.regions_mu);
   auto it = p.regions.find(region_id);
   if (it != p.regions.end()) return it->second;
-  const bool same_process = p.pid == ::getpid();
+  const bool same_process = p.same_process;
   // The owner publishes entries in order, each after its fields (release).
   for (int i = 0; i < cuda_ipc::kMaxRegions; ++i) {
     const cuda_ipc::RegionEntry* entry = layout_.region(p.control_base, i);

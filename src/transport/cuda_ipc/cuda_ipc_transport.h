@@ -109,6 +109,7 @@ class CudaIpcTransport final : public Transport {
     std::byte* control_base = nullptr;
     shm::ProcessWatch watch;
     int32_t pid = 0;
+    bool same_process = false;  // A transport of this process: addresses, not IPC handles.
     std::unique_ptr<cuda_ipc::IpcMapping>
         recv_mapping;           // Null for this rank and same-process peers.
     std::byte* recv = nullptr;  // Its receive buffer, mapped here.
