@@ -9,7 +9,7 @@
 //              [--tolerance 0.005,...] [--smooth 0,0.3] [--format deepseek|flexpert] [--threads 1]
 //              [--scale 16:24,24:16,...] [--scale-spare 1] [--scale-prev deepseek|flexpert]
 //              [--scale-tolerance 0.005,0.02,0.05] [--greedy-after-change 1,0]
-//              [--seed 1] [--json out.json]
+//              [--time-ranks 256] [--parallel-threads 0] [--seed 1] [--json out.json]
 //
 // Loads: per layer a Zipf law (exponent drawn in [zipf-min, zipf-max]) over the experts in a
 // random order, scaled to 16384 tokens x top-8; from one window to the next every load is
@@ -34,15 +34,22 @@
 // planned window and on the next one; remote receives per plan (count_receives: per GPU, the
 // experts it holds after and did not hold before; GPUs are not renumbered for either
 // planner, DeepSeek's output is taken as it is), also as a share of all slots; wall-clock time
-// of a plan (all layers), mean and max; layers planned hierarchically; replicas placed on a rank
-// that already holds their expert (wasted slots); free slots (-1). "targets" checks flexpert
-// against these goals: balance >= DeepSeek's - 0.005 (on the next window for smoothed plans),
-// receives <= half of DeepSeek's, every plan < 50 ms.
+// of a plan (all layers), mean and max, and CPU time of the process during it (with one thread:
+// what one free core takes, whatever else runs on the machine); layers planned hierarchically;
+// replicas placed on a rank that already holds their expert (wasted slots); free slots (-1).
+// "targets" checks flexpert against these goals: balance >= DeepSeek's - 0.005 (on the next window
+// for smoothed plans), receives <= half of DeepSeek's, every plan < 50 ms (CPU time with one
+// thread, else wall clock).
+//
+// Timing table (--time-ranks, empty to skip): per GPU count and spare, flexpert's steady
+// sequence planned on one thread (CPU time and wall clock) and again on --parallel-threads
+// (0: one per core, at most eplb::kMaxPlanThreads; wall clock); the two must give the same plans.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -50,6 +57,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "eplb/deepseek_eplb.h"
@@ -70,6 +78,9 @@ struct Options {
   std::vector<double> smooth = {0, 0.3};
   bool fill = true;  // --format deepseek
   int threads = 1;
+  // Timing table: these GPU counts, the steady sequence on one thread and on parallel_threads.
+  std::vector<int> time_ranks = {256};
+  int parallel_threads = 0;  // 0: one per core (PlanInput::num_threads)
   std::vector<std::pair<int, int>> scale = {{16, 24},   {24, 16},   {64, 48},   {48, 64},
                                             {144, 128}, {128, 144}, {256, 192}, {192, 256}};
   int scale_spare = 1;
@@ -118,6 +129,8 @@ bool parse(int argc, char** argv, Options& o) {
          ok = ok && (v == "deepseek" || v == "flexpert");
        }},
       {"--threads", to_int(o.threads)},
+      {"--time-ranks", [&](const std::string& v) { o.time_ranks = list<int>(v); }},
+      {"--parallel-threads", to_int(o.parallel_threads)},
       {"--scale",
        [&](const std::string& v) {
          o.scale.clear();
@@ -154,7 +167,8 @@ bool parse(int argc, char** argv, Options& o) {
   return ok && argc % 2 == 1 && o.windows >= 2 && o.layers >= 1 && o.experts >= 1 &&
          o.groups >= 1 && o.ranks_per_host >= 1 && !o.ranks.empty() && !o.spare.empty() &&
          !o.tolerance.empty() && !o.scale_tolerance.empty() && !o.smooth.empty() &&
-         !o.greedy_after_change.empty() && o.threads >= 0 && o.scale_spare >= 0;
+         !o.greedy_after_change.empty() && o.threads >= 0 && o.scale_spare >= 0 &&
+         o.parallel_threads >= 0;
 }
 
 // windows + 1 load matrices (the last one only scores the last plan).
@@ -204,7 +218,8 @@ struct Row {
   std::string planner;
   double tolerance = 0, smooth = 0;
   double balance_now = 0, balance_next = 0, moved = 0, moved_pct = 0;
-  double ms_mean = 0, ms_max = 0, hier_pct = 0, colocated = 0, free_slots = 0;
+  double ms_mean = 0, ms_max = 0, cpu_mean = 0, cpu_max = 0;
+  double hier_pct = 0, colocated = 0, free_slots = 0;
 };
 
 int64_t colocated_replicas(const Placement& p, int slots) {
@@ -239,8 +254,16 @@ int slots_for(const Options& o, int num_ranks, int spare) {
 struct Planned {
   Placement placement;
   int64_t hier_layers = 0;
-  double ms = 0;
+  double ms = 0;      // wall clock
+  double cpu_ms = 0;  // CPU time of the process (of all planner threads)
 };
+
+// CPU time of the process: a plan's compute, without the time other programs held the core.
+double cpu_ms_now() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) * 1e-6;
+}
 
 Planned plan_once(const Options& o, const Matrix& load, int num_ranks, int slots,
                   const Placement& prev, int prev_slots, bool deepseek, double tolerance,
@@ -248,6 +271,7 @@ Planned plan_once(const Options& o, const Matrix& load, int num_ranks, int slots
   Planned out;
   const int hosts = std::max(1, num_ranks / o.ranks_per_host);
   const auto start = std::chrono::steady_clock::now();
+  const double cpu_start = cpu_ms_now();
   if (deepseek) {
     auto p =
         flexpert::eplb::deepseek_rebalance(load, num_ranks * slots, o.groups, hosts, num_ranks);
@@ -285,6 +309,7 @@ Planned plan_once(const Options& o, const Matrix& load, int num_ranks, int slots
     out.placement = std::move(p->placement);
     for (auto used : p->used) out.hier_layers += used == flexpert::eplb::Policy::kHierarchical;
   }
+  out.cpu_ms = cpu_ms_now() - cpu_start;
   out.ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   return out;
@@ -309,6 +334,8 @@ void score(const Options& o, const std::vector<Matrix>& loads, int t, int num_ra
   }
   row.ms_mean += p.ms / plans;
   row.ms_max = std::max(row.ms_max, p.ms);
+  row.cpu_mean += p.cpu_ms / plans;
+  row.cpu_max = std::max(row.cpu_max, p.cpu_ms);
   row.hier_pct += 100.0 * static_cast<double>(p.hier_layers) / cells;
   row.colocated += static_cast<double>(colocated_replicas(p.placement, slots)) / plans;
   row.free_slots += static_cast<double>(free_slots(p.placement)) / plans;
@@ -357,37 +384,77 @@ Row run_scale(const Options& o, const std::vector<Matrix>& loads, int from, int 
   return row;
 }
 
+// The steady sequence of plans (flexpert, default tolerance, no smoothing) on one thread and on
+// o.parallel_threads: single-core time (CPU and wall clock) and parallel wall clock, mean and
+// max over the windows; `same` checks that the thread count changed no plan.
+struct Timing {
+  int gpus = 0, slots = 0, threads = 0;
+  double cpu_mean = 0, cpu_max = 0, wall_mean = 0, wall_max = 0, par_mean = 0, par_max = 0;
+  bool same = true;
+};
+
+Timing run_timing(const Options& o, const std::vector<Matrix>& loads, int num_ranks, int spare) {
+  Timing t;
+  t.gpus = num_ranks;
+  t.slots = slots_for(o, num_ranks, spare);
+  Options one = o, many = o;
+  one.threads = 1;
+  many.threads = o.parallel_threads;
+  t.threads = o.parallel_threads > 0
+                  ? o.parallel_threads
+                  : std::min(flexpert::eplb::kMaxPlanThreads,
+                             static_cast<int>(std::thread::hardware_concurrency()));
+  const double tol = flexpert::eplb::PlanInput().tolerance;
+  Placement prev;
+  for (int w = 0; w < o.windows; ++w) {
+    Planned a = plan_once(one, loads[w], num_ranks, t.slots, prev, t.slots, false, tol);
+    const Planned b = plan_once(many, loads[w], num_ranks, t.slots, prev, t.slots, false, tol);
+    t.same = t.same && a.placement == b.placement;
+    t.cpu_mean += a.cpu_ms / o.windows;
+    t.cpu_max = std::max(t.cpu_max, a.cpu_ms);
+    t.wall_mean += a.ms / o.windows;
+    t.wall_max = std::max(t.wall_max, a.ms);
+    t.par_mean += b.ms / o.windows;
+    t.par_max = std::max(t.par_max, b.ms);
+    prev = std::move(a.placement);
+  }
+  return t;
+}
+
 // A smoothed plan aims at the next window, not at the one it was measured on: its balance is
 // compared there.
-std::string targets(const Row& ours, const Row& ds) {
+// Time: CPU time on one planner thread (what one free core takes, whatever else runs on the
+// machine), wall clock with more threads.
+std::string targets(const Options& o, const Row& ours, const Row& ds) {
   std::string missed;
   if (ours.smooth > 0 ? ours.balance_next < ds.balance_next - 0.005
                       : ours.balance_now < ds.balance_now - 0.005) {
     missed += " balance";
   }
   if (ours.moved > ds.moved / 2) missed += " moves";
-  if (ours.ms_max >= 50) missed += " time";
+  if ((o.threads == 1 ? ours.cpu_max : ours.ms_max) >= 50) missed += " time";
   return missed.empty() ? "met" : "missed:" + missed;
 }
 
 void print_header(const char* first) {
   std::printf(
       "| %s | slots/GPU | planner | tol | smooth | balance (planned) | balance (next window) | "
-      "receives/plan | receives %% | plan ms mean | plan ms max | hier %% | co-located | free | "
-      "targets |\n",
+      "receives/plan | receives %% | plan ms mean | plan ms max | cpu ms mean | cpu ms max | "
+      "hier %% | co-located | free | targets |\n",
       first);
-  std::printf("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+  std::printf(
+      "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
 }
 
 void print_row(const Row& x, const std::string& target) {
   std::printf(
-      "| %s | %d | %s | %s | %s | %.4f | %.4f | %.0f | %.1f | %.1f | %.1f | %.0f | %.0f | %.0f "
-      "| %s |\n",
+      "| %s | %d | %s | %s | %s | %.4f | %.4f | %.0f | %.1f | %.1f | %.1f | %.1f | %.1f | %.0f "
+      "| %.0f | %.0f | %s |\n",
       x.gpus.c_str(), x.slots, x.planner.c_str(),
       x.planner == "deepseek" ? "" : std::to_string(x.tolerance).substr(0, 5).c_str(),
       x.planner == "deepseek" ? "" : std::to_string(x.smooth).substr(0, 4).c_str(), x.balance_now,
-      x.balance_next, x.moved, x.moved_pct, x.ms_mean, x.ms_max, x.hier_pct, x.colocated,
-      x.free_slots, target.c_str());
+      x.balance_next, x.moved, x.moved_pct, x.ms_mean, x.ms_max, x.cpu_mean, x.cpu_max, x.hier_pct,
+      x.colocated, x.free_slots, target.c_str());
   std::fflush(stdout);
 }
 
@@ -412,7 +479,7 @@ int main(int argc, char** argv) {
       for (double tol : o.tolerance) {
         for (double sm : o.smooth) {
           const Row ours = run_steady(o, loads, r, s, false, tol, sm);
-          print_row(ours, targets(ours, ds));
+          print_row(ours, targets(o, ours, ds));
           rows.push_back(ours);
         }
       }
@@ -430,9 +497,30 @@ int main(int argc, char** argv) {
       for (int greedy : o.greedy_after_change) {
         for (double tol : o.scale_tolerance) {
           const Row ours = run_scale(o, loads, from, to, false, tol, greedy != 0);
-          print_row(ours, targets(ours, ds));
+          print_row(ours, targets(o, ours, ds));
           rows.push_back(ours);
         }
+      }
+    }
+  }
+  std::vector<Timing> timings;
+  if (!o.time_ranks.empty()) {
+    std::printf(
+        "\nplan time: %d layers, flexpert, steady replans over %d windows (window 0 from "
+        "nothing); one thread: CPU time of the process and wall clock\n\n",
+        o.layers, o.windows);
+    std::printf(
+        "| GPUs | slots/GPU | 1 thread: cpu ms mean | cpu ms max | wall ms mean | wall ms max | "
+        "threads | parallel: wall ms mean | wall ms max | same plans |\n");
+    std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    for (int r : o.time_ranks) {
+      for (int sp : o.spare) {
+        const Timing t = run_timing(o, loads, r, sp);
+        std::printf("| %d | %d | %.1f | %.1f | %.1f | %.1f | %d | %.1f | %.1f | %s |\n", t.gpus,
+                    t.slots, t.cpu_mean, t.cpu_max, t.wall_mean, t.wall_max, t.threads, t.par_mean,
+                    t.par_max, t.same ? "yes" : "NO");
+        std::fflush(stdout);
+        timings.push_back(t);
       }
     }
   }
@@ -449,12 +537,31 @@ int main(int argc, char** argv) {
           << ", \"smooth\": " << x.smooth << ", \"balance_planned\": " << x.balance_now
           << ", \"balance_next\": " << x.balance_next << ", \"receives_per_plan\": " << x.moved
           << ", \"receives_pct\": " << x.moved_pct << ", \"plan_ms_mean\": " << x.ms_mean
-          << ", \"plan_ms_max\": " << x.ms_max << ", \"hierarchical_pct\": " << x.hier_pct
+          << ", \"plan_ms_max\": " << x.ms_max << ", \"plan_cpu_ms_mean\": " << x.cpu_mean
+          << ", \"plan_cpu_ms_max\": " << x.cpu_max << ", \"hierarchical_pct\": " << x.hier_pct
           << ", \"colocated\": " << x.colocated << ", \"free_slots\": " << x.free_slots << "}";
+    }
+    out << "\n], \"timing\": [\n";
+    for (size_t i = 0; i < timings.size(); ++i) {
+      const Timing& t = timings[i];
+      out << (i ? ",\n" : "") << "  {\"gpus\": " << t.gpus << ", \"slots_per_gpu\": " << t.slots
+          << ", \"one_thread_cpu_ms_mean\": " << t.cpu_mean
+          << ", \"one_thread_cpu_ms_max\": " << t.cpu_max
+          << ", \"one_thread_wall_ms_mean\": " << t.wall_mean
+          << ", \"one_thread_wall_ms_max\": " << t.wall_max << ", \"threads\": " << t.threads
+          << ", \"parallel_wall_ms_mean\": " << t.par_mean
+          << ", \"parallel_wall_ms_max\": " << t.par_max
+          << ", \"same_plans\": " << (t.same ? "true" : "false") << "}";
     }
     out << "\n]}\n";
     if (!out) {
       std::fprintf(stderr, "eplb_bench: cannot write %s\n", o.json.c_str());
+      return 1;
+    }
+  }
+  for (const Timing& t : timings) {
+    if (!t.same) {
+      std::fprintf(stderr, "eplb_bench: plans differ with %d threads\n", t.threads);
       return 1;
     }
   }

@@ -19,7 +19,9 @@
 // tile "decode"). --dense times cuBLAS on the layer's expert FLOPs as two dense GEMMs
 // (all tokens x top_k rows against one weight matrix per projection, no routing) where
 // the GEMMs are compute-bound: what the GPU's own library reaches on that work, under
-// the same sustained timing.
+// the same sustained timing. Beside each bf16 figure, the same layer over FP8 experts
+// (e4m3 with 128 x 128 block scales, fp8_experts.h: decode kernels up to 8 tokens, else
+// the grouped GEMM dequantizing tiles to bf16), on GPUs of compute capability 8.9 or newer.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -33,7 +35,9 @@
 #include <vector>
 
 #include "cuda/blas.h"
+#include "cuda/decode_moe.h"
 #include "cuda/device.h"
+#include "cuda/fp8_experts.h"
 #include "cuda/kernels.h"
 #include "cuda/moe_layer.h"
 #include "cuda_bench.h"
@@ -91,6 +95,8 @@ struct Row {
   std::map<std::string, double> sweep;   // Tile -> us.
   std::map<std::string, double> stages;  // Kernel -> us (one call of that kernel alone).
   double unfused_us = 0;                 // Decode path: the unfused kGemv path, same run.
+  double fp8_us = 0, fp8_floor_us = 0;   // The layer over FP8 experts (0: not run).
+  std::string fp8_path;                  // "decode" or "grouped".
   // --dense: "cublas:gate_up", "ws128:down", "ws128_gathered:gate_up", "even:gate_up", ...
   // -> us (cuBLAS or ws128 on the same FLOPs as dense GEMMs; ws128 on the layer's weights
   // with even rows per expert).
@@ -144,6 +150,45 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
   DeviceBuffer out = take(DeviceBuffer::create(max_t * H * 4), "out");
   MoeScratch scratch = take(MoeScratch::create(dims, max_t), "scratch");
 
+  // FP8 experts: one random expert (codes of |x| <= 1, scales 0.02 / 448 .. 0.02) packed
+  // once and copied into every slot.
+  MoeDims dims8 = dims;
+  dims8.fp8 = true;
+  int device = 0;
+  BENCH_CHECK(cuda_status(cudaGetDevice(&device), "device"));
+  const bool fp8 = fp8_device_supported(device);
+  DeviceBuffer slots8;
+  MoeScratch scratch8;
+  if (fp8) {
+    const size_t slot_bytes = static_cast<size_t>(dims8.slot_bytes());
+    const Fp8SlotLayout l = fp8_slot_layout(sh.hidden, sh.inter);
+    std::vector<uint8_t> codes(3 * H * sh.inter);
+    uint32_t x = 12345;
+    for (uint8_t& c : codes) {
+      x = x * 1664525u + 1013904223u;
+      c = static_cast<uint8_t>((x >> 24) % 0x38) | static_cast<uint8_t>(x & 0x80);  // |v| < 1
+    }
+    std::vector<float> scales(
+        static_cast<size_t>(2 * l.gate_up_scale_rows() * l.gate_up_scale_cols() +
+                            l.down_scale_rows() * l.down_scale_cols()));
+    for (size_t i = 0; i < scales.size(); ++i) scales[i] = 0.02f * (1 + i % 7) / 7;
+    const size_t gu = static_cast<size_t>(l.gate_up_scale_rows() * l.gate_up_scale_cols());
+    const size_t IH = static_cast<size_t>(sh.inter) * H;
+    std::vector<uint8_t> image(slot_bytes);
+    pack_expert_fp8(Fp8Expert{codes.data(), codes.data() + IH, codes.data() + 2 * IH, scales.data(),
+                              scales.data() + gu, scales.data() + 2 * gu},
+                    sh.hidden, sh.inter, image.data());
+    slots8 = take(DeviceBuffer::create(sh.experts * slot_bytes), "fp8 slots");
+    for (int e = 0; e < sh.experts; ++e) {
+      BENCH_CHECK(cuda_status(cudaMemcpy(static_cast<uint8_t*>(slots8.data()) + e * slot_bytes,
+                                         image.data(), slot_bytes, cudaMemcpyHostToDevice),
+                              "upload"));
+    }
+    scratch8 = take(MoeScratch::create(dims8, max_t), "fp8 scratch");
+  }
+  MoeLayerWeights w8 = w;
+  w8.slots = slots8.data();
+
   // Microseconds per call of fn(input i, ...), as a graph of kInputs calls replayed for
   // ~target_ms (median of 3).
   auto time_calls = [&](const std::function<void(int)>& fn, double target_ms) {
@@ -191,6 +236,21 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
     std::printf("  %-14s %6d tokens: %10.1f us (floor %9.1f us, %5.1f%%) tile %s\n",
                 sh.name.c_str(), T, row.us, row.floor_us, 100.0 * row.floor_us / row.us,
                 row.tile.c_str());
+    if (fp8) {
+      row.fp8_us = time_calls(
+          [&](int i) {
+            BENCH_CHECK(run_moe(dims8, w8, scratch8, inputs[i].data(), T, nullptr, out.as<float>(),
+                                false, blas, stream));
+          },
+          150.0);
+      row.fp8_path = T <= kDecodeMaxTokens ? "decode" : "grouped";
+      // The same floor with 1-byte weights and their scales.
+      const double fp8_bytes =
+          row.bytes - row.experts_touched * (expert_bytes - dims8.slot_bytes());
+      row.fp8_floor_us = 1e6 * std::max(fp8_bytes / bw, row.flops / rate);
+      std::printf("    fp8 experts (%s): %.1f us (floor %.1f us, %.1f%%)\n", row.fp8_path.c_str(),
+                  row.fp8_us, row.fp8_floor_us, 100.0 * row.fp8_floor_us / row.fp8_us);
+    }
     if (decode) {
       row.unfused_us = time_calls(
           [&](int i) { layer(i, static_cast<int>(GemmTile::kGemv), kMoeAllStages); }, 150.0);
@@ -454,6 +514,9 @@ int run(int argc, char** argv) {
                     {"experts_touched", r.experts_touched},
                     {"tile_sweep_us", r.sweep},
                     {"unfused_us", r.unfused_us},
+                    {"fp8_us", r.fp8_us},
+                    {"fp8_path", r.fp8_path},
+                    {"fp8_floor_us", r.fp8_floor_us},
                     {"dense_us", r.dense},
                     {"stage_us", r.stages}});
   }

@@ -64,7 +64,7 @@ tail -3 "$OUT/cuda_test.log"
 if command -v compute-sanitizer >/dev/null && [ -z "${GPU_CHECK_NO_MEMCHECK:-}" ]; then
   stamp "kernel tests under compute-sanitizer memcheck"
   timeout 120 compute-sanitizer --tool memcheck --print-limit 20 "$BIN/cuda_test" \
-    --gtest_filter='AllTiles/*:HeadDims/*' >"$OUT/memcheck.log" 2>&1
+    --gtest_filter='AllTiles/*:HeadDims/*:Fp8Shapes/*' >"$OUT/memcheck.log" 2>&1
   grep -E "ERROR SUMMARY|Invalid|PASSED|FAILED" "$OUT/memcheck.log" | sort | uniq -c | head -8
   # Barriers and shared memory of the attention tiles, the split merge, the PDL chain, the
   # decode MoE's route cluster (synccheck caught a divergent barrier in the tiles once).

@@ -60,6 +60,10 @@ struct ModelOptions {
   std::string device = "cpu";
   DType device_dtype = DType::kBF16;
   bool cuda_graphs = true;
+  // Routed expert weights of a block-FP8 checkpoint: "bf16" dequantizes them at load (the
+  // CPU path always does), "fp8" keeps them e4m3 with their block scales (GPU only,
+  // docs/memory.md); "": bf16. "fp8" with device "cpu" is InvalidArgument.
+  std::string quantization;
 };
 
 // What Model::forward_step returns for one batch row: a token always, and the row's

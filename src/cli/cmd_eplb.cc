@@ -76,7 +76,8 @@ int cmd_eplb(const std::vector<std::string>& args) {
       .value("format", "deepseek",
              "flexpert planner: deepseek (every slot holds an expert) | flexpert (-1 marks a "
              "free slot)")
-      .value("threads", "0", "flexpert planner: layers planned in parallel (0 = all cores)")
+      .value("threads", "0",
+             "flexpert planner: layers planned in parallel (0 = one per core, at most 16)")
       .boolean("help", "show this help");
   if (Status s = flags.parse({args.begin() + 1, args.end()}); !s.ok()) {
     return report_error("eplb plan", s);

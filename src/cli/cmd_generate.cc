@@ -92,6 +92,7 @@ Status run(const Flags& flags) {
   options.max_sequences = static_cast<int>(prompts.size());
   options.device = flags.str("device");
   FLEX_ASSIGN_OR_RETURN(options.device_dtype, parse_weight_dtype(flags.str("cuda-dtype")));
+  options.quantization = flags.str("quantization");
   Progress progress("loading layers");
   options.progress = [&](int done, int total) { progress.update(done, total); };
   const auto t0 = std::chrono::steady_clock::now();
@@ -155,6 +156,9 @@ int cmd_generate(const Args& args) {
              "expert placement: identity, replicate:R[:SEED], or a JSON file")
       .value("device", "cpu", "cpu, cuda or cuda:N")
       .value("cuda-dtype", "bf16", "weights and activations on the GPU: bf16 or f32")
+      .value("quantization", "",
+             "routed experts of a block-FP8 checkpoint: bf16 (dequantized at load) or fp8 (kept "
+             "e4m3: --device cuda, deepseek models); default bf16")
       .boolean("ignore-eos", "do not stop at the model's EOS ids")
       .boolean("json", "print one JSON object")
       .boolean("help", "show this help");

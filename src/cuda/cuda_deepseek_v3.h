@@ -11,7 +11,10 @@
 // CPU model. Layers below first_k_dense_replace run a dense SwiGLU MLP; MoE layers run
 // DeepSeek's grouped router, the grouped expert GEMMs of the Qwen3 path, and the shared
 // experts as one dense SwiGLU added to the routed output. FP8 checkpoints are
-// dequantized at load (Checkpoint::get_weight).
+// dequantized at load (Checkpoint::get_weight), except the routed experts with
+// ModelOptions::quantization "fp8": those stay e4m3 with their block scales in FP8 slots
+// (fp8_experts.h; one process holding every slot, bf16 compute, a GPU of compute
+// capability 8.9 or newer).
 //
 // As CudaQwen3MoeModel: weights, cache and step scratch are allocated at load for
 // steps of up to max_step_tokens() tokens (longer steps run as consecutive pieces);
@@ -71,6 +74,8 @@ class CudaDeepseekV3Model final : public CudaMoeModel {
                       const ModelOptions& options, int device)
       : CudaMoeModel(std::move(checkpoint), std::move(config), options, device) {}
   Status check_config();
+  // ModelOptions::quantization "fp8": checks and sets moe_dims_.fp8 (after init_placement).
+  Status init_fp8_experts(const ModelOptions& options);
   Status load_weights(const ModelOptions& options, const RopeTables& rope);
   Result<Tensor> weight(const std::string& name, const Shape& shape) const;
   Status allocate_scratch();

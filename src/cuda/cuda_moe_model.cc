@@ -148,7 +148,7 @@ Status CudaMoeModel::load_layers(const ModelOptions& options) {
 
 Status CudaMoeModel::load_moe_state(int layer, MoeLayer* state) {
   const int num_slots = num_local_slots_;  // Global slots first_slot_ + [0, num_slots).
-  const size_t slot_bytes = static_cast<size_t>(moe_dims_.slot_elems()) * dtype_size(dtype_);
+  const size_t slot_bytes = static_cast<size_t>(moe_dims_.slot_bytes());
   FLEX_ASSIGN_OR_RETURN(state->slots, DeviceBuffer::create_zeroed(num_slots * slot_bytes));
   const std::vector<int>& map = placement_.slot_map(layer);
   ExpertSlots& mirror = mirrors_[layer];
@@ -195,7 +195,7 @@ Status CudaMoeModel::load_expert(int layer, int expert, int local_slot) {
     return invalid_argument("expert " + std::to_string(expert) + " or local slot " +
                             std::to_string(local_slot) + " out of range");
   }
-  const size_t slot_bytes = static_cast<size_t>(moe_dims_.slot_elems()) * dtype_size(dtype_);
+  const size_t slot_bytes = static_cast<size_t>(moe_dims_.slot_bytes());
   ExpertSlots& mirror = mirrors_[layer];
   if (mirror.num_slots() > 0) {
     FLEX_RETURN_IF_ERROR(

@@ -482,8 +482,7 @@ Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
 
 size_t DeviceEpMoe::slot_buffer_bytes() const {
   // Every rank's slot buffer of a layer has this rank's shape (one configuration).
-  return static_cast<size_t>(config_.num_local_slots) * config_.dims.slot_elems() *
-         dtype_size(config_.dims.dtype);
+  return static_cast<size_t>(config_.num_local_slots) * config_.dims.slot_bytes();
 }
 
 Result<uint64_t> DeviceEpMoe::window_incarnation(int r) {

@@ -65,6 +65,12 @@ Status run_grouped_moe(const MoeDims& dims, const GroupedRouter& router, const f
                           " tokens over the scratch capacity " +
                           std::to_string(scratch.max_tokens));
   }
+  if (dims.fp8) {
+    FLEX_RETURN_IF_ERROR(
+        route_grouped(dims, router, score_bias, w, scratch, h, num_tokens, blas, stream));
+    return run_fp8_experts(dims, w, scratch, h, num_tokens, num_valid_tokens, out, accumulate,
+                           stream, force_tile);
+  }
   if (force_tile < 0 && !no_decode && w.router != nullptr && uses_decode_path(dims, num_tokens)) {
     return run_decode_grouped(dims, w, scratch,
                               grouped_args(dims, router, score_bias, w, scratch, num_tokens), h,

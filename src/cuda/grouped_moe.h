@@ -28,7 +28,8 @@ Status route_grouped(const MoeDims& dims, const GroupedRouter& router, const flo
 
 // out[t] (+)= MoE(h[t]) for t < num_tokens, as run_moe (bf16 decode steps in three
 // kernels, run_decode_grouped; FLEXPERT_NO_DECODE_MOE=1 or force_tile >= 0: the grouped
-// GEMMs); score_bias: f32 [E] device array (read by kNoauxTc only).
+// GEMMs; dims.fp8: run_fp8_experts); score_bias: f32 [E] device array (read by kNoauxTc
+// only).
 Status run_grouped_moe(const MoeDims& dims, const GroupedRouter& router, const float* score_bias,
                        const MoeLayerWeights& w, MoeScratch& scratch, const void* h, int num_tokens,
                        const int32_t* num_valid_tokens, float* out, bool accumulate, Blas& blas,

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cuda/decode_moe.h"
+#include "cuda/fp8_experts.h"
 #include "cuda/kernels.h"
 
 namespace flexpert::cuda {
@@ -36,11 +37,19 @@ Status MoeDims::validate() const {
   if (num_experts < 1 || num_experts > 512 || top_k < 1 || top_k > 32 || top_k > num_experts) {
     return unimplemented("MoE on CUDA supports up to 512 experts and top-k up to 32");
   }
+  if (fp8 && dtype != DType::kBF16) {
+    return invalid_argument("FP8 experts on CUDA take bf16 activations");
+  }
   if (num_slots < 1 || num_slots > kMaxPermuteSlots) {
     return unimplemented("MoE on CUDA supports up to " + std::to_string(kMaxPermuteSlots) +
                          " slots per layer");
   }
   return Status();
+}
+
+int64_t MoeDims::slot_bytes() const {
+  if (fp8) return fp8_slot_layout(hidden, intermediate).slot_bytes();
+  return slot_elems() * static_cast<int64_t>(dtype_size(dtype));
 }
 
 RoutingTables build_routing_tables(const std::vector<int>& slot_to_expert, int num_experts) {
@@ -82,8 +91,37 @@ void pack_expert(const float* gate, const float* up, const float* down, int hidd
   for (int64_t i = 0; i < H * I; ++i) store_as(dtype, down[i], slot_image, down_at + i);
 }
 
+void pack_expert_fp8(const Fp8Expert& e, int hidden, int intermediate, void* slot_image) {
+  const Fp8SlotLayout l = fp8_slot_layout(hidden, intermediate);
+  const int64_t H = hidden, I = intermediate;
+  auto* bytes = static_cast<uint8_t*>(slot_image);
+  std::memset(bytes, 0, static_cast<size_t>(l.slot_bytes()));
+  for (int64_t b = 0; b < I / 8; ++b) {
+    for (int64_t r = 0; r < 8; ++r) {
+      std::memcpy(bytes + (16 * b + r) * H, e.gate + (8 * b + r) * H, static_cast<size_t>(H));
+      std::memcpy(bytes + (16 * b + 8 + r) * H, e.up + (8 * b + r) * H, static_cast<size_t>(H));
+    }
+  }
+  std::memcpy(bytes + l.down_at(), e.down, static_cast<size_t>(H * I));
+  const size_t gu_scales = static_cast<size_t>(l.gate_up_scale_rows() * l.gate_up_scale_cols());
+  float* scales = reinterpret_cast<float*>(bytes + l.scales_at());
+  std::memcpy(scales, e.gate_scale, gu_scales * sizeof(float));
+  std::memcpy(scales + gu_scales, e.up_scale, gu_scales * sizeof(float));
+  std::memcpy(bytes + l.down_scales_at(), e.down_scale,
+              static_cast<size_t>(l.down_scale_rows() * l.down_scale_cols()) * sizeof(float));
+}
+
 Result<MoeScratch> MoeScratch::create(const MoeDims& dims, int max_tokens) {
   FLEX_RETURN_IF_ERROR(dims.validate());
+  if (dims.fp8) {
+    int device = 0;
+    FLEX_CUDA_TRY(cudaGetDevice(&device));
+    if (!fp8_device_supported(device)) {
+      return failed_precondition(
+          "FP8 experts need a GPU of compute capability 8.9 or newer (Ada, Hopper); use "
+          "--quantization bf16 on this one");
+    }
+  }
   (void)wgmma_available();  // Probe now: never inside a graph capture.
   MoeScratch s;
   s.max_tokens = max_tokens;
@@ -112,7 +150,7 @@ Result<MoeScratch> MoeScratch::create(const MoeDims& dims, int max_tokens) {
 }
 
 bool uses_decode_path(const MoeDims& dims, int num_tokens) {
-  if (dims.dtype != DType::kBF16 ||
+  if (dims.dtype != DType::kBF16 || dims.fp8 ||
       !decode_moe_supported(num_tokens, dims.hidden, dims.intermediate, dims.num_experts,
                             dims.top_k)) {
     return false;
@@ -264,6 +302,63 @@ Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratc
   return Status();
 }
 
+Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
+                       const void* h, int num_tokens, const int32_t* num_valid_tokens, float* out,
+                       bool accumulate, cudaStream_t stream, int force_tile) {
+  const int H = dims.hidden, I = dims.intermediate, K = dims.top_k;
+  const int64_t P = static_cast<int64_t>(num_tokens) * K;
+  // The permutation also counts rows per slot (slot_stats), on the decode kernels too.
+  FLEX_CUDA_TRY(
+      permute(permute_args(dims, w, scratch, num_tokens, kFp8GemmRows, num_valid_tokens), stream));
+  const Fp8SlotLayout layout = fp8_slot_layout(H, I);
+  const bool decode = force_tile < 0 ? num_tokens <= kDecodeMaxTokens
+                                     : force_tile == static_cast<int>(GemmTile::kGemv);
+  if (decode) {
+    Fp8DecodeArgs d;
+    d.h = h;
+    d.num_tokens = num_tokens;
+    d.hidden = H;
+    d.inter = I;
+    d.top_k = K;
+    d.slot = scratch.slot.as<int32_t>();
+    d.weight = scratch.weight.as<float>();
+    d.gate_up = fp8_gate_up_weights(w.slots, layout);
+    d.down = fp8_down_weights(w.slots, layout);
+    d.act = scratch.act.data();
+    d.out = out;
+    d.accumulate = accumulate;
+    FLEX_CUDA_TRY(fp8_decode_gate_up(d, stream));
+    FLEX_CUDA_TRY(fp8_decode_down_combine(d, stream));
+    return Status();
+  }
+  GroupedGemmArgs g;
+  g.offsets = scratch.offsets.as<int32_t>();
+  g.tile_slot = scratch.tile_slot.as<int32_t>();
+  g.tile_row0 = scratch.tile_row0.as<int32_t>();
+  g.num_tiles = scratch.num_tiles.as<int32_t>();
+  g.max_tiles = max_tiles(P, dims.num_slots, kFp8GemmRows);
+  g.a = h;
+  g.gather = scratch.pair_of_row.as<int32_t>();
+  g.gather_div = K;
+  g.n = 2 * I;
+  g.k = H;
+  g.swiglu = true;
+  g.out = scratch.act.data();
+  FLEX_CUDA_TRY(fp8_grouped_gemm(g, fp8_gate_up_weights(w.slots, layout), stream));
+  g.a = scratch.act.data();
+  g.gather = nullptr;
+  g.gather_div = 1;
+  g.n = H;
+  g.k = I;
+  g.swiglu = false;
+  g.out = scratch.y.data();
+  FLEX_CUDA_TRY(fp8_grouped_gemm(g, fp8_down_weights(w.slots, layout), stream));
+  FLEX_CUDA_TRY(combine(dims.dtype, scratch.y.data(), scratch.weight.as<float>(),
+                        scratch.row_of_pair.as<int32_t>(), num_tokens, K, H, accumulate, out,
+                        stream));
+  return Status();
+}
+
 Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch, const void* h,
                int num_tokens, const int32_t* num_valid_tokens, float* out, bool accumulate,
                Blas& blas, cudaStream_t stream, int force_tile, unsigned stages) {
@@ -272,6 +367,13 @@ Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratc
     return internal_error("MoE step of " + std::to_string(num_tokens) +
                           " tokens over the scratch capacity " +
                           std::to_string(scratch.max_tokens));
+  }
+  if (dims.fp8) {
+    FLEX_RETURN_IF_ERROR(blas.gemm_nt(dims.dtype, h, num_tokens, dims.hidden, w.router,
+                                      dims.num_experts, DType::kF32, scratch.logits.data()));
+    FLEX_CUDA_TRY(router_topk(topk_args(dims, w, scratch, num_tokens), stream));
+    return run_fp8_experts(dims, w, scratch, h, num_tokens, num_valid_tokens, out, accumulate,
+                           stream, force_tile);
   }
   if (force_tile < 0 && w.router != nullptr && uses_decode_path(dims, num_tokens)) {
     return run_decode(dims, w, scratch, h, num_tokens, num_valid_tokens, out, accumulate, stream,

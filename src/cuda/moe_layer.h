@@ -32,8 +32,13 @@ struct MoeDims {
   int top_k = 0;
   int num_slots = 0;
   bool norm_topk_prob = true;
+  // Routed expert weights kept in FP8 (e4m3 with 128 x 128 block scales, slots laid out as
+  // fp8_experts.h says); dtype stays kBF16 for activations and the router.
+  bool fp8 = false;
 
   int64_t slot_elems() const { return 3 * static_cast<int64_t>(hidden) * intermediate; }
+  // Bytes of one slot: slot_elems() elements of dtype, or the FP8 layout.
+  int64_t slot_bytes() const;
   Status validate() const;
 };
 
@@ -58,6 +63,19 @@ RoutingTables build_routing_tables(const std::vector<int>& slot_to_expert, int n
 // bits): gate/up [I, H] interleaved by 8 rows, then down [H, I].
 void pack_expert(const float* gate, const float* up, const float* down, int hidden,
                  int intermediate, DType dtype, void* slot_image);
+
+// Host-side packing of one FP8 expert into a slot image (Fp8SlotLayout), from the
+// checkpoint's own bytes, not dequantized: gate and up e4m3 [I, H] with f32 scales
+// [blocks(I), blocks(H)], down e4m3 [H, I] with [blocks(H), blocks(I)] (w = e4m3 * scale).
+struct Fp8Expert {
+  const uint8_t* gate = nullptr;
+  const uint8_t* up = nullptr;
+  const uint8_t* down = nullptr;
+  const float* gate_scale = nullptr;
+  const float* up_scale = nullptr;
+  const float* down_scale = nullptr;
+};
+void pack_expert_fp8(const Fp8Expert& expert, int hidden, int intermediate, void* slot_image);
 
 // Step scratch sized once for max_tokens (all device buffers; contents are per step).
 struct MoeScratch {
@@ -91,6 +109,9 @@ enum MoeStage : unsigned {
 // num_valid_tokens (device, may be null): only pairs of tokens below it count in
 // slot_stats (padding rows of a captured batch do not). force_tile >= 0 picks a
 // GemmTile (tests, benchmarks); -1 chooses by size. `stages` selects kernels (profiling).
+// With dims.fp8: the router GEMM and top-k with permutation, then the FP8 decode kernels
+// (up to kDecodeMaxTokens tokens, or force_tile == kGemv) or the FP8 grouped GEMMs (any
+// other force_tile) and combine (fp8_experts.h); `stages` is ignored.
 Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch, const void* h,
                int num_tokens, const int32_t* num_valid_tokens, float* out, bool accumulate,
                Blas& blas, cudaStream_t stream, int force_tile = -1,
@@ -121,6 +142,14 @@ PermuteArgs permute_args(const MoeDims& dims, const MoeLayerWeights& w, MoeScrat
 Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                         const void* h, int num_tokens, GemmTile tile, float* out, bool accumulate,
                         cudaStream_t stream, unsigned stages = kMoeAllStages);
+
+// With dims.fp8, the parts of run_moe after the routing (scratch.expert / weight / slot):
+// permutation by slot (with slot statistics), then the FP8 decode kernels (force_tile -1
+// and up to kDecodeMaxTokens tokens, or force_tile == kGemv) or the FP8 grouped GEMMs and
+// combine (fp8_experts.h).
+Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
+                       const void* h, int num_tokens, const int32_t* num_valid_tokens, float* out,
+                       bool accumulate, cudaStream_t stream, int force_tile = -1);
 
 // Whether run_moe (force_tile -1, router given) takes the decode path for this step:
 // bf16 steps where choose_tile picks kGemv (under a quarter row per expert) and

@@ -6,6 +6,11 @@
 #include <cmath>
 #include <limits>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FLEXPERT_EPLB_AVX2 1
+#endif
+
 #include "eplb/layer_state.h"
 
 namespace flexpert::eplb::detail {
@@ -49,6 +54,9 @@ class Chooser {
     best_tier_ = tier;
   }
   const Step& best() const { return best_; }
+  double bound() const { return bound_; }
+  // The peak up to which the target counts as reached; -inf without minimise_moves.
+  double reach() const { return minimise_moves_ ? reach_ : -kInf; }
   // A key whose order is the order of preference above (smaller first); +inf for a step that
   // does not count. For choosing among many candidates before offering the best.
   double key(double peak, int cost, double scale) const {
@@ -67,6 +75,87 @@ class Chooser {
   Step best_;
   int best_tier_ = kNotReached;
 };
+
+#ifdef FLEXPERT_EPLB_AVX2
+// Scoring one replica x of the hottest rank against the partners' replicas y, four at a time.
+// NOTE: a branch per test in the scalar loop of improve() was most of a plan's time; here the
+// tests are masks. The arithmetic is the scalar loop's, operation for operation (the scalar
+// key's peak + scale * tier compiles to one fused multiply-add with FMA, as here), so that
+// both give the same keys and the plans do not change (tests/eplb/golden_test.cc).
+struct PairBlock {
+  // Per candidate y (inputs): its rank, load per replica, that or +inf where the hottest rank
+  // holds y (no swap), its rank's load without it, what evicting it adds to the hottest rank,
+  // the receives a swap or an eviction changes on y's side.
+  const int* rank;
+  const double* py;
+  const double* swap_py;
+  const double* rest;
+  const double* h_dy;
+  const int* y_swap_cost;
+  const int* y_evict_cost;
+  // x: which ranks hold it, which held it before the plan; the hottest rank's load after
+  // giving x up (before taking y), after x gains a replica; x's load per replica now and with
+  // one replica more; 1 when x is a receive on the hottest rank.
+  const uint8_t* x_on;
+  const uint8_t* x_held;
+  double h_swap, h_evict, px, px_more;
+  int x_new;
+  // The chooser's key: scale, reach (-inf: the target never counts), bound.
+  double scale, reach, bound;
+  // Per candidate (outputs): the swap's key, the eviction's key without y's other holders (a
+  // lower bound) and that peak; +inf where the step does not count.
+  double* swap_key;
+  double* evict_key;
+  double* evict_low;
+};
+
+// Scores the first n - n % 4 candidates; returns how many.
+int score_pairs(const PairBlock& b, int n) {
+  const __m256d inf = _mm256_set1_pd(kInf);
+  const __m256d h_swap = _mm256_set1_pd(b.h_swap), h_evict = _mm256_set1_pd(b.h_evict);
+  const __m256d px = _mm256_set1_pd(b.px), px_more = _mm256_set1_pd(b.px_more);
+  const __m256d x_new = _mm256_set1_pd(b.x_new), bias = _mm256_set1_pd(Chooser::kCostBias);
+  const __m256d tiers = _mm256_set1_pd(Chooser::kTiers);
+  const __m256d scale = _mm256_set1_pd(b.scale), reach = _mm256_set1_pd(b.reach);
+  const __m256d bound = _mm256_set1_pd(b.bound);
+  // Chooser::key: +inf unless peak < bound; tier = cost + bias where peak <= reach.
+  auto key = [&](__m256d peak, __m256d cost) {
+    const __m256d reached = _mm256_cmp_pd(peak, reach, _CMP_LE_OQ);
+    const __m256d tier = _mm256_blendv_pd(tiers, _mm256_add_pd(cost, bias), reached);
+    const __m256d k = _mm256_fmadd_pd(scale, tier, peak);
+    return _mm256_blendv_pd(inf, k, _mm256_cmp_pd(peak, bound, _CMP_LT_OQ));
+  };
+  const int n4 = n - n % 4;
+  for (int j = 0; j < n4; j += 4) {
+    // Built in registers: four scalar stores read back as one vector stall the load.
+    const int r0 = b.rank[j], r1 = b.rank[j + 1], r2 = b.rank[j + 2], r3 = b.rank[j + 3];
+    const __m256d blk = _mm256_setr_pd(b.x_on[r0] ? kInf : 0.0, b.x_on[r1] ? kInf : 0.0,
+                                       b.x_on[r2] ? kInf : 0.0, b.x_on[r3] ? kInf : 0.0);
+    const __m256d xc =
+        _mm256_setr_pd(1 - b.x_held[r0], 1 - b.x_held[r1], 1 - b.x_held[r2], 1 - b.x_held[r3]);
+    const __m256d py = _mm256_loadu_pd(b.py + j), rest = _mm256_loadu_pd(b.rest + j);
+    // std::max(a, b) is a < b ? b : a, which max_pd(b, a) is.
+    const __m256d s = _mm256_max_pd(_mm256_add_pd(rest, px), _mm256_add_pd(h_swap, py));
+    const __m256d can_swap =
+        _mm256_cmp_pd(_mm256_add_pd(_mm256_loadu_pd(b.swap_py + j), blk), px, _CMP_LT_OQ);
+    const __m256d swap_cost = _mm256_sub_pd(
+        _mm256_add_pd(_mm256_cvtepi32_pd(
+                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.y_swap_cost + j))),
+                      xc),
+        x_new);
+    _mm256_storeu_pd(b.swap_key + j, key(_mm256_blendv_pd(inf, s, can_swap), swap_cost));
+    const __m256d e = _mm256_max_pd(_mm256_add_pd(rest, px_more),
+                                    _mm256_add_pd(h_evict, _mm256_loadu_pd(b.h_dy + j)));
+    const __m256d e_low = _mm256_add_pd(e, blk);
+    const __m256d evict_cost = _mm256_add_pd(
+        _mm256_cvtepi32_pd(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.y_evict_cost + j))),
+        xc);
+    _mm256_storeu_pd(b.evict_low + j, e_low);
+    _mm256_storeu_pd(b.evict_key + j, key(e_low, evict_cost));
+  }
+  return n4;
+}
+#endif
 
 // The three highest loads among each expert's holders, recomputed only when asked for after a
 // step changed the load of one of its ranks: scoring a step that evicts a replica must not walk
@@ -221,10 +310,16 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
     std::vector<int> swap_cost;
     std::vector<int> evict_cost;  // receives evicting it saves: -(y was new on its rank)
     std::vector<int> free_ranks;  // partners with a free slot
+    // Per replica x of the hottest rank (score_pairs): the keys of swapping x for the
+    // candidate and of evicting it (a lower bound), +inf where no step; the eviction's peak
+    // without y's other holders.
+    std::vector<double> swap_py;  // py, +inf where on_h (no swap)
+    std::vector<double> swap_key, evict_key, evict_low;
     void clear() { free_ranks.clear(); }
     void resize(size_t n) {
       rank.resize(n), expert.resize(n), py.resize(n), rest.resize(n), h_dy.resize(n);
       evict_peak.resize(n), on_h.resize(n), swap_cost.resize(n), evict_cost.resize(n);
+      swap_py.resize(n), swap_key.resize(n), evict_key.resize(n), evict_low.resize(n);
     }
   } cand;
   std::vector<int> partners;
@@ -256,6 +351,7 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
         cand.py[j] = py;
         cand.rest[j] = lr - py;
         cand.on_h[j] = on_h;
+        cand.swap_py[j] = on_h ? kInf : py;
         cand.h_dy[j] = on_h ? dy : 0.0;
         // Computed when first needed (kLazy): refreshing a hot expert's holders is the costly
         // part of building the candidates, and most are never the best eviction.
@@ -301,7 +397,46 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
       // Per step kind, the candidate with the smallest chooser key, then offered.
       double swap_key = kInf, evict_key = kInf;
       int swap_j = -1, evict_j = -1;
-      for (int j = 0; j < n; ++j) {
+      int j0 = 0;  // candidates before j0 are scored in blocks of four
+#ifdef FLEXPERT_EPLB_AVX2
+      j0 = score_pairs(PairBlock{cand.rank.data(),
+                                 cand.py.data(),
+                                 cand.swap_py.data(),
+                                 cand.rest.data(),
+                                 cand.h_dy.data(),
+                                 cand.swap_cost.data(),
+                                 cand.evict_cost.data(),
+                                 x_on,
+                                 x_held,
+                                 lh - px,
+                                 lh + dx,
+                                 px,
+                                 px_more,
+                                 x_new,
+                                 scale,
+                                 chooser.reach(),
+                                 chooser.bound(),
+                                 cand.swap_key.data(),
+                                 cand.evict_key.data(),
+                                 cand.evict_low.data()},
+                       n);
+      for (int j = 0; j < j0; ++j) {
+        if (cand.swap_key[j] < swap_key) swap_key = cand.swap_key[j], swap_j = j;
+      }
+      for (int j = 0; j < j0; ++j) {
+        if (!(cand.evict_key[j] < evict_key)) continue;  // a lower bound of the key
+        const int r = cand.rank[j];
+        if (std::isnan(cand.evict_peak[j])) {
+          const int y = cand.expert[j];
+          cand.evict_peak[j] = max_except(y, r, h) + (state.per_if_fewer(y) - state.per_replica(y));
+        }
+        const int e_cost = cand.evict_cost[j] + new_on(r);
+        const double k =
+            chooser.key(std::max(cand.evict_low[j], cand.evict_peak[j]), e_cost, scale);
+        if (k < evict_key) evict_key = k, evict_j = j;
+      }
+#endif
+      for (int j = j0; j < n; ++j) {
         const int r = cand.rank[j];
         if (x_on[r]) continue;
         const int x_cost = new_on(r);

@@ -53,8 +53,8 @@ struct RunOptions {
   int min_replicas = 1;                                        // flexpert only
   double tolerance = PlanInput().tolerance;                    // flexpert only
   bool greedy_after_change = PlanInput().greedy_after_change;  // flexpert only
-  Format format = Format::kDeepSeek;  // flexpert only (DeepSeek's has no -1)
-  int num_threads = 1;                // flexpert only: layers in parallel, 0 = all cores
+  Format format = Format::kDeepSeek;          // flexpert only (DeepSeek's has no -1)
+  int num_threads = PlanInput().num_threads;  // flexpert only: layers in parallel, 0 = per core
 };
 
 // InvalidArgument naming the case and field for anything malformed.

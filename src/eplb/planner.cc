@@ -271,7 +271,9 @@ Result<PlanOutput> plan(const PlanInput& in) {
     out.balancedness[l] = balancedness(in.load[l], out.placement[l], in.ranks, in.slots_per_rank);
   };
   int num_threads =
-      in.num_threads > 0 ? in.num_threads : static_cast<int>(std::thread::hardware_concurrency());
+      in.num_threads > 0
+          ? in.num_threads
+          : std::min(kMaxPlanThreads, static_cast<int>(std::thread::hardware_concurrency()));
   num_threads = std::clamp(num_threads, 1, static_cast<int>(std::max<size_t>(1, num_layers)));
   // Layers write disjoint rows of `out`; which thread plans a layer does not change its plan.
   // The calling thread plans too; helpers that cannot be started leave their layers to it.

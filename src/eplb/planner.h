@@ -17,8 +17,8 @@
 //
 // plan() is a pure function: no I/O, no globals; the same input always gives the same output
 // (whatever num_threads), so it is safe to call from any thread. Layers are independent and are
-// planned on num_threads threads that plan() starts and joins. Cost: tens of ms per plan on one
-// core at DeepSeek-V3 shapes (61 layers x 256 experts x 256 ranks), see docs/benchmarks.md.
+// planned on num_threads threads that plan() starts and joins. Cost: about 40 ms of CPU per plan
+// at DeepSeek-V3 shapes (61 layers x 256 experts x 256 ranks), see docs/benchmarks.md.
 #pragma once
 
 #include <cstdint>
@@ -41,6 +41,10 @@ enum class Policy { kAuto, kGlobal, kHierarchical };
 
 std::string_view policy_name(Policy policy);  // "auto", "global", "hierarchical"
 Result<Policy> parse_policy(std::string_view name);
+
+// Cap of PlanInput::num_threads = 0: past it a thread plans too few layers of DeepSeek-V3's 61
+// to pay for starting it.
+inline constexpr int kMaxPlanThreads = 16;
 
 struct PlanInput {
   int num_experts = 0;     // logical experts per layer
@@ -80,7 +84,9 @@ struct PlanInput {
   // 0 = always replan. Needs a current placement with current_slots_per_rank == slots_per_rank
   // whose experts all have a replica on a member (otherwise there is nothing to keep).
   double min_gain = 0;
-  int num_threads = 1;  // layers planned in parallel; 0 = std::thread::hardware_concurrency()
+  // Threads planning layers in parallel (the calling one included); 0 = one per core
+  // (std::thread::hardware_concurrency()), at most kMaxPlanThreads and one per layer.
+  int num_threads = 0;
 };
 
 struct PlanOutput {

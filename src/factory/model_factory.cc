@@ -14,12 +14,28 @@
 namespace flexpert {
 
 Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
-  if (options.device == "cpu") return load_cpu_model(dir, options);
+  const std::string& q = options.quantization;
+  if (!q.empty() && q != "bf16" && q != "fp8") {
+    return invalid_argument("--quantization must be bf16 or fp8, got '" + q + "'");
+  }
+  if (options.device == "cpu") {
+    if (q == "fp8") {
+      return invalid_argument(
+          "--quantization fp8 on --device cpu: the CPU path dequantizes FP8 weights to bf16 at "
+          "load; use --quantization bf16, or --device cuda");
+    }
+    return load_cpu_model(dir, options);
+  }
 #ifdef FLEXPERT_WITH_CUDA
   auto config = ModelConfig::load(dir);
   if (config.ok() && config->is_deepseek()) {
     return cuda::load_cuda_deepseek_model(dir, options,
                                           rope_tables(*config, config->qk_rope_head_dim));
+  }
+  if (q == "fp8") {
+    return unimplemented(
+        "--quantization fp8: FP8 experts on the GPU are implemented for deepseek models only; "
+        "use --quantization bf16");
   }
   return cuda::load_cuda_model(dir, options);
 #else

@@ -12,8 +12,10 @@
 #include <random>
 
 #include "checkpoint/synth.h"
+#include "cuda/fp8_experts.h"
 #include "cuda_model_util.h"
 #include "flexpert/model.h"
+#include "flexpert/placement.h"
 
 namespace flexpert {
 namespace {
@@ -176,6 +178,63 @@ TEST(CudaDeepseekTest, Fp8CheckpointAgreesWithCpu) {
   ASSERT_TRUE(config.ok());
   EXPECT_EQ(config->quant_method, "fp8");
   compare_with_cpu(dir, "replicate:4:1", 3e-2, true);
+  std::filesystem::remove_all(dir);
+}
+
+// ModelOptions::quantization "fp8": the routed experts stay e4m3 in FP8 slots (the rest is
+// dequantized as before); the CPU dequantizes all. Prefill chunks (grouped FP8 GEMM: 33
+// tokens) and decode steps (FP8 decode kernels, captured graphs), then a slot reloaded by
+// set_placement.
+TEST(CudaDeepseekTest, Fp8ExpertsAgreeWithCpu) {
+  FLEX_SKIP_WITHOUT_GPU();
+  int device = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  if (!cuda::fp8_device_supported(device)) GTEST_SKIP() << "GPU below compute capability 8.9";
+  const std::string dir = write_variant(
+      "fp8-experts", [](ModelConfig*) {}, /*fp8=*/true);
+  auto cpu = cuda_test::load_on(dir, "cpu", DType::kF32, "replicate:4:1");
+  ModelOptions options;
+  options.device = "cuda";
+  options.placement = "replicate:4:1";
+  options.quantization = "fp8";
+  auto gpu = Model::load(dir, options);
+  ASSERT_TRUE(gpu.ok()) << gpu.status().to_string();
+  ASSERT_NE(cpu, nullptr);
+  std::mt19937 rng(9);
+  const int vocab = cpu->config().vocab_size;
+  std::vector<SequenceChunk> batch = {{0, 0, {}}, {2, 0, {}}};
+  for (int i = 0; i < 33; ++i) batch[0].tokens.push_back(static_cast<int32_t>(rng() % vocab));
+  for (int i = 0; i < 5; ++i) batch[1].tokens.push_back(static_cast<int32_t>(rng() % vocab));
+  for (int step = 0; step < 6; ++step) {
+    if (step == 4) {
+      // Expert 0 loaded into the last slot (a replica slot) of every MoE layer, then mapped
+      // there: pairs of expert 0 now read that slot too (replica choice), whose weights and
+      // scales came from the checkpoint through load_expert. The CPU keeps its placement:
+      // replicas hold the same weights, so the logits must not change.
+      Model& g = *gpu.value();
+      std::vector<std::vector<int>> maps;
+      for (int l = 0; l < g.placement().num_layers(); ++l) {
+        maps.push_back(g.placement().slot_map(l));
+        if (!g.config().is_moe_layer(l)) continue;
+        const int last = static_cast<int>(maps.back().size()) - 1;
+        Status st = g.load_expert(l, 0, last);
+        ASSERT_TRUE(st.ok()) << st.to_string();
+        maps.back()[last] = 0;
+      }
+      auto moved = ExpertPlacement::from_slot_maps(g.config().num_experts, maps);
+      ASSERT_TRUE(moved.ok()) << moved.status().to_string();
+      Status st = g.set_placement(moved.value());
+      ASSERT_TRUE(st.ok()) << st.to_string();
+    }
+    const double err =
+        cuda_test::rel_l2(step_logits(*gpu.value(), batch), step_logits(*cpu, batch));
+    std::printf("  step %d: GPU fp8 experts vs CPU %.3g\n", step, err);
+    EXPECT_LT(err, 3e-2) << "step " << step;
+    for (auto& b : batch) {
+      b.start_pos += static_cast<int>(b.tokens.size());
+      b.tokens = {static_cast<int32_t>(rng() % vocab)};
+    }
+  }
   std::filesystem::remove_all(dir);
 }
 

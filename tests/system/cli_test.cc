@@ -53,6 +53,8 @@ TEST(CliTest, BadInputExitsWithTwoAndAMessage) {
       {"generate --model " + kModel + " --prompt-ids 1 --bogus 3", "unknown flag"},
       {"generate --model /no/such/dir --prompt-ids 1", "/no/such/dir"},
       {"generate --model " + kModel + " --prompt-ids 1 --placement replicate:q", "placement"},
+      {"generate --model " + kModel + " --prompt-ids 1 --quantization fp8", "dequantizes"},
+      {"generate --model " + kModel + " --prompt-ids 1 --quantization int4", "--quantization"},
       {"synth --preset nope --out /tmp/x", "preset"},
       {"bench generate --batches 0", "batches"},
       {"bench generate --temperature -1", "--temperature"},

@@ -1,0 +1,304 @@
+// SPDX-License-Identifier: Apache-2.0
+// The FP8 expert kernels (fp8_experts.h).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include "cuda/device_util.cuh"
+#include "cuda/fp8_experts.h"
+#include "cuda/mma_sync.cuh"
+
+namespace flexpert::cuda {
+namespace {
+
+// 8 e4m3 values (little-endian bytes of v, element 0 first) as f32.
+__device__ __forceinline__ void e4m3x8(const uint2& v, float (&f)[8]) {
+  const uint32_t words[2] = {v.x, v.y};
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const auto pair = static_cast<__nv_fp8x2_storage_t>((words[w] >> (16 * j)) & 0xffffu);
+      const __half2 h(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
+      const float2 x = __half22float2(h);
+      f[4 * w + 2 * j] = x.x;
+      f[4 * w + 2 * j + 1] = x.y;
+    }
+  }
+}
+
+__device__ __forceinline__ const uint8_t* slot_base(const Fp8Weights& w, int slot) {
+  return static_cast<const uint8_t*>(w.slots) + static_cast<int64_t>(slot) * w.slot_bytes;
+}
+
+// The scale row of weight row `row` (interleaved gate/up rows map back to their gate or up row).
+__device__ __forceinline__ int scale_row(const Fp8Weights& w, int row) {
+  if (w.up_scale_row0 == 0) return row / kFp8BlockSize;
+  const int b = row / 16, r = row % 16;
+  const int orig = 8 * b + (r & 7);
+  return (r < 8 ? 0 : w.up_scale_row0) + orig / kFp8BlockSize;
+}
+
+// sum over columns of row w_row (e4m3, scales per 128 columns of scale_row) times x (bf16),
+// this lane's share (columns 8 lane + 256 j); reduce over the warp afterwards.
+__device__ __forceinline__ float lane_dot(const uint8_t* w_row, const float* scales, const bf16* x,
+                                          int k, int lane) {
+  float acc = 0.f;
+  for (int c = lane * 8; c < k; c += 256) {
+    float wf[8], xf[8];
+    e4m3x8(*reinterpret_cast<const uint2*>(w_row + c), wf);
+    bf16x8(*reinterpret_cast<const uint4*>(x + c), xf);
+    acc += scales[c / kFp8BlockSize] * dot8(wf, xf);
+  }
+  return acc;
+}
+
+constexpr int kDecodeWarps = 4;
+
+__global__ void __launch_bounds__(kDecodeWarps * 32) fp8_gate_up_kernel(const Fp8DecodeArgs a) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int i = blockIdx.x * kDecodeWarps + warp;
+  const int p = blockIdx.y;
+  if (i >= a.inter) return;
+  const int t = p / a.top_k, H = a.hidden;
+  const Fp8Weights& w = a.gate_up;
+  const uint8_t* base = slot_base(w, a.slot[p]);
+  const int gate_row = 16 * (i / 8) + i % 8, up_row = gate_row + 8;
+  const float* scales = reinterpret_cast<const float*>(base + w.scale_at);
+  const bf16* x = static_cast<const bf16*>(a.h) + static_cast<int64_t>(t) * H;
+  float g = lane_dot(base + w.weight_at + static_cast<int64_t>(gate_row) * H,
+                     scales + scale_row(w, gate_row) * w.scale_cols, x, H, lane);
+  float u = lane_dot(base + w.weight_at + static_cast<int64_t>(up_row) * H,
+                     scales + scale_row(w, up_row) * w.scale_cols, x, H, lane);
+  g = warp_sum(g);
+  u = warp_sum(u);
+  if (lane == 0) {
+    static_cast<bf16*>(a.act)[static_cast<int64_t>(p) * a.inter + i] =
+        __float2bfloat16(silu(g) * u);
+  }
+}
+
+__global__ void __launch_bounds__(kDecodeWarps * 32)
+    fp8_down_combine_kernel(const Fp8DecodeArgs a) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int c = blockIdx.x * kDecodeWarps + warp;
+  const int t = blockIdx.y;
+  if (c >= a.hidden) return;
+  const int I = a.inter;
+  const Fp8Weights& w = a.down;
+  float acc = 0.f;
+  for (int k = 0; k < a.top_k; ++k) {
+    const int p = t * a.top_k + k;
+    const uint8_t* base = slot_base(w, a.slot[p]);
+    const float* scales =
+        reinterpret_cast<const float*>(base + w.scale_at) + (c / kFp8BlockSize) * w.scale_cols;
+    const bf16* x = static_cast<const bf16*>(a.act) + static_cast<int64_t>(p) * I;
+    acc += a.weight[p] *
+           lane_dot(base + w.weight_at + static_cast<int64_t>(c) * I, scales, x, I, lane);
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) {
+    float* o = a.out + static_cast<int64_t>(t) * a.hidden + c;
+    *o = a.accumulate ? *o + acc : acc;
+  }
+}
+
+// The grouped tile: BM x BN over BK columns a step, 2 x 2 warps (as grouped_gemm.cu's
+// Mma64), one stage: A by cp.async, B read as e4m3, scaled and stored as bf16.
+constexpr int kBM = kFp8GemmRows, kBN = 128, kBK = 32, kWarpsM = 2, kWarpsN = 2;
+constexpr int kThreads = kWarpsM * kWarpsN * 32;
+constexpr int kLds = kBK + 8;  // Padded smem row (elements): 80 bytes, 16-aligned rows.
+constexpr int kChunks = kBK / 8;
+
+__global__ void __launch_bounds__(kThreads)
+    fp8_grouped_gemm_kernel(const GroupedGemmArgs g, const Fp8Weights w) {
+  constexpr int WM = kBM / kWarpsM, WN = kBN / kWarpsN;
+  constexpr int MI = WM / 16, NI = WN / 8;
+  constexpr int kAPer = kBM * kChunks / kThreads, kBPer = kBN * kChunks / kThreads;
+  static_assert(kBM * kChunks % kThreads == 0 && kBN * kChunks % kThreads == 0, "load split");
+  __shared__ __align__(16) bf16 sa[kBM * kLds];
+  __shared__ __align__(16) bf16 sb[kBN * kLds];
+
+  const int tile = blockIdx.x;
+  if (tile >= *g.num_tiles) return;
+  const int slot = g.tile_slot[tile];
+  const int row0 = g.tile_row0[tile];
+  const int row_end = g.offsets[slot + 1];
+  const int n0 = blockIdx.y * kBN;
+  const int K = g.k, N = g.n;
+  const int tid = threadIdx.x;
+  const bf16* A = static_cast<const bf16*>(g.a);
+  const uint8_t* base = slot_base(w, slot);
+  const uint8_t* B = base + w.weight_at;
+  const float* scales = reinterpret_cast<const float*>(base + w.scale_at);
+
+  // Rows past the slot's end re-read its last row (their results are never stored).
+  const bf16* a_src[kAPer];
+  int a_dst[kAPer], a_col[kAPer];
+#pragma unroll
+  for (int i = 0; i < kAPer; ++i) {
+    const int c = tid + i * kThreads;
+    const int row = c / kChunks;
+    a_col[i] = (c % kChunks) * 8;
+    const int r = min(row0 + row, row_end - 1);
+    const int src = g.gather != nullptr ? g.gather[r] / g.gather_div : r;
+    a_src[i] = A + static_cast<int64_t>(src) * K;
+    a_dst[i] = row * kLds + a_col[i];
+  }
+
+  float acc[MI][NI][4];
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
+
+  const int warp = tid / 32, lane = tid % 32;
+  const int wm = warp / kWarpsN, wn = warp % kWarpsN;
+  for (int k0 = 0; k0 < K; k0 += kBK) {
+#pragma unroll
+    for (int i = 0; i < kAPer; ++i) {
+      const int col = k0 + a_col[i];
+      const bool in = col < K;  // K is a multiple of 8: a chunk is whole or out.
+      cp_async16_zfill(sa + a_dst[i], in ? a_src[i] + col : a_src[i], in ? 16 : 0);
+    }
+    cp_async_commit();
+#pragma unroll
+    for (int i = 0; i < kBPer; ++i) {
+      const int c = tid + i * kThreads;
+      const int row = c / kChunks, col = (c % kChunks) * 8;
+      const int n = n0 + row, k = k0 + col;
+      uint4 packed = make_uint4(0, 0, 0, 0);
+      if (n < N && k < K) {
+        float f[8];
+        e4m3x8(*reinterpret_cast<const uint2*>(B + static_cast<int64_t>(n) * K + k), f);
+        const float s = scales[scale_row(w, n) * w.scale_cols + k / kFp8BlockSize];
+        packed.x = pack_bf16x2(f[0] * s, f[1] * s);
+        packed.y = pack_bf16x2(f[2] * s, f[3] * s);
+        packed.z = pack_bf16x2(f[4] * s, f[5] * s);
+        packed.w = pack_bf16x2(f[6] * s, f[7] * s);
+      }
+      *reinterpret_cast<uint4*>(sb + row * kLds + col) = packed;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 16) {
+      uint32_t af[MI][4];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        ldmatrix_x4(af[mi], sa + (wm * WM + mi * 16 + (lane % 16)) * kLds + kk + (lane / 16) * 8);
+      }
+      uint32_t bfr[NI][2];
+#pragma unroll
+      for (int nj = 0; nj < NI; nj += 2) {
+        uint32_t r[4];
+        ldmatrix_x4(r, sb + (wn * WN + nj * 8 + (lane % 8) + (lane / 16) * 8) * kLds + kk +
+                           ((lane / 8) % 2) * 8);
+        bfr[nj][0] = r[0];
+        bfr[nj][1] = r[1];
+        bfr[nj + 1][0] = r[2];
+        bfr[nj + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) mma_bf16_16816(acc[mi][ni], af[mi], bfr[ni][0], bfr[ni][1]);
+    }
+    __syncthreads();  // The tiles are refilled next step.
+  }
+
+  // Accumulator layout of m16n8: c0, c1 at (row g, cols 2q, 2q + 1); c2, c3 at row g + 8.
+  const int g8 = lane / 4, q = lane % 4;
+  bf16* out = static_cast<bf16*>(g.out);
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row0 + wm * WM + mi * 16 + g8 + half * 8;
+      if (r >= row_end) continue;
+      if (g.swiglu) {
+        bf16* o = out + static_cast<int64_t>(r) * (N / 2);
+#pragma unroll
+        for (int nj = 0; nj < NI; nj += 2) {
+          const int gn = n0 + wn * WN + nj * 8;  // A multiple of 16: gate block, then up block.
+          if (gn >= N) continue;
+          const int i = (gn / 16) * 8 + 2 * q;
+          const float* gate = &acc[mi][nj][half * 2];
+          const float* up = &acc[mi][nj + 1][half * 2];
+          *reinterpret_cast<__nv_bfloat162*>(o + i) =
+              __floats2bfloat162_rn(silu(gate[0]) * up[0], silu(gate[1]) * up[1]);
+        }
+      } else {
+        bf16* o = out + static_cast<int64_t>(r) * N;
+#pragma unroll
+        for (int nj = 0; nj < NI; ++nj) {
+          const int col = n0 + wn * WN + nj * 8 + 2 * q;
+          if (col >= N) continue;
+          *reinterpret_cast<__nv_bfloat162*>(o + col) =
+              __floats2bfloat162_rn(acc[mi][nj][half * 2], acc[mi][nj][half * 2 + 1]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+Fp8Weights fp8_gate_up_weights(const void* slots, const Fp8SlotLayout& layout) {
+  Fp8Weights w;
+  w.slots = slots;
+  w.slot_bytes = layout.slot_bytes();
+  w.weight_at = 0;
+  w.scale_at = layout.scales_at();
+  w.scale_cols = static_cast<int>(layout.gate_up_scale_cols());
+  w.up_scale_row0 = static_cast<int>(layout.gate_up_scale_rows());
+  return w;
+}
+
+Fp8Weights fp8_down_weights(const void* slots, const Fp8SlotLayout& layout) {
+  Fp8Weights w;
+  w.slots = slots;
+  w.slot_bytes = layout.slot_bytes();
+  w.weight_at = layout.down_at();
+  w.scale_at = layout.down_scales_at();
+  w.scale_cols = static_cast<int>(layout.down_scale_cols());
+  w.up_scale_row0 = 0;
+  return w;
+}
+
+cudaError_t fp8_decode_gate_up(const Fp8DecodeArgs& a, cudaStream_t stream) {
+  const int pairs = a.num_tokens * a.top_k;
+  if (pairs == 0) return cudaSuccess;
+  const dim3 grid((a.inter + kDecodeWarps - 1) / kDecodeWarps, pairs);
+  fp8_gate_up_kernel<<<grid, kDecodeWarps * 32, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t fp8_decode_down_combine(const Fp8DecodeArgs& a, cudaStream_t stream) {
+  if (a.num_tokens == 0) return cudaSuccess;
+  const dim3 grid((a.hidden + kDecodeWarps - 1) / kDecodeWarps, a.num_tokens);
+  fp8_down_combine_kernel<<<grid, kDecodeWarps * 32, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t fp8_grouped_gemm(const GroupedGemmArgs& g, const Fp8Weights& w, cudaStream_t stream) {
+  if (g.max_tiles == 0) return cudaSuccess;
+  if (g.n % 8 != 0 || g.k % 8 != 0 || (g.swiglu && g.n % 16 != 0)) return cudaErrorInvalidValue;
+  const dim3 grid(g.max_tiles, (g.n + kBN - 1) / kBN);
+  fp8_grouped_gemm_kernel<<<grid, kThreads, 0, stream>>>(g, w);
+  return cudaGetLastError();
+}
+
+bool fp8_device_supported(int device) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    return false;
+  }
+  return major > 8 || (major == 8 && minor >= 9);
+}
+
+}  // namespace flexpert::cuda

@@ -1,0 +1,95 @@
+// SPDX-License-Identifier: Apache-2.0
+// Routed experts kept in FP8 on the GPU: e4m3 weights with one f32 scale per 128 x 128
+// block, as block-FP8 checkpoints store them (DeepSeek-V3: `weight_block_size` [128, 128],
+// scales in `*.weight_scale_inv`; w = e4m3 * scale). One slot is one byte range (layout
+// below) holding the weights and their scales, so a copy of a slot's bytes moves both.
+// Kernels (bf16 activations, f32 accumulation, the block scale applied per 128 columns):
+//   - decode: per (token, k) pair, a warp per gate/up row pair (SwiGLU into act), then a
+//     warp per (token, output column) summing the top-k down rows, weighted, into out;
+//   - grouped: the mma.sync bf16 tile over rows permuted by slot (kernels.h permute()),
+//     with each e4m3 weight tile dequantized to bf16 in shared memory. This is not the
+//     FP8 tensor-core path (Hopper's e4m3 wgmma): see docs/cuda.md.
+// Enqueue only, no host synchronisation; capturable in CUDA graphs.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cuda/grouped_gemm.h"
+
+namespace flexpert::cuda {
+
+constexpr int kFp8BlockSize = 128;  // Rows and columns of one scale block.
+constexpr int kFp8GemmRows = 64;    // Rows per tile of fp8_grouped_gemm (permute's block_m).
+
+constexpr int64_t fp8_blocks(int64_t n) { return (n + kFp8BlockSize - 1) / kFp8BlockSize; }
+constexpr int64_t fp8_round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+// Byte layout of one FP8 expert slot (H hidden, I intermediate; both multiples of 8):
+//   [0, 2 I H)          gate/up e4m3 [2I, H], interleaved by 8 rows as grouped_gemm.h's
+//                       bf16 slots (rows 16b..16b+7 gate rows 8b.., 16b+8.. up rows 8b..)
+//   [2 I H, 3 I H)      down e4m3 [H, I]
+//   scales_at()         f32 gate scales [blocks(I), blocks(H)], then up scales (same shape)
+//   down_scales_at()    f32 down scales [blocks(H), blocks(I)]
+// A slot is slot_bytes() long (a multiple of 256), so slot starts keep cudaMalloc's alignment.
+struct Fp8SlotLayout {
+  int64_t hidden = 0, intermediate = 0;
+
+  int64_t down_at() const { return 2 * intermediate * hidden; }
+  int64_t gate_up_scale_rows() const { return fp8_blocks(intermediate); }  // Each of gate, up.
+  int64_t gate_up_scale_cols() const { return fp8_blocks(hidden); }
+  int64_t down_scale_rows() const { return fp8_blocks(hidden); }
+  int64_t down_scale_cols() const { return fp8_blocks(intermediate); }
+  int64_t scales_at() const { return fp8_round_up(3 * intermediate * hidden, 16); }
+  int64_t down_scales_at() const {
+    return scales_at() + 2 * gate_up_scale_rows() * gate_up_scale_cols() * 4;
+  }
+  int64_t slot_bytes() const {
+    return fp8_round_up(down_scales_at() + down_scale_rows() * down_scale_cols() * 4, 256);
+  }
+};
+inline Fp8SlotLayout fp8_slot_layout(int hidden, int intermediate) {
+  return Fp8SlotLayout{hidden, intermediate};
+}
+
+// The FP8 weights of one projection in every slot (device pointers).
+struct Fp8Weights {
+  const void* slots = nullptr;  // [num_slots][slot_bytes]
+  int64_t slot_bytes = 0;
+  int64_t weight_at = 0;  // Bytes from a slot's start to the e4m3 [n, k] matrix.
+  int64_t scale_at = 0;   // Bytes from a slot's start to its f32 scales.
+  int scale_cols = 0;     // blocks(k)
+  // > 0: the gate/up projection, rows interleaved by 8 (above); its up scales start at
+  // this scale row (blocks(I)). 0: plain rows, scale row = row / 128.
+  int up_scale_row0 = 0;
+};
+Fp8Weights fp8_gate_up_weights(const void* slots, const Fp8SlotLayout& layout);
+Fp8Weights fp8_down_weights(const void* slots, const Fp8SlotLayout& layout);
+
+struct Fp8DecodeArgs {
+  const void* h = nullptr;  // bf16 [T, H]
+  int num_tokens = 0, hidden = 0, inter = 0, top_k = 0;
+  const int32_t* slot = nullptr;  // [T * K] slot of pair t * K + k
+  const float* weight = nullptr;  // [T * K] routing weight of each pair
+  Fp8Weights gate_up, down;
+  void* act = nullptr;   // bf16 [T * K, I], by pair
+  float* out = nullptr;  // f32 [T, H]
+  bool accumulate = false;
+};
+// act[p, i] = silu(gate_i . h[p / K]) * (up_i . h[p / K]) through pair p's slot.
+cudaError_t fp8_decode_gate_up(const Fp8DecodeArgs& args, cudaStream_t stream);
+// out[t, c] (+)= sum_k weight[t K + k] * (down_c . act[t K + k]), summed in f32.
+cudaError_t fp8_decode_down_combine(const Fp8DecodeArgs& args, cudaStream_t stream);
+
+// grouped_gemm (grouped_gemm.h) over FP8 slots: g's weights, slot_stride and
+// weight_offset are ignored (w says where B is); the tile table must come from permute()
+// with block_m = kFp8GemmRows and g.max_tiles = max_tiles(.., kFp8GemmRows). Needs n and k
+// multiples of 8 (k need not be one of 128: the last scale block is partial); A bf16.
+cudaError_t fp8_grouped_gemm(const GroupedGemmArgs& g, const Fp8Weights& w, cudaStream_t stream);
+
+// Whether `device` keeps FP8 weights: compute capability 8.9 or newer (Ada, Hopper), the
+// GPUs with e4m3 arithmetic.
+bool fp8_device_supported(int device);
+
+}  // namespace flexpert::cuda

@@ -1,0 +1,237 @@
+// SPDX-License-Identifier: Apache-2.0
+// The FP8 expert layer (run_moe with MoeDims::fp8, fp8_experts.h) against the CPU MoE block
+// in f32 on the dequantized weights: decode and grouped kernels, sizes that are not
+// multiples of 128 (partial scale blocks), and a slot moved by copying its bytes.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/blas.h"
+#include "cuda/device.h"
+#include "cuda/fp8_experts.h"
+#include "cuda/moe_layer.h"
+#include "cuda_test_util.h"
+#include "flexpert/placement.h"
+#include "moe/expert_slots.h"
+#include "moe/moe_layer.h"
+
+namespace flexpert {
+namespace {
+
+using namespace cuda_test;
+
+// One matrix [rows, cols] quantized as block-FP8 checkpoints store it: e4m3 codes and one
+// scale per 128 x 128 block (scale = block absmax / 448), and the dequantized f32 values.
+struct Fp8Matrix {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+  std::vector<float> dequantized;
+};
+
+Fp8Matrix quantize(const std::vector<float>& w, int rows, int cols) {
+  const int br = (rows + 127) / 128, bc = (cols + 127) / 128;
+  Fp8Matrix m;
+  m.codes.resize(w.size());
+  m.dequantized.resize(w.size());
+  m.scales.assign(static_cast<size_t>(br) * bc, 0.f);
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < cols; ++c) {
+      float& s = m.scales[(r / 128) * bc + c / 128];
+      s = std::max(s, std::fabs(w[static_cast<size_t>(r) * cols + c]) / 448.f);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < cols; ++c) {
+      const size_t i = static_cast<size_t>(r) * cols + c;
+      const float s = m.scales[(r / 128) * bc + c / 128];
+      m.codes[i] = f32_to_f8e4m3(s > 0 ? w[i] / s : 0.f);
+      m.dequantized[i] = f8e4m3_to_f32(m.codes[i]) * s;
+    }
+  }
+  return m;
+}
+
+struct Fp8Case {
+  int hidden, inter, tokens;
+  int force_tile;  // -1: by size; kGemv: decode kernels; other: grouped GEMM.
+  bool move_slot;  // Expert 2 moved to a spare slot by a copy of its bytes.
+};
+
+std::string case_name(const Fp8Case& c) {
+  char name[96];
+  std::snprintf(name, sizeof(name), "H%d I%d T%d tile %d%s", c.hidden, c.inter, c.tokens,
+                c.force_tile, c.move_slot ? " moved" : "");
+  return name;
+}
+
+class CudaFp8MoeTest : public ::testing::TestWithParam<Fp8Case> {};
+
+TEST_P(CudaFp8MoeTest, MatchesF32ReferenceOnDequantizedWeights) {
+  FLEX_SKIP_WITHOUT_GPU();
+  const Fp8Case c = GetParam();
+  int device = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  if (!cuda::fp8_device_supported(device)) GTEST_SKIP() << "GPU below compute capability 8.9";
+  const int H = c.hidden, I = c.inter, E = 8, K = 3, T = c.tokens;
+  // Every expert once and a replica of expert 5; with move_slot a spare slot (zeroed, so no
+  // scales) that expert 2's bytes are copied into, slot 2 then left out of the routing.
+  std::vector<int> pack_map;
+  for (int e = 0; e < E; ++e) pack_map.push_back(e);
+  pack_map.push_back(5);
+  if (c.move_slot) pack_map.push_back(-1);
+  const int S = static_cast<int>(pack_map.size());
+  std::vector<int> route_map = pack_map;
+  if (c.move_slot) {
+    route_map[2] = -1;
+    route_map[S - 1] = 2;
+  }
+  std::vector<int> ref_map = route_map;  // The CPU reference sees expert 2 in its new slot.
+  auto placement = ExpertPlacement::from_slot_maps(E, {ref_map});
+  ASSERT_TRUE(placement.ok()) << placement.status().to_string();
+  std::vector<std::vector<int>> replicas;
+  for (int e = 0; e < E; ++e) replicas.push_back(placement.value().replicas(0, e));
+
+  std::mt19937 rng(77 + T + H);
+  const std::vector<float> x = round_bf16(uniform(static_cast<size_t>(T) * H, 1.f, rng));
+  const std::vector<float> router = round_bf16(uniform(static_cast<size_t>(E) * H, 0.2f, rng));
+  std::vector<Fp8Matrix> gate, up, down;
+  for (int e = 0; e < E; ++e) {
+    gate.push_back(quantize(uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng), I, H));
+    up.push_back(quantize(uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng), I, H));
+    down.push_back(quantize(uniform(static_cast<size_t>(H) * I, 1.f / std::sqrt(I), rng), H, I));
+  }
+
+  // Reference: the CPU block in f32 on the dequantized weights.
+  ExpertSlots cpu_slots(DType::kF32, S, H, I);
+  for (int s = 0; s < S; ++s) {
+    const int e = ref_map[s];
+    if (e < 0) continue;
+    ASSERT_TRUE(cpu_slots
+                    .load(s, Tensor::borrow(gate[e].dequantized.data(), DType::kF32, {I, H}),
+                          Tensor::borrow(up[e].dequantized.data(), DType::kF32, {I, H}),
+                          Tensor::borrow(down[e].dequantized.data(), DType::kF32, {H, I}))
+                    .ok());
+  }
+  const Tensor router_t = Tensor::borrow(router.data(), DType::kF32, {E, H});
+  std::vector<float> want(static_cast<size_t>(T) * H);
+  std::vector<int64_t> cpu_counts(S, 0);
+  MoeWorkspace ws;
+  moe_forward_local(x.data(), T, router_t, RouterParams{E, K, true}, replicas, cpu_slots,
+                    want.data(), &ws, cpu_counts.data(), ThreadPool::global());
+
+  cuda::MoeDims dims;
+  dims.dtype = DType::kBF16;
+  dims.fp8 = true;
+  dims.hidden = H;
+  dims.intermediate = I;
+  dims.num_experts = E;
+  dims.top_k = K;
+  dims.num_slots = S;
+  const size_t slot_bytes = static_cast<size_t>(dims.slot_bytes());
+  ASSERT_EQ(slot_bytes % 256, 0u);
+  std::vector<uint8_t> image(S * slot_bytes, 0);
+  for (int s = 0; s < S; ++s) {
+    const int e = pack_map[s];
+    if (e < 0) continue;
+    cuda::Fp8Expert fe{gate[e].codes.data(),  up[e].codes.data(),  down[e].codes.data(),
+                       gate[e].scales.data(), up[e].scales.data(), down[e].scales.data()};
+    cuda::pack_expert_fp8(fe, H, I, image.data() + s * slot_bytes);
+  }
+  auto slots = to_device_raw(image);
+  if (c.move_slot) {  // One slot's bytes, device to device: weights and scales.
+    ASSERT_EQ(cudaMemcpy(static_cast<uint8_t*>(slots.data()) + (S - 1) * slot_bytes,
+                         static_cast<uint8_t*>(slots.data()) + 2 * slot_bytes, slot_bytes,
+                         cudaMemcpyDeviceToDevice),
+              cudaSuccess);
+  }
+  auto router_d = to_device(router, DType::kBF16);
+  auto x_d = to_device(x, DType::kBF16);
+  const cuda::RoutingTables tables = cuda::build_routing_tables(route_map, E);
+  auto rep_start = to_device_raw(tables.rep_start);
+  auto rep_count = to_device_raw(tables.rep_count);
+  auto rep_slots = to_device_raw(tables.rep_slots);
+  auto stats = cuda::DeviceBuffer::create_zeroed(S * sizeof(int64_t));
+  ASSERT_TRUE(stats.ok());
+  auto out = to_device(std::vector<float>(static_cast<size_t>(T) * H, NAN), DType::kF32);
+  auto stream = cuda::Stream::create();
+  ASSERT_TRUE(stream.ok());
+  auto blas = cuda::Blas::create(stream.value().get());
+  ASSERT_TRUE(blas.ok());
+  auto scratch = cuda::MoeScratch::create(dims, T);
+  ASSERT_TRUE(scratch.ok()) << scratch.status().to_string();
+  cuda::MoeLayerWeights w;
+  w.router = router_d.data();
+  w.slots = slots.data();
+  w.rep_start = rep_start.as<int32_t>();
+  w.rep_count = rep_count.as<int32_t>();
+  w.rep_slots = rep_slots.as<int32_t>();
+  w.slot_stats = stats.value().as<int64_t>();
+  Status st = cuda::run_moe(dims, w, scratch.value(), x_d.data(), T, nullptr, out.as<float>(),
+                            false, blas.value(), stream.value().get(), c.force_tile);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  ASSERT_TRUE(stream.value().synchronize().ok());
+  const std::vector<float> got = to_host(out.data(), want.size(), DType::kF32);
+  const double err = rel_l2(got, want);
+  std::printf("  fp8 %s: relative L2 vs f32 on dequantized weights = %.3g\n", case_name(c).c_str(),
+              err);
+  EXPECT_LT(err, 3e-2) << case_name(c);
+
+  std::vector<int64_t> gpu_counts(S);
+  ASSERT_EQ(cudaMemcpy(gpu_counts.data(), stats.value().data(), S * sizeof(int64_t),
+                       cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  int64_t total = 0;
+  for (int s = 0; s < S; ++s) total += gpu_counts[s];
+  EXPECT_EQ(total, static_cast<int64_t>(T) * K);
+  if (c.move_slot) {
+    EXPECT_EQ(gpu_counts[2], 0) << "the moved expert's old slot was routed to";
+  }
+}
+
+constexpr int kDecode = static_cast<int>(cuda::GemmTile::kGemv);
+constexpr int kGrouped = static_cast<int>(cuda::GemmTile::kMma64);
+
+INSTANTIATE_TEST_SUITE_P(
+    Fp8Shapes, CudaFp8MoeTest,
+    ::testing::Values(
+        // Decode (by size: up to kDecodeMaxTokens tokens) and grouped, whole blocks.
+        Fp8Case{256, 256, 1, -1, false}, Fp8Case{256, 256, 4, -1, false},
+        Fp8Case{256, 256, 8, kDecode, false}, Fp8Case{256, 256, 37, -1, false},
+        Fp8Case{256, 256, 200, kGrouped, false}, Fp8Case{256, 256, 3, kGrouped, false},
+        // H and I not multiples of 128 (nor of BN or BK): partial scale blocks and tiles.
+        Fp8Case{200, 72, 2, -1, false}, Fp8Case{200, 72, 96, -1, false},
+        Fp8Case{392, 136, 5, kDecode, false}, Fp8Case{392, 136, 130, kGrouped, false},
+        // A slot moved by a copy of its bytes carries its scales.
+        Fp8Case{256, 256, 2, -1, true}, Fp8Case{256, 256, 64, -1, true}),
+    [](const ::testing::TestParamInfo<Fp8Case>& info) {
+      std::string n = case_name(info.param);
+      for (char& ch : n) {
+        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+      }
+      return n;
+    });
+
+TEST(CudaFp8Test, SlotLayoutKeepsScalesInsideTheSlot) {
+  // DeepSeek-V3's routed expert: H 7168, I 2048; 3 H I e4m3 bytes plus f32 scales.
+  const cuda::Fp8SlotLayout l = cuda::fp8_slot_layout(7168, 2048);
+  EXPECT_EQ(l.down_at(), 2LL * 2048 * 7168);
+  EXPECT_EQ(l.gate_up_scale_rows(), 16);
+  EXPECT_EQ(l.gate_up_scale_cols(), 56);
+  EXPECT_EQ(l.down_scales_at(), l.scales_at() + 2 * 16 * 56 * 4);
+  EXPECT_EQ(l.slot_bytes(), 3LL * 7168 * 2048 + (2 * 16 * 56 + 56 * 16) * 4);
+  // Partial blocks round up.
+  const cuda::Fp8SlotLayout odd = cuda::fp8_slot_layout(200, 72);
+  EXPECT_EQ(odd.gate_up_scale_rows(), 1);
+  EXPECT_EQ(odd.gate_up_scale_cols(), 2);
+  EXPECT_GE(odd.slot_bytes(), odd.down_scales_at() + 2 * 1 * 4);
+  EXPECT_EQ(odd.slot_bytes() % 256, 0);
+}
+
+}  // namespace
+}  // namespace flexpert
