@@ -10,11 +10,13 @@ BUILD=${BUILD:-build-cuda}
 PACK=${PACK:-.gpu}
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$BUILD" -j2 --target cuda_test moe_layer_bench gemv_bench flexpert system_cuda_serve_test \
-  transport_conformance_fault_test transport_bench ep_exchange_bench
+  transport_conformance_test transport_conformance_fault_test transport_cuda_ipc_test transport_bench \
+  ep_exchange_bench
 rm -rf "$PACK" && mkdir -p "$PACK/bin" "$PACK/lib"
 cp "$BUILD/tests/cuda/cuda_test" "$BUILD/src/cuda/moe_layer_bench" "$BUILD/src/cuda/gemv_bench" "$BUILD/flexpert" \
   "$BUILD/tests/system/system_cuda_serve_test" \
-  "$BUILD/tests/transport/transport_conformance_fault_test" "$BUILD/src/transport/transport_bench" \
+  "$BUILD/tests/transport/transport_conformance_test" "$BUILD/tests/transport/transport_conformance_fault_test" \
+  "$BUILD/tests/transport/transport_cuda_ipc_test" "$BUILD/src/transport/transport_bench" \
   "$BUILD/src/cuda/ep_exchange_bench" \
   "$PACK/bin/"
 strip "$PACK"/bin/*

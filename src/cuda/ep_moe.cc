@@ -8,14 +8,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <random>
 #include <string>
 #include <thread>
 
 #include "cuda/kernels.h"
 #include "cuda/knobs.h"
 #include "flexpert/logging.h"
-#include "transport/cuda_ipc/cuda_ipc_runtime.h"
 #include "transport/shm/shm_segment.h"
 
 namespace flexpert::cuda {
@@ -29,38 +27,12 @@ constexpr int64_t kMaxDeviceRows = 65536;
 // Exchanges of one epoch (the value's low 40 bits): years at thousands a second.
 constexpr uint64_t kExchangesPerEpoch = uint64_t{1} << 40;
 
-// A rank publishes its WindowInfo (below) in transport region kWindowRegion.
-constexpr int kWindowRegion = 1 << 20;
-constexpr uint64_t kWindowMagic = 0x3157504558454c46ULL;  // "FLEXEPW1", little-endian.
+// The buffers a rank registers with its transport (Transport::register_buffer) for peers to
+// map: the device exchange's (kWindowBuffer + WindowBuffer), then its slot buffer of each MoE
+// layer (kSlotsBuffer + layer). Above the region ids the worker uses (layers).
 enum WindowBuffer { kWindow, kRouteH, kRouteSlot, kY, kRowOfPair, kNumWindowBuffers };
-
-// A rank's slot buffers (transport region kSlotsRegion): one per MoE layer.
-constexpr int kSlotsRegion = kWindowRegion + 1;
-constexpr uint64_t kSlotsMagic = 0x3153504558454c46ULL;  // "FLEXEPS1", little-endian.
-struct SlotsInfo {
-  uint64_t magic;
-  uint64_t process;
-  int32_t pid;
-  int32_t num_layers;
-  unsigned char device_uuid[16];  // The owner's GPU (cudaDeviceProp::uuid).
-  // Followed by num_layers entries.
-};
-struct SlotsEntry {
-  int32_t layer;
-  int32_t pad;
-  uint64_t address;
-  cudaIpcMemHandle_t handle;
-};
-
-// Tells this process apart from every other on the host (a pid alone does not across PID
-// namespaces): ranks of one process use each other's addresses, not IPC handles.
-uint64_t process_token() {
-  static const uint64_t token = [] {
-    std::random_device rd;
-    return (uint64_t{rd()} << 32) ^ rd() ^ static_cast<uint64_t>(getpid());
-  }();
-  return token;
-}
+constexpr int kWindowBuffer = 1 << 20;
+constexpr int kSlotsBuffer = kWindowBuffer + kNumWindowBuffers;
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -70,31 +42,17 @@ int64_t now_ns() {
 
 }  // namespace
 
-// What a rank publishes (transport region kWindowRegion) so that peers map its buffers.
-struct DeviceEpMoe::WindowInfo {
-  uint64_t magic;
-  uint64_t process;  // process_token() of the owner: same process, same addresses.
-  int32_t pid;
-  int32_t pad;
-  uint64_t pid_start_time;  // shm::process_start_time(pid): tells a reused pid apart.
-  struct Buffer {
-    uint64_t address;  // In the owner's process (peers of the same process use it).
-    cudaIpcMemHandle_t handle;
-  } buffers[kNumWindowBuffers];
-};
-
 // A rank's slot buffers as mapped by the weight mover.
 struct DeviceEpMoe::SlotMapping {
-  std::vector<uint8_t> info;  // The region as read (a new incarnation differs).
-  std::map<int, std::unique_ptr<cuda_ipc::IpcMapping>> maps;  // Layer -> mapping.
-  std::map<int, const uint8_t*> base;                         // Layer -> slots.
+  uint64_t incarnation = 0;          // Of the owner (a new one is mapped afresh).
+  std::map<int, PeerBuffer> layers;  // Layer -> its slot buffer.
 };
 
 // A member's buffers as mapped into this process.
 struct DeviceEpMoe::PeerMapping {
   int rank = -1;
-  WindowInfo info{};
-  std::vector<std::unique_ptr<cuda_ipc::IpcMapping>> maps;
+  uint64_t incarnation = 0;
+  std::vector<PeerBuffer> maps;      // The buffers opened so far, in WindowBuffer order.
   void* at[kNumWindowBuffers] = {};  // The buffers opened so far (open_peer).
   int opened = 0;
   int64_t open_ns = 0;  // Spent opening them.
@@ -168,9 +126,11 @@ Result<std::unique_ptr<DeviceEpMoe>> DeviceEpMoe::create(Config config, Blas& bl
   // exchange's chunks fit in them too).
   auto* ep = dynamic_cast<EpMoeExecutor*>(m->config_.executor);
   const bool host_only = ep_exchange_host();
-  const bool device_exchange = ep != nullptr && !host_only &&
-                               ep->transport().max_ranks() <= kEpMaxRanks && d.top_k <= 64 &&
-                               d.hidden % 8 == 0;
+  // Peers' buffers are mapped through the transport (docs/ARCHITECTURE.md, mapped peer
+  // buffers): the worker's GPU ranks take the cuda_ipc backend.
+  const bool device_exchange =
+      ep != nullptr && !host_only && ep->transport().capabilities().mapped_peer_buffers &&
+      ep->transport().max_ranks() <= kEpMaxRanks && d.top_k <= 64 && d.hidden % 8 == 0;
   if (device_exchange) {
     m->device_cap_ = static_cast<int>(std::min<int64_t>(
         static_cast<int64_t>(T * K) * ep->transport().max_ranks(), kMaxDeviceRows));
@@ -257,7 +217,7 @@ void DeviceEpMoe::retire(std::unique_ptr<PeerMapping> peer, std::unique_ptr<Slot
         }
         if (close.empty()) continue;
         lk.unlock();
-        close.clear();  // cudaIpcCloseMemHandle each (IpcMapping selects its device).
+        close.clear();  // The last references: the transport's mappings close now.
         lk.lock();
       }
     });
@@ -484,43 +444,34 @@ Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
   self_.y = scratch_.y.data();
   self_.row_of_pair = scratch_.row_of_pair.as<int32_t>();
 
-  // Publish the handles before this rank reports ready: peers map them in their first
-  // device step of an epoch that has this rank.
-  WindowInfo info{};
-  info.magic = kWindowMagic;
-  info.process = process_token();
-  info.pid = static_cast<int32_t>(getpid());
-  info.pid_start_time = shm::process_start_time(info.pid);
-  const void* buffers[kNumWindowBuffers] = {self_.window, self_.h, self_.slot, self_.y,
-                                            self_.row_of_pair};
+  // Registered before this rank reports ready: peers map them in their first device step of
+  // an epoch that has this rank.
+  Transport& transport = executor.transport();
+  const size_t T = static_cast<size_t>(config_.max_tokens), K = static_cast<size_t>(d.top_k);
+  const struct {
+    const void* data;
+    size_t num_bytes;
+  } buffers[kNumWindowBuffers] = {
+      {self_.window, window_.num_bytes()},
+      {self_.h, T * d.hidden * dtype_size(d.dtype)},
+      {self_.slot, T * K * sizeof(int32_t)},
+      {self_.y, scratch_.y.num_bytes()},
+      {self_.row_of_pair, scratch_.row_of_pair.num_bytes()},
+  };
   for (int b = 0; b < kNumWindowBuffers; ++b) {
-    info.buffers[b].address = reinterpret_cast<uint64_t>(buffers[b]);
-    FLEX_CUDA_TRY(cudaIpcGetMemHandle(&info.buffers[b].handle, const_cast<void*>(buffers[b])));
+    FLEX_RETURN_IF_ERROR(transport
+                             .register_buffer(kWindowBuffer + b, const_cast<void*>(buffers[b].data),
+                                              buffers[b].num_bytes)
+                             .annotate("EP exchange buffer " + std::to_string(b)));
   }
-  FLEX_ASSIGN_OR_RETURN(Region region,
-                        executor.transport().allocate_region(kWindowRegion, sizeof(WindowInfo)));
-  std::memcpy(region.data, &info, sizeof(info));
   // And the slot buffers of every MoE layer, for peers' weight movers.
-  std::vector<uint8_t> slots(sizeof(SlotsInfo) + config_.moe_layers.size() * sizeof(SlotsEntry));
-  SlotsInfo head{
-      kSlotsMagic, info.process, info.pid, static_cast<int32_t>(config_.moe_layers.size()), {}};
-  cudaDeviceProp prop{};
-  FLEX_CUDA_TRY(cudaGetDeviceProperties(&prop, config_.device));
-  static_assert(sizeof(prop.uuid) == sizeof(head.device_uuid));
-  std::memcpy(head.device_uuid, &prop.uuid, sizeof(head.device_uuid));
-  std::memcpy(device_uuid_, &prop.uuid, sizeof(device_uuid_));
-  std::memcpy(slots.data(), &head, sizeof(head));
-  for (size_t i = 0; i < config_.moe_layers.size(); ++i) {
-    SlotsEntry e{};
-    e.layer = config_.moe_layers[i];
-    const void* base = config_.layer_slots(e.layer);
-    e.address = reinterpret_cast<uint64_t>(base);
-    FLEX_CUDA_TRY(cudaIpcGetMemHandle(&e.handle, const_cast<void*>(base)));
-    std::memcpy(slots.data() + sizeof(SlotsInfo) + i * sizeof(SlotsEntry), &e, sizeof(e));
+  for (int layer : config_.moe_layers) {
+    FLEX_RETURN_IF_ERROR(transport
+                             .register_buffer(kSlotsBuffer + layer,
+                                              const_cast<void*>(config_.layer_slots(layer)),
+                                              slot_buffer_bytes())
+                             .annotate("slot buffer of layer " + std::to_string(layer)));
   }
-  FLEX_ASSIGN_OR_RETURN(Region slots_region,
-                        executor.transport().allocate_region(kSlotsRegion, slots.size()));
-  std::memcpy(slots_region.data, slots.data(), slots.size());
   slot_maps_.resize(static_cast<size_t>(n));
   mapped_.resize(static_cast<size_t>(n));
   ep_ = &executor;
@@ -529,38 +480,38 @@ Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
   return Status();
 }
 
-Status DeviceEpMoe::read_window(int r, WindowInfo* info) {
+size_t DeviceEpMoe::slot_buffer_bytes() const {
+  // Every rank's slot buffer of a layer has this rank's shape (one configuration).
+  return static_cast<size_t>(config_.num_local_slots) * config_.dims.slot_bytes();
+}
+
+Result<uint64_t> DeviceEpMoe::window_incarnation(int r) {
   if (r < 0 || r >= static_cast<int>(mapped_.size())) {
     return invalid_argument("rank " + std::to_string(r) + " out of range");
   }
-  FLEX_RETURN_IF_ERROR(ep_->transport()
-                           .read(r, kWindowRegion, 0, info, sizeof(*info))
-                           .annotate("EP window of rank " + std::to_string(r)));
-  if (info->magic != kWindowMagic) {
-    return data_loss("rank " + std::to_string(r) + " published no EP window");
-  }
-  return Status();
+  Result<PeerBuffer> window = ep_->transport().map_peer_buffer(r, kWindowBuffer, MapMode::kLookup);
+  if (!window.ok()) return window.status().annotate("EP window of rank " + std::to_string(r));
+  return window->incarnation;
 }
 
 Result<bool> DeviceEpMoe::open_peer(PeerMapping& m, int64_t deadline_ns) {
-  const WindowInfo& info = m.info;
-  const bool same_process = info.process == process_token();
-  if (m.opened == 0 && !same_process) {
-    m.owner = shm::ProcessWatch::watch(info.pid, info.pid_start_time);
-  }
+  Transport& transport = ep_->transport();
   const int64_t t0 = now_ns();
   while (m.opened < kNumWindowBuffers) {
     const int b = m.opened;
-    if (same_process) {
-      m.at[b] = reinterpret_cast<void*>(info.buffers[b].address);  // A rank of this process.
-    } else {
-      auto mapped = cuda_ipc::IpcMapping::open(config_.device, info.buffers[b].handle);
-      if (!mapped.ok()) {
-        return mapped.status().annotate("mapping rank " + std::to_string(m.rank) + "'s EP buffers");
-      }
-      m.at[b] = mapped.value()->data();
-      m.maps.push_back(std::move(mapped).value());
+    Result<PeerBuffer> mapped = transport.map_peer_buffer(m.rank, kWindowBuffer + b, MapMode::kMap);
+    if (!mapped.ok()) {
+      return mapped.status().annotate("mapping rank " + std::to_string(m.rank) + "'s EP buffers");
     }
+    if (mapped->incarnation != m.incarnation) {
+      return unavailable("rank " + std::to_string(m.rank) + " is a new incarnation (" +
+                         std::to_string(mapped->incarnation) + ") since its mapping began");
+    }
+    if (b == 0 && mapped->owner_pid > 0 && mapped->owner_pid != static_cast<int32_t>(getpid())) {
+      m.owner = shm::ProcessWatch::watch(mapped->owner_pid, mapped->owner_pid_start_time);
+    }
+    m.at[b] = mapped->data;
+    m.maps.push_back(std::move(mapped).value());
     ++m.opened;
     if (now_ns() >= deadline_ns) break;
   }
@@ -576,16 +527,15 @@ Result<bool> DeviceEpMoe::open_peer(PeerMapping& m, int64_t deadline_ns) {
 }
 
 Status DeviceEpMoe::map_peer(int r) {
-  WindowInfo info{};
-  FLEX_RETURN_IF_ERROR(read_window(r, &info));
+  FLEX_ASSIGN_OR_RETURN(const uint64_t incarnation, window_incarnation(r));
   std::unique_ptr<PeerMapping>& m = mapped_[r];
-  if (m != nullptr && std::memcmp(&m->info, &info, sizeof(info)) == 0) return Status();
+  if (m != nullptr && m->incarnation == incarnation) return Status();
   // A new rank or incarnation: map it afresh (the old incarnation's mappings are closed
   // once it has exited, as a departed rank's).
   retire(std::move(m), nullptr);
   auto fresh = std::make_unique<PeerMapping>();
   fresh->rank = r;
-  fresh->info = info;
+  fresh->incarnation = incarnation;
   FLEX_RETURN_IF_ERROR(open_peer(*fresh, std::numeric_limits<int64_t>::max()).status());
   m = std::move(fresh);
   ++peer_mappings_;
@@ -613,19 +563,18 @@ bool DeviceEpMoe::ready_for(const Group& group) {
     map_todo_.clear();
     for (int r : group.ranks) {
       if (r == ep_->transport().rank()) continue;
-      WindowInfo info{};
-      if (Status s = read_window(r, &info); !s.ok()) {
-        FLEX_LOG(WARN) << "epoch " << group.epoch << ": no device exchange yet, " << s.to_string();
+      Result<uint64_t> incarnation = window_incarnation(r);
+      if (!incarnation.ok()) {
+        FLEX_LOG(WARN) << "epoch " << group.epoch << ": no device exchange yet, "
+                       << incarnation.status().to_string();
         map_failed_ = true;
         map_retry_ns_ = now_ns() + kMapRetryNs;
         return false;
       }
-      if (mapped_[r] != nullptr && std::memcmp(&mapped_[r]->info, &info, sizeof(info)) == 0) {
-        continue;
-      }
+      if (mapped_[r] != nullptr && mapped_[r]->incarnation == *incarnation) continue;
       auto m = std::make_unique<PeerMapping>();
       m->rank = r;
-      m->info = info;
+      m->incarnation = *incarnation;
       map_todo_.push_back(std::move(m));
     }
   }
@@ -858,9 +807,7 @@ Status DeviceEpMoe::finish_device_step(const Group& group) {
 Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst, size_t bytes,
                               cudaStream_t stream) {
   if (!device_exchange_) return unimplemented("no device exchange");
-  // Every rank's slot buffer of a layer has this rank's shape (one configuration).
-  const size_t buffer_bytes =
-      static_cast<size_t>(config_.num_local_slots) * config_.dims.slot_bytes();
+  const size_t buffer_bytes = slot_buffer_bytes();
   if (offset + bytes > buffer_bytes || offset + bytes < offset) {
     return invalid_argument("slot copy of " + std::to_string(bytes) + " bytes at " +
                             std::to_string(offset) + " past the slot buffer");
@@ -875,47 +822,32 @@ Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst,
     if (src_rank < 0 || src_rank >= static_cast<int>(slot_maps_.size())) {
       return invalid_argument("rank " + std::to_string(src_rank) + " out of range");
     }
-    const size_t size = sizeof(SlotsInfo) + config_.moe_layers.size() * sizeof(SlotsEntry);
-    std::vector<uint8_t> info(size);
-    FLEX_RETURN_IF_ERROR(transport.read(src_rank, kSlotsRegion, 0, info.data(), size)
-                             .annotate("slot buffers of rank " + std::to_string(src_rank)));
-    SlotsInfo head;
-    std::memcpy(&head, info.data(), sizeof(head));
-    if (head.magic != kSlotsMagic ||
-        head.num_layers != static_cast<int32_t>(config_.moe_layers.size())) {
-      return data_loss("rank " + std::to_string(src_rank) + " published no slot buffers");
+    // Mapping a layer's slots of another GPU takes ~19 us per MB of the buffer (H200 x2:
+    // 1.2 GB for a Qwen3-30B-A3B layer), and the driver holds this process's stepping
+    // thread meanwhile (a 21 ms step in a rebalance): a serving rank takes the host
+    // mirrors instead (the transport answers Unimplemented). A joiner, not serving yet, maps
+    // them while it prepares.
+    const MapMode mode = stepped_.load() ? MapMode::kMapSameDevice : MapMode::kMap;
+    Result<PeerBuffer> mapped = transport.map_peer_buffer(src_rank, kSlotsBuffer + layer, mode);
+    if (!mapped.ok()) {
+      if (mapped.status().code() == StatusCode::kUnimplemented) {
+        return unimplemented("rank " + std::to_string(src_rank) + "'s slots of layer " +
+                             std::to_string(layer) + " are on another GPU and not mapped");
+      }
+      return mapped.status().annotate("slot buffers of rank " + std::to_string(src_rank));
+    }
+    if (mapped->num_bytes != buffer_bytes) {
+      return data_loss("rank " + std::to_string(src_rank) + "'s slot buffer of layer " +
+                       std::to_string(layer) + " has " + std::to_string(mapped->num_bytes) +
+                       " bytes, expected " + std::to_string(buffer_bytes));
     }
     std::unique_ptr<SlotMapping>& m = slot_maps_[src_rank];
-    if (m == nullptr || m->info != info) {
+    if (m == nullptr || m->incarnation != mapped->incarnation) {
       m = std::make_unique<SlotMapping>();  // A new rank or incarnation.
-      m->info = info;
+      m->incarnation = mapped->incarnation;
     }
-    if (const auto it = m->base.find(layer); it != m->base.end()) {
-      src = it->second;
-    } else if (head.process != process_token() && stepped_.load() &&
-               std::memcmp(head.device_uuid, device_uuid_, sizeof(device_uuid_)) != 0) {
-      // Mapping a layer's slots of another GPU takes ~19 us per MB of the buffer (H200 x2:
-      // 1.2 GB for a Qwen3-30B-A3B layer), and the driver holds this process's stepping
-      // thread meanwhile (a 21 ms step in a rebalance): a serving rank takes the host
-      // mirrors instead. A joiner, not serving yet, maps them while it prepares.
-      return unimplemented("rank " + std::to_string(src_rank) + "'s slots of layer " +
-                           std::to_string(layer) + " are on another GPU and not mapped");
-    } else {
-      for (int32_t i = 0; i < head.num_layers && src == nullptr; ++i) {
-        SlotsEntry e;
-        std::memcpy(&e, info.data() + sizeof(SlotsInfo) + i * sizeof(SlotsEntry), sizeof(e));
-        if (e.layer != layer) continue;
-        if (head.process == process_token()) {
-          src = reinterpret_cast<const uint8_t*>(e.address);  // A rank of this process.
-        } else {
-          FLEX_ASSIGN_OR_RETURN(std::unique_ptr<cuda_ipc::IpcMapping> mapped,
-                                cuda_ipc::IpcMapping::open(config_.device, e.handle));
-          src = reinterpret_cast<const uint8_t*>(mapped->data());
-          m->maps[layer] = std::move(mapped);
-        }
-        m->base[layer] = src;
-      }
-    }
+    src = static_cast<const uint8_t*>(mapped->data);
+    m->layers[layer] = std::move(mapped).value();  // Held until the mapping is released.
   }
   if (src == nullptr) return invalid_argument("layer " + std::to_string(layer) + " has no slots");
   if (src + offset == dst) return Status();  // A slot onto itself.

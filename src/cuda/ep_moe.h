@@ -16,8 +16,9 @@
 // Device exchange (ep_exchange.h; the default with an EpMoeExecutor, unless
 // FLEXPERT_EP_EXCHANGE=host): the rows never leave the GPU. Between segments the model's
 // stream runs publish, wait, gather, the grouped GEMMs over the rows this rank owns, done,
-// wait and combine, reading the peers' buffers through CUDA IPC mappings made once per
-// membership epoch (handles in a transport region every rank publishes at load); the host
+// wait and combine, reading the peers' buffers through the transport's mapped peer buffers
+// (registered by every rank at load, mapped once per incarnation of a member; needs a
+// transport with capabilities().mapped_peer_buffers, else the host exchange serves); the host
 // enqueues the whole step and only waits at its end, watching the members' liveness
 // (Transport::peer_status) meanwhile: a death sets the kernels' abort word and the step
 // fails with the transport's "rank R (pid P) died". An owner receives at most the group's
@@ -90,7 +91,7 @@ class DeviceEpMoe {
     std::vector<std::vector<int64_t>>* counts = nullptr;  // [layer][global slot] rows computed.
     // The model's routing buffers, which every segment ending in a MoE layer fills:
     // routed rows [max_tokens, H] in dims.dtype, and the routing's slots and weights
-    // [max_tokens * top_k]; each the base of a cudaMalloc (CUDA IPC exports them to the
+    // [max_tokens * top_k]; each the base of a cudaMalloc (the transport exports them to the
     // device exchange's peers; the host exchange copies them out).
     const void* route_h = nullptr;
     const int32_t* route_slot = nullptr;
@@ -126,8 +127,8 @@ class DeviceEpMoe {
 
   // Copies `bytes` at `offset` of rank src_rank's slots of `layer` (this rank's own too)
   // into `dst`, device to device on `stream`, and returns once it landed. The weight
-  // mover's thread: it maps peers' slot buffers itself (handles in the transport region
-  // kSlotsRegion, published at load), apart from the step's mappings; a departed rank's
+  // mover's thread: it maps peers' slot buffers through the transport (registered at load),
+  // holding them apart from the step's mappings; a departed rank's
   // are released at the next epoch's map_peers. Unimplemented (the caller copies through
   // the host mirrors) for a layer of a rank on another GPU not mapped yet once this rank
   // serves: mapping it would hold the serving thread (see stepped_).
@@ -151,10 +152,12 @@ class DeviceEpMoe {
   struct PeerMapping;
   Status init_device_exchange(EpMoeExecutor& executor);
   Status map_peers(const Group& group);
-  // Reads rank r's window and maps its buffers unless mapped_[r] holds that incarnation.
+  // Maps rank r's buffers unless mapped_[r] holds its current incarnation.
   Status map_peer(int r);
-  struct WindowInfo;
-  Status read_window(int r, WindowInfo* info);
+  // The incarnation of rank r whose buffers the transport would map now (maps nothing).
+  Result<uint64_t> window_incarnation(int r);
+  // Bytes of one layer's slot buffer, on every rank (one configuration).
+  size_t slot_buffer_bytes() const;
   // Opens m's buffers (m.rank and m.info set) after those opened before, until all are or
   // the clock passes deadline_ns (at least one a call); true once all are.
   Result<bool> open_peer(PeerMapping& m, int64_t deadline_ns);
@@ -222,7 +225,6 @@ class DeviceEpMoe {
   // Set by the stepping thread once this rank serves: from then on copy_slot maps no slot
   // buffer of another GPU (the host mirrors carry those copies).
   std::atomic<bool> stepped_{false};
-  unsigned char device_uuid_[16] = {};  // This rank's GPU.
   std::vector<std::unique_ptr<SlotMapping>> slot_maps_;
   // Departed ranks' mappings, closed by closer_ (started at the first) once the owner's
   // process has exited, or kRetireCapNs after the departure: closing the mapping of a

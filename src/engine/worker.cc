@@ -35,6 +35,16 @@ namespace {
 std::atomic<bool> g_terminate{false};  // SIGINT (and the front end's death): stop now.
 std::atomic<bool> g_leave{false};      // SIGTERM: a graceful leave (docs/deployment.md).
 
+// The CUDA ordinal a --device names ("cuda" is 0, "cuda:N" is N); -1 for the CPU (or a spec
+// the model load rejects with its own message).
+int gpu_ordinal(const std::string& device) {
+  if (device == "cuda") return 0;
+  if (device.rfind("cuda:", 0) != 0 || device.size() == 5 || device.size() > 9) return -1;
+  const std::string digits = device.substr(5);
+  if (digits.find_first_not_of("0123456789") != std::string::npos) return -1;
+  return std::stoi(digits);
+}
+
 // Fault injection for tests of scale-up rollback (FLEXPERT_FAULT, inherited by
 // spawned workers): "join-crash" kills a joining worker during its preparation,
 // "join-delay:MS" stalls it. Initial ranks are members before any connect command.
@@ -255,7 +265,16 @@ Status Worker::load() {
       std::max(config_.max_tokens_per_step, config_.max_sequences),
       model_config_.num_experts_per_tok, model_config_.hidden_size);
   topts.timeout_ms = config_.timeout_ms;
-  FLEX_ASSIGN_OR_RETURN(transport_, create_transport(config_.transport, topts));
+  std::string backend = config_.transport;
+  if (backend == "shm" && gpu_ordinal(config_.device) >= 0) {
+    // A GPU rank: the device exchange and slot copies read peers' GPU memory through the
+    // transport's mapped peer buffers (docs/ARCHITECTURE.md), which cuda_ipc has; its
+    // collectives and regions stay in host shared memory, as shm's.
+    backend = "cuda_ipc";
+    topts.host_collectives = true;
+    topts.device = gpu_ordinal(config_.device);
+  }
+  FLEX_ASSIGN_OR_RETURN(transport_, create_transport(backend, topts));
   {
     MutexLock lock(heartbeat_mutex_);
     lost_sink_ = transport_.get();

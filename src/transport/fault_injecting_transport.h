@@ -6,7 +6,8 @@
 // reach this wrapper. A fault on collective n either replaces the call (the inner transport
 // never runs it: peers see a silent rank) or runs it and then reports the status instead
 // (peers see success, this rank an error). A delay sleeps before each collective (a slow
-// rank). Other calls are forwarded unchanged, except read() when a read fault is set.
+// rank). Other calls (mapped peer buffers too) are forwarded unchanged, except read() when a
+// read fault is set.
 // Thread safety: as the inner transport; the fault settings are guarded by a mutex and may be
 // changed from any thread.
 #pragma once
@@ -54,6 +55,12 @@ class FaultInjectingTransport final : public Transport {
   Status peer_status(int peer) const override { return inner_->peer_status(peer); }
   Status mark_peer_lost(int peer, const std::string& why) override {
     return inner_->mark_peer_lost(peer, why);
+  }
+  Status register_buffer(int buffer_id, void* data, size_t num_bytes) override {
+    return inner_->register_buffer(buffer_id, data, num_bytes);
+  }
+  Result<PeerBuffer> map_peer_buffer(int peer, int buffer_id, MapMode mode) override {
+    return inner_->map_peer_buffer(peer, buffer_id, mode);
   }
   int timeout_ms() const override { return inner_->timeout_ms(); }
 

@@ -16,8 +16,11 @@
 //   in a newer epoch yields Aborted: the caller redoes the step in that epoch.
 // - Buffers returned by a collective stay valid until this rank's next collective call.
 // - Regions are allocated once (capacity) and stay valid and at the same address until shutdown.
-// Thread safety: one thread drives collectives; read() may run concurrently on
-// another thread (the weight mover). shutdown() is explicit and collective-free.
+// - Mapped peer buffers (capabilities().mapped_peer_buffers, device backends): a rank registers
+//   device buffers it allocated, once, at capacity; a peer maps them and gets pointers its own
+//   kernels and copies use directly, valid for the owner's incarnation (see map_peer_buffer).
+// Thread safety: one thread drives collectives; read() and map_peer_buffer() may run
+// concurrently on another thread (the weight mover). shutdown() is explicit and collective-free.
 #pragma once
 
 #include <cstddef>
@@ -39,11 +42,12 @@ struct Group {
 };
 
 struct TransportCapabilities {
-  bool one_sided_read = false;    // read() is supported.
-  bool device_memory = false;     // Regions and buffers live in GPU memory.
-  bool cross_host = false;        // Peers may live on other hosts.
-  size_t max_gather_bytes = 0;    // Largest all_gather contribution.
-  size_t max_exchange_bytes = 0;  // Largest exchange payload to one peer.
+  bool one_sided_read = false;       // read() is supported.
+  bool device_memory = false;        // Regions and buffers live in GPU memory.
+  bool cross_host = false;           // Peers may live on other hosts.
+  size_t max_gather_bytes = 0;       // Largest all_gather contribution.
+  size_t max_exchange_bytes = 0;     // Largest exchange payload to one peer.
+  bool mapped_peer_buffers = false;  // register_buffer() / map_peer_buffer() are supported.
 };
 
 struct TransportOptions {
@@ -59,6 +63,11 @@ struct TransportOptions {
   // to that socket (UCX's client-server wireup, which needs tcp in UCX_TLS); when empty, peers
   // connect by the rank's UCP worker address (any UCX_TLS). Host-local backends ignore it.
   std::string listen_host;
+  // cuda_ipc: collectives and regions in host shared memory (the shm backend's, run inside it)
+  // and device memory only for mapped peer buffers: for callers whose collectives and regions
+  // carry host data (the worker: step headers, the host exchange, host mirrors of the slots).
+  // Other backends ignore it.
+  bool host_collectives = false;
 };
 
 // A block of memory this rank owns that peers may read(). Backend-allocated.
@@ -66,6 +75,28 @@ struct Region {
   int id = -1;
   void* data = nullptr;
   size_t num_bytes = 0;
+};
+
+// A peer's registered buffer (or region) mapped into this process: map_peer_buffer().
+struct PeerBuffer {
+  void* data = nullptr;  // Device pointer usable by this process's kernels and copies.
+  size_t num_bytes = 0;
+  uint64_t incarnation = 0;  // The owner's (TransportOptions::incarnation) the mapping is of.
+  // Keeps the mapping open. The backend drops its own reference when connect() attaches another
+  // incarnation of the owner or disconnect() detaches it; the mapping is closed when the last
+  // holder lets go (a caller that still runs work on it holds it until that work is done).
+  std::shared_ptr<const void> mapping;
+  // The owner's process (0: not known), for a caller that closes a mapping only once its owner
+  // has exited (shm::ProcessWatch; docs/cuda.md says why the device exchange does).
+  int32_t owner_pid = 0;
+  uint64_t owner_pid_start_time = 0;  // Tells a reused pid apart.
+};
+
+// What map_peer_buffer() may do to get a buffer not mapped yet.
+enum class MapMode {
+  kMap,            // Map it (across GPUs that takes milliseconds, and holds the CUDA context).
+  kMapSameDevice,  // Map it only when it is this rank's GPU (or this process): Unimplemented else.
+  kLookup,         // Never map: a buffer not mapped yet comes back with data == nullptr.
 };
 
 // A contiguous byte range; what a collective sends or received.
@@ -124,6 +155,24 @@ class Transport {
   // Unimplemented (their waits still time out).
   virtual Status mark_peer_lost(int peer, const std::string& why) {
     return unimplemented("mark_peer_lost: not supported by this transport backend");
+  }
+  // Mapped peer buffers; backends without them (capabilities().mapped_peer_buffers false) answer
+  // Unimplemented.
+  // Publishes `num_bytes` of device memory at `data` under `buffer_id` for peers to map. `data`
+  // is the start of an allocation of this rank's device (cudaMalloc) that the caller keeps
+  // until shutdown(). Use ids no region uses: a backend may keep both in one table (cuda_ipc
+  // with device collectives does, and there a registered buffer is also a region peers may
+  // read()). Once per id; nothing is ever unregistered. Driving thread.
+  virtual Status register_buffer(int buffer_id, void* data, size_t num_bytes) {
+    return unimplemented("register_buffer: not supported by this transport backend");
+  }
+  // A connected peer's buffer (or region) `buffer_id`, mapped into this process once per
+  // incarnation of the peer (later calls return the same mapping); this rank's own for
+  // peer == rank(). Unavailable when the peer is not connected, has shut down or died (a dead
+  // incarnation's buffers are never handed out, even if mapped before); NotFound when it
+  // registered no such buffer (yet). Any thread.
+  virtual Result<PeerBuffer> map_peer_buffer(int peer, int buffer_id, MapMode mode) {
+    return unimplemented("map_peer_buffer: not supported by this transport backend");
   }
   // options.timeout_ms: how long any wait on a peer may take.
   virtual int timeout_ms() const = 0;

@@ -163,7 +163,8 @@ TEST(CudaEpTest, DeepseekRowComputeMatchesReferenceAndMapsDoNotRecapture) {
 struct TwoRanks {
   static constexpr int kRanks = 2, kExperts = 16, kSlotsPerRank = kExperts / kRanks;
 
-  explicit TwoRanks(const std::string& tag, int timeout_ms = 20000) {
+  explicit TwoRanks(const std::string& tag, int timeout_ms = 20000,
+                    const std::string& backend = "cuda_ipc") {
     const std::string dir = std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny";
     for (int r = 0; r < kRanks; ++r) {
       TransportOptions o;
@@ -172,7 +173,10 @@ struct TwoRanks {
       o.max_ranks = kRanks;
       o.max_exchange_bytes = EpMoeExecutor::max_exchange_bytes(2048, 8, 64);
       o.timeout_ms = timeout_ms;
-      auto created = create_transport("shm", o);
+      // As a GPU worker's: collectives in host memory, peers' buffers mapped through the
+      // transport (mapped peer buffers; ranks of one process get each other's pointers).
+      o.host_collectives = true;
+      auto created = create_transport(backend, o);
       EXPECT_TRUE(created.ok()) << created.status().to_string();
       if (!created.ok()) return;
       transports[r] = std::make_unique<FaultInjectingTransport>(std::move(created).value());
@@ -227,9 +231,9 @@ struct TwoRankRun {
   std::vector<std::vector<int64_t>> counts[TwoRanks::kRanks];
   int64_t collectives = 0;
 };
-TwoRankRun run_two_ranks(const std::string& tag) {
+TwoRankRun run_two_ranks(const std::string& tag, const std::string& backend = "cuda_ipc") {
   TwoRankRun run;
-  TwoRanks g(tag);
+  TwoRanks g(tag, 20000, backend);
   if (!g.ready) return run;
   const auto ref = load_reference(std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny");
   std::thread peer([&] { run.tokens[1] = greedy(*g.models[1], ref); });
@@ -266,6 +270,22 @@ TEST(CudaEpTest, DeviceExchangeBetweenTwoRanksMatchesReferenceAndHostExchange) {
   EXPECT_GT(rows, 0) << "rank 0 computed no rows";
   EXPECT_EQ(device.collectives, 0) << "the device exchange used the host transport";
   EXPECT_GT(host.collectives, 0);
+}
+
+// A transport without mapped peer buffers (shm) leaves the device exchange off: the steps
+// take the host exchange, with the reference's tokens.
+TEST(CudaEpTest, ATransportWithoutMappedPeerBuffersServesWithTheHostExchange) {
+  FLEX_SKIP_WITHOUT_GPU();
+  unsetenv("FLEXPERT_EP_EXCHANGE");
+  const TwoRankRun run = run_two_ranks("shm", "shm");
+  const auto ref = load_reference(std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny");
+  for (int r = 0; r < TwoRanks::kRanks; ++r) {
+    ASSERT_EQ(run.tokens[r].size(), ref.size()) << "rank " << r;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      EXPECT_EQ(run.tokens[r][i], ref[i].greedy) << "rank " << r << " prompt " << i;
+    }
+  }
+  EXPECT_GT(run.collectives, 0) << "no host exchange ran";
 }
 
 // A new epoch as a worker drives it (EpMoeExecutor::device_ready in the step headers,

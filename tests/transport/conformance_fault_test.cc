@@ -266,6 +266,96 @@ TEST_P(FaultConformanceTest, RankRejoinsAsNewIncarnation) {
   });
 }
 
+// Mapped peer buffers of an incarnation that ended are refused: rank 1 shuts down and comes
+// back as incarnation 1 with new contents (peers refuse the old one, then map the new one
+// afresh once connect() attached it); the last rank is SIGKILLed (peers refuse its buffers,
+// even those they had mapped). Backends without the capability only lose the last rank.
+TEST_P(FaultConformanceTest, MappedBuffersOfAnEndedIncarnationAreRefused) {
+  const int victim = num_ranks() - 1;
+  const RunResult result = run_cluster(backend(), spec(3000), [victim](RankContext& ctx) -> Status {
+    if (!ctx.t().capabilities().mapped_peer_buffers) {
+      CT_REQUIRE_OK(ctx.t().barrier(ctx.group(1)));
+      if (ctx.rank == victim) ::raise(SIGKILL);
+      return Status();
+    }
+    CT_REQUIRE(ctx.device_memory != nullptr, "no device memory for registered buffers");
+    constexpr int kId = 3;
+    constexpr size_t kBytes = 8192;
+    auto seed = [](int rank, uint64_t incarnation) { return seed_of(rank, incarnation, 57); };
+    auto register_own = [&]() -> Status {
+      void* memory = ctx.device_memory->allocate(kBytes);  // Kept until the process ends.
+      const std::vector<uint8_t> bytes = pattern(seed(ctx.rank, ctx.options.incarnation), kBytes);
+      ctx.device_memory->copy_in(memory, bytes.data(), kBytes);
+      return ctx.t().register_buffer(kId, memory, kBytes);
+    };
+    auto check = [&](int owner, uint64_t incarnation) -> Result<PeerBuffer> {
+      CT_ASSIGN(PeerBuffer b, ctx.t().map_peer_buffer(owner, kId, MapMode::kMap));
+      CT_REQUIRE(b.incarnation == incarnation, "rank ", owner, ": incarnation ", b.incarnation);
+      CT_REQUIRE(b.num_bytes == kBytes && b.mapping != nullptr);
+      std::vector<uint8_t> host(kBytes);
+      ctx.device_memory->copy_out(host.data(), b.data, kBytes);
+      CT_REQUIRE(host == pattern(seed(owner, incarnation), kBytes), "rank ", owner, " incarnation ",
+                 incarnation, ": contents differ");
+      return b;
+    };
+    CT_REQUIRE_OK(register_own());
+    CT_REQUIRE_OK(ctx.t().barrier(ctx.group(1)));
+    std::vector<PeerBuffer> held;
+    for (int r = 0; r < ctx.num_ranks; ++r) {
+      CT_ASSIGN(PeerBuffer b, check(r, 0));
+      held.push_back(std::move(b));
+    }
+    CT_REQUIRE_OK(ctx.t().barrier(ctx.group(1)));
+
+    // Rank 1 leaves and rejoins as incarnation 1.
+    if (ctx.rank == 1) {
+      held.clear();
+      CT_REQUIRE_OK(ctx.t().shutdown());
+      ctx.shared->values[0].store(1);
+      CT_REQUIRE_OK(ctx.await_value(1, ctx.num_ranks - 1));  // Everyone saw the refusal.
+      ctx.transport.reset();
+      ctx.options.incarnation = 1;
+      CT_ASSIGN(ctx.transport, create_transport(ctx.backend, ctx.options));
+      CT_REQUIRE_OK(register_own());
+      ctx.publish_address(2);
+      CT_REQUIRE_OK(ctx.connect_all(1));
+    } else {
+      CT_REQUIRE_OK(ctx.await_value(0, 1));
+      const Status refused = ctx.t().map_peer_buffer(1, kId, MapMode::kMap).status();
+      CT_REQUIRE(refused.code() == StatusCode::kUnavailable, refused.to_string());
+      ctx.shared->values[1].fetch_add(1);
+      CT_ASSIGN(std::string address, ctx.await_address(1, 2));
+      CT_REQUIRE_OK(ctx.t().connect(1, address));
+      CT_ASSIGN(PeerBuffer fresh, check(1, 1));
+      CT_REQUIRE(fresh.mapping != held[1].mapping, "incarnation 1 reuses incarnation 0's mapping");
+    }
+    CT_REQUIRE_OK(ctx.t().barrier(ctx.group(2)));
+
+    // The last rank dies; its buffers are refused from then on.
+    if (ctx.rank == victim) ::raise(SIGKILL);
+    const int64_t start = mono_now_ns();
+    for (;;) {
+      const auto mapped = ctx.t().map_peer_buffer(victim, kId, MapMode::kLookup);
+      if (!mapped.ok()) {
+        CT_REQUIRE(mapped.status().code() == StatusCode::kUnavailable, mapped.status().to_string());
+        CT_REQUIRE(mapped.status().message().find(") died") != std::string::npos,
+                   mapped.status().to_string());
+        break;
+      }
+      CT_REQUIRE(ms_since(start) < 3000, "buffers of a dead rank still handed out after ",
+                 ms_since(start), " ms");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    Group survivors{3, {}};
+    for (int r = 0; r < ctx.num_ranks; ++r) {
+      if (r != victim) survivors.ranks.push_back(r);
+    }
+    return ctx.t().barrier(survivors);  // Nobody shuts down before all have looked.
+  });
+  expect_only_victim_killed(result, num_ranks(), victim);
+  cleanup_session(backend(), result.session);
+}
+
 // The FaultInjectingTransport on every rank; rank 0 gets the faults. A fault that runs the
 // inner collective leaves the group in step; one that skips it makes rank 0 silent, and the
 // group recovers in a new epoch. A delay on rank 0 slows everyone's collective.

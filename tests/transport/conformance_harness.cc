@@ -82,14 +82,24 @@ bool join_netns(int rank) {
   return true;
 }
 
+// A suite name as create_transport's backend name and options: "cuda_ipc_host" is cuda_ipc
+// with TransportOptions::host_collectives (what GPU workers run).
+void resolve_backend(const std::string& name, std::string* backend, TransportOptions* options) {
+  *backend = name;
+  if (name == "cuda_ipc_host") {
+    *backend = "cuda_ipc";
+    options->host_collectives = true;
+  }
+}
+
 // Runs in the forked child; the return value is its exit code.
 int run_rank(const std::string& backend, const ClusterSpec& spec, const Scenario& scenario,
              SharedState* shared, int rank, const std::string& session, int64_t deadline_ns) {
   RankContext ctx;
   ctx.rank = rank;
   ctx.num_ranks = spec.num_ranks;
-  ctx.backend = backend;
   ctx.options = spec.options;
+  resolve_backend(backend, &ctx.backend, &ctx.options);
   ctx.options.rank = rank;
   ctx.options.session = session;
   if (const char* devices = std::getenv("FLEXPERT_CONFORMANCE_DEVICES")) {
@@ -99,7 +109,7 @@ int run_rank(const std::string& backend, const ClusterSpec& spec, const Scenario
   ctx.shared = shared;
   ctx.deadline_ns = deadline_ns;
   if (!join_netns(rank)) return 2;
-  auto created = create_transport(backend, ctx.options);
+  auto created = create_transport(ctx.backend, ctx.options);
   if (!created.ok()) {
     std::fprintf(stderr, "[rank %d] create_transport: %s\n", rank,
                  created.status().to_string().c_str());
@@ -117,6 +127,7 @@ int run_rank(const std::string& backend, const ClusterSpec& spec, const Scenario
                  rank, backend.c_str());
     return 2;
   }
+  ctx.device_memory = make_device_memory(ctx.transport->capabilities(), ctx.options.device);
   ctx.publish_address(1);
   if (Status s = ctx.connect_all(1); !s.ok()) {
     std::fprintf(stderr, "[rank %d] connect: %s\n", rank, s.to_string().c_str());
@@ -142,7 +153,7 @@ std::vector<std::string> conformance_backends() {
   // A new backend adds its create_transport() name here.
   // "ucx" skips itself (with the reason) in builds without UCX.
 #ifdef FLEXPERT_CONFORMANCE_CUDA
-  return {"shm", "cuda_ipc", "ucx"};
+  return {"shm", "cuda_ipc", "cuda_ipc_host", "ucx"};
 #else
   return {"shm", "ucx"};
 #endif
@@ -162,7 +173,9 @@ std::string backend_unavailable_reason(const std::string& backend) {
     options.session = new_session() + "probe";
     int code = 0;
     if (!join_netns(0)) ::_exit(1);
-    auto created = create_transport(backend, options);
+    std::string name;
+    resolve_backend(backend, &name, &options);
+    auto created = create_transport(name, options);
     std::string message;
     if (created.ok()) {
       (void)created.value()->shutdown();
@@ -205,6 +218,15 @@ Status failure(const char* file, int line, const char* what, const std::string& 
 
 std::unique_ptr<BackendMemory> make_backend_memory(const TransportCapabilities& caps, int device) {
   if (!caps.device_memory) return std::make_unique<HostMemory>();
+#ifdef FLEXPERT_CONFORMANCE_CUDA
+  return make_cuda_memory(device);
+#else
+  return nullptr;
+#endif
+}
+
+std::unique_ptr<BackendMemory> make_device_memory(const TransportCapabilities& caps, int device) {
+  if (!caps.mapped_peer_buffers) return nullptr;
 #ifdef FLEXPERT_CONFORMANCE_CUDA
   return make_cuda_memory(device);
 #else

@@ -8,7 +8,8 @@
 // transport, publishes its address, connects to every other rank, runs the scenario and
 // shuts down; the scenario returns a Status (CT_REQUIRE*), which becomes the exit code.
 //
-// A new backend joins the suite by adding its name to conformance_backends(); when its
+// A new backend joins the suite by adding its name to conformance_backends() ("cuda_ipc_host" is
+// cuda_ipc with TransportOptions::host_collectives); when its
 // buffers are not host memory (capabilities().device_memory), scenarios stage their bytes
 // through the BackendMemory that make_backend_memory() picks from the capabilities. A backend
 // that cannot run on this machine (create_transport says Unavailable or Unimplemented: a GPU
@@ -90,6 +91,9 @@ class BackendMemory {
 // Host memory, or device `device`'s memory for a device-memory backend (CUDA builds only).
 // Null when the suite does not know how to reach this backend's memory.
 std::unique_ptr<BackendMemory> make_backend_memory(const TransportCapabilities& caps, int device);
+// Device memory for registered buffers (capabilities().mapped_peer_buffers; CUDA builds only);
+// null for backends without them.
+std::unique_ptr<BackendMemory> make_device_memory(const TransportCapabilities& caps, int device);
 // cudaMalloc / cudaMemcpy on `device` (conformance_device_memory.cc, CUDA builds only).
 std::unique_ptr<BackendMemory> make_cuda_memory(int device);
 
@@ -139,6 +143,7 @@ struct RankContext {
   std::unique_ptr<Transport> transport;
   FaultInjectingTransport* faults = nullptr;  // Set when the spec asks for fault injection.
   std::unique_ptr<BackendMemory> memory;
+  std::unique_ptr<BackendMemory> device_memory;  // Registered buffers' (see make_device_memory).
   SharedState* shared = nullptr;
   int64_t deadline_ns = 0;  // When the parent gives up on this run.
 

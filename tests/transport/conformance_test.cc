@@ -321,6 +321,99 @@ TEST_P(CollectiveConformanceTest, ReadsOfARankThatOnlyProgresses) {
   });
 }
 
+// Mapped peer buffers (capabilities().mapped_peer_buffers): each rank registers buffers it
+// allocated in its backend memory and wrote; every rank maps every rank's (itself included) and
+// reads them through the returned pointer, then again after the owners rewrote them (a
+// mapping, not a copy). Backends without the capability answer Unimplemented. The buffers are
+// device memory (RankContext::device_memory) whatever memory the collectives use.
+TEST_P(CollectiveConformanceTest, MappedPeerBuffersReadThroughThePeersPointer) {
+  run_ok(spec(10000), [](RankContext& ctx) -> Status {
+    Transport& t = ctx.t();
+    if (!t.capabilities().mapped_peer_buffers) {
+      std::vector<uint8_t> host(16);
+      CT_REQUIRE(t.register_buffer(3, host.data(), host.size()).code() ==
+                 StatusCode::kUnimplemented);
+      CT_REQUIRE(
+          t.map_peer_buffer((ctx.rank + 1) % ctx.num_ranks, 3, MapMode::kMap).status().code() ==
+          StatusCode::kUnimplemented);
+      return t.barrier(ctx.group(1));  // Nobody shuts down before the others connected.
+    }
+    CT_REQUIRE(ctx.device_memory != nullptr, "no device memory for registered buffers");
+    BackendMemory& device = *ctx.device_memory;
+    const std::vector<std::pair<int, size_t>> buffers = {{3, 4096}, {1 << 20, (256 << 10) + 7}};
+    auto seed = [](int rank, int id, int phase) { return seed_of(rank, id, phase, 91); };
+    std::vector<void*> memory;
+    for (const auto& [id, size] : buffers) {
+      memory.push_back(device.allocate(size));
+      const std::vector<uint8_t> bytes = pattern(seed(ctx.rank, id, 0), size);
+      device.copy_in(memory.back(), bytes.data(), size);
+      CT_REQUIRE_OK(t.register_buffer(id, memory.back(), size));
+    }
+    CT_REQUIRE(t.register_buffer(3, memory[0], 16).code() == StatusCode::kInvalidArgument);
+    CT_REQUIRE(t.register_buffer(-1, memory[0], 16).code() == StatusCode::kInvalidArgument);
+    CT_REQUIRE(t.register_buffer(4, nullptr, 16).code() == StatusCode::kInvalidArgument);
+    CT_REQUIRE_OK(t.barrier(ctx.group(1)));
+
+    // Reads `size` bytes through a mapped pointer and compares them with the owner's pattern.
+    auto check = [&](const PeerBuffer& b, int owner, int id, size_t size, int phase) -> Status {
+      CT_REQUIRE(b.data != nullptr && b.num_bytes == size, "buffer ", id, " of rank ", owner, ": ",
+                 b.num_bytes, " bytes");
+      std::vector<uint8_t> host(size);
+      device.copy_out(host.data(), b.data, size);
+      CT_REQUIRE(host == pattern(seed(owner, id, phase), size), "buffer ", id, " of rank ", owner,
+                 " read through its mapping differs (phase ", phase, ")");
+      return Status();
+    };
+    std::vector<std::vector<PeerBuffer>> mapped(ctx.num_ranks);
+    for (int r = 0; r < ctx.num_ranks; ++r) {
+      for (const auto& [id, size] : buffers) {
+        CT_ASSIGN(PeerBuffer looked, t.map_peer_buffer(r, id, MapMode::kLookup));
+        CT_REQUIRE(looked.incarnation == 0, looked.incarnation);
+        CT_REQUIRE(r != ctx.rank || looked.data == memory[mapped[r].size()],
+                   "own buffer not at its address");
+        CT_ASSIGN(PeerBuffer b, t.map_peer_buffer(r, id, MapMode::kMap));
+        CT_REQUIRE_OK(check(b, r, id, size, 0));
+        CT_ASSIGN(PeerBuffer again, t.map_peer_buffer(r, id, MapMode::kLookup));
+        CT_REQUIRE(again.data == b.data, "a second call maps buffer ", id, " of rank ", r,
+                   " again");
+        mapped[r].push_back(std::move(b));
+      }
+      CT_REQUIRE(t.map_peer_buffer(r, 42, MapMode::kMap).status().code() == StatusCode::kNotFound);
+      // A registered buffer is a region too (where regions are device memory).
+      if (!t.capabilities().device_memory) continue;
+      std::vector<uint8_t> head(64);
+      Buffer dst = ctx.buffer(head);
+      CT_REQUIRE_OK(t.read(r, 3, 100, const_cast<void*>(dst.span().data), head.size()));
+      const std::vector<uint8_t> want = pattern(seed(r, 3, 0), 4096);
+      CT_REQUIRE(ctx.download(dst.span()) ==
+                 std::vector<uint8_t>(want.begin() + 100, want.begin() + 164));
+    }
+    CT_REQUIRE(t.map_peer_buffer(ctx.options.max_ranks - 1, 3, MapMode::kMap).status().code() ==
+               StatusCode::kUnavailable);  // Never connected.
+    CT_REQUIRE(t.map_peer_buffer(-1, 3, MapMode::kMap).status().code() ==
+               StatusCode::kInvalidArgument);
+    CT_REQUIRE_OK(t.barrier(ctx.group(1)));  // Everyone read phase 0.
+
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      const auto& [id, size] = buffers[i];
+      const std::vector<uint8_t> bytes = pattern(seed(ctx.rank, id, 1), size);
+      device.copy_in(memory[i], bytes.data(), size);
+    }
+    CT_REQUIRE_OK(t.barrier(ctx.group(1)));
+    for (int r = 0; r < ctx.num_ranks; ++r) {
+      for (size_t i = 0; i < buffers.size(); ++i) {
+        CT_REQUIRE_OK(check(mapped[r][i], r, buffers[i].first, buffers[i].second, 1));
+      }
+    }
+    mapped.clear();
+    // Nobody shuts down (and frees) while another rank may still read its buffers.
+    CT_REQUIRE_OK(t.barrier(ctx.group(1)));
+    CT_REQUIRE_OK(t.shutdown());
+    for (void* m : memory) device.release(m);
+    return Status();
+  });
+}
+
 // Bad input gets a clear error, never a crash, and consumes nothing: the collective after
 // the errors still pairs with the peers' next collective.
 TEST_P(CollectiveConformanceTest, InvalidCallsFailCleanlyAndConsumeNothing) {

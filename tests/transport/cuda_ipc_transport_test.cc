@@ -65,6 +65,7 @@ TEST(CudaIpcTransportTest, UnavailableWithoutGpuElseDeviceMemoryCapabilities) {
   EXPECT_TRUE(t->capabilities().device_memory);
   EXPECT_TRUE(t->capabilities().one_sided_read);
   EXPECT_FALSE(t->capabilities().cross_host);
+  EXPECT_TRUE(t->capabilities().mapped_peer_buffers);
   TransportOptions bad = options_for(unique_session(), 0);
   bad.device = 4096;
   EXPECT_EQ(create_transport("cuda_ipc", bad).status().code(), StatusCode::kInvalidArgument);
@@ -129,6 +130,41 @@ TEST(CudaIpcTransportTest, RanksOfOneProcess) {
   EXPECT_EQ(errors[1], "");
   EXPECT_TRUE(t0->shutdown().ok());
   EXPECT_TRUE(t1->shutdown().ok());
+}
+
+// Mapped peer buffers between ranks of one process: the peer's own pointer comes back (CUDA
+// cannot import a handle into the process that exported it), host memory is refused, and a
+// disconnected peer's buffers are refused while a held mapping stays usable.
+TEST(CudaIpcTransportTest, MappedBuffersOfRanksOfOneProcess) {
+  const std::string session = unique_session();
+  std::string why;
+  auto t0 = make_or_skip_reason(options_for(session, 0), &why);
+  if (t0 == nullptr) GTEST_SKIP() << "no usable GPU: " << why;
+  auto t1 = make_or_skip_reason(options_for(session, 1), &why);
+  ASSERT_NE(t1, nullptr);
+  ASSERT_TRUE(t0->connect(1, t1->address()).ok());
+  void* device = nullptr;
+  ASSERT_EQ(cudaMalloc(&device, 1000), cudaSuccess);
+  const std::vector<uint8_t> bytes(1000, 0x5a);
+  ASSERT_EQ(cudaMemcpy(device, bytes.data(), bytes.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  std::vector<uint8_t> host(1000);
+  EXPECT_EQ(t1->register_buffer(7, host.data(), host.size()).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(t1->register_buffer(7, device, 1000).ok());
+  EXPECT_EQ(t0->map_peer_buffer(1, 8, MapMode::kMap).status().code(), StatusCode::kNotFound);
+  auto mapped = t0->map_peer_buffer(1, 7, MapMode::kLookup);  // Same process: no import.
+  ASSERT_TRUE(mapped.ok()) << mapped.status().to_string();
+  EXPECT_EQ(mapped->data, device);
+  EXPECT_EQ(mapped->num_bytes, 1000u);
+  EXPECT_EQ(mapped->incarnation, 0u);
+  ASSERT_EQ(cudaMemcpy(host.data(), mapped->data, host.size(), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(host, bytes);
+  ASSERT_TRUE(t0->disconnect(1).ok());
+  EXPECT_EQ(t0->map_peer_buffer(1, 7, MapMode::kMap).status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(mapped->mapping, nullptr);  // Still held by the caller.
+  EXPECT_TRUE(t0->shutdown().ok());
+  EXPECT_TRUE(t1->shutdown().ok());
+  EXPECT_EQ(cudaFree(device), cudaSuccess);
 }
 
 }  // namespace

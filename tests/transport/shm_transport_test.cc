@@ -80,6 +80,7 @@ TEST(ShmTransportTest, AddressNamesTheSegmentAndShutdownRemovesEverything) {
   EXPECT_TRUE(caps.one_sided_read);
   EXPECT_FALSE(caps.device_memory);
   EXPECT_FALSE(caps.cross_host);
+  EXPECT_FALSE(caps.mapped_peer_buffers);
   EXPECT_EQ(caps.max_gather_bytes, 256u);
   EXPECT_EQ(caps.max_exchange_bytes, 4096u);
   auto region = t->allocate_region(3, 100);

@@ -43,18 +43,21 @@ std::string CudaIpcTransport::op_label(OpKind kind) const {
 }
 
 Result<std::vector<ByteSpan>> CudaIpcTransport::all_gather(const Group& group, ByteSpan in) {
+  if (host_ != nullptr) return host_->all_gather(group, in);
   std::vector<ByteSpan> out(static_cast<size_t>(options_.max_ranks));
   FLEX_RETURN_IF_ERROR(run_collective(OpKind::kAllGather, group, &in, 0, &out));
   return out;
 }
 
 Status CudaIpcTransport::barrier(const Group& group) {
+  if (host_ != nullptr) return host_->barrier(group);
   const ByteSpan none;
   return run_collective(OpKind::kBarrier, group, &none, 0, nullptr);
 }
 
 Result<std::vector<ByteSpan>> CudaIpcTransport::exchange(const Group& group,
                                                          const std::vector<ByteSpan>& send) {
+  if (host_ != nullptr) return host_->exchange(group, send);
   if (send.size() != static_cast<size_t>(options_.max_ranks)) {
     return invalid_argument("exchange: send has " + std::to_string(send.size()) +
                             " spans, expected max_ranks=" + std::to_string(options_.max_ranks));
@@ -417,6 +420,7 @@ Status CudaIpcTransport::wait_for(OpKind kind, ByteSpan mine, int64_t start_ns,
 }
 
 Status CudaIpcTransport::peer_status(int peer) const {
+  if (host_ != nullptr) return host_->peer_status(peer);
   if (peer < 0 || peer >= options_.max_ranks) {
     return invalid_argument("rank " + std::to_string(peer) + " out of range");
   }

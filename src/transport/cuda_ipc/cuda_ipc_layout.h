@@ -29,13 +29,16 @@
 namespace flexpert::cuda_ipc {
 
 inline constexpr uint64_t kMagic = 0x3150494355435846ULL;  // "FXCUCIP1", little-endian.
-inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr uint32_t kLayoutVersion = 2;
 inline constexpr int kMaxRegions = 1024;          // Regions one rank may allocate.
 inline constexpr size_t kDeviceAlignBytes = 256;  // Of every receive slot.
 inline constexpr size_t kIpcHandleBytes = sizeof(cudaIpcMemHandle_t);
 
 struct DeviceInfo {
-  int32_t device;         // The owner's ordinal (in its own process; for messages).
+  int32_t device;  // The owner's ordinal (in its own process; for messages).
+  // Tells the owner's process apart from every other on the host (a pid does not across PID
+  // namespaces): a rank of the same process uses the addresses, never the IPC handles.
+  uint64_t process_token;
   char pci_bus_id[32];    // Names the GPU across processes.
   uint64_t recv_bytes;    // Size of the receive buffer.
   uint64_t recv_address;  // Its address in the owner's process (used by the same process).

@@ -7,8 +7,10 @@
 
 #include <cstring>
 #include <new>
+#include <random>
 
 #include "flexpert/logging.h"
+#include "transport/shm/shm_transport.h"
 
 namespace flexpert {
 
@@ -17,6 +19,14 @@ using cuda_ipc::ScopedDevice;
 using shm::ShmMapping;
 
 namespace {
+
+uint64_t process_token() {
+  static const uint64_t token = [] {
+    std::random_device rd;
+    return (uint64_t{rd()} << 32) ^ rd() ^ static_cast<uint64_t>(::getpid());
+  }();
+  return token;
+}
 
 cudaIpcMemHandle_t handle_from(const unsigned char* bytes) {
   cudaIpcMemHandle_t handle;
@@ -51,17 +61,30 @@ Result<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::create(
   char bus_id[32] = {};
   FLEX_RETURN_IF_ERROR(
       cuda_check(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device), "cudaDeviceGetPCIBusId"));
-  std::string address =
-      shm::control_segment_name(options.session, options.rank, options.incarnation);
+  std::unique_ptr<Transport> host;
+  std::string address;
+  if (options.host_collectives) {
+    FLEX_ASSIGN_OR_RETURN(std::unique_ptr<ShmTransport> shm, ShmTransport::create(options));
+    address = shm->address();
+    host = std::move(shm);
+    layout.recv_bytes = 0;  // The shm backend holds the payloads.
+  } else {
+    address = shm::control_segment_name(options.session, options.rank, options.incarnation);
+  }
+  const std::string control_name = table_name(options, address);
   std::unique_ptr<CudaIpcTransport> t(new CudaIpcTransport(options, layout, address));
-  FLEX_ASSIGN_OR_RETURN(t->recv_, cuda_ipc::DeviceAllocation::create(device, layout.recv_bytes));
-  FLEX_ASSIGN_OR_RETURN(t->copy_stream_, cuda_ipc::Stream::create(device, /*non_blocking=*/false));
-  FLEX_ASSIGN_OR_RETURN(t->read_stream_, cuda_ipc::Stream::create(device, /*non_blocking=*/true));
+  t->host_ = std::move(host);
+  if (t->host_ == nullptr) {
+    FLEX_ASSIGN_OR_RETURN(t->recv_, cuda_ipc::DeviceAllocation::create(device, layout.recv_bytes));
+    FLEX_ASSIGN_OR_RETURN(t->copy_stream_,
+                          cuda_ipc::Stream::create(device, /*non_blocking=*/false));
+    FLEX_ASSIGN_OR_RETURN(t->read_stream_, cuda_ipc::Stream::create(device, /*non_blocking=*/true));
+  }
 
-  auto created = ShmMapping::create(address, layout.total_bytes, /*populate=*/true);
+  auto created = ShmMapping::create(control_name, layout.total_bytes, /*populate=*/true);
   if (!created.ok() && created.status().code() == StatusCode::kFailedPrecondition) {
-    FLEX_RETURN_IF_ERROR(shm::remove_if_stale(address, cuda_ipc::kMagic));
-    created = ShmMapping::create(address, layout.total_bytes, /*populate=*/true);
+    FLEX_RETURN_IF_ERROR(shm::remove_if_stale(control_name, cuda_ipc::kMagic));
+    created = ShmMapping::create(control_name, layout.total_bytes, /*populate=*/true);
   }
   FLEX_RETURN_IF_ERROR(created.status());
   std::shared_ptr<ShmMapping> mapping = std::move(created).value();
@@ -85,11 +108,14 @@ Result<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::create(
   }
   cuda_ipc::DeviceInfo* info = layout.info(base);
   info->device = device;
+  info->process_token = process_token();
   std::memcpy(info->pci_bus_id, bus_id, sizeof(info->pci_bus_id));
   info->pci_bus_id[sizeof(info->pci_bus_id) - 1] = '\0';
   info->recv_bytes = layout.recv_bytes;
-  info->recv_address = reinterpret_cast<uint64_t>(t->recv_->data());
-  std::memcpy(info->recv_handle, &t->recv_->ipc_handle(), cuda_ipc::kIpcHandleBytes);
+  if (t->recv_ != nullptr) {
+    info->recv_address = reinterpret_cast<uint64_t>(t->recv_->data());
+    std::memcpy(info->recv_handle, &t->recv_->ipc_handle(), cuda_ipc::kIpcHandleBytes);
+  }
   for (int i = 0; i < cuda_ipc::kMaxRegions; ++i)
     new (layout.region(base, i)) cuda_ipc::RegionEntry();
   h->magic.store(cuda_ipc::kMagic, std::memory_order_release);  // Peers may attach from now on.
@@ -105,7 +131,8 @@ Result<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::create(
   self->info = info;
   self->control_base = base;
   self->pid = h->pid;
-  self->recv = t->recv_->data();
+  self->same_process = true;
+  self->recv = t->recv_ != nullptr ? t->recv_->data() : nullptr;
   t->peers_.assign(options.max_ranks, nullptr);
   t->peers_[options.rank] = std::move(self);
   return t;
@@ -113,13 +140,24 @@ Result<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::create(
 
 CudaIpcTransport::~CudaIpcTransport() { close_and_release(); }
 
+std::string CudaIpcTransport::table_name(const TransportOptions& options,
+                                         const std::string& address) {
+  return options.host_collectives ? shm::region_segment_name(address, kBufferTableId) : address;
+}
+
 TransportCapabilities CudaIpcTransport::capabilities() const {
+  if (host_ != nullptr) {
+    TransportCapabilities c = host_->capabilities();
+    c.mapped_peer_buffers = true;
+    return c;
+  }
   TransportCapabilities c;
   c.one_sided_read = true;
   c.device_memory = true;
   c.cross_host = false;
   c.max_gather_bytes = options_.max_gather_bytes;
   c.max_exchange_bytes = options_.max_exchange_bytes;
+  c.mapped_peer_buffers = true;
   return c;
 }
 
@@ -181,7 +219,10 @@ Result<std::shared_ptr<CudaIpcTransport::Peer>> CudaIpcTransport::attach(
   p->control_base = control->data();
   p->control = std::move(control);
   p->pid = h->pid;
-  if (h->pid == ::getpid()) {
+  p->same_process = info->process_token == process_token();
+  if (info->recv_bytes == 0) {
+    // Host collectives: no receive buffer.
+  } else if (p->same_process) {
     // Another transport of this very process: its pointers are valid here, and CUDA refuses
     // to import a handle into the process that exported it.
     p->recv = reinterpret_cast<std::byte*>(info->recv_address);
@@ -217,7 +258,9 @@ Status CudaIpcTransport::connect(int peer, const std::string& address) {
                                                   "' is not this rank's address " + address_);
   }
   if (peers_[peer] != nullptr && peers_[peer]->address == address) return Status();
-  FLEX_ASSIGN_OR_RETURN(std::shared_ptr<Peer> p, attach(peer, address));
+  if (host_ != nullptr) FLEX_RETURN_IF_ERROR(host_->connect(peer, address));
+  FLEX_ASSIGN_OR_RETURN(std::shared_ptr<Peer> p, attach(peer, table_name(options_, address)));
+  p->address = address;
   std::shared_ptr<Peer> dropped;  // Unmapped outside the lock (or by a read() in flight).
   std::lock_guard<std::mutex> lock(peers_mu_);
   dropped = std::move(peers_[peer]);  // An older incarnation's attachment.
@@ -229,16 +272,15 @@ Status CudaIpcTransport::disconnect(int peer) {
   if (peer < 0 || peer >= options_.max_ranks || peer == options_.rank) {
     return invalid_argument("disconnect: bad peer rank " + std::to_string(peer));
   }
+  Status host_status = host_ != nullptr ? host_->disconnect(peer) : Status();
   std::shared_ptr<Peer> dropped;
   std::lock_guard<std::mutex> lock(peers_mu_);
   if (!peers_.empty()) dropped = std::move(peers_[peer]);
-  return Status();
+  return host_status;
 }
 
-Result<Region> CudaIpcTransport::allocate_region(int region_id, size_t num_bytes) {
-  if (shut_down_) return failed_precondition("allocate_region after shutdown");
-  if (region_id < 0) return invalid_argument("region id must be >= 0");
-  if (num_bytes == 0) return invalid_argument("region " + std::to_string(region_id) + ": 0 bytes");
+Status CudaIpcTransport::publish_region(int region_id, std::shared_ptr<RegionView> view,
+                                        const cudaIpcMemHandle_t& handle) {
   {
     std::lock_guard<std::mutex> lock(peers_mu_);
     if (own_regions_.count(region_id) != 0) {
@@ -249,37 +291,128 @@ Result<Region> CudaIpcTransport::allocate_region(int region_id, size_t num_bytes
     return resource_exhausted("cuda_ipc: more than " + std::to_string(cuda_ipc::kMaxRegions) +
                               " regions");
   }
-  FLEX_ASSIGN_OR_RETURN(std::shared_ptr<cuda_ipc::DeviceAllocation> memory,
-                        cuda_ipc::DeviceAllocation::create(options_.device, num_bytes));
   cuda_ipc::RegionEntry* entry = layout_.region(base_, num_regions_++);
   entry->region_id = region_id;
-  entry->num_bytes = num_bytes;
-  entry->address = reinterpret_cast<uint64_t>(memory->data());
-  std::memcpy(entry->handle, &memory->ipc_handle(), cuda_ipc::kIpcHandleBytes);
+  entry->num_bytes = view->num_bytes;
+  entry->address = reinterpret_cast<uint64_t>(view->data);
+  std::memcpy(entry->handle, &handle, cuda_ipc::kIpcHandleBytes);
   entry->published.store(1, std::memory_order_release);
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  own_regions_[region_id] = std::move(view);
+  return Status();
+}
+
+Result<Region> CudaIpcTransport::allocate_region(int region_id, size_t num_bytes) {
+  if (host_ != nullptr) {
+    if (region_id == kBufferTableId) {
+      return invalid_argument("region id " + std::to_string(region_id) + " is reserved");
+    }
+    return host_->allocate_region(region_id, num_bytes);
+  }
+  if (shut_down_) return failed_precondition("allocate_region after shutdown");
+  if (region_id < 0) return invalid_argument("region id must be >= 0");
+  if (num_bytes == 0) return invalid_argument("region " + std::to_string(region_id) + ": 0 bytes");
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    if (own_regions_.count(region_id) != 0) {
+      return invalid_argument("region " + std::to_string(region_id) + " already allocated");
+    }
+  }
+  FLEX_ASSIGN_OR_RETURN(std::shared_ptr<cuda_ipc::DeviceAllocation> memory,
+                        cuda_ipc::DeviceAllocation::create(options_.device, num_bytes));
   auto view = std::make_shared<RegionView>();
   view->data = memory->data();
   view->num_bytes = num_bytes;
+  const cudaIpcMemHandle_t handle = memory->ipc_handle();
   view->owner = std::move(memory);
   Region region{region_id, view->data, num_bytes};
-  std::lock_guard<std::mutex> lock(peers_mu_);
-  own_regions_[region_id] = std::move(view);
+  FLEX_RETURN_IF_ERROR(publish_region(region_id, std::move(view), handle));
   return region;
 }
 
+Status CudaIpcTransport::register_buffer(int buffer_id, void* data, size_t num_bytes) {
+  const std::string what = "register_buffer " + std::to_string(buffer_id);
+  if (shut_down_) return failed_precondition(what + " after shutdown");
+  if (buffer_id < 0) return invalid_argument(what + ": buffer id must be >= 0");
+  if (data == nullptr || num_bytes == 0) return invalid_argument(what + ": no memory");
+  ScopedDevice scoped(options_.device);
+  FLEX_RETURN_IF_ERROR(scoped.status());
+  cudaPointerAttributes attr{};
+  FLEX_RETURN_IF_ERROR(
+      cuda_check(cudaPointerGetAttributes(&attr, data), "cudaPointerGetAttributes").annotate(what));
+  if (attr.type != cudaMemoryTypeDevice || attr.device != options_.device) {
+    return invalid_argument(what + ": not device memory of device " +
+                            std::to_string(options_.device));
+  }
+  cudaIpcMemHandle_t handle;
+  FLEX_RETURN_IF_ERROR(
+      cuda_check(cudaIpcGetMemHandle(&handle, data), "cudaIpcGetMemHandle").annotate(what));
+  auto view = std::make_shared<RegionView>();  // The caller owns the memory: no owner.
+  view->data = static_cast<std::byte*>(data);
+  view->num_bytes = num_bytes;
+  return publish_region(buffer_id, std::move(view), handle);
+}
+
+Result<PeerBuffer> CudaIpcTransport::map_peer_buffer(int peer, int buffer_id, MapMode mode) {
+  if (peer < 0 || peer >= options_.max_ranks) {
+    return invalid_argument("map_peer_buffer: rank " + std::to_string(peer) + " not in [0, " +
+                            std::to_string(options_.max_ranks) + ")");
+  }
+  const std::string what =
+      "buffer " + std::to_string(buffer_id) + " of rank " + std::to_string(peer);
+  std::shared_ptr<const RegionView> view;
+  std::shared_ptr<Peer> p;
+  PeerBuffer out;
+  out.incarnation = options_.incarnation;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    if (shut_down_) return failed_precondition(what + ": mapped after shutdown");
+    out.owner_pid = header_->pid;  // Valid until shutdown, which takes the lock.
+    out.owner_pid_start_time = header_->pid_start_time;
+    if (peer == options_.rank) {
+      auto it = own_regions_.find(buffer_id);
+      if (it == own_regions_.end()) return not_found(what + ": not registered");
+      view = it->second;
+    } else {
+      p = peers_[peer];
+      if (p == nullptr) return unavailable(what + ": rank not connected");
+    }
+  }
+  if (p != nullptr) {
+    out.owner_pid = p->pid;
+    out.owner_pid_start_time = p->header->pid_start_time;
+    // A dead or departed incarnation's memory is never handed out, even if mapped before.
+    FLEX_RETURN_IF_ERROR(shm::peer_liveness(peer, p->pid, *p->header, p->watch).annotate(what));
+    out.incarnation = p->header->incarnation;
+    FLEX_ASSIGN_OR_RETURN(view, peer_region(*p, buffer_id, what, mode));
+    if (view == nullptr) return out;  // kLookup, not mapped yet.
+  }
+  out.data = view->data;
+  out.num_bytes = view->num_bytes;
+  out.mapping = std::move(view);
+  return out;
+}
+
 Result<std::shared_ptr<const CudaIpcTransport::RegionView>> CudaIpcTransport::peer_region(
-    Peer& p, int region_id, const std::string& what) {
+    Peer& p, int region_id, const std::string& what, MapMode mode) {
   std::lock_guard<std::mutex> lock(p.regions_mu);
   auto it = p.regions.find(region_id);
   if (it != p.regions.end()) return it->second;
+  const bool same_process = p.same_process;
   // The owner publishes entries in order, each after its fields (release).
   for (int i = 0; i < cuda_ipc::kMaxRegions; ++i) {
     const cuda_ipc::RegionEntry* entry = layout_.region(p.control_base, i);
     if (entry->published.load(std::memory_order_acquire) == 0) break;
     if (entry->region_id != region_id) continue;
+    if (mode == MapMode::kLookup && !same_process) return std::shared_ptr<const RegionView>();
+    if (mode == MapMode::kMapSameDevice && !same_process &&
+        std::strncmp(p.info->pci_bus_id, layout_.info(base_)->pci_bus_id,
+                     sizeof(p.info->pci_bus_id)) != 0) {
+      return unimplemented(what + ": on another GPU (" + p.info->pci_bus_id + ") and not mapped");
+    }
     auto view = std::make_shared<RegionView>();
     view->num_bytes = entry->num_bytes;
-    if (p.pid == ::getpid()) {
+    if (same_process) {
       view->data = reinterpret_cast<std::byte*>(entry->address);
     } else {
       auto opened = cuda_ipc::IpcMapping::open(options_.device, handle_from(entry->handle));
@@ -295,6 +428,7 @@ Result<std::shared_ptr<const CudaIpcTransport::RegionView>> CudaIpcTransport::pe
 }
 
 Status CudaIpcTransport::read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) {
+  if (host_ != nullptr) return host_->read(peer, region_id, offset, dst, num_bytes);
   if (peer < 0 || peer >= options_.max_ranks) {
     return invalid_argument("read: rank " + std::to_string(peer) + " not in [0, " +
                             std::to_string(options_.max_ranks) + ")");
@@ -320,7 +454,7 @@ Status CudaIpcTransport::read(int peer, int region_id, size_t offset, void* dst,
     if (p->header->closed.load(std::memory_order_acquire) != 0) {
       return unavailable(what + ": rank " + std::to_string(peer) + " has shut down");
     }
-    FLEX_ASSIGN_OR_RETURN(region, peer_region(*p, region_id, what));
+    FLEX_ASSIGN_OR_RETURN(region, peer_region(*p, region_id, what, MapMode::kMap));
   }
   if (offset > region->num_bytes || num_bytes > region->num_bytes - offset) {
     return invalid_argument(what + ": bytes [" + std::to_string(offset) + ", +" +
@@ -378,7 +512,16 @@ Status CudaIpcTransport::shutdown() {
   if (shut_down_) return Status();
   Status unlinked = control_->unlink();  // Reported (it would leak /dev/shm); teardown goes on.
   close_and_release();
+  if (host_ != nullptr) {
+    Status host_status = host_->shutdown();
+    if (unlinked.ok()) unlinked = std::move(host_status);
+  }
   return unlinked;
+}
+
+Status CudaIpcTransport::mark_peer_lost(int peer, const std::string& why) {
+  if (host_ != nullptr) return host_->mark_peer_lost(peer, why);
+  return Transport::mark_peer_lost(peer, why);
 }
 
 }  // namespace flexpert

@@ -13,6 +13,12 @@
 // (same timeouts and liveness: a dead peer is Unavailable "rank R (pid P) died", a silent one
 // DeadlineExceeded, a newer epoch Aborted). read() copies from the peer's IPC-mapped region
 // on a second stream (a copy engine) and synchronizes it.
+// Mapped peer buffers: register_buffer() publishes a device buffer the caller allocated in the
+// region table of the control segment (its IPC handle and, for ranks of the same process, its
+// address), so that it is also a region; map_peer_buffer() imports a peer's entry once per
+// attachment (Peer::regions, shared with read()), refuses it once the peer shut down or died,
+// and drops its reference when connect() attaches a new incarnation or disconnect() detaches
+// (the mapping closes when the caller's PeerBuffer::mapping references are gone too).
 //
 // Device memory: every ByteSpan returned by a collective, and Region::data, is a device
 // pointer of options.device. Inputs may be device or host pointers (cudaMemcpyDefault).
@@ -26,6 +32,12 @@
 // wait that follows reports that member unless its message had already arrived.
 // NOTE: CUDA documents freeing an exported allocation before its importers close it as
 // undefined; shutdown() frees, so shut down at a step boundary (as the engine does).
+//
+// Host collectives (TransportOptions::host_collectives): the collectives, regions, read() and
+// liveness are an inner ShmTransport's (host memory, its address is this rank's address), and
+// this backend adds only the mapped peer buffers, in a table segment beside the shm segment
+// (named as the shm backend's region kBufferTableId, so session cleanup removes it too); no
+// receive buffer is allocated, and registered buffers are not regions.
 //
 // Thread safety: as ShmTransport. connect, disconnect, allocate_region, the collectives and
 // shutdown on one driving thread; read() and the const accessors on any thread. Every call
@@ -69,8 +81,12 @@ class CudaIpcTransport final : public Transport {
   Result<std::vector<ByteSpan>> exchange(const Group& group,
                                          const std::vector<ByteSpan>& send) override;
 
+  Status register_buffer(int buffer_id, void* data, size_t num_bytes) override;
+  Result<PeerBuffer> map_peer_buffer(int peer, int buffer_id, MapMode mode) override;
+
   Status shutdown() override;
   Status peer_status(int peer) const override;
+  Status mark_peer_lost(int peer, const std::string& why) override;
   int timeout_ms() const override { return options_.timeout_ms; }
 
  private:
@@ -93,6 +109,7 @@ class CudaIpcTransport final : public Transport {
     std::byte* control_base = nullptr;
     shm::ProcessWatch watch;
     int32_t pid = 0;
+    bool same_process = false;  // A transport of this process: addresses, not IPC handles.
     std::unique_ptr<cuda_ipc::IpcMapping>
         recv_mapping;           // Null for this rank and same-process peers.
     std::byte* recv = nullptr;  // Its receive buffer, mapped here.
@@ -112,11 +129,19 @@ class CudaIpcTransport final : public Transport {
     shm::MailboxHeader* mailbox;  // In the peer's segment, state Writing.
   };
 
+  // host_collectives: the table segment's name is the shm backend's name of this region id.
+  static constexpr int kBufferTableId = 2147483647;
+  static std::string table_name(const TransportOptions& options, const std::string& address);
+
   CudaIpcTransport(TransportOptions options, cuda_ipc::Layout layout, std::string address);
 
   Result<std::shared_ptr<Peer>> attach(int peer, const std::string& address);
+  // Null for MapMode::kLookup when the region is not mapped yet.
   Result<std::shared_ptr<const RegionView>> peer_region(Peer& peer, int region_id,
-                                                        const std::string& what);
+                                                        const std::string& what, MapMode mode);
+  // Adds an entry to this rank's region table (driving thread).
+  Status publish_region(int region_id, std::shared_ptr<RegionView> view,
+                        const cudaIpcMemHandle_t& handle);
 
   Status run_collective(shm::OpKind kind, const Group& group, const ByteSpan* sends, size_t stride,
                         std::vector<ByteSpan>* out);
@@ -139,6 +164,9 @@ class CudaIpcTransport final : public Transport {
   const TransportOptions options_;
   const cuda_ipc::Layout layout_;
   const std::string address_;
+  // host_collectives: runs collectives, regions and reads; null otherwise. Driving thread for
+  // what it drives, any thread for read() (as ShmTransport).
+  std::unique_ptr<Transport> host_;
 
   std::shared_ptr<shm::ShmMapping> control_;  // This rank's segment. Shared with self's Peer.
   shm::SegmentHeader* header_ = nullptr;
