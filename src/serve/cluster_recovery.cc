@@ -40,6 +40,11 @@ cluster::MembershipConfig ClusterEngine::Impl::membership_config() const {
     mc.routed.push_back(model_config_.is_moe_layer(l));
   }
   mc.heartbeat_timeout_ms = options_.heartbeat_timeout_ms;
+  // The healer asks for each recovery plan (propose_recovery) once a running scale or
+  // rebalance has settled, with the load window. Hand-started replacements get one
+  // bounded wait (--start-timeout-ms), then the group is degraded.
+  mc.plan_on_loss = false;
+  mc.recovery_attempts = options_.spawn_workers ? kRecoveryAttempts : 1;
   return mc;
 }
 
@@ -160,7 +165,15 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
   }
   const bool was_member = std::find(members().begin(), members().end(), rank) != members().end();
   info.state = RankState::kDead;
-  membership_.mark_lost(rank);  // Out of the members: its incarnation is fenced.
+  if (options_.reconfigure == "stop-the-world") {
+    membership_.mark_lost(rank);  // The baseline restarts the group itself (restart_group).
+  } else {
+    // The membership's event: out of the members, its incarnation fenced, a scale planned
+    // with it abandoned (its flow rolls back), phase recovering. The fence is executed
+    // below; requests are the front end's (held here).
+    (void)membership_.lost(rank, incarnation(rank), why, now_ms());
+    if (membership_.rank(rank).state != cluster::RankState::kDead) membership_.mark_lost(rank);
+  }
   info.last_error = why;
   info.leaving = false;
   if (info.spawned && info.pid > 0) kill(info.pid, SIGKILL);  // Declared lost: make it so.
@@ -198,9 +211,9 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
     return;
   }
   ++losses_;
-  if (const auto& p = membership_.proposal()) {
-    (void)membership_.abandon_proposal(p->id, why, now_ms());  // Its flow rolls back.
-  }
+  // Degraded, a further loss asks for another recovery, as a scale to the operator's size
+  // would (the membership's repair path: fresh attempts).
+  if (phase() == Phase::kDegraded) (void)membership_.scale(target_ranks_, {}, now_ms());
   if (!recovery_.active) {
     recovery_ = Recovery{};
     recovery_.active = true;
@@ -219,102 +232,125 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
 }
 
 Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann::json* report) {
+  // The membership decides (docs/ARCHITECTURE.md, "The membership state machine"): the
+  // survivors, the replacements and their incarnations, where the lost experts go, when
+  // to commit, how many failed attempts make the group degraded. Here its proposal is
+  // executed: replacements started, attached and loaded, each participant acknowledged.
   Status last = unavailable("no attempt made");
-  int attempts = 0;
-  // Hand-started replacements: one bounded wait (--start-timeout-ms), then degraded.
-  const int max_attempts = options_.spawn_workers ? kRecoveryAttempts : 1;
-  for (int restarts = 0; attempts < max_attempts && restarts < 4 * options_.max_ranks;) {
+  for (int restarts = 0; restarts < 4 * options_.max_ranks;) {
     if (halting()) return unavailable("shutting down");
+    if (phase() == Phase::kDegraded) return last;  // The membership gave up.
     // A scale or rebalance the loss interrupted gives up at its next check.
     cv_.wait_for(lock, kSettleTimeout,
                  [&] { return halting() || (!reconfiguring_ && !rebalancing_); });
+    if (halting()) return unavailable("shutting down");
     const uint64_t losses0 = losses_;
     auto changed = [&] { return losses_ != losses0 || halting(); };
-    const std::vector<int> survivors = members();
-    std::vector<std::vector<int>> maps;
-    for (int l = 0; l < placement_.num_layers(); ++l) maps.push_back(placement_.slot_map(l));
     const std::vector<std::vector<double>> load = window_load();
-    // The membership plans: in place, or with replacements (docs/ARCHITECTURE.md, "The
-    // membership state machine"); here they are started, attached and loaded.
-    auto choose = [&](bool started_only) {
-      return membership_.choose_recovery(maps, survivors, target_ranks_, started_only, load);
-    };
-    std::vector<int> joiners;
-    auto retry = [&](Status s) {
-      if (!joiners.empty()) rollback_joiners(joiners);
-      if (changed()) {
-        ++restarts;  // Another loss: plan again with the new survivors.
-      } else {
-        ++attempts;
-        last = std::move(s);
-      }
-    };
-    auto chosen = choose(/*started_only=*/false);
-    if (!chosen.ok() && chosen.status().code() == StatusCode::kFailedPrecondition) {
-      return chosen.status();  // --max-ranks cannot hold the experts: degraded.
-    }
-    if (chosen.ok() && !chosen->joiners.empty()) {
-      // Ids of ranks still exiting (the lost ones) free up once reaped.
+    // Ids of ranks still exiting (the lost ones) free up once reaped: wait a little for
+    // them before the membership chooses among the ids free now.
+    auto chosen = membership_.choose_recovery(membership_.maps(), members(),
+                                              membership_.target_ranks(), false, load);
+    if (chosen.ok() && chosen->not_reaped > 0) {
       reconfig_step_ = "waiting for free rank ids";
       cv_.wait_for(lock, std::chrono::seconds(5), [&] {
-        auto c = choose(false);
+        auto c = membership_.choose_recovery(membership_.maps(), members(),
+                                             membership_.target_ranks(), false, load);
         return changed() || !c.ok() || c->not_reaped == 0;
       });
       if (changed()) {
-        retry(aborted("a rank was lost"));
+        ++restarts;  // Another loss: plan again with the new survivors.
         continue;
       }
-      chosen = choose(/*started_only=*/true);
     }
-    if (!chosen.ok()) {
-      retry(chosen.status());
+    // The decision; its actions (spawns, prepares) are executed below, in this order.
+    const cluster::Proposed opened =
+        membership_.propose_recovery(/*started_only=*/true, load, now_ms());
+    if (!opened.status.ok()) {
+      last = opened.status;  // One failed attempt, or degraded (checked above).
+      if (phase() != Phase::kRecovering) return last;  // Not the membership's recovery.
       continue;
     }
-    cluster::RecoveryPlan plan = std::move(chosen->plan);
-    if (!chosen->joiners.empty()) {
-      joiners = chosen->joiners;
-      (*report)["replacements"] = joiners;
-      reconfig_step_ = "starting replacements";
-      Status s = start_joiners(joiners, lock, changed);
-      if (s.ok()) {
-        reconfig_step_ = "connecting replacements";
-        s = connect_all(joiner_connects(survivors, joiners), lock, [&] {
-          return changed() || std::any_of(joiners.begin(), joiners.end(), [&](int r) {
-                   return ranks_[r].state == RankState::kDead ||
-                          ranks_[r].state == RankState::kStopped;
-                 });
-        });
+    // Nothing to load and no replacement (the lost rank held only surplus replicas):
+    // committed at once, the commit is among the actions.
+    const cluster::Proposal decided =
+        membership_.proposal() ? *membership_.proposal() : cluster::Proposal{};
+    const std::vector<int>& joiners = decided.joiners;
+    auto retry = [&](Status s) {
+      if (changed()) {
+        ++restarts;  // The loss abandoned the proposal: plan again with the new survivors.
+      } else {
+        last = std::move(s);
+        // One failed attempt (unless a replacement's loss counted it already). Before the
+        // rollback: the rollback frees the ids of replacements that never started.
+        if (membership_.proposal() && membership_.proposal()->id == decided.id) {
+          (void)membership_.abandon_proposal(decided.id, last.message(), now_ms());
+        }
       }
-      if (s.ok() && changed()) s = aborted("a rank was lost");
+      if (!joiners.empty()) rollback_joiners(joiners);
+    };
+    cluster::Actions acks = opened.actions;
+    std::vector<std::vector<int>> next_maps = membership_.maps();
+    auto t_load = Clock::now();
+    if (membership_.proposal()) {
+      if (!joiners.empty()) {
+        (*report)["replacements"] = joiners;
+        reconfig_step_ = "starting replacements";
+        Status s = start_joiners(joiners, lock, changed);
+        if (s.ok()) {
+          reconfig_step_ = "connecting replacements";
+          s = connect_all(joiner_connects(decided.survivors, joiners), lock, [&] {
+            return changed() || std::any_of(joiners.begin(), joiners.end(), [&](int r) {
+                     return ranks_[r].state == RankState::kDead ||
+                            ranks_[r].state == RankState::kStopped;
+                   });
+          });
+        }
+        if (s.ok() && changed()) s = aborted("a rank was lost");
+        if (!s.ok()) {
+          retry(s);
+          continue;
+        }
+      }
+      // The lost experts come from the checkpoint: no replica is left to copy from.
+      reconfig_step_ = "reloading experts";
+      t_load = Clock::now();
+      Pulls pulls;
+      for (const cluster::RecoveryLoad& ld : decided.loads) {
+        add_pull(&pulls, ld.layer, ld.slot, proto::PullCommand::kFromCheckpoint, ld.logical_expert);
+      }
+      PullTotals done;
+      Status s = run_pulls(std::move(pulls), lock, kPullTimeout, changed, &done);
+      if (s.code() == StatusCode::kDeadlineExceeded) {
+        s = deadline_exceeded("expert reloads timed out");
+      }
+      if (s.ok() && changed()) s = aborted("a rank was lost during the reload");
+      if (s.ok())
+        s = ExpertPlacement::from_slot_maps(placement_.num_experts(), decided.maps).status();
       if (!s.ok()) {
         retry(s);
         continue;
       }
+      // Every participant is started, attached and loaded: its acknowledgement; the
+      // membership commits survivors and replacements with the last one.
+      for (int r : decided.awaiting) {
+        for (cluster::Action& a : membership_.prepared(r, incarnation(r), decided.id, now_ms())) {
+          acks.push_back(std::move(a));
+        }
+      }
+      next_maps = decided.maps;
     }
-    // The lost experts come from the checkpoint: no replica is left to copy from.
-    reconfig_step_ = "reloading experts";
-    Pulls pulls;
-    for (const cluster::RecoveryLoad& ld : plan.loads) {
-      add_pull(&pulls, ld.layer, ld.slot, proto::PullCommand::kFromCheckpoint, ld.logical_expert);
-    }
-    const auto t_load = Clock::now();
-    PullTotals done;
-    Status s = run_pulls(std::move(pulls), lock, kPullTimeout, changed, &done);
-    if (s.code() == StatusCode::kDeadlineExceeded)
-      s = deadline_exceeded("expert reloads timed out");
-    if (s.ok() && changed()) s = aborted("a rank was lost during the reload");
-    if (!s.ok()) {
-      retry(s);
+    auto commit = std::find_if(acks.begin(), acks.end(), [](const cluster::Action& a) {
+      return a.kind == cluster::ActionKind::kCommit;
+    });
+    if (commit == acks.end()) {
+      retry(internal_error("the membership did not commit the recovery"));
       continue;
     }
-    auto next = ExpertPlacement::from_slot_maps(placement_.num_experts(), std::move(plan.maps));
-    if (!next.ok()) {
-      retry(next.status());
-      continue;
-    }
-    // Commit: survivors and replacements switch together; held requests go out.
+    auto next = ExpertPlacement::from_slot_maps(placement_.num_experts(), std::move(next_maps));
+    FLEX_CHECK(next.ok()) << next.status().to_string();  // Checked before the commit.
     placement_ = std::move(next).value();
-    commit_epoch(sorted_union(survivors, joiners));
+    send_epoch(*commit);
     for (int r : joiners) ranks_[r].joining = false;
     reconfigurations().inc();
     recovery_.active = false;
@@ -323,8 +359,8 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
     (*report)["epoch"] = epoch();
     (*report)["members"] = members();
     (*report)["lost"] = recovery_.lost;
-    (*report)["reloaded_experts"] = plan.loads.size();
-    (*report)["evicted_replicas"] = plan.evicted;
+    (*report)["reloaded_experts"] = decided.loads.size();
+    (*report)["evicted_replicas"] = decided.evicted;
     (*report)["reload_s"] = seconds_since(t_load);
     recoveries(joiners.empty() ? "in_place" : "replacement").inc();
     Calls calls;

@@ -721,6 +721,8 @@ Result<nlohmann::json> ClusterEngine::Impl::retry_recovery(const ScaleTarget& ta
     return invalid_argument("\"ranks\" must be in [1, " + std::to_string(options_.max_ranks) +
                             "] (--max-ranks), got " + std::to_string(target.ranks));
   }
+  // The membership's repair path: the operator's size, fresh attempts, phase recovering.
+  FLEX_RETURN_IF_ERROR(membership_.scale(target.ranks, {}, now_ms()).status());
   target_ranks_ = target.ranks;
   recovery_.active = true;
   recovery_.start = Clock::now();
