@@ -29,13 +29,13 @@ namespace flexpert {
 
 using Clock = std::chrono::steady_clock;
 
-enum class RankState { kEmpty, kStarting, kReady, kServing, kHalted, kDead, kStopped };
+// A rank's state is the membership's (cluster::RankState); /v1/status shows a member of
+// a degraded group as "halted" (Impl::rank_state_name).
+using RankState = cluster::RankState;
 
 // The group's phase (/v1/status "phase"), owned by cluster::Membership.
 using Phase = cluster::Phase;
 using cluster::phase_name;
-
-const char* state_name(RankState s);
 
 // How long a scale-up's copies or a recovery's reloads may take.
 constexpr auto kPullTimeout = std::chrono::seconds(120);
@@ -52,8 +52,9 @@ inline std::vector<int> sorted_union(std::vector<int> a, const std::vector<int>&
   return a;
 }
 
+// What the front end keeps of a rank beside the membership's state: its process, its
+// address, its reports.
 struct RankInfo {
-  RankState state = RankState::kEmpty;
   pid_t pid = 0;
   bool spawned = false;
   std::string routing_id;  // Of the current incarnation (membership_ numbers it).
@@ -132,6 +133,14 @@ class ClusterEngine::Impl {
   Phase phase() const { return membership_.phase(); }
   void enter_phase(Phase p) { membership_.enter(p); }
   uint64_t incarnation(int rank) const { return membership_.rank(rank).incarnation; }
+  RankState state(int rank) const { return membership_.rank(rank).state; }
+  // A member of a degraded group: halted at its last collective until a recovery commits.
+  bool halted(int rank) const {
+    return state(rank) == RankState::kServing && phase() == Phase::kDegraded;
+  }
+  const char* rank_state_name(int rank) const {
+    return halted(rank) ? "halted" : cluster::rank_state_name(state(rank));
+  }
   static int64_t now_ms() {
     return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
         .count();

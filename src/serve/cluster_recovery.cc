@@ -56,8 +56,7 @@ bool ClusterEngine::Impl::rehome(uint64_t id, RequestInfo& req, int avoid, Calls
     for (int r : recovery_.active ? std::vector<int>{} : members()) {
       const RankInfo& info = ranks_[r];
       // Ranks about to leave only when nobody else can take it (they still step).
-      if (r == avoid || (info.leaving && !allow_leaving) ||
-          (info.state != RankState::kServing && info.state != RankState::kHalted)) {
+      if (r == avoid || (info.leaving && !allow_leaving) || state(r) != RankState::kServing) {
         continue;
       }
       if (best < 0 || info.in_flight < ranks_[best].in_flight) best = r;
@@ -144,27 +143,20 @@ void ClusterEngine::Impl::enter_degraded(const std::string& why, Calls* calls) {
   enter_phase(Phase::kDegraded);
   degraded_reason_ = why;
   recovery_.active = false;
-  recoveries("failed").inc();
-  for (int r : members()) {
-    if (ranks_[r].state == RankState::kServing) ranks_[r].state = RankState::kHalted;
-  }
+  recoveries("failed").inc();  // The members show as halted (rank_state_name).
   fail_all("the group cannot serve: " + why, calls);
   cv_.notify_all();
 }
 
 void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* calls) {
   RankInfo& info = ranks_[rank];
-  if (info.state == RankState::kDead || info.state == RankState::kStopped ||
-      info.state == RankState::kEmpty) {
-    return;
-  }
+  const RankState st = state(rank);
+  if (st == RankState::kDead || st == RankState::kStopped || st == RankState::kEmpty) return;
   if (phase() == Phase::kStopping || stop_.load()) {
-    info.state = RankState::kStopped;  // Leaving as asked, not lost.
-    membership_.mark_stopped(rank);
+    membership_.mark_stopped(rank);  // Leaving as asked, not lost.
     return;
   }
   const bool was_member = std::find(members().begin(), members().end(), rank) != members().end();
-  info.state = RankState::kDead;
   if (options_.reconfigure == "stop-the-world") {
     membership_.mark_lost(rank);  // The baseline restarts the group itself (restart_group).
   } else {
@@ -301,8 +293,7 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
           reconfig_step_ = "connecting replacements";
           s = connect_all(joiner_connects(decided.survivors, joiners), lock, [&] {
             return changed() || std::any_of(joiners.begin(), joiners.end(), [&](int r) {
-                     return ranks_[r].state == RankState::kDead ||
-                            ranks_[r].state == RankState::kStopped;
+                     return state(r) == RankState::kDead || state(r) == RankState::kStopped;
                    });
           });
         }
@@ -379,8 +370,9 @@ void ClusterEngine::Impl::keep_spares() {
     return;
   }
   int spares = 0;  // Ready, or still starting.
-  for (const RankInfo& info : ranks_) {
-    spares += info.spare && (info.state == RankState::kStarting || info.state == RankState::kReady);
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+    spares +=
+        ranks_[r].spare && (state(r) == RankState::kStarting || state(r) == RankState::kReady);
   }
   const std::vector<int> free = free_ranks();
   for (size_t i = 0; spares < options_.spare_ranks && i < free.size(); ++i, ++spares) {
