@@ -241,10 +241,10 @@ class Membership {
   void stopped();
 
   // --- Driver hooks ------------------------------------------------------------------
-  // ClusterEngine::Impl still runs its scale, recovery and restart flows itself
-  // (docs/ARCHITECTURE.md, "The membership state machine", says which); it records
-  // their steps here, under the same rules: incarnations only grow and a dead one is
-  // never admitted again; an epoch commits only admitted, live ranks and only grows.
+  // ClusterEngine::Impl's own steps (the stop-the-world restart, spares, rollbacks;
+  // docs/ARCHITECTURE.md, "The membership state machine", says which) are recorded
+  // here, under the same rules: incarnations only grow and a dead one is never admitted
+  // again; an epoch commits only admitted, live ranks and only grows.
   // Opens `rank` for its next incarnation (a joiner, a spare, a restarted rank).
   void open_rank(int rank, int64_t now_ms);
   // Commits the next epoch with `members` (`also`: leavers switching with them):

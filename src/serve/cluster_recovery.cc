@@ -3,12 +3,12 @@
 // group's size (docs/ARCHITECTURE.md, "Membership, epochs, failure").
 //
 // A lost member: survivors halt at their next collective (it includes the lost
-// rank); its requests, and new ones, are held at the front end; the healer thread
-// plans where the experts that lost their last replica go (cluster::plan_recovery:
-// the survivors' free slots, then surplus replicas), and where the survivors cannot
-// hold every expert it starts replacement ranks (new incarnations of free ids),
-// attaches them to the survivors and loads the lost experts into them. Then one
-// epoch commits and the held requests are placed. Only when no capacity is left
+// rank); its requests, and new ones, are held at the front end; the healer thread asks
+// the membership for the recovery's plan (Membership::propose_recovery: where the
+// experts that lost their last replica go, and where the survivors cannot hold every
+// expert, replacement ranks at free ids with new incarnations), starts and attaches the
+// replacements, loads the lost experts and acknowledges each participant; the
+// membership commits the epoch and the held requests are placed. Only when no capacity is left
 // (every id of --max-ranks in use, replacements failing again and again) is the
 // group degraded: new requests get 503 with Retry-After, and POST /v1/scale may
 // try again. Once serving, the healer scales back up to the size the operator
