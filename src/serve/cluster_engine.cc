@@ -364,10 +364,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
       if (it == requests_.end()) continue;  // Cancelled.
       // Moved to another rank, which re-runs it (also A -> B -> A: the attempt differs).
       if (it->second.rank != rank) continue;
-      if (i < batch->attempts.size() &&
-          batch->attempts[i] != static_cast<uint32_t>(it->second.reruns)) {
-        continue;
-      }
+      if (i < batch->attempts.size() && batch->attempts[i] != it->second.attempt) continue;
       CompletionEvent ev;
       const std::string& reason = batch->finish_reasons[i];
       if (batch->tokens[i] >= 0) {
@@ -388,7 +385,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
       }
       calls->push_back({it->second.callback, ev});
       if (ev.finished) {
-        ranks_[it->second.rank].in_flight -= 1;
+        (void)membership_.finished(it->first, rank, it->second.attempt);
         requests_.erase(it);
         if (requests_.empty() && reconfiguring_) cv_.notify_all();  // A drain waits.
       }
@@ -654,14 +651,14 @@ Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCall
                        (m.degraded_reason_.empty() ? "" : ": " + m.degraded_reason_) + ")");
   }
   const uint64_t id = m.next_request_id_++;
+  // The membership places it (the least loaded serving member) or holds it (recovering).
+  Result<cluster::Action> placed = m.membership_.submit(id);
+  if (!placed.ok()) return placed.status();
   RequestInfo& req = m.requests_[id];
   req.callback = std::move(on_event);
   req.prompt = std::move(request.prompt);
   req.params = std::move(request.params);
-  if (!m.rehome(id, req, -1, nullptr)) {
-    m.requests_.erase(id);
-    return unavailable("no serving rank (phase " + std::string(phase_name(m.phase())) + ")");
-  }
+  m.run_requests({placed.value()}, nullptr);
   m.wake();
   return id;
 }
@@ -671,10 +668,8 @@ void ClusterEngine::cancel(uint64_t request_id) {
   std::lock_guard<std::mutex> lock(m.mutex_);
   auto it = m.requests_.find(request_id);
   if (it == m.requests_.end()) return;
-  const int rank = it->second.rank;
-  if (rank >= 0) {
-    m.ranks_[rank].in_flight -= 1;
-    m.post(rank, proto::CancelRequest{request_id});
+  if (std::optional<int> rank = m.membership_.cancel(request_id)) {
+    m.post(*rank, proto::CancelRequest{request_id});
   }
   m.requests_.erase(it);
   m.cv_.notify_all();  // A stop-the-world drain may wait for the last request.
@@ -701,7 +696,7 @@ nlohmann::json ClusterEngine::status() const {
                         {"state", m.rank_state_name(static_cast<int>(r))},
                         {"pid", info.pid},
                         {"incarnation", m.incarnation(static_cast<int>(r))},
-                        {"in_flight", info.in_flight},
+                        {"in_flight", m.in_flight(static_cast<int>(r))},
                         {"running", info.running},
                         {"waiting", info.waiting},
                         {"step_ms", info.step_ms},
@@ -712,18 +707,16 @@ nlohmann::json ClusterEngine::status() const {
     if (info.spare) j["spare"] = true;
     ranks.push_back(std::move(j));
   }
-  nlohmann::json out = {
-      {"mode", "cluster"},
-      {"phase", phase_name(m.phase())},
-      {"epoch", m.epoch()},
-      {"members", m.members()},
-      {"max_ranks", m.options_.max_ranks},
-      {"slots_per_rank", m.slots_per_rank_},
-      {"in_flight", m.requests_.size()},
-      {"held", std::count_if(m.requests_.begin(), m.requests_.end(),
-                             [](const auto& r) { return r.second.rank == Impl::kHeldRank; })},
-      {"reconfiguration", m.reconfig_status()},
-      {"ranks", ranks}};
+  nlohmann::json out = {{"mode", "cluster"},
+                        {"phase", phase_name(m.phase())},
+                        {"epoch", m.epoch()},
+                        {"members", m.members()},
+                        {"max_ranks", m.options_.max_ranks},
+                        {"slots_per_rank", m.slots_per_rank_},
+                        {"in_flight", m.requests_.size()},
+                        {"held", m.membership_.num_held()},
+                        {"reconfiguration", m.reconfig_status()},
+                        {"ranks", ranks}};
   if (!m.degraded_reason_.empty()) out["degraded_reason"] = m.degraded_reason_;
   return out;
 }
@@ -757,7 +750,7 @@ void ClusterEngine::Impl::update_gauges() const {
                rank)
         .set(static_cast<double>(info.graph_captures));
     registry_.gauge("flexpert_rank_in_flight", "Requests placed on each rank.", rank)
-        .set(info.in_flight);
+        .set(in_flight(id));
   }
   update_eplb_gauges();
 }

@@ -59,7 +59,6 @@ struct RankInfo {
   bool spawned = false;
   std::string routing_id;  // Of the current incarnation (membership_ numbers it).
   std::string address;
-  int in_flight = 0;
   int running = 0;
   int waiting = 0;
   double step_ms = 0;
@@ -78,13 +77,15 @@ struct RankInfo {
 
 // What the front end keeps of a request so that another rank can re-run it
 // (from the prompt plus the tokens already streamed) when its rank leaves or dies.
+// Where it runs and at which attempt is the membership's decision (kPlace, kHold);
+// `rank` and `attempt` mirror the last one executed.
 struct RequestInfo {
   int rank = -1;
+  uint32_t attempt = 0;
   CompletionCallback callback;
   std::vector<int32_t> prompt;
   SamplingParams params;
   std::vector<int32_t> streamed;
-  int reruns = 0;
 };
 
 using Calls = std::vector<std::pair<CompletionCallback, CompletionEvent>>;
@@ -270,8 +271,6 @@ class ClusterEngine::Impl {
   std::map<int, proto::ConnectCommand> joiner_connects(const std::vector<int>& members,
                                                        const std::vector<int>& joiners) const;
   void enter_degraded(const std::string& why, Calls* calls);
-  // Places requests held at the front end (after an epoch commits).
-  void place_held(Calls* calls);
   std::thread restart_thread_;  // Stop-the-world recovery after a loss.
 
   // `kind` names the report ("heal" for the healer's); empty: scale-up or scale-down.
@@ -297,11 +296,12 @@ class ClusterEngine::Impl {
   std::vector<int> joiner_candidates() const;
   // Starts spares at free ids until --spare-ranks are Ready or starting. Lock held.
   void keep_spares();
-  // Places a request on the least-loaded serving member (not `avoid`); one placed
-  // before is cancelled there and re-run from its prompt plus the streamed tokens
-  // (one with nothing left to generate gets its final event in `calls` and is
-  // marked kFinishedRank for sweep_finished()). False if no member can take it.
-  bool rehome(uint64_t id, RequestInfo& req, int avoid, Calls* calls);
+  // Executes the membership's request actions: kPlace (cancelled where it ran before,
+  // re-run from its prompt plus the streamed tokens; one with nothing left to generate
+  // gets its final event in `calls`), kHold, kFail; others are ignored. Requests
+  // answered here are marked kFinishedRank and erased before it returns.
+  void run_requests(const cluster::Actions& actions, Calls* calls);
+  int in_flight(int rank) const { return membership_.rank(rank).in_flight; }
   static constexpr int kFinishedRank = -2;
   static constexpr int kHeldRank = -3;  // Held at the front end until an epoch commits.
   void sweep_finished();

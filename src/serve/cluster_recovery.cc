@@ -48,57 +48,56 @@ cluster::MembershipConfig ClusterEngine::Impl::membership_config() const {
   return mc;
 }
 
-bool ClusterEngine::Impl::rehome(uint64_t id, RequestInfo& req, int avoid, Calls* calls) {
-  int best = -1;
-  // During a recovery nothing is placed: the survivors are halted, and the next
-  // epoch (with replacements, perhaps) takes the held requests.
-  for (bool allow_leaving : {false, true}) {
-    for (int r : recovery_.active ? std::vector<int>{} : members()) {
-      const RankInfo& info = ranks_[r];
-      // Ranks about to leave only when nobody else can take it (they still step).
-      if (r == avoid || (info.leaving && !allow_leaving) || state(r) != RankState::kServing) {
-        continue;
+void ClusterEngine::Impl::run_requests(const cluster::Actions& actions, Calls* calls) {
+  for (const cluster::Action& a : actions) {
+    if (a.kind != cluster::ActionKind::kPlace && a.kind != cluster::ActionKind::kHold &&
+        a.kind != cluster::ActionKind::kFail) {
+      continue;
+    }
+    auto it = requests_.find(a.request);
+    if (it == requests_.end()) continue;
+    RequestInfo& req = it->second;
+    if (req.rank == kFinishedRank) continue;  // Its final event is queued already.
+    if (a.kind == cluster::ActionKind::kFail) {
+      fail_request(req, a.reason, calls);
+      continue;
+    }
+    // A move from where it ran (a lost rank, a leaver): cancelled there, re-run.
+    if (a.from_rank >= 0) {
+      if (a.from_rank < static_cast<int>(ranks_.size()) && state(a.from_rank) != RankState::kDead) {
+        post(a.from_rank, proto::CancelRequest{a.request});
       }
-      if (best < 0 || info.in_flight < ranks_[best].in_flight) best = r;
+      reruns().inc();
     }
-    if (best >= 0) break;
-  }
-  if (best < 0 && !recovery_.active) return false;
-  if (req.rank >= 0) {
-    if (req.rank != avoid && req.rank < static_cast<int>(ranks_.size())) {
-      post(req.rank, proto::CancelRequest{id});
-      ranks_[req.rank].in_flight -= 1;
+    req.attempt = a.attempt;
+    const int done = static_cast<int>(req.streamed.size());
+    if (done > 0 && done >= req.params.max_tokens) {
+      CompletionEvent ev;  // Everything was streamed but the final event.
+      ev.finished = true;
+      ev.finish_reason = "length";
+      if (calls != nullptr) calls->push_back({req.callback, ev});
+      (void)membership_.cancel(a.request);  // Not sent anywhere: nothing to cancel.
+      req.rank = kFinishedRank;
+      continue;
     }
-    ++req.reruns;
-    reruns().inc();
+    if (a.kind == cluster::ActionKind::kHold) {
+      if (req.rank != kHeldRank) held_total().inc();
+      req.rank = kHeldRank;  // Placed by the membership once an epoch commits.
+      continue;
+    }
+    proto::AddRequest add;
+    add.id = a.request;
+    add.prompt = req.prompt;
+    add.params = req.params;
+    add.params.max_tokens -= done;
+    add.params.min_tokens = std::max(0, add.params.min_tokens - done);
+    add.num_generated = done;
+    add.prompt.insert(add.prompt.end(), req.streamed.begin(), req.streamed.end());
+    add.attempt = a.attempt;
+    req.rank = a.rank;
+    post(a.rank, add);
   }
-  const int done = static_cast<int>(req.streamed.size());
-  if (done > 0 && done >= req.params.max_tokens) {
-    CompletionEvent ev;  // Everything was streamed but the final event.
-    ev.finished = true;
-    ev.finish_reason = "length";
-    if (calls != nullptr) calls->push_back({req.callback, ev});
-    req.rank = kFinishedRank;  // Erased by the caller's sweep_finished().
-    return true;
-  }
-  if (best < 0) {
-    if (req.rank != kHeldRank) held_total().inc();
-    req.rank = kHeldRank;  // place_held() sends it once an epoch commits.
-    return true;
-  }
-  proto::AddRequest add;
-  add.id = id;
-  add.prompt = req.prompt;
-  add.params = req.params;
-  add.params.max_tokens -= done;
-  add.params.min_tokens = std::max(0, add.params.min_tokens - done);
-  add.num_generated = done;
-  add.prompt.insert(add.prompt.end(), req.streamed.begin(), req.streamed.end());
-  add.attempt = static_cast<uint32_t>(req.reruns);
-  req.rank = best;
-  ranks_[best].in_flight += 1;
-  post(best, add);
-  return true;
+  sweep_finished();
 }
 
 void ClusterEngine::Impl::fail_request(RequestInfo& req, const std::string& why, Calls* calls) {
@@ -106,7 +105,7 @@ void ClusterEngine::Impl::fail_request(RequestInfo& req, const std::string& why,
   ev.finished = true;
   ev.finish_reason = "error";
   ev.error = unavailable(why);
-  calls->push_back({req.callback, ev});
+  if (calls != nullptr) calls->push_back({req.callback, ev});
   req.rank = kFinishedRank;  // Erased by sweep_finished().
 }
 
@@ -118,24 +117,15 @@ void ClusterEngine::Impl::fail_all(const std::string& why, Calls* calls) {
     ev.finish_reason = "error";
     ev.error = unavailable(why);
     calls->push_back({req.callback, ev});
+    (void)membership_.cancel(id);  // Answered: the membership forgets it.
   }
   requests_.clear();
-  for (auto& info : ranks_) info.in_flight = 0;
 }
 
 void ClusterEngine::Impl::sweep_finished() {
   for (auto it = requests_.begin(); it != requests_.end();) {
     it = it->second.rank == kFinishedRank ? requests_.erase(it) : std::next(it);
   }
-}
-
-void ClusterEngine::Impl::place_held(Calls* calls) {
-  for (auto& [id, req] : requests_) {
-    if (req.rank == kHeldRank && !rehome(id, req, -1, calls)) {
-      fail_request(req, "no rank can run it", calls);
-    }
-  }
-  sweep_finished();
 }
 
 void ClusterEngine::Impl::enter_degraded(const std::string& why, Calls* calls) {
@@ -157,14 +147,15 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
     return;
   }
   const bool was_member = std::find(members().begin(), members().end(), rank) != members().end();
+  cluster::Actions decided;
   if (options_.reconfigure == "stop-the-world") {
     membership_.mark_lost(rank);  // The baseline restarts the group itself (restart_group).
   } else {
     // The membership's event: out of the members, its incarnation fenced, a scale planned
-    // with it abandoned (its flow rolls back), phase recovering. The fence is executed
-    // below; requests are the front end's (held here).
-    (void)membership_.lost(rank, incarnation(rank), why, now_ms());
-    if (membership_.rank(rank).state != cluster::RankState::kDead) membership_.mark_lost(rank);
+    // with it abandoned (its flow rolls back), its requests held (re-run once the
+    // recovery commits), phase recovering. The fence is executed below.
+    decided = membership_.lost(rank, incarnation(rank), why, now_ms());
+    if (state(rank) != RankState::kDead) membership_.mark_lost(rank);
   }
   info.last_error = why;
   info.leaving = false;
@@ -215,11 +206,7 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
   enter_phase(Phase::kRecovering);
   // Its requests continue from their prompt plus what was streamed, once the
   // recovery commits (held at the front end until then).
-  for (auto& [id, req] : requests_) {
-    if (req.rank == rank) rehome(id, req, rank, calls);
-  }
-  sweep_finished();
-  info.in_flight = 0;
+  run_requests(decided, calls);
   cv_.notify_all();  // The healer starts the recovery.
 }
 
@@ -355,7 +342,7 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
     (*report)["reload_s"] = seconds_since(t_load);
     recoveries(joiners.empty() ? "in_place" : "replacement").inc();
     Calls calls;
-    place_held(&calls);
+    run_requests(acks, &calls);  // The held requests, placed by the commit.
     lock.unlock();
     for (auto& [cb, ev] : calls) cb(ev);
     lock.lock();

@@ -417,6 +417,7 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
   placement_ = std::move(next).value();
   const auto t_commit = Clock::now();
   send_epoch(*commit);
+  run_requests(acks, nullptr);  // Nothing is held while scaling; kept for the rule's sake.
   for (int r : joiners) ranks_[r].joining = false;
   reconfigurations().inc();
   const uint64_t epoch1 = epoch();
@@ -514,20 +515,18 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
                         : planned.status();
   }
   const auto t_commit = Clock::now();
+  const cluster::Actions decided = *planned;  // The commit, then the leavers' requests placed.
   send_epoch(*commit);
   reconfigurations().inc();
   const uint64_t epoch1 = epoch();
   int reruns = 0;
-  Calls calls;
-  for (auto& [id, req] : requests_) {
-    if (std::find(leavers.begin(), leavers.end(), req.rank) != leavers.end()) {
-      if (!rehome(id, req, -1, &calls)) fail_request(req, "no rank left to run it", &calls);
-      ++reruns;
-    }
+  for (const cluster::Action& a : decided) {
+    reruns += a.kind == cluster::ActionKind::kPlace &&
+              std::find(leavers.begin(), leavers.end(), a.from_rank) != leavers.end();
   }
-  sweep_finished();
+  Calls calls;
+  run_requests(decided, &calls);
   for (int r : leavers) {
-    ranks_[r].in_flight = 0;
     ranks_[r].leaving = false;
     // Stopped by the commit (the membership's state): its exit is not a loss.
     post(r, proto::Shutdown{proto::Shutdown::kLeave});
@@ -630,12 +629,9 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
       }
     }
     // The membership chooses (docs/ARCHITECTURE.md, "The membership state machine"):
-    // Ready spares, then free ids; the least loaded leave.
-    std::vector<int> in_flight;
-    for (const RankInfo& info : ranks_) in_flight.push_back(info.in_flight);
+    // Ready spares, then free ids; the least loaded (the requests it placed) leave.
     auto choose = [&] {
-      return membership_.choose_scale(target.remove.empty() ? target.ranks : -1, target.remove,
-                                      in_flight);
+      return membership_.choose_scale(target.remove.empty() ? target.ranks : -1, target.remove);
     };
     // Ids of ranks still exiting (a scale-down a moment ago) free up shortly.
     cv_.wait_for(lock, std::chrono::seconds(5), [&] {
