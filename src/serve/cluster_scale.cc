@@ -309,8 +309,10 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
   }
   const uint64_t proposal = membership_.proposal()->id;
   auto fail = [&](Status s) {
-    rollback_joiners(joiners);
+    // The proposal first: abandoning it marks its joiners' processes as running, and the
+    // rollback then frees the ids of those with no process (hand-started, not spawned yet).
     (void)membership_.abandon_proposal(proposal, s.message(), now_ms());
+    rollback_joiners(joiners);
     (*report)["rolled_back"] = true;
     return s;
   };
