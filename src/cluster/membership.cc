@@ -230,7 +230,7 @@ Actions Membership::lost(int r, uint64_t incarnation, const std::string& why, in
     if (phase_ == Phase::kDegraded) return out;  // Only a scale repairs it.
     abandon(&out);  // A scale or a recovery planned with the lost rank.
     set_phase(Phase::kRecovering);
-    plan_recovery_proposal(now_ms, &out);
+    if (config_.plan_on_loss) plan_recovery_proposal(now_ms, &out);
   } else if (was_joiner) {
     if (proposal_->kind == Proposal::Kind::kRecovery) {
       fail_recovery_attempt("replacement rank " + std::to_string(r) + " lost: " + why, now_ms,
@@ -435,7 +435,7 @@ Result<Actions> Membership::scale(int target, const std::vector<int>& remove, in
     target_ranks_ = target;
     failed_attempts_ = 0;
     set_phase(Phase::kRecovering);
-    plan_recovery_proposal(now_ms, &out);
+    if (config_.plan_on_loss) plan_recovery_proposal(now_ms, &out);
     return out;
   }
   if (proposal_) return failed_precondition("a reconfiguration is already in progress");
@@ -541,8 +541,12 @@ Actions Membership::prepared(int r, uint64_t incarnation, uint64_t proposal, int
   if (!accepts(r, incarnation) || !proposal_ || proposal_->id != proposal) return out;
   Proposal& p = *proposal_;
   if (!p.planned || !p.awaiting.count(r)) return out;
-  // A joiner acknowledges once loaded (Ready), not while it starts.
+  // A joiner acknowledges once loaded (Ready), not while it starts, and a recovery's
+  // replacement only as the incarnation its proposal named.
   if (contains(p.joiners, r) && ranks_[r].state != RankState::kReady) return out;
+  for (size_t i = 0; i < p.joiner_incarnations.size(); ++i) {
+    if (p.joiners[i] == r && p.joiner_incarnations[i] != incarnation) return out;
+  }
   p.awaiting.erase(r);
   maybe_commit(now_ms, &out);
   return out;
@@ -643,109 +647,6 @@ void Membership::abandon(Actions* out) {
     a.ranks = p.joiners;
     out->push_back(std::move(a));
   }
-}
-
-Result<RecoveryChoice> Membership::choose_recovery(
-    const std::vector<std::vector<int>>& maps, const std::vector<int>& survivors, int target_ranks,
-    bool started_only, const std::vector<std::vector<double>>& load) const {
-  auto input = [&](const std::vector<int>& joiners) {
-    RecoveryInput in;
-    in.maps = maps;
-    in.num_experts = config_.num_experts;
-    in.slots_per_rank = config_.slots_per_rank;
-    in.routed = config_.routed;
-    in.survivors = survivors;
-    in.joiners = joiners;
-    in.load = load;
-    return in;
-  };
-  RecoveryChoice choice;
-  choice.plan = plan_recovery(input({}));
-  if (choice.plan.ok() && !survivors.empty()) return choice;  // In place.
-  // Replacements: new incarnations of free ids (the lost ones once their process ended).
-  const int now = static_cast<int>(survivors.size());
-  const int need = std::max(ranks_for_slots(choice.plan.missing_slots, config_.slots_per_rank),
-                            survivors.empty() ? 1 : 0);
-  const int room = num_ranks() - now;
-  if (need > room) {
-    return failed_precondition("the experts need " + std::to_string(need) +
-                               " more ranks and --max-ranks " + std::to_string(num_ranks()) +
-                               " leaves room for " + std::to_string(room));
-  }
-  std::vector<int> free = free_ids();
-  if (started_only) {
-    std::erase_if(free,
-                  [&](int r) { return ranks_[r].state != RankState::kReady && !ranks_[r].reaped; });
-  }
-  if (static_cast<int>(free.size()) < need) {
-    return unavailable("only " + std::to_string(free.size()) + " rank ids are free");
-  }
-  const int want = std::min<int>(static_cast<int>(free.size()),
-                                 std::min(room, std::max(need, target_ranks - now)));
-  choice.joiners.assign(free.begin(), free.begin() + want);
-  std::sort(choice.joiners.begin(), choice.joiners.end());
-  for (int r : choice.joiners) {
-    choice.not_reaped += ranks_[r].state != RankState::kReady && !ranks_[r].reaped;
-  }
-  choice.plan = plan_recovery(input(choice.joiners));
-  if (!choice.plan.ok()) {
-    return internal_error("no room for every expert with the replacements");
-  }
-  return choice;
-}
-
-void Membership::plan_recovery_proposal(int64_t now_ms, Actions* out) {
-  const std::vector<int> survivors = members_;
-  auto chosen = choose_recovery(maps_, survivors, target_ranks_, /*started_only=*/false);
-  if (!chosen.ok()) {
-    enter_degraded(chosen.status().message(), out);
-    return;
-  }
-  std::vector<int> joiners = std::move(chosen->joiners);
-  RecoveryPlan plan = std::move(chosen->plan);
-  Proposal p;
-  p.kind = Proposal::Kind::kRecovery;
-  p.id = next_proposal_++;
-  p.members = sorted_union(survivors, joiners);
-  p.joiners = joiners;
-  p.maps = std::move(plan.maps);
-  p.loads = std::move(plan.loads);
-  p.planned = true;
-  p.awaiting.insert(joiners.begin(), joiners.end());
-  for (const RecoveryLoad& ld : p.loads) p.awaiting.insert(ld.slot / config_.slots_per_rank);
-  p.deadline_ms = now_ms + config_.prepare_timeout_ms;
-  proposal_ = std::move(p);
-  open_joiners(joiners, now_ms, out);
-  set_phase(Phase::kRecovering);
-  send_prepares(out);
-  maybe_commit(now_ms, out);
-}
-
-void Membership::fail_recovery_attempt(const std::string& why, int64_t now_ms, Actions* out) {
-  abandon(out);
-  failed_attempts_ += 1;
-  if (failed_attempts_ >= config_.recovery_attempts) {
-    enter_degraded(why, out);
-    return;
-  }
-  plan_recovery_proposal(now_ms, out);
-}
-
-void Membership::enter_degraded(const std::string& why, Actions* out) {
-  abandon(out);
-  set_phase(Phase::kDegraded);
-  degraded_reason_ = why;
-  // The members are halted and hold what is left: nothing can run until a scale repairs it.
-  for (auto& [id, req] : requests_) {
-    {
-      Action a = act(ActionKind::kFail);
-      a.request = id;
-      a.reason = "the group cannot serve: " + why;
-      out->push_back(std::move(a));
-    }
-  }
-  requests_.clear();
-  for (RankView& info : ranks_) info.in_flight = 0;
 }
 
 Status Membership::begin_rebalance() {

@@ -58,6 +58,11 @@ struct MembershipConfig {
   int64_t heartbeat_timeout_ms = 2000;
   int64_t prepare_timeout_ms = 120000;  // A proposal not acknowledged by then fails.
   int recovery_attempts = 3;            // Failed recovery preparations before degraded.
+  // true: a member's loss plans the recovery at once (lost() opens the proposal).
+  // false: lost() records the loss and the driver asks for the plan with
+  // propose_recovery() once it is ready (ClusterEngine first lets a running scale or
+  // rebalance settle and passes the load window); a failed attempt waits for the next ask.
+  bool plan_on_loss = true;
 };
 
 enum class ActionKind {
@@ -105,6 +110,10 @@ struct Proposal {
   std::set<int> awaiting;    // Participants whose prepare is not acknowledged.
   std::set<int> spawn_wait;  // Joiners whose id is not free yet (the old process runs).
   int64_t deadline_ms = 0;
+  // A recovery's decision, for the driver and its report:
+  std::vector<int> survivors;                 // The members when it was planned.
+  std::vector<uint64_t> joiner_incarnations;  // [joiner]: the only one that may acknowledge.
+  int evicted = 0;                            // Surplus replicas overwritten by the loads.
 };
 
 // Who joins or leaves for a scale.
@@ -112,6 +121,13 @@ struct ScaleChoice {
   std::vector<int> joiners;  // Ready spares first, then free ids (ended processes first).
   std::vector<int> leavers;  // Sorted.
   int not_reaped = 0;        // Joiners whose id's old process still runs.
+};
+
+// The answer to propose_recovery(): its actions come also with an error (a failed
+// attempt's rollback; on entering degraded, every open request's kFail).
+struct Proposed {
+  Status status;  // OK: a recovery proposal is open, or committed at once.
+  Actions actions;
 };
 
 // Where a recovery puts the experts that lost their last replica, and with which
@@ -186,6 +202,17 @@ class Membership {
                                          const std::vector<int>& survivors, int target_ranks,
                                          bool started_only,
                                          const std::vector<std::vector<double>>& load = {}) const;
+  // plan_on_loss false: the driver's ask for the recovery plan, while recovering with no
+  // proposal open. Opens a recovery proposal (survivors, replacements and the incarnation
+  // each must have, the maps, the checkpoint loads: proposal() reads it) and returns its
+  // actions (spawn the replacements whose id is free, prepare each participant); it
+  // commits once every participant acknowledged (prepared()). With `started_only`, only
+  // spares and ids whose process ended are chosen. Errors: FailedPrecondition when the
+  // ids of --max-ranks cannot hold the experts (degraded); otherwise (Unavailable: too
+  // few ids free now) one failed attempt, degraded after recovery_attempts. Called when
+  // not recovering, or with a proposal open: FailedPrecondition, nothing changes.
+  Proposed propose_recovery(bool started_only, const std::vector<std::vector<double>>& load,
+                            int64_t now_ms);
   // The driver's plan (src/eplb) for a scale's proposal: the next maps. Checked: every
   // expert keeps a replica on the next members, nothing on other ranks.
   Result<Actions> set_plan(uint64_t proposal, std::vector<std::vector<int>> maps, int64_t now_ms);
@@ -214,10 +241,10 @@ class Membership {
   void stopped();
 
   // --- Driver hooks ------------------------------------------------------------------
-  // ClusterEngine::Impl still runs its scale, recovery and restart flows itself
-  // (docs/ARCHITECTURE.md, "The membership state machine", says which); it records
-  // their steps here, under the same rules: incarnations only grow and a dead one is
-  // never admitted again; an epoch commits only admitted, live ranks and only grows.
+  // ClusterEngine::Impl's own steps (the stop-the-world restart, spares, rollbacks;
+  // docs/ARCHITECTURE.md, "The membership state machine", says which) are recorded
+  // here, under the same rules: incarnations only grow and a dead one is never admitted
+  // again; an epoch commits only admitted, live ranks and only grows.
   // Opens `rank` for its next incarnation (a joiner, a spare, a restarted rank).
   void open_rank(int rank, int64_t now_ms);
   // Commits the next epoch with `members` (`also`: leavers switching with them):
@@ -267,6 +294,10 @@ class Membership {
   void commit(std::vector<int> members, const std::vector<int>& also, Actions* out);
   // Abandons the proposal: joiners stopped (kRollback), leavers serve on.
   void abandon(Actions* out);
+  // Opens the recovery proposal for `chosen` (the survivors are the members).
+  void open_recovery(RecoveryChoice chosen, int64_t now_ms, Actions* out);
+  // Abandons the recovery's proposal and counts one failed attempt (degraded after
+  // recovery_attempts); with plan_on_loss, plans the next at once.
   void fail_recovery_attempt(const std::string& why, int64_t now_ms, Actions* out);
   void enter_degraded(const std::string& why, Actions* out);
   // Places `request` on the least loaded serving member (leavers last), or holds it.

@@ -42,26 +42,6 @@ std::string self_exe() {
 
 }  // namespace
 
-const char* state_name(RankState s) {
-  switch (s) {
-    case RankState::kEmpty:
-      return "empty";
-    case RankState::kStarting:
-      return "starting";
-    case RankState::kReady:
-      return "ready";
-    case RankState::kServing:
-      return "serving";
-    case RankState::kHalted:
-      return "halted";
-    case RankState::kDead:
-      return "dead";
-    case RankState::kStopped:
-      return "stopped";
-  }
-  return "?";
-}
-
 Status ClusterEngine::Impl::spawn(int rank) {
   const std::string binary = options_.worker_binary.empty() ? self_exe() : options_.worker_binary;
   const std::string rank_str = std::to_string(rank);
@@ -110,7 +90,6 @@ Status ClusterEngine::Impl::spawn(int rank) {
   }
   ranks_[rank].pid = pid;
   ranks_[rank].spawned = true;
-  ranks_[rank].state = RankState::kStarting;
   ranks_[rank].last_seen = Clock::now();
   return Status();
 }
@@ -214,7 +193,6 @@ Status ClusterEngine::Impl::start() {
 
 void ClusterEngine::Impl::request_spawn(int rank) {
   ranks_[rank].spawned = true;
-  ranks_[rank].state = RankState::kStarting;
   ranks_[rank].last_seen = Clock::now();
   spawn_queue_.push_back(rank);
   wake();
@@ -258,8 +236,7 @@ void ClusterEngine::Impl::send_epoch(const cluster::Action& commit) {
   cmd.placement_json = placement_.to_json();
   cmd.map_version = ++map_version_;
   for (int r : members) {
-    post(r, cmd);
-    ranks_[r].state = RankState::kServing;
+    post(r, cmd);                          // The membership made it serving with the commit.
     ranks_[r].map_version = map_version_;  // Applied with the epoch.
   }
   for (int r : also) post(r, cmd);
@@ -287,7 +264,7 @@ void ClusterEngine::Impl::flush_outbox() {
     if (!s.ok()) {
       // A rank that left or died may be gone before its last messages.
       std::lock_guard<std::mutex> lock(mutex_);
-      const RankState st = ranks_[rank].state;
+      const RankState st = state(rank);
       if (st == RankState::kStopped || st == RankState::kDead) {
         FLEX_LOG(DEBUG) << "send to departed rank " << rank << ": " << s.to_string();
       } else {
@@ -328,7 +305,6 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     RankInfo& info = ranks_[r];
     info.routing_id = routing_id;
     info.pid = hello->pid;
-    info.state = RankState::kStarting;
     info.last_seen = Clock::now();
     proto::WorkerConfig cfg;
     cfg.rank = r;
@@ -371,10 +347,9 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
   if (type == proto::Ready::kType) {
     auto ready = proto::decode<proto::Ready>(body);
     if (!ready.ok() || ready->incarnation != incarnation(rank)) return;
-    if (info.state != RankState::kStarting) return;  // E.g. a joiner already rolled back.
+    if (state(rank) != RankState::kStarting) return;  // E.g. a joiner already rolled back.
     info.address = ready->transport_address;
-    info.state = RankState::kReady;
-    // The first epoch commits once every initial rank is Ready (the membership's rule).
+    // Ready (the membership's state); the first epoch commits once every initial rank is.
     for (const cluster::Action& a : membership_.ready(rank, ready->incarnation, now_ms())) {
       if (a.kind == cluster::ActionKind::kCommit) send_epoch(a);
     }
@@ -390,10 +365,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
       if (it == requests_.end()) continue;  // Cancelled.
       // Moved to another rank, which re-runs it (also A -> B -> A: the attempt differs).
       if (it->second.rank != rank) continue;
-      if (i < batch->attempts.size() &&
-          batch->attempts[i] != static_cast<uint32_t>(it->second.reruns)) {
-        continue;
-      }
+      if (i < batch->attempts.size() && batch->attempts[i] != it->second.attempt) continue;
       CompletionEvent ev;
       const std::string& reason = batch->finish_reasons[i];
       if (batch->tokens[i] >= 0) {
@@ -414,7 +386,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
       }
       calls->push_back({it->second.callback, ev});
       if (ev.finished) {
-        ranks_[it->second.rank].in_flight -= 1;
+        (void)membership_.finished(it->first, rank, it->second.attempt);
         requests_.erase(it);
         if (requests_.empty() && reconfiguring_) cv_.notify_all();  // A drain waits.
       }
@@ -468,19 +440,20 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     if (!err.ok()) return;
     info.last_error = err->message;
     FLEX_LOG(WARN) << "rank " << rank << " reports: " << err->message;
-    if (epoch() == 0 && info.state == RankState::kStarting) {
+    if (epoch() == 0 && state(rank) == RankState::kStarting) {
       start_error_ =
           unavailable("rank " + std::to_string(rank) + " failed to start: " + err->message);
       cv_.notify_all();
     } else if (info.joining &&
-               (info.state == RankState::kStarting || info.state == RankState::kReady)) {
+               (state(rank) == RankState::kStarting || state(rank) == RankState::kReady)) {
       on_rank_lost(rank, "failed to prepare: " + err->message, calls);  // Rolls back.
     } else if (err->dead_rank >= 0 && err->dead_rank < static_cast<int>(ranks_.size()) &&
-               ranks_[err->dead_rank].state == RankState::kServing) {
+               state(err->dead_rank) == RankState::kServing && !halted(err->dead_rank)) {
       // The transport saw the peer's process end: no need to wait for waitpid or
       // a heartbeat (a hand-started worker has no parent here).
       on_rank_lost(err->dead_rank, "reported dead by rank " + std::to_string(rank), calls);
-    } else if (err->dead_rank < 0 && info.state == RankState::kServing && !recovery_.active) {
+    } else if (err->dead_rank < 0 && state(rank) == RankState::kServing && !halted(rank) &&
+               !recovery_.active) {
       // A member halted without a dead peer (a timeout, an aborted collective): the
       // membership re-commits the members when it halted in the current epoch.
       for (const cluster::Action& a :
@@ -518,9 +491,10 @@ void ClusterEngine::Impl::check_workers(Calls* calls) {
       }
     }
     // Every rank that said hello beats (a thread of its own): silence is a loss.
-    const bool watched = !info.routing_id.empty() &&
-                         (info.state == RankState::kServing || info.state == RankState::kHalted ||
-                          info.state == RankState::kStarting || info.state == RankState::kReady);
+    const RankState st = state(static_cast<int>(r));
+    const bool watched =
+        !info.routing_id.empty() &&
+        (st == RankState::kServing || st == RankState::kStarting || st == RankState::kReady);
     if (watched &&
         now - info.last_seen > std::chrono::milliseconds(options_.heartbeat_timeout_ms)) {
       on_rank_lost(static_cast<int>(r),
@@ -537,9 +511,8 @@ void ClusterEngine::Impl::control_loop() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       for (int r : spawn_queue_) {
-        if (ranks_[r].state != RankState::kStarting || ranks_[r].pid != 0) continue;
+        if (state(r) != RankState::kStarting || ranks_[r].pid != 0) continue;
         if (Status s = spawn(r); !s.ok()) {
-          ranks_[r].state = RankState::kDead;
           membership_.mark_lost(r);
           rank_reaped(r);  // Nothing was started.
           ranks_[r].last_error = s.to_string();
@@ -591,7 +564,7 @@ Status ClusterEngine::Impl::shutdown() {
     }
     requests_.clear();
     for (size_t r = 0; r < ranks_.size(); ++r) {
-      if (!ranks_[r].routing_id.empty() && ranks_[r].state != RankState::kDead) {
+      if (!ranks_[r].routing_id.empty() && state(r) != RankState::kDead) {
         post(static_cast<int>(r), proto::Shutdown{});
       }
       if (ranks_[r].spawned && ranks_[r].pid > 0) children.push_back(ranks_[r].pid);
@@ -631,10 +604,7 @@ Status ClusterEngine::Impl::shutdown() {
     closedir(dir);
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& info : ranks_) {
-    if (info.state != RankState::kDead) info.state = RankState::kStopped;
-  }
-  membership_.stopped();
+  membership_.stopped();  // Every rank not dead is stopped.
   return Status();
 }
 
@@ -682,14 +652,14 @@ Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCall
                        (m.degraded_reason_.empty() ? "" : ": " + m.degraded_reason_) + ")");
   }
   const uint64_t id = m.next_request_id_++;
+  // The membership places it (the least loaded serving member) or holds it (recovering).
+  Result<cluster::Action> placed = m.membership_.submit(id);
+  if (!placed.ok()) return placed.status();
   RequestInfo& req = m.requests_[id];
   req.callback = std::move(on_event);
   req.prompt = std::move(request.prompt);
   req.params = std::move(request.params);
-  if (!m.rehome(id, req, -1, nullptr)) {
-    m.requests_.erase(id);
-    return unavailable("no serving rank (phase " + std::string(phase_name(m.phase())) + ")");
-  }
+  m.run_requests({placed.value()}, nullptr);
   m.wake();
   return id;
 }
@@ -699,10 +669,8 @@ void ClusterEngine::cancel(uint64_t request_id) {
   std::lock_guard<std::mutex> lock(m.mutex_);
   auto it = m.requests_.find(request_id);
   if (it == m.requests_.end()) return;
-  const int rank = it->second.rank;
-  if (rank >= 0) {
-    m.ranks_[rank].in_flight -= 1;
-    m.post(rank, proto::CancelRequest{request_id});
+  if (std::optional<int> rank = m.membership_.cancel(request_id)) {
+    m.post(*rank, proto::CancelRequest{request_id});
   }
   m.requests_.erase(it);
   m.cv_.notify_all();  // A stop-the-world drain may wait for the last request.
@@ -724,12 +692,12 @@ nlohmann::json ClusterEngine::status() const {
   nlohmann::json ranks = nlohmann::json::array();
   for (size_t r = 0; r < m.ranks_.size(); ++r) {
     const RankInfo& info = m.ranks_[r];
-    if (info.state == RankState::kEmpty) continue;
+    if (m.state(static_cast<int>(r)) == RankState::kEmpty) continue;
     nlohmann::json j = {{"rank", r},
-                        {"state", state_name(info.state)},
+                        {"state", m.rank_state_name(static_cast<int>(r))},
                         {"pid", info.pid},
                         {"incarnation", m.incarnation(static_cast<int>(r))},
-                        {"in_flight", info.in_flight},
+                        {"in_flight", m.in_flight(static_cast<int>(r))},
                         {"running", info.running},
                         {"waiting", info.waiting},
                         {"step_ms", info.step_ms},
@@ -740,18 +708,16 @@ nlohmann::json ClusterEngine::status() const {
     if (info.spare) j["spare"] = true;
     ranks.push_back(std::move(j));
   }
-  nlohmann::json out = {
-      {"mode", "cluster"},
-      {"phase", phase_name(m.phase())},
-      {"epoch", m.epoch()},
-      {"members", m.members()},
-      {"max_ranks", m.options_.max_ranks},
-      {"slots_per_rank", m.slots_per_rank_},
-      {"in_flight", m.requests_.size()},
-      {"held", std::count_if(m.requests_.begin(), m.requests_.end(),
-                             [](const auto& r) { return r.second.rank == Impl::kHeldRank; })},
-      {"reconfiguration", m.reconfig_status()},
-      {"ranks", ranks}};
+  nlohmann::json out = {{"mode", "cluster"},
+                        {"phase", phase_name(m.phase())},
+                        {"epoch", m.epoch()},
+                        {"members", m.members()},
+                        {"max_ranks", m.options_.max_ranks},
+                        {"slots_per_rank", m.slots_per_rank_},
+                        {"in_flight", m.requests_.size()},
+                        {"held", m.membership_.num_held()},
+                        {"reconfiguration", m.reconfig_status()},
+                        {"ranks", ranks}};
   if (!m.degraded_reason_.empty()) out["degraded_reason"] = m.degraded_reason_;
   return out;
 }
@@ -771,10 +737,11 @@ void ClusterEngine::Impl::update_gauges() const {
   registry_.gauge("flexpert_epoch", "Current membership epoch.").set(static_cast<double>(epoch()));
   for (size_t r = 0; r < ranks_.size(); ++r) {
     const RankInfo& info = ranks_[r];
-    if (info.state == RankState::kEmpty) continue;
+    const int id = static_cast<int>(r);
+    if (state(id) == RankState::kEmpty) continue;
     const metrics::Labels rank = {{"rank", std::to_string(r)}};
     registry_.gauge("flexpert_rank_up", "1 when the rank is a serving member.", rank)
-        .set(info.state == RankState::kServing ? 1 : 0);
+        .set(state(id) == RankState::kServing && !halted(id) ? 1 : 0);
     registry_.gauge("flexpert_rank_step_seconds", "Mean busy step time per rank.", rank)
         .set(info.step_ms / 1e3);
     registry_
@@ -784,7 +751,7 @@ void ClusterEngine::Impl::update_gauges() const {
                rank)
         .set(static_cast<double>(info.graph_captures));
     registry_.gauge("flexpert_rank_in_flight", "Requests placed on each rank.", rank)
-        .set(info.in_flight);
+        .set(in_flight(id));
   }
   update_eplb_gauges();
 }

@@ -29,13 +29,13 @@ namespace flexpert {
 
 using Clock = std::chrono::steady_clock;
 
-enum class RankState { kEmpty, kStarting, kReady, kServing, kHalted, kDead, kStopped };
+// A rank's state is the membership's (cluster::RankState); /v1/status shows a member of
+// a degraded group as "halted" (Impl::rank_state_name).
+using RankState = cluster::RankState;
 
 // The group's phase (/v1/status "phase"), owned by cluster::Membership.
 using Phase = cluster::Phase;
 using cluster::phase_name;
-
-const char* state_name(RankState s);
 
 // How long a scale-up's copies or a recovery's reloads may take.
 constexpr auto kPullTimeout = std::chrono::seconds(120);
@@ -52,13 +52,13 @@ inline std::vector<int> sorted_union(std::vector<int> a, const std::vector<int>&
   return a;
 }
 
+// What the front end keeps of a rank beside the membership's state: its process, its
+// address, its reports.
 struct RankInfo {
-  RankState state = RankState::kEmpty;
   pid_t pid = 0;
   bool spawned = false;
   std::string routing_id;  // Of the current incarnation (membership_ numbers it).
   std::string address;
-  int in_flight = 0;
   int running = 0;
   int waiting = 0;
   double step_ms = 0;
@@ -77,13 +77,15 @@ struct RankInfo {
 
 // What the front end keeps of a request so that another rank can re-run it
 // (from the prompt plus the tokens already streamed) when its rank leaves or dies.
+// Where it runs and at which attempt is the membership's decision (kPlace, kHold);
+// `rank` and `attempt` mirror the last one executed.
 struct RequestInfo {
   int rank = -1;
+  uint32_t attempt = 0;
   CompletionCallback callback;
   std::vector<int32_t> prompt;
   SamplingParams params;
   std::vector<int32_t> streamed;
-  int reruns = 0;
 };
 
 using Calls = std::vector<std::pair<CompletionCallback, CompletionEvent>>;
@@ -137,6 +139,14 @@ class ClusterEngine::Impl {
   Phase phase() const { return membership_.phase(); }
   void enter_phase(Phase p) { membership_.enter(p); }
   uint64_t incarnation(int rank) const { return membership_.rank(rank).incarnation; }
+  RankState state(int rank) const { return membership_.rank(rank).state; }
+  // A member of a degraded group: halted at its last collective until a recovery commits.
+  bool halted(int rank) const {
+    return state(rank) == RankState::kServing && phase() == Phase::kDegraded;
+  }
+  const char* rank_state_name(int rank) const {
+    return halted(rank) ? "halted" : cluster::rank_state_name(state(rank));
+  }
   static int64_t now_ms() {
     return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
         .count();
@@ -266,8 +276,6 @@ class ClusterEngine::Impl {
   std::map<int, proto::ConnectCommand> joiner_connects(const std::vector<int>& members,
                                                        const std::vector<int>& joiners) const;
   void enter_degraded(const std::string& why, Calls* calls);
-  // Places requests held at the front end (after an epoch commits).
-  void place_held(Calls* calls);
   std::thread restart_thread_;  // Stop-the-world recovery after a loss.
 
   // `kind` names the report ("heal" for the healer's); empty: scale-up or scale-down.
@@ -293,11 +301,12 @@ class ClusterEngine::Impl {
   std::vector<int> joiner_candidates() const;
   // Starts spares at free ids until --spare-ranks are Ready or starting. Lock held.
   void keep_spares();
-  // Places a request on the least-loaded serving member (not `avoid`); one placed
-  // before is cancelled there and re-run from its prompt plus the streamed tokens
-  // (one with nothing left to generate gets its final event in `calls` and is
-  // marked kFinishedRank for sweep_finished()). False if no member can take it.
-  bool rehome(uint64_t id, RequestInfo& req, int avoid, Calls* calls);
+  // Executes the membership's request actions: kPlace (cancelled where it ran before,
+  // re-run from its prompt plus the streamed tokens; one with nothing left to generate
+  // gets its final event in `calls`), kHold, kFail; others are ignored. Requests
+  // answered here are marked kFinishedRank and erased before it returns.
+  void run_requests(const cluster::Actions& actions, Calls* calls);
+  int in_flight(int rank) const { return membership_.rank(rank).in_flight; }
   static constexpr int kFinishedRank = -2;
   static constexpr int kHeldRank = -3;  // Held at the front end until an epoch commits.
   void sweep_finished();

@@ -104,7 +104,7 @@ Status ClusterEngine::Impl::commit_map(ExpertPlacement next) {
   const bool ok = cv_.wait_for(lock, kAckTimeout, [&] {
     if (stop_.load() || epoch() != epoch0 || cancel_rebalance_) return true;
     for (int r : members()) {
-      if (ranks_[r].state == RankState::kServing && ranks_[r].map_version < version) return false;
+      if (state(r) == RankState::kServing && ranks_[r].map_version < version) return false;
     }
     return true;
   });

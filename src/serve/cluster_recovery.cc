@@ -3,12 +3,12 @@
 // group's size (docs/ARCHITECTURE.md, "Membership, epochs, failure").
 //
 // A lost member: survivors halt at their next collective (it includes the lost
-// rank); its requests, and new ones, are held at the front end; the healer thread
-// plans where the experts that lost their last replica go (cluster::plan_recovery:
-// the survivors' free slots, then surplus replicas), and where the survivors cannot
-// hold every expert it starts replacement ranks (new incarnations of free ids),
-// attaches them to the survivors and loads the lost experts into them. Then one
-// epoch commits and the held requests are placed. Only when no capacity is left
+// rank); its requests, and new ones, are held at the front end; the healer thread asks
+// the membership for the recovery's plan (Membership::propose_recovery: where the
+// experts that lost their last replica go, and where the survivors cannot hold every
+// expert, replacement ranks at free ids with new incarnations), starts and attaches the
+// replacements, loads the lost experts and acknowledges each participant; the
+// membership commits the epoch and the held requests are placed. Only when no capacity is left
 // (every id of --max-ranks in use, replacements failing again and again) is the
 // group degraded: new requests get 503 with Retry-After, and POST /v1/scale may
 // try again. Once serving, the healer scales back up to the size the operator
@@ -40,61 +40,64 @@ cluster::MembershipConfig ClusterEngine::Impl::membership_config() const {
     mc.routed.push_back(model_config_.is_moe_layer(l));
   }
   mc.heartbeat_timeout_ms = options_.heartbeat_timeout_ms;
+  // The healer asks for each recovery plan (propose_recovery) once a running scale or
+  // rebalance has settled, with the load window. Hand-started replacements get one
+  // bounded wait (--start-timeout-ms), then the group is degraded.
+  mc.plan_on_loss = false;
+  mc.recovery_attempts = options_.spawn_workers ? kRecoveryAttempts : 1;
   return mc;
 }
 
-bool ClusterEngine::Impl::rehome(uint64_t id, RequestInfo& req, int avoid, Calls* calls) {
-  int best = -1;
-  // During a recovery nothing is placed: the survivors are halted, and the next
-  // epoch (with replacements, perhaps) takes the held requests.
-  for (bool allow_leaving : {false, true}) {
-    for (int r : recovery_.active ? std::vector<int>{} : members()) {
-      const RankInfo& info = ranks_[r];
-      // Ranks about to leave only when nobody else can take it (they still step).
-      if (r == avoid || (info.leaving && !allow_leaving) ||
-          (info.state != RankState::kServing && info.state != RankState::kHalted)) {
-        continue;
+void ClusterEngine::Impl::run_requests(const cluster::Actions& actions, Calls* calls) {
+  for (const cluster::Action& a : actions) {
+    if (a.kind != cluster::ActionKind::kPlace && a.kind != cluster::ActionKind::kHold &&
+        a.kind != cluster::ActionKind::kFail) {
+      continue;
+    }
+    auto it = requests_.find(a.request);
+    if (it == requests_.end()) continue;
+    RequestInfo& req = it->second;
+    if (req.rank == kFinishedRank) continue;  // Its final event is queued already.
+    if (a.kind == cluster::ActionKind::kFail) {
+      fail_request(req, a.reason, calls);
+      continue;
+    }
+    // A move from where it ran (a lost rank, a leaver): cancelled there, re-run.
+    if (a.from_rank >= 0) {
+      if (a.from_rank < static_cast<int>(ranks_.size()) && state(a.from_rank) != RankState::kDead) {
+        post(a.from_rank, proto::CancelRequest{a.request});
       }
-      if (best < 0 || info.in_flight < ranks_[best].in_flight) best = r;
+      reruns().inc();
     }
-    if (best >= 0) break;
-  }
-  if (best < 0 && !recovery_.active) return false;
-  if (req.rank >= 0) {
-    if (req.rank != avoid && req.rank < static_cast<int>(ranks_.size())) {
-      post(req.rank, proto::CancelRequest{id});
-      ranks_[req.rank].in_flight -= 1;
+    req.attempt = a.attempt;
+    const int done = static_cast<int>(req.streamed.size());
+    if (done > 0 && done >= req.params.max_tokens) {
+      CompletionEvent ev;  // Everything was streamed but the final event.
+      ev.finished = true;
+      ev.finish_reason = "length";
+      if (calls != nullptr) calls->push_back({req.callback, ev});
+      (void)membership_.cancel(a.request);  // Not sent anywhere: nothing to cancel.
+      req.rank = kFinishedRank;
+      continue;
     }
-    ++req.reruns;
-    reruns().inc();
+    if (a.kind == cluster::ActionKind::kHold) {
+      if (req.rank != kHeldRank) held_total().inc();
+      req.rank = kHeldRank;  // Placed by the membership once an epoch commits.
+      continue;
+    }
+    proto::AddRequest add;
+    add.id = a.request;
+    add.prompt = req.prompt;
+    add.params = req.params;
+    add.params.max_tokens -= done;
+    add.params.min_tokens = std::max(0, add.params.min_tokens - done);
+    add.num_generated = done;
+    add.prompt.insert(add.prompt.end(), req.streamed.begin(), req.streamed.end());
+    add.attempt = a.attempt;
+    req.rank = a.rank;
+    post(a.rank, add);
   }
-  const int done = static_cast<int>(req.streamed.size());
-  if (done > 0 && done >= req.params.max_tokens) {
-    CompletionEvent ev;  // Everything was streamed but the final event.
-    ev.finished = true;
-    ev.finish_reason = "length";
-    if (calls != nullptr) calls->push_back({req.callback, ev});
-    req.rank = kFinishedRank;  // Erased by the caller's sweep_finished().
-    return true;
-  }
-  if (best < 0) {
-    if (req.rank != kHeldRank) held_total().inc();
-    req.rank = kHeldRank;  // place_held() sends it once an epoch commits.
-    return true;
-  }
-  proto::AddRequest add;
-  add.id = id;
-  add.prompt = req.prompt;
-  add.params = req.params;
-  add.params.max_tokens -= done;
-  add.params.min_tokens = std::max(0, add.params.min_tokens - done);
-  add.num_generated = done;
-  add.prompt.insert(add.prompt.end(), req.streamed.begin(), req.streamed.end());
-  add.attempt = static_cast<uint32_t>(req.reruns);
-  req.rank = best;
-  ranks_[best].in_flight += 1;
-  post(best, add);
-  return true;
+  sweep_finished();
 }
 
 void ClusterEngine::Impl::fail_request(RequestInfo& req, const std::string& why, Calls* calls) {
@@ -102,7 +105,7 @@ void ClusterEngine::Impl::fail_request(RequestInfo& req, const std::string& why,
   ev.finished = true;
   ev.finish_reason = "error";
   ev.error = unavailable(why);
-  calls->push_back({req.callback, ev});
+  if (calls != nullptr) calls->push_back({req.callback, ev});
   req.rank = kFinishedRank;  // Erased by sweep_finished().
 }
 
@@ -114,9 +117,9 @@ void ClusterEngine::Impl::fail_all(const std::string& why, Calls* calls) {
     ev.finish_reason = "error";
     ev.error = unavailable(why);
     calls->push_back({req.callback, ev});
+    (void)membership_.cancel(id);  // Answered: the membership forgets it.
   }
   requests_.clear();
-  for (auto& info : ranks_) info.in_flight = 0;
 }
 
 void ClusterEngine::Impl::sweep_finished() {
@@ -125,43 +128,36 @@ void ClusterEngine::Impl::sweep_finished() {
   }
 }
 
-void ClusterEngine::Impl::place_held(Calls* calls) {
-  for (auto& [id, req] : requests_) {
-    if (req.rank == kHeldRank && !rehome(id, req, -1, calls)) {
-      fail_request(req, "no rank can run it", calls);
-    }
-  }
-  sweep_finished();
-}
-
 void ClusterEngine::Impl::enter_degraded(const std::string& why, Calls* calls) {
   FLEX_LOG(ERROR) << "the group is degraded: " << why;
   enter_phase(Phase::kDegraded);
   degraded_reason_ = why;
   recovery_.active = false;
-  recoveries("failed").inc();
-  for (int r : members()) {
-    if (ranks_[r].state == RankState::kServing) ranks_[r].state = RankState::kHalted;
-  }
+  recoveries("failed").inc();  // The members show as halted (rank_state_name).
   fail_all("the group cannot serve: " + why, calls);
   cv_.notify_all();
 }
 
 void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* calls) {
   RankInfo& info = ranks_[rank];
-  if (info.state == RankState::kDead || info.state == RankState::kStopped ||
-      info.state == RankState::kEmpty) {
-    return;
-  }
+  const RankState st = state(rank);
+  if (st == RankState::kDead || st == RankState::kStopped || st == RankState::kEmpty) return;
   if (phase() == Phase::kStopping || stop_.load()) {
-    info.state = RankState::kStopped;  // Leaving as asked, not lost.
-    membership_.mark_stopped(rank);
+    membership_.mark_stopped(rank);  // Leaving as asked, not lost.
     return;
   }
   const bool was_member = std::find(members().begin(), members().end(), rank) != members().end();
-  info.state = RankState::kDead;
   const uint64_t lost_incarnation = incarnation(rank);
-  membership_.mark_lost(rank);  // Out of the members: its incarnation is fenced.
+  cluster::Actions decided;
+  if (options_.reconfigure == "stop-the-world") {
+    membership_.mark_lost(rank);  // The baseline restarts the group itself (restart_group).
+  } else {
+    // The membership's event: out of the members, its incarnation fenced, a scale planned
+    // with it abandoned (its flow rolls back), its requests held (re-run once the
+    // recovery commits), phase recovering. The fence is executed below.
+    decided = membership_.lost(rank, lost_incarnation, why, now_ms());
+    if (state(rank) != RankState::kDead) membership_.mark_lost(rank);
+  }
   announce_lost(rank, lost_incarnation, why);
   info.last_error = why;
   info.leaving = false;
@@ -200,9 +196,9 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
     return;
   }
   ++losses_;
-  if (const auto& p = membership_.proposal()) {
-    (void)membership_.abandon_proposal(p->id, why, now_ms());  // Its flow rolls back.
-  }
+  // Degraded, a further loss asks for another recovery, as a scale to the operator's size
+  // would (the membership's repair path: fresh attempts).
+  if (phase() == Phase::kDegraded) (void)membership_.scale(target_ranks_, {}, now_ms());
   if (!recovery_.active) {
     recovery_ = Recovery{};
     recovery_.active = true;
@@ -212,11 +208,7 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
   enter_phase(Phase::kRecovering);
   // Its requests continue from their prompt plus what was streamed, once the
   // recovery commits (held at the front end until then).
-  for (auto& [id, req] : requests_) {
-    if (req.rank == rank) rehome(id, req, rank, calls);
-  }
-  sweep_finished();
-  info.in_flight = 0;
+  run_requests(decided, calls);
   cv_.notify_all();  // The healer starts the recovery.
 }
 
@@ -237,102 +229,124 @@ void ClusterEngine::Impl::announce_lost(int rank, uint64_t lost_incarnation,
 }
 
 Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann::json* report) {
+  // The membership decides (docs/ARCHITECTURE.md, "The membership state machine"): the
+  // survivors, the replacements and their incarnations, where the lost experts go, when
+  // to commit, how many failed attempts make the group degraded. Here its proposal is
+  // executed: replacements started, attached and loaded, each participant acknowledged.
   Status last = unavailable("no attempt made");
-  int attempts = 0;
-  // Hand-started replacements: one bounded wait (--start-timeout-ms), then degraded.
-  const int max_attempts = options_.spawn_workers ? kRecoveryAttempts : 1;
-  for (int restarts = 0; attempts < max_attempts && restarts < 4 * options_.max_ranks;) {
+  for (int restarts = 0; restarts < 4 * options_.max_ranks;) {
     if (halting()) return unavailable("shutting down");
+    if (phase() == Phase::kDegraded) return last;  // The membership gave up.
     // A scale or rebalance the loss interrupted gives up at its next check.
     cv_.wait_for(lock, kSettleTimeout,
                  [&] { return halting() || (!reconfiguring_ && !rebalancing_); });
+    if (halting()) return unavailable("shutting down");
     const uint64_t losses0 = losses_;
     auto changed = [&] { return losses_ != losses0 || halting(); };
-    const std::vector<int> survivors = members();
-    std::vector<std::vector<int>> maps;
-    for (int l = 0; l < placement_.num_layers(); ++l) maps.push_back(placement_.slot_map(l));
     const std::vector<std::vector<double>> load = window_load();
-    // The membership plans: in place, or with replacements (docs/ARCHITECTURE.md, "The
-    // membership state machine"); here they are started, attached and loaded.
-    auto choose = [&](bool started_only) {
-      return membership_.choose_recovery(maps, survivors, target_ranks_, started_only, load);
-    };
-    std::vector<int> joiners;
-    auto retry = [&](Status s) {
-      if (!joiners.empty()) rollback_joiners(joiners);
-      if (changed()) {
-        ++restarts;  // Another loss: plan again with the new survivors.
-      } else {
-        ++attempts;
-        last = std::move(s);
-      }
-    };
-    auto chosen = choose(/*started_only=*/false);
-    if (!chosen.ok() && chosen.status().code() == StatusCode::kFailedPrecondition) {
-      return chosen.status();  // --max-ranks cannot hold the experts: degraded.
-    }
-    if (chosen.ok() && !chosen->joiners.empty()) {
-      // Ids of ranks still exiting (the lost ones) free up once reaped.
+    // Ids of ranks still exiting (the lost ones) free up once reaped: wait a little for
+    // them before the membership chooses among the ids free now.
+    auto chosen = membership_.choose_recovery(membership_.maps(), members(),
+                                              membership_.target_ranks(), false, load);
+    if (chosen.ok() && chosen->not_reaped > 0) {
       reconfig_step_ = "waiting for free rank ids";
       cv_.wait_for(lock, std::chrono::seconds(5), [&] {
-        auto c = choose(false);
+        auto c = membership_.choose_recovery(membership_.maps(), members(),
+                                             membership_.target_ranks(), false, load);
         return changed() || !c.ok() || c->not_reaped == 0;
       });
       if (changed()) {
-        retry(aborted("a rank was lost"));
+        ++restarts;  // Another loss: plan again with the new survivors.
         continue;
       }
-      chosen = choose(/*started_only=*/true);
     }
-    if (!chosen.ok()) {
-      retry(chosen.status());
+    // The decision; its actions (spawns, prepares) are executed below, in this order.
+    const cluster::Proposed opened =
+        membership_.propose_recovery(/*started_only=*/true, load, now_ms());
+    if (!opened.status.ok()) {
+      last = opened.status;  // One failed attempt, or degraded (checked above).
+      if (phase() != Phase::kRecovering) return last;  // Not the membership's recovery.
       continue;
     }
-    cluster::RecoveryPlan plan = std::move(chosen->plan);
-    if (!chosen->joiners.empty()) {
-      joiners = chosen->joiners;
-      (*report)["replacements"] = joiners;
-      reconfig_step_ = "starting replacements";
-      Status s = start_joiners(joiners, lock, changed);
-      if (s.ok()) {
-        reconfig_step_ = "connecting replacements";
-        s = connect_all(joiner_connects(survivors, joiners), lock, [&] {
-          return changed() || std::any_of(joiners.begin(), joiners.end(), [&](int r) {
-                   return ranks_[r].state == RankState::kDead ||
-                          ranks_[r].state == RankState::kStopped;
-                 });
-        });
+    // Nothing to load and no replacement (the lost rank held only surplus replicas):
+    // committed at once, the commit is among the actions.
+    const cluster::Proposal decided =
+        membership_.proposal() ? *membership_.proposal() : cluster::Proposal{};
+    const std::vector<int>& joiners = decided.joiners;
+    auto retry = [&](Status s) {
+      if (changed()) {
+        ++restarts;  // The loss abandoned the proposal: plan again with the new survivors.
+      } else {
+        last = std::move(s);
+        // One failed attempt (unless a replacement's loss counted it already). Before the
+        // rollback: the rollback frees the ids of replacements that never started.
+        if (membership_.proposal() && membership_.proposal()->id == decided.id) {
+          (void)membership_.abandon_proposal(decided.id, last.message(), now_ms());
+        }
       }
-      if (s.ok() && changed()) s = aborted("a rank was lost");
+      if (!joiners.empty()) rollback_joiners(joiners);
+    };
+    cluster::Actions acks = opened.actions;
+    std::vector<std::vector<int>> next_maps = membership_.maps();
+    auto t_load = Clock::now();
+    if (membership_.proposal()) {
+      if (!joiners.empty()) {
+        (*report)["replacements"] = joiners;
+        reconfig_step_ = "starting replacements";
+        Status s = start_joiners(joiners, lock, changed);
+        if (s.ok()) {
+          reconfig_step_ = "connecting replacements";
+          s = connect_all(joiner_connects(decided.survivors, joiners), lock, [&] {
+            return changed() || std::any_of(joiners.begin(), joiners.end(), [&](int r) {
+                     return state(r) == RankState::kDead || state(r) == RankState::kStopped;
+                   });
+          });
+        }
+        if (s.ok() && changed()) s = aborted("a rank was lost");
+        if (!s.ok()) {
+          retry(s);
+          continue;
+        }
+      }
+      // The lost experts come from the checkpoint: no replica is left to copy from.
+      reconfig_step_ = "reloading experts";
+      t_load = Clock::now();
+      Pulls pulls;
+      for (const cluster::RecoveryLoad& ld : decided.loads) {
+        add_pull(&pulls, ld.layer, ld.slot, proto::PullCommand::kFromCheckpoint, ld.logical_expert);
+      }
+      PullTotals done;
+      Status s = run_pulls(std::move(pulls), lock, kPullTimeout, changed, &done);
+      if (s.code() == StatusCode::kDeadlineExceeded) {
+        s = deadline_exceeded("expert reloads timed out");
+      }
+      if (s.ok() && changed()) s = aborted("a rank was lost during the reload");
+      if (s.ok())
+        s = ExpertPlacement::from_slot_maps(placement_.num_experts(), decided.maps).status();
       if (!s.ok()) {
         retry(s);
         continue;
       }
+      // Every participant is started, attached and loaded: its acknowledgement; the
+      // membership commits survivors and replacements with the last one.
+      for (int r : decided.awaiting) {
+        for (cluster::Action& a : membership_.prepared(r, incarnation(r), decided.id, now_ms())) {
+          acks.push_back(std::move(a));
+        }
+      }
+      next_maps = decided.maps;
     }
-    // The lost experts come from the checkpoint: no replica is left to copy from.
-    reconfig_step_ = "reloading experts";
-    Pulls pulls;
-    for (const cluster::RecoveryLoad& ld : plan.loads) {
-      add_pull(&pulls, ld.layer, ld.slot, proto::PullCommand::kFromCheckpoint, ld.logical_expert);
-    }
-    const auto t_load = Clock::now();
-    PullTotals done;
-    Status s = run_pulls(std::move(pulls), lock, kPullTimeout, changed, &done);
-    if (s.code() == StatusCode::kDeadlineExceeded)
-      s = deadline_exceeded("expert reloads timed out");
-    if (s.ok() && changed()) s = aborted("a rank was lost during the reload");
-    if (!s.ok()) {
-      retry(s);
+    auto commit = std::find_if(acks.begin(), acks.end(), [](const cluster::Action& a) {
+      return a.kind == cluster::ActionKind::kCommit;
+    });
+    if (commit == acks.end()) {
+      retry(internal_error("the membership did not commit the recovery"));
       continue;
     }
-    auto next = ExpertPlacement::from_slot_maps(placement_.num_experts(), std::move(plan.maps));
-    if (!next.ok()) {
-      retry(next.status());
-      continue;
-    }
-    // Commit: survivors and replacements switch together; held requests go out.
+    auto next = ExpertPlacement::from_slot_maps(placement_.num_experts(), std::move(next_maps));
+    FLEX_CHECK(next.ok()) << next.status().to_string();  // Checked before the commit.
     placement_ = std::move(next).value();
-    commit_epoch(sorted_union(survivors, joiners));
+    send_epoch(*commit);
     for (int r : joiners) ranks_[r].joining = false;
     reconfigurations().inc();
     recovery_.active = false;
@@ -341,12 +355,12 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
     (*report)["epoch"] = epoch();
     (*report)["members"] = members();
     (*report)["lost"] = recovery_.lost;
-    (*report)["reloaded_experts"] = plan.loads.size();
-    (*report)["evicted_replicas"] = plan.evicted;
+    (*report)["reloaded_experts"] = decided.loads.size();
+    (*report)["evicted_replicas"] = decided.evicted;
     (*report)["reload_s"] = seconds_since(t_load);
     recoveries(joiners.empty() ? "in_place" : "replacement").inc();
     Calls calls;
-    place_held(&calls);
+    run_requests(acks, &calls);  // The held requests, placed by the commit.
     lock.unlock();
     for (auto& [cb, ev] : calls) cb(ev);
     lock.lock();
@@ -361,8 +375,9 @@ void ClusterEngine::Impl::keep_spares() {
     return;
   }
   int spares = 0;  // Ready, or still starting.
-  for (const RankInfo& info : ranks_) {
-    spares += info.spare && (info.state == RankState::kStarting || info.state == RankState::kReady);
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+    spares +=
+        ranks_[r].spare && (state(r) == RankState::kStarting || state(r) == RankState::kReady);
   }
   const std::vector<int> free = free_ranks();
   for (size_t i = 0; spares < options_.spare_ranks && i < free.size(); ++i, ++spares) {

@@ -78,7 +78,7 @@ Result<ScaleTarget> ScaleTarget::from_json(const nlohmann::json& body) {
 std::vector<int> ClusterEngine::Impl::free_ranks() const {
   std::vector<int> out;
   for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
-    const RankState s = ranks_[r].state;
+    const RankState s = state(r);
     const bool member = std::find(members().begin(), members().end(), r) != members().end();
     // A rank whose process still runs (reaped later) is not reusable yet.
     if (!member && ranks_[r].pid == 0 &&
@@ -110,7 +110,7 @@ Result<std::pair<int, uint64_t>> ClusterEngine::Impl::admit(int rank, int pid) {
 std::vector<int> ClusterEngine::Impl::spare_ranks() const {
   std::vector<int> out;
   for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
-    if (ranks_[r].spare && ranks_[r].state == RankState::kReady) out.push_back(r);
+    if (ranks_[r].spare && state(r) == RankState::kReady) out.push_back(r);
   }
   return out;
 }
@@ -180,8 +180,8 @@ Status ClusterEngine::Impl::wait_applied(const std::vector<int>& ranks, uint64_t
     if (halting() || epoch() != target) return true;
     return std::all_of(ranks.begin(), ranks.end(), [&](int r) {
       const RankInfo& i = ranks_[r];
-      return i.applied_epoch >= target || i.state == RankState::kDead ||
-             (i.state == RankState::kStopped && i.spawned && i.pid == 0);
+      return i.applied_epoch >= target || state(r) == RankState::kDead ||
+             (state(r) == RankState::kStopped && i.spawned && i.pid == 0);
     });
   });
   if (halting()) return unavailable("shutting down");
@@ -198,8 +198,7 @@ void ClusterEngine::Impl::rollback_joiners(const std::vector<int>& joiners) {
     info.joining = false;
     spawn_queue_.erase(std::remove(spawn_queue_.begin(), spawn_queue_.end(), r),
                        spawn_queue_.end());
-    if (info.state != RankState::kDead) info.state = RankState::kStopped;
-    membership_.mark_stopped(r);
+    membership_.mark_stopped(r);  // Stopped, unless dead.
     if (info.spawned && info.pid > 0) {
       kill(info.pid, SIGKILL);  // Reaped (and its segments removed) by check_workers.
     } else if (!info.routing_id.empty()) {
@@ -221,14 +220,13 @@ Status ClusterEngine::Impl::start_joiners(const std::vector<int>& joiners,
                                           const std::function<bool()>& changed) {
   for (int r : joiners) {
     RankInfo& info = ranks_[r];
-    if (info.spare && info.state == RankState::kReady) {
+    if (info.spare && state(r) == RankState::kReady) {
       info.spare = false;  // Started ahead: loaded, Ready, not connected to anyone yet.
       info.joining = true;
       continue;
     }
     info = RankInfo{};
-    membership_.open_rank(r, now_ms());  // Its next incarnation.
-    info.state = RankState::kStarting;
+    membership_.open_rank(r, now_ms());  // Its next incarnation: starting.
     info.joining = true;
     info.last_seen = Clock::now();
     if (options_.spawn_workers) {
@@ -241,7 +239,7 @@ Status ClusterEngine::Impl::start_joiners(const std::vector<int>& joiners,
   }
   auto failed = [&] {
     for (int r : joiners) {
-      const RankState s = ranks_[r].state;
+      const RankState s = state(r);
       if (s == RankState::kDead || s == RankState::kStopped) return r;
     }
     return -1;
@@ -249,7 +247,7 @@ Status ClusterEngine::Impl::start_joiners(const std::vector<int>& joiners,
   cv_.wait_for(lock, std::chrono::milliseconds(options_.start_timeout_ms), [&] {
     if (halting() || changed() || failed() >= 0) return true;
     return std::all_of(joiners.begin(), joiners.end(),
-                       [&](int r) { return ranks_[r].state == RankState::kReady; });
+                       [&](int r) { return state(r) == RankState::kReady; });
   });
   if (halting()) return unavailable("shutting down");
   if (changed()) return aborted("the group changed while ranks started");
@@ -258,7 +256,7 @@ Status ClusterEngine::Impl::start_joiners(const std::vector<int>& joiners,
                        " failed while starting: " + ranks_[r].last_error);
   }
   for (int r : joiners) {
-    if (ranks_[r].state != RankState::kReady) {
+    if (state(r) != RankState::kReady) {
       return deadline_exceeded("rank " + std::to_string(r) + " not ready within " +
                                std::to_string(options_.start_timeout_ms) + " ms");
     }
@@ -311,8 +309,10 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
   }
   const uint64_t proposal = membership_.proposal()->id;
   auto fail = [&](Status s) {
-    rollback_joiners(joiners);
+    // The proposal first: abandoning it marks its joiners' processes as running, and the
+    // rollback then frees the ids of those with no process (hand-started, not spawned yet).
     (void)membership_.abandon_proposal(proposal, s.message(), now_ms());
+    rollback_joiners(joiners);
     (*report)["rolled_back"] = true;
     return s;
   };
@@ -320,7 +320,7 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
   reconfig_step_ = "starting workers";
   auto joiner_failed = [&] {
     for (int r : joiners) {
-      const RankState s = ranks_[r].state;
+      const RankState s = state(r);
       if (s == RankState::kDead || s == RankState::kStopped) return r;
     }
     return -1;
@@ -419,6 +419,7 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
   placement_ = std::move(next).value();
   const auto t_commit = Clock::now();
   send_epoch(*commit);
+  run_requests(acks, nullptr);  // Nothing is held while scaling; kept for the rule's sake.
   for (int r : joiners) ranks_[r].joining = false;
   reconfigurations().inc();
   const uint64_t epoch1 = epoch();
@@ -494,7 +495,7 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
   // unfinished requests re-run on survivors.
   reconfig_step_ = "committing";
   for (int r : members()) {
-    if (ranks_[r].state != RankState::kServing || cancel_rebalance_ || recovery_.active ||
+    if (state(r) != RankState::kServing || cancel_rebalance_ || recovery_.active ||
         epoch() != rebalance_epoch_) {
       unmark();
       return aborted("the group changed while experts moved (rank " + std::to_string(r) + ")");
@@ -516,22 +517,20 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
                         : planned.status();
   }
   const auto t_commit = Clock::now();
+  const cluster::Actions decided = *planned;  // The commit, then the leavers' requests placed.
   send_epoch(*commit);
   reconfigurations().inc();
   const uint64_t epoch1 = epoch();
   int reruns = 0;
-  Calls calls;
-  for (auto& [id, req] : requests_) {
-    if (std::find(leavers.begin(), leavers.end(), req.rank) != leavers.end()) {
-      if (!rehome(id, req, -1, &calls)) fail_request(req, "no rank left to run it", &calls);
-      ++reruns;
-    }
+  for (const cluster::Action& a : decided) {
+    reruns += a.kind == cluster::ActionKind::kPlace &&
+              std::find(leavers.begin(), leavers.end(), a.from_rank) != leavers.end();
   }
-  sweep_finished();
+  Calls calls;
+  run_requests(decided, &calls);
   for (int r : leavers) {
-    ranks_[r].in_flight = 0;
     ranks_[r].leaving = false;
-    ranks_[r].state = RankState::kStopped;  // Its exit is not a loss (the commit stopped it).
+    // Stopped by the commit (the membership's state): its exit is not a loss.
     post(r, proto::Shutdown{proto::Shutdown::kLeave});
   }
   wake();
@@ -561,11 +560,7 @@ Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report)
   (*report)["drain_s"] = seconds_since(t0);
   reconfig_step_ = "stopping workers";
   for (int r : std::vector<int>(members())) {
-    RankInfo& info = ranks_[r];
-    if (info.state != RankState::kDead) {
-      post(r, proto::Shutdown{proto::Shutdown::kStop});
-      info.state = RankState::kStopped;
-    }
+    if (state(r) != RankState::kDead) post(r, proto::Shutdown{proto::Shutdown::kStop});
     membership_.mark_stopped(r);
   }
   wake();
@@ -594,11 +589,11 @@ Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report)
   }
   cv_.wait_for(lock, std::chrono::milliseconds(options_.start_timeout_ms), [&] {
     return halting() || std::all_of(next.begin(), next.end(), [&](int r) {
-             return ranks_[r].state == RankState::kReady || ranks_[r].state == RankState::kDead;
+             return state(r) == RankState::kReady || state(r) == RankState::kDead;
            });
   });
   for (int r : next) {
-    if (ranks_[r].state != RankState::kReady) {
+    if (state(r) != RankState::kReady) {
       enter_phase(Phase::kDegraded);
       return unavailable("rank " + std::to_string(r) + " did not restart");
     }
@@ -636,12 +631,9 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
       }
     }
     // The membership chooses (docs/ARCHITECTURE.md, "The membership state machine"):
-    // Ready spares, then free ids; the least loaded leave.
-    std::vector<int> in_flight;
-    for (const RankInfo& info : ranks_) in_flight.push_back(info.in_flight);
+    // Ready spares, then free ids; the least loaded (the requests it placed) leave.
     auto choose = [&] {
-      return membership_.choose_scale(target.remove.empty() ? target.ranks : -1, target.remove,
-                                      in_flight);
+      return membership_.choose_scale(target.remove.empty() ? target.ranks : -1, target.remove);
     };
     // Ids of ranks still exiting (a scale-down a moment ago) free up shortly.
     cv_.wait_for(lock, std::chrono::seconds(5), [&] {
@@ -721,6 +713,8 @@ Result<nlohmann::json> ClusterEngine::Impl::retry_recovery(const ScaleTarget& ta
     return invalid_argument("\"ranks\" must be in [1, " + std::to_string(options_.max_ranks) +
                             "] (--max-ranks), got " + std::to_string(target.ranks));
   }
+  // The membership's repair path: the operator's size, fresh attempts, phase recovering.
+  FLEX_RETURN_IF_ERROR(membership_.scale(target.ranks, {}, now_ms()).status());
   target_ranks_ = target.ranks;
   recovery_.active = true;
   recovery_.start = Clock::now();

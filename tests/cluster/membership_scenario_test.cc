@@ -297,5 +297,76 @@ TEST(MembershipScenario, DriverHooksKeepTheRules) {
   EXPECT_TRUE(g.m.accepts(1, g.inc[1])) << "a leaver's last reports are still heard";
 }
 
+// plan_on_loss false (the front end's mode): a loss records, the driver's ask plans,
+// every participant's acknowledgement commits; a replacement acknowledges only as the
+// incarnation the decision named.
+TEST(MembershipScenario, DriverAsksForTheRecoveryPlan) {
+  MembershipConfig c = config(3, 2, 2, 4);
+  c.plan_on_loss = false;
+  Group g(c);
+  ASSERT_EQ(g.m.submit(1)->kind, ActionKind::kPlace);
+  ASSERT_EQ(g.m.submit(2)->kind, ActionKind::kPlace);  // One on each rank.
+  EXPECT_EQ(g.m.propose_recovery(false, {}, g.now).status.code(), StatusCode::kFailedPrecondition)
+      << "nothing to recover";
+  const uint64_t dead = g.inc[1];
+  Actions lost = g.m.lost(1, dead, "killed", g.now);
+  EXPECT_EQ(of(lost, ActionKind::kFence).size(), 1u);
+  EXPECT_EQ(of(lost, ActionKind::kHold).size(), 1u);
+  EXPECT_EQ(g.m.phase(), Phase::kRecovering);
+  EXPECT_FALSE(g.m.proposal().has_value()) << "the driver asks when it is ready";
+  // Rank 1's id is not free until its process ended: only rank 2 is started now.
+  Proposed p = g.m.propose_recovery(/*started_only=*/true, {}, g.now);
+  ASSERT_TRUE(p.status.ok()) << p.status.to_string();
+  ASSERT_TRUE(g.m.proposal().has_value());
+  const Proposal d = *g.m.proposal();
+  EXPECT_EQ(d.kind, Proposal::Kind::kRecovery);
+  EXPECT_EQ(d.survivors, (std::vector<int>{0}));
+  EXPECT_EQ(d.joiners, (std::vector<int>{2}));
+  EXPECT_EQ(d.joiner_incarnations, (std::vector<uint64_t>{1}));
+  EXPECT_EQ(d.members, (std::vector<int>{0, 2}));
+  EXPECT_EQ(d.loads.size(), 2u) << "rank 1's two experts, from the checkpoint";
+  EXPECT_EQ(of(p.actions, ActionKind::kSpawn).size(), 1u);
+  EXPECT_EQ(g.m.propose_recovery(false, {}, g.now).status.code(), StatusCode::kFailedPrecondition)
+      << "one proposal at a time";
+  g.join(2);
+  EXPECT_TRUE(g.m.prepared(2, g.inc[2] + 1, d.id, g.now).empty()) << "not the named incarnation";
+  Actions acks = g.ack_all(d.id);
+  ASSERT_EQ(of(acks, ActionKind::kCommit).size(), 1u);
+  EXPECT_EQ(of(acks, ActionKind::kPlace).size(), 1u) << "the held request goes out";
+  EXPECT_EQ(g.m.phase(), Phase::kServing);
+  EXPECT_EQ(g.m.members(), (std::vector<int>{0, 2}));
+  EXPECT_FALSE(g.m.accepts(1, dead));
+}
+
+// In the driver's mode, asks that find no free id count as failed attempts: degraded after
+// recovery_attempts, every held request failed in the actions; a scale asks again.
+TEST(MembershipScenario, DriverAsksUntilDegraded) {
+  MembershipConfig c = config(2, 2, 2, 4);
+  c.plan_on_loss = false;
+  c.recovery_attempts = 2;
+  Group g(c);
+  ASSERT_EQ(g.m.submit(1)->kind, ActionKind::kPlace);
+  ASSERT_EQ(g.m.submit(2)->kind, ActionKind::kPlace);
+  (void)g.m.lost(0, g.inc[0], "killed", g.now);
+  Proposed first = g.m.propose_recovery(/*started_only=*/true, {}, g.now);
+  EXPECT_EQ(first.status.code(), StatusCode::kUnavailable) << "rank 0's process still runs";
+  EXPECT_EQ(g.m.phase(), Phase::kRecovering);
+  Proposed second = g.m.propose_recovery(true, {}, g.now);
+  EXPECT_EQ(second.status.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(g.m.phase(), Phase::kDegraded);
+  const size_t held = g.m.requests().size();
+  EXPECT_EQ(held, 0u);
+  size_t failed =
+      of(first.actions, ActionKind::kFail).size() + of(second.actions, ActionKind::kFail).size();
+  EXPECT_GE(failed, 1u) << "requests held at the loss are failed, not forgotten";
+  ASSERT_TRUE(g.m.scale(2, {}, g.now).ok());
+  EXPECT_EQ(g.m.phase(), Phase::kRecovering);
+  EXPECT_FALSE(g.m.proposal().has_value());
+  (void)g.m.reaped(0, g.now);
+  Proposed again = g.m.propose_recovery(true, {}, g.now);
+  ASSERT_TRUE(again.status.ok()) << again.status.to_string();
+  EXPECT_EQ(g.m.proposal()->joiners, (std::vector<int>{0}));
+}
+
 }  // namespace
 }  // namespace flexpert::cluster

@@ -69,6 +69,9 @@ Config random_config(std::mt19937_64& rng) {
     }
     m.maps.push_back(map);
   }
+  // Half the sequences plan recoveries as the front end does: a loss only records it and
+  // the driver asks for the plan (propose_recovery), at random times.
+  m.plan_on_loss = rng() % 2 == 0;
   return c;
 }
 
@@ -199,7 +202,8 @@ class World {
       const Proc& p = procs_[r];
       if (p.alive && !p.silent) (void)m_.heartbeat(r, p.inc, now_);
     }
-    int pick = static_cast<int>(rng_() % (faults ? 20 : 12));
+    int pick = static_cast<int>(rng_() % (faults ? 22 : 12));
+    if (pick == 11 && rng_() % 2 == 0) pick = 20;  // The healer's ask, also without faults.
     // Faults (kills, stops, failed preparations) in about one event of eight.
     if ((pick == 12 || pick == 13 || pick == 14 || pick == 16) && rng_() % 2 == 0) pick = 3;
     if (trace_) {
@@ -324,7 +328,71 @@ class World {
         if (r >= 0) execute(m_.halted(r, procs_[r].inc, m_.epoch(), now_));
         break;
       }
+      case 20:
+        propose();
+        break;
+      case 21: {  // The driver gives up on a recovery's preparation (a connect failed).
+        const auto& prop = m_.proposal();
+        if (prop && prop->kind == Proposal::Kind::kRecovery && !config_.plan_on_loss) {
+          execute(m_.abandon_proposal(prop->id, "injected", now_));
+        }
+        break;
+      }
     }
+  }
+
+  // The healer asks for the recovery's plan (plan_on_loss false): the decision names the
+  // survivors (the members), replacements among the free ids, each with an incarnation
+  // no dead one reaches, and loads that cover every expert the survivors lack.
+  void propose() {
+    if (config_.plan_on_loss || m_.phase() != Phase::kRecovering || m_.proposal()) return;
+    const bool started_only = rng_() % 2 == 0;
+    std::vector<std::vector<double>> load;
+    if (rng_() % 2) {
+      for (size_t l = 0; l < config_.maps.size(); ++l) {
+        load.emplace_back();
+        for (int e = 0; e < config_.num_experts; ++e) load.back().push_back(rng_() % 100);
+      }
+    }
+    const std::vector<int> members = m_.members();
+    const uint64_t epoch = m_.epoch();
+    asks_ += 1;
+    Proposed r = m_.propose_recovery(started_only, load, now_);
+    if (!r.status.ok()) {
+      asks_failed_ += 1;
+      if (m_.phase() != Phase::kDegraded) {
+        ASSERT_EQ(r.status.code(), StatusCode::kUnavailable) << r.status.to_string();
+        ASSERT_FALSE(m_.proposal().has_value());
+      }
+      execute(r.actions);
+      return;
+    }
+    if (!m_.proposal()) {  // Nothing to load: committed at once, in place.
+      ASSERT_GT(m_.epoch(), epoch);
+      execute(r.actions);
+      return;
+    }
+    const Proposal& p = *m_.proposal();
+    ASSERT_EQ(p.kind, Proposal::Kind::kRecovery);
+    ASSERT_EQ(p.survivors, members);
+    ASSERT_EQ(p.joiners.size(), p.joiner_incarnations.size());
+    for (size_t i = 0; i < p.joiners.size(); ++i) {
+      const int j = p.joiners[i];
+      ASSERT_EQ(std::count(members.begin(), members.end(), j), 0) << "a member replaces itself";
+      for (auto [dr, di] : dead_) {
+        ASSERT_FALSE(dr == j && di >= p.joiner_incarnations[i])
+            << "replacement " << j << " named as dead incarnation " << di;
+      }
+      if (procs_[j].alive) {  // A spare (Ready, not a member): as it is.
+        ASSERT_EQ(p.joiner_incarnations[i], procs_[j].inc);
+      } else {
+        ASSERT_GT(p.joiner_incarnations[i], procs_[j].inc);
+      }
+      if (started_only && !(procs_[j].alive && procs_[j].ready)) {
+        ASSERT_FALSE(procs_[j].exited || procs_[j].alive) << "rank " << j << " is not free yet";
+      }
+    }
+    execute(r.actions);
   }
 
   static Proc admitted(uint64_t inc) {
@@ -527,6 +595,16 @@ class World {
               covered |= ld.layer == static_cast<int>(l) && ld.logical_expert == e && dst_ok;
             }
           }
+          if (!covered && !prop && ph == Phase::kRecovering && !config_.plan_on_loss) {
+            // Between a loss and the driver's ask: the plan it would get covers the expert
+            // with a load (or the ask fails: an attempt counted, degraded at the limit).
+            auto c = m_.choose_recovery(maps, m_.members(), m_.target_ranks(), false);
+            covered = !c.ok();
+            for (size_t i = 0; c.ok() && i < c->plan.loads.size(); ++i) {
+              const RecoveryLoad& ld = c->plan.loads[i];
+              covered |= ld.layer == static_cast<int>(l) && ld.logical_expert == e;
+            }
+          }
           // A silent rank is still a member until the timeout: covered by what it holds.
           ASSERT_TRUE(covered) << "expert " << e << " of layer " << l << " has no replica on a "
                                << "live member and no planned load (phase " << phase_name(ph)
@@ -576,6 +654,8 @@ class World {
         ASSERT_TRUE(r.ok()) << r.status().to_string();
         execute(*r);
       }
+      if (rng_() % 2 == 0) propose();
+      if (::testing::Test::HasFatalFailure()) return;
       const uint64_t epoch = m_.epoch();
       const int pick = static_cast<int>(rng_() % 5);
       if (trace_ && i % 50 == 0) dump();
@@ -674,6 +754,7 @@ class World {
   bool halted_ = false;  // A member of the last commit was lost since.
   int64_t now_ = 1000;
   static inline std::map<ActionKind, uint64_t> stats_;  // Over every sequence.
+  static inline uint64_t asks_ = 0, asks_failed_ = 0;   // propose_recovery() calls.
   bool trace_ = std::getenv("FLEXPERT_MEMBERSHIP_TRACE") != nullptr;
 };
 
@@ -712,8 +793,13 @@ TEST(MembershipProperty, RandomEventSequences) {
   for (auto [kind, n] : World::stats_) {
     std::printf("  %-16s %llu\n", action_name(kind), static_cast<unsigned long long>(n));
   }
+  std::printf("  %-16s %llu (%llu failed)\n", "propose_recovery",
+              static_cast<unsigned long long>(World::asks_),
+              static_cast<unsigned long long>(World::asks_failed_));
   if (runs < 100) return;  // A replayed seed need not exercise everything.
   EXPECT_GT(World::stats_[ActionKind::kRollback], runs / 10);
+  EXPECT_GT(World::asks_, runs / 10);
+  EXPECT_GT(World::asks_failed_, 0u);
   EXPECT_GT(World::stats_[ActionKind::kFail], 0u);
   EXPECT_GT(World::stats_[ActionKind::kCancelRebalance], 0u);
 }
