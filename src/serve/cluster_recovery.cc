@@ -218,7 +218,7 @@ void ClusterEngine::Impl::announce_lost(int rank, uint64_t lost_incarnation,
   // link): without this word the survivors' collectives with it end only at their timeout.
   const proto::PeerLost msg{rank, lost_incarnation, why};
   for (size_t r = 0; r < ranks_.size(); ++r) {
-    const RankState s = ranks_[r].state;
+    const RankState s = state(static_cast<int>(r));
     if (static_cast<int>(r) == rank || ranks_[r].routing_id.empty() || s == RankState::kDead ||
         s == RankState::kStopped || s == RankState::kEmpty) {
       continue;
