@@ -4,28 +4,13 @@
 #include <algorithm>
 #include <utility>
 
+#include "cluster/membership_util.h"
+
 namespace flexpert::cluster {
-namespace {
 
-Action act(ActionKind kind, int rank = -1) {
-  Action a;
-  a.kind = kind;
-  a.rank = rank;
-  return a;
-}
-
-bool contains(const std::vector<int>& v, int x) {
-  return std::find(v.begin(), v.end(), x) != v.end();
-}
-
-std::vector<int> sorted_union(std::vector<int> a, const std::vector<int>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  std::sort(a.begin(), a.end());
-  a.erase(std::unique(a.begin(), a.end()), a.end());
-  return a;
-}
-
-}  // namespace
+using detail::act;
+using detail::contains;
+using detail::sorted_union;
 
 const char* phase_name(Phase p) {
   switch (p) {

@@ -6,25 +6,12 @@
 #include <utility>
 
 #include "cluster/membership.h"
+#include "cluster/membership_util.h"
 
 namespace flexpert::cluster {
-namespace {
 
-Action act(ActionKind kind, int rank = -1) {
-  Action a;
-  a.kind = kind;
-  a.rank = rank;
-  return a;
-}
-
-std::vector<int> sorted_union(std::vector<int> a, const std::vector<int>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  std::sort(a.begin(), a.end());
-  a.erase(std::unique(a.begin(), a.end()), a.end());
-  return a;
-}
-
-}  // namespace
+using detail::act;
+using detail::sorted_union;
 
 Result<RecoveryChoice> Membership::choose_recovery(
     const std::vector<std::vector<int>>& maps, const std::vector<int>& survivors, int target_ranks,

@@ -4,18 +4,11 @@
 #include <algorithm>
 
 #include "cluster/membership.h"
+#include "cluster/membership_util.h"
 
 namespace flexpert::cluster {
-namespace {
 
-Action act(ActionKind kind, int rank = -1) {
-  Action a;
-  a.kind = kind;
-  a.rank = rank;
-  return a;
-}
-
-}  // namespace
+using detail::act;
 
 // --- Requests ----------------------------------------------------------------------------
 

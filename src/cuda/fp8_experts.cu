@@ -184,29 +184,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     cp_async_wait<0>();
     __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < kBK; kk += 16) {
-      uint32_t af[MI][4];
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-        ldmatrix_x4(af[mi], sa + (wm * WM + mi * 16 + (lane % 16)) * kLds + kk + (lane / 16) * 8);
-      }
-      uint32_t bfr[NI][2];
-#pragma unroll
-      for (int nj = 0; nj < NI; nj += 2) {
-        uint32_t r[4];
-        ldmatrix_x4(r, sb + (wn * WN + nj * 8 + (lane % 8) + (lane / 16) * 8) * kLds + kk +
-                           ((lane / 8) % 2) * 8);
-        bfr[nj][0] = r[0];
-        bfr[nj][1] = r[1];
-        bfr[nj + 1][0] = r[2];
-        bfr[nj + 1][1] = r[3];
-      }
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < NI; ++ni) mma_bf16_16816(acc[mi][ni], af[mi], bfr[ni][0], bfr[ni][1]);
-    }
+    warp_tile_mma<MI, NI, kBK>(acc, sa, sb, kLds, wm * WM, wn * WN, lane);
     __syncthreads();  // The tiles are refilled next step.
   }
 

@@ -62,4 +62,37 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// One warp's share of a block tile over `bk` columns of k: rows a_row0 .. a_row0 + 16 MI of
+// `a` (row-major, stride lds) times rows b_row0 .. b_row0 + 8 NI of `b` (n-major: b[n][k],
+// stride lds), both bf16 in shared memory, accumulated into acc (f32, mma.sync fragments).
+template <int MI, int NI, int BK>
+__device__ __forceinline__ void warp_tile_mma(float (&acc)[MI][NI][4], const __nv_bfloat16* a,
+                                              const __nv_bfloat16* b, int lds, int a_row0,
+                                              int b_row0, int lane) {
+  static_assert(NI % 2 == 0, "B fragments are loaded in pairs");
+#pragma unroll
+  for (int kk = 0; kk < BK; kk += 16) {
+    uint32_t af[MI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+      ldmatrix_x4(af[mi], a + (a_row0 + mi * 16 + (lane % 16)) * lds + kk + (lane / 16) * 8);
+    }
+    uint32_t bfr[NI][2];
+#pragma unroll
+    for (int nj = 0; nj < NI; nj += 2) {
+      uint32_t r[4];
+      ldmatrix_x4(r, b + (b_row0 + nj * 8 + (lane % 8) + (lane / 16) * 8) * lds + kk +
+                         ((lane / 8) % 2) * 8);
+      bfr[nj][0] = r[0];
+      bfr[nj][1] = r[1];
+      bfr[nj + 1][0] = r[2];
+      bfr[nj + 1][1] = r[3];
+    }
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni) mma_bf16_16816(acc[mi][ni], af[mi], bfr[ni][0], bfr[ni][1]);
+  }
+}
+
 }  // namespace flexpert::cuda
