@@ -2,7 +2,9 @@
 // `flexpert eplb plan`: plans expert placements for the cases of a DeepSeek-EPLB-style JSON
 // file (see src/eplb/plan_io.h) with flexpert's planner or the DeepSeek port, and writes the
 // plans in the same format (by default with every slot filled, as DeepSeek's interface has
-// it), plus balancedness and remote receives ("moved_slots") per case.
+// it), plus balancedness and remote receives ("moved_slots") per case. Load windows are
+// smoothed and the skip threshold applied as in the serving path (eplb::smooth_load,
+// PlanInput::min_gain; docs/ARCHITECTURE.md, EPLB).
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -20,9 +22,14 @@ const char kEplbUsage[] =
     "  input:  {\"cases\": [{\"name\", \"weight\": [layers][experts], \"num_replicas\",\n"
     "           \"num_groups\", \"num_nodes\", \"num_gpus\", \"prev_phy2log\"?, "
     "\"prev_num_gpus\"?}]}\n"
+    "          or, for load windows, \"windows\": [windows][layers][experts] (oldest first)\n"
+    "          instead of \"weight\": the last window, smoothed with the earlier ones\n"
+    "          (--smoothing), is planned on\n"
     "  output: {\"cases\": [{\"name\", \"phy2log\", \"time_s\", \"balancedness\", "
     "\"moved_slots\" (remote receives),\n"
-    "           \"policy\"}]}  (--output - writes to stdout)\n";
+    "           \"policy\", \"skipped\", \"balancedness_gain\"}]}  (--output - writes to "
+    "stdout)\n"
+    "  --min-gain: a case whose plan gains less keeps its prev_phy2log (\"skipped\": true)\n";
 
 std::string format_number(double v) {
   char buf[32];
@@ -76,6 +83,12 @@ int cmd_eplb(const std::vector<std::string>& args) {
       .value("format", "deepseek",
              "flexpert planner: deepseek (every slot holds an expert) | flexpert (-1 marks a "
              "free slot)")
+      .value("smoothing", "0",
+             "weight of earlier load windows, in [0, 1), as serve's --eplb-smoothing (0: the "
+             "last window alone)")
+      .value("min-gain", "0",
+             "flexpert planner: keep prev_phy2log when the plan raises the mean balancedness by "
+             "less than this (0: never skip)")
       .value("threads", "0",
              "flexpert planner: layers planned in parallel (0 = one per core, at most 16)")
       .boolean("help", "show this help");
@@ -105,6 +118,18 @@ int cmd_eplb(const std::vector<std::string>& args) {
     FLEX_ASSIGN_OR_RETURN(int64_t threads, flags.integer("threads"));
     if (threads < 0 || threads > 1024) return invalid_argument("--threads must be in [0, 1024]");
     options.num_threads = static_cast<int>(threads);
+    FLEX_ASSIGN_OR_RETURN(options.smoothing, flags.number("smoothing"));
+    if (!(options.smoothing >= 0 && options.smoothing < 1)) {
+      return invalid_argument("--smoothing must be in [0, 1), got " + flags.str("smoothing"));
+    }
+    FLEX_ASSIGN_OR_RETURN(options.min_gain, flags.number("min-gain"));
+    if (!(options.min_gain >= 0 && options.min_gain <= 1)) {
+      return invalid_argument("--min-gain must be in [0, 1] (a balancedness gain), got " +
+                              flags.str("min-gain"));
+    }
+    if (options.min_gain > 0 && options.planner != eplb::Planner::kFlexpert) {
+      return invalid_argument("--min-gain needs --planner flexpert");
+    }
     FLEX_ASSIGN_OR_RETURN(std::string text, read_file(flags.str("input")));
     auto cases = eplb::parse_cases(text);
     if (!cases.ok()) return cases.status().annotate(flags.str("input"));
@@ -120,6 +145,11 @@ int cmd_eplb(const std::vector<std::string>& args) {
       for (double b : r.balancedness) mean += b / static_cast<double>(r.balancedness.size());
       std::fprintf(table, "%-24s %6zu %9d %10.4f %11lld %10.2f\n", r.name.c_str(), r.phy2log.size(),
                    c.num_replicas, mean, static_cast<long long>(r.moved_slots), r.time_s * 1e3);
+      if (r.skipped) {
+        std::fprintf(table,
+                     "%-24s skipped: balancedness gain %.4f < --min-gain %g, prev_phy2log kept\n",
+                     r.name.c_str(), r.balancedness_gain, options.min_gain);
+      }
       results.push_back(std::move(r));
     }
     return write_file(flags.str("output"), eplb::results_to_json(results));

@@ -27,6 +27,32 @@ Result<int> positive_int(const json& c, const std::string& where, const char* ke
   return static_cast<int>(v.get<int64_t>());
 }
 
+// A [layers][experts] load: rows of one length, finite numbers >= 0.
+Result<std::vector<std::vector<double>>> parse_load(const json& v, const std::string& what) {
+  if (!v.is_array() || v.empty()) {
+    return invalid_argument(what + " must be a non-empty [layers][experts] array");
+  }
+  std::vector<std::vector<double>> load;
+  for (const json& row : v) {
+    if (!row.is_array() || row.empty()) {
+      return invalid_argument(what + ": every row must be a non-empty array");
+    }
+    std::vector<double> r;
+    r.reserve(row.size());
+    for (const json& x : row) {
+      if (!x.is_number() || !std::isfinite(x.get<double>()) || x.get<double>() < 0) {
+        return invalid_argument(what + ": weights must be finite numbers >= 0");
+      }
+      r.push_back(x.get<double>());
+    }
+    if (!load.empty() && r.size() != load[0].size()) {
+      return invalid_argument(what + ": rows differ in length");
+    }
+    load.push_back(std::move(r));
+  }
+  return load;
+}
+
 Result<PlanCase> parse_case(const json& c, size_t index) {
   std::string where = "case " + std::to_string(index);
   if (!c.is_object()) return invalid_argument(where + ": not an object");
@@ -37,25 +63,27 @@ Result<PlanCase> parse_case(const json& c, size_t index) {
   pc.name = c["name"].get<std::string>();
   where += " ('" + pc.name + "')";
 
-  if (!c.contains("weight") || !c["weight"].is_array() || c["weight"].empty()) {
-    return invalid_argument(where + ": \"weight\" must be a non-empty [layers][experts] array");
+  const bool has_weight = c.contains("weight"), has_windows = c.contains("windows");
+  if (has_weight == has_windows) {
+    return invalid_argument(where + ": give either \"weight\" or \"windows\"");
   }
-  for (const json& row : c["weight"]) {
-    if (!row.is_array() || row.empty()) {
-      return invalid_argument(where + ": every \"weight\" row must be a non-empty array");
+  if (has_weight) {
+    FLEX_ASSIGN_OR_RETURN(pc.weight, parse_load(c["weight"], where + ": \"weight\""));
+  } else {
+    const json& windows = c["windows"];
+    if (!windows.is_array() || windows.empty()) {
+      return invalid_argument(where + ": \"windows\" must be a non-empty array of " +
+                              "[layers][experts] arrays");
     }
-    std::vector<double> r;
-    r.reserve(row.size());
-    for (const json& v : row) {
-      if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0) {
-        return invalid_argument(where + ": weights must be finite numbers >= 0");
+    for (size_t w = 0; w < windows.size(); ++w) {
+      const std::string what = where + ": \"windows\"[" + std::to_string(w) + "]";
+      FLEX_ASSIGN_OR_RETURN(std::vector<std::vector<double>> load, parse_load(windows[w], what));
+      if (w > 0 && (load.size() != pc.weight.size() || load[0].size() != pc.weight[0].size())) {
+        return invalid_argument(what + ": every window must have the first one's shape");
       }
-      r.push_back(v.get<double>());
+      if (w > 0) pc.earlier_windows.push_back(std::move(pc.weight));
+      pc.weight = std::move(load);
     }
-    if (!pc.weight.empty() && r.size() != pc.weight[0].size()) {
-      return invalid_argument(where + ": \"weight\" rows differ in length");
-    }
-    pc.weight.push_back(std::move(r));
   }
   FLEX_ASSIGN_OR_RETURN(pc.num_replicas, positive_int(c, where, "num_replicas", true, 0));
   FLEX_ASSIGN_OR_RETURN(pc.num_gpus, positive_int(c, where, "num_gpus", true, 0));
@@ -147,7 +175,22 @@ int previous_slots_per_gpu(const PlanCase& c) {
   return static_cast<int>(c.prev_phy2log[0].size()) / prev_gpus;
 }
 
+std::vector<std::vector<double>> planned_load(const PlanCase& c, double smoothing) {
+  if (smoothing == 0) return c.weight;  // The same numbers, not a rescaled copy of them.
+  std::vector<std::vector<double>> shares;
+  for (std::vector<std::vector<double>> window : c.earlier_windows) {
+    shares = smooth_load(shares, smoothing, window);
+  }
+  std::vector<std::vector<double>> load = c.weight;
+  (void)smooth_load(shares, smoothing, load);
+  return load;
+}
+
 Result<CaseResult> run_case(const PlanCase& c, const RunOptions& options) {
+  if (options.planner == Planner::kDeepSeek && options.min_gain > 0) {
+    return invalid_argument("min_gain needs the flexpert planner");
+  }
+  const std::vector<std::vector<double>> load = planned_load(c, options.smoothing);
   CaseResult r;
   r.name = c.name;
   const std::vector<std::vector<int>> current = map_previous(c);
@@ -156,7 +199,7 @@ Result<CaseResult> run_case(const PlanCase& c, const RunOptions& options) {
   std::vector<int> ranks(c.num_gpus);
   std::iota(ranks.begin(), ranks.end(), 0);
   if (options.planner == Planner::kDeepSeek) {
-    FLEX_ASSIGN_OR_RETURN(DeepSeekPlan p, deepseek_rebalance(c.weight, c.num_replicas, c.num_groups,
+    FLEX_ASSIGN_OR_RETURN(DeepSeekPlan p, deepseek_rebalance(load, c.num_replicas, c.num_groups,
                                                              c.num_nodes, c.num_gpus));
     r.phy2log = std::move(p.phy2log);
     r.policy.assign(r.phy2log.size(), p.hierarchical ? "hierarchical" : "global");
@@ -168,7 +211,8 @@ Result<CaseResult> run_case(const PlanCase& c, const RunOptions& options) {
     in.max_ranks = c.num_gpus;
     in.num_hosts = c.num_nodes;
     in.num_groups = c.num_groups;
-    in.load = c.weight;
+    in.load = load;
+    in.min_gain = options.min_gain;
     in.current = current;
     in.current_slots_per_rank = prev_slots;
     in.fill_slots = options.format == Format::kDeepSeek;
@@ -180,10 +224,12 @@ Result<CaseResult> run_case(const PlanCase& c, const RunOptions& options) {
     auto out = plan(in);
     if (!out.ok()) return out.status().annotate("case '" + c.name + "'");
     r.phy2log = std::move(out->placement);
+    r.skipped = out->skipped;
+    r.balancedness_gain = out->balancedness_gain;
     for (Policy p : out->used) r.policy.emplace_back(policy_name(p));
   }
   for (size_t l = 0; l < r.phy2log.size(); ++l) {
-    r.balancedness.push_back(balancedness(c.weight[l], r.phy2log[l], ranks, slots));
+    r.balancedness.push_back(balancedness(load[l], r.phy2log[l], ranks, slots));
   }
   r.moved_slots = count_receives(current, prev_slots, r.phy2log, slots);
   return r;
@@ -197,6 +243,8 @@ std::string results_to_json(const std::vector<CaseResult>& results) {
     out += i ? ",\n" : "\n";
     out += " {\"name\": " + json(r.name).dump() + ", \"time_s\": " + json(r.time_s).dump() +
            ", \"moved_slots\": " + std::to_string(r.moved_slots) +
+           ", \"skipped\": " + (r.skipped ? "true" : "false") +
+           ", \"balancedness_gain\": " + json(r.balancedness_gain).dump() +
            ",\n  \"balancedness\": " + json(r.balancedness).dump() +
            ",\n  \"policy\": " + json(r.policy).dump() + ",\n  \"phy2log\": [";
     for (size_t l = 0; l < r.phy2log.size(); ++l) {
