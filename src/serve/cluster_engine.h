@@ -52,10 +52,12 @@ struct ClusterOptions {
   int eplb_spare_slots = 1;          // Free slots per rank beyond what the experts need.
   std::string eplb_policy = "auto";  // auto | global | hierarchical
   // Load smoothing: a rebalance plans on weight * (earlier windows) + (1 - weight) * (this
-  // window), as shares per layer (eplb::smooth_load); 0 = this window only.
+  // window), as shares per layer (eplb::smooth_load); 0 = this window only. Scale-ups,
+  // scale-downs and recoveries plan on the same smoothed load (without advancing it).
   double eplb_smoothing = 0;
   // Skip threshold: a rebalance whose plan raises the mean balancedness by less than this moves
-  // nothing (eplb::PlanInput::min_gain); 0 = always move.
+  // nothing (eplb::PlanInput::min_gain); 0 = always move. Never applies to a membership change,
+  // which must place lost or leaving experts.
   double eplb_min_gain = 0;
   int min_replicas = 1;
   // Workers kept started and Ready beside the members (at free ids of max_ranks): a

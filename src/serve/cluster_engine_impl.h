@@ -175,10 +175,15 @@ class ClusterEngine::Impl {
 
   void record_load(int rank, const std::vector<int64_t>& slot_counts);
   std::vector<std::vector<double>> window_load() const;
-  // The planner's input over `ranks` from the load window (+ `prior` per expert, so
-  // that a group without load yet still spreads its experts) and the current
-  // placement. Caller holds mutex_.
-  eplb::PlanInput plan_input(const std::vector<int>& ranks, double prior) const;
+  // The load the next plan uses: the window smoothed with smoothed_shares_ (eplb_smoothing),
+  // which only a rebalance advances; the window alone when smoothing is off. Membership
+  // changes plan on it, so that one noisy window does not place their experts.
+  std::vector<std::vector<double>> smoothed_load() const;
+  // The planner's input over `ranks` from `load` (+ `prior` per expert, so that a group
+  // without load yet still spreads its experts) and the current placement; no skip
+  // threshold (min_gain 0). Caller holds mutex_.
+  eplb::PlanInput plan_input(const std::vector<int>& ranks, std::vector<std::vector<double>> load,
+                             double prior) const;
   // Expert copies (PullCommands), one command per (destination rank, layer): the
   // scale-up's joiners, the EPLB mover and the recovery's reloads build them alike.
   using Pulls = std::map<std::pair<int, int>, proto::PullCommand>;

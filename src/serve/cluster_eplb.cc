@@ -67,13 +67,23 @@ std::vector<std::vector<double>> ClusterEngine::Impl::window_load() const {
   return sum;
 }
 
-eplb::PlanInput ClusterEngine::Impl::plan_input(const std::vector<int>& ranks, double prior) const {
+std::vector<std::vector<double>> ClusterEngine::Impl::smoothed_load() const {
+  std::vector<std::vector<double>> load = window_load();
+  if (options_.eplb_smoothing > 0) {
+    (void)eplb::smooth_load(smoothed_shares_, options_.eplb_smoothing, load);
+  }
+  return load;
+}
+
+eplb::PlanInput ClusterEngine::Impl::plan_input(const std::vector<int>& ranks,
+                                                std::vector<std::vector<double>> load,
+                                                double prior) const {
   eplb::PlanInput input;
   input.num_experts = placement_.num_experts();
   input.slots_per_rank = slots_per_rank_;
   input.ranks = ranks;
   input.max_ranks = options_.max_ranks;
-  input.load = window_load();
+  input.load = std::move(load);
   for (auto& row : input.load) {
     for (double& x : row) x += prior;
   }
@@ -230,11 +240,13 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
     rebalance_epoch_ = epoch();
     pulls_done_.clear();
     rebalance_max_step_ms_ = 0;
-    input = plan_input(members(), /*prior=*/0.0);
+    // The rebalance advances the smoothing: its window joins the kept shares.
+    std::vector<std::vector<double>> load = window_load();
     if (options_.eplb_smoothing > 0) {
-      smoothed_shares_ = eplb::smooth_load(smoothed_shares_, options_.eplb_smoothing, input.load);
+      smoothed_shares_ = eplb::smooth_load(smoothed_shares_, options_.eplb_smoothing, load);
     }
-    input.min_gain = options_.eplb_min_gain;
+    input = plan_input(members(), std::move(load), /*prior=*/0.0);
+    input.min_gain = options_.eplb_min_gain;  // Rebalances only (membership changes must move).
     int n = 0;
     for (int r : members()) {
       if (ranks_[r].step_ms > 0) {
@@ -336,14 +348,19 @@ void ClusterEngine::Impl::eplb_loop() {
 nlohmann::json ClusterEngine::Impl::eplb_status() const {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto load = window_load();
+  const auto planned = smoothed_load();
   nlohmann::json layers = nlohmann::json::array();
   for (int l = 0; l < placement_.num_layers(); ++l) {
     if (!model_config_.is_moe_layer(l)) continue;
-    layers.push_back({{"layer", l},
-                      {"slot_to_expert", placement_.slot_map(l)},
-                      {"window_load", load[l]},
-                      {"balancedness", eplb::balancedness(load[l], placement_.slot_map(l),
-                                                          members(), slots_per_rank_)}});
+    layers.push_back(
+        {{"layer", l},
+         {"slot_to_expert", placement_.slot_map(l)},
+         {"window_load", load[l]},
+         {"smoothed_shares", l < static_cast<int>(smoothed_shares_.size()) ? smoothed_shares_[l]
+                                                                           : std::vector<double>{}},
+         {"planned_load", planned[l]},
+         {"balancedness",
+          eplb::balancedness(load[l], placement_.slot_map(l), members(), slots_per_rank_)}});
   }
   return {{"enabled", options_.eplb},
           {"window_s", options_.eplb_window_s},

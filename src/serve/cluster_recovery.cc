@@ -243,7 +243,8 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
     if (halting()) return unavailable("shutting down");
     const uint64_t losses0 = losses_;
     auto changed = [&] { return losses_ != losses0 || halting(); };
-    const std::vector<std::vector<double>> load = window_load();
+    // Smoothed as the rebalances' (which surplus replica a reload evicts).
+    const std::vector<std::vector<double>> load = smoothed_load();
     // Ids of ranks still exiting (the lost ones) free up once reaped: wait a little for
     // them before the membership chooses among the ids free now.
     auto chosen = membership_.choose_recovery(membership_.maps(), members(),

@@ -349,12 +349,14 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
 
   // 3. Plan with the joiners; copy their experts from members' slots (not from disk).
   reconfig_step_ = "moving experts";
-  const eplb::PlanInput input = plan_input(next_members, /*prior=*/1.0);
+  const eplb::PlanInput input = plan_input(next_members, smoothed_load(), /*prior=*/1.0);
   lock.unlock();
   auto plan = eplb::plan(input);
   lock.lock();
   if (!plan.ok()) return fail(plan.status());
   if (group_changed()) return fail(aborted("a rank was lost during the preparation"));
+  // Per layer, on the load planned on (the smoothed load + the prior).
+  (*report)["balancedness_planned"] = plan->balancedness;
   const int S = slots_per_rank_;
   std::vector<std::vector<int>> maps = input.current;
   Pulls copy_cmds;
@@ -452,11 +454,12 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
     if (std::find(leavers.begin(), leavers.end(), r) == leavers.end()) survivors.push_back(r);
   }
   // 1. Plan without the leavers (fails early, e.g. too few slots, before anything moves).
-  auto plan = eplb::plan(plan_input(survivors, /*prior=*/1.0));
+  auto plan = eplb::plan(plan_input(survivors, smoothed_load(), /*prior=*/1.0));
   if (!plan.ok()) {
     return invalid_argument("cannot shrink to " + std::to_string(survivors.size()) +
                             " ranks: " + plan.status().message());
   }
+  (*report)["balancedness_planned"] = plan->balancedness;  // As the scale-up's.
   // The membership's proposal: these leavers (phase scaling), committed without them.
   FLEX_ASSIGN_OR_RETURN(const cluster::Actions opened, membership_.scale(-1, leavers, now_ms()));
   (void)opened;

@@ -2,8 +2,12 @@
 // Expert load balancing while serving: under a skewed workload with requests in
 // flight, rebalances move expert weights between ranks and every completion
 // still equals the Hugging Face reference; no request fails.
+#include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <map>
 
+#include "elastic_util.h"
 #include "server_fixture.h"
 
 namespace {
@@ -123,6 +127,104 @@ TEST(EplbServeTest, AutomaticRebalancing) {
   EXPECT_EQ(last["moved_bytes"].get<uint64_t>(), 0u) << last.dump();
   EXPECT_TRUE(last["skipped"].get<bool>() || last["planned_moved_slots"].get<int64_t>() == 0)
       << last.dump();
+  EXPECT_EQ(server.stop(), 0);
+}
+
+// The test's own reference: mean / max load of `ranks`, an expert's load split evenly over its
+// replicas on them (rank r holds slots [r * spr, (r + 1) * spr)).
+double balancedness_by_hand(const std::vector<double>& load, const std::vector<int>& map, int ranks,
+                            int spr) {
+  std::vector<int> replicas(load.size(), 0);
+  for (size_t s = 0; s < static_cast<size_t>(ranks * spr); ++s) {
+    if (map[s] >= 0) ++replicas[static_cast<size_t>(map[s])];
+  }
+  std::vector<double> rank_load(static_cast<size_t>(ranks), 0);
+  for (size_t s = 0; s < static_cast<size_t>(ranks * spr); ++s) {
+    if (map[s] >= 0) {
+      rank_load[s / spr] +=
+          load[static_cast<size_t>(map[s])] / replicas[static_cast<size_t>(map[s])];
+    }
+  }
+  double sum = 0, max = 0;
+  for (double x : rank_load) {
+    sum += x;
+    max = std::max(max, x);
+  }
+  return max > 0 ? sum / ranks / max : 1.0;
+}
+
+// A scale plans on the load the rebalances smooth (window shares averaged with the kept ones), not
+// on the last window, and the skip threshold, which stops every rebalance here, does not stop it.
+TEST(EplbServeTest, MembershipChangesPlanOnTheSmoothedLoad) {
+  Server server({"--ranks", "2", "--max-ranks", "3", "--threads-per-worker", "1", "--eplb-window-s",
+                 "600", "--eplb-smoothing", "0.8", "--eplb-min-gain", "2", "--admin-key",
+                 "sesame"});
+  ASSERT_TRUE(server.up());
+  const Reference ref = load_reference();
+  ASSERT_GE(ref.prompts.size(), 2u);
+  auto settle = [] { std::this_thread::sleep_for(std::chrono::milliseconds(800)); };
+  // One prompt only, then a rebalance: the kept shares are that prompt's routing.
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(server.complete(ref.prompts[0], 16), ref.greedy[0]);
+  settle();
+  const auto skipped = post_json(server, "/v1/eplb/rebalance", "sesame");
+  ASSERT_EQ(skipped["_status"], 200) << skipped.dump();
+  EXPECT_EQ(skipped["moved_bytes"].get<uint64_t>(), 0u) << skipped.dump();
+  // Then the other prompts: the window now differs from the kept shares.
+  for (size_t p = 1; p < ref.prompts.size(); ++p) {
+    EXPECT_EQ(server.complete(ref.prompts[p], 16), ref.greedy[p]);
+  }
+  settle();
+  const auto before = server.get_json("/v1/eplb");
+  std::map<int, std::vector<double>> planned;  // layer -> smoothed load
+  double largest_change = 0;
+  for (const auto& layer : before["layers"]) {
+    const auto window = layer["window_load"].get<std::vector<double>>();
+    const auto shares = layer["smoothed_shares"].get<std::vector<double>>();
+    const auto got = layer["planned_load"].get<std::vector<double>>();
+    ASSERT_EQ(shares.size(), window.size()) << layer.dump();
+    ASSERT_EQ(got.size(), window.size());
+    double total = 0;
+    for (double x : window) total += x;
+    ASSERT_GT(total, 0) << layer.dump();
+    for (size_t e = 0; e < window.size(); ++e) {
+      const double want = (0.8 * shares[e] + 0.2 * window[e] / total) * total;
+      EXPECT_NEAR(got[e], want, 1e-9 * total) << "layer " << layer["layer"] << " expert " << e;
+      largest_change = std::max(largest_change, std::abs(want - window[e]) / total);
+    }
+    planned[layer["layer"].get<int>()] = got;
+  }
+  EXPECT_GT(largest_change, 0.01) << "the smoothing changed nothing: the test proves nothing";
+
+  // Scale-up: its per-layer balancedness is that of its placement on the smoothed load + 1 per
+  // expert (the prior a scale adds); copied to the joiner despite --eplb-min-gain.
+  auto check_scale = [&](const nlohmann::json& body, int ranks, nlohmann::json* report) {
+    const Answer a = post(server, "/v1/scale", body, "sesame");
+    *report = a.body;
+    ASSERT_EQ(a.status, 200) << a.body.dump();
+    EXPECT_FALSE(a.body.contains("converge_status")) << a.body.dump();
+    const auto after = server.get_json("/v1/eplb");
+    const int spr = after["slots_per_rank"];
+    const auto& planned_b = a.body["balancedness_planned"];
+    for (const auto& layer : after["layers"]) {
+      const int l = layer["layer"];
+      std::vector<double> load = planned[l];
+      for (double& x : load) x += 1.0;
+      const auto map = layer["slot_to_expert"].get<std::vector<int>>();
+      EXPECT_NEAR(planned_b[static_cast<size_t>(l)].get<double>(),
+                  balancedness_by_hand(load, map, ranks, spr), 1e-9)
+          << "layer " << l << " " << a.body.dump();
+      for (size_t s = static_cast<size_t>(ranks * spr); s < map.size(); ++s) {
+        EXPECT_EQ(map[s], -1) << "slot " << s << " of a non-member";
+      }
+    }
+  };
+  nlohmann::json up, down;
+  check_scale({{"ranks", 3}}, 3, &up);
+  EXPECT_GT(up.value("copied_bytes", int64_t{0}), 0) << up.dump();
+  check_scale({{"remove", {2}}}, 2, &down);
+  for (size_t p = 0; p < ref.prompts.size(); ++p) {
+    EXPECT_EQ(server.complete(ref.prompts[p], 16), ref.greedy[p]);
+  }
   EXPECT_EQ(server.stop(), 0);
 }
 
