@@ -134,6 +134,27 @@ TEST(PlanIoTest, PreviousPlanOnAnotherNumberOfGpus) {
   EXPECT_LE(free_up->moved_slots, up->moved_slots);
 }
 
+// "windows" in the file: the last is the case's weight, the others come before it, oldest first;
+// planned_load folds them in order, w * earlier shares + (1 - w) * window shares, at the last
+// window's total (checked against the recurrence written out by hand).
+TEST(PlanIoTest, WindowsAreSmoothedOldestFirst) {
+  auto cases = parse_cases(R"({"cases": [{"name": "w", "num_replicas": 2, "num_gpus": 1,
+      "windows": [[[3, 1], [1, 1]], [[1, 1], [2, 2]], [[0, 4], [1, 3]]]}]})");
+  ASSERT_TRUE(cases.ok()) << cases.status().to_string();
+  const PlanCase& c = (*cases)[0];
+  ASSERT_EQ(c.earlier_windows.size(), 2u);
+  EXPECT_EQ(c.earlier_windows[0][0], (std::vector<double>{3, 1}));
+  EXPECT_EQ(c.weight[1], (std::vector<double>{1, 3}));
+  EXPECT_EQ(planned_load(c, 0), c.weight);  // no smoothing: the last window
+  const std::vector<std::vector<double>> got = planned_load(c, 0.5);
+  // Layer 0: shares 0.75/0.25, then 0.5/0.5 -> 0.625/0.375, then 0/1 -> 0.3125/0.6875, x 4.
+  EXPECT_NEAR(got[0][0], 0.3125 * 4, 1e-12);
+  EXPECT_NEAR(got[0][1], 0.6875 * 4, 1e-12);
+  // Layer 1: shares 0.5/0.5, then 0.5/0.5 -> 0.5/0.5, then 0.25/0.75 -> 0.375/0.625, x 4.
+  EXPECT_NEAR(got[1][0], 0.375 * 4, 1e-12);
+  EXPECT_NEAR(got[1][1], 0.625 * 4, 1e-12);
+}
+
 TEST(PlanIoTest, MalformedInput) {
   const std::string ok_case =
       R"("name": "c", "weight": [[1, 2, 3, 4]], "num_replicas": 4, "num_gpus": 2)";
