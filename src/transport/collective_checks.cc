@@ -37,4 +37,23 @@ Status validate_send_count(const std::vector<ByteSpan>& send, const TransportOpt
   return Status();
 }
 
+Status validate_read(int peer, const void* dst, size_t num_bytes, const TransportOptions& options) {
+  if (peer < 0 || peer >= options.max_ranks) {
+    return invalid_argument("read: rank " + std::to_string(peer) + " not in [0, " +
+                            std::to_string(options.max_ranks) + ")");
+  }
+  if (dst == nullptr && num_bytes > 0) return invalid_argument("read: null destination");
+  return Status();
+}
+
+Status check_read_range(const std::string& what, size_t offset, size_t num_bytes,
+                        size_t region_bytes) {
+  if (offset > region_bytes || num_bytes > region_bytes - offset) {
+    return invalid_argument(what + ": bytes [" + std::to_string(offset) + ", +" +
+                            std::to_string(num_bytes) + ") outside its " +
+                            std::to_string(region_bytes) + " bytes");
+  }
+  return Status();
+}
+
 }  // namespace flexpert

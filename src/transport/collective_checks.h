@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// Argument checks every backend makes before a collective, with the same messages: the group
-// (transport.h's contract) and the payloads. Pure functions of their arguments; thread-safe.
+// Argument checks every backend makes, with the same messages: a collective's group
+// (transport.h's contract) and payloads, and read()'s peer, destination and byte range. Pure
+// functions of their arguments; thread-safe.
 #pragma once
 
 #include <cstddef>
@@ -51,5 +52,12 @@ Status validate_sends(const Group& group, const char* op, bool is_exchange, cons
 
 // exchange(): one span per rank in [0, options.max_ranks).
 Status validate_send_count(const std::vector<ByteSpan>& send, const TransportOptions& options);
+
+// read(): InvalidArgument for a peer outside [0, options.max_ranks) or a null destination.
+Status validate_read(int peer, const void* dst, size_t num_bytes, const TransportOptions& options);
+// read(): InvalidArgument "<what>: bytes [offset, +num_bytes) outside its N bytes" unless the
+// range lies within a region of `region_bytes`.
+Status check_read_range(const std::string& what, size_t offset, size_t num_bytes,
+                        size_t region_bytes);
 
 }  // namespace flexpert

@@ -10,6 +10,7 @@
 #include <random>
 
 #include "flexpert/logging.h"
+#include "transport/collective_checks.h"
 #include "transport/shm/shm_control.h"
 #include "transport/shm/shm_transport.h"
 
@@ -380,11 +381,7 @@ Result<std::shared_ptr<const CudaIpcTransport::RegionView>> CudaIpcTransport::pe
 
 Status CudaIpcTransport::read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) {
   if (host_ != nullptr) return host_->read(peer, region_id, offset, dst, num_bytes);
-  if (peer < 0 || peer >= options_.max_ranks) {
-    return invalid_argument("read: rank " + std::to_string(peer) + " not in [0, " +
-                            std::to_string(options_.max_ranks) + ")");
-  }
-  if (dst == nullptr && num_bytes > 0) return invalid_argument("read: null destination");
+  FLEX_RETURN_IF_ERROR(validate_read(peer, dst, num_bytes, options_));
   const std::string what =
       "read of rank " + std::to_string(peer) + " region " + std::to_string(region_id);
   std::shared_ptr<const RegionView> region;  // Keeps the memory mapped while we copy.
@@ -407,11 +404,7 @@ Status CudaIpcTransport::read(int peer, int region_id, size_t offset, void* dst,
     }
     FLEX_ASSIGN_OR_RETURN(region, peer_region(*p, region_id, what, MapMode::kMap));
   }
-  if (offset > region->num_bytes || num_bytes > region->num_bytes - offset) {
-    return invalid_argument(what + ": bytes [" + std::to_string(offset) + ", +" +
-                            std::to_string(num_bytes) + ") outside its " +
-                            std::to_string(region->num_bytes) + " bytes");
-  }
+  FLEX_RETURN_IF_ERROR(check_read_range(what, offset, num_bytes, region->num_bytes));
   if (num_bytes == 0) return Status();
   std::lock_guard<std::mutex> lock(read_mu_);
   if (read_stream_ == nullptr) return failed_precondition(what + " after shutdown");

@@ -12,6 +12,7 @@
 #include <new>
 
 #include "flexpert/logging.h"
+#include "transport/collective_checks.h"
 #include "transport/shm/shm_control.h"
 
 namespace flexpert {
@@ -168,11 +169,7 @@ Result<Region> ShmTransport::allocate_region(int region_id, size_t num_bytes) {
 }
 
 Status ShmTransport::read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) {
-  if (peer < 0 || peer >= options_.max_ranks) {
-    return invalid_argument("read: rank " + std::to_string(peer) + " not in [0, " +
-                            std::to_string(options_.max_ranks) + ")");
-  }
-  if (dst == nullptr && num_bytes > 0) return invalid_argument("read: null destination");
+  FLEX_RETURN_IF_ERROR(validate_read(peer, dst, num_bytes, options_));
   const std::string what =
       "read of rank " + std::to_string(peer) + " region " + std::to_string(region_id);
   std::shared_ptr<const ShmMapping> region;  // Keeps the mapping alive while we copy.
@@ -207,11 +204,7 @@ Status ShmTransport::read(int peer, int region_id, size_t offset, void* dst, siz
     }
     region = it->second;
   }
-  if (offset > region->num_bytes() || num_bytes > region->num_bytes() - offset) {
-    return invalid_argument(what + ": bytes [" + std::to_string(offset) + ", +" +
-                            std::to_string(num_bytes) + ") outside its " +
-                            std::to_string(region->num_bytes()) + " bytes");
-  }
+  FLEX_RETURN_IF_ERROR(check_read_range(what, offset, num_bytes, region->num_bytes()));
   if (num_bytes > 0) std::memcpy(dst, region->data() + offset, num_bytes);
   return Status();
 }
