@@ -10,6 +10,8 @@
 #include <random>
 
 #include "flexpert/logging.h"
+#include "transport/collective_checks.h"
+#include "transport/shm/shm_control.h"
 #include "transport/shm/shm_transport.h"
 
 namespace flexpert {
@@ -19,6 +21,14 @@ using cuda_ipc::ScopedDevice;
 using shm::ShmMapping;
 
 namespace {
+
+constexpr int64_t kSpinNs = 5'000;  // Waits busy-wait, then yield, then sleep in futex slices.
+constexpr int64_t kYieldNs = 20'000;
+
+constexpr shm::ControlSegmentKind kControlKind{cuda_ipc::kMagic, cuda_ipc::kLayoutVersion,
+                                               "cuda_ipc", "control segment",
+                                               "not a cuda_ipc control segment (another "
+                                               "backend's?)"};
 
 uint64_t process_token() {
   static const uint64_t token = [] {
@@ -38,18 +48,14 @@ cudaIpcMemHandle_t handle_from(const unsigned char* bytes) {
 
 CudaIpcTransport::CudaIpcTransport(TransportOptions options, cuda_ipc::Layout layout,
                                    std::string address)
-    : options_(std::move(options)), layout_(layout), address_(std::move(address)) {}
+    : options_(std::move(options)),
+      layout_(layout),
+      address_(std::move(address)),
+      protocol_(options_, layout_.mailboxes, kSpinNs, kYieldNs, [this] { ring_all_peers(); }) {}
 
 Result<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::create(
     const TransportOptions& options) {
-  FLEX_RETURN_IF_ERROR(shm::validate_session(options.session));
-  if (options.rank < 0 || options.rank >= options.max_ranks) {
-    return invalid_argument("rank " + std::to_string(options.rank) +
-                            " not in [0, max_ranks=" + std::to_string(options.max_ranks) + ")");
-  }
-  if (options.timeout_ms <= 0) {
-    return invalid_argument("timeout_ms must be > 0, got " + std::to_string(options.timeout_ms));
-  }
+  FLEX_RETURN_IF_ERROR(shm::validate_options(options));
   FLEX_ASSIGN_OR_RETURN(cuda_ipc::Layout layout,
                         cuda_ipc::Layout::compute(options.max_ranks, options.max_gather_bytes,
                                                   options.max_exchange_bytes));
@@ -81,31 +87,13 @@ Result<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::create(
     FLEX_ASSIGN_OR_RETURN(t->read_stream_, cuda_ipc::Stream::create(device, /*non_blocking=*/true));
   }
 
-  auto created = ShmMapping::create(control_name, layout.total_bytes, /*populate=*/true);
-  if (!created.ok() && created.status().code() == StatusCode::kFailedPrecondition) {
-    FLEX_RETURN_IF_ERROR(shm::remove_if_stale(control_name, cuda_ipc::kMagic));
-    created = ShmMapping::create(control_name, layout.total_bytes, /*populate=*/true);
-  }
-  FLEX_RETURN_IF_ERROR(created.status());
-  std::shared_ptr<ShmMapping> mapping = std::move(created).value();
+  FLEX_ASSIGN_OR_RETURN(
+      std::shared_ptr<ShmMapping> mapping,
+      shm::create_control_segment(control_name, layout.total_bytes, cuda_ipc::kMagic));
 
   std::byte* base = mapping->data();
-  auto* h = new (base) shm::SegmentHeader();
-  h->version = cuda_ipc::kLayoutVersion;
-  h->pid = static_cast<int32_t>(::getpid());
-  h->pid_start_time = shm::process_start_time(h->pid);
-  h->rank = options.rank;
-  h->max_ranks = options.max_ranks;
-  h->incarnation = options.incarnation;
-  h->max_gather_bytes = options.max_gather_bytes;
-  h->max_exchange_bytes = options.max_exchange_bytes;
-  h->segment_bytes = layout.total_bytes;
-  for (int src = 0; src < options.max_ranks; ++src) {
-    for (int parity = 0; parity < 2; ++parity) {
-      new (layout.mailboxes.mailbox(base, false, src, parity)) shm::MailboxHeader();
-      new (layout.mailboxes.mailbox(base, true, src, parity)) shm::MailboxHeader();
-    }
-  }
+  shm::SegmentHeader* h = shm::init_control_segment(base, layout.mailboxes, options,
+                                                    cuda_ipc::kLayoutVersion, layout.total_bytes);
   cuda_ipc::DeviceInfo* info = layout.info(base);
   info->device = device;
   info->process_token = process_token();
@@ -123,6 +111,7 @@ Result<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::create(
   t->control_ = std::move(mapping);
   t->header_ = h;
   t->base_ = base;
+  t->protocol_.bind(h, base);
   auto self = std::make_shared<Peer>();
   self->rank = options.rank;
   self->address = address;
@@ -163,45 +152,13 @@ TransportCapabilities CudaIpcTransport::capabilities() const {
 
 Result<std::shared_ptr<CudaIpcTransport::Peer>> CudaIpcTransport::attach(
     int peer, const std::string& address) {
-  if (address.rfind("/flexpert-", 0) != 0 || address.find('/', 1) != std::string::npos ||
-      address.size() > 240) {
-    return invalid_argument("'" + address + "' is not a cuda_ipc transport address");
-  }
-  auto mapping = ShmMapping::open(address, /*writable=*/true, /*populate=*/true);
-  if (!mapping.ok()) {
-    if (mapping.status().code() == StatusCode::kNotFound) {
-      return unavailable("rank " + std::to_string(peer) + ": no control segment " + address +
-                         " (not started yet, or gone)");
-    }
-    return mapping.status().annotate("connecting to rank " + std::to_string(peer));
-  }
-  std::shared_ptr<ShmMapping> control = std::move(mapping).value();
+  FLEX_ASSIGN_OR_RETURN(
+      std::shared_ptr<ShmMapping> control,
+      shm::open_control_segment(peer, address, kControlKind, options_, layout_.total_bytes));
+  auto* h = reinterpret_cast<shm::SegmentHeader*>(control->data());
   auto bad = [&](const std::string& why) {
     return invalid_argument("rank " + std::to_string(peer) + " at " + address + ": " + why);
   };
-  if (control->num_bytes() < sizeof(shm::SegmentHeader)) return bad("segment too small");
-  auto* h = reinterpret_cast<shm::SegmentHeader*>(control->data());
-  if (h->magic.load(std::memory_order_acquire) != cuda_ipc::kMagic) {
-    return bad("not a cuda_ipc control segment (another backend's?)");
-  }
-  if (h->version != cuda_ipc::kLayoutVersion) {
-    return bad("layout version " + std::to_string(h->version) + ", this build speaks " +
-               std::to_string(cuda_ipc::kLayoutVersion));
-  }
-  if (h->rank != peer) return bad("the segment belongs to rank " + std::to_string(h->rank));
-  if (h->max_ranks != options_.max_ranks || h->max_gather_bytes != options_.max_gather_bytes ||
-      h->max_exchange_bytes != options_.max_exchange_bytes) {
-    return bad("options differ: peer has max_ranks=" + std::to_string(h->max_ranks) +
-               " max_gather_bytes=" + std::to_string(h->max_gather_bytes) +
-               " max_exchange_bytes=" + std::to_string(h->max_exchange_bytes) + ", this rank " +
-               std::to_string(options_.max_ranks) + "/" +
-               std::to_string(options_.max_gather_bytes) + "/" +
-               std::to_string(options_.max_exchange_bytes));
-  }
-  if (h->segment_bytes != layout_.total_bytes || control->num_bytes() != layout_.total_bytes) {
-    return bad("segment size " + std::to_string(control->num_bytes()) + ", expected " +
-               std::to_string(layout_.total_bytes));
-  }
   const cuda_ipc::DeviceInfo* info = layout_.info(control->data());
   if (info->recv_bytes != layout_.recv_bytes) {
     return bad("receive buffer of " + std::to_string(info->recv_bytes) + " bytes, expected " +
@@ -237,12 +194,7 @@ Result<std::shared_ptr<CudaIpcTransport::Peer>> CudaIpcTransport::attach(
     p->recv_mapping = std::move(opened).value();
     p->recv = p->recv_mapping->data();
   }
-  p->watch = shm::ProcessWatch::watch(h->pid, h->pid_start_time);
-  if (!p->watch.watching()) {
-    FLEX_LOG(WARN) << "rank " << peer << ": pid " << h->pid
-                   << " not visible from here (other PID namespace?): its death is noticed by "
-                      "timeouts only";
-  }
+  p->watch = shm::watch_owner(peer, *h);
   return p;
 }
 
@@ -429,11 +381,7 @@ Result<std::shared_ptr<const CudaIpcTransport::RegionView>> CudaIpcTransport::pe
 
 Status CudaIpcTransport::read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) {
   if (host_ != nullptr) return host_->read(peer, region_id, offset, dst, num_bytes);
-  if (peer < 0 || peer >= options_.max_ranks) {
-    return invalid_argument("read: rank " + std::to_string(peer) + " not in [0, " +
-                            std::to_string(options_.max_ranks) + ")");
-  }
-  if (dst == nullptr && num_bytes > 0) return invalid_argument("read: null destination");
+  FLEX_RETURN_IF_ERROR(validate_read(peer, dst, num_bytes, options_));
   const std::string what =
       "read of rank " + std::to_string(peer) + " region " + std::to_string(region_id);
   std::shared_ptr<const RegionView> region;  // Keeps the memory mapped while we copy.
@@ -456,11 +404,7 @@ Status CudaIpcTransport::read(int peer, int region_id, size_t offset, void* dst,
     }
     FLEX_ASSIGN_OR_RETURN(region, peer_region(*p, region_id, what, MapMode::kMap));
   }
-  if (offset > region->num_bytes || num_bytes > region->num_bytes - offset) {
-    return invalid_argument(what + ": bytes [" + std::to_string(offset) + ", +" +
-                            std::to_string(num_bytes) + ") outside its " +
-                            std::to_string(region->num_bytes) + " bytes");
-  }
+  FLEX_RETURN_IF_ERROR(check_read_range(what, offset, num_bytes, region->num_bytes));
   if (num_bytes == 0) return Status();
   std::lock_guard<std::mutex> lock(read_mu_);
   if (read_stream_ == nullptr) return failed_precondition(what + " after shutdown");
@@ -494,7 +438,7 @@ void CudaIpcTransport::close_and_release() {
     regions.swap(own_regions_);
   }
   if (Status s = control_->unlink(); !s.ok()) FLEX_LOG(WARN) << s.to_string();
-  held_.clear();
+  protocol_.unbind();
   header_ = nullptr;
   base_ = nullptr;
   {

@@ -53,6 +53,7 @@
 #include "transport/cuda_ipc/cuda_ipc_layout.h"
 #include "transport/cuda_ipc/cuda_ipc_runtime.h"
 #include "transport/shm/shm_layout.h"
+#include "transport/shm/shm_protocol.h"
 #include "transport/shm/shm_segment.h"
 #include "transport/transport.h"
 
@@ -100,15 +101,11 @@ class CudaIpcTransport final : public Transport {
 
   // A connected rank (or this rank itself). Shared: peers_ holds one reference, read() on
   // another thread one while it copies.
-  struct Peer {
-    int rank = -1;
+  // The PeerLink is what the collectives protocol uses (its lost flag is never set here).
+  struct Peer : shm::PeerLink {
     std::string address;
     std::shared_ptr<shm::ShmMapping> control;
-    shm::SegmentHeader* header = nullptr;
     const cuda_ipc::DeviceInfo* info = nullptr;
-    std::byte* control_base = nullptr;
-    shm::ProcessWatch watch;
-    int32_t pid = 0;
     bool same_process = false;  // A transport of this process: addresses, not IPC handles.
     std::unique_ptr<cuda_ipc::IpcMapping>
         recv_mapping;           // Null for this rank and same-process peers.
@@ -116,12 +113,6 @@ class CudaIpcTransport final : public Transport {
     std::mutex regions_mu;
     // GUARDED_BY(regions_mu). Imported lazily by read().
     std::unordered_map<int, std::shared_ptr<const RegionView>> regions;
-  };
-
-  struct Awaited {
-    int rank;
-    shm::MailboxHeader* mailbox;  // In this rank's segment.
-    const Peer* peer;
   };
 
   struct Claimed {
@@ -145,19 +136,8 @@ class CudaIpcTransport final : public Transport {
 
   Status run_collective(shm::OpKind kind, const Group& group, const ByteSpan* sends, size_t stride,
                         std::vector<ByteSpan>* out);
-  Status validate_collective(shm::OpKind kind, const Group& group, const ByteSpan* sends,
-                             size_t stride) const;
-  Status enter_epoch(uint64_t epoch, const char* op);
-  void release_held();
   Status send_all(shm::OpKind kind, const Group& group, const ByteSpan* sends, size_t stride,
                   int64_t deadline_ns);
-  Status claim(const Peer& peer, shm::OpKind kind, int64_t deadline_ns, shm::MailboxHeader** mb);
-  Status wait_for(shm::OpKind kind, ByteSpan mine, int64_t start_ns, std::vector<ByteSpan>* out);
-  // 1: claimed; 0: not there yet; -1: error in *status.
-  int try_take(const Awaited& awaited, shm::OpKind kind, ByteSpan mine, std::vector<ByteSpan>* out,
-               Status* status);
-  Status check_peer(const Peer& peer, shm::OpKind kind, bool check_pid) const;
-  std::string op_label(shm::OpKind kind) const;
   void ring_all_peers();
   void close_and_release();
 
@@ -167,6 +147,8 @@ class CudaIpcTransport final : public Transport {
   // host_collectives: runs collectives, regions and reads; null otherwise. Driving thread for
   // what it drives, any thread for read() (as ShmTransport).
   std::unique_ptr<Transport> host_;
+  // The collectives' state (driving thread only; unused with host_).
+  shm::MailboxProtocol protocol_;
 
   std::shared_ptr<shm::ShmMapping> control_;  // This rank's segment. Shared with self's Peer.
   shm::SegmentHeader* header_ = nullptr;
@@ -188,13 +170,7 @@ class CudaIpcTransport final : public Transport {
   std::unordered_map<int, std::shared_ptr<const RegionView>> own_regions_;
   int num_regions_ = 0;  // Entries published in the control segment (driving thread).
 
-  // Collective state, driving thread only.
-  bool has_epoch_ = false;
-  uint64_t epoch_ = 0;
-  uint64_t op_idx_ = 0;
-  uint64_t cur_op_ = 0;
-  std::vector<shm::MailboxHeader*> held_;
-  std::vector<Awaited> pending_;
+  // Scratch of the collectives, driving thread only.
   std::vector<Claimed> claimed_;
 };
 

@@ -12,12 +12,17 @@
 #include <new>
 
 #include "flexpert/logging.h"
+#include "transport/collective_checks.h"
+#include "transport/shm/shm_control.h"
 
 namespace flexpert {
 
 using shm::ShmMapping;
 
 namespace {
+
+constexpr shm::ControlSegmentKind kControlKind{shm::kMagic, shm::kLayoutVersion, "shm",
+                                               "shm segment", "not a flexpert shm segment"};
 
 int64_t env_us(const char* name, int64_t fallback_us) {
   const char* value = std::getenv(name);
@@ -43,57 +48,35 @@ ShmTransport::ShmTransport(TransportOptions options, shm::Layout layout, std::st
     : options_(std::move(options)),
       layout_(layout),
       address_(std::move(address)),
-      spin_ns_(env_us("FLEXPERT_SHM_SPIN_US", 5) * 1000),
-      yield_ns_(env_us("FLEXPERT_SHM_YIELD_US", 20) * 1000) {}
+      protocol_(options_, layout_, env_us("FLEXPERT_SHM_SPIN_US", 5) * 1000,
+                env_us("FLEXPERT_SHM_YIELD_US", 20) * 1000, [this] { ring_all_peers(); }) {}
 
 Result<std::unique_ptr<ShmTransport>> ShmTransport::create(const TransportOptions& options) {
-  FLEX_RETURN_IF_ERROR(shm::validate_session(options.session));
-  if (options.rank < 0 || options.rank >= options.max_ranks) {
-    return invalid_argument("rank " + std::to_string(options.rank) +
-                            " not in [0, max_ranks=" + std::to_string(options.max_ranks) + ")");
-  }
-  if (options.timeout_ms <= 0) {
-    return invalid_argument("timeout_ms must be > 0, got " + std::to_string(options.timeout_ms));
-  }
+  FLEX_RETURN_IF_ERROR(shm::validate_options(options));
   FLEX_ASSIGN_OR_RETURN(shm::Layout layout,
                         shm::Layout::compute(options.max_ranks, options.max_gather_bytes,
                                              options.max_exchange_bytes));
   std::string address =
       shm::control_segment_name(options.session, options.rank, options.incarnation);
-  FLEX_ASSIGN_OR_RETURN(
-      std::unique_ptr<ShmMapping> mapping,
-      create_segment(address, layout.total_bytes, /*populate=*/true, [](const std::string& name) {
-        return shm::remove_if_stale(name, shm::kMagic);
-      }));
+  FLEX_ASSIGN_OR_RETURN(std::unique_ptr<ShmMapping> mapping,
+                        shm::create_control_segment(address, layout.total_bytes, shm::kMagic));
 
   std::unique_ptr<ShmTransport> t(new ShmTransport(options, layout, address));
   std::byte* base = mapping->data();
-  auto* h = new (base) shm::SegmentHeader();
-  h->version = shm::kLayoutVersion;
-  h->pid = static_cast<int32_t>(::getpid());
-  h->pid_start_time = shm::process_start_time(h->pid);
-  h->rank = options.rank;
-  h->max_ranks = options.max_ranks;
-  h->incarnation = options.incarnation;
-  h->max_gather_bytes = options.max_gather_bytes;
-  h->max_exchange_bytes = options.max_exchange_bytes;
-  h->segment_bytes = layout.total_bytes;
-  for (int src = 0; src < options.max_ranks; ++src) {
-    for (int parity = 0; parity < 2; ++parity) {
-      new (layout.mailbox(base, false, src, parity)) shm::MailboxHeader();
-      new (layout.mailbox(base, true, src, parity)) shm::MailboxHeader();
-    }
-  }
+  shm::SegmentHeader* h =
+      shm::init_control_segment(base, layout, options, shm::kLayoutVersion, layout.total_bytes);
   h->magic.store(shm::kMagic, std::memory_order_release);  // Peers may attach from now on.
 
   t->control_ = std::move(mapping);
   t->header_ = h;
   t->base_ = base;
+  t->protocol_.bind(h, base);
   auto self = std::make_shared<Peer>();
   self->rank = options.rank;
   self->address = address;
   self->control = t->control_;
   self->header = h;
+  self->control_base = base;
   self->pid = h->pid;
   t->peers_.assign(options.max_ranks, nullptr);
   t->peers_[options.rank] = std::move(self);
@@ -114,45 +97,10 @@ TransportCapabilities ShmTransport::capabilities() const {
 
 Result<std::shared_ptr<ShmTransport::Peer>> ShmTransport::attach(int peer,
                                                                  const std::string& address) {
-  if (address.rfind("/flexpert-", 0) != 0 || address.find('/', 1) != std::string::npos ||
-      address.size() > 240) {
-    return invalid_argument("'" + address + "' is not a shm transport address");
-  }
-  auto mapping = ShmMapping::open(address, /*writable=*/true, /*populate=*/true);
-  if (!mapping.ok()) {
-    if (mapping.status().code() == StatusCode::kNotFound) {
-      return unavailable("rank " + std::to_string(peer) + ": no shm segment " + address +
-                         " (not started yet, or gone)");
-    }
-    return mapping.status().annotate("connecting to rank " + std::to_string(peer));
-  }
-  std::shared_ptr<ShmMapping> control = std::move(mapping).value();
-  auto bad = [&](const std::string& why) {
-    return invalid_argument("rank " + std::to_string(peer) + " at " + address + ": " + why);
-  };
-  if (control->num_bytes() < sizeof(shm::SegmentHeader)) return bad("segment too small");
+  FLEX_ASSIGN_OR_RETURN(
+      std::shared_ptr<ShmMapping> control,
+      shm::open_control_segment(peer, address, kControlKind, options_, layout_.total_bytes));
   auto* h = reinterpret_cast<shm::SegmentHeader*>(control->data());
-  if (h->magic.load(std::memory_order_acquire) != shm::kMagic) {
-    return bad("not a flexpert shm segment");
-  }
-  if (h->version != shm::kLayoutVersion) {
-    return bad("layout version " + std::to_string(h->version) + ", this build speaks " +
-               std::to_string(shm::kLayoutVersion));
-  }
-  if (h->rank != peer) return bad("the segment belongs to rank " + std::to_string(h->rank));
-  if (h->max_ranks != options_.max_ranks || h->max_gather_bytes != options_.max_gather_bytes ||
-      h->max_exchange_bytes != options_.max_exchange_bytes) {
-    return bad("options differ: peer has max_ranks=" + std::to_string(h->max_ranks) +
-               " max_gather_bytes=" + std::to_string(h->max_gather_bytes) +
-               " max_exchange_bytes=" + std::to_string(h->max_exchange_bytes) + ", this rank " +
-               std::to_string(options_.max_ranks) + "/" +
-               std::to_string(options_.max_gather_bytes) + "/" +
-               std::to_string(options_.max_exchange_bytes));
-  }
-  if (h->segment_bytes != layout_.total_bytes || control->num_bytes() != layout_.total_bytes) {
-    return bad("segment size " + std::to_string(control->num_bytes()) + ", expected " +
-               std::to_string(layout_.total_bytes));
-  }
   if (h->closed.load(std::memory_order_acquire) != 0) {
     return unavailable("rank " + std::to_string(peer) + " (pid " + std::to_string(h->pid) +
                        ") has shut down");
@@ -162,13 +110,9 @@ Result<std::shared_ptr<ShmTransport::Peer>> ShmTransport::attach(int peer,
   p->address = address;
   p->control = std::move(control);
   p->header = h;
+  p->control_base = p->control->data();
   p->pid = h->pid;
-  p->watch = shm::ProcessWatch::watch(h->pid, h->pid_start_time);
-  if (!p->watch.watching()) {
-    FLEX_LOG(WARN) << "rank " << peer << ": pid " << h->pid
-                   << " not visible from here (other PID namespace?): its death is noticed by "
-                      "timeouts only";
-  }
+  p->watch = shm::watch_owner(peer, *h);
   return p;
 }
 
@@ -225,11 +169,7 @@ Result<Region> ShmTransport::allocate_region(int region_id, size_t num_bytes) {
 }
 
 Status ShmTransport::read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) {
-  if (peer < 0 || peer >= options_.max_ranks) {
-    return invalid_argument("read: rank " + std::to_string(peer) + " not in [0, " +
-                            std::to_string(options_.max_ranks) + ")");
-  }
-  if (dst == nullptr && num_bytes > 0) return invalid_argument("read: null destination");
+  FLEX_RETURN_IF_ERROR(validate_read(peer, dst, num_bytes, options_));
   const std::string what =
       "read of rank " + std::to_string(peer) + " region " + std::to_string(region_id);
   std::shared_ptr<const ShmMapping> region;  // Keeps the mapping alive while we copy.
@@ -264,11 +204,7 @@ Status ShmTransport::read(int peer, int region_id, size_t offset, void* dst, siz
     }
     region = it->second;
   }
-  if (offset > region->num_bytes() || num_bytes > region->num_bytes() - offset) {
-    return invalid_argument(what + ": bytes [" + std::to_string(offset) + ", +" +
-                            std::to_string(num_bytes) + ") outside its " +
-                            std::to_string(region->num_bytes()) + " bytes");
-  }
+  FLEX_RETURN_IF_ERROR(check_read_range(what, offset, num_bytes, region->num_bytes()));
   if (num_bytes > 0) std::memcpy(dst, region->data() + offset, num_bytes);
   return Status();
 }
@@ -296,7 +232,7 @@ void ShmTransport::close_and_release() {
     if (Status s = region->unlink(); !s.ok()) FLEX_LOG(WARN) << s.to_string();
   }
   if (Status s = control_->unlink(); !s.ok()) FLEX_LOG(WARN) << s.to_string();
-  held_.clear();
+  protocol_.unbind();
   header_ = nullptr;
   base_ = nullptr;
   control_.reset();

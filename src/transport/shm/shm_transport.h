@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "transport/shm/shm_layout.h"
+#include "transport/shm/shm_protocol.h"
 #include "transport/shm/shm_segment.h"
 #include "transport/transport.h"
 
@@ -63,27 +64,13 @@ class ShmTransport final : public Transport {
  private:
   // A mapped control segment (a peer's, or this rank's own) and the regions read from it.
   // Shared: peers_ holds one reference, and read() on another thread holds one while it copies.
-  struct Peer {
-    int rank = -1;
+  // The PeerLink's lost flag is set by mark_peer_lost (any thread).
+  struct Peer : shm::PeerLink {
     std::string address;
     std::shared_ptr<shm::ShmMapping> control;  // Also owned by self_ for this rank's own.
-    shm::SegmentHeader* header = nullptr;
-    shm::ProcessWatch watch;
-    int32_t pid = 0;
-    // Set by mark_peer_lost (any thread); lost_why is written before, under lost_mu.
-    std::atomic<bool> lost{false};
-    std::mutex lost_mu;
-    std::string lost_why;
     std::mutex regions_mu;
     // GUARDED_BY(regions_mu). Mappings are shared with read() calls in flight.
     std::unordered_map<int, std::shared_ptr<const shm::ShmMapping>> regions;
-  };
-
-  // One member's message this rank waits for.
-  struct Awaited {
-    int rank;
-    shm::MailboxHeader* mailbox;  // In this rank's segment.
-    const Peer* peer;
   };
 
   ShmTransport(TransportOptions options, shm::Layout layout, std::string address);
@@ -95,26 +82,16 @@ class ShmTransport final : public Transport {
   // (stride 0: the same payload for all, as all_gather). Fills out[r] for every member.
   Status run_collective(shm::OpKind kind, const Group& group, const ByteSpan* sends, size_t stride,
                         std::vector<ByteSpan>* out);
-  Status validate_group(const Group& group, const char* op) const;
-  Status enter_epoch(uint64_t epoch, const char* op);
-  void release_held();
   Status send_to(const Peer& peer, shm::OpKind kind, ByteSpan payload, int64_t deadline_ns);
-  Status wait_for(std::vector<Awaited>& pending, shm::OpKind kind, ByteSpan mine, int64_t start_ns,
-                  std::vector<ByteSpan>* out);
-  // 1: claimed; 0: not there yet; -1: error in *status.
-  int try_take(const Awaited& awaited, shm::OpKind kind, ByteSpan mine, std::vector<ByteSpan>* out,
-               Status* status);
-  Status check_peer(const Peer& peer, shm::OpKind kind, bool check_pid) const;
-  static Status lost_status(Peer& peer);  // Unavailable once mark_peer_lost named it.
-  std::string op_label(shm::OpKind kind) const;
   void ring_all_peers();
   void close_and_release();
 
   const TransportOptions options_;
   const shm::Layout layout_;
   const std::string address_;
-  int64_t spin_ns_;   // Busy-wait budget before yielding (FLEXPERT_SHM_SPIN_US).
-  int64_t yield_ns_;  // Then sched_yield() for this long before sleeping on the futex.
+  // The collectives' state (driving thread only); waits spin FLEXPERT_SHM_SPIN_US, then yield
+  // for FLEXPERT_SHM_YIELD_US, before they sleep.
+  shm::MailboxProtocol protocol_;
 
   std::shared_ptr<shm::ShmMapping> control_;  // This rank's segment. Shared with self_.
   shm::SegmentHeader* header_ = nullptr;
@@ -128,14 +105,6 @@ class ShmTransport final : public Transport {
 
   // Regions this rank allocated. GUARDED_BY(peers_mu_); shared with read() calls in flight.
   std::unordered_map<int, std::shared_ptr<shm::ShmMapping>> own_regions_;
-
-  // Collective state, driving thread only.
-  bool has_epoch_ = false;
-  uint64_t epoch_ = 0;
-  uint64_t op_idx_ = 0;                    // Index of the next op within epoch_.
-  uint64_t cur_op_ = 0;                    // Index of the op in progress (for messages).
-  std::vector<shm::MailboxHeader*> held_;  // Claimed by the last collective.
-  std::vector<Awaited> pending_;           // Scratch, reused.
 };
 
 // Removes every /dev/shm segment of `session` (control and regions, any rank or incarnation):

@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "flexpert/logging.h"
+#include "transport/collective_checks.h"
 #include "transport/ucx/ucx_transport.h"
 
 namespace flexpert {
@@ -315,38 +316,10 @@ Status UcxTransport::barrier(const Group& group) {
 
 Result<std::vector<ByteSpan>> UcxTransport::exchange(const Group& group,
                                                      const std::vector<ByteSpan>& send) {
-  if (send.size() != static_cast<size_t>(options_.max_ranks)) {
-    return invalid_argument("exchange: send has " + std::to_string(send.size()) +
-                            " spans, expected max_ranks=" + std::to_string(options_.max_ranks));
-  }
+  FLEX_RETURN_IF_ERROR(validate_send_count(send, options_));
   std::vector<ByteSpan> out(static_cast<size_t>(options_.max_ranks));
   FLEX_RETURN_IF_ERROR(run_collective(OpKind::kExchange, group, send.data(), 1, &out));
   return out;
-}
-
-Status UcxTransport::validate_group(const Group& group, const char* op) const {
-  bool is_member = false;
-  int prev = -1;
-  for (int r : group.ranks) {
-    if (r <= prev || r >= options_.max_ranks) {
-      return invalid_argument(
-          std::string(op) + ": group ranks must be ascending, unique and in [0, " +
-          std::to_string(options_.max_ranks) + "), got rank " + std::to_string(r));
-    }
-    prev = r;
-    if (r == options_.rank) {
-      is_member = true;
-    } else if (peers_[r] == nullptr) {
-      return failed_precondition(std::string(op) + ": group member rank " + std::to_string(r) +
-                                 " is not connected");
-    }
-  }
-  if (!is_member) {
-    return failed_precondition(std::string(op) + ": rank " + std::to_string(options_.rank) +
-                               " is not a member of the group of epoch " +
-                               std::to_string(group.epoch));
-  }
-  return Status();
 }
 
 Status UcxTransport::enter_epoch(uint64_t epoch, const char* op) {
@@ -376,30 +349,11 @@ Status UcxTransport::run_collective(OpKind kind, const Group& group, const ByteS
   const char* op = ucx::op_kind_name(kind);
   std::unique_lock<std::mutex> lock(mu_);
   if (shut_down_) return failed_precondition(std::string(op) + " after shutdown");
-  FLEX_RETURN_IF_ERROR(validate_group(group, op));
+  FLEX_RETURN_IF_ERROR(validate_group(
+      group, op, options_, [this](int r) { return peers_[static_cast<size_t>(r)] != nullptr; }));
   const int pool = pool_of(kind);
-  const bool is_exchange = kind == OpKind::kExchange;
-  const size_t capacity = is_exchange ? options_.max_exchange_bytes : options_.max_gather_bytes;
-  size_t next_member = 0;
-  for (int r = 0; r < (stride == 0 ? 1 : options_.max_ranks); ++r) {
-    const ByteSpan& s = sends[static_cast<size_t>(r) * stride];
-    const bool member =
-        stride == 0 || (next_member < group.ranks.size() && group.ranks[next_member] == r);
-    if (stride != 0 && member) ++next_member;
-    if (s.num_bytes > capacity) {
-      return invalid_argument(std::string(op) + ": " + std::to_string(s.num_bytes) +
-                              " bytes for rank " + std::to_string(r) + " exceed the capacity of " +
-                              std::to_string(capacity) +
-                              (is_exchange ? " (max_exchange_bytes)" : " (max_gather_bytes)"));
-    }
-    if (s.num_bytes > 0 && s.data == nullptr) {
-      return invalid_argument(std::string(op) + ": null data for rank " + std::to_string(r));
-    }
-    if (!member && s.num_bytes > 0) {
-      return invalid_argument(std::string(op) + ": " + std::to_string(s.num_bytes) +
-                              " bytes for rank " + std::to_string(r) + ", not a group member");
-    }
-  }
+  FLEX_RETURN_IF_ERROR(
+      validate_sends(group, op, kind == OpKind::kExchange, sends, stride, options_));
 
   for (Box* b : held_) b->state = Box::State::kFree;  // The previous spans expire now.
   held_.clear();

@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "flexpert/logging.h"
+#include "transport/collective_checks.h"
 
 namespace flexpert {
 
@@ -562,20 +563,10 @@ Result<Region> UcxTransport::allocate_region(int region_id, size_t num_bytes) {
 }
 
 Status UcxTransport::read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) {
-  if (peer < 0 || peer >= options_.max_ranks) {
-    return invalid_argument("read: rank " + std::to_string(peer) + " not in [0, " +
-                            std::to_string(options_.max_ranks) + ")");
-  }
-  if (dst == nullptr && num_bytes > 0) return invalid_argument("read: null destination");
+  FLEX_RETURN_IF_ERROR(validate_read(peer, dst, num_bytes, options_));
   const std::string what =
       "read of rank " + std::to_string(peer) + " region " + std::to_string(region_id);
-  auto bounds = [&](size_t size) {
-    return offset > size || num_bytes > size - offset
-               ? invalid_argument(what + ": bytes [" + std::to_string(offset) + ", +" +
-                                  std::to_string(num_bytes) + ") outside its " +
-                                  std::to_string(size) + " bytes")
-               : Status();
-  };
+  auto bounds = [&](size_t size) { return check_read_range(what, offset, num_bytes, size); };
   std::unique_lock<std::mutex> lock(mu_);
   if (shut_down_) return failed_precondition(what + " after shutdown");
   if (peer == options_.rank) {

@@ -223,7 +223,6 @@ class UcxTransport final : public Transport {
   // Collectives (ucx_collectives.cc).
   Status run_collective(OpKind kind, const Group& group, const ByteSpan* sends, size_t stride,
                         std::vector<ByteSpan>* out);
-  Status validate_group(const Group& group, const char* op) const;
   Status enter_epoch(uint64_t epoch, const char* op);
   std::string op_label(OpKind kind) const;
 
