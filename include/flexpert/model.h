@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,10 +33,14 @@ class ExpertSlots;
 class MoeExecutor;
 
 struct ModelOptions {
-  std::string placement = "identity";  // See ExpertPlacement::parse.
-  int max_sequences = 8;               // KV-cache slots.
-  int max_seq_len = 0;                 // Positions per slot; 0: min(config, 4096).
-  ThreadPool* pool = nullptr;          // nullptr: ThreadPool::global().
+  // The expert placement: `expert_placement` when set (its layers and experts must be the
+  // model's; a serving group's worker gets it from the front end), else the spec
+  // `placement` (ExpertPlacement::parse: what --placement names).
+  std::string placement = "identity";
+  std::optional<ExpertPlacement> expert_placement;
+  int max_sequences = 8;       // KV-cache slots.
+  int max_seq_len = 0;         // Positions per slot; 0: min(config, 4096).
+  ThreadPool* pool = nullptr;  // nullptr: ThreadPool::global().
   // Called as layers load: (layers done, layers total).
   std::function<void(int, int)> progress;
 

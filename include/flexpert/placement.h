@@ -50,6 +50,10 @@ class ExpertPlacement {
   //                              or a single list used for every layer; -1 marks a free slot).
   static Result<ExpertPlacement> parse(const std::string& spec, int num_layers, int num_experts);
 
+  // InvalidArgument unless this placement has `num_layers` layers over `num_experts`
+  // logical experts (a model's; a placement built elsewhere is checked against it).
+  Status check_shape(int num_layers, int num_experts) const;
+
   // The rank holding `slot` when each rank holds slots_per_rank consecutive slots.
   static int rank_of(int slot, int slots_per_rank) { return slot / slots_per_rank; }
 
@@ -58,6 +62,7 @@ class ExpertPlacement {
   int num_slots() const { return num_slots_; }
   int slot_expert(int layer, int slot) const { return slot_to_expert_[layer][slot]; }
   const std::vector<int>& slot_map(int layer) const { return slot_to_expert_[layer]; }
+  const std::vector<std::vector<int>>& slot_maps() const { return slot_to_expert_; }  // [layer]
   // The slots holding `expert` in `layer`, ascending.
   const std::vector<int>& replicas(int layer, int expert) const {
     return expert_to_slots_[layer][expert];

@@ -98,6 +98,23 @@ struct Hello {
   MSGPACK_DEFINE_MAP(rank, incarnation, pid, key);
 };
 
+// An ExpertPlacement (include/flexpert/placement.h) on the wire: per MoE layer, slot ->
+// logical expert, kFreeSlot for a free slot. A plain value here because ExpertPlacement
+// belongs to moe, which comes after cluster in the module order; the worker and the front
+// end convert (src/engine/placement_wire.h). No layers: no placement.
+struct Placement {
+  static constexpr int kFreeSlot = -1;  // ExpertPlacement::kFreeSlot.
+  int num_experts = 0;
+  std::vector<std::vector<int>> slot_to_expert;  // [layer][slot]
+  bool empty() const { return slot_to_expert.empty(); }
+  int num_slots() const { return empty() ? 0 : static_cast<int>(slot_to_expert[0].size()); }
+  // Its shape: num_experts >= 1, every layer as many slots as layer 0, every entry
+  // kFreeSlot or a logical expert below num_experts. InvalidArgument naming the first fault.
+  // Whether every expert keeps a replica is ExpertPlacement's rule (from_slot_maps).
+  Status check() const;
+  MSGPACK_DEFINE_MAP(num_experts, slot_to_expert);
+};
+
 // Everything a worker needs to build its model and transport.
 struct WorkerConfig {
   static constexpr const char* kType = "config";
@@ -107,7 +124,7 @@ struct WorkerConfig {
   std::string model_dir;
   int max_ranks = 1;
   int slots_per_rank = 0;
-  std::string placement_json;  // ExpertPlacement::to_json() over max_ranks * slots_per_rank slots.
+  Placement placement;  // Over max_ranks * slots_per_rank slots.
   int max_sequences = 32;
   int max_tokens_per_step = 256;
   int max_seq_len = 0;
@@ -116,9 +133,11 @@ struct WorkerConfig {
   std::string device = "cpu";     // ModelOptions::device ("cuda:N" is relative to the rank's GPUs).
   bool device_f32 = false;        // f32 weights/activations on the GPU (verification); else bf16.
   std::string transport = "shm";  // create_transport()'s backend: every pair of ranks uses it.
-  MSGPACK_DEFINE_MAP(rank, incarnation, session, model_dir, max_ranks, slots_per_rank,
-                     placement_json, max_sequences, max_tokens_per_step, max_seq_len, timeout_ms,
-                     threads, device, device_f32, transport);
+  // decode(): a placement is present, well formed and has max_ranks * slots_per_rank slots.
+  Status check() const;
+  MSGPACK_DEFINE_MAP(rank, incarnation, session, model_dir, max_ranks, slots_per_rank, placement,
+                     max_sequences, max_tokens_per_step, max_seq_len, timeout_ms, threads, device,
+                     device_f32, transport);
 };
 
 // A worker has loaded its model and created its transport.
@@ -139,11 +158,12 @@ struct EpochCommand {
   uint64_t epoch = 0;
   std::vector<int> members;
   std::vector<std::string> addresses;  // [max_ranks]; "" for non-members.
-  // The expert placement of the new epoch (e.g. without a lost rank's slots); ""
+  // The expert placement of the new epoch (e.g. without a lost rank's slots); empty
   // keeps the current one. Applied together with the membership.
-  std::string placement_json;
+  Placement placement;
   uint64_t map_version = 0;
-  MSGPACK_DEFINE_MAP(epoch, members, addresses, placement_json, map_version);
+  Status check() const;  // decode(): the placement, when present, is well formed.
+  MSGPACK_DEFINE_MAP(epoch, members, addresses, placement, map_version);
 };
 
 struct AddRequest {
@@ -252,8 +272,9 @@ struct PullDone {
 struct MapCommand {
   static constexpr const char* kType = "map";
   uint64_t version = 0;
-  std::string placement_json;
-  MSGPACK_DEFINE_MAP(version, placement_json);
+  Placement placement;
+  Status check() const;  // decode(): a placement is present and well formed.
+  MSGPACK_DEFINE_MAP(version, placement);
 };
 
 struct MapApplied {
@@ -337,18 +358,24 @@ inline msgpack::unpack_limit decode_limits(size_t body_bytes) {
                                kMaxDepth);
 }
 
-// DataLoss when the body does not hold a T.
+// DataLoss when the body does not hold a T, or holds one its check() refuses (a
+// message type with values beyond msgpack's types, such as a Placement, has one).
 template <typename T>
 Result<T> decode(const std::string& body) {
+  T msg;
   try {
     msgpack::object_handle oh =
         msgpack::unpack(body.data(), body.size(), nullptr, nullptr, decode_limits(body.size()));
-    T msg;
     oh.get().convert(msg);
-    return msg;
   } catch (const std::exception& e) {
     return data_loss(std::string("malformed '") + T::kType + "' message: " + e.what());
   }
+  if constexpr (requires { msg.check(); }) {
+    if (Status s = msg.check(); !s.ok()) {
+      return data_loss(std::string("malformed '") + T::kType + "' message: " + s.message());
+    }
+  }
+  return msg;
 }
 
 }  // namespace flexpert::proto

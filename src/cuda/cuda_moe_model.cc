@@ -81,8 +81,14 @@ Status CudaMoeModel::init_placement(const ModelOptions& options) {
   max_sequences_ = std::max(1, options.max_sequences);
   max_seq_len_ = options.max_seq_len > 0 ? options.max_seq_len
                                          : std::min(std::max(c.max_position_embeddings, 1), 4096);
-  FLEX_ASSIGN_OR_RETURN(placement_, ExpertPlacement::parse(options.placement, c.num_hidden_layers,
-                                                           std::max(c.num_experts, 1)));
+  const int num_experts = std::max(c.num_experts, 1);
+  if (options.expert_placement.has_value()) {
+    placement_ = *options.expert_placement;
+    FLEX_RETURN_IF_ERROR(placement_.check_shape(c.num_hidden_layers, num_experts));
+  } else {
+    FLEX_ASSIGN_OR_RETURN(
+        placement_, ExpertPlacement::parse(options.placement, c.num_hidden_layers, num_experts));
+  }
   const int num_slots = placement_.num_slots();
   first_slot_ = options.first_slot;
   num_local_slots_ = options.num_local_slots < 0 ? num_slots : options.num_local_slots;

@@ -20,6 +20,7 @@
 #include "cluster/protocol.h"
 #include "cluster/zmq_socket.h"
 #include "core/mutex.h"
+#include "engine/placement_wire.h"
 #include "flexpert/logging.h"
 #include "flexpert/model.h"
 #include "flexpert/scheduler.h"
@@ -283,7 +284,9 @@ Status Worker::load() {
   executor_ = std::make_unique<EpMoeExecutor>(*transport_, config_.slots_per_rank, pool);
 
   ModelOptions mopts;
-  mopts.placement = config_.placement_json;
+  FLEX_ASSIGN_OR_RETURN(mopts.expert_placement,
+                        from_wire(config_.placement, model_config_.num_hidden_layers,
+                                  std::max(1, model_config_.num_experts)));
   mopts.max_sequences = config_.max_sequences;
   mopts.max_seq_len = config_.max_seq_len;
   mopts.first_slot = options_.rank * config_.slots_per_rank;
@@ -344,11 +347,10 @@ Status Worker::apply_epoch(const proto::EpochCommand& cmd) {
       (void)transport_->disconnect(r);  // A departed peer: nothing left to read from it.
     }
   }
-  if (!cmd.placement_json.empty()) {
-    FLEX_ASSIGN_OR_RETURN(
-        ExpertPlacement next,
-        ExpertPlacement::parse(cmd.placement_json, model_config_.num_hidden_layers,
-                               std::max(1, model_config_.num_experts)));
+  if (!cmd.placement.empty()) {
+    FLEX_ASSIGN_OR_RETURN(ExpertPlacement next,
+                          from_wire(cmd.placement, model_config_.num_hidden_layers,
+                                    std::max(1, model_config_.num_experts)));
     FLEX_RETURN_IF_ERROR(model_->set_placement(std::move(next)));
     map_version_ = std::max(map_version_, cmd.map_version);
     if (has_pending_map_ && pending_map_.version <= map_version_) has_pending_map_ = false;
@@ -557,10 +559,9 @@ Status Worker::step() {
   // Every member saw the same headers: all switch at this boundary, or none.
   if (map_acked) {
     has_pending_map_ = false;
-    FLEX_ASSIGN_OR_RETURN(
-        ExpertPlacement next,
-        ExpertPlacement::parse(pending_map_.placement_json, model_config_.num_hidden_layers,
-                               std::max(1, model_config_.num_experts)));
+    FLEX_ASSIGN_OR_RETURN(ExpertPlacement next,
+                          from_wire(pending_map_.placement, model_config_.num_hidden_layers,
+                                    std::max(1, model_config_.num_experts)));
     FLEX_RETURN_IF_ERROR(model_->set_placement(std::move(next)));
     map_version_ = pending_map_.version;
     FLEX_RETURN_IF_ERROR(send_msg(control_, proto::MapApplied{map_version_}));

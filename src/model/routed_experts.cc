@@ -74,9 +74,15 @@ int default_max_seq_len(const ModelConfig& config, const ModelOptions& options) 
 Status RoutedExperts::init(const ModelConfig& config, const ModelOptions& options,
                            ThreadPool* pool) {
   pool_ = pool;
-  FLEX_ASSIGN_OR_RETURN(placement_,
-                        ExpertPlacement::parse(options.placement, config.num_hidden_layers,
-                                               std::max(config.num_experts, 1)));
+  const int num_experts = std::max(config.num_experts, 1);
+  if (options.expert_placement.has_value()) {
+    placement_ = *options.expert_placement;
+    FLEX_RETURN_IF_ERROR(placement_.check_shape(config.num_hidden_layers, num_experts));
+  } else {
+    FLEX_ASSIGN_OR_RETURN(
+        placement_,
+        ExpertPlacement::parse(options.placement, config.num_hidden_layers, num_experts));
+  }
   first_slot_ = options.first_slot;
   num_local_slots_ = options.num_local_slots < 0 ? placement_.num_slots() : options.num_local_slots;
   if (first_slot_ < 0 || first_slot_ + num_local_slots_ > placement_.num_slots()) {

@@ -38,8 +38,9 @@ void last_token_logits(const Tensor& x, const std::vector<SequenceChunk>& batch,
 
 class RoutedExperts {
  public:
-  // Parses options.placement over the config's layers and experts, checks the local
-  // slot range and picks the executor (options.moe_executor or an in-process one).
+  // Takes options.expert_placement, or parses options.placement, over the config's layers
+  // and experts; checks the local slot range and picks the executor (options.moe_executor
+  // or an in-process one).
   Status init(const ModelConfig& config, const ModelOptions& options, ThreadPool* pool);
 
   // Allocates MoE layer `layer`'s slot storage (options.allocate_slots, else the heap)

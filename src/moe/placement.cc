@@ -129,7 +129,7 @@ Result<ExpertPlacement> ExpertPlacement::parse(const std::string& spec, int num_
   }
   std::stringstream text;
   if (spec[0] == '{') {
-    text << spec;  // Inline JSON, as the front end hands it to workers.
+    text << spec;  // Inline JSON (tests write small placements so).
   } else {
     std::ifstream in(spec);
     if (!in) {
@@ -156,6 +156,16 @@ Result<ExpertPlacement> ExpertPlacement::parse(const std::string& spec, int num_
                             " layers, the model has " + std::to_string(num_layers));
   }
   return from_slot_maps(num_experts, std::move(maps));
+}
+
+Status ExpertPlacement::check_shape(int num_layers, int num_experts) const {
+  if (this->num_layers() != num_layers || num_experts_ != num_experts) {
+    return invalid_argument("placement has " + std::to_string(this->num_layers()) +
+                            " layers over " + std::to_string(num_experts_) +
+                            " experts, the model has " + std::to_string(num_layers) +
+                            " layers over " + std::to_string(num_experts) + " experts");
+  }
+  return Status();
 }
 
 std::string ExpertPlacement::to_json() const {

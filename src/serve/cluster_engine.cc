@@ -26,6 +26,7 @@
 #include "cluster/protocol.h"
 #include "cluster/zmq_socket.h"
 #include "core/secret.h"
+#include "engine/placement_wire.h"
 #include "flexpert/generate.h"
 #include "flexpert/logging.h"
 #include "flexpert/model_config.h"
@@ -233,7 +234,7 @@ void ClusterEngine::Impl::send_epoch(const cluster::Action& commit) {
   cmd.members = members;
   cmd.addresses.assign(ranks_.size(), "");
   for (int r : members) cmd.addresses[r] = ranks_[r].address;
-  cmd.placement_json = placement_.to_json();
+  cmd.placement = to_wire(placement_);
   cmd.map_version = ++map_version_;
   for (int r : members) {
     post(r, cmd);                          // The membership made it serving with the commit.
@@ -313,7 +314,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     cfg.model_dir = options_.model_dir;
     cfg.max_ranks = options_.max_ranks;
     cfg.slots_per_rank = slots_per_rank_;
-    cfg.placement_json = placement_.to_json();
+    cfg.placement = to_wire(placement_);
     cfg.max_sequences = options_.max_sequences;
     cfg.max_tokens_per_step = options_.max_tokens_per_step;
     cfg.max_seq_len = max_seq_len_;

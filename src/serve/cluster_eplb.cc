@@ -13,6 +13,7 @@
 #include <map>
 #include <numeric>
 
+#include "engine/placement_wire.h"
 #include "eplb/planner.h"
 #include "eplb/transition.h"
 #include "flexpert/logging.h"
@@ -105,7 +106,7 @@ Status ClusterEngine::Impl::commit_map(ExpertPlacement next) {
   FLEX_RETURN_IF_ERROR(
       membership_.record_maps(std::move(maps), members()).annotate("expert map refused"));
   const uint64_t version = ++map_version_;
-  proto::MapCommand cmd{version, next.to_json()};
+  proto::MapCommand cmd{version, to_wire(next)};
   for (int r : members()) post(r, cmd);
   // Requests and load attribution follow the new map from here on.
   placement_ = std::move(next);

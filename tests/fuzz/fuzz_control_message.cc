@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Control messages (src/cluster/protocol.h) as a peer could send them: the first
 // byte picks the type, the rest is the msgpack body. decode() gives a value or
-// DataLoss, never a crash or an unbounded allocation.
+// DataLoss, never a crash or an unbounded allocation; a value it gives (placements
+// included: the seeds config, epoch and map carry one) re-encodes and decodes again.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -15,7 +16,7 @@ template <typename T>
 void decode_as(const std::string& body) {
   auto msg = flexpert::proto::decode<T>(body);
   FLEX_CHECK(msg.ok() || msg.status().code() == flexpert::StatusCode::kDataLoss);
-  if (msg.ok()) (void)flexpert::proto::encode(*msg);  // What decodes re-encodes.
+  if (msg.ok()) FLEX_CHECK(flexpert::proto::decode<T>(flexpert::proto::encode(*msg)).ok());
 }
 
 }  // namespace

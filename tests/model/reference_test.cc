@@ -69,6 +69,39 @@ TEST(ReferenceTest, Qwen3MoeTinyPlacementFile) {
   std::remove(path.c_str());
 }
 
+TEST(ReferenceTest, Qwen3MoeTinyPlacementValue) {
+  // ModelOptions::expert_placement (what a worker gets from the front end) wins over the
+  // spec, which is left unparsable here: a different map in each layer, free slots.
+  const auto ref = load_reference(kModelDir);
+  auto loaded_config = ModelConfig::load(kModelDir);
+  ASSERT_TRUE(loaded_config.ok()) << loaded_config.status().to_string();
+  const ModelConfig& config = *loaded_config;
+  ASSERT_GT(config.num_experts, 1);
+  std::vector<std::vector<int>> maps(config.num_hidden_layers);
+  for (int l = 0; l < config.num_hidden_layers; ++l) {
+    for (int e = 0; e < config.num_experts; ++e) {
+      maps[l].insert(maps[l].end(), {(e + 5 * l) % config.num_experts, -1});
+    }
+  }
+  auto placement = ExpertPlacement::from_slot_maps(config.num_experts, maps);
+  ASSERT_TRUE(placement.ok()) << placement.status().to_string();
+  ModelOptions options;
+  options.placement = "replicate:x";
+  options.expert_placement = *placement;
+  auto model = Model::load(kModelDir, options);
+  ASSERT_TRUE(model.ok()) << model.status().to_string();
+  EXPECT_EQ((*model)->placement().slot_maps(), maps);
+  check_against_reference(**model, ref, 1e-4, true);
+  // A placement of another model's shape is refused.
+  options.expert_placement = ExpertPlacement::identity(config.num_hidden_layers + 1,
+                                                       config.num_experts, config.num_experts);
+  auto layers = Model::load(kModelDir, options);
+  EXPECT_EQ(layers.status().code(), StatusCode::kInvalidArgument);
+  options.expert_placement = ExpertPlacement::identity(
+      config.num_hidden_layers, config.num_experts + 1, config.num_experts + 1);
+  EXPECT_EQ(Model::load(kModelDir, options).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(ReferenceTest, Bf16WeightsLoadAndRun) {
   // Rewrite the fixture with bf16 weights: it loads, and the logits stay near the
   // float64 reference within the rounding of the weights.
