@@ -293,7 +293,10 @@ class ClusterEngine::Impl {
                                                        const std::vector<int>& joiners) const
       REQUIRES(mutex_);
   void enter_degraded(const std::string& why, Calls* calls) REQUIRES(mutex_);
-  std::thread restart_thread_;  // Stop-the-world recovery after a loss. As control_.
+  // Stop-the-world recovery after a loss. Assigned by the control thread with mutex_ held
+  // (on_rank_lost); joined by shutdown() without it, once the phase is stopping, after
+  // which on_rank_lost assigns it no more.
+  std::thread restart_thread_;
 
   // `kind` names the report ("heal" for the healer's); empty: scale-up or scale-down.
   Result<nlohmann::json> scale(const ScaleTarget& target, const std::string& kind = "")
