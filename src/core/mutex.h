@@ -68,8 +68,11 @@ class SCOPED_CAPABILITY MutexLock {
   bool held_ = true;
 };
 
-// A condition variable over a MutexLock. The wait functions release and re-acquire the
-// lock inside; to the analysis the lock stays held across them, as it is on return.
+// A condition variable over a MutexLock, or over a Mutex the caller holds (a function
+// marked REQUIRES(mu) that waits has no MutexLock of its own: the analysis cannot tie a
+// MutexLock passed by reference to the mutex it holds). The wait functions release and
+// re-acquire the lock inside; to the analysis the lock stays held across them, as it is
+// on return. A predicate that reads guarded state says so: [&]() REQUIRES(mu) { ... }.
 class CondVar {
  public:
   void wait(MutexLock& lock) { cv_.wait(lock); }
@@ -85,6 +88,21 @@ class CondVar {
   bool wait_until(MutexLock& lock, const std::chrono::time_point<Clock, Duration>& t,
                   Predicate pred) {
     return cv_.wait_until(lock, t, pred);
+  }
+  void wait(Mutex& mu) REQUIRES(mu) { cv_.wait(mu); }
+  template <class Predicate>
+  void wait(Mutex& mu, Predicate pred) REQUIRES(mu) {
+    cv_.wait(mu, pred);
+  }
+  template <class Rep, class Period, class Predicate>
+  bool wait_for(Mutex& mu, const std::chrono::duration<Rep, Period>& d, Predicate pred)
+      REQUIRES(mu) {
+    return cv_.wait_for(mu, d, pred);
+  }
+  template <class Clock, class Duration, class Predicate>
+  bool wait_until(Mutex& mu, const std::chrono::time_point<Clock, Duration>& t, Predicate pred)
+      REQUIRES(mu) {
+    return cv_.wait_until(mu, t, pred);
   }
   void notify_one() { cv_.notify_one(); }
   void notify_all() { cv_.notify_all(); }

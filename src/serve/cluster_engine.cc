@@ -13,13 +13,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
-#include <mutex>
 #include <random>
 #include <thread>
 
@@ -129,6 +127,8 @@ Status ClusterEngine::Impl::start() {
   if (options_.min_replicas > 1 && (spec.empty() || spec == "identity" || extra > 0)) {
     extra = std::max(extra, E * (options_.min_replicas - 1));
   }
+  // No other thread runs yet: the lock costs nothing and keeps placement_ under its rule.
+  MutexLock lock(mutex_);
   if (spec.empty() || spec == "identity" || spec.rfind("replicate:", 0) == 0) {
     // Capacity for the smallest group it may shrink to (docs/ARCHITECTURE.md, "Capacity").
     slots_per_rank_ = options_.slots_per_rank > 0
@@ -148,6 +148,7 @@ Status ClusterEngine::Impl::start() {
     }
     slots_per_rank_ = placement_.num_slots() / options_.max_ranks;
   }
+  lock.unlock();
   max_seq_len_ = options_.max_seq_len > 0 ? options_.max_seq_len
                                           : std::min(model_config_.max_position_embeddings, 4096);
   session_ = std::to_string(getpid()) + "-" +
@@ -165,22 +166,22 @@ Status ClusterEngine::Impl::start() {
   if (options_.on_listening) options_.on_listening(endpoint_);
   const std::string wake = "inproc://wake-" + session_;
   FLEX_RETURN_IF_ERROR(wake_rx_.bind(wake));
+  lock.lock();
   FLEX_RETURN_IF_ERROR(wake_tx_.connect(wake));
   ranks_.assign(static_cast<size_t>(options_.max_ranks), RankInfo{});
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    membership_ = cluster::Membership(membership_config());
-    (void)membership_.start(now_ms());  // Opens the initial ranks; spawned below.
-    if (options_.spawn_workers) {
-      for (int r : members) FLEX_RETURN_IF_ERROR(spawn(r));
-    }
+  membership_ = cluster::Membership(membership_config());
+  (void)membership_.start(now_ms());  // Opens the initial ranks; spawned below.
+  if (options_.spawn_workers) {
+    for (int r : members) FLEX_RETURN_IF_ERROR(spawn(r));
   }
+  lock.unlock();
   FLEX_LOG(INFO) << "control plane at " << endpoint_ << "; waiting for " << options_.ranks
                  << " ranks (" << slots_per_rank_ << " expert slots each)";
   control_ = std::thread([this] { control_loop(); });
-  std::unique_lock<std::mutex> lock(mutex_);
-  const bool done = cv_.wait_for(lock, std::chrono::milliseconds(options_.start_timeout_ms),
-                                 [&] { return epoch() > 0 || !start_error_.ok(); });
+  lock.lock();
+  const bool done =
+      cv_.wait_for(lock, std::chrono::milliseconds(options_.start_timeout_ms),
+                   [&]() REQUIRES(mutex_) { return epoch() > 0 || !start_error_.ok(); });
   if (!start_error_.ok()) return start_error_;
   if (!done)
     return deadline_exceeded("ranks did not become ready within " +
@@ -249,13 +250,13 @@ void ClusterEngine::Impl::send_epoch(const cluster::Action& commit) {
 void ClusterEngine::Impl::flush_outbox() {
   std::deque<Outgoing> out;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(mutex_);
     out.swap(outbox_);
   }
   for (auto& [rank, to_heartbeat, parts] : out) {
     std::string id;
     {
-      std::lock_guard<std::mutex> lock(mutex_);
+      MutexLock lock(mutex_);
       id = ranks_[rank].routing_id;
     }
     if (id.empty()) continue;
@@ -264,7 +265,7 @@ void ClusterEngine::Impl::flush_outbox() {
     Status s = router_.send(parts);
     if (!s.ok()) {
       // A rank that left or died may be gone before its last messages.
-      std::lock_guard<std::mutex> lock(mutex_);
+      MutexLock lock(mutex_);
       const RankState st = state(rank);
       if (st == RankState::kStopped || st == RankState::kDead) {
         FLEX_LOG(DEBUG) << "send to departed rank " << rank << ": " << s.to_string();
@@ -282,7 +283,7 @@ std::string rank_device(const ClusterOptions& options, int rank) {
 
 void ClusterEngine::Impl::handle(const std::string& routing_id, const std::string& type,
                                  const std::string& body, Calls* calls) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(mutex_);
   if (type == proto::Hello::kType) {
     auto hello = proto::decode<proto::Hello>(body);
     if (!hello.ok()) return;
@@ -468,7 +469,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
 }
 
 void ClusterEngine::Impl::check_workers(Calls* calls) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(mutex_);
   const auto now = Clock::now();
   for (size_t r = 0; r < ranks_.size(); ++r) {
     RankInfo& info = ranks_[r];
@@ -510,7 +511,7 @@ void ClusterEngine::Impl::control_loop() {
   auto last_check = Clock::now();
   while (!stop_.load()) {
     {
-      std::lock_guard<std::mutex> lock(mutex_);
+      MutexLock lock(mutex_);
       for (int r : spawn_queue_) {
         if (state(r) != RankState::kStarting || ranks_[r].pid != 0) continue;
         if (Status s = spawn(r); !s.ok()) {
@@ -551,7 +552,7 @@ Status ClusterEngine::Impl::shutdown() {
   Calls calls;
   std::vector<pid_t> children;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(mutex_);
     if (phase() == Phase::kStopped) return Status();
     shutting_down_.store(true);
     cv_.notify_all();  // A reconfiguration waiting for workers gives up.
@@ -586,7 +587,7 @@ Status ClusterEngine::Impl::shutdown() {
     }
   }
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(mutex_);
     stop_.store(true);
   }
   eplb_cv_.notify_all();
@@ -604,7 +605,7 @@ Status ClusterEngine::Impl::shutdown() {
     }
     closedir(dir);
   }
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(mutex_);
   membership_.stopped();  // Every rank not dead is stopped.
   return Status();
 }
@@ -641,7 +642,7 @@ Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCall
   // The same checks the workers' schedulers make, before anything is queued.
   FLEX_RETURN_IF_ERROR(
       validate_request(request.prompt, request.params, m.model_config_.vocab_size, m.max_seq_len_));
-  std::lock_guard<std::mutex> lock(m.mutex_);
+  MutexLock lock(m.mutex_);
   if (!m.accepting_) {
     if (m.phase() == Phase::kRestarting || m.phase() == Phase::kScaling) {
       return unavailable("the group is being rebuilt (--reconfigure stop-the-world)");
@@ -667,7 +668,7 @@ Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCall
 
 void ClusterEngine::cancel(uint64_t request_id) {
   Impl& m = *impl_;
-  std::lock_guard<std::mutex> lock(m.mutex_);
+  MutexLock lock(m.mutex_);
   auto it = m.requests_.find(request_id);
   if (it == m.requests_.end()) return;
   if (std::optional<int> rank = m.membership_.cancel(request_id)) {
@@ -683,13 +684,13 @@ bool ClusterEngine::Impl::admitting() const {
 }
 
 bool ClusterEngine::healthy() const {
-  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  MutexLock lock(impl_->mutex_);
   return impl_->accepting_ && impl_->admitting();
 }
 
 nlohmann::json ClusterEngine::status() const {
   const Impl& m = *impl_;
-  std::lock_guard<std::mutex> lock(m.mutex_);
+  MutexLock lock(m.mutex_);
   nlohmann::json ranks = nlohmann::json::array();
   for (size_t r = 0; r < m.ranks_.size(); ++r) {
     const RankInfo& info = m.ranks_[r];
@@ -760,7 +761,7 @@ void ClusterEngine::Impl::update_gauges() const {
 std::string ClusterEngine::metrics_text() const {
   const Impl& m = *impl_;
   {
-    std::lock_guard<std::mutex> lock(m.mutex_);
+    MutexLock lock(m.mutex_);
     m.update_gauges();
   }
   return m.registry_.render();

@@ -6,11 +6,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <set>
 #include <thread>
 
@@ -19,6 +17,7 @@
 
 #include "cluster/membership.h"
 #include "cluster/zmq_socket.h"
+#include "core/mutex.h"
 #include "eplb/planner.h"
 #include "flexpert/model_config.h"
 #include "flexpert/placement.h"
@@ -90,6 +89,9 @@ struct RequestInfo {
 
 using Calls = std::vector<std::pair<CompletionCallback, CompletionEvent>>;
 
+// Thread safety: the shared state below is GUARDED_BY(mutex_), and the helpers that expect
+// it held say REQUIRES(mutex_) (clang checks both: scripts/check_thread_safety.sh). What is
+// read without the lock says why next to it.
 class ClusterEngine::Impl {
  public:
   explicit Impl(ClusterOptions options)
@@ -98,92 +100,102 @@ class ClusterEngine::Impl {
         wake_rx_(ctx_, ZMQ_PAIR),
         wake_tx_(ctx_, ZMQ_PAIR) {}
 
-  Status start();
-  Status shutdown();
+  Status start() EXCLUDES(mutex_);
+  Status shutdown() EXCLUDES(mutex_);
 
+  // Set by start() before it starts any thread, read-only afterwards: read without the lock.
   ClusterOptions options_;
   ModelConfig model_config_;
   int max_seq_len_ = 0;
   int slots_per_rank_ = 0;
   std::string session_;
-  ExpertPlacement placement_;
   std::string endpoint_;
 
-  ZmqContext ctx_;
-  ZmqSocket router_;   // Owned by the control thread after start().
+  mutable Mutex mutex_;
+  CondVar cv_;
+  // The expert map of the current epoch (EPLB, scale and recovery replace it).
+  ExpertPlacement placement_ GUARDED_BY(mutex_);
+
+  ZmqContext ctx_;     // Thread-safe (zmq contexts are).
+  ZmqSocket router_;   // The control thread's alone after start() (before: start()'s).
   ZmqSocket wake_rx_;  // Control thread side.
-  ZmqSocket wake_tx_;  // Guarded by mutex_.
+  ZmqSocket wake_tx_ GUARDED_BY(mutex_);
+  // Thread handles: started by start() and joined by shutdown(), on the caller's thread.
   std::thread control_;
+  // Atomics, read without the lock (waits that watch them poll or are notified).
   std::atomic<bool> stop_{false};
   std::atomic<bool> shutting_down_{false};  // Set first by shutdown(): reconfigurations give up.
   bool halting() const { return stop_.load() || shutting_down_.load(); }
 
-  mutable std::mutex mutex_;
-  std::condition_variable cv_;
-  // Guarded by mutex_:
-  std::vector<RankInfo> ranks_;
-  std::map<uint64_t, RequestInfo> requests_;
+  std::vector<RankInfo> ranks_ GUARDED_BY(mutex_);
+  std::map<uint64_t, RequestInfo> requests_ GUARDED_BY(mutex_);
   struct Outgoing {
     int rank = 0;
     bool to_heartbeat = false;  // To the rank's heartbeat socket (PeerLost), not its control one.
     std::vector<std::string> parts;  // [type, body]
   };
-  std::deque<Outgoing> outbox_;
-  uint64_t next_request_id_ = 1;
+  std::deque<Outgoing> outbox_ GUARDED_BY(mutex_);
+  uint64_t next_request_id_ GUARDED_BY(mutex_) = 1;
   // Phase, members, incarnations and the epoch with its commit rule (src/cluster,
   // pure); the flows below execute it and record their steps in it.
-  cluster::Membership membership_{cluster::MembershipConfig{}};
-  cluster::MembershipConfig membership_config() const;  // From the options and placement.
-  uint64_t epoch() const { return membership_.epoch(); }
-  const std::vector<int>& members() const { return membership_.members(); }
-  Phase phase() const { return membership_.phase(); }
-  void enter_phase(Phase p) { membership_.enter(p); }
-  uint64_t incarnation(int rank) const { return membership_.rank(rank).incarnation; }
-  RankState state(int rank) const { return membership_.rank(rank).state; }
+  cluster::Membership membership_ GUARDED_BY(mutex_){cluster::MembershipConfig{}};
+  // From the options and placement.
+  cluster::MembershipConfig membership_config() const REQUIRES(mutex_);
+  uint64_t epoch() const REQUIRES(mutex_) { return membership_.epoch(); }
+  const std::vector<int>& members() const REQUIRES(mutex_) { return membership_.members(); }
+  Phase phase() const REQUIRES(mutex_) { return membership_.phase(); }
+  void enter_phase(Phase p) REQUIRES(mutex_) { membership_.enter(p); }
+  uint64_t incarnation(int rank) const REQUIRES(mutex_) {
+    return membership_.rank(rank).incarnation;
+  }
+  RankState state(int rank) const REQUIRES(mutex_) { return membership_.rank(rank).state; }
   // A member of a degraded group: halted at its last collective until a recovery commits.
-  bool halted(int rank) const {
+  bool halted(int rank) const REQUIRES(mutex_) {
     return state(rank) == RankState::kServing && phase() == Phase::kDegraded;
   }
-  const char* rank_state_name(int rank) const {
+  const char* rank_state_name(int rank) const REQUIRES(mutex_) {
     return halted(rank) ? "halted" : cluster::rank_state_name(state(rank));
   }
   static int64_t now_ms() {
     return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
         .count();
   }
-  Status start_error_;
-  bool accepting_ = false;
+  Status start_error_ GUARDED_BY(mutex_);
+  bool accepting_ GUARDED_BY(mutex_) = false;
 
-  // EPLB (cluster_eplb.cc), guarded by mutex_.
+  // EPLB (cluster_eplb.cc).
   struct LoadBucket {
     Clock::time_point start;
     std::vector<std::vector<double>> load;  // [layer][logical expert]
   };
-  std::deque<LoadBucket> load_window_;
-  std::vector<std::vector<double>> smoothed_shares_;  // [layer][expert], eplb_smoothing.
-  bool rebalancing_ = false;
-  uint64_t rebalance_epoch_ = 0;  // The epoch a running rebalance started in.
-  bool cancel_rebalance_ = false;
-  uint64_t map_version_ = 0;
-  uint64_t next_pull_id_ = 1;
-  std::map<uint64_t, proto::PullDone> pulls_done_;
-  double rebalance_max_step_ms_ = 0;  // Longest step any rank reported during a rebalance.
-  double pull_seconds_ = 0;           // PullDone::seconds of every move_layer pull so far.
-  nlohmann::json last_rebalance_;
-  std::thread eplb_thread_;
-  std::condition_variable eplb_cv_;
+  std::deque<LoadBucket> load_window_ GUARDED_BY(mutex_);
+  // [layer][expert], eplb_smoothing.
+  std::vector<std::vector<double>> smoothed_shares_ GUARDED_BY(mutex_);
+  bool rebalancing_ GUARDED_BY(mutex_) = false;
+  uint64_t rebalance_epoch_ GUARDED_BY(mutex_) = 0;  // The epoch a running rebalance started in.
+  bool cancel_rebalance_ GUARDED_BY(mutex_) = false;
+  uint64_t map_version_ GUARDED_BY(mutex_) = 0;
+  uint64_t next_pull_id_ GUARDED_BY(mutex_) = 1;
+  std::map<uint64_t, proto::PullDone> pulls_done_ GUARDED_BY(mutex_);
+  // Longest step any rank reported during a rebalance.
+  double rebalance_max_step_ms_ GUARDED_BY(mutex_) = 0;
+  // PullDone::seconds of every move_layer pull so far.
+  double pull_seconds_ GUARDED_BY(mutex_) = 0;
+  nlohmann::json last_rebalance_ GUARDED_BY(mutex_);
+  std::thread eplb_thread_;  // As control_.
+  CondVar eplb_cv_;
 
-  void record_load(int rank, const std::vector<int64_t>& slot_counts);
-  std::vector<std::vector<double>> window_load() const;
+  void record_load(int rank, const std::vector<int64_t>& slot_counts) REQUIRES(mutex_);
+  std::vector<std::vector<double>> window_load() const REQUIRES(mutex_);
   // The load the next plan uses: the window smoothed with smoothed_shares_ (eplb_smoothing),
   // which only a rebalance advances; the window alone when smoothing is off. Membership
   // changes plan on it, so that one noisy window does not place their experts.
-  std::vector<std::vector<double>> smoothed_load() const;
+  std::vector<std::vector<double>> smoothed_load() const REQUIRES(mutex_);
   // The planner's input over `ranks` from `load` (+ `prior` per expert, so that a group
   // without load yet still spreads its experts) and the current placement; no skip
-  // threshold (min_gain 0). Caller holds mutex_.
+  // threshold (min_gain 0).
   eplb::PlanInput plan_input(const std::vector<int>& ranks, std::vector<std::vector<double>> load,
-                             double prior) const;
+                             double prior) const REQUIRES(mutex_);
   // Expert copies (PullCommands), one command per (destination rank, layer): the
   // scale-up's joiners, the EPLB mover and the recovery's reloads build them alike.
   using Pulls = std::map<std::pair<int, int>, proto::PullCommand>;
@@ -199,40 +211,43 @@ class ClusterEngine::Impl {
   // Posts the commands (ids assigned) and waits, lock held, until every one answered,
   // `stop` holds or `timeout` passes. Answers are consumed; the first failed pull's
   // status, Cancelled when stopped, DeadlineExceeded on timeout.
-  Status run_pulls(Pulls pulls, std::unique_lock<std::mutex>& lock, Clock::duration timeout,
-                   const std::function<bool()>& stop, PullTotals* totals);
-  Result<nlohmann::json> rebalance(const std::string& trigger);
-  Status move_layer(int layer, const std::vector<int>& target, uint64_t* bytes, int* pulls_made);
-  Status commit_map(ExpertPlacement next);
-  void eplb_loop();
-  nlohmann::json eplb_status() const;
-  void update_eplb_gauges() const;  // Balancedness per layer; caller holds mutex_.
+  Status run_pulls(Pulls pulls, Clock::duration timeout, const std::function<bool()>& stop,
+                   PullTotals* totals) REQUIRES(mutex_);
+  Result<nlohmann::json> rebalance(const std::string& trigger) EXCLUDES(mutex_);
+  Status move_layer(int layer, const std::vector<int>& target, uint64_t* bytes, int* pulls_made)
+      EXCLUDES(mutex_);
+  Status commit_map(ExpertPlacement next) EXCLUDES(mutex_);
+  void eplb_loop() EXCLUDES(mutex_);
+  nlohmann::json eplb_status() const EXCLUDES(mutex_);
+  void update_eplb_gauges() const REQUIRES(mutex_);  // Balancedness per layer.
 
-  // Elastic membership (cluster_scale.cc), guarded by mutex_.
-  bool reconfiguring_ = false;
-  std::string reconfig_step_;  // What a running reconfiguration is doing (status).
-  nlohmann::json last_reconfig_;
-  uint64_t next_connect_id_ = 1;
+  // Elastic membership (cluster_scale.cc).
+  bool reconfiguring_ GUARDED_BY(mutex_) = false;
+  std::string reconfig_step_ GUARDED_BY(mutex_);  // What a running reconfiguration does (status).
+  nlohmann::json last_reconfig_ GUARDED_BY(mutex_);
+  uint64_t next_connect_id_ GUARDED_BY(mutex_) = 1;
   // Answers to the connect commands connect_all() waits for; others (a detach after a
   // rollback, answers arriving after connect_all gave up) are dropped on arrival.
-  std::set<uint64_t> connects_awaited_;
-  std::map<uint64_t, proto::Connected> connects_done_;
+  std::set<uint64_t> connects_awaited_ GUARDED_BY(mutex_);
+  std::map<uint64_t, proto::Connected> connects_done_ GUARDED_BY(mutex_);
   // A lost rank: survivors are halted until the next epoch commits (recover()).
   struct Recovery {
     bool active = false;  // A member was lost; the epoch without it has not committed.
     std::vector<int> lost;
     Clock::time_point start;
-  } recovery_;
-  uint64_t losses_ = 0;   // Members lost so far: a recovery attempt restarts when it moves.
-  int target_ranks_ = 0;  // The size the operator asked for; the healer restores it.
+  } recovery_ GUARDED_BY(mutex_);
+  // Members lost so far: a recovery attempt restarts when it moves.
+  uint64_t losses_ GUARDED_BY(mutex_) = 0;
+  // The size the operator asked for; the healer restores it.
+  int target_ranks_ GUARDED_BY(mutex_) = 0;
   // Members that asked to leave (LeaveRequest: a worker's SIGTERM), with when they asked;
   // the healer scales each down once no reconfiguration runs (serve_leaves()).
-  std::deque<std::pair<int, Clock::time_point>> leave_requests_;
-  // Runs the oldest leave request (healer thread, lock held); false when none could run.
-  bool serve_leaves(std::unique_lock<std::mutex>& lock);
-  std::string degraded_reason_;
-  nlohmann::json last_recovery_ =
-      nlohmann::json::object();  // The last recovery's report (status: "recovery").
+  std::deque<std::pair<int, Clock::time_point>> leave_requests_ GUARDED_BY(mutex_);
+  // Runs the oldest leave request (healer thread); false when none could run.
+  bool serve_leaves() REQUIRES(mutex_);
+  std::string degraded_reason_ GUARDED_BY(mutex_);
+  // The last recovery's report (status: "recovery").
+  nlohmann::json last_recovery_ GUARDED_BY(mutex_) = nlohmann::json::object();
   // /metrics (thread-safe on its own). Recovery outcomes: in_place (the survivors'
   // slots), replacement (new ranks), failed (degraded).
   mutable metrics::Registry registry_;  // Thread-safe; created on first use.
@@ -262,99 +277,103 @@ class ClusterEngine::Impl {
   }
   // Every family, in a fixed order (created at start), so that /metrics is stable.
   void create_metrics() const;
-  // Sets the gauges that are read off the state (caller holds mutex_).
-  void update_gauges() const;
+  // Sets the gauges that are read off the state.
+  void update_gauges() const REQUIRES(mutex_);
   metrics::Counter& held_total() const {
     return registry_.counter("flexpert_requests_held_total",
                              "Requests held at the front end while a recovery ran.");
   }
-  std::thread healer_;  // Runs recover() and heal-ups.
-  void heal_loop();
+  std::thread healer_;  // Runs recover() and heal-ups. As control_.
+  void heal_loop() EXCLUDES(mutex_);
   // Commits an epoch of the survivors (plus replacement ranks where their slots cannot
-  // hold every expert) with the lost experts reloaded. Healer thread, lock held.
-  Status recover(std::unique_lock<std::mutex>& lock, nlohmann::json* report);
+  // hold every expert) with the lost experts reloaded. Healer thread; the waits release
+  // the lock.
+  Status recover(nlohmann::json* report) REQUIRES(mutex_);
   // Starts `joiners` (spawned, or waits for hand-started ones) and waits until each is
-  // Ready; `changed` ends the wait early. Lock held; rolls back nothing.
-  Status start_joiners(const std::vector<int>& joiners, std::unique_lock<std::mutex>& lock,
-                       const std::function<bool()>& changed);
+  // Ready; `changed` ends the wait early. Rolls back nothing.
+  Status start_joiners(const std::vector<int>& joiners, const std::function<bool()>& changed)
+      REQUIRES(mutex_);
   // ConnectCommands that attach `joiners` and `members` to each other.
   std::map<int, proto::ConnectCommand> joiner_connects(const std::vector<int>& members,
-                                                       const std::vector<int>& joiners) const;
-  void enter_degraded(const std::string& why, Calls* calls);
-  std::thread restart_thread_;  // Stop-the-world recovery after a loss.
+                                                       const std::vector<int>& joiners) const
+      REQUIRES(mutex_);
+  void enter_degraded(const std::string& why, Calls* calls) REQUIRES(mutex_);
+  // Stop-the-world recovery after a loss. Assigned by the control thread with mutex_ held
+  // (on_rank_lost); joined by shutdown() without it, once the phase is stopping, after
+  // which on_rank_lost assigns it no more.
+  std::thread restart_thread_;
 
   // `kind` names the report ("heal" for the healer's); empty: scale-up or scale-down.
-  Result<nlohmann::json> scale(const ScaleTarget& target, const std::string& kind = "");
+  Result<nlohmann::json> scale(const ScaleTarget& target, const std::string& kind = "")
+      EXCLUDES(mutex_);
   // POST /v1/scale while degraded: another recovery, with room for target.ranks.
-  Result<nlohmann::json> retry_recovery(const ScaleTarget& target,
-                                        std::unique_lock<std::mutex>& lock);
-  Status scale_up(const std::vector<int>& joiners, nlohmann::json* report);
-  Status scale_down(const std::vector<int>& leavers, nlohmann::json* report);
-  Status restart_group(int num_ranks, nlohmann::json* report);
-  void rollback_joiners(const std::vector<int>& joiners);
+  Result<nlohmann::json> retry_recovery(const ScaleTarget& target) REQUIRES(mutex_);
+  Status scale_up(const std::vector<int>& joiners, nlohmann::json* report) EXCLUDES(mutex_);
+  Status scale_down(const std::vector<int>& leavers, nlohmann::json* report) EXCLUDES(mutex_);
+  Status restart_group(int num_ranks, nlohmann::json* report) EXCLUDES(mutex_);
+  void rollback_joiners(const std::vector<int>& joiners) REQUIRES(mutex_);
   // Sends the commands and waits for every answer; `failed` ends the wait early.
   Status connect_all(const std::map<int, proto::ConnectCommand>& cmds,
-                     std::unique_lock<std::mutex>& lock, const std::function<bool()>& failed);
-  Status wait_applied(const std::vector<int>& ranks, uint64_t epoch,
-                      std::unique_lock<std::mutex>& lock);
-  std::vector<int> free_ranks() const;
+                     const std::function<bool()>& failed) REQUIRES(mutex_);
+  Status wait_applied(const std::vector<int>& ranks, uint64_t epoch) REQUIRES(mutex_);
+  std::vector<int> free_ranks() const REQUIRES(mutex_);
   // A hello's rank id, or for Hello::kAnyRank the lowest open id not reserved for a process we
-  // spawned, admitted by the membership: {rank, incarnation}. Lock held.
-  Result<std::pair<int, uint64_t>> admit(int rank, int pid);
-  std::vector<int> spare_ranks() const;  // Ready spares.
+  // spawned, admitted by the membership: {rank, incarnation}.
+  Result<std::pair<int, uint64_t>> admit(int rank, int pid) REQUIRES(mutex_);
+  std::vector<int> spare_ranks() const REQUIRES(mutex_);  // Ready spares.
   // Ids a scale-up or a recovery may take: Ready spares first, then free ids.
-  std::vector<int> joiner_candidates() const;
-  // Starts spares at free ids until --spare-ranks are Ready or starting. Lock held.
-  void keep_spares();
+  std::vector<int> joiner_candidates() const REQUIRES(mutex_);
+  // Starts spares at free ids until --spare-ranks are Ready or starting.
+  void keep_spares() REQUIRES(mutex_);
   // Executes the membership's request actions: kPlace (cancelled where it ran before,
   // re-run from its prompt plus the streamed tokens; one with nothing left to generate
   // gets its final event in `calls`), kHold, kFail; others are ignored. Requests
   // answered here are marked kFinishedRank and erased before it returns.
-  void run_requests(const cluster::Actions& actions, Calls* calls);
-  int in_flight(int rank) const { return membership_.rank(rank).in_flight; }
+  void run_requests(const cluster::Actions& actions, Calls* calls) REQUIRES(mutex_);
+  int in_flight(int rank) const REQUIRES(mutex_) { return membership_.rank(rank).in_flight; }
   static constexpr int kFinishedRank = -2;
   static constexpr int kHeldRank = -3;  // Held at the front end until an epoch commits.
-  void sweep_finished();
-  void fail_all(const std::string& why, Calls* calls);
-  void fail_request(RequestInfo& req, const std::string& why, Calls* calls);
+  void sweep_finished() REQUIRES(mutex_);
+  void fail_all(const std::string& why, Calls* calls) REQUIRES(mutex_);
+  void fail_request(RequestInfo& req, const std::string& why, Calls* calls) REQUIRES(mutex_);
   void unlink_rank_segments(int rank, uint64_t incarnation) const;
-  nlohmann::json reconfig_status() const;
+  nlohmann::json reconfig_status() const REQUIRES(mutex_);
 
   // Control thread.
-  void control_loop();
+  void control_loop() EXCLUDES(mutex_);
   void handle(const std::string& routing_id, const std::string& type, const std::string& body,
-              Calls* calls);
-  void check_workers(Calls* calls);
+              Calls* calls) EXCLUDES(mutex_);
+  void check_workers(Calls* calls) EXCLUDES(mutex_);
   // A rank is gone (process exit, heartbeat, a peer's report): its requests are re-run
   // on survivors, which commit an epoch without it (reloading experts left without
   // a replica first).
-  void on_rank_lost(int rank, const std::string& why, Calls* calls);
+  void on_rank_lost(int rank, const std::string& why, Calls* calls) REQUIRES(mutex_);
   // Whether new requests can be placed (serving, or a reconfiguration in progress).
-  bool admitting() const;
+  bool admitting() const REQUIRES(mutex_);
   // Commits `members` (and the current placement_) as the next epoch; `also` are
   // old members leaving, who take part in the switch and then stop stepping.
-  void commit_epoch(std::vector<int> members, const std::vector<int>& also = {});
+  void commit_epoch(std::vector<int> members, const std::vector<int>& also = {}) REQUIRES(mutex_);
   // Sends a commit the membership decided (EpochCommand to members and leavers).
-  void send_epoch(const cluster::Action& commit);
+  void send_epoch(const cluster::Action& commit) REQUIRES(mutex_);
   // A rank whose process is gone (reaped, or never ours): its id may take a new incarnation.
-  void rank_reaped(int rank);
-  void flush_outbox();
+  void rank_reaped(int rank) REQUIRES(mutex_);
+  void flush_outbox() EXCLUDES(mutex_);
 
-  // Any thread, with mutex_ held.
+  // Any thread.
   template <typename T>
-  void post(int rank, const T& msg) {
+  void post(int rank, const T& msg) REQUIRES(mutex_) {
     outbox_.push_back({rank, false, {T::kType, proto::encode(msg)}});
   }
   // Tells every other rank that said hello that `rank` is lost (proto::PeerLost), so their
   // transports end waits on it now (docs/ARCHITECTURE.md, "Membership, epochs, failure").
-  void announce_lost(int rank, uint64_t lost_incarnation, const std::string& why);
-  void wake();
-  Status spawn(int rank);
+  void announce_lost(int rank, uint64_t lost_incarnation, const std::string& why) REQUIRES(mutex_);
+  void wake() REQUIRES(mutex_);
+  Status spawn(int rank) REQUIRES(mutex_);
   // Has the control thread spawn `rank` (workers die with the thread that forked
   // them: PR_SET_PDEATHSIG, so only a thread that lives as long as the group may).
-  void request_spawn(int rank);
-  std::vector<int> spawn_queue_;  // Guarded by mutex_.
-  int rank_of_routing_id(const std::string& id) const;
+  void request_spawn(int rank) REQUIRES(mutex_);
+  std::vector<int> spawn_queue_ GUARDED_BY(mutex_);
+  int rank_of_routing_id(const std::string& id) const REQUIRES(mutex_);
 };
 
 }  // namespace flexpert

@@ -96,7 +96,7 @@ eplb::PlanInput ClusterEngine::Impl::plan_input(const std::vector<int>& ranks,
 }
 
 Status ClusterEngine::Impl::commit_map(ExpertPlacement next) {
-  std::unique_lock<std::mutex> lock(mutex_);
+  MutexLock lock(mutex_);
   if (epoch() != rebalance_epoch_ || cancel_rebalance_ || recovery_.active) {
     return aborted("the group changed during the rebalance");
   }
@@ -112,7 +112,7 @@ Status ClusterEngine::Impl::commit_map(ExpertPlacement next) {
   placement_ = std::move(next);
   wake();
   const uint64_t epoch0 = epoch();
-  const bool ok = cv_.wait_for(lock, kAckTimeout, [&] {
+  const bool ok = cv_.wait_for(lock, kAckTimeout, [&]() REQUIRES(mutex_) {
     if (stop_.load() || epoch() != epoch0 || cancel_rebalance_) return true;
     for (int r : members()) {
       if (state(r) == RankState::kServing && ranks_[r].map_version < version) return false;
@@ -138,9 +138,8 @@ void ClusterEngine::Impl::add_pull(Pulls* pulls, int layer, int dst_slot, int sr
   cmd.src_slots.push_back(src_slot);
 }
 
-Status ClusterEngine::Impl::run_pulls(Pulls pulls, std::unique_lock<std::mutex>& lock,
-                                      Clock::duration timeout, const std::function<bool()>& stop,
-                                      PullTotals* totals) {
+Status ClusterEngine::Impl::run_pulls(Pulls pulls, Clock::duration timeout,
+                                      const std::function<bool()>& stop, PullTotals* totals) {
   std::vector<uint64_t> ids;
   for (auto& [key, cmd] : pulls) {
     cmd.id = next_pull_id_++;
@@ -148,9 +147,10 @@ Status ClusterEngine::Impl::run_pulls(Pulls pulls, std::unique_lock<std::mutex>&
     post(key.first, cmd);
   }
   wake();
-  const bool answered = cv_.wait_for(lock, timeout, [&] {
-    return stop() || std::all_of(ids.begin(), ids.end(),
-                                 [&](uint64_t id) { return pulls_done_.count(id) > 0; });
+  const bool answered = cv_.wait_for(mutex_, timeout, [&]() REQUIRES(mutex_) {
+    return stop() || std::all_of(ids.begin(), ids.end(), [&](uint64_t id) REQUIRES(mutex_) {
+             return pulls_done_.count(id) > 0;
+           });
   });
   Status s = stop()      ? aborted("stopped while experts were copied")
              : !answered ? deadline_exceeded("expert copies timed out")
@@ -175,13 +175,15 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
   for (int round = 0; round < 512; ++round) {
     std::vector<int> current;
     std::vector<std::vector<int>> maps;
+    int num_experts = 0;
     {
-      std::lock_guard<std::mutex> lock(mutex_);
+      MutexLock lock(mutex_);
       if (cancel_rebalance_) return aborted("rebalance cancelled");
       for (int i = 0; i < placement_.num_layers(); ++i) maps.push_back(placement_.slot_map(i));
       current = maps[layer];
+      num_experts = placement_.num_experts();
     }
-    auto step = eplb::next_transition_step(current, target, S, placement_.num_experts());
+    auto step = eplb::next_transition_step(current, target, S, num_experts);
     if (!step.ok()) {
       return step.status().code() == StatusCode::kNotFound ? Status() : step.status();
     }
@@ -189,15 +191,18 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
       // The destination slots are free in every member's map: pull, then point at them.
       Pulls pulls;
       for (const auto& [dst, src] : step->copies) add_pull(&pulls, layer, dst, src / S, src % S);
-      std::unique_lock<std::mutex> lock(mutex_);
+      MutexLock lock(mutex_);
       // Re-checked under the lock that posts: a recovery may own the free slots now.
       if (cancel_rebalance_ || recovery_.active || epoch() != rebalance_epoch_) {
         return aborted("the group changed during the rebalance");
       }
       PullTotals done;
       Status s = run_pulls(
-          std::move(pulls), lock, kAckTimeout,
-          [&] { return stop_.load() || epoch() != rebalance_epoch_ || cancel_rebalance_; }, &done);
+          std::move(pulls), kAckTimeout,
+          [&]() REQUIRES(mutex_) {
+            return stop_.load() || epoch() != rebalance_epoch_ || cancel_rebalance_;
+          },
+          &done);
       if (stop_.load()) return unavailable("shutting down");
       if (epoch() != rebalance_epoch_) return aborted("membership changed during the rebalance");
       if (cancel_rebalance_) return aborted("rebalance cancelled");
@@ -210,8 +215,8 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
       pull_seconds_ += done.seconds;
     }
     maps[layer] = step->map;
-    FLEX_ASSIGN_OR_RETURN(ExpertPlacement next, ExpertPlacement::from_slot_maps(
-                                                    placement_.num_experts(), std::move(maps)));
+    FLEX_ASSIGN_OR_RETURN(ExpertPlacement next,
+                          ExpertPlacement::from_slot_maps(num_experts, std::move(maps)));
     FLEX_RETURN_IF_ERROR(commit_map(std::move(next)));
   }
   return resource_exhausted("layer " + std::to_string(layer) + ": transition did not converge");
@@ -221,7 +226,7 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
   eplb::PlanInput input;
   double step_ms_before = 0;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(mutex_);
     if (rebalancing_) return failed_precondition("a rebalance is already in progress");
     if (reconfiguring_ || recovery_.active) {
       return failed_precondition("a membership change is in progress");
@@ -258,14 +263,14 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
     if (n) step_ms_before /= n;
   }
   auto finish = [&](Status s, nlohmann::json report) -> Result<nlohmann::json> {
-    std::unique_lock<std::mutex> lock(mutex_);
+    MutexLock lock(mutex_);
     if (s.ok()) {
       // A worker reports its longest step every 200 ms; a rebalance often ends sooner, so
       // wait for one report per member after it (its steps since the last one include the
       // rebalance's) before taking the longest step reported.
       std::map<int, uint64_t> seen;
       for (int r : members()) seen[r] = ranks_[r].reports;
-      cv_.wait_for(lock, std::chrono::milliseconds(600), [&] {
+      cv_.wait_for(lock, std::chrono::milliseconds(600), [&]() REQUIRES(mutex_) {
         if (halting() || cancel_rebalance_ || epoch() != rebalance_epoch_) return true;
         for (const auto& [r, n] : seen) {
           if (ranks_[r].reports == n) return false;  // (A dead one: a new epoch, or the timeout.)
@@ -297,7 +302,7 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
   int pulls = 0;
   double pull_s0 = 0;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(mutex_);
     pull_s0 = pull_seconds_;
   }
   Status s;
@@ -307,7 +312,7 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
   }
   double pull_s = 0;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(mutex_);
     pull_s = pull_seconds_ - pull_s0;
   }
   // pull_s: the movers' copy time, summed over the pulls (ranks copy in parallel).
@@ -321,7 +326,7 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
                            {"balancedness_gain", plan->balancedness_gain},
                            {"skipped", plan->skipped}};
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(mutex_);
     moved_bytes().inc(static_cast<double>(bytes));
   }
   FLEX_LOG(INFO) << "rebalance (" << trigger << "): " << plan->moved_slots << " slots, " << bytes
@@ -331,10 +336,10 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
 }
 
 void ClusterEngine::Impl::eplb_loop() {
-  std::unique_lock<std::mutex> lock(mutex_);
+  MutexLock lock(mutex_);
   while (!stop_.load()) {
     eplb_cv_.wait_for(lock, std::chrono::duration<double>(options_.eplb_interval_s),
-                      [&] { return stop_.load(); });
+                      [&]() REQUIRES(mutex_) { return stop_.load(); });
     if (stop_.load()) break;
     double total = 0;
     for (const auto& row : window_load()) total += std::accumulate(row.begin(), row.end(), 0.0);
@@ -347,7 +352,7 @@ void ClusterEngine::Impl::eplb_loop() {
 }
 
 nlohmann::json ClusterEngine::Impl::eplb_status() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(mutex_);
   const auto load = window_load();
   const auto planned = smoothed_load();
   nlohmann::json layers = nlohmann::json::array();
@@ -393,13 +398,13 @@ Result<nlohmann::json> ClusterEngine::rebalance() { return impl_->rebalance("req
 
 bool ClusterEngine::drain_rebalance(bool cancel) {
   Impl& m = *impl_;
-  std::unique_lock<std::mutex> lock(m.mutex_);
+  MutexLock lock(m.mutex_);
   const bool was_running = m.rebalancing_;
   if (cancel && m.rebalancing_) {
     m.cancel_rebalance_ = true;
     m.cv_.notify_all();
   }
-  m.cv_.wait(lock, [&] { return !m.rebalancing_; });
+  m.cv_.wait(lock, [&]() REQUIRES(m.mutex_) { return !m.rebalancing_; });
   return was_running;
 }
 

@@ -185,7 +185,7 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
       restart_thread_ = std::thread([this, n] {
         nlohmann::json report = {{"kind", "restart"}, {"mode", "stop-the-world"}};
         Status s = restart_group(n, &report);
-        std::lock_guard<std::mutex> lock(mutex_);
+        MutexLock lock(mutex_);
         report["status"] = s.ok() ? "ok" : s.to_string();
         last_reconfig_ = report;
         reconfiguring_ = false;
@@ -228,7 +228,7 @@ void ClusterEngine::Impl::announce_lost(int rank, uint64_t lost_incarnation,
   wake();
 }
 
-Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann::json* report) {
+Status ClusterEngine::Impl::recover(nlohmann::json* report) {
   // The membership decides (docs/ARCHITECTURE.md, "The membership state machine"): the
   // survivors, the replacements and their incarnations, where the lost experts go, when
   // to commit, how many failed attempts make the group degraded. Here its proposal is
@@ -238,11 +238,12 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
     if (halting()) return unavailable("shutting down");
     if (phase() == Phase::kDegraded) return last;  // The membership gave up.
     // A scale or rebalance the loss interrupted gives up at its next check.
-    cv_.wait_for(lock, kSettleTimeout,
-                 [&] { return halting() || (!reconfiguring_ && !rebalancing_); });
+    cv_.wait_for(mutex_, kSettleTimeout, [&]() REQUIRES(mutex_) {
+      return halting() || (!reconfiguring_ && !rebalancing_);
+    });
     if (halting()) return unavailable("shutting down");
     const uint64_t losses0 = losses_;
-    auto changed = [&] { return losses_ != losses0 || halting(); };
+    auto changed = [&]() REQUIRES(mutex_) { return losses_ != losses0 || halting(); };
     // Smoothed as the rebalances' (which surplus replica a reload evicts).
     const std::vector<std::vector<double>> load = smoothed_load();
     // Ids of ranks still exiting (the lost ones) free up once reaped: wait a little for
@@ -251,7 +252,7 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
                                               membership_.target_ranks(), false, load);
     if (chosen.ok() && chosen->not_reaped > 0) {
       reconfig_step_ = "waiting for free rank ids";
-      cv_.wait_for(lock, std::chrono::seconds(5), [&] {
+      cv_.wait_for(mutex_, std::chrono::seconds(5), [&]() REQUIRES(mutex_) {
         auto c = membership_.choose_recovery(membership_.maps(), members(),
                                              membership_.target_ranks(), false, load);
         return changed() || !c.ok() || c->not_reaped == 0;
@@ -274,7 +275,7 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
     const cluster::Proposal decided =
         membership_.proposal() ? *membership_.proposal() : cluster::Proposal{};
     const std::vector<int>& joiners = decided.joiners;
-    auto retry = [&](Status s) {
+    auto retry = [&](Status s) REQUIRES(mutex_) {
       if (changed()) {
         ++restarts;  // The loss abandoned the proposal: plan again with the new survivors.
       } else {
@@ -294,11 +295,12 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
       if (!joiners.empty()) {
         (*report)["replacements"] = joiners;
         reconfig_step_ = "starting replacements";
-        Status s = start_joiners(joiners, lock, changed);
+        Status s = start_joiners(joiners, changed);
         if (s.ok()) {
           reconfig_step_ = "connecting replacements";
-          s = connect_all(joiner_connects(decided.survivors, joiners), lock, [&] {
-            return changed() || std::any_of(joiners.begin(), joiners.end(), [&](int r) {
+          s = connect_all(joiner_connects(decided.survivors, joiners), [&]() REQUIRES(mutex_) {
+            return changed() ||
+                   std::any_of(joiners.begin(), joiners.end(), [&](int r) REQUIRES(mutex_) {
                      return state(r) == RankState::kDead || state(r) == RankState::kStopped;
                    });
           });
@@ -317,7 +319,7 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
         add_pull(&pulls, ld.layer, ld.slot, proto::PullCommand::kFromCheckpoint, ld.logical_expert);
       }
       PullTotals done;
-      Status s = run_pulls(std::move(pulls), lock, kPullTimeout, changed, &done);
+      Status s = run_pulls(std::move(pulls), kPullTimeout, changed, &done);
       if (s.code() == StatusCode::kDeadlineExceeded) {
         s = deadline_exceeded("expert reloads timed out");
       }
@@ -362,9 +364,9 @@ Status ClusterEngine::Impl::recover(std::unique_lock<std::mutex>& lock, nlohmann
     recoveries(joiners.empty() ? "in_place" : "replacement").inc();
     Calls calls;
     run_requests(acks, &calls);  // The held requests, placed by the commit.
-    lock.unlock();
+    mutex_.unlock();
     for (auto& [cb, ev] : calls) cb(ev);
-    lock.lock();
+    mutex_.lock();
     return Status();
   }
   return last;
@@ -391,7 +393,7 @@ void ClusterEngine::Impl::keep_spares() {
   }
 }
 
-bool ClusterEngine::Impl::serve_leaves(std::unique_lock<std::mutex>& lock) {
+bool ClusterEngine::Impl::serve_leaves() {
   // A leave waits for a running reconfiguration or rebalance; one refused as impossible, or
   // that cannot run within kLeaveWait, is dropped (the worker exits on its own deadline and
   // is healed as lost).
@@ -408,11 +410,11 @@ bool ClusterEngine::Impl::serve_leaves(std::unique_lock<std::mutex>& lock) {
     return false;
   }
   const int rank = leave_requests_.front().first;
-  lock.unlock();
+  mutex_.unlock();
   // The live scale-down of docs/ARCHITECTURE.md ("The membership state machine"): the
   // leaver's requests move to the others, it switches with them, then gets Shutdown{kLeave}.
   auto result = scale(ScaleTarget{-1, {rank}}, "leave");
-  lock.lock();
+  mutex_.lock();
   if (result.ok()) {
     leave_requests_.pop_front();
     FLEX_LOG(INFO) << "rank " << rank << " left: " << result->dump();
@@ -424,23 +426,24 @@ bool ClusterEngine::Impl::serve_leaves(std::unique_lock<std::mutex>& lock) {
   } else {
     // Retried on the next pass (a map switch in flight, a scale in progress), until kLeaveWait.
     FLEX_LOG(WARN) << "leave of rank " << rank << ": " << result.status().to_string();
-    cv_.wait_for(lock, std::chrono::milliseconds(200), [&] { return halting(); });
+    cv_.wait_for(mutex_, std::chrono::milliseconds(200),
+                 [&]() REQUIRES(mutex_) { return halting(); });
   }
   return true;
 }
 
 void ClusterEngine::Impl::heal_loop() {
-  std::unique_lock<std::mutex> lock(mutex_);
+  MutexLock lock(mutex_);
   auto backoff = std::chrono::milliseconds(500);
   auto next_heal = Clock::now();
   while (!halting()) {
     cv_.wait_for(lock, std::chrono::milliseconds(200),
-                 [&] { return halting() || recovery_.active; });
+                 [&]() REQUIRES(mutex_) { return halting() || recovery_.active; });
     if (halting()) break;
     if (recovery_.active) {
       nlohmann::json report = {{"kind", "recovery"}};
       const auto t0 = recovery_.start;
-      Status s = recover(lock, &report);
+      Status s = recover(&report);
       if (halting()) break;
       report["recover_s"] = seconds_since(t0);
       report["status"] = s.ok() ? "ok" : s.to_string();
@@ -460,7 +463,7 @@ void ClusterEngine::Impl::heal_loop() {
       cv_.notify_all();
       continue;
     }
-    if (serve_leaves(lock)) continue;
+    if (serve_leaves()) continue;
     keep_spares();
     // Back to the size the operator asked for, with a live scale-up.
     const bool short_of_ranks = static_cast<int>(members().size()) < target_ranks_;

@@ -92,7 +92,7 @@ std::vector<int> ClusterEngine::Impl::free_ranks() const {
 Result<std::pair<int, uint64_t>> ClusterEngine::Impl::admit(int rank, int pid) {
   // Open (the membership decides): an initial rank, or one a scale-up, a recovery or a
   // spare reserved; a spawned one only for the process we started.
-  auto ours = [&](int r) {
+  auto ours = [&](int r) REQUIRES(mutex_) {
     return r >= 0 && r < static_cast<int>(ranks_.size()) && ranks_[r].routing_id.empty() &&
            (!ranks_[r].spawned || (rank != proto::Hello::kAnyRank && ranks_[r].pid == pid));
   };
@@ -136,7 +136,6 @@ void ClusterEngine::Impl::unlink_rank_segments(int rank, uint64_t incarnation) c
 // --- Scaling ------------------------------------------------------------------
 
 Status ClusterEngine::Impl::connect_all(const std::map<int, proto::ConnectCommand>& cmds,
-                                        std::unique_lock<std::mutex>& lock,
                                         const std::function<bool()>& failed) {
   std::vector<uint64_t> ids;
   const uint64_t epoch0 = epoch();
@@ -148,7 +147,7 @@ Status ClusterEngine::Impl::connect_all(const std::map<int, proto::ConnectComman
   }
   wake();
   std::map<uint64_t, proto::Connected> answers;
-  auto forget = [&] {  // On every return: nothing of this call stays behind.
+  auto forget = [&]() REQUIRES(mutex_) {  // On every return: nothing of this call stays behind.
     for (uint64_t id : ids) {
       connects_awaited_.erase(id);
       auto it = connects_done_.find(id);
@@ -157,10 +156,10 @@ Status ClusterEngine::Impl::connect_all(const std::map<int, proto::ConnectComman
       connects_done_.erase(it);
     }
   };
-  const bool done = cv_.wait_for(lock, kConnectTimeout, [&] {
+  const bool done = cv_.wait_for(mutex_, kConnectTimeout, [&]() REQUIRES(mutex_) {
     if (halting() || epoch() != epoch0 || failed()) return true;
     return std::all_of(ids.begin(), ids.end(),
-                       [&](uint64_t id) { return connects_done_.count(id); });
+                       [&](uint64_t id) REQUIRES(mutex_) { return connects_done_.count(id); });
   });
   forget();
   if (halting()) return unavailable("shutting down");
@@ -174,11 +173,10 @@ Status ClusterEngine::Impl::connect_all(const std::map<int, proto::ConnectComman
   return Status();
 }
 
-Status ClusterEngine::Impl::wait_applied(const std::vector<int>& ranks, uint64_t target,
-                                         std::unique_lock<std::mutex>& lock) {
-  const bool done = cv_.wait_for(lock, kApplyTimeout, [&] {
+Status ClusterEngine::Impl::wait_applied(const std::vector<int>& ranks, uint64_t target) {
+  const bool done = cv_.wait_for(mutex_, kApplyTimeout, [&]() REQUIRES(mutex_) {
     if (halting() || epoch() != target) return true;
-    return std::all_of(ranks.begin(), ranks.end(), [&](int r) {
+    return std::all_of(ranks.begin(), ranks.end(), [&](int r) REQUIRES(mutex_) {
       const RankInfo& i = ranks_[r];
       return i.applied_epoch >= target || state(r) == RankState::kDead ||
              (state(r) == RankState::kStopped && i.spawned && i.pid == 0);
@@ -216,7 +214,6 @@ void ClusterEngine::Impl::rollback_joiners(const std::vector<int>& joiners) {
 }
 
 Status ClusterEngine::Impl::start_joiners(const std::vector<int>& joiners,
-                                          std::unique_lock<std::mutex>& lock,
                                           const std::function<bool()>& changed) {
   for (int r : joiners) {
     RankInfo& info = ranks_[r];
@@ -237,18 +234,19 @@ Status ClusterEngine::Impl::start_joiners(const std::vector<int>& joiners,
       std::fflush(stdout);
     }
   }
-  auto failed = [&] {
+  auto failed = [&]() REQUIRES(mutex_) {
     for (int r : joiners) {
       const RankState s = state(r);
       if (s == RankState::kDead || s == RankState::kStopped) return r;
     }
     return -1;
   };
-  cv_.wait_for(lock, std::chrono::milliseconds(options_.start_timeout_ms), [&] {
-    if (halting() || changed() || failed() >= 0) return true;
-    return std::all_of(joiners.begin(), joiners.end(),
-                       [&](int r) { return state(r) == RankState::kReady; });
-  });
+  cv_.wait_for(
+      mutex_, std::chrono::milliseconds(options_.start_timeout_ms), [&]() REQUIRES(mutex_) {
+        if (halting() || changed() || failed() >= 0) return true;
+        return std::all_of(joiners.begin(), joiners.end(),
+                           [&](int r) REQUIRES(mutex_) { return state(r) == RankState::kReady; });
+      });
   if (halting()) return unavailable("shutting down");
   if (changed()) return aborted("the group changed while ranks started");
   if (int r = failed(); r >= 0) {
@@ -290,11 +288,11 @@ std::map<int, proto::ConnectCommand> ClusterEngine::Impl::joiner_connects(
 
 Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::json* report) {
   const auto t0 = Clock::now();
-  std::unique_lock<std::mutex> lock(mutex_);
+  MutexLock lock(mutex_);
   const uint64_t epoch0 = epoch();
   const std::vector<int> old_members = members();
   // A rank lost meanwhile (an epoch, or a recovery under way) ends the preparation.
-  auto group_changed = [&] {
+  auto group_changed = [&]() REQUIRES(mutex_) {
     return epoch() != epoch0 || members() != old_members || recovery_.active;
   };
   // The membership's proposal: these joiners, prepared, then one commit.
@@ -308,7 +306,7 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
     return aborted("the group changed before the scale-up started");
   }
   const uint64_t proposal = membership_.proposal()->id;
-  auto fail = [&](Status s) {
+  auto fail = [&](Status s) REQUIRES(mutex_) {
     // The proposal first: abandoning it marks its joiners' processes as running, and the
     // rollback then frees the ids of those with no process (hand-started, not spawned yet).
     (void)membership_.abandon_proposal(proposal, s.message(), now_ms());
@@ -318,14 +316,14 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
   };
   // 1. Start the joiners: dense weights from the checkpoint, no experts, a transport.
   reconfig_step_ = "starting workers";
-  auto joiner_failed = [&] {
+  auto joiner_failed = [&]() REQUIRES(mutex_) {
     for (int r : joiners) {
       const RankState s = state(r);
       if (s == RankState::kDead || s == RankState::kStopped) return r;
     }
     return -1;
   };
-  if (Status s = start_joiners(joiners, lock, group_changed); !s.ok()) {
+  if (Status s = start_joiners(joiners, group_changed); !s.ok()) {
     if (!halting() && group_changed()) s = aborted("a rank was lost during the preparation");
     return fail(s);
   }
@@ -336,8 +334,8 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
   const std::vector<int> next_members = sorted_union(old_members, joiners);
   const std::map<int, proto::ConnectCommand> connects = joiner_connects(old_members, joiners);
   const auto t_connect = Clock::now();
-  if (Status s =
-          connect_all(connects, lock, [&] { return joiner_failed() >= 0 || group_changed(); });
+  if (Status s = connect_all(
+          connects, [&]() REQUIRES(mutex_) { return joiner_failed() >= 0 || group_changed(); });
       !s.ok()) {
     return fail(s);
   }
@@ -380,8 +378,9 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
   const auto t_pull = Clock::now();
   PullTotals done;
   const Status pulled = run_pulls(
-      std::move(copy_cmds), lock, kPullTimeout,
-      [&] { return halting() || group_changed() || joiner_failed() >= 0; }, &done);
+      std::move(copy_cmds), kPullTimeout,
+      [&]() REQUIRES(mutex_) { return halting() || group_changed() || joiner_failed() >= 0; },
+      &done);
   if (halting()) return fail(unavailable("shutting down"));
   if (group_changed()) return fail(aborted("a rank was lost during the preparation"));
   if (int r = joiner_failed(); r >= 0) {
@@ -425,18 +424,19 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
   for (int r : joiners) ranks_[r].joining = false;
   reconfigurations().inc();
   const uint64_t epoch1 = epoch();
-  FLEX_RETURN_IF_ERROR(wait_applied(next_members, epoch1, lock));
+  FLEX_RETURN_IF_ERROR(wait_applied(next_members, epoch1));
   (*report)["commit_s"] = seconds_since(t_commit);
 
   // 5. The rest of the plan (e.g. replicas old ranks no longer need), while serving.
   reconfig_step_ = "rebalancing";
   rebalance_epoch_ = epoch();
   cancel_rebalance_ = false;
+  const int num_layers = placement_.num_layers();
   lock.unlock();
   uint64_t moved = 0;
   int pulls = 0;
   Status s;
-  for (int l = 0; s.ok() && l < placement_.num_layers(); ++l) {
+  for (int l = 0; s.ok() && l < num_layers; ++l) {
     if (model_config_.is_moe_layer(l)) s = move_layer(l, plan->placement[l], &moved, &pulls);
   }
   lock.lock();
@@ -448,7 +448,7 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
 
 Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann::json* report) {
   const auto t0 = Clock::now();
-  std::unique_lock<std::mutex> lock(mutex_);
+  MutexLock lock(mutex_);
   std::vector<int> survivors;
   for (int r : members()) {
     if (std::find(leavers.begin(), leavers.end(), r) == leavers.end()) survivors.push_back(r);
@@ -471,7 +471,7 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
   }
   const uint64_t proposal = membership_.proposal()->id;
   for (int r : leavers) ranks_[r].leaving = true;  // No new requests from here on.
-  auto unmark = [&] {
+  auto unmark = [&]() REQUIRES(mutex_) {
     for (int r : leavers) ranks_[r].leaving = false;
     (void)membership_.abandon_proposal(proposal, "the scale-down stopped", now_ms());
   };
@@ -479,11 +479,12 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
   reconfig_step_ = "moving experts";
   rebalance_epoch_ = epoch();
   cancel_rebalance_ = false;
+  const int num_layers = placement_.num_layers();
   lock.unlock();
   uint64_t moved = 0;
   int pulls = 0;
   Status s;
-  for (int l = 0; s.ok() && l < placement_.num_layers(); ++l) {
+  for (int l = 0; s.ok() && l < num_layers; ++l) {
     if (model_config_.is_moe_layer(l)) s = move_layer(l, plan->placement[l], &moved, &pulls);
   }
   lock.lock();
@@ -540,7 +541,7 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
   lock.unlock();
   for (auto& [cb, ev] : calls) cb(ev);
   lock.lock();
-  Status applied = wait_applied(sorted_union(survivors, leavers), epoch1, lock);
+  Status applied = wait_applied(sorted_union(survivors, leavers), epoch1);
   (*report)["commit_s"] = seconds_since(t_commit);
   (*report)["rerun_requests"] = reruns;
   return applied;
@@ -549,9 +550,10 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
 Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report) {
   // Stop-the-world: admission is closed (503) by the caller; drain, stop all, restart.
   const auto t0 = Clock::now();
-  std::unique_lock<std::mutex> lock(mutex_);
+  MutexLock lock(mutex_);
   reconfig_step_ = "draining";
-  cv_.wait_for(lock, std::chrono::seconds(60), [&] { return halting() || requests_.empty(); });
+  cv_.wait_for(lock, std::chrono::seconds(60),
+               [&]() REQUIRES(mutex_) { return halting() || requests_.empty(); });
   if (halting()) return unavailable("shutting down");
   if (!requests_.empty()) {
     Calls calls;
@@ -567,14 +569,14 @@ Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report)
     membership_.mark_stopped(r);
   }
   wake();
-  cv_.wait_for(lock, std::chrono::seconds(10), [&] {
+  cv_.wait_for(lock, std::chrono::seconds(10), [&]() REQUIRES(mutex_) {
     return halting() ||
            std::all_of(ranks_.begin(), ranks_.end(), [](const RankInfo& i) { return i.pid == 0; });
   });
   for (auto& info : ranks_) {
     if (info.spawned && info.pid > 0) kill(info.pid, SIGKILL);
   }
-  cv_.wait_for(lock, std::chrono::seconds(5), [&] {
+  cv_.wait_for(lock, std::chrono::seconds(5), [&]() REQUIRES(mutex_) {
     return std::all_of(ranks_.begin(), ranks_.end(), [](const RankInfo& i) { return i.pid == 0; });
   });
   (*report)["stop_s"] = seconds_since(t0);
@@ -590,8 +592,8 @@ Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report)
     membership_.open_rank(r, now_ms());
     request_spawn(r);
   }
-  cv_.wait_for(lock, std::chrono::milliseconds(options_.start_timeout_ms), [&] {
-    return halting() || std::all_of(next.begin(), next.end(), [&](int r) {
+  cv_.wait_for(lock, std::chrono::milliseconds(options_.start_timeout_ms), [&]() REQUIRES(mutex_) {
+    return halting() || std::all_of(next.begin(), next.end(), [&](int r) REQUIRES(mutex_) {
              return state(r) == RankState::kReady || state(r) == RankState::kDead;
            });
   });
@@ -603,7 +605,7 @@ Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report)
   }
   commit_epoch(next);
   reconfigurations().inc();
-  FLEX_RETURN_IF_ERROR(wait_applied(next, epoch(), lock));
+  FLEX_RETURN_IF_ERROR(wait_applied(next, epoch()));
   enter_phase(Phase::kServing);
   accepting_ = true;
   (*report)["epoch"] = epoch();
@@ -617,11 +619,11 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
   std::vector<int> joiners, leavers;
   const bool stop_the_world = options_.reconfigure == "stop-the-world";
   {
-    std::unique_lock<std::mutex> lock(mutex_);
+    MutexLock lock(mutex_);
     if (reconfiguring_) return failed_precondition("a reconfiguration is already in progress");
     if (rebalancing_) return failed_precondition("an expert rebalance is in progress");
     if (halting()) return unavailable("the server is shutting down");
-    if (phase() == Phase::kDegraded && !stop_the_world) return retry_recovery(target, lock);
+    if (phase() == Phase::kDegraded && !stop_the_world) return retry_recovery(target);
     if (phase() != Phase::kServing) {
       return failed_precondition("the group is not serving (phase " +
                                  std::string(phase_name(phase())) + ")");
@@ -635,11 +637,11 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
     }
     // The membership chooses (docs/ARCHITECTURE.md, "The membership state machine"):
     // Ready spares, then free ids; the least loaded (the requests it placed) leave.
-    auto choose = [&] {
+    auto choose = [&]() REQUIRES(mutex_) {
       return membership_.choose_scale(target.remove.empty() ? target.ranks : -1, target.remove);
     };
     // Ids of ranks still exiting (a scale-down a moment ago) free up shortly.
-    cv_.wait_for(lock, std::chrono::seconds(5), [&] {
+    cv_.wait_for(lock, std::chrono::seconds(5), [&]() REQUIRES(mutex_) {
       auto c = choose();
       return halting() || !c.ok() || c->not_reaped == 0;
     });
@@ -675,7 +677,7 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
   if (stop_the_world) {
     int n = 0;
     {
-      std::lock_guard<std::mutex> lock(mutex_);
+      MutexLock lock(mutex_);
       n = static_cast<int>(members().size() + joiners.size() - leavers.size());
     }
     s = restart_group(n, &report);
@@ -684,7 +686,7 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
   } else {
     s = scale_down(leavers, &report);
   }
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(mutex_);
   reconfiguring_ = false;
   reconfig_step_.clear();
   if (!halting()) {
@@ -704,8 +706,7 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
   return report;
 }
 
-Result<nlohmann::json> ClusterEngine::Impl::retry_recovery(const ScaleTarget& target,
-                                                           std::unique_lock<std::mutex>& lock) {
+Result<nlohmann::json> ClusterEngine::Impl::retry_recovery(const ScaleTarget& target) {
   // Degraded: the survivors are halted and hold what is left. A scale asks the healer
   // for another recovery, with room for `ranks` (more ids freed or workers started).
   if (!target.remove.empty()) {
@@ -724,7 +725,7 @@ Result<nlohmann::json> ClusterEngine::Impl::retry_recovery(const ScaleTarget& ta
   enter_phase(Phase::kRecovering);
   cv_.notify_all();
   const auto limit = std::chrono::milliseconds(options_.start_timeout_ms) + std::chrono::minutes(3);
-  cv_.wait_for(lock, limit, [&] { return halting() || !recovery_.active; });
+  cv_.wait_for(mutex_, limit, [&]() REQUIRES(mutex_) { return halting() || !recovery_.active; });
   if (phase() != Phase::kServing && phase() != Phase::kScaling) {
     return unavailable("recovery failed: " +
                        (degraded_reason_.empty() ? std::string("timed out") : degraded_reason_));
