@@ -123,12 +123,21 @@ class Hosts {
   bool ok_ = true;
 };
 
-TEST(HostsTest, UcxAcrossNamespacesLosesAHostWithoutFailingARequest) {
+// Why this machine cannot run a hosts test ("" when it can); `nft`: it also cuts links.
+std::string missing_prerequisite(bool nft) {
 #ifndef FLEXPERT_TEST_WITH_UCX
-  GTEST_SKIP() << "the ucx transport backend is not in this build (CMake did not find UCX)";
+  (void)nft;
+  return "the ucx transport backend is not in this build (CMake did not find UCX)";
+#else
+  if (geteuid() != 0) return "needs root (ip netns, veth, bridge, nft)";
+  if (sh("ip -V") != 0) return "needs iproute2 (ip)";
+  if (nft && sh("nft --version") != 0) return "needs nftables (nft)";
+  return "";
 #endif
-  if (geteuid() != 0) GTEST_SKIP() << "needs root (ip netns, veth, bridge)";
-  if (sh("ip -V") != 0) GTEST_SKIP() << "needs iproute2 (ip)";
+}
+
+TEST(HostsTest, UcxAcrossNamespacesLosesAHostWithoutFailingARequest) {
+  if (const std::string why = missing_prerequisite(false); !why.empty()) GTEST_SKIP() << why;
   Hosts hosts;
   if (!hosts.allowed()) GTEST_SKIP() << "ip netns add was refused (no CAP_SYS_ADMIN?)";
   ASSERT_TRUE(hosts.ok()) << "could not set up the namespaces";
@@ -268,12 +277,7 @@ Answer scale_with_joiners(Server& server, const Hosts& hosts, int target,
 // to 6 joins new incarnations there, and greedy outputs stay the reference's throughout.
 // Prints the figures of docs/deployment.md ("Measured").
 TEST(HostsTest, UcxScalesAcrossHostsAndHealsACutHost) {
-#ifndef FLEXPERT_TEST_WITH_UCX
-  GTEST_SKIP() << "the ucx transport backend is not in this build (CMake did not find UCX)";
-#endif
-  if (geteuid() != 0) GTEST_SKIP() << "needs root (ip netns, veth, bridge, nft)";
-  if (sh("ip -V") != 0) GTEST_SKIP() << "needs iproute2 (ip)";
-  if (sh("nft --version") != 0) GTEST_SKIP() << "needs nftables (nft)";
+  if (const std::string why = missing_prerequisite(true); !why.empty()) GTEST_SKIP() << why;
   Hosts hosts;
   if (!hosts.allowed()) GTEST_SKIP() << "ip netns add was refused (no CAP_SYS_ADMIN?)";
   ASSERT_TRUE(hosts.ok()) << "could not set up the namespaces";
@@ -407,11 +411,7 @@ TEST(HostsTest, UcxScalesAcrossHostsAndHealsACutHost) {
 // A graceful leave over ucx: SIGTERM to the worker of host b; it exits 0 once the group
 // runs without it, and no request fails.
 TEST(HostsTest, UcxWorkerLeavesOnSigterm) {
-#ifndef FLEXPERT_TEST_WITH_UCX
-  GTEST_SKIP() << "the ucx transport backend is not in this build (CMake did not find UCX)";
-#endif
-  if (geteuid() != 0) GTEST_SKIP() << "needs root (ip netns, veth, bridge)";
-  if (sh("ip -V") != 0) GTEST_SKIP() << "needs iproute2 (ip)";
+  if (const std::string why = missing_prerequisite(false); !why.empty()) GTEST_SKIP() << why;
   Hosts hosts;
   if (!hosts.allowed()) GTEST_SKIP() << "ip netns add was refused (no CAP_SYS_ADMIN?)";
   ASSERT_TRUE(hosts.ok()) << "could not set up the namespaces";
