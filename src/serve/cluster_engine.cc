@@ -232,7 +232,11 @@ void ClusterEngine::Impl::send_epoch(const cluster::Action& commit) {
   cmd.epoch = commit.epoch;
   cmd.members = members;
   cmd.addresses.assign(ranks_.size(), "");
-  for (int r : members) cmd.addresses[r] = ranks_[r].address;
+  cmd.incarnations.assign(ranks_.size(), 0);  // A stale PeerLost is told apart by it.
+  for (int r : members) {
+    cmd.addresses[r] = ranks_[r].address;
+    cmd.incarnations[r] = incarnation(r);
+  }
   cmd.placement = to_wire(placement_);
   cmd.map_version = ++map_version_;
   for (int r : members) {

@@ -279,6 +279,7 @@ std::map<int, proto::ConnectCommand> ClusterEngine::Impl::joiner_connects(
       if (p == r || !(is_joiner(r) || is_joiner(p))) continue;
       cmd.ranks.push_back(p);
       cmd.addresses.push_back(ranks_[p].address);
+      cmd.incarnations.push_back(incarnation(p));
     }
     if (!cmd.ranks.empty()) connects[r] = std::move(cmd);
   }
