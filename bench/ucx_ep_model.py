@@ -63,6 +63,12 @@ def measure(a):
     print(f"wrote {a.json}")
 
 
+def parts_us(sc, ep, bytes_out, copy_gbps, link_gbps):
+    """The model's terms in us: software (c + alpha * (EP - 1)), copy, wire."""
+    return (sc["c_us"] + sc["alpha_us"] * (ep - 1), bytes_out / (copy_gbps * 1e3),
+            bytes_out / (link_gbps * 1e3))
+
+
 def rows_to_others(ranks, top_k):
     """Rows a token sends to other ranks: flexpert's EpMoeExecutor sends every routed
     (token, k) row to the rank of its slot (src/moe/ep_executor.h), with experts spread
@@ -149,15 +155,14 @@ def model(a):
     for ep in a.ep:
         for tokens in a.tokens:
             s = tokens * rows_to_others(ep, a.top_k) * ROW_BYTES
-            copy = s / (a.copy_gbps * 1e3)  # bytes / (GB/s) in us
-            wire = s / (link * 1e3)
+            _, copy, wire = parts_us({"c_us": 0, "alpha_us": 0}, ep, s, a.copy_gbps, link)
             r = {"ep": ep, "tokens_per_rank": tokens, "bytes_to_others": s,
                  "bytes_per_peer": s / (ep - 1), "wire_us": wire, "copy_us": copy,
                  "scenarios": []}
             line = (f"{ep:4d} {tokens:7d} {s / 1e6:8.1f} {s / (ep - 1) / 1e3:9.1f} {wire:8.0f} "
                     f"{copy:8.0f}")
             for sc in scenarios:
-                msgs = sc["c_us"] + sc["alpha_us"] * (ep - 1)
+                msgs = parts_us(sc, ep, s, a.copy_gbps, link)[0]
                 total = msgs + copy + wire
                 r["scenarios"].append({"name": sc["name"], "messages_us": msgs,
                                        "total_us": total})
@@ -187,13 +192,13 @@ def model(a):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(7, 4))
+        xs = [2 ** i for i in range(4, 14)]  # 16 ... 8192 tokens a rank
         for ep in a.ep:
-            mine = [r for r in rows if r["ep"] == ep]
-            xs = [r["tokens_per_rank"] for r in mine]
-            for i, sc in enumerate(scenarios):
-                ax.plot(xs, [r["scenarios"][i]["total_us"] / 1e3 for r in mine], marker="o",
+            bytes_out = [x * rows_to_others(ep, a.top_k) * ROW_BYTES for x in xs]
+            for sc in scenarios:
+                ax.plot(xs, [sum(parts_us(sc, ep, b, a.copy_gbps, link)) / 1e3 for b in bytes_out],
                         label=f"EP {ep}: {sc['name']}")
-            ax.plot(xs, [r["wire_us"] / 1e3 for r in mine], ls="--",
+            ax.plot(xs, [b / (link * 1e3) / 1e3 for b in bytes_out], ls="--",
                     label=f"EP {ep}: the wire alone")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
