@@ -36,7 +36,7 @@ cap() {  # cap NS DEV: tc's token bucket on DEV's egress in NS.
 names=()
 switch=""
 cleanup() {
-  for ns in "${names[@]}" $switch; do ip netns del "$ns" 2>/dev/null || true; done
+  for ns in "${names[@]}" ${switch:+"$switch"}; do ip netns del "$ns" 2>/dev/null || true; done
 }
 trap cleanup EXIT
 if [ "$hosts" -le 2 ]; then
@@ -75,7 +75,8 @@ for _ in $(seq 50); do
   sleep 0.1
 done
 echo "namespaces ${names[*]} (10.77.0.1-${#names[@]})${switch:+ on a bridge}, fxv0${rate:+, capped at $rate}"
-export UCX_TLS=tcp UCX_NET_DEVICES=fxv0 FLEXPERT_CONFORMANCE_NETNS=$(IFS=,; echo "${names[*]}")
+netns_list=$(IFS=,; echo "${names[*]}")
+export UCX_TLS=tcp UCX_NET_DEVICES=fxv0 FLEXPERT_CONFORMANCE_NETNS="$netns_list"
 if [ $# -gt 0 ]; then
   "$@"
   exit
