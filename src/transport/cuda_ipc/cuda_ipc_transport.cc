@@ -195,6 +195,11 @@ Result<std::shared_ptr<CudaIpcTransport::Peer>> CudaIpcTransport::attach(
     p->recv = p->recv_mapping->data();
   }
   p->watch = shm::watch_owner(peer, *h);
+  if (!p->same_process) {
+    auto owner = std::make_shared<const shm::ProcessWatch>(
+        shm::ProcessWatch::watch(h->pid, h->pid_start_time));
+    if (owner->watching()) p->owner = std::move(owner);
+  }
   return p;
 }
 
@@ -319,8 +324,6 @@ Result<PeerBuffer> CudaIpcTransport::map_peer_buffer(int peer, int buffer_id, Ma
   {
     std::lock_guard<std::mutex> lock(peers_mu_);
     if (shut_down_) return failed_precondition(what + ": mapped after shutdown");
-    out.owner_pid = header_->pid;  // Valid until shutdown, which takes the lock.
-    out.owner_pid_start_time = header_->pid_start_time;
     if (peer == options_.rank) {
       auto it = own_regions_.find(buffer_id);
       if (it == own_regions_.end()) return not_found(what + ": not registered");
@@ -331,8 +334,7 @@ Result<PeerBuffer> CudaIpcTransport::map_peer_buffer(int peer, int buffer_id, Ma
     }
   }
   if (p != nullptr) {
-    out.owner_pid = p->pid;
-    out.owner_pid_start_time = p->header->pid_start_time;
+    if (p->owner != nullptr) out.owner_exited = [owner = p->owner] { return owner->exited(); };
     // A dead or departed incarnation's memory is never handed out, even if mapped before.
     FLEX_RETURN_IF_ERROR(shm::peer_liveness(peer, p->pid, *p->header, p->watch).annotate(what));
     out.incarnation = p->header->incarnation;
