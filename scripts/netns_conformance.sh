@@ -4,16 +4,20 @@
 # the other (10.77.0.2), the suites unchanged (the harness joins each forked rank to its
 # namespace: FLEXPERT_CONFORMANCE_NETNS). Needs root (ip netns, veth); without it, says so and
 # exits 77 (ctest: skipped).
-#   bash scripts/netns_conformance.sh [BUILD_DIR] [--rate 25gbit] [-- extra test args]
-# --rate caps the veth in both directions with tc's token bucket (a NIC stand-in).
+#   bash scripts/netns_conformance.sh [BUILD_DIR] [--rate 25gbit] [--backend hier] [-- extra test args]
+# --rate caps the veth in both directions with tc's token bucket (a NIC stand-in). --backend
+# picks the suites' cases (default ucx); with hier, 4 ranks are 2 per namespace (shm within,
+# ucx across).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=build
 [ $# -gt 0 ] && [ "${1#--}" = "$1" ] && { build=$1; shift; }
 rate=""
+backend=ucx
 while [ $# -gt 0 ]; do
   case "$1" in
     --rate) rate=$2; shift 2 ;;
+    --backend) backend=$2; shift 2 ;;
     --) shift; break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -56,6 +60,6 @@ if [ $# -gt 0 ]; then
 fi
 status=0
 for t in transport_conformance_test transport_conformance_fault_test; do
-  "$build/tests/transport/$t" --gtest_filter='*ucx*' || status=1
+  "$build/tests/transport/$t" --gtest_filter="*${backend}*" || status=1
 done
 exit $status

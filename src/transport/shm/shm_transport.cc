@@ -215,6 +215,12 @@ void ShmTransport::ring_all_peers() {
   }
 }
 
+void ShmTransport::announce_closing() {
+  if (shut_down_ || header_ == nullptr) return;
+  header_->closed.store(1, std::memory_order_release);
+  ring_all_peers();
+}
+
 void ShmTransport::close_and_release() {
   if (shut_down_ || header_ == nullptr) return;
   // Peers waiting on us notice at once instead of at their deadline.
