@@ -79,9 +79,11 @@ HierTransport::HierTransport(TransportOptions options, std::string host,
       host_(std::move(host)),
       shm_(std::move(shm)),
       ucx_(std::move(ucx)),
-      hosts_(static_cast<size_t>(options_.max_ranks)) {
+      peers_(static_cast<size_t>(options_.max_ranks)),
+      where_(static_cast<size_t>(options_.max_ranks), Where::kNone) {
   address_ = kPrefix + host_ + kSep + shm_->address() + kSep + ucx_->address();
-  hosts_[static_cast<size_t>(options_.rank)] = host_;
+  peers_[static_cast<size_t>(options_.rank)].host = host_;
+  where_[static_cast<size_t>(options_.rank)] = Where::kLocal;
 }
 
 HierTransport::~HierTransport() {
@@ -103,8 +105,16 @@ TransportCapabilities HierTransport::capabilities() const {
 
 bool HierTransport::same_host(int peer) const {
   if (peer < 0 || peer >= options_.max_ranks) return false;
-  std::lock_guard<std::mutex> lock(mu_);
-  return hosts_[static_cast<size_t>(peer)] == host_;
+  MutexLock lock(mu_);
+  return peers_[static_cast<size_t>(peer)].host == host_;
+}
+
+Status HierTransport::connect_ucx_locked(int peer) {
+  PeerState& ps = peers_[static_cast<size_t>(peer)];
+  FLEX_RETURN_IF_ERROR(ucx_->connect(peer, ps.ucx_address));
+  ps.on_ucx = true;
+  if (!ps.lost_why.empty()) (void)ucx_->mark_peer_lost(peer, ps.lost_why);
+  return Status();
 }
 
 Status HierTransport::connect(int peer, const std::string& address) {
@@ -124,13 +134,26 @@ Status HierTransport::connect(int peer, const std::string& address) {
   } else if (same_host(peer)) {
     (void)shm_->disconnect(peer);  // A new incarnation elsewhere: nothing left to map here.
   }
-  FLEX_RETURN_IF_ERROR(ucx_->connect(peer, parsed.ucx));
-  bool changed = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    changed = hosts_[static_cast<size_t>(peer)] != parsed.host;
-    hosts_[static_cast<size_t>(peer)] = parsed.host;
+  MutexLock lock(mu_);
+  PeerState& ps = peers_[static_cast<size_t>(peer)];
+  const bool changed = ps.host != parsed.host;
+  if (ps.ucx_address != parsed.ucx) ps.lost_why.clear();  // Another incarnation.
+  ps.host = parsed.host;
+  ps.ucx_address = parsed.ucx;
+  if (!local && !any_remote_) {
+    // The first peer elsewhere: from now on groups may span hosts, and their ucx collectives
+    // include this host's ranks too. Until then same-host pairs have no UCX endpoint at all
+    // (UCX 1.13 asserts when a worker is destroyed with the wireup to a silent peer unfinished).
+    any_remote_ = true;
+    for (int r = 0; r < options_.max_ranks; ++r) {
+      const PeerState& other = peers_[static_cast<size_t>(r)];
+      if (r != options_.rank && r != peer && other.host == host_ && !other.on_ucx) {
+        FLEX_RETURN_IF_ERROR(connect_ucx_locked(r));
+      }
+    }
   }
+  if (!local || any_remote_) FLEX_RETURN_IF_ERROR(connect_ucx_locked(peer));
+  where_[static_cast<size_t>(peer)] = local ? Where::kLocal : Where::kRemote;
   if (changed) {
     FLEX_LOG(INFO) << "hier rank " << options_.rank << ": rank " << peer << " on "
                    << (local ? "this host (shm)" : "host " + parsed.host + " (ucx)");
@@ -142,15 +165,16 @@ Status HierTransport::disconnect(int peer) {
   if (peer < 0 || peer >= options_.max_ranks) {
     return invalid_argument("disconnect: rank " + std::to_string(peer) + " out of range");
   }
-  const bool local = same_host(peer);
-  Status first = ucx_->disconnect(peer);
-  if (local) {
+  if (peer == options_.rank) return ucx_->disconnect(peer);  // Says what it says of that.
+  MutexLock lock(mu_);
+  PeerState& ps = peers_[static_cast<size_t>(peer)];
+  Status first;
+  if (ps.on_ucx) first = ucx_->disconnect(peer);
+  if (ps.host == host_) {
     if (Status s = shm_->disconnect(peer); first.ok()) first = s;
   }
-  if (peer != options_.rank) {
-    std::lock_guard<std::mutex> lock(mu_);
-    hosts_[static_cast<size_t>(peer)].clear();
-  }
+  ps = PeerState{};
+  where_[static_cast<size_t>(peer)] = Where::kNone;
   return first;
 }
 
@@ -164,8 +188,8 @@ Status HierTransport::read(int peer, int region_id, size_t offset, void* dst, si
   FLEX_RETURN_IF_ERROR(validate_read(peer, dst, num_bytes, options_));
   std::string host;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    host = hosts_[static_cast<size_t>(peer)];
+    MutexLock lock(mu_);
+    host = peers_[static_cast<size_t>(peer)].host;
   }
   if (host.empty() || host != host_) {
     // Not connected: ucx says so in its words.
@@ -179,13 +203,14 @@ Status HierTransport::read(int peer, int region_id, size_t offset, void* dst, si
 }
 
 Result<HierTransport::Plan> HierTransport::plan(const Group& group, const char* op) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  FLEX_RETURN_IF_ERROR(validate_group(
-      group, op, options_, [this](int r) { return !hosts_[static_cast<size_t>(r)].empty(); }));
+  if (shut_down_) return failed_precondition(std::string(op) + " after shutdown");
+  FLEX_RETURN_IF_ERROR(validate_group(group, op, options_, [this](int r) {
+    return where_[static_cast<size_t>(r)] != Where::kNone;
+  }));
   Plan p;
   p.local.epoch = group.epoch;
   for (int r : group.ranks) {
-    if (hosts_[static_cast<size_t>(r)] == host_) p.local.ranks.push_back(r);
+    if (where_[static_cast<size_t>(r)] == Where::kLocal) p.local.ranks.push_back(r);
   }
   p.one_host = p.local.ranks.size() == group.ranks.size();
   return p;
@@ -205,6 +230,7 @@ Result<std::vector<ByteSpan>> HierTransport::all_gather(const Group& group, Byte
     FLEX_RETURN_IF_ERROR(enter_epoch(*ucx_, &ucx_epoch_, group.epoch));
     shm_epoch_.note(group.epoch);
     shm_bytes_.fetch_add(in.num_bytes * others, std::memory_order_relaxed);
+    ucx_->progress();
     return shm_->all_gather(group, in);
   }
   FLEX_RETURN_IF_ERROR(enter_epoch(*shm_, &shm_epoch_, group.epoch));
@@ -218,6 +244,7 @@ Status HierTransport::barrier(const Group& group) {
   if (p.one_host) {
     FLEX_RETURN_IF_ERROR(enter_epoch(*ucx_, &ucx_epoch_, group.epoch));
     shm_epoch_.note(group.epoch);
+    ucx_->progress();
     return shm_->barrier(group);
   }
   FLEX_RETURN_IF_ERROR(enter_epoch(*shm_, &shm_epoch_, group.epoch));
@@ -234,6 +261,7 @@ Result<std::vector<ByteSpan>> HierTransport::exchange(const Group& group,
     FLEX_RETURN_IF_ERROR(enter_epoch(*ucx_, &ucx_epoch_, group.epoch));
     shm_epoch_.note(group.epoch);
     shm_bytes_.fetch_add(sum_bytes(send, options_.rank), std::memory_order_relaxed);
+    ucx_->progress();
     return shm_->exchange(group, send);
   }
   if (p.local.ranks.size() == 1) {
@@ -261,6 +289,11 @@ Result<std::vector<ByteSpan>> HierTransport::exchange(const Group& group,
 }
 
 Status HierTransport::shutdown() {
+  if (shut_down_) return Status();
+  shut_down_ = true;
+  const Stats st = stats();
+  FLEX_LOG(INFO) << "hier rank " << options_.rank << ": " << st.shm_bytes << " bytes over shm, "
+                 << st.ucx_bytes << " over ucx (collective payloads sent, regions read)";
   // Same-host peers hear of it at once; then ucx, whose goodbyes wait (up to 1 s) for peers'
   // acknowledgements while still serving gets of the regions, which shm unmaps last.
   shm_->announce_closing();
@@ -270,14 +303,27 @@ Status HierTransport::shutdown() {
 }
 
 Status HierTransport::peer_status(int peer) const {
-  if (same_host(peer)) FLEX_RETURN_IF_ERROR(shm_->peer_status(peer));
-  return ucx_->peer_status(peer);
+  if (peer < 0 || peer >= options_.max_ranks || peer == options_.rank) {
+    return ucx_->peer_status(peer);
+  }
+  MutexLock lock(mu_);
+  const PeerState& ps = peers_[static_cast<size_t>(peer)];
+  if (ps.host == host_) FLEX_RETURN_IF_ERROR(shm_->peer_status(peer));
+  if (ps.host != host_ || ps.on_ucx) return ucx_->peer_status(peer);
+  return Status();
 }
 
 Status HierTransport::mark_peer_lost(int peer, const std::string& why) {
-  Status first = ucx_->mark_peer_lost(peer, why);
-  if (same_host(peer)) {
-    if (Status s = shm_->mark_peer_lost(peer, why); first.ok()) first = s;
+  if (peer < 0 || peer >= options_.max_ranks || peer == options_.rank) {
+    return ucx_->mark_peer_lost(peer, why);
+  }
+  MutexLock lock(mu_);
+  PeerState& ps = peers_[static_cast<size_t>(peer)];
+  if (ps.host != host_) return ucx_->mark_peer_lost(peer, why);  // Elsewhere, or not connected.
+  ps.lost_why = why;  // For a UCX endpoint made later (connect_ucx_locked).
+  Status first = shm_->mark_peer_lost(peer, why);
+  if (ps.on_ucx) {
+    if (Status s = ucx_->mark_peer_lost(peer, why); first.ok()) first = s;
   }
   return first;
 }

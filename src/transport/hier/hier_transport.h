@@ -5,16 +5,18 @@
 // It owns a ShmTransport and a UcxTransport with the same options. Its address is
 // "hier:<host id>|<shm address>|<ucx address>"; the host id (local_host_id()) is
 // FLEXPERT_HOST_ID, or the host name and the network namespace's inode, so that two network
-// namespaces of one machine count as two hosts. connect() attaches over ucx always (the
-// collectives of a group that spans hosts run over the whole group there) and over shm too
-// when the peer's host is ours.
+// namespaces of one machine count as two hosts. connect() attaches over shm when the peer's
+// host is ours, and over ucx when it is not, or once this rank has any peer on another host
+// (the collectives of a group that spans hosts run over the whole group there).
 //
 // Regions are shm segments, registered with ucx as well (UcxTransport::register_region):
 // read() of a same-host peer maps its segment, read() of another host's rank is a UCX get.
 // Collectives, all decided from the group and the hosts of its members (the same on every
 // member):
-// - a group on one host runs on shm alone, a group whose members are each alone on their host
-//   on ucx alone;
+// - a group on one host runs on shm alone (with one ucx progress() call: over TCP, peers on
+//   other hosts, e.g. joiners copying experts, read this rank's regions only while it
+//   progresses, and UCX finishes its wireup with same-host peers), a group whose members are
+//   each alone on their host on ucx alone;
 // - all_gather and barrier of a group that spans hosts run on ucx (small payloads);
 // - exchange of a group that spans hosts runs shm over the members of this host (their rows)
 //   and then ucx over the whole group, with empty payloads between same-host members.
@@ -30,10 +32,10 @@
 
 #include <atomic>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "core/mutex.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/transport.h"
 #include "transport/ucx/ucx_transport.h"
@@ -109,10 +111,23 @@ class HierTransport final : public Transport {
   std::unique_ptr<UcxTransport> ucx_;
   std::string address_;
 
-  // Host id of each connected rank (empty: not connected). Written by the driving thread.
-  mutable std::mutex mu_;
-  std::vector<std::string> hosts_;  // GUARDED_BY(mu_)
+  // What this rank knows of a peer. Written by the driving thread.
+  struct PeerState {
+    std::string host;  // Empty: not connected.
+    std::string ucx_address;
+    bool on_ucx = false;   // ucx_ is connected to it (same-host peers: once any_remote_).
+    std::string lost_why;  // mark_peer_lost of a same-host peer, for a later UCX endpoint.
+  };
+  Status connect_ucx_locked(int peer) REQUIRES(mu_);
 
+  mutable Mutex mu_;
+  std::vector<PeerState> peers_ GUARDED_BY(mu_);  // By rank.
+  bool any_remote_ GUARDED_BY(mu_) = false;       // A peer on another host was connected.
+  // The same as the collectives need it, without the lock (driving thread only).
+  enum class Where : uint8_t { kNone, kLocal, kRemote };
+  std::vector<Where> where_;
+
+  bool shut_down_ = false;  // Driving thread.
   EpochSeen shm_epoch_;
   EpochSeen ucx_epoch_;
   std::vector<ByteSpan> shm_send_;  // Scratch of exchange (driving thread).
