@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <sstream>
@@ -191,7 +192,7 @@ TEST(HostsTest, UcxAcrossNamespacesLosesAHostWithoutFailingARequest) {
   lose_a_host(hosts, "ucx", "");
 }
 
-// A fresh directory under /tmp (left behind: a failed test's logs are worth reading).
+// A fresh directory under /tmp (kept when the test fails: its logs are worth reading).
 std::string temp_dir(const std::string& name) {
   std::string path = "/tmp/flexpert-" + name + "-XXXXXX";
   return mkdtemp(path.data()) != nullptr ? path : "/tmp";
@@ -246,6 +247,7 @@ TEST(HostsTest, HierKeepsShmWithinAHostAndUcxAcrossHosts) {
     EXPECT_GT(shm, 0) << log;
     EXPECT_GT(ucx, 0) << log;
   }
+  if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir);
 }
 
 // Hosts a (index 0) and b (1) by the workers' pids: rank -> host index, for the ranks of
