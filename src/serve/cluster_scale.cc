@@ -542,6 +542,14 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
   for (auto& [cb, ev] : calls) cb(ev);
   lock.lock();
   Status applied = wait_applied(sorted_union(survivors, leavers), epoch1);
+  for (int r : leavers) {
+    // A hand-started leaver exits where no waitpid of ours sees it: its id is free once the
+    // commit stopped it, as a lost one's is (on_rank_lost); a later incarnation of the id is
+    // fenced from it. Spawned leavers free theirs when reaped (check_workers).
+    if (ranks_[r].spawned || state(r) != RankState::kStopped) continue;
+    ranks_[r].pid = 0;
+    rank_reaped(r);
+  }
   (*report)["commit_s"] = seconds_since(t_commit);
   (*report)["rerun_requests"] = reruns;
   return applied;

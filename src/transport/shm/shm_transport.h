@@ -80,7 +80,6 @@ class ShmTransport final : public Transport {
   ShmTransport(TransportOptions options, shm::Layout layout, std::string address);
 
   Result<std::shared_ptr<Peer>> attach(int peer, const std::string& address);
-  std::shared_ptr<Peer> peer_for_read(int peer);
 
   // The collectives in one: `sends[r * stride]` is this rank's payload for member r
   // (stride 0: the same payload for all, as all_gather). Fills out[r] for every member.
