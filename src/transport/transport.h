@@ -183,7 +183,9 @@ class Transport {
 // Creates a backend by name: "shm" (POSIX shared memory, CPU, one host), "cuda_ipc"
 // (GPU memory shared through CUDA IPC, one host; only in builds with FLEXPERT_WITH_CUDA,
 // Unavailable on a machine without a usable GPU), or "ucx" (UCX's UCP over TCP, shared memory
-// or RDMA, ranks on any hosts; only in builds where CMake found UCX, Unimplemented otherwise).
+// or RDMA, ranks on any hosts; only in builds where CMake found UCX, Unimplemented otherwise),
+// or "hier" (CPU ranks on any hosts: shm between ranks of one host, ucx between hosts; built
+// with ucx).
 Result<std::unique_ptr<Transport>> create_transport(const std::string& backend,
                                                     const TransportOptions& options);
 
