@@ -3,7 +3,8 @@
 // carries a pair) cannot see: three ranks in one process, one thread each, ranks 0 and 1 on
 // host "a" and rank 2 on host "b" (FLEXPERT_HOST_ID at create). Each rank counts the bytes it
 // sent and read per backend; the expected counts follow from the payload sizes alone. Also
-// the address format and its errors.
+// the address format and its errors, and GPU ranks (host_collectives: cuda_ipc within a host),
+// whose peers' buffers map on their host only (skipped without a GPU).
 #include "transport/hier/hier_transport.h"
 
 #include <gtest/gtest.h>
@@ -15,6 +16,10 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#ifdef FLEXPERT_TEST_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 namespace flexpert {
 namespace {
@@ -31,9 +36,11 @@ TransportOptions options(int rank) {
   return o;
 }
 
-std::unique_ptr<HierTransport> make(int rank, const char* host) {
+std::unique_ptr<HierTransport> make(int rank, const char* host, bool gpu = false) {
   ::setenv("FLEXPERT_HOST_ID", host, 1);
-  auto created = HierTransport::create(options(rank));
+  TransportOptions o = options(rank);
+  o.host_collectives = gpu;  // As a GPU worker creates it (device 0).
+  auto created = HierTransport::create(o);
   ::unsetenv("FLEXPERT_HOST_ID");
   EXPECT_TRUE(created.ok()) << created.status().to_string();
   return created.ok() ? std::move(created).value() : nullptr;
@@ -151,6 +158,12 @@ TEST(HierTransportTest, AddressesAndConnectErrors) {
   ASSERT_NE(t, nullptr);
   EXPECT_EQ(t->address().rfind("hier:host_x|", 0), 0u) << t->address();  // '|' is the separator.
   EXPECT_TRUE(t->capabilities().cross_host && t->capabilities().one_sided_read);
+  // CPU ranks: shm within the host, which maps no peer buffers.
+  EXPECT_STREQ(t->local_backend(), "shm");
+  EXPECT_FALSE(t->capabilities().mapped_peer_buffers);
+  int word = 0;
+  EXPECT_EQ(t->register_buffer(100, &word, sizeof(word)).code(), StatusCode::kUnimplemented);
+  EXPECT_EQ(t->map_peer_buffer(1, 100, MapMode::kMap).status().code(), StatusCode::kUnimplemented);
   EXPECT_TRUE(t->connect(1, t->address()).ok());  // Itself: a no-op.
   EXPECT_EQ(t->connect(2, "ucx:///r2/i0/p1/t1/wAAAA").code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(t->connect(2, "hier:host_x|/flexpert-s-r2-i0").code(), StatusCode::kInvalidArgument);
@@ -161,6 +174,92 @@ TEST(HierTransportTest, AddressesAndConnectErrors) {
   ASSERT_TRUE(t->shutdown().ok());
   EXPECT_EQ(t->barrier(Group{1, {1}}).code(), StatusCode::kFailedPrecondition);
 }
+
+#ifdef FLEXPERT_TEST_WITH_CUDA
+// GPU ranks (as Worker::load makes them): cuda_ipc within a host. Rank 0 maps the buffer rank 1
+// (host a) registered and reads what rank 1 wrote there through the mapping; rank 2's (host b)
+// answers Unimplemented, which the device exchange and slot copies take as "use the host
+// path". Regions, reads and collectives carry host memory on both backends as on CPU ranks.
+TEST(HierTransportTest, GpuRanksMapBuffersOfTheirHostOnly) {
+  int num_devices = 0;
+  if (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0) {
+    GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs on a GPU host)";
+  }
+  constexpr int kBuffer = 100;
+  std::vector<std::unique_ptr<HierTransport>> t;
+  t.push_back(make(0, "a", true));
+  t.push_back(make(1, "a", true));
+  t.push_back(make(2, "b", true));
+  for (const auto& x : t) ASSERT_NE(x, nullptr);
+  std::vector<void*> device(kRanks, nullptr);
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_STREQ(t[r]->local_backend(), "cuda_ipc");
+    EXPECT_TRUE(t[r]->capabilities().mapped_peer_buffers);
+    EXPECT_FALSE(t[r]->capabilities().device_memory);  // Regions are host memory.
+    auto region = t[r]->allocate_region(7, kRegionBytes);
+    ASSERT_TRUE(region.ok()) << region.status().to_string();
+    std::memset(region->data, 0x40 + r, kRegionBytes);  // A host pointer.
+    ASSERT_EQ(cudaMalloc(&device[r], kRegionBytes), cudaSuccess);
+    ASSERT_EQ(cudaMemset(device[r], 0x60 + r, kRegionBytes), cudaSuccess);
+    ASSERT_TRUE(t[r]->register_buffer(kBuffer, device[r], kRegionBytes).ok());
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (int r = 0; r < kRanks; ++r) {
+    for (int p = 0; p < kRanks; ++p) {
+      ASSERT_TRUE(t[r]->connect(p, t[p]->address()).ok()) << r << " -> " << p;
+    }
+  }
+  auto device_bytes = [](const PeerBuffer& b) {
+    std::vector<unsigned char> host(b.num_bytes);
+    EXPECT_EQ(cudaMemcpy(host.data(), b.data, host.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    return host;
+  };
+  for (int r = 0; r < kRanks; ++r) {
+    for (int p = 0; p < kRanks; ++p) {
+      Result<PeerBuffer> mapped = t[r]->map_peer_buffer(p, kBuffer, MapMode::kMap);
+      if ((r < 2) != (p < 2)) {
+        EXPECT_EQ(mapped.status().code(), StatusCode::kUnimplemented)
+            << r << " -> " << p << ": " << mapped.status().to_string();
+        continue;
+      }
+      ASSERT_TRUE(mapped.ok()) << r << " -> " << p << ": " << mapped.status().to_string();
+      ASSERT_EQ(mapped->num_bytes, kRegionBytes);
+      for (unsigned char c : device_bytes(*mapped)) ASSERT_EQ(c, 0x60 + p) << r << " -> " << p;
+    }
+  }
+  // Host data as before: an exchange across hosts, reads of a host mate (shm) and of host b.
+  const Group all{1, {0, 1, 2}};
+  for (const Status& s : on_all([&](int r) -> Status {
+         FLEX_RETURN_IF_ERROR(exchange_round(*t[r], all, 0));
+         for (int p = 0; p < kRanks; ++p) {
+           std::vector<unsigned char> dst(64);
+           FLEX_RETURN_IF_ERROR(t[r]->read(p, 7, 0, dst.data(), dst.size()));
+           for (unsigned char c : dst) {
+             if (c != 0x40 + p) return internal_error("read of rank " + std::to_string(p));
+           }
+         }
+         return t[r]->barrier(all);
+       })) {
+    EXPECT_TRUE(s.ok()) << s.to_string();
+  }
+  for (int r = 0; r < kRanks; ++r) {
+    const HierTransport::Stats st = t[r]->stats();
+    EXPECT_EQ(st.buffers_mapped, r < 2 ? 1u : 0u) << "rank " << r;  // The host mate's.
+    EXPECT_EQ(st.buffers_refused, r < 2 ? 1u : 2u) << "rank " << r;
+    EXPECT_GT(st.ucx_bytes, 0u) << "rank " << r;
+  }
+  for (const Status& s : on_all([&](int r) { return t[r]->shutdown(); })) {
+    EXPECT_TRUE(s.ok()) << s.to_string();
+  }
+  for (void* p : device) cudaFree(p);
+}
+#else
+TEST(HierTransportTest, GpuRanksNeedTheCudaIpcBackend) {
+  TransportOptions o = options(0);
+  o.host_collectives = true;
+  EXPECT_EQ(HierTransport::create(o).status().code(), StatusCode::kUnimplemented);
+}
+#endif
 
 TEST(HierTransportTest, HostIdIsTheEnvironmentsOrHostAndNetworkNamespace) {
   ::setenv("FLEXPERT_HOST_ID", "rack3-node7", 1);

@@ -1,9 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// HierTransport: the Transport backend for CPU ranks spread over several hosts, each pair of
-// ranks through the backend it shares: shm between ranks of one host, ucx between hosts.
+// HierTransport: the Transport backend for ranks spread over several hosts, each pair of ranks
+// through the backend it shares: within a host shm (CPU ranks) or cuda_ipc (GPU ranks), ucx
+// between hosts.
 //
-// It owns a ShmTransport and a UcxTransport with the same options. Its address is
-// "hier:<host id>|<shm address>|<ucx address>"; the host id (local_host_id()) is
+// It owns a host-local backend and a UcxTransport with the same options. The host-local backend
+// is a ShmTransport, or with TransportOptions::host_collectives (GPU ranks: the worker sets it)
+// a CudaIpcTransport in its host-collectives mode, whose collectives, regions and reads are
+// its inner ShmTransport's (so everything below that says shm holds for both) and which adds
+// the mapped peer buffers. Its address is
+// "hier:<host id>|<host-local address>|<ucx address>"; the host id (local_host_id()) is
 // FLEXPERT_HOST_ID, or the host name and the network namespace's inode, so that two network
 // namespaces of one machine count as two hosts. connect() attaches over shm when the peer's
 // host is ours, and over ucx when it is not, or once this rank has any peer on another host
@@ -25,6 +30,10 @@
 // older epoch hears of the newer one (Aborted) as it does from a plain backend.
 // Peer loss seen by either backend is the peer's loss; mark_peer_lost, peer_status, progress
 // and shutdown go to both.
+// Mapped peer buffers (only over cuda_ipc): register_buffer() goes to cuda_ipc, and
+// map_peer_buffer() maps a peer of this host through it; a peer on another host answers
+// Unimplemented (its memory cannot be mapped here: the device EP exchange and slot copies
+// take their host paths, docs/ARCHITECTURE.md "Mapped peer buffers").
 //
 // Thread safety: as transport.h: one driving thread; read(), peer_status(), mark_peer_lost()
 // and stats() may run on other threads.
@@ -47,10 +56,13 @@ std::string local_host_id();
 
 class HierTransport final : public Transport {
  public:
-  // Bytes this rank sent (collective payloads to other ranks) and read, by backend.
+  // Bytes this rank sent (collective payloads to other ranks) and read, by backend (shm_bytes:
+  // the host-local backend's host shm), and map_peer_buffer() answers for other ranks.
   struct Stats {
     uint64_t shm_bytes = 0;
     uint64_t ucx_bytes = 0;
+    uint64_t buffers_mapped = 0;   // Peers of this host, a mapping handed out (cuda_ipc).
+    uint64_t buffers_refused = 0;  // Peers on other hosts: Unimplemented.
   };
 
   static Result<std::unique_ptr<HierTransport>> create(const TransportOptions& options);
@@ -72,6 +84,9 @@ class HierTransport final : public Transport {
   Result<std::vector<ByteSpan>> exchange(const Group& group,
                                          const std::vector<ByteSpan>& send) override;
 
+  Status register_buffer(int buffer_id, void* data, size_t num_bytes) override;
+  Result<PeerBuffer> map_peer_buffer(int peer, int buffer_id, MapMode mode) override;
+
   Status shutdown() override;
   void progress() override { ucx_->progress(); }
   Status peer_status(int peer) const override;
@@ -79,8 +94,11 @@ class HierTransport final : public Transport {
   int timeout_ms() const override { return options_.timeout_ms; }
 
   Stats stats() const;
-  // Whether a connected peer shares this rank's host (its pairs go through shm). Any thread.
+  // Whether a connected peer shares this rank's host (its pairs go through the host-local
+  // backend). Any thread.
   bool same_host(int peer) const;
+  // The host-local backend's name: "shm", or "cuda_ipc" for GPU ranks.
+  const char* local_backend() const { return local_name_; }
 
  private:
   // Where a collective of `group` runs; decided alike by every member.
@@ -89,8 +107,8 @@ class HierTransport final : public Transport {
     bool one_host = false;
   };
 
-  HierTransport(TransportOptions options, std::string host, std::unique_ptr<ShmTransport> shm,
-                std::unique_ptr<UcxTransport> ucx);
+  HierTransport(TransportOptions options, std::string host, std::unique_ptr<Transport> local,
+                ShmTransport* local_shm, const char* local_name, std::unique_ptr<UcxTransport> ucx);
   Result<Plan> plan(const Group& group, const char* op) const;
   // The newest epoch a backend was given by this rank (driving thread).
   struct EpochSeen {
@@ -106,8 +124,12 @@ class HierTransport final : public Transport {
 
   const TransportOptions options_;
   const std::string host_;
-  // shm_ outlives ucx_: ucx_ registered the shm regions' memory.
-  std::unique_ptr<ShmTransport> shm_;
+  // The host-local backend (shm, or cuda_ipc with host collectives). local_ outlives ucx_: ucx_
+  // registered the memory of its regions.
+  std::unique_ptr<Transport> local_;
+  // The ShmTransport that holds the collectives and regions: local_ itself or cuda_ipc's inner one.
+  ShmTransport* const host_shm_;
+  const char* const local_name_;
   std::unique_ptr<UcxTransport> ucx_;
   std::string address_;
 
@@ -128,13 +150,15 @@ class HierTransport final : public Transport {
   std::vector<Where> where_;
 
   bool shut_down_ = false;  // Driving thread.
-  EpochSeen shm_epoch_;
+  EpochSeen local_epoch_;
   EpochSeen ucx_epoch_;
-  std::vector<ByteSpan> shm_send_;  // Scratch of exchange (driving thread).
+  std::vector<ByteSpan> local_send_;  // Scratch of exchange (driving thread).
   std::vector<ByteSpan> ucx_send_;
 
   std::atomic<uint64_t> shm_bytes_{0};
   std::atomic<uint64_t> ucx_bytes_{0};
+  std::atomic<uint64_t> buffers_mapped_{0};
+  std::atomic<uint64_t> buffers_refused_{0};
 };
 
 }  // namespace flexpert
