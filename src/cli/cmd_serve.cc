@@ -284,7 +284,8 @@ int cmd_serve(const Args& args) {
              "the cluster key)")
       .value("transport", "shm",
              "workers' data plane: shm (one host), ucx (any hosts; builds with UCX) or hier "
-             "(any hosts: shm between workers of one host, ucx between hosts)")
+             "(any hosts: shm, or cuda_ipc for GPU workers, between workers of one host; ucx "
+             "between hosts)")
       .value("admin-key", "",
              "bearer key for admin routes and /v1/status detail (visible in ps: prefer "
              "FLEXPERT_ADMIN_KEY or --admin-key-file)")

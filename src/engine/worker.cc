@@ -280,11 +280,12 @@ Status Worker::load() {
       model_config_.num_experts_per_tok, model_config_.hidden_size);
   topts.timeout_ms = config_.timeout_ms;
   std::string backend = config_.transport;
-  if (backend == "shm" && gpu_ordinal(config_.device) >= 0) {
+  if ((backend == "shm" || backend == "hier") && gpu_ordinal(config_.device) >= 0) {
     // A GPU rank: the device exchange and slot copies read peers' GPU memory through the
     // transport's mapped peer buffers (docs/ARCHITECTURE.md), which cuda_ipc has; its
-    // collectives and regions stay in host shared memory, as shm's.
-    backend = "cuda_ipc";
+    // collectives and regions stay in host shared memory, as shm's. hier takes cuda_ipc so
+    // within the host (its peers on other hosts are not mappable: host paths).
+    if (backend == "shm") backend = "cuda_ipc";
     topts.host_collectives = true;
     topts.device = gpu_ordinal(config_.device);
   }

@@ -192,31 +192,6 @@ TEST(HostsTest, UcxAcrossNamespacesLosesAHostWithoutFailingARequest) {
   lose_a_host(hosts, "ucx", "");
 }
 
-// A fresh directory under /tmp (kept when the test fails: its logs are worth reading).
-std::string temp_dir(const std::string& name) {
-  std::string path = "/tmp/flexpert-" + name + "-XXXXXX";
-  return mkdtemp(path.data()) != nullptr ? path : "/tmp";
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// The number in `log` right before `suffix` on the line starting at `prefix` (-1: none).
-long long figure_before(const std::string& log, const std::string& prefix,
-                        const std::string& suffix) {
-  const size_t at = log.find(prefix);
-  if (at == std::string::npos) return -1;
-  const size_t end = log.find(suffix, at);
-  if (end == std::string::npos) return -1;
-  size_t begin = end;
-  while (begin > at && std::isdigit(static_cast<unsigned char>(log[begin - 1]))) --begin;
-  return begin == end ? -1 : std::stoll(log.substr(begin, end - begin));
-}
-
 // The same over --transport hier: two workers per host, whose pairs go through shm (their
 // logs say so when they connect, and count the bytes each backend carried at shutdown),
 // the pairs across hosts through ucx.
