@@ -111,8 +111,18 @@ struct PairBlock {
   double* evict_key;
 };
 
-// Scores n candidates, n a multiple of 4.
-void score_pairs(const PairBlock& b, int n) {
+// The smallest of four lanes.
+double lane_min(__m256d v) {
+  const __m128d half = _mm_min_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+  return std::min(_mm_cvtsd_f64(half), _mm_cvtsd_f64(_mm_unpackhi_pd(half, half)));
+}
+
+struct PairMinima {
+  double swap_key, evict_key;
+};
+
+// Scores n candidates, n a multiple of 4; returns the smallest keys.
+PairMinima score_pairs(const PairBlock& b, int n) {
   const __m256d inf = _mm256_set1_pd(kInf);
   const __m256d h_swap = _mm256_set1_pd(b.h_swap), h_evict = _mm256_set1_pd(b.h_evict);
   const __m256d px = _mm256_set1_pd(b.px), px_more = _mm256_set1_pd(b.px_more);
@@ -127,6 +137,7 @@ void score_pairs(const PairBlock& b, int n) {
     const __m256d k = _mm256_fmadd_pd(scale, tier, peak);
     return _mm256_blendv_pd(inf, k, _mm256_cmp_pd(peak, bound, _CMP_LT_OQ));
   };
+  __m256d swap_min = inf, evict_min = inf;
   for (int j = 0; j < n; j += 4) {
     // Built in registers: four scalar stores read back as one vector stall the load.
     const int r0 = b.rank[j], r1 = b.rank[j + 1], r2 = b.rank[j + 2], r3 = b.rank[j + 3];
@@ -144,7 +155,9 @@ void score_pairs(const PairBlock& b, int n) {
                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.y_swap_cost + j))),
                       xc),
         x_new);
-    _mm256_storeu_pd(b.swap_key + j, key(_mm256_blendv_pd(inf, s, can_swap), swap_cost));
+    const __m256d swap_key = key(_mm256_blendv_pd(inf, s, can_swap), swap_cost);
+    _mm256_storeu_pd(b.swap_key + j, swap_key);
+    swap_min = _mm256_min_pd(swap_min, swap_key);
     const __m256d e = _mm256_max_pd(_mm256_add_pd(rest, px_more),
                                     _mm256_add_pd(h_evict, _mm256_loadu_pd(b.h_dy + j)));
     // std::max(e + blk, evict_peak), as max_pd(b, a) is.
@@ -152,17 +165,16 @@ void score_pairs(const PairBlock& b, int n) {
     const __m256d evict_cost = _mm256_add_pd(
         _mm256_cvtepi32_pd(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.y_evict_cost + j))),
         xc);
-    _mm256_storeu_pd(b.evict_key + j, key(peak, evict_cost));
+    const __m256d evict_key = key(peak, evict_cost);
+    _mm256_storeu_pd(b.evict_key + j, evict_key);
+    evict_min = _mm256_min_pd(evict_min, evict_key);
   }
+  return {lane_min(swap_min), lane_min(evict_min)};
 }
 
-// The first index of the smallest of keys[0, n) (n a multiple of 4); -1 when none is below
+// The first index of keys (blocks of four) equal to their smallest, `best`; -1 when that is
 // +inf. What the scalar "if (k < best) best = k, best_j = j" from best = +inf finds.
-int first_min(const double* keys, int n) {
-  __m256d m = _mm256_set1_pd(kInf);
-  for (int j = 0; j < n; j += 4) m = _mm256_min_pd(m, _mm256_loadu_pd(keys + j));
-  const __m128d half = _mm_min_pd(_mm256_castpd256_pd128(m), _mm256_extractf128_pd(m, 1));
-  const double best = std::min(_mm_cvtsd_f64(half), _mm_cvtsd_f64(_mm_unpackhi_pd(half, half)));
+int first_min(const double* keys, double best) {
   if (!(best < kInf)) return -1;
   const __m256d target = _mm256_set1_pd(best);
   for (int j = 0;; j += 4) {
@@ -297,19 +309,31 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
   // Highest load among the holders of `expert` other than a and b (-inf: none). An expert held
   // by many ranks is found near the hot end of `order` at once; the cached top three of its
   // holders would be recomputed after almost every step (one of them changed load). Only when
-  // the domain is every rank (`order` holds them all).
+  // the domain is every rank (`order` holds them all). The scan finds the two hottest holders
+  // other than b once per step and expert (b is the hottest rank, the same all step; a is the
+  // candidate's rank).
+  struct ScanTop {
+    int step = -1, b = -1, first = -1, second = -1;
+  };
+  std::vector<ScanTop> scan_top(state.num_experts());
+  int step_idx = 0;
   auto max_except = [&](int expert, int a, int b) {
     const int c = state.count(expert);
     if (static_cast<int64_t>(c) * c <= 4 * num_ranks ||
         order.size() != static_cast<size_t>(num_ranks)) {
       return peaks.max_except(expert, a, b);
     }
-    const uint8_t* on = state.holds_row(expert);
-    for (size_t i = order.size(); i-- > 0;) {
-      const int g = order[i];
-      if (on[g] && g != a && g != b) return state.rank_load(g);
+    ScanTop& t = scan_top[expert];
+    if (t.step != step_idx || t.b != b) {
+      t = ScanTop{step_idx, b, -1, -1};
+      const uint8_t* on = state.holds_row(expert);
+      for (size_t i = order.size(); i-- > 0 && t.second < 0;) {
+        const int g = order[i];
+        if (on[g] && g != b) (t.first < 0 ? t.first : t.second) = g;
+      }
     }
-    return -kInf;
+    const int g = t.first != a ? t.first : t.second;
+    return g >= 0 ? state.rank_load(g) : -kInf;
   };
   auto held_at = [&](int e, int r) -> int { return held[static_cast<size_t>(e) * num_ranks + r]; };
   const size_t num_cold = std::min<size_t>(order.size() - 1, options.num_candidate_ranks);
@@ -428,29 +452,29 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
       int swap_j = -1, evict_j = -1;
       int j0 = 0;  // candidates before j0 are scored already
 #ifdef FLEXPERT_EPLB_AVX2
-      score_pairs(PairBlock{cand.rank.data(),
-                            cand.py.data(),
-                            cand.swap_py.data(),
-                            cand.rest.data(),
-                            cand.h_dy.data(),
-                            cand.swap_cost.data(),
-                            cand.evict_cost.data(),
-                            x_on,
-                            x_held,
-                            lh - px,
-                            lh + dx,
-                            px,
-                            px_more,
-                            x_new,
-                            scale,
-                            chooser.reach(),
-                            chooser.bound(),
-                            cand.evict_peak.data(),
-                            cand.swap_key.data(),
-                            cand.evict_key.data()},
-                  static_cast<int>(padded));
-      swap_j = first_min(cand.swap_key.data(), static_cast<int>(padded));
-      evict_j = first_min(cand.evict_key.data(), static_cast<int>(padded));
+      const PairMinima minima = score_pairs(PairBlock{cand.rank.data(),
+                                                      cand.py.data(),
+                                                      cand.swap_py.data(),
+                                                      cand.rest.data(),
+                                                      cand.h_dy.data(),
+                                                      cand.swap_cost.data(),
+                                                      cand.evict_cost.data(),
+                                                      x_on,
+                                                      x_held,
+                                                      lh - px,
+                                                      lh + dx,
+                                                      px,
+                                                      px_more,
+                                                      x_new,
+                                                      scale,
+                                                      chooser.reach(),
+                                                      chooser.bound(),
+                                                      cand.evict_peak.data(),
+                                                      cand.swap_key.data(),
+                                                      cand.evict_key.data()},
+                                            static_cast<int>(padded));
+      swap_j = first_min(cand.swap_key.data(), minima.swap_key);
+      evict_j = first_min(cand.evict_key.data(), minima.evict_key);
       j0 = n;
 #endif
       for (int j = j0; j < n; ++j) {
@@ -488,6 +512,7 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
     }
   };
   for (int iteration = 0;; ++iteration) {
+    step_idx = iteration;
     const int h = hottest(state, order);
     const double lh = state.rank_load(h);
     if (lh <= options.target * (1 + kRelEps)) return SearchEnd::kReached;
