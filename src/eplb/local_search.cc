@@ -251,14 +251,21 @@ void reposition(const LayerState& state, std::vector<int>& order, int a, int b) 
   }
 }
 
-// Re-sorts `order` after a few loads changed: insertion sort, O(ranks) when nearly sorted.
-void resort(const LayerState& state, std::vector<int>& order) {
-  const LoadLess less{state};
+// Re-sorts `order` after a few loads changed: insertion sort, O(ranks) when nearly sorted, on
+// a copy of the loads in order (`loads`, scratch) rather than through the ranks (LoadLess).
+void resort(const LayerState& state, std::vector<int>& order, std::vector<double>& loads) {
+  loads.resize(order.size());
+  for (size_t i = 0; i < order.size(); ++i) loads[i] = state.rank_load(order[i]);
   for (size_t i = 1; i < order.size(); ++i) {
     const int v = order[i];
+    const double lv = loads[i];
     size_t j = i;
-    for (; j > 0 && less(v, order[j - 1]); --j) order[j] = order[j - 1];
+    for (; j > 0 && (lv != loads[j - 1] ? lv < loads[j - 1] : v < order[j - 1]); --j) {
+      order[j] = order[j - 1];
+      loads[j] = loads[j - 1];
+    }
     order[j] = v;
+    loads[j] = lv;
   }
 }
 
@@ -362,7 +369,8 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
     }
   } cand;
   std::vector<int> partners;
-  int64_t pairs = 0;  // scored so far
+  std::vector<double> order_loads;  // resort's
+  int64_t pairs = 0;                // scored so far
   // Offers the best steps that relieve the hottest rank h with one of the num_partners coldest.
   // Partners: the ranks other than h from the begin-th coldest to the end-th (exclusive).
   auto evaluate = [&](int h, double lh, size_t begin, size_t end, Chooser& chooser) {
@@ -550,7 +558,7 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
     if (step.kind == Step::kMove || step.kind == Step::kSwap) {
       reposition(state, order, h, step.to);
     } else {
-      resort(state, order);
+      resort(state, order, order_loads);
     }
   }
 }
