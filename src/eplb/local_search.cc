@@ -211,15 +211,23 @@ class HolderPeaks {
     double load;
     int rank;
   };
+  // NOTE: each holder passes down the three places, trading with any it beats (ties keep the
+  // earlier holder), written as selects: which place it beats is unpredictable.
   void refresh(int expert) {
-    auto& top = top_[expert];
-    top.fill({-kInf, -1});
+    double load[3] = {-kInf, -kInf, -kInf};
+    int rank[3] = {-1, -1, -1};
     for (int g : state_.holders(expert)) {
-      Entry e{state_.rank_load(g), g};
-      for (Entry& t : top) {
-        if (e.load > t.load) std::swap(e, t);
+      double l = state_.rank_load(g);
+      for (int i = 0; i < 3; ++i) {
+        const bool beats = l > load[i];
+        const double kept = beats ? l : load[i];
+        const int kept_rank = beats ? g : rank[i];
+        l = beats ? load[i] : l;
+        g = beats ? rank[i] : g;
+        load[i] = kept, rank[i] = kept_rank;
       }
     }
+    for (int i = 0; i < 3; ++i) top_[expert][i] = Entry{load[i], rank[i]};
     stale_[expert] = 0;
   }
 
