@@ -16,8 +16,12 @@
 // Reported per rank, averaged over the timed iterations (events around each phase, so the
 // figures include waiting for the slowest peer): dispatch and combine time, the row bytes
 // each moved into this GPU from other GPUs ("remote", over NVLink) and from ranks of the
-// same GPU (MPS), and GB/s = those bytes over the phase's time. Also the time to open each
-// peer's five exported buffers (cudaIpcOpenMemHandle), as a membership change does.
+// same GPU (MPS), and GB/s = those bytes over the phase's time. Also the time to map each
+// peer's five buffers, as a membership change does.
+// The ranks map each other's buffers as a model's device exchange does (src/cuda/ep_moe.cc):
+// through the cuda_ipc transport's mapped peer buffers (register_buffer, map_peer_buffer:
+// docs/ARCHITECTURE.md), with its collectives in host memory (host_collectives, as a GPU
+// worker runs it).
 #include <cuda_runtime.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -73,13 +77,6 @@ struct Config {
   std::vector<int> tokens = {128, 4096};
   int hidden = 7168, top_k = 8, experts = 256, iters = 50;
   std::string json_path;
-};
-
-// What a rank publishes: its buffers' IPC handles and its device.
-struct Published {
-  cudaIpcMemHandle_t handle[kBuffers];
-  int32_t device;
-  int32_t pad;
 };
 
 Status cuda_ok(cudaError_t e, const char* what) {
@@ -146,9 +143,11 @@ Status run_rank(const Config& cfg, int T, int rank, const std::string& session, 
   o.session = session;
   o.rank = rank;
   o.max_ranks = n;
-  o.max_gather_bytes = sizeof(Published) + sizeof(RankResult);
+  o.max_exchange_bytes = 4096;  // No exchange: barriers only.
   o.timeout_ms = 60000;
-  FLEX_ASSIGN_OR_RETURN(std::unique_ptr<Transport> t, create_transport("shm", o));
+  o.device = device;
+  o.host_collectives = true;
+  FLEX_ASSIGN_OR_RETURN(std::unique_ptr<Transport> t, create_transport("cuda_ipc", o));
   FLEX_RETURN_IF_ERROR(shared->ranks.connect_all(*t, rank, n));
   Group g;
   g.epoch = 1;
@@ -192,28 +191,27 @@ Status run_rank(const Config& cfg, int T, int rank, const std::string& session, 
   BENCH_CUDA(cudaMemcpy(buf[4], identity.data(), bound * sizeof(int32_t), cudaMemcpyHostToDevice));
   BENCH_CUDA(cudaMemcpy(weight, w.data(), pairs * sizeof(float), cudaMemcpyHostToDevice));
 
-  // Publish the handles; open every peer's, timing each open.
-  Published mine{};
-  mine.device = device;
-  for (int b = 0; b < kBuffers; ++b) BENCH_CUDA(cudaIpcGetMemHandle(&mine.handle[b], buf[b]));
-  FLEX_ASSIGN_OR_RETURN(auto spans, t->all_gather(g, ByteSpan{&mine, sizeof(mine)}));
-  std::vector<Published> pub(n);
-  for (int r = 0; r < n; ++r) std::memcpy(&pub[r], spans[r].data, sizeof(Published));
+  // Register the buffers (ids 0..kBuffers-1); once every rank has, map every peer's, timing
+  // each mapping (the transport imports it: cudaIpcOpenMemHandle).
+  for (int b = 0; b < kBuffers; ++b) FLEX_RETURN_IF_ERROR(t->register_buffer(b, buf[b], sizes[b]));
+  FLEX_RETURN_IF_ERROR(t->barrier(g));
   RankResult res{};
   res.device = device;
   std::vector<EpPeer> table(kEpMaxRanks);
-  std::vector<void*> opened;
+  std::vector<PeerBuffer> mapped;  // Holds the mappings open until the end.
   for (int r = 0; r < n; ++r) {
     void* at[kBuffers];
     for (int b = 0; b < kBuffers; ++b) {
-      if (r == rank) {
-        at[b] = buf[b];
-        continue;
-      }
       const double t0 = now_us();
-      BENCH_CUDA(cudaIpcOpenMemHandle(&at[b], pub[r].handle[b], cudaIpcMemLazyEnablePeerAccess));
-      res.open_us[r][b] = now_us() - t0;
-      opened.push_back(at[b]);
+      FLEX_ASSIGN_OR_RETURN(PeerBuffer m, t->map_peer_buffer(r, b, MapMode::kMap));
+      if (r != rank) res.open_us[r][b] = now_us() - t0;
+      if (m.num_bytes != sizes[b]) {
+        return internal_error("rank " + std::to_string(r) + "'s buffer " + std::to_string(b) +
+                              " has " + std::to_string(m.num_bytes) + " bytes, expected " +
+                              std::to_string(sizes[b]));
+      }
+      at[b] = m.data;
+      mapped.push_back(std::move(m));
     }
     table[r].window = static_cast<EpWindow*>(at[0]);
     table[r].pos = reinterpret_cast<const int32_t*>(table[r].window + 1);
@@ -302,7 +300,7 @@ Status run_rank(const Config& cfg, int T, int rank, const std::string& session, 
   res.ok = res.max_abs_err <= 1e-5 ? 1 : 0;
   shared->results[rank] = res;
   FLEX_RETURN_IF_ERROR(t->barrier(g));  // Nobody frees what a peer may still read.
-  for (void* p : opened) (void)cudaIpcCloseMemHandle(p);
+  mapped.clear();  // This rank's references; shutdown() drops the transport's and closes them.
   for (auto& e : ev) (void)cudaEventDestroy(e);
   if (res.ok == 0) {
     return internal_error("combined rows differ from the reference by " +

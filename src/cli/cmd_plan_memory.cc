@@ -153,10 +153,15 @@ void print_text(const MemoryPlan& p, const MemoryFit& fit) {
               static_cast<double>(p.host_bytes) * group / kGiB);
   std::printf("host memory per rank%22s\n", "GiB");
   print_terms(p.host);
-  std::printf(
-      "  (the worker's transport is shm; cuda_ipc would hold the mailboxes in %.2f GiB of "
-      "device memory)\n",
-      static_cast<double>(p.cuda_ipc_recv_bytes) / kGiB);
+  if (p.device == "cpu") {
+    std::printf("  (the worker's transport is shm)\n");
+  } else {
+    // Worker::load: a GPU rank runs cuda_ipc with host_collectives.
+    std::printf(
+        "  (a GPU worker's transport is cuda_ipc with its collectives in host shared memory: the "
+        "mailboxes above; device collectives would hold them in %.2f GiB of device memory)\n",
+        static_cast<double>(p.cuda_ipc_recv_bytes) / kGiB);
+  }
   std::printf(
       "largest context at %d sequences: %d tokens%s; largest batch at %d tokens: %d "
       "sequences; KV room: %lld tokens\n",

@@ -1,8 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "cuda/ep_moe.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -14,7 +12,6 @@
 #include "cuda/kernels.h"
 #include "cuda/knobs.h"
 #include "flexpert/logging.h"
-#include "transport/shm/shm_segment.h"
 
 namespace flexpert::cuda {
 namespace {
@@ -57,7 +54,7 @@ struct DeviceEpMoe::PeerMapping {
   int opened = 0;
   int64_t open_ns = 0;  // Spent opening them.
   EpPeer peer;
-  shm::ProcessWatch owner;  // The mapped process (another one than this).
+  std::function<bool()> owner_exited;  // PeerBuffer::owner_exited of its buffers (null: none).
 };
 
 struct DeviceEpMoe::Retired {
@@ -206,8 +203,8 @@ void DeviceEpMoe::retire(std::unique_ptr<PeerMapping> peer, std::unique_ptr<Slot
         const int64_t now = now_ns();
         for (size_t i = 0; i < retired_.size();) {
           const Retired& r = retired_[i];
-          const bool ready = closer_stop_ || r.peer == nullptr || !r.peer->owner.watching() ||
-                             r.peer->owner.exited() || now - r.since_ns > kRetireCapNs;
+          const bool ready = closer_stop_ || r.peer == nullptr || !r.peer->owner_exited ||
+                             r.peer->owner_exited() || now - r.since_ns > kRetireCapNs;
           if (ready) {
             close.push_back(std::move(retired_[i]));
             retired_.erase(retired_.begin() + static_cast<std::ptrdiff_t>(i));
@@ -507,9 +504,7 @@ Result<bool> DeviceEpMoe::open_peer(PeerMapping& m, int64_t deadline_ns) {
       return unavailable("rank " + std::to_string(m.rank) + " is a new incarnation (" +
                          std::to_string(mapped->incarnation) + ") since its mapping began");
     }
-    if (b == 0 && mapped->owner_pid > 0 && mapped->owner_pid != static_cast<int32_t>(getpid())) {
-      m.owner = shm::ProcessWatch::watch(mapped->owner_pid, mapped->owner_pid_start_time);
-    }
+    if (b == 0) m.owner_exited = mapped->owner_exited;
     m.at[b] = mapped->data;
     m.maps.push_back(std::move(mapped).value());
     ++m.opened;

@@ -332,8 +332,9 @@ Result<MemoryPlan> plan_memory(const ModelConfig& c, const MemoryPlanOptions& o)
   p.host.push_back({"transport (shm mailboxes)", 0, layout.total_bytes, false,
                     std::to_string(2 * p.max_ranks) + " x " + std::to_string(exchange_bytes) +
                         " B exchange mailboxes"});
-  // A cuda_ipc transport (not the worker's) would hold the same mailboxes' payloads in a
-  // device receive buffer (src/transport/cuda_ipc/cuda_ipc_layout.cc).
+  // cuda_ipc with device collectives (a GPU worker runs it with host_collectives, the
+  // mailboxes above) would hold the same mailboxes' payloads in a device receive buffer
+  // (src/transport/cuda_ipc/cuda_ipc_layout.cc).
   p.cuda_ipc_recv_bytes =
       std::max<uint64_t>(u(2 * p.max_ranks) * (round_up(kStepHeaderBytes, kDeviceAlignBytes) +
                                                round_up(exchange_bytes, kDeviceAlignBytes)),

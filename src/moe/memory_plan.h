@@ -76,8 +76,9 @@ struct MemoryPlan {
   uint64_t total_bytes = 0;  // dense + expert slots + KV + workspaces.
   uint64_t memory_bytes = 0;
   uint64_t host_bytes = 0;  // Sum of `host`.
-  // Device bytes of a cuda_ipc transport's receive buffer at max_ranks; the worker's
-  // transport is shm (host), so it is not in total_bytes.
+  // Device bytes of a cuda_ipc transport's receive buffer at max_ranks (device collectives).
+  // Not in total_bytes: a GPU worker's cuda_ipc keeps its collectives in host shared memory
+  // (TransportOptions::host_collectives), the `host` term of the mailboxes.
   uint64_t cuda_ipc_recv_bytes = 0;
 
   bool fits() const { return total_bytes <= memory_bytes; }

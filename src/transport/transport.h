@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -86,10 +87,11 @@ struct PeerBuffer {
   // incarnation of the owner or disconnect() detaches it; the mapping is closed when the last
   // holder lets go (a caller that still runs work on it holds it until that work is done).
   std::shared_ptr<const void> mapping;
-  // The owner's process (0: not known), for a caller that closes a mapping only once its owner
-  // has exited (shm::ProcessWatch; docs/cuda.md says why the device exchange does).
-  int32_t owner_pid = 0;
-  uint64_t owner_pid_start_time = 0;  // Tells a reused pid apart.
+  // Whether the owner's process has exited, for a caller that closes a mapping only once its
+  // owner is gone (docs/cuda.md says why the device exchange does); it keeps answering after
+  // the backend let go of the owner. Null where the owner is not watched (this process, or one
+  // this process cannot see): such a mapping may be closed at any time. Any thread; a few us.
+  std::function<bool()> owner_exited;
 };
 
 // What map_peer_buffer() may do to get a buffer not mapped yet.
@@ -181,7 +183,9 @@ class Transport {
 // Creates a backend by name: "shm" (POSIX shared memory, CPU, one host), "cuda_ipc"
 // (GPU memory shared through CUDA IPC, one host; only in builds with FLEXPERT_WITH_CUDA,
 // Unavailable on a machine without a usable GPU), or "ucx" (UCX's UCP over TCP, shared memory
-// or RDMA, ranks on any hosts; only in builds where CMake found UCX, Unimplemented otherwise).
+// or RDMA, ranks on any hosts; only in builds where CMake found UCX, Unimplemented otherwise),
+// or "hier" (CPU ranks on any hosts: shm between ranks of one host, ucx between hosts; built
+// with ucx).
 Result<std::unique_ptr<Transport>> create_transport(const std::string& backend,
                                                     const TransportOptions& options);
 

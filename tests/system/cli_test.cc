@@ -188,6 +188,12 @@ TEST(CliTest, PlanMemoryFromConfigAlone) {
   EXPECT_NE(bf16.out.find("DOES NOT FIT"), std::string::npos) << bf16.out;
   EXPECT_NE(bf16.out.find("largest context at 32 sequences: 0 tokens"), std::string::npos)
       << bf16.out;
+  // The transport a worker runs (Worker::load): cuda_ipc on a GPU rank, shm on a CPU one.
+  EXPECT_NE(bf16.out.find("a GPU worker's transport is cuda_ipc"), std::string::npos) << bf16.out;
+  CliRun cpu = run("plan-memory --model " + dir + " --ranks 8 --device cpu --quantization bf16");
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.out;
+  EXPECT_NE(cpu.out.find("(the worker's transport is shm)"), std::string::npos) << cpu.out;
+  EXPECT_EQ(cpu.out.find("cuda_ipc"), std::string::npos) << cpu.out;
   std::filesystem::remove_all(dir);
 }
 

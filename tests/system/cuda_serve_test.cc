@@ -6,7 +6,8 @@
 // another CUDA graph (flexpert_rank_graph_captures in /metrics: every rank, a joiner too,
 // captures all its graphs while it loads); DeepSeek-V3 over four
 // ranks answers with its reference tokens around a rebalance; a rank SIGKILLed under
-// load is recovered from and replaced. Skips without a GPU.
+// load is recovered from and replaced; GPU ranks over ucx (no shared memory between
+// them) keep the reference tokens across scales. Skips without a GPU.
 #include <signal.h>
 
 #include <atomic>
@@ -235,6 +236,50 @@ TEST(CudaServeTest, FourRanksOnOneGpuKeepReferenceTokensWithoutRecapture) {
     const auto after = captures_by_pid(server);
     expect_no_recapture(before_kill, after, "a killed rank and its replacement");
     for (const auto& [pid, n] : after) EXPECT_EQ(n, per_rank) << "worker pid " << pid;
+  }
+  EXPECT_EQ(server.stop(), 0);
+}
+
+// GPU ranks that share no memory (as on different hosts): `--transport ucx` over TCP. The
+// ucx backend maps no peer buffers, so the rows of each MoE layer and the weights a scale
+// moves go through pinned host memory (the host exchange; slot loads from the peers' host
+// regions), Debian's UCX having no CUDA support (docs/ARCHITECTURE.md, "Transports").
+// Reference tokens before and after a scale 2 -> 3 that moves experts to the joiner, a
+// rebalance, and a scale back to 2.
+TEST(CudaServeTest, GpuRanksOverUcxStageThroughHostMemory) {
+#ifndef FLEXPERT_TEST_WITH_UCX
+  GTEST_SKIP() << "this build has no ucx backend";
+#endif
+  if (!flexpert::cuda::device_available()) {
+    GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs on a GPU host)";
+  }
+  setenv("UCX_TLS", "tcp", 1);  // Inherited by the workers: loopback TCP stands for a network.
+  setenv("UCX_NET_DEVICES", "lo", 1);
+  Server server({"--device", "cuda", "--cuda-dtype", "f32", "--transport", "ucx", "--ranks", "2",
+                 "--max-ranks", "3", "--max-sequences", "4", "--eplb-spare-slots", "2",
+                 "--transport-timeout-ms", "30000", "--start-timeout-ms", "300000"});
+  unsetenv("UCX_TLS");
+  unsetenv("UCX_NET_DEVICES");
+  ASSERT_TRUE(server.up());
+  const Reference ref = load_reference();
+  check_reference(server, ref, 2);
+  for (int target : {3, 2}) {
+    LightLoad load(server, ref);
+    pause_ms(300);
+    const Answer a = post(server, "/v1/scale", {{"ranks", target}});
+    ASSERT_EQ(a.status, 200) << a.body.dump();
+    std::printf("scale to %d over ucx: %s\n", target, a.body.dump().c_str());
+    EXPECT_EQ(a.body["members"].size(), static_cast<size_t>(target)) << a.body.dump();
+    pause_ms(300);
+    load.stop();
+    EXPECT_GT(load.ok(), 0);
+    EXPECT_EQ(load.wrong(), 0);
+    check_reference(server, ref, 2);
+    if (target == 3) {
+      const Answer r = post(server, "/v1/eplb/rebalance", nlohmann::json::object());
+      EXPECT_EQ(r.status, 200) << r.body.dump();
+      check_reference(server, ref, 2);
+    }
   }
   EXPECT_EQ(server.stop(), 0);
 }

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // A worker's SIGTERM is a graceful leave (docs/deployment.md): it asks the front end to
-// remove it, the group scales down live without it, and it exits 0 with no request failed.
+// remove it, the group scales down live without it, and it exits 0 with no request failed;
+// its id opens again for a later scale-up.
 // Also `--rank auto`: hand-started workers that let the front end pick their ids.
 #include "elastic_util.h"
 #include "server_fixture.h"
@@ -44,6 +45,17 @@ TEST(LeaveTest, SigtermLeavesWithoutFailingARequest) {
   EXPECT_EQ(s["members"], nlohmann::json({0, 2})) << s.dump();
   EXPECT_EQ(last_kind(s), "leave") << s.dump();
   EXPECT_EQ(s["reconfiguration"]["recoveries"]["replacement"], 0) << s.dump();
+  check_reference(server, load_reference(), 1);
+  // The leaver's id is open again (its exit is not the front end's to see): a scale back to
+  // 3 (= --max-ranks) takes it with a new worker.
+  Answer up;
+  std::thread scale([&] { up = post(server, "/v1/scale", {{"ranks", 3}}); });
+  EXPECT_TRUE(wait_status(
+      server, [](const nlohmann::json& st) { return st["phase"] == "scaling"; }, 10000));
+  server.join_worker(1);
+  scale.join();
+  EXPECT_EQ(up.status, 200) << up.body.dump();
+  EXPECT_EQ(members(server), std::vector<int>({0, 1, 2}));
   check_reference(server, load_reference(), 1);
   EXPECT_EQ(server.stop(), 0);
 }

@@ -269,7 +269,8 @@ TEST_P(FaultConformanceTest, RankRejoinsAsNewIncarnation) {
 // Mapped peer buffers of an incarnation that ended are refused: rank 1 shuts down and comes
 // back as incarnation 1 with new contents (peers refuse the old one, then map the new one
 // afresh once connect() attached it); the last rank is SIGKILLed (peers refuse its buffers,
-// even those they had mapped). Backends without the capability only lose the last rank.
+// even those they had mapped, and owner_exited of a mapping held since before turns true).
+// Backends without the capability only lose the last rank.
 TEST_P(FaultConformanceTest, MappedBuffersOfAnEndedIncarnationAreRefused) {
   const int victim = num_ranks() - 1;
   const RunResult result = run_cluster(backend(), spec(3000), [victim](RankContext& ctx) -> Status {
@@ -303,6 +304,13 @@ TEST_P(FaultConformanceTest, MappedBuffersOfAnEndedIncarnationAreRefused) {
     std::vector<PeerBuffer> held;
     for (int r = 0; r < ctx.num_ranks; ++r) {
       CT_ASSIGN(PeerBuffer b, check(r, 0));
+      // Peers' processes are watched (every rank is a process of its own) and all live now.
+      if (r == ctx.rank) {
+        CT_REQUIRE(!b.owner_exited, "this rank's own buffer has an owner watch");
+      } else {
+        CT_REQUIRE(b.owner_exited, "rank ", r, "'s buffer has no owner watch");
+        CT_REQUIRE(!b.owner_exited(), "rank ", r, "'s process counted as exited");
+      }
       held.push_back(std::move(b));
     }
     CT_REQUIRE_OK(ctx.t().barrier(ctx.group(1)));
@@ -345,6 +353,14 @@ TEST_P(FaultConformanceTest, MappedBuffersOfAnEndedIncarnationAreRefused) {
       CT_REQUIRE(ms_since(start) < 3000, "buffers of a dead rank still handed out after ",
                  ms_since(start), " ms");
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    // Rank 1 let go of its mappings when it shut down; the others still hold the victim's.
+    if (ctx.rank != 1) {
+      while (!held[victim].owner_exited()) {
+        CT_REQUIRE(ms_since(start) < 3000, "the dead rank's process not seen exited after ",
+                   ms_since(start), " ms");
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
     }
     Group survivors{3, {}};
     for (int r = 0; r < ctx.num_ranks; ++r) {

@@ -151,11 +151,11 @@ int run_rank(const std::string& backend, const ClusterSpec& spec, const Scenario
 
 std::vector<std::string> conformance_backends() {
   // A new backend adds its create_transport() name here.
-  // "ucx" skips itself (with the reason) in builds without UCX.
+  // "ucx" and "hier" skip themselves (with the reason) in builds without UCX.
 #ifdef FLEXPERT_CONFORMANCE_CUDA
-  return {"shm", "cuda_ipc", "cuda_ipc_host", "ucx"};
+  return {"shm", "cuda_ipc", "cuda_ipc_host", "ucx", "hier"};
 #else
-  return {"shm", "ucx"};
+  return {"shm", "ucx", "hier"};
 #endif
 }
 

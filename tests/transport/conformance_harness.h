@@ -15,7 +15,7 @@
 // that cannot run on this machine (create_transport says Unavailable or Unimplemented: a GPU
 // backend without a GPU) is skipped with that message.
 // FLEXPERT_CONFORMANCE_DEVICES=N places rank r on device r % N (default: options.device).
-// FLEXPERT_CONFORMANCE_NETNS=A,B places rank r in network namespace r % 2's (needs root;
+// FLEXPERT_CONFORMANCE_NETNS=A,B,... places rank r in the (r % count)-th namespace (needs root;
 // scripts/netns_conformance.sh creates them).
 #pragma once
 

@@ -14,6 +14,7 @@
 
 #include "transport/collective_checks.h"
 #include "transport/cuda_ipc/cuda_ipc_transport.h"
+#include "transport/shm/shm_peers.h"
 
 namespace flexpert {
 
@@ -125,12 +126,7 @@ Status CudaIpcTransport::send_all(OpKind kind, const Group& group, const ByteSpa
 
 Status CudaIpcTransport::peer_status(int peer) const {
   if (host_ != nullptr) return host_->peer_status(peer);
-  if (peer < 0 || peer >= options_.max_ranks) {
-    return invalid_argument("rank " + std::to_string(peer) + " out of range");
-  }
-  const Peer* p = peers_[peer].get();
-  if (p == nullptr || peer == options_.rank) return Status();
-  return shm::peer_liveness(peer, p->pid, *p->header, p->watch);
+  return shm::peer_status_of(options_, peers_, peer);
 }
 
 }  // namespace flexpert

@@ -12,6 +12,7 @@
 #include "flexpert/logging.h"
 #include "transport/collective_checks.h"
 #include "transport/shm/shm_control.h"
+#include "transport/shm/shm_peers.h"
 #include "transport/shm/shm_transport.h"
 
 namespace flexpert {
@@ -155,7 +156,6 @@ Result<std::shared_ptr<CudaIpcTransport::Peer>> CudaIpcTransport::attach(
   FLEX_ASSIGN_OR_RETURN(
       std::shared_ptr<ShmMapping> control,
       shm::open_control_segment(peer, address, kControlKind, options_, layout_.total_bytes));
-  auto* h = reinterpret_cast<shm::SegmentHeader*>(control->data());
   auto bad = [&](const std::string& why) {
     return invalid_argument("rank " + std::to_string(peer) + " at " + address + ": " + why);
   };
@@ -164,18 +164,11 @@ Result<std::shared_ptr<CudaIpcTransport::Peer>> CudaIpcTransport::attach(
     return bad("receive buffer of " + std::to_string(info->recv_bytes) + " bytes, expected " +
                std::to_string(layout_.recv_bytes));
   }
-  if (h->closed.load(std::memory_order_acquire) != 0) {
-    return unavailable("rank " + std::to_string(peer) + " (pid " + std::to_string(h->pid) +
-                       ") has shut down");
-  }
   auto p = std::make_shared<Peer>();
-  p->rank = peer;
+  FLEX_RETURN_IF_ERROR(shm::link_peer(peer, control->data(), p.get()));
   p->address = address;
-  p->header = h;
   p->info = info;
-  p->control_base = control->data();
   p->control = std::move(control);
-  p->pid = h->pid;
   p->same_process = info->process_token == process_token();
   if (info->recv_bytes == 0) {
     // Host collectives: no receive buffer.
@@ -194,41 +187,28 @@ Result<std::shared_ptr<CudaIpcTransport::Peer>> CudaIpcTransport::attach(
     p->recv_mapping = std::move(opened).value();
     p->recv = p->recv_mapping->data();
   }
-  p->watch = shm::watch_owner(peer, *h);
+  if (!p->same_process) {
+    auto owner = std::make_shared<const shm::ProcessWatch>(
+        shm::ProcessWatch::watch(p->pid, p->header->pid_start_time));
+    if (owner->watching()) p->owner = std::move(owner);
+  }
   return p;
 }
 
 Status CudaIpcTransport::connect(int peer, const std::string& address) {
-  if (shut_down_) return failed_precondition("connect after shutdown");
-  if (peer < 0 || peer >= options_.max_ranks) {
-    return invalid_argument("connect: rank " + std::to_string(peer) + " not in [0, " +
-                            std::to_string(options_.max_ranks) + ")");
-  }
-  if (peer == options_.rank) {
-    return address == address_ ? Status()
-                               : invalid_argument("connect: '" + address +
-                                                  "' is not this rank's address " + address_);
-  }
-  if (peers_[peer] != nullptr && peers_[peer]->address == address) return Status();
-  if (host_ != nullptr) FLEX_RETURN_IF_ERROR(host_->connect(peer, address));
-  FLEX_ASSIGN_OR_RETURN(std::shared_ptr<Peer> p, attach(peer, table_name(options_, address)));
-  p->address = address;
-  std::shared_ptr<Peer> dropped;  // Unmapped outside the lock (or by a read() in flight).
-  std::lock_guard<std::mutex> lock(peers_mu_);
-  dropped = std::move(peers_[peer]);  // An older incarnation's attachment.
-  peers_[peer] = std::move(p);
-  return Status();
+  auto attach_both = [&]() -> Result<std::shared_ptr<Peer>> {
+    if (host_ != nullptr) FLEX_RETURN_IF_ERROR(host_->connect(peer, address));
+    FLEX_ASSIGN_OR_RETURN(std::shared_ptr<Peer> p, attach(peer, table_name(options_, address)));
+    p->address = address;
+    return p;
+  };
+  return shm::connect_peer(options_, shut_down_, address_, peers_mu_, peers_, peer, address,
+                           attach_both);
 }
 
 Status CudaIpcTransport::disconnect(int peer) {
-  if (peer < 0 || peer >= options_.max_ranks || peer == options_.rank) {
-    return invalid_argument("disconnect: bad peer rank " + std::to_string(peer));
-  }
-  Status host_status = host_ != nullptr ? host_->disconnect(peer) : Status();
-  std::shared_ptr<Peer> dropped;
-  std::lock_guard<std::mutex> lock(peers_mu_);
-  if (!peers_.empty()) dropped = std::move(peers_[peer]);
-  return host_status;
+  FLEX_RETURN_IF_ERROR(shm::disconnect_peer(options_, peers_mu_, peers_, peer));
+  return host_ != nullptr ? host_->disconnect(peer) : Status();
 }
 
 Status CudaIpcTransport::publish_region(int region_id, std::shared_ptr<RegionView> view,
@@ -261,15 +241,8 @@ Result<Region> CudaIpcTransport::allocate_region(int region_id, size_t num_bytes
     }
     return host_->allocate_region(region_id, num_bytes);
   }
-  if (shut_down_) return failed_precondition("allocate_region after shutdown");
-  if (region_id < 0) return invalid_argument("region id must be >= 0");
-  if (num_bytes == 0) return invalid_argument("region " + std::to_string(region_id) + ": 0 bytes");
-  {
-    std::lock_guard<std::mutex> lock(peers_mu_);
-    if (own_regions_.count(region_id) != 0) {
-      return invalid_argument("region " + std::to_string(region_id) + " already allocated");
-    }
-  }
+  FLEX_RETURN_IF_ERROR(
+      shm::check_new_region(shut_down_, peers_mu_, own_regions_, region_id, num_bytes));
   FLEX_ASSIGN_OR_RETURN(std::shared_ptr<cuda_ipc::DeviceAllocation> memory,
                         cuda_ipc::DeviceAllocation::create(options_.device, num_bytes));
   auto view = std::make_shared<RegionView>();
@@ -312,27 +285,14 @@ Result<PeerBuffer> CudaIpcTransport::map_peer_buffer(int peer, int buffer_id, Ma
   }
   const std::string what =
       "buffer " + std::to_string(buffer_id) + " of rank " + std::to_string(peer);
-  std::shared_ptr<const RegionView> view;
-  std::shared_ptr<Peer> p;
+  FLEX_ASSIGN_OR_RETURN(
+      auto target, shm::find_target(options_, shut_down_, peers_mu_, peers_, own_regions_, peer,
+                                    buffer_id, what, "registered"));
+  std::shared_ptr<const RegionView> view = std::move(target.own);
   PeerBuffer out;
   out.incarnation = options_.incarnation;
-  {
-    std::lock_guard<std::mutex> lock(peers_mu_);
-    if (shut_down_) return failed_precondition(what + ": mapped after shutdown");
-    out.owner_pid = header_->pid;  // Valid until shutdown, which takes the lock.
-    out.owner_pid_start_time = header_->pid_start_time;
-    if (peer == options_.rank) {
-      auto it = own_regions_.find(buffer_id);
-      if (it == own_regions_.end()) return not_found(what + ": not registered");
-      view = it->second;
-    } else {
-      p = peers_[peer];
-      if (p == nullptr) return unavailable(what + ": rank not connected");
-    }
-  }
-  if (p != nullptr) {
-    out.owner_pid = p->pid;
-    out.owner_pid_start_time = p->header->pid_start_time;
+  if (const std::shared_ptr<Peer>& p = target.peer; p != nullptr) {
+    if (p->owner != nullptr) out.owner_exited = [owner = p->owner] { return owner->exited(); };
     // A dead or departed incarnation's memory is never handed out, even if mapped before.
     FLEX_RETURN_IF_ERROR(shm::peer_liveness(peer, p->pid, *p->header, p->watch).annotate(what));
     out.incarnation = p->header->incarnation;
@@ -384,25 +344,14 @@ Status CudaIpcTransport::read(int peer, int region_id, size_t offset, void* dst,
   FLEX_RETURN_IF_ERROR(validate_read(peer, dst, num_bytes, options_));
   const std::string what =
       "read of rank " + std::to_string(peer) + " region " + std::to_string(region_id);
-  std::shared_ptr<const RegionView> region;  // Keeps the memory mapped while we copy.
-  std::shared_ptr<Peer> p;
-  {
-    std::lock_guard<std::mutex> lock(peers_mu_);
-    if (shut_down_) return failed_precondition(what + " after shutdown");
-    if (peer == options_.rank) {
-      auto it = own_regions_.find(region_id);
-      if (it == own_regions_.end()) return not_found(what + ": not allocated");
-      region = it->second;
-    } else {
-      p = peers_[peer];
-      if (p == nullptr) return unavailable(what + ": rank not connected");
-    }
-  }
-  if (p != nullptr) {
-    if (p->header->closed.load(std::memory_order_acquire) != 0) {
-      return unavailable(what + ": rank " + std::to_string(peer) + " has shut down");
-    }
-    FLEX_ASSIGN_OR_RETURN(region, peer_region(*p, region_id, what, MapMode::kMap));
+  FLEX_ASSIGN_OR_RETURN(
+      auto target, shm::find_target(options_, shut_down_, peers_mu_, peers_, own_regions_, peer,
+                                    region_id, what, "allocated"));
+  // Keeps the memory mapped while we copy.
+  std::shared_ptr<const RegionView> region = std::move(target.own);
+  if (target.peer != nullptr) {
+    FLEX_RETURN_IF_ERROR(shm::check_not_closed(*target.peer, what));
+    FLEX_ASSIGN_OR_RETURN(region, peer_region(*target.peer, region_id, what, MapMode::kMap));
   }
   FLEX_RETURN_IF_ERROR(check_read_range(what, offset, num_bytes, region->num_bytes));
   if (num_bytes == 0) return Status();
@@ -418,11 +367,7 @@ Status CudaIpcTransport::read(int peer, int region_id, size_t offset, void* dst,
       .annotate(what);
 }
 
-void CudaIpcTransport::ring_all_peers() {
-  for (const auto& p : peers_) {
-    if (p != nullptr && p->rank != options_.rank) shm::ring_doorbell(p->header);
-  }
-}
+void CudaIpcTransport::ring_all_peers() { shm::ring_peers(peers_, options_.rank); }
 
 void CudaIpcTransport::close_and_release() {
   if (shut_down_ || header_ == nullptr) return;

@@ -18,7 +18,8 @@
 // address), so that it is also a region; map_peer_buffer() imports a peer's entry once per
 // attachment (Peer::regions, shared with read()), refuses it once the peer shut down or died,
 // and drops its reference when connect() attaches a new incarnation or disconnect() detaches
-// (the mapping closes when the caller's PeerBuffer::mapping references are gone too).
+// (the mapping closes when the caller's PeerBuffer::mapping references are gone too), and
+// watches the owner's process for PeerBuffer::owner_exited.
 //
 // Device memory: every ByteSpan returned by a collective, and Region::data, is a device
 // pointer of options.device. Inputs may be device or host pointers (cudaMemcpyDefault).
@@ -107,6 +108,9 @@ class CudaIpcTransport final : public Transport {
     std::shared_ptr<shm::ShmMapping> control;
     const cuda_ipc::DeviceInfo* info = nullptr;
     bool same_process = false;  // A transport of this process: addresses, not IPC handles.
+    // The owner's process for PeerBuffer::owner_exited, which outlives this attachment (shared
+    // with the PeerBuffers handed out). Null when not watched: this process, or not visible.
+    std::shared_ptr<const shm::ProcessWatch> owner;
     std::unique_ptr<cuda_ipc::IpcMapping>
         recv_mapping;           // Null for this rank and same-process peers.
     std::byte* recv = nullptr;  // Its receive buffer, mapped here.

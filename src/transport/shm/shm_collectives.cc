@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "transport/collective_checks.h"
+#include "transport/shm/shm_peers.h"
 #include "transport/shm/shm_transport.h"
 
 namespace flexpert {
@@ -76,13 +77,7 @@ Status ShmTransport::send_to(const Peer& peer, OpKind kind, ByteSpan payload, in
 }
 
 Status ShmTransport::peer_status(int peer) const {
-  if (peer < 0 || peer >= options_.max_ranks) {
-    return invalid_argument("rank " + std::to_string(peer) + " out of range");
-  }
-  Peer* p = peers_[peer].get();
-  if (p == nullptr || peer == options_.rank) return Status();
-  FLEX_RETURN_IF_ERROR(shm::lost_status(*p));
-  return shm::peer_liveness(peer, p->pid, *p->header, p->watch);
+  return shm::peer_status_of(options_, peers_, peer);
 }
 
 Status ShmTransport::mark_peer_lost(int peer, const std::string& why) {

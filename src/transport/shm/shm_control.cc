@@ -94,14 +94,23 @@ Result<std::shared_ptr<ShmMapping>> open_control_segment(int peer, const std::st
   return control;
 }
 
-ProcessWatch watch_owner(int peer, const SegmentHeader& header) {
-  ProcessWatch watch = ProcessWatch::watch(header.pid, header.pid_start_time);
-  if (!watch.watching()) {
-    FLEX_LOG(WARN) << "rank " << peer << ": pid " << header.pid
+Status link_peer(int peer, std::byte* base, PeerLink* link) {
+  auto* h = reinterpret_cast<SegmentHeader*>(base);
+  if (h->closed.load(std::memory_order_acquire) != 0) {
+    return unavailable("rank " + std::to_string(peer) + " (pid " + std::to_string(h->pid) +
+                       ") has shut down");
+  }
+  link->rank = peer;
+  link->header = h;
+  link->control_base = base;
+  link->pid = h->pid;
+  link->watch = ProcessWatch::watch(h->pid, h->pid_start_time);
+  if (!link->watch.watching()) {
+    FLEX_LOG(WARN) << "rank " << peer << ": pid " << h->pid
                    << " not visible from here (other PID namespace?): its death is noticed by "
                       "timeouts only";
   }
-  return watch;
+  return Status();
 }
 
 }  // namespace flexpert::shm

@@ -12,6 +12,7 @@
 
 #include "flexpert/status.h"
 #include "transport/shm/shm_layout.h"
+#include "transport/shm/shm_protocol.h"
 #include "transport/shm/shm_segment.h"
 #include "transport/transport.h"
 
@@ -48,7 +49,9 @@ Result<std::shared_ptr<ShmMapping>> open_control_segment(int peer, const std::st
                                                          const TransportOptions& options,
                                                          size_t segment_bytes);
 
-// Watches the owner of an attached segment; warns when its pid is not visible from here.
-ProcessWatch watch_owner(int peer, const SegmentHeader& header);
+// Fills `link` for rank `peer`'s control segment, opened at `base`: its header, its owner's pid
+// and a watch of that process (with a warning when its pid is not visible from here).
+// Unavailable when the owner has shut down.
+Status link_peer(int peer, std::byte* base, PeerLink* link);
 
 }  // namespace flexpert::shm

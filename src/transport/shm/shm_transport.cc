@@ -14,6 +14,7 @@
 #include "flexpert/logging.h"
 #include "transport/collective_checks.h"
 #include "transport/shm/shm_control.h"
+#include "transport/shm/shm_peers.h"
 
 namespace flexpert {
 
@@ -100,60 +101,25 @@ Result<std::shared_ptr<ShmTransport::Peer>> ShmTransport::attach(int peer,
   FLEX_ASSIGN_OR_RETURN(
       std::shared_ptr<ShmMapping> control,
       shm::open_control_segment(peer, address, kControlKind, options_, layout_.total_bytes));
-  auto* h = reinterpret_cast<shm::SegmentHeader*>(control->data());
-  if (h->closed.load(std::memory_order_acquire) != 0) {
-    return unavailable("rank " + std::to_string(peer) + " (pid " + std::to_string(h->pid) +
-                       ") has shut down");
-  }
   auto p = std::make_shared<Peer>();
-  p->rank = peer;
+  FLEX_RETURN_IF_ERROR(shm::link_peer(peer, control->data(), p.get()));
   p->address = address;
   p->control = std::move(control);
-  p->header = h;
-  p->control_base = p->control->data();
-  p->pid = h->pid;
-  p->watch = shm::watch_owner(peer, *h);
   return p;
 }
 
 Status ShmTransport::connect(int peer, const std::string& address) {
-  if (shut_down_) return failed_precondition("connect after shutdown");
-  if (peer < 0 || peer >= options_.max_ranks) {
-    return invalid_argument("connect: rank " + std::to_string(peer) + " not in [0, " +
-                            std::to_string(options_.max_ranks) + ")");
-  }
-  if (peer == options_.rank) {
-    return address == address_ ? Status()
-                               : invalid_argument("connect: '" + address +
-                                                  "' is not this rank's address " + address_);
-  }
-  if (peers_[peer] != nullptr && peers_[peer]->address == address) return Status();
-  FLEX_ASSIGN_OR_RETURN(std::shared_ptr<Peer> p, attach(peer, address));
-  std::lock_guard<std::mutex> lock(peers_mu_);
-  peers_[peer] = std::move(p);  // Replaces (and unmaps) an older incarnation's attachment.
-  return Status();
+  return shm::connect_peer(options_, shut_down_, address_, peers_mu_, peers_, peer, address,
+                           [&] { return attach(peer, address); });
 }
 
 Status ShmTransport::disconnect(int peer) {
-  if (peer < 0 || peer >= options_.max_ranks || peer == options_.rank) {
-    return invalid_argument("disconnect: bad peer rank " + std::to_string(peer));
-  }
-  std::shared_ptr<Peer> dropped;  // Unmapped outside the lock (or by a read() in flight).
-  std::lock_guard<std::mutex> lock(peers_mu_);
-  if (!peers_.empty()) dropped = std::move(peers_[peer]);
-  return Status();
+  return shm::disconnect_peer(options_, peers_mu_, peers_, peer);
 }
 
 Result<Region> ShmTransport::allocate_region(int region_id, size_t num_bytes) {
-  if (shut_down_) return failed_precondition("allocate_region after shutdown");
-  if (region_id < 0) return invalid_argument("region id must be >= 0");
-  if (num_bytes == 0) return invalid_argument("region " + std::to_string(region_id) + ": 0 bytes");
-  {
-    std::lock_guard<std::mutex> lock(peers_mu_);
-    if (own_regions_.count(region_id) != 0) {
-      return invalid_argument("region " + std::to_string(region_id) + " already allocated");
-    }
-  }
+  FLEX_RETURN_IF_ERROR(
+      shm::check_new_region(shut_down_, peers_mu_, own_regions_, region_id, num_bytes));
   // We own our address (its control segment was created exclusively), so an existing region
   // segment under it is a leftover of a dead predecessor with this very address.
   FLEX_ASSIGN_OR_RETURN(std::unique_ptr<ShmMapping> mapping,
@@ -172,24 +138,13 @@ Status ShmTransport::read(int peer, int region_id, size_t offset, void* dst, siz
   FLEX_RETURN_IF_ERROR(validate_read(peer, dst, num_bytes, options_));
   const std::string what =
       "read of rank " + std::to_string(peer) + " region " + std::to_string(region_id);
-  std::shared_ptr<const ShmMapping> region;  // Keeps the mapping alive while we copy.
-  std::shared_ptr<Peer> p;
-  {
-    std::lock_guard<std::mutex> lock(peers_mu_);
-    if (shut_down_) return failed_precondition(what + " after shutdown");
-    if (peer == options_.rank) {
-      auto it = own_regions_.find(region_id);
-      if (it == own_regions_.end()) return not_found(what + ": not allocated");
-      region = it->second;
-    } else {
-      p = peers_[peer];
-      if (p == nullptr) return unavailable(what + ": rank not connected");
-    }
-  }
-  if (p != nullptr) {
-    if (p->header->closed.load(std::memory_order_acquire) != 0) {
-      return unavailable(what + ": rank " + std::to_string(peer) + " has shut down");
-    }
+  FLEX_ASSIGN_OR_RETURN(
+      auto target, shm::find_target(options_, shut_down_, peers_mu_, peers_, own_regions_, peer,
+                                    region_id, what, "allocated"));
+  // Keeps the mapping alive while we copy.
+  std::shared_ptr<const ShmMapping> region = std::move(target.own);
+  if (const std::shared_ptr<Peer>& p = target.peer; p != nullptr) {
+    FLEX_RETURN_IF_ERROR(shm::check_not_closed(*p, what));
     std::lock_guard<std::mutex> lock(p->regions_mu);
     auto it = p->regions.find(region_id);
     if (it == p->regions.end()) {
@@ -209,10 +164,12 @@ Status ShmTransport::read(int peer, int region_id, size_t offset, void* dst, siz
   return Status();
 }
 
-void ShmTransport::ring_all_peers() {
-  for (const auto& p : peers_) {
-    if (p != nullptr && p->rank != options_.rank) shm::ring_doorbell(p->header);
-  }
+void ShmTransport::ring_all_peers() { shm::ring_peers(peers_, options_.rank); }
+
+void ShmTransport::announce_closing() {
+  if (shut_down_ || header_ == nullptr) return;
+  header_->closed.store(1, std::memory_order_release);
+  ring_all_peers();
 }
 
 void ShmTransport::close_and_release() {
