@@ -126,7 +126,15 @@ Status run_serve(const Flags& flags) {
     FLEX_ASSIGN_OR_RETURN(options.threads_per_worker, int_flag(flags, "threads-per-worker", 0));
     FLEX_ASSIGN_OR_RETURN(options.control_port, int_flag(flags, "control-port", 0));
     options.placement = flags.str("placement");
-    options.spawn_workers = !flags.flag("no-spawn");
+    const std::string launcher = flags.str("launcher");
+    if (launcher != "fork" && launcher != "external") {
+      return invalid_argument("--launcher must be fork or external");
+    }
+    options.spawn_workers = launcher == "fork" && !flags.flag("no-spawn");
+    options.launch_command = flags.str("launch-command");
+    if (!options.launch_command.empty() && options.spawn_workers) {
+      return invalid_argument("--launch-command needs --no-spawn (or --launcher external)");
+    }
     FLEX_ASSIGN_OR_RETURN(options.cluster_key,
                           secret_from(flags, "cluster-key", "FLEXPERT_CLUSTER_KEY"));
     options.control_host = flags.str("control-host");
@@ -184,7 +192,7 @@ Status run_serve(const Flags& flags) {
     if (options.max_ranks > 0 && options.max_ranks < options.ranks) {
       return invalid_argument("--max-ranks must be >= --ranks");
     }
-    if (!options.spawn_workers) {
+    if (!options.spawn_workers && options.launch_command.empty()) {
       options.on_listening = [&options](const std::string& endpoint) {
         std::printf("waiting for %d workers: flexpert worker --join %s --rank R\n", options.ranks,
                     endpoint.substr(6).c_str());  // Without "tcp://".
@@ -326,7 +334,13 @@ int cmd_serve(const Args& args) {
       .value("heartbeat-timeout-ms", "2000", "a worker silent this long is declared lost")
       .value("start-timeout-ms", "120000", "for a starting or joining worker to be ready")
       .boolean("eplb", "rebalance experts automatically every --eplb-interval-s")
-      .boolean("no-spawn", "do not start workers; wait for `flexpert worker --join`")
+      .value("launcher", "fork",
+             "how workers start: fork (here), external (by hand or --launch-command)")
+      .value("launch-command", "",
+             "with --no-spawn: shell command that starts a worker (FLEXPERT_RANK, FLEXPERT_JOIN "
+             "in its environment; non-zero exit: a failed start)")
+      .boolean("no-spawn",
+               "do not start workers (--launcher external); wait for `flexpert worker --join`")
       .boolean("local", "run the model in this process (no workers)")
       .boolean("help", "show this help");
   if (Status s = flags.parse(args); !s.ok()) return report_error("serve", s);

@@ -758,9 +758,15 @@ int Worker::run() {
 }  // namespace
 
 int run_worker(const WorkerOptions& options) {
-  // A worker spawned by the front end dies with it (no orphans): SIGINT, not SIGTERM,
-  // since with no front end there is nobody to ask for a leave.
-  prctl(PR_SET_PDEATHSIG, SIGINT);
+  // A worker the front end started (serve/launcher.cc sets FLEXPERT_PARENT_PID) dies with it
+  // (no orphans): SIGINT, not SIGTERM, since with no front end there is nobody to ask for a
+  // leave. A hand-started or orchestrated one outlives whatever started it (a launch
+  // command's shell exits at once).
+  if (const char* parent = std::getenv("FLEXPERT_PARENT_PID");
+      parent != nullptr && std::atoi(parent) == static_cast<int>(getppid())) {
+    prctl(PR_SET_PDEATHSIG, SIGINT);
+    if (getppid() != std::atoi(parent)) return 1;  // The front end ended before the prctl.
+  }
   struct sigaction sa {};
   sa.sa_handler = on_terminate;
   sigaction(SIGINT, &sa, nullptr);

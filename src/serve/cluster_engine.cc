@@ -4,7 +4,6 @@
 
 #include <dirent.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -41,55 +40,29 @@ std::string self_exe() {
 
 }  // namespace
 
-Status ClusterEngine::Impl::spawn(int rank) {
-  const std::string binary = options_.worker_binary.empty() ? self_exe() : options_.worker_binary;
-  const std::string rank_str = std::to_string(rank);
-  int threads = options_.threads_per_worker;
-  if (threads <= 0) {
-    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / options_.ranks);
-  }
-  std::vector<std::string> env_strings;
-  for (char** e = environ; *e != nullptr; ++e) {
-    if (std::string(*e).rfind("FLEXPERT_THREADS=", 0) != 0) env_strings.emplace_back(*e);
-  }
-  env_strings.push_back("FLEXPERT_THREADS=" + std::to_string(threads));
-  // The key goes through the environment: argv is readable by every user (/proc/PID/cmdline).
-  std::erase_if(env_strings,
-                [](const std::string& e) { return e.rfind("FLEXPERT_CLUSTER_KEY=", 0) == 0; });
-  if (!options_.cluster_key.empty()) {
-    env_strings.push_back("FLEXPERT_CLUSTER_KEY=" + options_.cluster_key);
-  }
-  std::vector<char*> envp;
-  for (auto& e : env_strings) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  std::vector<std::string> arg_strings = {binary,    "worker", "--join",
-                                          endpoint_, "--rank", rank_str};
-  std::vector<char*> argv;
-  for (auto& a : arg_strings) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  // posix_spawn (a vfork, not a fork): this runs on the control loop with the lock held,
-  // where fork, which copies the front end's page tables first, took 1.1-1.6 ms per rank
-  // on the dev VM (a gap in every stream at a scale-up; posix_spawn 0.13-0.37 ms). The
-  // child gets its own process group
-  // (terminal signals go to the front end, which stops the group in order) and no
-  // blocked signals (the front end blocks its stop signals for sigwait()).
-  posix_spawnattr_t attr;
-  if (posix_spawnattr_init(&attr) != 0) return unavailable("posix_spawnattr_init failed");
-  sigset_t none;
-  sigemptyset(&none);
-  int err = posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK);
-  if (err == 0) err = posix_spawnattr_setpgroup(&attr, 0);
-  if (err == 0) err = posix_spawnattr_setsigmask(&attr, &none);
-  pid_t pid = -1;
-  if (err == 0) err = posix_spawn(&pid, binary.c_str(), nullptr, &attr, argv.data(), envp.data());
-  posix_spawnattr_destroy(&attr);
-  if (err != 0) {
-    return unavailable("cannot start rank " + rank_str + " (" + binary +
-                       "): " + std::strerror(err));
-  }
+Status ClusterEngine::Impl::launch(int rank) {
+  FLEX_ASSIGN_OR_RETURN(const pid_t pid, launcher_->launch(rank, incarnation(rank)));
   ranks_[rank].pid = pid;
-  ranks_[rank].spawned = true;
+  ranks_[rank].spawned = launcher_->owns_workers();
   return Status();
+}
+
+void ClusterEngine::Impl::fail_launches() {
+  for (const FailedLaunch& f : launcher_->poll_failed()) {
+    RankInfo& info = ranks_[f.rank];
+    // Only while that incarnation still waits for its worker.
+    if (incarnation(f.rank) != f.incarnation || state(f.rank) != RankState::kStarting ||
+        !info.routing_id.empty()) {
+      continue;
+    }
+    info.last_error = f.why;
+    if (epoch() == 0 && start_error_.ok()) {
+      start_error_ = unavailable("rank " + std::to_string(f.rank) + ": " + f.why);
+    }
+    membership_.mark_lost(f.rank);
+    rank_reaped(f.rank);  // Nothing of it runs.
+    cv_.notify_all();
+  }
 }
 
 Status ClusterEngine::Impl::start() {
@@ -167,11 +140,21 @@ Status ClusterEngine::Impl::start() {
   FLEX_RETURN_IF_ERROR(wake_rx_.bind(wake));
   lock.lock();
   FLEX_RETURN_IF_ERROR(wake_tx_.connect(wake));
+  LaunchConfig launch_config;
+  launch_config.endpoint = endpoint_;
+  launch_config.binary = options_.worker_binary.empty() ? self_exe() : options_.worker_binary;
+  launch_config.cluster_key = options_.cluster_key;
+  launch_config.threads =
+      options_.threads_per_worker > 0
+          ? options_.threads_per_worker
+          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / options_.ranks);
+  launch_config.command = options_.launch_command;
+  launcher_ = make_launcher(!options_.spawn_workers, std::move(launch_config));
   ranks_.assign(static_cast<size_t>(options_.max_ranks), RankInfo{});
   membership_ = cluster::Membership(membership_config());
   (void)membership_.start(now_ms());  // Opens the initial ranks; spawned below.
-  if (options_.spawn_workers) {
-    for (int r : members) FLEX_RETURN_IF_ERROR(spawn(r));
+  if (launcher_->starts_workers()) {
+    for (int r : members) FLEX_RETURN_IF_ERROR(launch(r));
   }
   lock.unlock();
   FLEX_LOG(INFO) << "control plane at " << endpoint_ << "; waiting for " << options_.ranks
@@ -192,9 +175,9 @@ Status ClusterEngine::Impl::start() {
   return Status();
 }
 
-void ClusterEngine::Impl::request_spawn(int rank) {
-  ranks_[rank].spawned = true;
-  spawn_queue_.push_back(rank);
+void ClusterEngine::Impl::request_launch(int rank) {
+  ranks_[rank].spawned = launcher_->owns_workers();
+  launch_queue_.push_back(rank);
   wake();
 }
 
@@ -473,14 +456,10 @@ void ClusterEngine::Impl::check_workers(Calls* calls) {
   for (size_t r = 0; r < ranks_.size(); ++r) {
     RankInfo& info = ranks_[r];
     if (info.spawned && info.pid > 0) {
-      int wstatus = 0;
-      if (waitpid(info.pid, &wstatus, WNOHANG) == info.pid) {
+      if (const std::string why = launcher_->reap(info.pid); !why.empty()) {
         info.pid = 0;
         unlink_rank_segments(static_cast<int>(r), incarnation(static_cast<int>(r)));
         cv_.notify_all();  // Waiters for exits (scale-up reusing the id, restarts).
-        const std::string why = WIFSIGNALED(wstatus)
-                                    ? "killed by signal " + std::to_string(WTERMSIG(wstatus))
-                                    : "exited with code " + std::to_string(WEXITSTATUS(wstatus));
         if (epoch() == 0 && start_error_.ok()) {
           start_error_ = unavailable("rank " + std::to_string(r) + " " + why +
                                      (info.last_error.empty() ? "" : ": " + info.last_error));
@@ -491,6 +470,7 @@ void ClusterEngine::Impl::check_workers(Calls* calls) {
       }
     }
   }
+  fail_launches();
   // Every rank that said hello beats (a thread of its own): silence past
   // --heartbeat-timeout-ms is a loss, which the membership decides on this clock (tick).
   if (options_.reconfigure == "stop-the-world") {
@@ -527,16 +507,16 @@ void ClusterEngine::Impl::control_loop() {
   while (!stop_.load()) {
     {
       MutexLock lock(mutex_);
-      for (int r : spawn_queue_) {
+      for (int r : launch_queue_) {
         if (state(r) != RankState::kStarting || ranks_[r].pid != 0) continue;
-        if (Status s = spawn(r); !s.ok()) {
+        if (Status s = launch(r); !s.ok()) {
           membership_.mark_lost(r);
           rank_reaped(r);  // Nothing was started.
           ranks_[r].last_error = s.to_string();
           cv_.notify_all();
         }
       }
-      spawn_queue_.clear();
+      launch_queue_.clear();
     }
     flush_outbox();
     auto ready = zmq_poll_readable({&router_, &wake_rx_}, 20);
@@ -592,14 +572,22 @@ Status ClusterEngine::Impl::shutdown() {
   // Workers stop together at their next step boundary; give them a moment, then insist.
   const auto deadline = Clock::now() + std::chrono::seconds(5);
   for (pid_t pid : children) {
-    while (waitpid(pid, nullptr, WNOHANG) == 0) {
+    for (;;) {
+      MutexLock lock(mutex_);
+      if (!launcher_->reap(pid).empty()) break;
       if (Clock::now() > deadline) {
-        kill(pid, SIGKILL);
-        waitpid(pid, nullptr, 0);
+        launcher_->kill_worker(pid);
+        while (launcher_->reap(pid).empty())
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
         break;
       }
+      lock.unlock();
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
+  }
+  {
+    MutexLock lock(mutex_);
+    launcher_->stop_all();
   }
   {
     MutexLock lock(mutex_);

@@ -30,8 +30,14 @@ struct ClusterOptions {
   int max_seq_len = 0;               // 0: the model's, capped at 4096.
   int transport_timeout_ms = 30000;  // Silent peers; dead ones are seen at once.
   int heartbeat_timeout_ms = 2000;   // Heartbeats come from a thread of their own.
-  bool spawn_workers = true;         // false: wait for `flexpert worker --join`.
-  std::string worker_binary;         // Default: this executable.
+  // How workers start (serve/launcher.h): true, forked here (ForkLauncher); false, by hand or
+  // by an orchestrator (ExternalLauncher), joining with `flexpert worker --join`.
+  bool spawn_workers = true;
+  // Without spawn_workers: a shell command that starts one worker, run with FLEXPERT_RANK and
+  // FLEXPERT_JOIN (HOST:PORT) in its environment; a non-zero exit is a failed start. Empty:
+  // the front end prints the `flexpert worker` line to run and waits.
+  std::string launch_command;
+  std::string worker_binary;  // Default: this executable.
   // What every worker's hello must carry. Empty with spawn_workers: a random key,
   // handed to spawned workers through their environment (never argv). Empty
   // without: hellos are not checked.

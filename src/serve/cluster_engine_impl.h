@@ -22,6 +22,7 @@
 #include "flexpert/model_config.h"
 #include "flexpert/placement.h"
 #include "serve/cluster_engine.h"
+#include "serve/launcher.h"
 #include "serve/metrics.h"
 
 namespace flexpert {
@@ -54,8 +55,8 @@ inline std::vector<int> sorted_union(std::vector<int> a, const std::vector<int>&
 // What the front end keeps of a rank beside the membership's state: its process, its
 // address, its reports.
 struct RankInfo {
-  pid_t pid = 0;
-  bool spawned = false;
+  pid_t pid = 0;         // The worker's process where spawned, 0 before it starts or after reaping.
+  bool spawned = false;  // Its process is the launcher's own (ForkLauncher): it kills and reaps it.
   std::string routing_id;  // Of the current incarnation (membership_ numbers it).
   std::string address;
   int running = 0;
@@ -284,7 +285,7 @@ class ClusterEngine::Impl {
   // hold every expert) with the lost experts reloaded. Healer thread; the waits release
   // the lock.
   Status recover(nlohmann::json* report) REQUIRES(mutex_);
-  // Starts `joiners` (spawned, or waits for hand-started ones) and waits until each is
+  // Starts `joiners` (launcher_; an external one may only say how) and waits until each is
   // Ready; `changed` ends the wait early. Rolls back nothing.
   Status start_joiners(const std::vector<int>& joiners, const std::function<bool()>& changed)
       REQUIRES(mutex_);
@@ -369,11 +370,19 @@ class ClusterEngine::Impl {
   // transports end waits on it now (docs/ARCHITECTURE.md, "Membership, epochs, failure").
   void announce_lost(int rank, uint64_t lost_incarnation, const std::string& why) REQUIRES(mutex_);
   void wake() REQUIRES(mutex_);
-  Status spawn(int rank) REQUIRES(mutex_);
-  // Has the control thread spawn `rank` (workers die with the thread that forked
-  // them: PR_SET_PDEATHSIG, so only a thread that lives as long as the group may).
-  void request_spawn(int rank) REQUIRES(mutex_);
-  std::vector<int> spawn_queue_ GUARDED_BY(mutex_);
+  // Gets a worker for `rank`'s current incarnation from launcher_ (serve/launcher.h).
+  // Control thread, or start() before it runs: forked workers die with the thread that
+  // forked them (PR_SET_PDEATHSIG), so only a thread that lives as long as the group may.
+  Status launch(int rank) REQUIRES(mutex_);
+  // Has the control thread launch `rank`.
+  void request_launch(int rank) REQUIRES(mutex_);
+  std::vector<int> launch_queue_ GUARDED_BY(mutex_);
+  // Fork or external (ClusterOptions::spawn_workers), created by start() once the control
+  // socket is bound.
+  std::unique_ptr<Launcher> launcher_ GUARDED_BY(mutex_);
+  // Launches the launcher saw fail (an orchestrator's command exited non-zero): as a failed
+  // process start, the rank is lost before it said hello. Control thread.
+  void fail_launches() REQUIRES(mutex_);
   int rank_of_routing_id(const std::string& id) const REQUIRES(mutex_);
 };
 

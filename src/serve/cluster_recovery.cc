@@ -47,7 +47,7 @@ cluster::MembershipConfig ClusterEngine::Impl::membership_config() const {
   // rebalance has settled, with the load window. Hand-started replacements get one
   // bounded wait (--start-timeout-ms), then the group is degraded.
   mc.plan_on_loss = false;
-  mc.recovery_attempts = options_.spawn_workers ? kRecoveryAttempts : 1;
+  mc.recovery_attempts = launcher_->starts_workers() ? kRecoveryAttempts : 1;
   return mc;
 }
 
@@ -170,7 +170,7 @@ void ClusterEngine::Impl::execute_loss(int rank, uint64_t lost_incarnation, cons
   announce_lost(rank, lost_incarnation, why);
   info.last_error = why;
   info.leaving = false;
-  if (info.spawned && info.pid > 0) kill(info.pid, SIGKILL);  // Declared lost: make it so.
+  if (info.spawned && info.pid > 0) launcher_->kill_worker(info.pid);  // Declared lost: make it so.
   if (!info.spawned) {
     // Not ours to kill: if it is alive but silent, fence it (it exits when it wakes).
     if (!info.routing_id.empty()) post(rank, proto::Shutdown{proto::Shutdown::kFenced});
@@ -382,7 +382,7 @@ Status ClusterEngine::Impl::recover(nlohmann::json* report) {
 }
 
 void ClusterEngine::Impl::keep_spares() {
-  if (options_.spare_ranks <= 0 || !options_.spawn_workers || options_.reconfigure != "live" ||
+  if (options_.spare_ranks <= 0 || !launcher_->starts_workers() || options_.reconfigure != "live" ||
       phase() != Phase::kServing || reconfiguring_ || rebalancing_) {
     return;
   }
@@ -397,7 +397,7 @@ void ClusterEngine::Impl::keep_spares() {
     info = RankInfo{};
     info.spare = true;
     membership_.open_rank(free[i], now_ms());
-    request_spawn(free[i]);
+    request_launch(free[i]);
     FLEX_LOG(INFO) << "starting rank " << free[i] << " as a spare";
   }
 }
@@ -479,7 +479,8 @@ void ClusterEngine::Impl::heal_loop() {
     // Back to the size the operator asked for, with a live scale-up.
     const bool short_of_ranks = static_cast<int>(members().size()) < target_ranks_;
     if (!short_of_ranks || phase() != Phase::kServing || reconfiguring_ || rebalancing_ ||
-        !options_.spawn_workers || options_.reconfigure != "live" || Clock::now() < next_heal) {
+        !launcher_->starts_workers() || options_.reconfigure != "live" ||
+        Clock::now() < next_heal) {
       continue;
     }
     const int target = target_ranks_;

@@ -194,11 +194,11 @@ void ClusterEngine::Impl::rollback_joiners(const std::vector<int>& joiners) {
   for (int r : joiners) {
     RankInfo& info = ranks_[r];
     info.joining = false;
-    spawn_queue_.erase(std::remove(spawn_queue_.begin(), spawn_queue_.end(), r),
-                       spawn_queue_.end());
+    launch_queue_.erase(std::remove(launch_queue_.begin(), launch_queue_.end(), r),
+                        launch_queue_.end());
     membership_.mark_stopped(r);  // Stopped, unless dead.
     if (info.spawned && info.pid > 0) {
-      kill(info.pid, SIGKILL);  // Reaped (and its segments removed) by check_workers.
+      launcher_->kill_worker(info.pid);  // Reaped (and its segments removed) by check_workers.
     } else if (!info.routing_id.empty()) {
       post(r, proto::Shutdown{proto::Shutdown::kLeave});
       unlink_rank_segments(r, incarnation(r));
@@ -225,13 +225,7 @@ Status ClusterEngine::Impl::start_joiners(const std::vector<int>& joiners,
     info = RankInfo{};
     membership_.open_rank(r, now_ms());  // Its next incarnation: starting.
     info.joining = true;
-    if (options_.spawn_workers) {
-      request_spawn(r);
-    } else {
-      std::printf("waiting for 1 worker: flexpert worker --join %s --rank %d\n",
-                  endpoint_.substr(6).c_str(), r);
-      std::fflush(stdout);
-    }
+    request_launch(r);
   }
   auto failed = [&]() REQUIRES(mutex_) {
     for (int r : joiners) {
@@ -582,7 +576,7 @@ Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report)
            std::all_of(ranks_.begin(), ranks_.end(), [](const RankInfo& i) { return i.pid == 0; });
   });
   for (auto& info : ranks_) {
-    if (info.spawned && info.pid > 0) kill(info.pid, SIGKILL);
+    if (info.spawned && info.pid > 0) launcher_->kill_worker(info.pid);
   }
   cv_.wait_for(lock, std::chrono::seconds(5), [&]() REQUIRES(mutex_) {
     return std::all_of(ranks_.begin(), ranks_.end(), [](const RankInfo& i) { return i.pid == 0; });
@@ -598,7 +592,7 @@ Status ClusterEngine::Impl::restart_group(int num_ranks, nlohmann::json* report)
   for (int r : next) {
     ranks_[r] = RankInfo{};
     membership_.open_rank(r, now_ms());
-    request_spawn(r);
+    request_launch(r);
   }
   cv_.wait_for(lock, std::chrono::milliseconds(options_.start_timeout_ms), [&]() REQUIRES(mutex_) {
     return halting() || std::all_of(next.begin(), next.end(), [&](int r) REQUIRES(mutex_) {
@@ -664,7 +658,7 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
     if (joiners.empty() && leavers.empty()) {
       return nlohmann::json{{"epoch", epoch()}, {"members", members()}, {"changed", false}};
     }
-    if (stop_the_world && !options_.spawn_workers) {
+    if (stop_the_world && !launcher_->owns_workers()) {
       return invalid_argument("--reconfigure stop-the-world needs spawned workers");
     }
     reconfiguring_ = true;
