@@ -456,7 +456,8 @@ void ClusterEngine::Impl::check_workers(Calls* calls) {
   for (size_t r = 0; r < ranks_.size(); ++r) {
     RankInfo& info = ranks_[r];
     if (info.spawned && info.pid > 0) {
-      if (const std::string why = launcher_->reap(info.pid); !why.empty()) {
+      // Reaped already ("": shutdown() may reap first) is left to whoever reaped it.
+      if (const std::string why = launcher_->reap(info.pid).value_or(""); !why.empty()) {
         info.pid = 0;
         unlink_rank_segments(static_cast<int>(r), incarnation(static_cast<int>(r)));
         cv_.notify_all();  // Waiters for exits (scale-up reusing the id, restarts).
@@ -574,11 +575,12 @@ Status ClusterEngine::Impl::shutdown() {
   for (pid_t pid : children) {
     for (;;) {
       MutexLock lock(mutex_);
-      if (!launcher_->reap(pid).empty()) break;
+      if (launcher_->reap(pid).has_value()) break;  // Ended (or check_workers reaped it).
       if (Clock::now() > deadline) {
         launcher_->kill_worker(pid);
-        while (launcher_->reap(pid).empty())
+        while (!launcher_->reap(pid).has_value()) {
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
         break;
       }
       lock.unlock();
@@ -587,7 +589,7 @@ Status ClusterEngine::Impl::shutdown() {
   }
   {
     MutexLock lock(mutex_);
-    launcher_->stop_all();
+    if (launcher_) launcher_->stop_all();  // None when start() failed before the bind.
   }
   {
     MutexLock lock(mutex_);

@@ -78,10 +78,11 @@ Result<pid_t> ForkLauncher::launch(int rank, uint64_t /*incarnation*/) {
       "rank " + rank_str + " (" + config_.binary + ")");
 }
 
-std::string ForkLauncher::reap(pid_t pid) {
+std::optional<std::string> ForkLauncher::reap(pid_t pid) {
   int wstatus = 0;
-  if (pid <= 0 || waitpid(pid, &wstatus, WNOHANG) != pid) return "";
-  return exit_reason(wstatus);
+  const pid_t got = pid > 0 ? waitpid(pid, &wstatus, WNOHANG) : -1;
+  if (got == 0) return std::nullopt;
+  return got == pid ? exit_reason(wstatus) : "";
 }
 
 void ForkLauncher::kill_worker(pid_t pid) {

@@ -15,6 +15,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -51,8 +52,9 @@ class Launcher {
   virtual Result<pid_t> launch(int rank, uint64_t incarnation) = 0;
   // Launches that failed since the last call (their ranks are still starting).
   virtual std::vector<FailedLaunch> poll_failed() { return {}; }
-  // An owned worker's exit, without waiting: "" while it runs, else how it ended.
-  virtual std::string reap(pid_t /*pid*/) { return ""; }
+  // An owned worker's exit, without waiting: nullopt while it runs, else how it ended ("" when
+  // it was reaped already, by an earlier call).
+  virtual std::optional<std::string> reap(pid_t /*pid*/) { return ""; }
   // Kills an owned worker (reap() then sees it end).
   virtual void kill_worker(pid_t /*pid*/) {}
   // Stops what it started that still runs (launch commands); shutdown.
@@ -65,7 +67,7 @@ class ForkLauncher : public Launcher {
   bool starts_workers() const override { return true; }
   bool owns_workers() const override { return true; }
   Result<pid_t> launch(int rank, uint64_t incarnation) override;
-  std::string reap(pid_t pid) override;
+  std::optional<std::string> reap(pid_t pid) override;
   void kill_worker(pid_t pid) override;
 
  private:

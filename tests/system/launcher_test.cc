@@ -6,6 +6,7 @@
 // command that exits non-zero is a failed start (503), and the next scale goes through.
 #include <signal.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -44,8 +45,14 @@ class LaunchDir {
   }
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
   std::string command() const { return "sh '" + path("launch.sh") + "'"; }
-  // The ranks the command was run for, in order.
+  // The ranks the command was run for, in the order they ran (commands started together may
+  // finish in any order).
   std::vector<int> launched() const { return read_ints("launched"); }
+  std::vector<int> launched_sorted() const {
+    std::vector<int> v = launched();
+    std::sort(v.begin(), v.end());
+    return v;
+  }
   // Whether every worker the script started has exited (or does within 10 s). They are not
   // our children: gone, or a zombie of whoever adopted them.
   bool workers_exit() const {
@@ -85,7 +92,7 @@ TEST(LauncherTest, LaunchCommandStartsScalesAndHeals) {
   Server server({"--ranks", "2", "--max-ranks", "3", "--no-spawn", "--threads-per-worker", "1",
                  "--launch-command", launch.command()});
   ASSERT_TRUE(server.up());
-  EXPECT_EQ(launch.launched(), std::vector<int>({0, 1}));
+  EXPECT_EQ(launch.launched_sorted(), std::vector<int>({0, 1}));
   EXPECT_EQ(child_processes(server.pid()), 0);  // The workers are not the front end's.
   const Reference ref = load_reference();
   check_reference(server, ref, 1);
@@ -94,7 +101,8 @@ TEST(LauncherTest, LaunchCommandStartsScalesAndHeals) {
   const Answer up = post(server, "/v1/scale", {{"ranks", 3}});
   ASSERT_EQ(up.status, 200) << up.body.dump();
   EXPECT_EQ(up.body["members"], nlohmann::json({0, 1, 2}));
-  EXPECT_EQ(launch.launched(), std::vector<int>({0, 1, 2}));
+  EXPECT_EQ(launch.launched_sorted(), std::vector<int>({0, 1, 2}));
+  EXPECT_EQ(launch.launched().back(), 2);
   check_reference(server, ref, 1);
 
   // A kill: the group recovers and the healer restores three ranks through the command.
