@@ -71,6 +71,11 @@ struct ModelOptions {
   std::string quantization;
 };
 
+// ModelOptions::quantization against ModelOptions::device, before anything loads: "", "bf16"
+// or "fp8", and "fp8" not on the CPU; else InvalidArgument saying which. Model::load checks it
+// too; a serving front end calls it at start, before any worker loads.
+Status check_quantization(const std::string& device, const std::string& quantization);
+
 // What Model::forward_step returns for one batch row: a token always, and the row's
 // logits for kLogits.
 struct RowOutput {

@@ -13,19 +13,23 @@
 
 namespace flexpert {
 
-Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
-  const std::string& q = options.quantization;
+Status check_quantization(const std::string& device, const std::string& quantization) {
+  const std::string& q = quantization;
   if (!q.empty() && q != "bf16" && q != "fp8") {
     return invalid_argument("--quantization must be bf16 or fp8, got '" + q + "'");
   }
-  if (options.device == "cpu") {
-    if (q == "fp8") {
-      return invalid_argument(
-          "--quantization fp8 on --device cpu: the CPU path dequantizes FP8 weights to bf16 at "
-          "load; use --quantization bf16, or --device cuda");
-    }
-    return load_cpu_model(dir, options);
+  if (device == "cpu" && q == "fp8") {
+    return invalid_argument(
+        "--quantization fp8 on --device cpu: the CPU path dequantizes FP8 weights to bf16 at "
+        "load; use --quantization bf16, or --device cuda");
   }
+  return Status();
+}
+
+Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
+  const std::string& q = options.quantization;
+  FLEX_RETURN_IF_ERROR(check_quantization(options.device, q));
+  if (options.device == "cpu") return load_cpu_model(dir, options);
 #ifdef FLEXPERT_WITH_CUDA
   auto config = ModelConfig::load(dir);
   if (config.ok() && config->is_deepseek()) {
