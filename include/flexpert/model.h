@@ -67,7 +67,9 @@ struct ModelOptions {
   bool cuda_graphs = true;
   // Routed expert weights of a block-FP8 checkpoint: "bf16" dequantizes them at load (the
   // CPU path always does), "fp8" keeps them e4m3 with their block scales (GPU only,
-  // docs/memory.md); "": bf16. "fp8" with device "cpu" is InvalidArgument.
+  // docs/memory.md); "": on a GPU ModelConfig::default_gpu_quantization() where it can run
+  // (device_dtype bf16, compute capability 8.9 or newer), else bf16. "fp8" with device
+  // "cpu" is InvalidArgument.
   std::string quantization;
 };
 

@@ -9,6 +9,8 @@
 #include "checkpoint/rope.h"
 #include "cuda/cuda_deepseek_v3.h"
 #include "cuda/cuda_model.h"
+#include "cuda/fp8_experts.h"
+#include "flexpert/logging.h"
 #endif
 
 namespace flexpert {
@@ -26,6 +28,30 @@ Status check_quantization(const std::string& device, const std::string& quantiza
   return Status();
 }
 
+#ifdef FLEXPERT_WITH_CUDA
+namespace {
+
+// No --quantization: the checkpoint's default on a GPU (FP8 experts for a block-FP8 DeepSeek),
+// where it can run; else bf16, saying why (asking for fp8 there fails the load instead).
+std::string default_gpu_quantization(const ModelConfig& config, const ModelOptions& options) {
+  if (config.default_gpu_quantization() != "fp8") return "bf16";
+  std::string why;
+  Result<int> device = cuda::parse_device(options.device);
+  if (options.device_dtype != DType::kBF16) {
+    why = "--cuda-dtype is not bf16";
+  } else if (!device.ok() || !cuda::fp8_device_supported(device.value())) {
+    why = "the GPU is below compute capability 8.9";
+  }
+  if (!why.empty()) {
+    FLEX_LOG(INFO) << "block-FP8 checkpoint: routed experts dequantized to bf16 (" << why << ")";
+    return "bf16";
+  }
+  return "fp8";
+}
+
+}  // namespace
+#endif
+
 Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
   const std::string& q = options.quantization;
   FLEX_RETURN_IF_ERROR(check_quantization(options.device, q));
@@ -33,7 +59,9 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
 #ifdef FLEXPERT_WITH_CUDA
   auto config = ModelConfig::load(dir);
   if (config.ok() && config->is_deepseek()) {
-    return cuda::load_cuda_deepseek_model(dir, options,
+    ModelOptions resolved = options;
+    if (q.empty()) resolved.quantization = default_gpu_quantization(*config, options);
+    return cuda::load_cuda_deepseek_model(dir, resolved,
                                           rope_tables(*config, config->qk_rope_head_dim));
   }
   if (q == "fp8") {
