@@ -4,20 +4,25 @@
 # the other (10.77.0.2), the suites unchanged (the harness joins each forked rank to its
 # namespace: FLEXPERT_CONFORMANCE_NETNS). Needs root (ip netns, veth); without it, says so and
 # exits 77 (ctest: skipped).
-#   bash scripts/netns_conformance.sh [BUILD_DIR] [--rate 25gbit] [--hosts N] [-- command]
+#   bash scripts/netns_conformance.sh [BUILD_DIR] [--rate 25gbit] [--hosts N] [--backend hier]
+#                                     [-- command]
 # --rate caps each namespace's link in both directions with tc's token bucket (a NIC
 # stand-in). --hosts N (N > 2): N namespaces (10.77.0.1 ...) on a bridge in a namespace of its
-# own instead of the veth pair; rank r lives in namespace r % N.
+# own instead of the veth pair; rank r lives in namespace r % N. --backend picks the suites'
+# cases (default ucx); with hier and two namespaces, 4 ranks are 2 per namespace (shm within,
+# ucx across).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=build
 [ $# -gt 0 ] && [ "${1#--}" = "$1" ] && { build=$1; shift; }
 rate=""
 hosts=2
+backend=ucx
 while [ $# -gt 0 ]; do
   case "$1" in
     --rate) rate=$2; shift 2 ;;
     --hosts) hosts=$2; shift 2 ;;
+    --backend) backend=$2; shift 2 ;;
     --) shift; break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -82,7 +87,10 @@ if [ $# -gt 0 ]; then
   exit
 fi
 status=0
+# This backend's cases only (the parameter names end in BACKEND_Nranks; "*hier*" would take
+# hier_gpu too).
+filter="*/${backend}_2ranks:*/${backend}_3ranks:*/${backend}_4ranks"
 for t in transport_conformance_test transport_conformance_fault_test; do
-  "$build/tests/transport/$t" --gtest_filter='*ucx*' || status=1
+  "$build/tests/transport/$t" --gtest_filter="$filter" || status=1
 done
 exit $status

@@ -140,8 +140,8 @@ Status run_serve(const Flags& flags) {
                               "(FLEXPERT_CLUSTER_KEY, --cluster-key-file or --cluster-key)");
     }
     options.transport = flags.str("transport");
-    if (options.transport != "shm" && options.transport != "ucx") {
-      return invalid_argument("--transport must be shm or ucx");
+    if (options.transport != "shm" && options.transport != "ucx" && options.transport != "hier") {
+      return invalid_argument("--transport must be shm, ucx or hier");
     }
     if (!options.spawn_workers && options.cluster_key.empty()) {
       // Without a key anyone who reaches the control port could take a rank.
@@ -287,7 +287,9 @@ int cmd_serve(const Args& args) {
              "address the control plane listens on and workers are told (not loopback: needs "
              "the cluster key)")
       .value("transport", "shm",
-             "workers' data plane: shm (one host) or ucx (any hosts; builds with UCX)")
+             "workers' data plane: shm (one host), ucx (any hosts; builds with UCX) or hier "
+             "(any hosts: shm, or cuda_ipc for GPU workers, between workers of one host; ucx "
+             "between hosts)")
       .value("admin-key", "",
              "bearer key for admin routes and /v1/status detail (visible in ps: prefer "
              "FLEXPERT_ADMIN_KEY or --admin-key-file)")

@@ -214,6 +214,7 @@ Actions Membership::lost(int r, uint64_t incarnation, const std::string& why, in
     if (phase_ == Phase::kStarting) return out;  // The driver fails the start.
     if (phase_ == Phase::kDegraded) return out;  // Only a scale repairs it.
     abandon(&out);  // A scale or a recovery planned with the lost rank.
+    if (phase_ != Phase::kRecovering) recovery_started_ms_ = now_ms;
     set_phase(Phase::kRecovering);
     if (config_.plan_on_loss) plan_recovery_proposal(now_ms, &out);
   } else if (was_joiner) {
@@ -244,21 +245,29 @@ Actions Membership::reaped(int r, int64_t now_ms) {
   return out;
 }
 
-Actions Membership::tick(int64_t now_ms) {
-  Actions out;
+std::vector<std::pair<int, uint64_t>> Membership::silent(int64_t now_ms) const {
+  std::vector<std::pair<int, uint64_t>> out;
   for (int r = 0; r < num_ranks(); ++r) {
     const RankView& info = ranks_[r];
     const bool watched =
         info.admitted && (info.state == RankState::kStarting || info.state == RankState::kReady ||
                           info.state == RankState::kServing);
     if (watched && now_ms - info.last_seen_ms > config_.heartbeat_timeout_ms) {
-      Actions a =
-          lost(r, info.incarnation,
-               "no heartbeat for " + std::to_string(config_.heartbeat_timeout_ms) + " ms", now_ms);
-      out.insert(out.end(), a.begin(), a.end());
+      out.emplace_back(r, info.incarnation);
     }
   }
-  if (proposal_ && now_ms > proposal_->deadline_ms) {
+  return out;
+}
+
+Actions Membership::tick(int64_t now_ms) {
+  Actions out;
+  for (const auto& [r, incarnation] : silent(now_ms)) {
+    Actions a =
+        lost(r, incarnation,
+             "no heartbeat for " + std::to_string(config_.heartbeat_timeout_ms) + " ms", now_ms);
+    out.insert(out.end(), a.begin(), a.end());
+  }
+  if (proposal_ && config_.prepare_timeout_ms > 0 && now_ms > proposal_->deadline_ms) {
     if (proposal_->kind == Proposal::Kind::kRecovery) {
       fail_recovery_attempt("the recovery's preparation timed out", now_ms, &out);
     } else {
@@ -320,6 +329,12 @@ void Membership::mark_lost(int r) {
   ranks_[r].reaped = false;
   ranks_[r].leaving = false;
   members_.erase(std::remove(members_.begin(), members_.end(), r), members_.end());
+}
+
+Actions Membership::give_up_recovery(const std::string& why) {
+  Actions out;
+  if (phase_ == Phase::kRecovering) enter_degraded(why, &out);
+  return out;
 }
 
 void Membership::mark_stopped(int r) {
@@ -419,6 +434,7 @@ Result<Actions> Membership::scale(int target, const std::vector<int>& remove, in
     }
     target_ranks_ = target;
     failed_attempts_ = 0;
+    recovery_started_ms_ = now_ms;
     set_phase(Phase::kRecovering);
     if (config_.plan_on_loss) plan_recovery_proposal(now_ms, &out);
     return out;

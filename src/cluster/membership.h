@@ -20,6 +20,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cluster/recovery_plan.h"
@@ -56,8 +57,10 @@ struct MembershipConfig {
   std::vector<bool> routed;            // [layer]: MoE layers (others keep their map).
   std::vector<std::vector<int>> maps;  // [layer][slot]: the placement of the first epoch.
   int64_t heartbeat_timeout_ms = 2000;
-  int64_t prepare_timeout_ms = 120000;  // A proposal not acknowledged by then fails.
-  int recovery_attempts = 3;            // Failed recovery preparations before degraded.
+  // A proposal not acknowledged by then fails (tick()); 0: never (the driver bounds its
+  // own waits and abandons the proposal itself).
+  int64_t prepare_timeout_ms = 120000;
+  int recovery_attempts = 3;  // Failed recovery preparations before degraded.
   // true: a member's loss plans the recovery at once (lost() opens the proposal).
   // false: lost() records the loss and the driver asks for the plan with
   // propose_recovery() once it is ready (ClusterEngine first lets a running scale or
@@ -175,8 +178,13 @@ class Membership {
   Actions lost(int rank, uint64_t incarnation, const std::string& why, int64_t now_ms);
   // The process of the rank's last incarnation has exited: its id may be reused.
   Actions reaped(int rank, int64_t now_ms);
-  // Silence past heartbeat_timeout_ms is a loss; a proposal past its deadline fails.
+  // Silence past heartbeat_timeout_ms is a loss (lost(): the silent incarnation is
+  // fenced, kFence); a proposal past its deadline fails. The driver calls it on its clock.
   Actions tick(int64_t now_ms);
+  // The admitted, live incarnations silent past heartbeat_timeout_ms at `now_ms`: those
+  // tick() declares lost (for a driver that executes losses itself: the stop-the-world
+  // baseline).
+  std::vector<std::pair<int, uint64_t>> silent(int64_t now_ms) const;
   // A member halted in the current epoch without a dead peer: re-commit the members.
   Actions halted(int rank, uint64_t incarnation, uint64_t epoch, int64_t now_ms);
   // `rank` applied `epoch`.
@@ -257,6 +265,9 @@ class Membership {
   // `rank` is lost (dead, fenced) or left (stopped): out of the members, no planning.
   void mark_lost(int rank);
   void mark_stopped(int rank);
+  // The driver gives up on a running recovery (its own bound on retries): degraded with
+  // `why`, every open request failed (kFail). Not recovering: nothing.
+  Actions give_up_recovery(const std::string& why);
   void enter(Phase p) { set_phase(p); }
 
   // --- Reads -------------------------------------------------------------------------
@@ -271,7 +282,11 @@ class Membership {
   bool rebalancing() const { return rebalancing_; }
   const std::map<uint64_t, RequestView>& requests() const { return requests_; }
   size_t num_held() const;
+  // Why the group is degraded (set on entering degraded, cleared by a recovery's commit).
   const std::string& degraded_reason() const { return degraded_reason_; }
+  // When the running recovery began (the loss that entered recovering, or the scale that
+  // left degraded); that of the last one once it ended.
+  int64_t recovery_started_ms() const { return recovery_started_ms_; }
   int target_ranks() const { return target_ranks_; }
   const std::vector<int>& lost() const { return lost_; }  // Of the running recovery.
   bool is_member(int r) const;
@@ -320,6 +335,7 @@ class Membership {
   std::vector<int> lost_;  // Members lost since the last commit.
   int failed_attempts_ = 0;
   std::string degraded_reason_;
+  int64_t recovery_started_ms_ = 0;
   std::map<uint64_t, RequestView> requests_;
   std::vector<Phase> history_{Phase::kStarting};
 };

@@ -159,12 +159,16 @@ struct EpochCommand {
   uint64_t epoch = 0;
   std::vector<int> members;
   std::vector<std::string> addresses;  // [max_ranks]; "" for non-members.
+  // [max_ranks]: each member's incarnation (0 for non-members; empty from a front end that
+  // does not say), so that a PeerLost of an earlier one is told apart
+  // (src/engine/peer_incarnations.h).
+  std::vector<uint64_t> incarnations;
   // The expert placement of the new epoch (e.g. without a lost rank's slots); empty
   // keeps the current one. Applied together with the membership.
   Placement placement;
   uint64_t map_version = 0;
   Status check() const;  // decode(): the placement, when present, is well formed.
-  MSGPACK_DEFINE_MAP(epoch, members, addresses, placement, map_version);
+  MSGPACK_DEFINE_MAP(epoch, members, addresses, incarnations, placement, map_version);
 };
 
 struct AddRequest {
@@ -216,7 +220,9 @@ struct Heartbeat {
 // --heartbeat-timeout-ms, its process ended, or fenced. Sent to every other rank that has
 // said hello, on its heartbeat socket: that thread answers while the stepping thread waits in
 // a collective, and marks the peer lost in the transport (Transport::mark_peer_lost), so a
-// wait on a silent host ends at once instead of at the transport timeout.
+// wait on a silent host ends at once instead of at the transport timeout. One naming an
+// incarnation earlier than the one the worker attached is stale and ignored
+// (src/engine/peer_incarnations.h).
 struct PeerLost {
   static constexpr const char* kType = "peer-lost";
   int rank = 0;
@@ -293,8 +299,9 @@ struct ConnectCommand {
   uint64_t id = 0;
   std::vector<int> ranks;
   std::vector<std::string> addresses;  // Parallel to ranks.
+  std::vector<uint64_t> incarnations;  // Parallel to ranks (as EpochCommand's).
   int probe_region = -1;               // -1: no probe (a model without MoE layers).
-  MSGPACK_DEFINE_MAP(id, ranks, addresses, probe_region);
+  MSGPACK_DEFINE_MAP(id, ranks, addresses, incarnations, probe_region);
 };
 
 struct Connected {

@@ -565,6 +565,16 @@ bool DeviceEpMoe::ready_for(const Group& group) {
     for (int r : group.ranks) {
       if (r == ep_->transport().rank()) continue;
       Result<uint64_t> incarnation = window_incarnation(r);
+      if (!incarnation.ok() && incarnation.status().code() == StatusCode::kUnimplemented) {
+        // A member whose buffers the transport never maps (hier: a rank on another host):
+        // the host exchange for as long as this group lasts. The member itself answers no as
+        // well (this rank is on another host for it), and every header carries the answer.
+        FLEX_LOG(INFO) << "rank " << ep_->transport().rank() << ", epoch " << group.epoch
+                       << ": host exchange, " << incarnation.status().to_string();
+        map_failed_ = true;
+        map_retry_ns_ = std::numeric_limits<int64_t>::max();
+        return false;
+      }
       if (!incarnation.ok()) {
         FLEX_LOG(WARN) << "epoch " << group.epoch << ": no device exchange yet, "
                        << incarnation.status().to_string();
@@ -834,13 +844,15 @@ Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst,
     // 1.2 GB for a Qwen3-30B-A3B layer), and the driver holds this process's stepping
     // thread meanwhile (a 21 ms step in a rebalance): a serving rank takes the host
     // mirrors instead (the transport answers Unimplemented). A joiner, not serving yet, maps
-    // them while it prepares.
+    // them while it prepares. Slots of a rank on another host are never mapped (hier answers
+    // Unimplemented): the host mirrors, read over the network.
     const MapMode mode = stepped_.load() ? MapMode::kMapSameDevice : MapMode::kMap;
     Result<PeerBuffer> mapped = transport.map_peer_buffer(src_rank, kSlotsBuffer + layer, mode);
     if (!mapped.ok()) {
       if (mapped.status().code() == StatusCode::kUnimplemented) {
         return unimplemented("rank " + std::to_string(src_rank) + "'s slots of layer " +
-                             std::to_string(layer) + " are on another GPU and not mapped");
+                             std::to_string(layer) + " are not mapped (" +
+                             mapped.status().message() + ")");
       }
       return mapped.status().annotate("slot buffers of rank " + std::to_string(src_rank));
     }

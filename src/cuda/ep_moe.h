@@ -173,7 +173,9 @@ class DeviceEpMoe {
   // the group serves with the host exchange meanwhile. Across GPUs mapping one peer takes
   // milliseconds (H200 x2, 8 ranks: 2-3.5 ms for five buffers), which the whole lockstep group
   // waited for at once at every scale-up; on another thread it stalled the steps longer (the driver
-  // serialises this context's calls with it: 50-250 ms).
+  // serialises this context's calls with it: 50-250 ms). A member the transport answers
+  // Unimplemented for (hier: on another host) is never mapped: no for as long as the group
+  // lasts.
   bool ready_for(const Group& group);
   static constexpr int64_t kMapSliceNs = 500'000;        // Mapping per step, at least one buffer.
   static constexpr int64_t kMapRetryNs = 1'000'000'000;  // After a failed mapping.

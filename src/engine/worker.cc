@@ -20,6 +20,7 @@
 #include "cluster/protocol.h"
 #include "cluster/zmq_socket.h"
 #include "core/mutex.h"
+#include "engine/peer_incarnations.h"
 #include "engine/placement_wire.h"
 #include "flexpert/logging.h"
 #include "flexpert/model.h"
@@ -170,6 +171,11 @@ class Worker {
   bool heartbeat_stop_ GUARDED_BY(heartbeat_mutex_) = false;
   // transport_, once created, for the heartbeat thread's mark_peer_lost (any thread).
   Transport* lost_sink_ GUARDED_BY(heartbeat_mutex_) = nullptr;
+  // The incarnation of each peer attached (or being attached): a PeerLost of an earlier one
+  // is stale. Updated before each connect, under the mutex the heartbeat thread checks and
+  // marks under, so a stale PeerLost either marks the old attachment (which the connect then
+  // replaces) or is dropped; it never marks the new one.
+  PeerIncarnations peer_incarnations_ GUARDED_BY(heartbeat_mutex_);
   bool fenced_ = false;  // Declared lost by the front end: exit, touch nothing.
   // SIGTERM: a LeaveRequest went out; the front end's scale-down ends it (Shutdown{kLeave})
   // or, past the deadline, the worker exits 1 on its own.
@@ -245,6 +251,13 @@ void Worker::on_peer_lost(const std::vector<std::string>& parts) {
   if (!msg.ok() || msg->rank == options_.rank) return;
   MutexLock lock(heartbeat_mutex_);
   if (lost_sink_ == nullptr) return;  // Not loaded yet: nothing waits on anyone.
+  if (!peer_incarnations_.applies(*msg)) {
+    // Sent before the id's next incarnation joined; we attached that one already.
+    FLEX_LOG(INFO) << "rank " << options_.rank << ": ignoring a stale loss of peer " << msg->rank
+                   << " incarnation " << msg->incarnation << " (attached: incarnation "
+                   << peer_incarnations_.attached(msg->rank) << ")";
+    return;
+  }
   const Status s =
       lost_sink_->mark_peer_lost(msg->rank, "the front end declared it lost (" + msg->why + ")");
   FLEX_LOG(INFO) << "rank " << options_.rank << ": peer " << msg->rank << " incarnation "
@@ -267,11 +280,12 @@ Status Worker::load() {
       model_config_.num_experts_per_tok, model_config_.hidden_size);
   topts.timeout_ms = config_.timeout_ms;
   std::string backend = config_.transport;
-  if (backend == "shm" && gpu_ordinal(config_.device) >= 0) {
+  if ((backend == "shm" || backend == "hier") && gpu_ordinal(config_.device) >= 0) {
     // A GPU rank: the device exchange and slot copies read peers' GPU memory through the
     // transport's mapped peer buffers (docs/ARCHITECTURE.md), which cuda_ipc has; its
-    // collectives and regions stay in host shared memory, as shm's.
-    backend = "cuda_ipc";
+    // collectives and regions stay in host shared memory, as shm's. hier takes cuda_ipc so
+    // within the host (its peers on other hosts are not mappable: host paths).
+    if (backend == "shm") backend = "cuda_ipc";
     topts.host_collectives = true;
     topts.device = gpu_ordinal(config_.device);
   }
@@ -335,6 +349,10 @@ Status Worker::apply_epoch(const proto::EpochCommand& cmd) {
     FLEX_LOG(INFO) << "rank " << options_.rank << " left the group in epoch " << cmd.epoch;
     return send_msg(control_, proto::EpochApplied{cmd.epoch, false});
   }
+  {
+    MutexLock lock(heartbeat_mutex_);
+    peer_incarnations_.attach(cmd);
+  }
   for (int r : cmd.members) {
     if (r == options_.rank) continue;
     if (r < 0 || r >= static_cast<int>(cmd.addresses.size()) || cmd.addresses[r].empty()) {
@@ -368,6 +386,10 @@ Status Worker::apply_epoch(const proto::EpochCommand& cmd) {
 
 Status Worker::connect_peers(const proto::ConnectCommand& cmd) {
   if (cmd.ranks.size() != cmd.addresses.size()) return invalid_argument("bad connect command");
+  {
+    MutexLock lock(heartbeat_mutex_);
+    peer_incarnations_.attach(cmd);
+  }
   for (size_t i = 0; i < cmd.ranks.size(); ++i) {
     const int r = cmd.ranks[i];
     if (r == options_.rank) continue;

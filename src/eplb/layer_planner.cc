@@ -433,36 +433,39 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
     domains = host_domains(shape, *current_host_of);
   }
   std::optional<std::vector<std::vector<int>>> repaired;
+  int64_t repaired_moves = 0;  // set_moves(current, *repaired)
   // After a membership change the plain repair mostly gets stuck or rewrites much: only the one
   // given the counts runs.
   if (domains && !reshaped) {
     repaired = repair(shape, load, current, *domains, repair_target, fallback_limit, nullptr);
+    if (repaired) repaired_moves = set_moves(current, *repaired);
   }
   // The current placement given the replica counts of the plan from scratch: where the plain
   // repair got stuck or rewrites much (after a membership change), it usually writes less.
-  if (domains && (!repaired || set_moves(current, *repaired) * 100 >
-                                   static_cast<int64_t>(kCountsAbovePercent) * shape.num_ranks *
-                                       shape.slots_per_rank)) {
+  if (domains && (!repaired || repaired_moves * 100 > static_cast<int64_t>(kCountsAbovePercent) *
+                                                          shape.num_ranks * shape.slots_per_rank)) {
     std::vector<int> counts(shape.num_experts, 0);
     for (const auto& set : fresh.sets) {
       for (int e : set) ++counts[e];
     }
     auto by_counts = repair(shape, load, current, *domains, repair_target, fallback_limit, &counts);
-    if (by_counts &&
-        (!repaired || set_moves(current, *by_counts) < set_moves(current, *repaired))) {
-      repaired = std::move(by_counts);
+    if (by_counts) {
+      const int64_t moves = set_moves(current, *by_counts);
+      if (!repaired || moves < repaired_moves) {
+        repaired = std::move(by_counts);
+        repaired_moves = moves;
+      }
     }
   }
-  if (repaired && set_moves(current, *repaired) == 0) {
+  if (repaired && repaired_moves == 0) {
     result.rank_sets = std::move(*repaired);
     return result;
   }
   // Renumbering the plan from scratch keeps about half of the experts in place under drift
   // (most when loads barely changed, but then the repair writes little): worth computing only
   // when the repair failed or rewrites a large part of the layer.
-  if (repaired &&
-      set_moves(current, *repaired) * 100 <=
-          static_cast<int64_t>(kRelabelAbovePercent) * shape.num_ranks * shape.slots_per_rank) {
+  if (repaired && repaired_moves * 100 <= static_cast<int64_t>(kRelabelAbovePercent) *
+                                              shape.num_ranks * shape.slots_per_rank) {
     result.rank_sets = std::move(*repaired);
     return result;
   }
@@ -478,7 +481,7 @@ LayerResult plan_layer(const LayerShape& shape, Policy requested, const std::vec
     }
     renumbered = state.rank_sets();
   }
-  if (repaired && set_moves(current, *repaired) <= set_moves(current, renumbered)) {
+  if (repaired && repaired_moves <= set_moves(current, renumbered)) {
     result.rank_sets = std::move(*repaired);
   } else {
     result.rank_sets = std::move(renumbered);

@@ -55,9 +55,22 @@ class MinTree {
     }
     return best;
   }
+  // The path to the root is re-played with the new winner kept in registers (pull's rule: the
+  // right child wins only when strictly smaller), so no level reads back what it just stored.
   void set(int i, double key) {
-    key_[leaves_ + i] = key;
-    for (int v = (leaves_ + i) / 2; v >= 1; v /= 2) pull(v);
+    int v = leaves_ + i;
+    key_[v] = key;
+    double k = key;
+    int idx = idx_[v];
+    for (; v > 1; v /= 2) {
+      const double other = key_[v ^ 1];
+      const int other_idx = idx_[v ^ 1];
+      const bool take_other = (v & 1) ? !(k < other) : other < k;
+      k = take_other ? other : k;
+      idx = take_other ? other_idx : idx;
+      key_[v / 2] = k;
+      idx_[v / 2] = idx;
+    }
   }
 
  private:

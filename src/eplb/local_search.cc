@@ -102,15 +102,27 @@ struct PairBlock {
   int x_new;
   // The chooser's key: scale, reach (-inf: the target never counts), bound.
   double scale, reach, bound;
-  // Per candidate (outputs): the swap's key, the eviction's key without y's other holders (a
-  // lower bound) and that peak; +inf where the step does not count.
+  // Per candidate: the highest load among y's other holders after evicting it (+inf: y has
+  // no replica to spare).
+  const double* evict_peak;
+  // Per candidate (outputs): the swap's key and the eviction's; +inf where the step does not
+  // count.
   double* swap_key;
   double* evict_key;
-  double* evict_low;
 };
 
-// Scores the first n - n % 4 candidates; returns how many.
-int score_pairs(const PairBlock& b, int n) {
+// The smallest of four lanes.
+double lane_min(__m256d v) {
+  const __m128d half = _mm_min_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+  return std::min(_mm_cvtsd_f64(half), _mm_cvtsd_f64(_mm_unpackhi_pd(half, half)));
+}
+
+struct PairMinima {
+  double swap_key, evict_key;
+};
+
+// Scores n candidates, n a multiple of 4; returns the smallest keys.
+PairMinima score_pairs(const PairBlock& b, int n) {
   const __m256d inf = _mm256_set1_pd(kInf);
   const __m256d h_swap = _mm256_set1_pd(b.h_swap), h_evict = _mm256_set1_pd(b.h_evict);
   const __m256d px = _mm256_set1_pd(b.px), px_more = _mm256_set1_pd(b.px_more);
@@ -125,8 +137,8 @@ int score_pairs(const PairBlock& b, int n) {
     const __m256d k = _mm256_fmadd_pd(scale, tier, peak);
     return _mm256_blendv_pd(inf, k, _mm256_cmp_pd(peak, bound, _CMP_LT_OQ));
   };
-  const int n4 = n - n % 4;
-  for (int j = 0; j < n4; j += 4) {
+  __m256d swap_min = inf, evict_min = inf;
+  for (int j = 0; j < n; j += 4) {
     // Built in registers: four scalar stores read back as one vector stall the load.
     const int r0 = b.rank[j], r1 = b.rank[j + 1], r2 = b.rank[j + 2], r3 = b.rank[j + 3];
     const __m256d blk = _mm256_setr_pd(b.x_on[r0] ? kInf : 0.0, b.x_on[r1] ? kInf : 0.0,
@@ -143,17 +155,33 @@ int score_pairs(const PairBlock& b, int n) {
                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.y_swap_cost + j))),
                       xc),
         x_new);
-    _mm256_storeu_pd(b.swap_key + j, key(_mm256_blendv_pd(inf, s, can_swap), swap_cost));
+    const __m256d swap_key = key(_mm256_blendv_pd(inf, s, can_swap), swap_cost);
+    _mm256_storeu_pd(b.swap_key + j, swap_key);
+    swap_min = _mm256_min_pd(swap_min, swap_key);
     const __m256d e = _mm256_max_pd(_mm256_add_pd(rest, px_more),
                                     _mm256_add_pd(h_evict, _mm256_loadu_pd(b.h_dy + j)));
-    const __m256d e_low = _mm256_add_pd(e, blk);
+    // std::max(e + blk, evict_peak), as max_pd(b, a) is.
+    const __m256d peak = _mm256_max_pd(_mm256_loadu_pd(b.evict_peak + j), _mm256_add_pd(e, blk));
     const __m256d evict_cost = _mm256_add_pd(
         _mm256_cvtepi32_pd(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.y_evict_cost + j))),
         xc);
-    _mm256_storeu_pd(b.evict_low + j, e_low);
-    _mm256_storeu_pd(b.evict_key + j, key(e_low, evict_cost));
+    const __m256d evict_key = key(peak, evict_cost);
+    _mm256_storeu_pd(b.evict_key + j, evict_key);
+    evict_min = _mm256_min_pd(evict_min, evict_key);
   }
-  return n4;
+  return {lane_min(swap_min), lane_min(evict_min)};
+}
+
+// The first index of keys (blocks of four) equal to their smallest, `best`; -1 when that is
+// +inf. What the scalar "if (k < best) best = k, best_j = j" from best = +inf finds.
+int first_min(const double* keys, double best) {
+  if (!(best < kInf)) return -1;
+  const __m256d target = _mm256_set1_pd(best);
+  for (int j = 0;; j += 4) {
+    const int mask =
+        _mm256_movemask_pd(_mm256_cmp_pd(_mm256_loadu_pd(keys + j), target, _CMP_EQ_OQ));
+    if (mask != 0) return j + __builtin_ctz(static_cast<unsigned>(mask));
+  }
 }
 #endif
 
@@ -183,15 +211,23 @@ class HolderPeaks {
     double load;
     int rank;
   };
+  // NOTE: each holder passes down the three places, trading with any it beats (ties keep the
+  // earlier holder), written as selects: which place it beats is unpredictable.
   void refresh(int expert) {
-    auto& top = top_[expert];
-    top.fill({-kInf, -1});
+    double load[3] = {-kInf, -kInf, -kInf};
+    int rank[3] = {-1, -1, -1};
     for (int g : state_.holders(expert)) {
-      Entry e{state_.rank_load(g), g};
-      for (Entry& t : top) {
-        if (e.load > t.load) std::swap(e, t);
+      double l = state_.rank_load(g);
+      for (int i = 0; i < 3; ++i) {
+        const bool beats = l > load[i];
+        const double kept = beats ? l : load[i];
+        const int kept_rank = beats ? g : rank[i];
+        l = beats ? load[i] : l;
+        g = beats ? rank[i] : g;
+        load[i] = kept, rank[i] = kept_rank;
       }
     }
+    for (int i = 0; i < 3; ++i) top_[expert][i] = Entry{load[i], rank[i]};
     stale_[expert] = 0;
   }
 
@@ -223,14 +259,21 @@ void reposition(const LayerState& state, std::vector<int>& order, int a, int b) 
   }
 }
 
-// Re-sorts `order` after a few loads changed: insertion sort, O(ranks) when nearly sorted.
-void resort(const LayerState& state, std::vector<int>& order) {
-  const LoadLess less{state};
+// Re-sorts `order` after a few loads changed: insertion sort, O(ranks) when nearly sorted, on
+// a copy of the loads in order (`loads`, scratch) rather than through the ranks (LoadLess).
+void resort(const LayerState& state, std::vector<int>& order, std::vector<double>& loads) {
+  loads.resize(order.size());
+  for (size_t i = 0; i < order.size(); ++i) loads[i] = state.rank_load(order[i]);
   for (size_t i = 1; i < order.size(); ++i) {
     const int v = order[i];
+    const double lv = loads[i];
     size_t j = i;
-    for (; j > 0 && less(v, order[j - 1]); --j) order[j] = order[j - 1];
+    for (; j > 0 && (lv != loads[j - 1] ? lv < loads[j - 1] : v < order[j - 1]); --j) {
+      order[j] = order[j - 1];
+      loads[j] = loads[j - 1];
+    }
     order[j] = v;
+    loads[j] = lv;
   }
 }
 
@@ -281,19 +324,31 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
   // Highest load among the holders of `expert` other than a and b (-inf: none). An expert held
   // by many ranks is found near the hot end of `order` at once; the cached top three of its
   // holders would be recomputed after almost every step (one of them changed load). Only when
-  // the domain is every rank (`order` holds them all).
+  // the domain is every rank (`order` holds them all). The scan finds the two hottest holders
+  // other than b once per step and expert (b is the hottest rank, the same all step; a is the
+  // candidate's rank).
+  struct ScanTop {
+    int step = -1, b = -1, first = -1, second = -1;
+  };
+  std::vector<ScanTop> scan_top(state.num_experts());
+  int step_idx = 0;
   auto max_except = [&](int expert, int a, int b) {
     const int c = state.count(expert);
     if (static_cast<int64_t>(c) * c <= 4 * num_ranks ||
         order.size() != static_cast<size_t>(num_ranks)) {
       return peaks.max_except(expert, a, b);
     }
-    const uint8_t* on = state.holds_row(expert);
-    for (size_t i = order.size(); i-- > 0;) {
-      const int g = order[i];
-      if (on[g] && g != a && g != b) return state.rank_load(g);
+    ScanTop& t = scan_top[expert];
+    if (t.step != step_idx || t.b != b) {
+      t = ScanTop{step_idx, b, -1, -1};
+      const uint8_t* on = state.holds_row(expert);
+      for (size_t i = order.size(); i-- > 0 && t.second < 0;) {
+        const int g = order[i];
+        if (on[g] && g != b) (t.first < 0 ? t.first : t.second) = g;
+      }
     }
-    return -kInf;
+    const int g = t.first != a ? t.first : t.second;
+    return g >= 0 ? state.rank_load(g) : -kInf;
   };
   auto held_at = [&](int e, int r) -> int { return held[static_cast<size_t>(e) * num_ranks + r]; };
   const size_t num_cold = std::min<size_t>(order.size() - 1, options.num_candidate_ranks);
@@ -311,19 +366,19 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
     std::vector<int> evict_cost;  // receives evicting it saves: -(y was new on its rank)
     std::vector<int> free_ranks;  // partners with a free slot
     // Per replica x of the hottest rank (score_pairs): the keys of swapping x for the
-    // candidate and of evicting it (a lower bound), +inf where no step; the eviction's peak
-    // without y's other holders.
+    // candidate and of evicting it, +inf where no step.
     std::vector<double> swap_py;  // py, +inf where on_h (no swap)
-    std::vector<double> swap_key, evict_key, evict_low;
+    std::vector<double> swap_key, evict_key;
     void clear() { free_ranks.clear(); }
     void resize(size_t n) {
       rank.resize(n), expert.resize(n), py.resize(n), rest.resize(n), h_dy.resize(n);
       evict_peak.resize(n), on_h.resize(n), swap_cost.resize(n), evict_cost.resize(n);
-      swap_py.resize(n), swap_key.resize(n), evict_key.resize(n), evict_low.resize(n);
+      swap_py.resize(n), swap_key.resize(n), evict_key.resize(n);
     }
   } cand;
   std::vector<int> partners;
-  int64_t pairs = 0;  // scored so far
+  std::vector<double> order_loads;  // resort's
+  int64_t pairs = 0;                // scored so far
   // Offers the best steps that relieve the hottest rank h with one of the num_partners coldest.
   // Partners: the ranks other than h from the begin-th coldest to the end-th (exclusive).
   auto evaluate = [&](int h, double lh, size_t begin, size_t end, Chooser& chooser) {
@@ -336,7 +391,14 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
     }
     size_t total = 0;
     for (int r : partners) total += state.size(r);
-    cand.resize(total);
+    // Padded to a multiple of four (score_pairs) with candidates on h itself: no step.
+    const size_t padded = (total + 3) / 4 * 4;
+    cand.resize(padded);
+    for (size_t p = total; p < padded; ++p) {
+      cand.rank[p] = h, cand.expert[p] = -1, cand.py[p] = 0, cand.rest[p] = 0, cand.h_dy[p] = 0;
+      cand.evict_peak[p] = kInf, cand.on_h[p] = 1, cand.swap_cost[p] = 0, cand.evict_cost[p] = 0;
+      cand.swap_py[p] = kInf;
+    }
     size_t j = 0;
     for (int r : partners) {
       const double lr = state.rank_load(r);
@@ -353,9 +415,16 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
         cand.on_h[j] = on_h;
         cand.swap_py[j] = on_h ? kInf : py;
         cand.h_dy[j] = on_h ? dy : 0.0;
+#ifdef FLEXPERT_EPLB_AVX2
+        // Computed for all: about half of them are needed, and then every eviction is scored
+        // in blocks of four, without a branch per candidate.
+        cand.evict_peak[j] =
+            state.count(y) > m ? max_except(y, r, h) + (state.per_if_fewer(y) - py) : kInf;
+#else
         // Computed when first needed (kLazy): refreshing a hot expert's holders is the costly
         // part of building the candidates, and most are never the best eviction.
         cand.evict_peak[j] = state.count(y) > m ? kLazy : kInf;
+#endif
         if (held) {
           cand.swap_cost[j] = (1 - held_at(y, h)) - (1 - held_at(y, r));
           cand.evict_cost[j] = -(1 - held_at(y, r));
@@ -365,7 +434,7 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
         }
       }
     }
-    const int n = static_cast<int>(cand.rank.size());
+    const int n = static_cast<int>(total);
     pairs += static_cast<int64_t>(n) * state.size(h);
     const int* h_items = state.items(h);
     const double scale = 4 * lh;  // above any peak that counts (< lh)
@@ -397,44 +466,32 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
       // Per step kind, the candidate with the smallest chooser key, then offered.
       double swap_key = kInf, evict_key = kInf;
       int swap_j = -1, evict_j = -1;
-      int j0 = 0;  // candidates before j0 are scored in blocks of four
+      int j0 = 0;  // candidates before j0 are scored already
 #ifdef FLEXPERT_EPLB_AVX2
-      j0 = score_pairs(PairBlock{cand.rank.data(),
-                                 cand.py.data(),
-                                 cand.swap_py.data(),
-                                 cand.rest.data(),
-                                 cand.h_dy.data(),
-                                 cand.swap_cost.data(),
-                                 cand.evict_cost.data(),
-                                 x_on,
-                                 x_held,
-                                 lh - px,
-                                 lh + dx,
-                                 px,
-                                 px_more,
-                                 x_new,
-                                 scale,
-                                 chooser.reach(),
-                                 chooser.bound(),
-                                 cand.swap_key.data(),
-                                 cand.evict_key.data(),
-                                 cand.evict_low.data()},
-                       n);
-      for (int j = 0; j < j0; ++j) {
-        if (cand.swap_key[j] < swap_key) swap_key = cand.swap_key[j], swap_j = j;
-      }
-      for (int j = 0; j < j0; ++j) {
-        if (!(cand.evict_key[j] < evict_key)) continue;  // a lower bound of the key
-        const int r = cand.rank[j];
-        if (std::isnan(cand.evict_peak[j])) {
-          const int y = cand.expert[j];
-          cand.evict_peak[j] = max_except(y, r, h) + (state.per_if_fewer(y) - state.per_replica(y));
-        }
-        const int e_cost = cand.evict_cost[j] + new_on(r);
-        const double k =
-            chooser.key(std::max(cand.evict_low[j], cand.evict_peak[j]), e_cost, scale);
-        if (k < evict_key) evict_key = k, evict_j = j;
-      }
+      const PairMinima minima = score_pairs(PairBlock{cand.rank.data(),
+                                                      cand.py.data(),
+                                                      cand.swap_py.data(),
+                                                      cand.rest.data(),
+                                                      cand.h_dy.data(),
+                                                      cand.swap_cost.data(),
+                                                      cand.evict_cost.data(),
+                                                      x_on,
+                                                      x_held,
+                                                      lh - px,
+                                                      lh + dx,
+                                                      px,
+                                                      px_more,
+                                                      x_new,
+                                                      scale,
+                                                      chooser.reach(),
+                                                      chooser.bound(),
+                                                      cand.evict_peak.data(),
+                                                      cand.swap_key.data(),
+                                                      cand.evict_key.data()},
+                                            static_cast<int>(padded));
+      swap_j = first_min(cand.swap_key.data(), minima.swap_key);
+      evict_j = first_min(cand.evict_key.data(), minima.evict_key);
+      j0 = n;
 #endif
       for (int j = j0; j < n; ++j) {
         const int r = cand.rank[j];
@@ -471,6 +528,7 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
     }
   };
   for (int iteration = 0;; ++iteration) {
+    step_idx = iteration;
     const int h = hottest(state, order);
     const double lh = state.rank_load(h);
     if (lh <= options.target * (1 + kRelEps)) return SearchEnd::kReached;
@@ -508,7 +566,7 @@ SearchEnd improve(LayerState& state, const Domain& domain, const SearchOptions& 
     if (step.kind == Step::kMove || step.kind == Step::kSwap) {
       reposition(state, order, h, step.to);
     } else {
-      resort(state, order);
+      resort(state, order, order_loads);
     }
   }
 }

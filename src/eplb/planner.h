@@ -17,7 +17,7 @@
 //
 // plan() is a pure function: no I/O, no globals; the same input always gives the same output
 // (whatever num_threads), so it is safe to call from any thread. Layers are independent and are
-// planned on num_threads threads that plan() starts and joins. Cost: about 40 ms of CPU per plan
+// planned on num_threads threads that plan() starts and joins. Cost: about 35 ms of CPU per plan
 // at DeepSeek-V3 shapes (61 layers x 256 experts x 256 ranks), see docs/benchmarks.md.
 #pragma once
 

@@ -90,7 +90,6 @@ Status ClusterEngine::Impl::spawn(int rank) {
   }
   ranks_[rank].pid = pid;
   ranks_[rank].spawned = true;
-  ranks_[rank].last_seen = Clock::now();
   return Status();
 }
 
@@ -197,7 +196,6 @@ Status ClusterEngine::Impl::start() {
 
 void ClusterEngine::Impl::request_spawn(int rank) {
   ranks_[rank].spawned = true;
-  ranks_[rank].last_seen = Clock::now();
   spawn_queue_.push_back(rank);
   wake();
 }
@@ -236,7 +234,11 @@ void ClusterEngine::Impl::send_epoch(const cluster::Action& commit) {
   cmd.epoch = commit.epoch;
   cmd.members = members;
   cmd.addresses.assign(ranks_.size(), "");
-  for (int r : members) cmd.addresses[r] = ranks_[r].address;
+  cmd.incarnations.assign(ranks_.size(), 0);  // A stale PeerLost is told apart by it.
+  for (int r : members) {
+    cmd.addresses[r] = ranks_[r].address;
+    cmd.incarnations[r] = incarnation(r);
+  }
   cmd.placement = to_wire(placement_);
   cmd.map_version = ++map_version_;
   for (int r : members) {
@@ -308,8 +310,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     const auto [r, incarnation] = admitted.value();
     RankInfo& info = ranks_[r];
     info.routing_id = routing_id;
-    info.pid = hello->pid;
-    info.last_seen = Clock::now();
+    info.pid = hello->pid;  // Heard from now (hello() started its heartbeat clock).
     proto::WorkerConfig cfg;
     cfg.rank = r;
     cfg.incarnation = incarnation;
@@ -344,11 +345,10 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     return;
   }
   RankInfo& info = ranks_[rank];
-  if (heartbeat) {
-    info.last_seen = Clock::now();
-    return;
-  }
-  info.last_seen = Clock::now();
+  // Any message is a sign of life; silence past --heartbeat-timeout-ms is the membership's
+  // to judge (check_workers: tick).
+  (void)membership_.heartbeat(rank, incarnation(rank), now_ms());
+  if (heartbeat) return;
   if (type == proto::Ready::kType) {
     auto ready = proto::decode<proto::Ready>(body);
     if (!ready.ok() || ready->incarnation != incarnation(rank)) return;
@@ -458,7 +458,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
       // a heartbeat (a hand-started worker has no parent here).
       on_rank_lost(err->dead_rank, "reported dead by rank " + std::to_string(rank), calls);
     } else if (err->dead_rank < 0 && state(rank) == RankState::kServing && !halted(rank) &&
-               !recovery_.active) {
+               !recovering()) {
       // A member halted without a dead peer (a timeout, an aborted collective): the
       // membership re-commits the members when it halted in the current epoch.
       for (const cluster::Action& a :
@@ -473,7 +473,6 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
 
 void ClusterEngine::Impl::check_workers(Calls* calls) {
   MutexLock lock(mutex_);
-  const auto now = Clock::now();
   for (size_t r = 0; r < ranks_.size(); ++r) {
     RankInfo& info = ranks_[r];
     if (info.spawned && info.pid > 0) {
@@ -492,20 +491,36 @@ void ClusterEngine::Impl::check_workers(Calls* calls) {
         }
         on_rank_lost(static_cast<int>(r), why, calls);
         rank_reaped(static_cast<int>(r));
-        continue;
       }
     }
-    // Every rank that said hello beats (a thread of its own): silence is a loss.
-    const RankState st = state(static_cast<int>(r));
-    const bool watched =
-        !info.routing_id.empty() &&
-        (st == RankState::kServing || st == RankState::kStarting || st == RankState::kReady);
-    if (watched &&
-        now - info.last_seen > std::chrono::milliseconds(options_.heartbeat_timeout_ms)) {
-      on_rank_lost(static_cast<int>(r),
-                   "no heartbeat for " + std::to_string(options_.heartbeat_timeout_ms) + " ms",
+  }
+  // Every rank that said hello beats (a thread of its own): silence past
+  // --heartbeat-timeout-ms is a loss, which the membership decides on this clock (tick).
+  if (options_.reconfigure == "stop-the-world") {
+    // The baseline restarts the group itself: the membership only names the silent ones.
+    for (const auto& [r, silent_incarnation] : membership_.silent(now_ms())) {
+      on_rank_lost(r, "no heartbeat for " + std::to_string(options_.heartbeat_timeout_ms) + " ms",
                    calls);
     }
+    return;
+  }
+  const std::vector<int> members_before = members();
+  const cluster::Actions ticked = membership_.tick(now_ms());
+  // tick() is lost() for each silent incarnation in turn: its kFence, then what that loss
+  // decided (no proposal deadline: membership_config() sets none).
+  for (size_t i = 0; i < ticked.size();) {
+    size_t end = i + 1;
+    while (end < ticked.size() && ticked[end].kind != cluster::ActionKind::kFence) ++end;
+    const cluster::Action& fence = ticked[i];
+    if (fence.kind == cluster::ActionKind::kFence) {
+      const bool was_member = std::find(members_before.begin(), members_before.end(), fence.rank) !=
+                              members_before.end();
+      execute_loss(fence.rank, fence.incarnation, fence.reason, was_member,
+                   cluster::Actions(ticked.begin() + static_cast<long>(i),
+                                    ticked.begin() + static_cast<long>(end)),
+                   calls);
+    }
+    i = end;
   }
 }
 
@@ -653,8 +668,10 @@ Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCall
     return unavailable("the server is shutting down");
   }
   if (!m.admitting()) {
-    return unavailable("no serving epoch (phase " + std::string(phase_name(m.phase())) +
-                       (m.degraded_reason_.empty() ? "" : ": " + m.degraded_reason_) + ")");
+    return unavailable(
+        "no serving epoch (phase " + std::string(phase_name(m.phase())) +
+        (m.membership_.degraded_reason().empty() ? "" : ": " + m.membership_.degraded_reason()) +
+        ")");
   }
   const uint64_t id = m.next_request_id_++;
   // The membership places it (the least loaded serving member) or holds it (recovering).
@@ -723,7 +740,8 @@ nlohmann::json ClusterEngine::status() const {
                         {"held", m.membership_.num_held()},
                         {"reconfiguration", m.reconfig_status()},
                         {"ranks", ranks}};
-  if (!m.degraded_reason_.empty()) out["degraded_reason"] = m.degraded_reason_;
+  if (!m.membership_.degraded_reason().empty())
+    out["degraded_reason"] = m.membership_.degraded_reason();
   return out;
 }
 

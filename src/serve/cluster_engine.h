@@ -75,7 +75,8 @@ struct ClusterOptions {
   // checked at start (check_quantization).
   std::string quantization;
   int gpus = 1;  // device "cuda": rank r runs on cuda:(r mod gpus).
-  // The workers' data plane (create_transport): "shm" (one host) or "ucx" (any hosts).
+  // The workers' data plane (create_transport): "shm" (one host), "ucx" (any hosts) or "hier"
+  // (any hosts: shm within one, ucx across).
   std::string transport = "shm";
 };
 

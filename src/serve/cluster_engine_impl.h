@@ -65,7 +65,6 @@ struct RankInfo {
   uint64_t map_version = 0;  // Expert map the rank last reported.
   double max_step_ms = 0;
   uint64_t reports = 0;  // StepReports received.
-  Clock::time_point last_seen{};
   std::string last_error;
   uint64_t applied_epoch = 0;  // Last EpochApplied.
   int64_t graph_captures = 0;  // Reported by the worker (CUDA).
@@ -145,6 +144,9 @@ class ClusterEngine::Impl {
   const std::vector<int>& members() const REQUIRES(mutex_) { return membership_.members(); }
   Phase phase() const REQUIRES(mutex_) { return membership_.phase(); }
   void enter_phase(Phase p) REQUIRES(mutex_) { membership_.enter(p); }
+  // A member was lost and the epoch without it has not committed: the survivors are halted
+  // (recover()). The membership's phase alone says so; so does its degraded_reason().
+  bool recovering() const REQUIRES(mutex_) { return phase() == Phase::kRecovering; }
   uint64_t incarnation(int rank) const REQUIRES(mutex_) {
     return membership_.rank(rank).incarnation;
   }
@@ -230,12 +232,6 @@ class ClusterEngine::Impl {
   // rollback, answers arriving after connect_all gave up) are dropped on arrival.
   std::set<uint64_t> connects_awaited_ GUARDED_BY(mutex_);
   std::map<uint64_t, proto::Connected> connects_done_ GUARDED_BY(mutex_);
-  // A lost rank: survivors are halted until the next epoch commits (recover()).
-  struct Recovery {
-    bool active = false;  // A member was lost; the epoch without it has not committed.
-    std::vector<int> lost;
-    Clock::time_point start;
-  } recovery_ GUARDED_BY(mutex_);
   // Members lost so far: a recovery attempt restarts when it moves.
   uint64_t losses_ GUARDED_BY(mutex_) = 0;
   // The size the operator asked for; the healer restores it.
@@ -245,7 +241,6 @@ class ClusterEngine::Impl {
   std::deque<std::pair<int, Clock::time_point>> leave_requests_ GUARDED_BY(mutex_);
   // Runs the oldest leave request (healer thread); false when none could run.
   bool serve_leaves() REQUIRES(mutex_);
-  std::string degraded_reason_ GUARDED_BY(mutex_);
   // The last recovery's report (status: "recovery").
   nlohmann::json last_recovery_ GUARDED_BY(mutex_) = nlohmann::json::object();
   // /metrics (thread-safe on its own). Recovery outcomes: in_place (the survivors'
@@ -348,6 +343,12 @@ class ClusterEngine::Impl {
   // on survivors, which commit an epoch without it (reloading experts left without
   // a replica first).
   void on_rank_lost(int rank, const std::string& why, Calls* calls) REQUIRES(mutex_);
+  // What the driver does once the membership declared incarnation `lost_incarnation` of
+  // `rank` lost (`decided`: its actions, from lost() or tick()): kill or fence the process,
+  // tell the peers, hold its requests; a member's loss starts the recovery (or, in the
+  // stop-the-world baseline, the restart).
+  void execute_loss(int rank, uint64_t lost_incarnation, const std::string& why, bool was_member,
+                    const cluster::Actions& decided, Calls* calls) REQUIRES(mutex_);
   // Whether new requests can be placed (serving, or a reconfiguration in progress).
   bool admitting() const REQUIRES(mutex_);
   // Commits `members` (and the current placement_) as the next epoch; `also` are

@@ -97,7 +97,7 @@ eplb::PlanInput ClusterEngine::Impl::plan_input(const std::vector<int>& ranks,
 
 Status ClusterEngine::Impl::commit_map(ExpertPlacement next) {
   MutexLock lock(mutex_);
-  if (epoch() != rebalance_epoch_ || cancel_rebalance_ || recovery_.active) {
+  if (epoch() != rebalance_epoch_ || cancel_rebalance_ || recovering()) {
     return aborted("the group changed during the rebalance");
   }
   std::vector<std::vector<int>> maps;
@@ -193,7 +193,7 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
       for (const auto& [dst, src] : step->copies) add_pull(&pulls, layer, dst, src / S, src % S);
       MutexLock lock(mutex_);
       // Re-checked under the lock that posts: a recovery may own the free slots now.
-      if (cancel_rebalance_ || recovery_.active || epoch() != rebalance_epoch_) {
+      if (cancel_rebalance_ || recovering() || epoch() != rebalance_epoch_) {
         return aborted("the group changed during the rebalance");
       }
       PullTotals done;
@@ -228,7 +228,7 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
   {
     MutexLock lock(mutex_);
     if (rebalancing_) return failed_precondition("a rebalance is already in progress");
-    if (reconfiguring_ || recovery_.active) {
+    if (reconfiguring_ || recovering()) {
       return failed_precondition("a membership change is in progress");
     }
     if (phase() != Phase::kServing)

@@ -39,7 +39,10 @@ cluster::MembershipConfig ClusterEngine::Impl::membership_config() const {
     mc.maps.push_back(placement_.slot_map(l));
     mc.routed.push_back(model_config_.is_moe_layer(l));
   }
-  mc.heartbeat_timeout_ms = options_.heartbeat_timeout_ms;
+  mc.heartbeat_timeout_ms = options_.heartbeat_timeout_ms;  // check_workers ticks it.
+  // No proposal deadline: the flows bound their own waits (--start-timeout-ms, the pulls')
+  // and abandon the proposal themselves.
+  mc.prepare_timeout_ms = 0;
   // The healer asks for each recovery plan (propose_recovery) once a running scale or
   // rebalance has settled, with the load window. Hand-started replacements get one
   // bounded wait (--start-timeout-ms), then the group is degraded.
@@ -129,17 +132,16 @@ void ClusterEngine::Impl::sweep_finished() {
 }
 
 void ClusterEngine::Impl::enter_degraded(const std::string& why, Calls* calls) {
-  FLEX_LOG(ERROR) << "the group is degraded: " << why;
-  enter_phase(Phase::kDegraded);
-  degraded_reason_ = why;
-  recovery_.active = false;
+  // The membership gave up already (the last attempt failed) with its reason, or the
+  // healer gives up now (its own bound on restarts): degraded, every open request failed.
+  run_requests(membership_.give_up_recovery(why), calls);
+  FLEX_LOG(ERROR) << "the group is degraded: " << membership_.degraded_reason();
   recoveries("failed").inc();  // The members show as halted (rank_state_name).
-  fail_all("the group cannot serve: " + why, calls);
+  fail_all("the group cannot serve: " + membership_.degraded_reason(), calls);
   cv_.notify_all();
 }
 
 void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* calls) {
-  RankInfo& info = ranks_[rank];
   const RankState st = state(rank);
   if (st == RankState::kDead || st == RankState::kStopped || st == RankState::kEmpty) return;
   if (phase() == Phase::kStopping || stop_.load()) {
@@ -158,6 +160,13 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
     decided = membership_.lost(rank, lost_incarnation, why, now_ms());
     if (state(rank) != RankState::kDead) membership_.mark_lost(rank);
   }
+  execute_loss(rank, lost_incarnation, why, was_member, decided, calls);
+}
+
+void ClusterEngine::Impl::execute_loss(int rank, uint64_t lost_incarnation, const std::string& why,
+                                       bool was_member, const cluster::Actions& decided,
+                                       Calls* calls) {
+  RankInfo& info = ranks_[rank];
   announce_lost(rank, lost_incarnation, why);
   info.last_error = why;
   info.leaving = false;
@@ -171,7 +180,12 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
   if (info.pid == 0) rank_reaped(rank);  // No process of ours to wait for.
   cv_.notify_all();
   FLEX_LOG(WARN) << "rank " << rank << " lost: " << why;
-  if (!was_member) return;   // A joiner in preparation: its scale-up rolls back.
+  if (!was_member) {
+    // A joiner in preparation: its scale-up rolls back; a recovery's replacement counts
+    // one failed attempt, and at the last one the membership fails every open request now.
+    run_requests(decided, calls);
+    return;
+  }
   cancel_rebalance_ = true;  // Its pulls may read from the lost rank; the epoch changes anyway.
   if (options_.reconfigure == "stop-the-world") {
     // The baseline: fail what is in flight, restart the whole group.
@@ -197,15 +211,9 @@ void ClusterEngine::Impl::on_rank_lost(int rank, const std::string& why, Calls* 
   }
   ++losses_;
   // Degraded, a further loss asks for another recovery, as a scale to the operator's size
-  // would (the membership's repair path: fresh attempts).
+  // would (the membership's repair path: fresh attempts). Either way the membership is
+  // recovering now, which starts the healer.
   if (phase() == Phase::kDegraded) (void)membership_.scale(target_ranks_, {}, now_ms());
-  if (!recovery_.active) {
-    recovery_ = Recovery{};
-    recovery_.active = true;
-    recovery_.start = Clock::now();
-  }
-  recovery_.lost.push_back(rank);
-  enter_phase(Phase::kRecovering);
   // Its requests continue from their prompt plus what was streamed, once the
   // recovery commits (held at the front end until then).
   run_requests(decided, calls);
@@ -262,6 +270,8 @@ Status ClusterEngine::Impl::recover(nlohmann::json* report) {
         continue;
       }
     }
+    // The ranks this recovery restores (the membership forgets them as it commits).
+    std::vector<int> lost = membership_.lost();
     // The decision; its actions (spawns, prepares) are executed below, in this order.
     const cluster::Proposed opened =
         membership_.propose_recovery(/*started_only=*/true, load, now_ms());
@@ -332,6 +342,7 @@ Status ClusterEngine::Impl::recover(nlohmann::json* report) {
       }
       // Every participant is started, attached and loaded: its acknowledgement; the
       // membership commits survivors and replacements with the last one.
+      lost = membership_.lost();
       for (int r : decided.awaiting) {
         for (cluster::Action& a : membership_.prepared(r, incarnation(r), decided.id, now_ms())) {
           acks.push_back(std::move(a));
@@ -352,12 +363,10 @@ Status ClusterEngine::Impl::recover(nlohmann::json* report) {
     send_epoch(*commit);
     for (int r : joiners) ranks_[r].joining = false;
     reconfigurations().inc();
-    recovery_.active = false;
-    degraded_reason_.clear();
     enter_phase(reconfiguring_ ? Phase::kScaling : Phase::kServing);
     (*report)["epoch"] = epoch();
     (*report)["members"] = members();
-    (*report)["lost"] = recovery_.lost;
+    (*report)["lost"] = lost;
     (*report)["reloaded_experts"] = decided.loads.size();
     (*report)["evicted_replicas"] = decided.evicted;
     (*report)["reload_s"] = seconds_since(t_load);
@@ -438,16 +447,18 @@ void ClusterEngine::Impl::heal_loop() {
   auto next_heal = Clock::now();
   while (!halting()) {
     cv_.wait_for(lock, std::chrono::milliseconds(200),
-                 [&]() REQUIRES(mutex_) { return halting() || recovery_.active; });
+                 [&]() REQUIRES(mutex_) { return halting() || recovering(); });
     if (halting()) break;
-    if (recovery_.active) {
+    if (recovering()) {
       nlohmann::json report = {{"kind", "recovery"}};
-      const auto t0 = recovery_.start;
       Status s = recover(&report);
       if (halting()) break;
-      report["recover_s"] = seconds_since(t0);
+      // From the loss (or the scale that left degraded) to the commit or the failure.
+      const double took_s =
+          static_cast<double>(now_ms() - membership_.recovery_started_ms()) / 1000.0;
+      report["recover_s"] = took_s;
       report["status"] = s.ok() ? "ok" : s.to_string();
-      recovery_seconds().observe(seconds_since(t0));
+      recovery_seconds().observe(took_s);
       last_reconfig_ = report;
       last_recovery_ = report;
       reconfig_step_.clear();

@@ -225,7 +225,6 @@ Status ClusterEngine::Impl::start_joiners(const std::vector<int>& joiners,
     info = RankInfo{};
     membership_.open_rank(r, now_ms());  // Its next incarnation: starting.
     info.joining = true;
-    info.last_seen = Clock::now();
     if (options_.spawn_workers) {
       request_spawn(r);
     } else {
@@ -280,6 +279,7 @@ std::map<int, proto::ConnectCommand> ClusterEngine::Impl::joiner_connects(
       if (p == r || !(is_joiner(r) || is_joiner(p))) continue;
       cmd.ranks.push_back(p);
       cmd.addresses.push_back(ranks_[p].address);
+      cmd.incarnations.push_back(incarnation(p));
     }
     if (!cmd.ranks.empty()) connects[r] = std::move(cmd);
   }
@@ -293,7 +293,7 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
   const std::vector<int> old_members = members();
   // A rank lost meanwhile (an epoch, or a recovery under way) ends the preparation.
   auto group_changed = [&]() REQUIRES(mutex_) {
-    return epoch() != epoch0 || members() != old_members || recovery_.active;
+    return epoch() != epoch0 || members() != old_members || recovering();
   };
   // The membership's proposal: these joiners, prepared, then one commit.
   const int target = static_cast<int>(old_members.size() + joiners.size());
@@ -499,7 +499,7 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
   // unfinished requests re-run on survivors.
   reconfig_step_ = "committing";
   for (int r : members()) {
-    if (state(r) != RankState::kServing || cancel_rebalance_ || recovery_.active ||
+    if (state(r) != RankState::kServing || cancel_rebalance_ || recovering() ||
         epoch() != rebalance_epoch_) {
       unmark();
       return aborted("the group changed while experts moved (rank " + std::to_string(r) + ")");
@@ -718,25 +718,25 @@ Result<nlohmann::json> ClusterEngine::Impl::retry_recovery(const ScaleTarget& ta
   // Degraded: the survivors are halted and hold what is left. A scale asks the healer
   // for another recovery, with room for `ranks` (more ids freed or workers started).
   if (!target.remove.empty()) {
-    return failed_precondition("the group is degraded (" + degraded_reason_ +
+    return failed_precondition("the group is degraded (" + membership_.degraded_reason() +
                                "): only {\"ranks\": N} can repair it");
   }
   if (target.ranks < 1 || target.ranks > options_.max_ranks) {
     return invalid_argument("\"ranks\" must be in [1, " + std::to_string(options_.max_ranks) +
                             "] (--max-ranks), got " + std::to_string(target.ranks));
   }
-  // The membership's repair path: the operator's size, fresh attempts, phase recovering.
+  // The membership's repair path: the operator's size, fresh attempts, phase recovering
+  // (the healer runs it).
   FLEX_RETURN_IF_ERROR(membership_.scale(target.ranks, {}, now_ms()).status());
   target_ranks_ = target.ranks;
-  recovery_.active = true;
-  recovery_.start = Clock::now();
-  enter_phase(Phase::kRecovering);
   cv_.notify_all();
   const auto limit = std::chrono::milliseconds(options_.start_timeout_ms) + std::chrono::minutes(3);
-  cv_.wait_for(mutex_, limit, [&]() REQUIRES(mutex_) { return halting() || !recovery_.active; });
+  cv_.wait_for(mutex_, limit, [&]() REQUIRES(mutex_) { return halting() || !recovering(); });
   if (phase() != Phase::kServing && phase() != Phase::kScaling) {
-    return unavailable("recovery failed: " +
-                       (degraded_reason_.empty() ? std::string("timed out") : degraded_reason_));
+    // Degraded again: the membership says why as it gives up (the last attempt's failure,
+    // also when a replacement's loss decided it on the control thread).
+    const std::string& why = membership_.degraded_reason();
+    return unavailable("recovery failed: " + (why.empty() ? std::string("timed out") : why));
   }
   return last_reconfig_;
 }
@@ -747,7 +747,7 @@ nlohmann::json ClusterEngine::Impl::reconfig_status() const {
   for (const char* outcome : {"in_place", "replacement", "failed"}) {
     recovered[outcome] = static_cast<uint64_t>(recoveries(outcome).value());
   }
-  return {{"in_progress", reconfiguring_ || recovery_.active},
+  return {{"in_progress", reconfiguring_ || recovering()},
           {"step", reconfig_step_},
           {"target_ranks", target_ranks_},
           {"recoveries", recovered},

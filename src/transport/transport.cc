@@ -10,6 +10,9 @@
 #ifdef FLEXPERT_WITH_UCX
 #include "transport/ucx/ucx_transport.h"
 #endif
+#ifdef FLEXPERT_WITH_HIER
+#include "transport/hier/hier_transport.h"
+#endif
 
 namespace flexpert {
 
@@ -45,7 +48,18 @@ Result<std::unique_ptr<Transport>> create_transport(const std::string& backend,
         "libucx-dev, see scripts/setup.sh)");
 #endif
   }
-  return invalid_argument("unknown transport backend '" + backend + "'; known: shm, cuda_ipc, ucx");
+  if (backend == "hier") {
+#ifdef FLEXPERT_WITH_HIER
+    FLEX_ASSIGN_OR_RETURN(std::unique_ptr<HierTransport> t, HierTransport::create(options));
+    return std::unique_ptr<Transport>(std::move(t));
+#else
+    return unimplemented(
+        "transport backend 'hier' is not in this build (it needs the ucx backend: install "
+        "libucx-dev, see scripts/setup.sh)");
+#endif
+  }
+  return invalid_argument("unknown transport backend '" + backend +
+                          "'; known: shm, cuda_ipc, ucx, hier");
 }
 
 }  // namespace flexpert

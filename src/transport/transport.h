@@ -67,7 +67,8 @@ struct TransportOptions {
   // cuda_ipc: collectives and regions in host shared memory (the shm backend's, run inside it)
   // and device memory only for mapped peer buffers: for callers whose collectives and regions
   // carry host data (the worker: step headers, the host exchange, host mirrors of the slots).
-  // Other backends ignore it.
+  // hier: its backend within a host is cuda_ipc so set (GPU ranks) instead of shm. Other
+  // backends ignore it.
   bool host_collectives = false;
 };
 
@@ -183,7 +184,9 @@ class Transport {
 // Creates a backend by name: "shm" (POSIX shared memory, CPU, one host), "cuda_ipc"
 // (GPU memory shared through CUDA IPC, one host; only in builds with FLEXPERT_WITH_CUDA,
 // Unavailable on a machine without a usable GPU), or "ucx" (UCX's UCP over TCP, shared memory
-// or RDMA, ranks on any hosts; only in builds where CMake found UCX, Unimplemented otherwise).
+// or RDMA, ranks on any hosts; only in builds where CMake found UCX, Unimplemented otherwise),
+// or "hier" (ranks on any hosts: shm between CPU ranks of one host, or cuda_ipc between GPU
+// ranks with options.host_collectives, ucx between hosts; built with ucx).
 Result<std::unique_ptr<Transport>> create_transport(const std::string& backend,
                                                     const TransportOptions& options);
 

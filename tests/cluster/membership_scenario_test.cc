@@ -2,7 +2,9 @@
 // cluster::Membership through the overlapping faults of docs/ARCHITECTURE.md ("The
 // membership state machine"), written out by hand: two deaths at once, a death while a
 // scale-up prepares and right after it commits, a replacement dying during its own
-// preparation (until degraded, then repaired by a scale), a death during a rebalance.
+// preparation (until degraded, then repaired by a scale), a death during a rebalance; in
+// the front end's mode, the last attempt decided by a replacement's loss and heartbeat
+// silence through tick().
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -366,6 +368,93 @@ TEST(MembershipScenario, DriverAsksUntilDegraded) {
   Proposed again = g.m.propose_recovery(true, {}, g.now);
   ASSERT_TRUE(again.status.ok()) << again.status.to_string();
   EXPECT_EQ(g.m.proposal()->joiners, (std::vector<int>{0}));
+}
+
+// The front end's mode with hand-started workers (one attempt): the replacement's loss
+// decides the last attempt (on the driver's control thread, while its healer still waits):
+// the membership alone says the recovery is over, why, and since when it ran.
+TEST(MembershipScenario, ReplacementLossDecidesTheLastAttempt) {
+  MembershipConfig c = config(2, 2, 2, 4);
+  c.plan_on_loss = false;
+  c.recovery_attempts = 1;
+  c.prepare_timeout_ms = 0;
+  Group g(c);
+  ASSERT_EQ(g.m.submit(1)->kind, ActionKind::kPlace);
+  ASSERT_EQ(g.m.submit(2)->kind, ActionKind::kPlace);
+  g.now = 100;
+  (void)g.m.lost(1, g.inc[1], "killed", g.now);
+  EXPECT_EQ(g.m.phase(), Phase::kRecovering);
+  EXPECT_EQ(g.m.recovery_started_ms(), 100);
+  EXPECT_EQ(g.m.lost(), (std::vector<int>{1}));
+  (void)g.m.reaped(1, g.now);
+  g.now = 300;
+  ASSERT_TRUE(g.m.propose_recovery(/*started_only=*/true, {}, g.now).status.ok());
+  ASSERT_EQ(g.m.proposal()->joiners, (std::vector<int>{1}));
+  g.join(1);
+  // A member's loss while recovering does not restart the clock.
+  g.now = 100000;  // Past any deadline: none is kept (prepare_timeout_ms 0).
+  for (int r = 0; r < 2; ++r) (void)g.m.heartbeat(r, g.inc[r], g.now);
+  EXPECT_TRUE(g.m.tick(g.now).empty());
+  EXPECT_EQ(g.m.phase(), Phase::kRecovering);
+  Actions a = g.m.lost(1, g.inc[1], "killed while loading", g.now);
+  EXPECT_EQ(g.m.phase(), Phase::kDegraded);
+  EXPECT_NE(g.m.degraded_reason().find("replacement rank 1 lost"), std::string::npos)
+      << g.m.degraded_reason();
+  EXPECT_EQ(of(a, ActionKind::kFail).size(), 2u) << "both requests answered, once";
+  EXPECT_EQ(g.m.requests().size(), 0u);
+  EXPECT_EQ(g.m.recovery_started_ms(), 100);
+  EXPECT_TRUE(g.m.give_up_recovery("again").empty()) << "not recovering: nothing to give up";
+  EXPECT_NE(g.m.degraded_reason(), "again");
+  // The operator's scale leaves degraded: a new recovery, a new start.
+  g.now = 100500;
+  ASSERT_TRUE(g.m.scale(2, {}, g.now).ok());
+  EXPECT_EQ(g.m.phase(), Phase::kRecovering);
+  EXPECT_EQ(g.m.recovery_started_ms(), 100500);
+  ASSERT_EQ(g.m.submit(3)->kind, ActionKind::kHold);
+  // The driver gives up on it itself (its own bound): degraded with its reason.
+  a = g.m.give_up_recovery("the healer gave up");
+  EXPECT_EQ(g.m.phase(), Phase::kDegraded);
+  EXPECT_EQ(g.m.degraded_reason(), "the healer gave up");
+  EXPECT_EQ(of(a, ActionKind::kFail).size(), 1u);
+}
+
+// Heartbeat silence through tick(): the silent incarnation is fenced once, with its
+// number; a beating one never; the fenced one's later messages change nothing and its id
+// takes a new incarnation.
+TEST(MembershipScenario, TickFencesTheSilentIncarnation) {
+  MembershipConfig c = config(3, 2, 2, 4);
+  c.plan_on_loss = false;
+  c.prepare_timeout_ms = 0;
+  c.heartbeat_timeout_ms = 2000;
+  Group g(c);
+  ASSERT_EQ(g.m.submit(1)->kind, ActionKind::kPlace);
+  ASSERT_EQ(g.m.submit(2)->kind, ActionKind::kPlace);
+  const uint64_t silent_inc = g.inc[1];
+  for (g.now = 500; g.now <= 2000; g.now += 500) {
+    (void)g.m.heartbeat(0, g.inc[0], g.now);  // Rank 1 is silent from t=0.
+    EXPECT_TRUE(g.m.tick(g.now).empty()) << "within the timeout at t=" << g.now;
+  }
+  g.now = 2001;
+  (void)g.m.heartbeat(0, g.inc[0], g.now);
+  EXPECT_EQ(g.m.silent(g.now), (std::vector<std::pair<int, uint64_t>>{{1, silent_inc}}));
+  Actions a = g.m.tick(g.now);
+  ASSERT_EQ(of(a, ActionKind::kFence).size(), 1u);
+  EXPECT_EQ(of(a, ActionKind::kFence)[0]->rank, 1);
+  EXPECT_EQ(of(a, ActionKind::kFence)[0]->incarnation, silent_inc);
+  EXPECT_EQ(of(a, ActionKind::kHold).size(), 1u) << "its request waits for the recovery";
+  EXPECT_EQ(g.m.phase(), Phase::kRecovering);
+  EXPECT_EQ(g.m.recovery_started_ms(), 2001);
+  EXPECT_TRUE(g.m.tick(g.now).empty()) << "fenced once";
+  // SIGCONT: its messages are refused; its id comes back only as a new incarnation.
+  EXPECT_FALSE(g.m.accepts(1, silent_inc));
+  EXPECT_TRUE(g.m.heartbeat(1, silent_inc, g.now).empty());
+  EXPECT_TRUE(g.m.ready(1, silent_inc, g.now).empty());
+  (void)g.m.reaped(1, g.now);
+  ASSERT_TRUE(g.m.propose_recovery(true, {}, g.now).status.ok());
+  ASSERT_EQ(g.m.proposal()->joiners, (std::vector<int>{1}));
+  auto inc = g.m.hello(1, g.now);
+  ASSERT_TRUE(inc.ok());
+  EXPECT_GT(*inc, silent_inc);
 }
 
 }  // namespace

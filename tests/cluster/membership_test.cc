@@ -1,14 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 // cluster::Membership driven through thousands of random event sequences against a
 // model of the processes and requests kept here (the World): joins, ready, deaths
-// reported at once or found by heartbeat silence, acknowledgements in any order,
+// reported at once or found by heartbeat silence (SIGSTOP, and SIGCONT before or after
+// the timeout), acknowledgements in any order,
 // failed preparations, scales overlapping recoveries and rebalances, stale messages
 // of dead incarnations, client cancels. After every event, independent checks:
 // every logical expert has a replica on a live member of the last commit or a planned
 // load; epochs only grow; phases take only the transitions of docs/ARCHITECTURE.md;
 // no request is lost or answered twice; a dead incarnation is never readmitted and
-// its messages change nothing. Each sequence ends with the faults stopped: the group
-// must come back to serving and answer every request exactly once.
+// its messages change nothing; tick() fences exactly the incarnations silent past the
+// heartbeat timeout (by the World's own clock of their silence). Each sequence ends with the faults
+// stopped: the group must come back to serving and answer every request exactly once.
 //
 // FLEXPERT_MEMBERSHIP_SEED=S replays one seed; FLEXPERT_MEMBERSHIP_RUNS=N sets the count.
 #include "cluster/membership.h"
@@ -70,8 +72,10 @@ Config random_config(std::mt19937_64& rng) {
     m.maps.push_back(map);
   }
   // Half the sequences plan recoveries as the front end does: a loss only records it and
-  // the driver asks for the plan (propose_recovery), at random times.
+  // the driver asks for the plan (propose_recovery), at random times; most of those with
+  // no proposal deadline either (the front end bounds its own waits: tick() only fences).
   m.plan_on_loss = rng() % 2 == 0;
+  if (!m.plan_on_loss && rng() % 4 != 0) m.prepare_timeout_ms = 0;
   return c;
 }
 
@@ -82,12 +86,13 @@ class World {
       : config_(config), rng_(seed), m_(config), procs_(static_cast<size_t>(config.max_ranks)) {}
 
   struct Proc {
-    bool spawned = false;  // A process runs (or is stopped) that has not said hello.
-    uint64_t inc = 0;      // Admitted incarnation (0: none yet).
-    bool alive = false;    // Admitted and not killed.
-    bool silent = false;   // SIGSTOPped: no heartbeats, no messages.
-    bool ready = false;    // Told the machine it is Ready.
-    bool exited = false;   // Ended; reaped() not delivered yet.
+    bool spawned = false;      // A process runs (or is stopped) that has not said hello.
+    uint64_t inc = 0;          // Admitted incarnation (0: none yet).
+    bool alive = false;        // Admitted and not killed.
+    bool silent = false;       // SIGSTOPped: no heartbeats, no messages.
+    int64_t silent_since = 0;  // When it stopped (its last heartbeat was no later).
+    bool ready = false;        // Told the machine it is Ready.
+    bool exited = false;       // Ended; reaped() not delivered yet.
   };
   enum class Where { kPlaced, kHeld, kDone };
   struct Req {
@@ -146,7 +151,8 @@ class World {
           for (int r : a.ranks) {
             ASSERT_TRUE(procs_[r].alive) << "epoch " << a.epoch << " commits dead rank " << r;
           }
-          prepares_.clear();
+          // A proposal's commit ends its preparation; a halted member's re-commit does not.
+          if (!m_.proposal()) prepares_.clear();
           break;
         case ActionKind::kCancelRebalance:
           rebalancing_ = false;
@@ -202,7 +208,7 @@ class World {
       const Proc& p = procs_[r];
       if (p.alive && !p.silent) (void)m_.heartbeat(r, p.inc, now_);
     }
-    int pick = static_cast<int>(rng_() % (faults ? 22 : 12));
+    int pick = static_cast<int>(rng_() % (faults ? 23 : 12));
     if (pick == 11 && rng_() % 2 == 0) pick = 20;  // The healer's ask, also without faults.
     // Faults (kills, stops, failed preparations) in about one event of eight.
     if ((pick == 12 || pick == 13 || pick == 14 || pick == 16) && rng_() % 2 == 0) pick = 3;
@@ -260,7 +266,7 @@ class World {
         set_plan();
         break;
       case 10:
-        execute(m_.tick(now_));
+        tick();
         break;
       case 11:
         rebalance_step();
@@ -287,7 +293,10 @@ class World {
       }
       case 14: {  // SIGSTOP: found by the heartbeat timeout; SIGCONT later is fenced.
         const int r = random_rank([](const Proc& p) { return p.alive && !p.silent; });
-        if (r >= 0) procs_[r].silent = true;
+        if (r >= 0) {
+          procs_[r].silent = true;
+          procs_[r].silent_since = now_;
+        }
         break;
       }
       case 15: {  // Scales, also while a recovery or another scale runs.
@@ -331,6 +340,13 @@ class World {
       case 20:
         propose();
         break;
+      case 22: {  // SIGCONT: within the timeout it beats on as a member; after, it was fenced.
+        const int r = random_rank([](const Proc& p) { return p.silent; });
+        if (r < 0) break;
+        procs_[r].silent = false;
+        sigconts_ += procs_[r].alive && m_.accepts(r, procs_[r].inc);
+        break;
+      }
       case 21: {  // The driver gives up on a recovery's preparation (a connect failed).
         const auto& prop = m_.proposal();
         if (prop && prop->kind == Proposal::Kind::kRecovery && !config_.plan_on_loss) {
@@ -393,6 +409,37 @@ class World {
       }
     }
     execute(r.actions);
+  }
+
+  // The driver's clock: tick() fences exactly the admitted incarnations silent past the
+  // heartbeat timeout. Checked against the World's own record of when each went silent
+  // (a live, beating process is never fenced; a silent one is, once past the timeout).
+  void tick() {
+    const int64_t timeout = config_.heartbeat_timeout_ms;
+    const Actions actions = m_.tick(now_);
+    for (const Action& a : actions) {
+      if (a.kind != ActionKind::kFence) continue;
+      const Proc& p = procs_[a.rank];
+      ASSERT_TRUE(p.alive && p.inc == a.incarnation)
+          << "tick fenced rank " << a.rank << " incarnation " << a.incarnation
+          << ", not the live one";
+      ASSERT_TRUE(p.silent && now_ - p.silent_since > timeout)
+          << "tick fenced rank " << a.rank << ", which beat within " << timeout << " ms";
+      tick_fences_ += 1;
+    }
+    execute(actions);
+    if (::testing::Test::HasFatalFailure()) return;
+    // Every one silent past the timeout is gone now: fenced, or stopped by what a loss
+    // in the same tick decided (a scale's joiner rolled back).
+    for (int r = 0; r < config_.max_ranks; ++r) {
+      const Proc& p = procs_[r];
+      if (p.alive && p.silent && now_ - p.silent_since > timeout) {
+        ASSERT_FALSE(m_.accepts(r, p.inc))
+            << "rank " << r << " incarnation " << p.inc << " silent for " << now_ - p.silent_since
+            << " ms is still accepted after a tick (machine: " << rank_state_name(m_.rank(r).state)
+            << ", last seen at " << m_.rank(r).last_seen_ms << ", now " << now_ << ")";
+      }
+    }
   }
 
   static Proc admitted(uint64_t inc) {
@@ -567,6 +614,10 @@ class World {
           << phase_name(history[phases_seen_ - 1]) << " -> " << phase_name(history[phases_seen_]);
     }
     ASSERT_GE(m_.epoch(), epoch_before) << "the epoch went back";
+    // A fenced (killed, silent past the timeout) incarnation is never accepted again.
+    for (auto [r, inc] : dead_) {
+      ASSERT_FALSE(m_.accepts(r, inc)) << "dead incarnation " << inc << " of rank " << r;
+    }
     ASSERT_EQ(m_.epoch(), last_commit_epoch_) << "an epoch changed without a commit";
     // Live members of the last commit: not killed since.
     std::set<int> live;
@@ -642,7 +693,8 @@ class World {
           for (int q = 0; q < config_.max_ranks; ++q) {
             if (procs_[q].alive && !procs_[q].silent) (void)m_.heartbeat(q, procs_[q].inc, now_);
           }
-          execute(m_.tick(now_));
+          tick();
+          if (::testing::Test::HasFatalFailure()) return;
         }
       }
       if (rebalancing_) {
@@ -670,6 +722,10 @@ class World {
             ready(r);
           }
         }
+        // One admitted but still loading finishes (no proposal deadline may end its wait).
+        const int loading =
+            random_rank([](const Proc& p) { return p.alive && !p.ready && !p.silent; });
+        if (loading >= 0) ready(loading);
       } else if (pick == 2) {
         set_plan();
       } else if (pick == 3 && !prepares_.empty()) {
@@ -682,9 +738,9 @@ class World {
       } else {
         now_ += 50;
         for (int r = 0; r < config_.max_ranks; ++r) {
-          if (procs_[r].alive) (void)m_.heartbeat(r, procs_[r].inc, now_);
+          if (procs_[r].alive && !procs_[r].silent) (void)m_.heartbeat(r, procs_[r].inc, now_);
         }
-        execute(m_.tick(now_));
+        tick();
       }
       if (::testing::Test::HasFatalFailure()) return;
       check(epoch);
@@ -755,6 +811,8 @@ class World {
   int64_t now_ = 1000;
   static inline std::map<ActionKind, uint64_t> stats_;  // Over every sequence.
   static inline uint64_t asks_ = 0, asks_failed_ = 0;   // propose_recovery() calls.
+  static inline uint64_t tick_fences_ = 0;              // Silent incarnations fenced by tick().
+  static inline uint64_t sigconts_ = 0;                 // SIGCONT within the timeout.
   bool trace_ = std::getenv("FLEXPERT_MEMBERSHIP_TRACE") != nullptr;
 };
 
@@ -796,12 +854,17 @@ TEST(MembershipProperty, RandomEventSequences) {
   std::printf("  %-16s %llu (%llu failed)\n", "propose_recovery",
               static_cast<unsigned long long>(World::asks_),
               static_cast<unsigned long long>(World::asks_failed_));
+  std::printf("  %-16s %llu (%llu continued in time)\n", "tick fences",
+              static_cast<unsigned long long>(World::tick_fences_),
+              static_cast<unsigned long long>(World::sigconts_));
   if (runs < 100) return;  // A replayed seed need not exercise everything.
   EXPECT_GT(World::stats_[ActionKind::kRollback], runs / 10);
   EXPECT_GT(World::asks_, runs / 10);
   EXPECT_GT(World::asks_failed_, 0u);
   EXPECT_GT(World::stats_[ActionKind::kFail], 0u);
   EXPECT_GT(World::stats_[ActionKind::kCancelRebalance], 0u);
+  EXPECT_GT(World::tick_fences_, runs / 10);
+  EXPECT_GT(World::sigconts_, 0u);
 }
 
 }  // namespace

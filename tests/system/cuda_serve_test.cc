@@ -6,11 +6,15 @@
 // another CUDA graph (flexpert_rank_graph_captures in /metrics: every rank, a joiner too,
 // captures all its graphs while it loads); DeepSeek-V3 over four
 // ranks answers with its reference tokens around a rebalance; a rank SIGKILLed under
-// load is recovered from and replaced; DeepSeek with FP8 experts over four ranks answers as
-// one process does around a rebalance and a scale-down. Skips without a GPU.
+// load is recovered from and replaced; GPU ranks over ucx (no shared memory between
+// them) keep the reference tokens across scales, and so do GPU ranks over hier on two
+// "hosts" (cuda_ipc within one, ucx between them); DeepSeek with FP8 experts over four ranks
+// answers as one process does around a rebalance and a scale-down. Skips without a GPU.
+#include <fcntl.h>
 #include <signal.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <map>
 #include <sstream>
 #include <thread>
@@ -240,6 +244,192 @@ TEST(CudaServeTest, FourRanksOnOneGpuKeepReferenceTokensWithoutRecapture) {
     for (const auto& [pid, n] : after) EXPECT_EQ(n, per_rank) << "worker pid " << pid;
   }
   EXPECT_EQ(server.stop(), 0);
+}
+
+// GPU ranks that share no memory (as on different hosts): `--transport ucx` over TCP. The
+// ucx backend maps no peer buffers, so the rows of each MoE layer and the weights a scale
+// moves go through pinned host memory (the host exchange; slot loads from the peers' host
+// regions), Debian's UCX having no CUDA support (docs/ARCHITECTURE.md, "Transports").
+// Reference tokens before and after a scale 2 -> 3 that moves experts to the joiner, a
+// rebalance, and a scale back to 2.
+TEST(CudaServeTest, GpuRanksOverUcxStageThroughHostMemory) {
+#ifndef FLEXPERT_TEST_WITH_UCX
+  GTEST_SKIP() << "this build has no ucx backend";
+#endif
+  if (!flexpert::cuda::device_available()) {
+    GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs on a GPU host)";
+  }
+  setenv("UCX_TLS", "tcp", 1);  // Inherited by the workers: loopback TCP stands for a network.
+  setenv("UCX_NET_DEVICES", "lo", 1);
+  Server server({"--device", "cuda", "--cuda-dtype", "f32", "--transport", "ucx", "--ranks", "2",
+                 "--max-ranks", "3", "--max-sequences", "4", "--eplb-spare-slots", "2",
+                 "--transport-timeout-ms", "30000", "--start-timeout-ms", "300000"});
+  unsetenv("UCX_TLS");
+  unsetenv("UCX_NET_DEVICES");
+  ASSERT_TRUE(server.up());
+  const Reference ref = load_reference();
+  check_reference(server, ref, 2);
+  for (int target : {3, 2}) {
+    LightLoad load(server, ref);
+    pause_ms(300);
+    const Answer a = post(server, "/v1/scale", {{"ranks", target}});
+    ASSERT_EQ(a.status, 200) << a.body.dump();
+    std::printf("scale to %d over ucx: %s\n", target, a.body.dump().c_str());
+    EXPECT_EQ(a.body["members"].size(), static_cast<size_t>(target)) << a.body.dump();
+    pause_ms(300);
+    load.stop();
+    EXPECT_GT(load.ok(), 0);
+    EXPECT_EQ(load.wrong(), 0);
+    check_reference(server, ref, 2);
+    if (target == 3) {
+      const Answer r = post(server, "/v1/eplb/rebalance", nlohmann::json::object());
+      EXPECT_EQ(r.status, 200) << r.body.dump();
+      check_reference(server, ref, 2);
+    }
+  }
+  EXPECT_EQ(server.stop(), 0);
+}
+
+// Starts `flexpert worker --join` for `rank` (a number, or "auto" for a joiner) as a process
+// of host `host` (FLEXPERT_HOST_ID: hier's host identity), its log (info) to `log_path`, with
+// loopback TCP for UCX. The child only dup2s and execs: client threads may run meanwhile.
+pid_t start_on_host(const std::string& host, const std::string& join, const std::string& rank,
+                    const std::string& log_path) {
+  std::vector<std::string> env = {"FLEXPERT_LOG=info", "FLEXPERT_HOST_ID=" + host, "UCX_TLS=tcp",
+                                  "UCX_NET_DEVICES=lo"};
+  if (std::getenv("FLEXPERT_CLUSTER_KEY") == nullptr) {
+    env.push_back(std::string("FLEXPERT_CLUSTER_KEY=") + kTestClusterKey);  // The server's.
+  }
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string kv = *e;
+    const std::string name = kv.substr(0, kv.find('='));
+    if (name != "FLEXPERT_LOG" && name != "FLEXPERT_HOST_ID" && name != "UCX_TLS" &&
+        name != "UCX_NET_DEVICES") {
+      env.push_back(kv);
+    }
+  }
+  std::vector<std::string> args = {FLEXPERT_BINARY, "worker", "--join", join, "--rank", rank};
+  std::vector<char*> argv, envp;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (auto& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    if (fd < 0 || dup2(fd, 2) < 0) _exit(126);
+    execve(FLEXPERT_BINARY, argv.data(), envp.data());
+    _exit(127);
+  }
+  if (fd >= 0) close(fd);
+  return pid;
+}
+
+// A scale-up to `target` ranks whose joiner starts on `host` once the front end waits for it.
+Answer scale_up_on(Server& server, int target, const std::string& host,
+                   const std::string& log_path) {
+  Answer answer;
+  std::thread scale([&] { answer = post(server, "/v1/scale", {{"ranks", target}}); });
+  for (int i = 0; i < 400 && server.get_json("/v1/status")["phase"] != "scaling"; ++i) {
+    pause_ms(25);
+  }
+  server.adopt_worker(start_on_host(host, server.join_address(), "auto", log_path));
+  scale.join();
+  return answer;
+}
+
+// GPU ranks over `--transport hier` on two "hosts" of one machine (hand-started workers with
+// different FLEXPERT_HOST_ID): ranks 0, 1 on host a, a joiner on a (rank 2), then one on b
+// (rank 3), a rebalance, and b's rank removed. Pairs on host a map each other's GPU memory
+// through cuda_ipc (the device exchange; a joiner's expert copies device to device), pairs
+// across hosts go through ucx (the host exchange while b is a member; b's joiner loads its
+// experts from the host regions): the scale reports count the device copies, and the
+// workers' logs name the backend of each pair, the mappings and the refusals. Reference
+// tokens after every change.
+TEST(CudaServeTest, GpuRanksOverHierUseCudaIpcWithinAHostAndUcxAcross) {
+#ifndef FLEXPERT_TEST_WITH_UCX
+  GTEST_SKIP() << "this build has no ucx backend (hier needs it)";
+#endif
+  if (!flexpert::cuda::device_available()) {
+    GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs on a GPU host)";
+  }
+  const std::string dir = temp_dir("cuda-hier");
+  const std::string host_a = "gpu-host-a", host_b = "gpu-host-b";
+  Server server({"--no-spawn", "--device", "cuda", "--cuda-dtype", "f32", "--transport", "hier",
+                 "--ranks", "2", "--max-ranks", "4", "--max-sequences", "4", "--eplb-spare-slots",
+                 "2", "--transport-timeout-ms", "30000", "--start-timeout-ms", "300000"},
+                {0, 1}, kModel, [&](const std::string& join, int rank) {
+                  const std::string r = std::to_string(rank);
+                  return start_on_host(host_a, join, r, dir + "/worker" + r + ".log");
+                });
+  ASSERT_TRUE(server.up());
+  const Reference ref = load_reference();
+  check_reference(server, ref, 2);
+  // (host, joiner's expected rank): a's joiner copies from its host mates, b's from host a.
+  for (const auto& [host, rank] : {std::pair{host_a, 2}, std::pair{host_b, 3}}) {
+    LightLoad load(server, ref);
+    pause_ms(300);
+    const Answer a =
+        scale_up_on(server, rank + 1, host, dir + "/worker" + std::to_string(rank) + ".log");
+    ASSERT_EQ(a.status, 200) << a.body.dump();
+    std::printf("scale to %d, joiner on %s: %s\n", rank + 1, host.c_str(), a.body.dump().c_str());
+    ASSERT_EQ(a.body["joined"], nlohmann::json({rank})) << a.body.dump();
+    pause_ms(300);
+    load.stop();
+    EXPECT_GT(load.ok(), 0);
+    EXPECT_EQ(load.wrong(), 0);
+    const int64_t copies = a.body.value("expert_copies", int64_t{0});
+    const int64_t device = a.body.value("device_copies", int64_t{-1});
+    EXPECT_GT(copies, 0) << a.body.dump();
+    if (host == host_a) {
+      EXPECT_GT(device, 0) << "same host: slots mapped through cuda_ipc " << a.body.dump();
+    } else {
+      EXPECT_EQ(device, 0) << "across hosts: host regions over ucx " << a.body.dump();
+    }
+    check_reference(server, ref, 2);
+  }
+  const Answer r = post(server, "/v1/eplb/rebalance", nlohmann::json::object());
+  EXPECT_EQ(r.status, 200) << r.body.dump();
+  std::printf("rebalance across hosts: %s\n", r.body.dump().c_str());
+  check_reference(server, ref, 2);
+  // Host a alone again: the device exchange.
+  const Answer down = post(server, "/v1/scale", {{"remove", nlohmann::json::array({3})}});
+  ASSERT_EQ(down.status, 200) << down.body.dump();
+  EXPECT_EQ(down.body["members"], nlohmann::json({0, 1, 2})) << down.body.dump();
+  check_reference(server, ref, 2);
+  EXPECT_EQ(server.stop(), 0);
+
+  const std::string me = "hier rank 0: ";
+  const std::string log0 = read_text(dir + "/worker0.log");
+  for (int mate : {1, 2}) {
+    const std::string m = std::to_string(mate);
+    EXPECT_NE(log0.find(me + "rank " + m + " on this host (cuda_ipc)"), std::string::npos) << log0;
+    // The device exchange mapped its buffers (DeviceEpMoe::ready_for).
+    EXPECT_NE(log0.find(": rank " + m + " mapped in "), std::string::npos) << log0;
+  }
+  EXPECT_NE(log0.find(me + "rank 3 on host " + host_b + " (ucx)"), std::string::npos) << log0;
+  // While rank 3 was a member: the host exchange, its buffers not mappable.
+  EXPECT_NE(log0.find(": host exchange, "), std::string::npos) << log0;
+  EXPECT_NE(log0.find("rank 3 is on host " + host_b), std::string::npos) << log0;
+  const long long mapped = figure_before(log0, me, " peer buffers mapped over cuda_ipc");
+  const long long refused = figure_before(log0, me + std::to_string(mapped) + " peer buffers",
+                                          " refused (peers on other hosts)");
+  const long long ucx = figure_before(log0, me, " over ucx");
+  std::printf(
+      "rank 0: %lld peer buffers mapped over cuda_ipc, %lld refused, %lld bytes over "
+      "ucx\n",
+      mapped, refused, ucx);
+  EXPECT_GT(mapped, 0) << log0;
+  EXPECT_GT(refused, 0) << log0;
+  EXPECT_GT(ucx, 0) << log0;
+  const std::string log3 = read_text(dir + "/worker3.log");
+  for (int far : {0, 1, 2}) {
+    EXPECT_NE(
+        log3.find("hier rank 3: rank " + std::to_string(far) + " on host " + host_a + " (ucx)"),
+        std::string::npos)
+        << log3;
+  }
+  if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir);
 }
 
 TEST(CudaServeTest, DeepseekFourRanksKeepReferenceTokensAcrossARebalance) {

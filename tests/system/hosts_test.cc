@@ -11,8 +11,12 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <mutex>
+#include <sstream>
 
 #include "elastic_util.h"
 #include "server_fixture.h"
@@ -73,11 +77,18 @@ class Hosts {
   static std::string address(size_t host) { return "10.78.0." + std::to_string(host + 2); }
   const std::string& host(size_t i) const { return hosts_[i]; }
 
-  // Starts `flexpert worker --join` for `rank` (a number, or "auto") in host namespace `i`.
-  pid_t start_worker(size_t i, const std::string& join, const std::string& rank) const {
+  // Starts `flexpert worker --join` for `rank` (a number, or "auto") in host namespace `i`,
+  // its stderr (the log, at info) to `log_path` when set.
+  pid_t start_worker(size_t i, const std::string& join, const std::string& rank,
+                     const std::string& log_path = "") const {
     const std::string ns = hosts_[i];
     const pid_t pid = fork();
     if (pid == 0) {
+      if (!log_path.empty()) {
+        const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        if (fd < 0 || dup2(fd, 2) < 0) _exit(126);
+        setenv("FLEXPERT_LOG", "info", 1);
+      }
       setenv("UCX_TLS", "tcp", 1);
       setenv("UCX_NET_DEVICES", "fxv0", 1);
       setenv("FLEXPERT_CLUSTER_KEY", kTestClusterKey, 0);
@@ -136,17 +147,17 @@ std::string missing_prerequisite(bool nft) {
 #endif
 }
 
-TEST(HostsTest, UcxAcrossNamespacesLosesAHostWithoutFailingARequest) {
-  if (const std::string why = missing_prerequisite(false); !why.empty()) GTEST_SKIP() << why;
-  Hosts hosts;
-  if (!hosts.allowed()) GTEST_SKIP() << "ip netns add was refused (no CAP_SYS_ADMIN?)";
-  ASSERT_TRUE(hosts.ok()) << "could not set up the namespaces";
-  // Ranks 0, 1 on host a; 2, 3 on host b.
+// Ranks 0, 1 on host a and 2, 3 on host b over `transport`; reference tokens, then both
+// workers of host b killed under load: no request fails and ranks 0, 1 serve on. Each worker's
+// log goes to `log_dir`/worker<rank>.log when `log_dir` is set.
+void lose_a_host(Hosts& hosts, const std::string& transport, const std::string& log_dir) {
   Server server(
       {"--no-spawn", "--ranks", "4", "--min-ranks", "2", "--threads-per-worker", "1", "--transport",
-       "ucx", "--control-host", "10.78.0.1", "--start-timeout-ms", "30000"},
+       transport, "--control-host", "10.78.0.1", "--start-timeout-ms", "30000"},
       {0, 1, 2, 3}, kModel, [&](const std::string& join, int rank) {
-        return hosts.start_worker(rank < 2 ? 0 : 1, join, std::to_string(rank));
+        const std::string log =
+            log_dir.empty() ? "" : log_dir + "/worker" + std::to_string(rank) + ".log";
+        return hosts.start_worker(rank < 2 ? 0 : 1, join, std::to_string(rank), log);
       });
   ASSERT_TRUE(server.up()) << "the group did not start";
   EXPECT_EQ(server.join_address().rfind("10.78.0.1:", 0), 0u) << server.join_address();
@@ -171,6 +182,47 @@ TEST(HostsTest, UcxAcrossNamespacesLosesAHostWithoutFailingARequest) {
   EXPECT_EQ(s["members"], nlohmann::json({0, 1})) << s.dump();
   check_reference(server, load_reference(), 1);
   EXPECT_EQ(server.stop(), 0);
+}
+
+TEST(HostsTest, UcxAcrossNamespacesLosesAHostWithoutFailingARequest) {
+  if (const std::string why = missing_prerequisite(false); !why.empty()) GTEST_SKIP() << why;
+  Hosts hosts;
+  if (!hosts.allowed()) GTEST_SKIP() << "ip netns add was refused (no CAP_SYS_ADMIN?)";
+  ASSERT_TRUE(hosts.ok()) << "could not set up the namespaces";
+  lose_a_host(hosts, "ucx", "");
+}
+
+// The same over --transport hier: two workers per host, whose pairs go through shm (their
+// logs say so when they connect, and count the bytes each backend carried at shutdown),
+// the pairs across hosts through ucx.
+TEST(HostsTest, HierKeepsShmWithinAHostAndUcxAcrossHosts) {
+  if (const std::string why = missing_prerequisite(false); !why.empty()) GTEST_SKIP() << why;
+  Hosts hosts;
+  if (!hosts.allowed()) GTEST_SKIP() << "ip netns add was refused (no CAP_SYS_ADMIN?)";
+  ASSERT_TRUE(hosts.ok()) << "could not set up the namespaces";
+  const std::string dir = temp_dir("hosts-hier");
+  lose_a_host(hosts, "hier", dir);
+  for (int rank : {0, 1}) {
+    const std::string log = read_text(dir + "/worker" + std::to_string(rank) + ".log");
+    const std::string me = "hier rank " + std::to_string(rank) + ": ";
+    const int mate = 1 - rank;
+    EXPECT_NE(log.find(me + "rank " + std::to_string(mate) + " on this host (shm)"),
+              std::string::npos)
+        << log;
+    for (int far : {2, 3}) {
+      const std::string line = me + "rank " + std::to_string(far) + " on host ";
+      const size_t at = log.find(line);
+      ASSERT_NE(at, std::string::npos) << log;
+      EXPECT_NE(log.find("(ucx)", at), std::string::npos) << log;
+    }
+    // Rows to its host mate went through shm, rows to host b through ucx.
+    const long long shm = figure_before(log, me, " bytes over shm");
+    const long long ucx = figure_before(log, me + std::to_string(shm), " over ucx");
+    std::printf("rank %d: %lld bytes over shm, %lld over ucx\n", rank, shm, ucx);
+    EXPECT_GT(shm, 0) << log;
+    EXPECT_GT(ucx, 0) << log;
+  }
+  if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir);
 }
 
 // Hosts a (index 0) and b (1) by the workers' pids: rank -> host index, for the ranks of

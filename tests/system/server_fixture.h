@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Test helpers for system tests: a `flexpert serve` child process with an HTTP
-// client, the fixture's reference, shm and process probes.
+// client, the fixture's reference, shm and process probes, log files.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -10,12 +10,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -198,6 +201,31 @@ inline std::vector<std::string> shm_segments(pid_t front_end) {
 }
 
 inline bool process_alive(int pid) { return pid > 0 && kill(pid, 0) == 0; }
+
+// A fresh directory under /tmp (kept when the test fails: its logs are worth reading).
+inline std::string temp_dir(const std::string& name) {
+  std::string path = "/tmp/flexpert-" + name + "-XXXXXX";
+  return mkdtemp(path.data()) != nullptr ? path : "/tmp";
+}
+
+inline std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// The number in `log` right before `suffix` on the line starting at `prefix` (-1: none).
+inline long long figure_before(const std::string& log, const std::string& prefix,
+                               const std::string& suffix) {
+  const size_t at = log.find(prefix);
+  if (at == std::string::npos) return -1;
+  const size_t end = log.find(suffix, at);
+  if (end == std::string::npos) return -1;
+  size_t begin = end;
+  while (begin > at && std::isdigit(static_cast<unsigned char>(log[begin - 1]))) --begin;
+  return begin == end ? -1 : std::stoll(log.substr(begin, end - begin));
+}
 
 inline void check_reference(Server& server, const Reference& ref, int copies) {
   // copies x every prompt, all in flight at once.

@@ -83,11 +83,15 @@ bool join_netns(int rank) {
 }
 
 // A suite name as create_transport's backend name and options: "cuda_ipc_host" is cuda_ipc
-// with TransportOptions::host_collectives (what GPU workers run).
+// with TransportOptions::host_collectives (what GPU workers run), "hier_gpu" hier so (what GPU
+// workers run with --transport hier: cuda_ipc within the host).
 void resolve_backend(const std::string& name, std::string* backend, TransportOptions* options) {
   *backend = name;
   if (name == "cuda_ipc_host") {
     *backend = "cuda_ipc";
+    options->host_collectives = true;
+  } else if (name == "hier_gpu") {
+    *backend = "hier";
     options->host_collectives = true;
   }
 }
@@ -151,11 +155,11 @@ int run_rank(const std::string& backend, const ClusterSpec& spec, const Scenario
 
 std::vector<std::string> conformance_backends() {
   // A new backend adds its create_transport() name here.
-  // "ucx" skips itself (with the reason) in builds without UCX.
+  // "ucx" and "hier" skip themselves (with the reason) in builds without UCX.
 #ifdef FLEXPERT_CONFORMANCE_CUDA
-  return {"shm", "cuda_ipc", "cuda_ipc_host", "ucx"};
+  return {"shm", "cuda_ipc", "cuda_ipc_host", "ucx", "hier", "hier_gpu"};
 #else
-  return {"shm", "ucx"};
+  return {"shm", "ucx", "hier"};
 #endif
 }
 

@@ -9,7 +9,7 @@
 // shuts down; the scenario returns a Status (CT_REQUIRE*), which becomes the exit code.
 //
 // A new backend joins the suite by adding its name to conformance_backends() ("cuda_ipc_host" is
-// cuda_ipc with TransportOptions::host_collectives); when its
+// cuda_ipc with TransportOptions::host_collectives, "hier_gpu" hier so); when its
 // buffers are not host memory (capabilities().device_memory), scenarios stage their bytes
 // through the BackendMemory that make_backend_memory() picks from the capabilities. A backend
 // that cannot run on this machine (create_transport says Unavailable or Unimplemented: a GPU

@@ -68,12 +68,11 @@ Result<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::create(
   char bus_id[32] = {};
   FLEX_RETURN_IF_ERROR(
       cuda_check(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device), "cudaDeviceGetPCIBusId"));
-  std::unique_ptr<Transport> host;
+  std::unique_ptr<ShmTransport> host;
   std::string address;
   if (options.host_collectives) {
-    FLEX_ASSIGN_OR_RETURN(std::unique_ptr<ShmTransport> shm, ShmTransport::create(options));
-    address = shm->address();
-    host = std::move(shm);
+    FLEX_ASSIGN_OR_RETURN(host, ShmTransport::create(options));
+    address = host->address();
     layout.recv_bytes = 0;  // The shm backend holds the payloads.
   } else {
     address = shm::control_segment_name(options.session, options.rank, options.incarnation);

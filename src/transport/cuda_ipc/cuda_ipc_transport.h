@@ -56,6 +56,7 @@
 #include "transport/shm/shm_layout.h"
 #include "transport/shm/shm_protocol.h"
 #include "transport/shm/shm_segment.h"
+#include "transport/shm/shm_transport.h"
 #include "transport/transport.h"
 
 namespace flexpert {
@@ -90,6 +91,10 @@ class CudaIpcTransport final : public Transport {
   Status peer_status(int peer) const override;
   Status mark_peer_lost(int peer, const std::string& why) override;
   int timeout_ms() const override { return options_.timeout_ms; }
+
+  // With host_collectives: the inner ShmTransport that runs the collectives and holds the
+  // regions (HierTransport announces this rank's closing through it); null otherwise.
+  ShmTransport* host_shm() const { return host_.get(); }
 
  private:
   // Device memory readable by read(): an own allocation or an imported mapping, kept alive
@@ -150,7 +155,7 @@ class CudaIpcTransport final : public Transport {
   const std::string address_;
   // host_collectives: runs collectives, regions and reads; null otherwise. Driving thread for
   // what it drives, any thread for read() (as ShmTransport).
-  std::unique_ptr<Transport> host_;
+  std::unique_ptr<ShmTransport> host_;
   // The collectives' state (driving thread only; unused with host_).
   shm::MailboxProtocol protocol_;
 

@@ -166,6 +166,12 @@ Status ShmTransport::read(int peer, int region_id, size_t offset, void* dst, siz
 
 void ShmTransport::ring_all_peers() { shm::ring_peers(peers_, options_.rank); }
 
+void ShmTransport::announce_closing() {
+  if (shut_down_ || header_ == nullptr) return;
+  header_->closed.store(1, std::memory_order_release);
+  ring_all_peers();
+}
+
 void ShmTransport::close_and_release() {
   if (shut_down_ || header_ == nullptr) return;
   // Peers waiting on us notice at once instead of at their deadline.

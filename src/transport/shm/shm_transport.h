@@ -57,6 +57,10 @@ class ShmTransport final : public Transport {
                                          const std::vector<ByteSpan>& send) override;
 
   Status shutdown() override;
+  // What shutdown() tells peers first (this rank is closed: their waits on it end at once),
+  // with everything still mapped: for the hier backend, whose ucx part serves reads of these
+  // regions until it has said goodbye. Driving thread; shutdown() still follows.
+  void announce_closing();
   Status peer_status(int peer) const override;
   Status mark_peer_lost(int peer, const std::string& why) override;
   int timeout_ms() const override { return options_.timeout_ms; }

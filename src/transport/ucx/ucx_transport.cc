@@ -116,6 +116,18 @@ Status allocate_registered(ucp_context_h context, size_t num_bytes, void** data,
   return Status();
 }
 
+// Registers memory the caller allocated (and keeps until the transport is destroyed).
+Status register_memory(ucp_context_h context, void* data, size_t num_bytes, ucp_mem_h* memh) {
+  ucp_mem_map_params_t params{};
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  params.address = data;
+  params.length = num_bytes;
+  const ucs_status_t st = ucp_mem_map(context, &params, memh);
+  if (st != UCS_OK)
+    return ucs_error(st, "ucp_mem_map (register) of " + std::to_string(num_bytes) + " bytes");
+  return Status();
+}
+
 size_t round_up(size_t n, size_t align) { return (n + align - 1) / align * align; }
 
 }  // namespace
@@ -277,7 +289,8 @@ UcxTransport::~UcxTransport() {
   if (listener_ != nullptr) ucp_listener_destroy(listener_);
   if (inflight_ == 0) {
     // Else a request may still write into them: leak them rather than corrupt memory.
-    for (auto& [id, r] : own_regions_) ucp_mem_unmap(context_, r.memh);  // UCX allocated it.
+    // UCX allocated them, or (register_region) only registered them: unmap frees or deregisters.
+    for (auto& [id, r] : own_regions_) ucp_mem_unmap(context_, r.memh);
     // UCX allocated them. Null when create() failed before.
     if (mailboxes_memh_ != nullptr) ucp_mem_unmap(context_, mailboxes_memh_);
     if (staging_memh_ != nullptr) ucp_mem_unmap(context_, staging_memh_);
@@ -535,6 +548,15 @@ Status UcxTransport::peer_status(int peer) const {
 }
 
 Result<Region> UcxTransport::allocate_region(int region_id, size_t num_bytes) {
+  return add_region(region_id, nullptr, num_bytes);
+}
+
+Status UcxTransport::register_region(int region_id, void* data, size_t num_bytes) {
+  if (data == nullptr) return invalid_argument("register_region: null data");
+  return add_region(region_id, data, num_bytes).status();
+}
+
+Result<Region> UcxTransport::add_region(int region_id, void* data, size_t num_bytes) {
   if (region_id < 0) return invalid_argument("region id must be >= 0");
   if (num_bytes == 0) return invalid_argument("region " + std::to_string(region_id) + ": 0 bytes");
   std::lock_guard<std::mutex> lock(mu_);
@@ -544,7 +566,12 @@ Result<Region> UcxTransport::allocate_region(int region_id, size_t num_bytes) {
   }
   OwnRegion r;
   r.num_bytes = num_bytes;
-  FLEX_RETURN_IF_ERROR(allocate_registered(context_, num_bytes, &r.data, &r.memh));
+  if (data == nullptr) {
+    FLEX_RETURN_IF_ERROR(allocate_registered(context_, num_bytes, &r.data, &r.memh));
+  } else {
+    FLEX_RETURN_IF_ERROR(register_memory(context_, data, num_bytes, &r.memh));
+    r.data = data;
+  }
   void* packed = nullptr;
   size_t packed_bytes = 0;
   const ucs_status_t st = ucp_rkey_pack(context_, r.memh, &packed, &packed_bytes);

@@ -100,6 +100,11 @@ class UcxTransport final : public Transport {
   Status disconnect(int peer) override;
 
   Result<Region> allocate_region(int region_id, size_t num_bytes) override;
+  // Makes `num_bytes` at `data`, memory the caller allocated and keeps until this transport is
+  // destroyed, region `region_id` (announced and read like an allocated one). For the hier
+  // backend, whose regions are shm segments that same-host peers map and others get through UCX.
+  // Gets of such memory over UCX's own shared-memory transports wait for this rank's progress.
+  Status register_region(int region_id, void* data, size_t num_bytes);
   Status read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) override;
 
   Result<std::vector<ByteSpan>> all_gather(const Group& group, ByteSpan in) override;
@@ -192,6 +197,8 @@ class UcxTransport final : public Transport {
 
   explicit UcxTransport(TransportOptions options);
   Status init();
+  // allocate_region (data null: UCX allocates) and register_region.
+  Result<Region> add_region(int region_id, void* data, size_t num_bytes);
 
   // UCX callbacks (run inside ucp_worker_progress, i.e. under mu_).
   static ucs_status_t on_am(void* arg, const void* header, size_t header_length, void* data,
