@@ -67,9 +67,16 @@ struct ModelOptions {
   bool cuda_graphs = true;
   // Routed expert weights of a block-FP8 checkpoint: "bf16" dequantizes them at load (the
   // CPU path always does), "fp8" keeps them e4m3 with their block scales (GPU only,
-  // docs/memory.md); "": bf16. "fp8" with device "cpu" is InvalidArgument.
+  // docs/memory.md); "": on a GPU ModelConfig::default_gpu_quantization() where it can run
+  // (device_dtype bf16, compute capability 8.9 or newer), else bf16. "fp8" with device
+  // "cpu" is InvalidArgument.
   std::string quantization;
 };
+
+// ModelOptions::quantization against ModelOptions::device, before anything loads: "", "bf16"
+// or "fp8", and "fp8" not on the CPU; else InvalidArgument saying which. Model::load checks it
+// too; a serving front end calls it at start, before any worker loads.
+Status check_quantization(const std::string& device, const std::string& quantization);
 
 // What Model::forward_step returns for one batch row: a token always, and the row's
 // logits for kLogits.

@@ -536,6 +536,12 @@ Status validate(const ModelConfig& c) {
 
 }  // namespace
 
+std::string ModelConfig::default_gpu_quantization() const {
+  const bool blocks_128 =
+      weight_block_size.empty() || weight_block_size == std::vector<int>{128, 128};
+  return is_deepseek() && quant_method == "fp8" && blocks_128 ? "fp8" : "bf16";
+}
+
 bool ModelConfig::is_moe_layer(int layer) const {
   const Architecture* arch = find_architecture(model_type);
   return arch != nullptr && arch->is_moe_layer(*this, layer);

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "checkpoint/synth.h"
@@ -42,8 +43,9 @@ Result<std::string> ensure_model(const Flags& flags) {
   FLEX_ASSIGN_OR_RETURN(int64_t layers, flags.integer("layers"));
   options.num_layers = static_cast<int>(layers);
   FLEX_ASSIGN_OR_RETURN(options.dtype, parse_weight_dtype(flags.str("dtype")));
+  options.fp8 = flags.flag("fp8");
   options.out_dir = flags.str("cache") + "/" + options.preset + "-L" + std::to_string(layers) +
-                    "-" + flags.str("dtype");
+                    "-" + flags.str("dtype") + (options.fp8 ? "-fp8" : "");
   struct stat st {};
   if (stat((options.out_dir + "/config.json").c_str(), &st) == 0) return options.out_dir;
   Progress progress("synthesising " + options.out_dir);
@@ -54,6 +56,22 @@ Result<std::string> ensure_model(const Flags& flags) {
   progress.finish();
   FLEX_RETURN_IF_ERROR(s);
   return options.out_dir;
+}
+
+// --quantization: "" (the model's default) or a comma-separated list of bf16 / fp8, each
+// loaded and measured in turn (so FP8 decode lands beside bf16 in one run).
+Result<std::vector<std::string>> quantization_list(const Flags& flags) {
+  std::vector<std::string> out;
+  std::stringstream all(flags.str("quantization"));
+  std::string item;
+  while (std::getline(all, item, ',')) {
+    if (item != "bf16" && item != "fp8") {
+      return invalid_argument("--quantization items must be bf16 or fp8, got '" + item + "'");
+    }
+    out.push_back(item);
+  }
+  if (out.empty()) out.push_back("");
+  return out;
 }
 
 Status run_generate_bench(const Flags& flags) {
@@ -73,155 +91,166 @@ Status run_generate_bench(const Flags& flags) {
   for (int64_t b : batches) {
     if (b < 1) return invalid_argument("--batches items must be >= 1");
   }
+  FLEX_ASSIGN_OR_RETURN(std::vector<std::string> quantizations, quantization_list(flags));
   FLEX_ASSIGN_OR_RETURN(std::string dir, ensure_model(flags));
   const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
-  ModelOptions options;
-  options.max_sequences = static_cast<int>(max_batch);
-  const bool floor = flags.flag("floor");
-  constexpr int kCounted = 4;  // --floor: decode steps that count the routed experts.
-  options.max_seq_len = static_cast<int>(prompt_len + gen_tokens + 1 + (floor ? kCounted : 0));
-  options.device = flags.str("device");
-  FLEX_ASSIGN_OR_RETURN(options.device_dtype, parse_weight_dtype(flags.str("cuda-dtype")));
-  Progress progress("loading " + dir);
-  options.progress = [&](int done, int total) { progress.update(done, total, " layers"); };
-  FLEX_ASSIGN_OR_RETURN(auto model, Model::load(dir, options));
-  progress.finish();
-  const ModelConfig& c = model->config();
-  // --floor: what a decode step must read, against the copy bandwidth measured now.
-  StepBytes floor_bytes;
-  double copy_rate = 0;
-  if (floor) {
-    FLEX_ASSIGN_OR_RETURN(floor_bytes, step_bytes(dir, c, options.device, options.device_dtype));
-    FLEX_ASSIGN_OR_RETURN(copy_rate, copy_bytes_per_s(options.device));
-    std::printf(
-        "floor: %.1f MB dense per step, %.2f MB per expert, %.1f KB KV per token "
-        "(%s); copy %.0f GB/s (read + write)\n",
-        floor_bytes.dense / 1e6, floor_bytes.expert / 1e6, floor_bytes.kv_per_token / 1e3,
-        floor_bytes.weights_dtype.c_str(), copy_rate / 1e9);
-  }
-
-  std::mt19937 rng(1);
   nlohmann::json runs = nlohmann::json::array();
-  std::printf("%-6s %12s %12s %14s%s\n", "batch", "prefill tok/s", "decode tok/s", "decode ms/step",
-              floor ? "   experts/step  floor ms  % of floor" : "");
-  Tensor logits;
-  std::vector<int32_t> tokens;
-  std::mt19937_64 draws(7);
-  for (int64_t b : batches) {
-    std::vector<SequenceChunk> batch(static_cast<size_t>(b));
-    for (int64_t i = 0; i < b; ++i) {
-      batch[i].kv_slot = static_cast<int>(i);
-      batch[i].start_pos = 0;
-      for (int64_t t = 0; t < prompt_len; ++t) {
-        batch[i].tokens.push_back(static_cast<int32_t>(rng() % c.vocab_size));
-      }
+  nlohmann::json out;
+  for (const std::string& quantization : quantizations) {
+    ModelOptions options;
+    options.max_sequences = static_cast<int>(max_batch);
+    const bool floor = flags.flag("floor");
+    constexpr int kCounted = 4;  // --floor: decode steps that count the routed experts.
+    options.max_seq_len = static_cast<int>(prompt_len + gen_tokens + 1 + (floor ? kCounted : 0));
+    options.device = flags.str("device");
+    FLEX_ASSIGN_OR_RETURN(options.device_dtype, parse_weight_dtype(flags.str("cuda-dtype")));
+    options.quantization = quantization;
+    if (quantizations.size() > 1 || !quantization.empty()) {
+      std::printf("quantization %s\n", quantization.empty() ? "(default)" : quantization.c_str());
     }
-    // Greedy, or softmax sampling at --temperature (cut to --top-k / --top-p): tokens are
-    // picked where the logits are (Model::forward_step), no logits row is copied out;
-    // with --sample-on-host the rows' logits come out and the host draws
-    // (kernels::sample_truncated).
-    std::vector<RowOutput> rows(static_cast<size_t>(b));
-    std::vector<double> u(static_cast<size_t>(b));
-    auto step = [&]() -> Status {
-      for (int64_t i = 0; i < b; ++i) {
-        RowOutput& r = rows[i];
-        r.kind = temperature == 0 ? RowOutput::kGreedy
-                 : sample_on_host ? RowOutput::kLogits
-                                  : RowOutput::kSample;
-        r.temperature = static_cast<float>(temperature);
-        r.top_k = static_cast<int>(top_k);
-        r.top_p = static_cast<float>(top_p);
-        r.u01 = u[i] = std::generate_canonical<double, 53>(draws);
-      }
-      FLEX_RETURN_IF_ERROR(model->forward_step(batch, rows, &logits, &tokens));
-      for (int64_t i = 0; i < b && rows[0].kind == RowOutput::kLogits; ++i) {
-        tokens[i] = kernels::sample_truncated(logits.data<float>() + i * c.vocab_size, c.vocab_size,
-                                              static_cast<float>(temperature), rows[i].top_k,
-                                              rows[i].top_p, u[i]);
-      }
-      return Status();
-    };
-    auto t0 = std::chrono::steady_clock::now();
-    FLEX_RETURN_IF_ERROR(step());
-    const double prefill_s = seconds_since(t0);
-    t0 = std::chrono::steady_clock::now();
-    for (int64_t s = 0; s < gen_tokens; ++s) {
-      for (int64_t i = 0; i < b; ++i) {
-        batch[i].start_pos = static_cast<int>(prompt_len + s);
-        batch[i].tokens = {tokens[i]};
-      }
-      FLEX_RETURN_IF_ERROR(step());
-    }
-    const double decode_s = seconds_since(t0);
-    // The floor's expert term: slots each layer routed to, over a few more (untimed)
-    // decode steps; a step reads each such slot once whatever its number of rows.
-    double experts_per_step = 0, floor_ms = 0;
+    Progress progress("loading " + dir);
+    options.progress = [&](int done, int total) { progress.update(done, total, " layers"); };
+    FLEX_ASSIGN_OR_RETURN(auto model, Model::load(dir, options));
+    progress.finish();
+    const ModelConfig& c = model->config();
+    // --floor: what a decode step must read, against the copy bandwidth measured now.
+    StepBytes floor_bytes;
+    double copy_rate = 0;
     if (floor) {
-      double slots = 0;
-      for (int s = 0; s < kCounted; ++s) {
+      FLEX_ASSIGN_OR_RETURN(floor_bytes, step_bytes(dir, c, options.device, options.device_dtype,
+                                                    quantization == "fp8"));
+      FLEX_ASSIGN_OR_RETURN(copy_rate, copy_bytes_per_s(options.device));
+      std::printf(
+          "floor: %.1f MB dense per step, %.2f MB per expert, %.1f KB KV per token "
+          "(%s); copy %.0f GB/s (read + write)\n",
+          floor_bytes.dense / 1e6, floor_bytes.expert / 1e6, floor_bytes.kv_per_token / 1e3,
+          floor_bytes.weights_dtype.c_str(), copy_rate / 1e9);
+    }
+
+    std::mt19937 rng(1);
+    std::printf("%-6s %12s %12s %14s%s\n", "batch", "prefill tok/s", "decode tok/s",
+                "decode ms/step", floor ? "   experts/step  floor ms  % of floor" : "");
+    Tensor logits;
+    std::vector<int32_t> tokens;
+    std::mt19937_64 draws(7);
+    for (int64_t b : batches) {
+      std::vector<SequenceChunk> batch(static_cast<size_t>(b));
+      for (int64_t i = 0; i < b; ++i) {
+        batch[i].kv_slot = static_cast<int>(i);
+        batch[i].start_pos = 0;
+        for (int64_t t = 0; t < prompt_len; ++t) {
+          batch[i].tokens.push_back(static_cast<int32_t>(rng() % c.vocab_size));
+        }
+      }
+      // Greedy, or softmax sampling at --temperature (cut to --top-k / --top-p): tokens are
+      // picked where the logits are (Model::forward_step), no logits row is copied out;
+      // with --sample-on-host the rows' logits come out and the host draws
+      // (kernels::sample_truncated).
+      std::vector<RowOutput> rows(static_cast<size_t>(b));
+      std::vector<double> u(static_cast<size_t>(b));
+      auto step = [&]() -> Status {
         for (int64_t i = 0; i < b; ++i) {
-          batch[i].start_pos = static_cast<int>(prompt_len + gen_tokens + s);
+          RowOutput& r = rows[i];
+          r.kind = temperature == 0 ? RowOutput::kGreedy
+                   : sample_on_host ? RowOutput::kLogits
+                                    : RowOutput::kSample;
+          r.temperature = static_cast<float>(temperature);
+          r.top_k = static_cast<int>(top_k);
+          r.top_p = static_cast<float>(top_p);
+          r.u01 = u[i] = std::generate_canonical<double, 53>(draws);
+        }
+        FLEX_RETURN_IF_ERROR(model->forward_step(batch, rows, &logits, &tokens));
+        for (int64_t i = 0; i < b && rows[0].kind == RowOutput::kLogits; ++i) {
+          tokens[i] = kernels::sample_truncated(logits.data<float>() + i * c.vocab_size,
+                                                c.vocab_size, static_cast<float>(temperature),
+                                                rows[i].top_k, rows[i].top_p, u[i]);
+        }
+        return Status();
+      };
+      auto t0 = std::chrono::steady_clock::now();
+      FLEX_RETURN_IF_ERROR(step());
+      const double prefill_s = seconds_since(t0);
+      t0 = std::chrono::steady_clock::now();
+      for (int64_t s = 0; s < gen_tokens; ++s) {
+        for (int64_t i = 0; i < b; ++i) {
+          batch[i].start_pos = static_cast<int>(prompt_len + s);
           batch[i].tokens = {tokens[i]};
         }
-        model->reset_slot_counts();
         FLEX_RETURN_IF_ERROR(step());
-        for (const auto& layer : model->slot_counts()) {
-          slots += static_cast<double>(
-              std::count_if(layer.begin(), layer.end(), [](int64_t n) { return n > 0; }));
-        }
       }
-      experts_per_step = slots / kCounted;
-      const double context =
-          static_cast<double>(prompt_len) + 0.5 * static_cast<double>(gen_tokens);
-      const double bytes = floor_bytes.dense + experts_per_step * floor_bytes.expert +
-                           static_cast<double>(b) * context * floor_bytes.kv_per_token;
-      // At the copy rate (read + write counted): what a read stream reaches on these chips.
-      floor_ms = 1e3 * bytes / copy_rate;
+      const double decode_s = seconds_since(t0);
+      // The floor's expert term: slots each layer routed to, over a few more (untimed)
+      // decode steps; a step reads each such slot once whatever its number of rows.
+      double experts_per_step = 0, floor_ms = 0;
+      if (floor) {
+        double slots = 0;
+        for (int s = 0; s < kCounted; ++s) {
+          for (int64_t i = 0; i < b; ++i) {
+            batch[i].start_pos = static_cast<int>(prompt_len + gen_tokens + s);
+            batch[i].tokens = {tokens[i]};
+          }
+          model->reset_slot_counts();
+          FLEX_RETURN_IF_ERROR(step());
+          for (const auto& layer : model->slot_counts()) {
+            slots += static_cast<double>(
+                std::count_if(layer.begin(), layer.end(), [](int64_t n) { return n > 0; }));
+          }
+        }
+        experts_per_step = slots / kCounted;
+        const double context =
+            static_cast<double>(prompt_len) + 0.5 * static_cast<double>(gen_tokens);
+        const double bytes = floor_bytes.dense + experts_per_step * floor_bytes.expert +
+                             static_cast<double>(b) * context * floor_bytes.kv_per_token;
+        // At the copy rate (read + write counted): what a read stream reaches on these chips.
+        floor_ms = 1e3 * bytes / copy_rate;
+      }
+      const double prefill_tps = static_cast<double>(b * prompt_len) / prefill_s;
+      const double decode_tps = static_cast<double>(b * gen_tokens) / decode_s;
+      const double step_ms = 1e3 * decode_s / static_cast<double>(gen_tokens);
+      std::printf("%-6lld %12.1f %12.1f %14.2f", static_cast<long long>(b), prefill_tps, decode_tps,
+                  step_ms);
+      if (floor) {
+        std::printf(" %14.1f %9.3f %10.1f %%", experts_per_step, floor_ms,
+                    100.0 * floor_ms / step_ms);
+      }
+      std::printf("\n");
+      std::fflush(stdout);
+      runs.push_back({{"batch", b},
+                      {"quantization", quantization.empty() ? "default" : quantization},
+                      {"prefill_tokens_per_s", prefill_tps},
+                      {"decode_tokens_per_s", decode_tps},
+                      {"decode_ms_per_step", step_ms},
+                      {"prefill_s", prefill_s},
+                      {"decode_s", decode_s}});
+      if (floor) {
+        runs.back()["experts_per_step"] = experts_per_step;
+        runs.back()["floor_ms"] = floor_ms;
+        runs.back()["floor_fraction"] = floor_ms / step_ms;
+      }
     }
-    const double prefill_tps = static_cast<double>(b * prompt_len) / prefill_s;
-    const double decode_tps = static_cast<double>(b * gen_tokens) / decode_s;
-    const double step_ms = 1e3 * decode_s / static_cast<double>(gen_tokens);
-    std::printf("%-6lld %12.1f %12.1f %14.2f", static_cast<long long>(b), prefill_tps, decode_tps,
-                step_ms);
+    out = {{"benchmark", "generate"},
+           {"model", dir},
+           {"layers", c.num_hidden_layers},
+           {"hidden_size", c.hidden_size},
+           {"num_experts", c.num_experts},
+           {"top_k", c.num_experts_per_tok},
+           {"prompt_len", prompt_len},
+           {"gen_tokens", gen_tokens},
+           {"temperature", temperature},
+           {"sample_top_k", top_k},
+           {"sample_top_p", top_p},
+           {"sample_on_host", sample_on_host},
+           {"threads", ThreadPool::global().num_threads()},
+           {"hardware_threads", std::thread::hardware_concurrency()},
+           {"quantization", flags.has("quantization") ? flags.str("quantization") : "default"}};
     if (floor) {
-      std::printf(" %14.1f %9.3f %10.1f %%", experts_per_step, floor_ms,
-                  100.0 * floor_ms / step_ms);
-    }
-    std::printf("\n");
-    std::fflush(stdout);
-    runs.push_back({{"batch", b},
-                    {"prefill_tokens_per_s", prefill_tps},
-                    {"decode_tokens_per_s", decode_tps},
-                    {"decode_ms_per_step", step_ms},
-                    {"prefill_s", prefill_s},
-                    {"decode_s", decode_s}});
-    if (floor) {
-      runs.back()["experts_per_step"] = experts_per_step;
-      runs.back()["floor_ms"] = floor_ms;
-      runs.back()["floor_fraction"] = floor_ms / step_ms;
+      out["floor"] = {{"dense_bytes", floor_bytes.dense},
+                      {"expert_bytes", floor_bytes.expert},
+                      {"kv_bytes_per_token", floor_bytes.kv_per_token},
+                      {"copy_bytes_per_s", copy_rate}};
     }
   }
-  nlohmann::json out = {{"benchmark", "generate"},
-                        {"model", dir},
-                        {"layers", c.num_hidden_layers},
-                        {"hidden_size", c.hidden_size},
-                        {"num_experts", c.num_experts},
-                        {"top_k", c.num_experts_per_tok},
-                        {"prompt_len", prompt_len},
-                        {"gen_tokens", gen_tokens},
-                        {"temperature", temperature},
-                        {"sample_top_k", top_k},
-                        {"sample_top_p", top_p},
-                        {"sample_on_host", sample_on_host},
-                        {"threads", ThreadPool::global().num_threads()},
-                        {"hardware_threads", std::thread::hardware_concurrency()},
-                        {"runs", runs}};
-  if (floor) {
-    out["floor"] = {{"dense_bytes", floor_bytes.dense},
-                    {"expert_bytes", floor_bytes.expert},
-                    {"kv_bytes_per_token", floor_bytes.kv_per_token},
-                    {"copy_bytes_per_s", copy_rate}};
-  }
+  out["runs"] = runs;
   if (flags.has("json")) {
     std::ofstream f(flags.str("json"));
     f << out.dump(2) << "\n";
@@ -375,6 +404,10 @@ int cmd_bench(const Args& args) {
       .boolean("sample-on-host", "with --temperature: copy the logits out and draw on the host")
       .value("device", "cpu", "cpu, cuda or cuda:N")
       .value("cuda-dtype", "bf16", "weights and activations on the GPU: bf16 or f32")
+      .value("quantization", "",
+             "routed experts of a block-FP8 checkpoint, as in generate: bf16 or fp8; a list "
+             "(bf16,fp8) loads and measures each in turn; default: generate's")
+      .boolean("fp8", "synthesise the preset with block-FP8 projections (synth --fp8)")
       .value("json", "", "write results to this file")
       .boolean("floor", "also the step's byte floor and the % of it reached (decode)")
       .boolean("help", "show this help");

@@ -100,7 +100,10 @@ Status run_serve(const Flags& flags) {
   sigaction(SIGINT, &stop_action, nullptr);
   sigaction(SIGTERM, &stop_action, nullptr);
 
-  // Before any worker starts: a bad tokenizer or template costs no group start.
+  // Before any worker starts: a bad tokenizer, template or quantization costs no group start.
+  // --local runs the CPU model in this process.
+  FLEX_RETURN_IF_ERROR(check_quantization(flags.flag("local") ? "cpu" : flags.str("device"),
+                                          flags.str("quantization")));
   FLEX_ASSIGN_OR_RETURN(LoadedText text, load_text(flags));
   std::unique_ptr<ServingEngine> engine;
   std::string description;
@@ -173,6 +176,7 @@ Status run_serve(const Flags& flags) {
       return invalid_argument("--cuda-dtype must be bf16 or f32");
     }
     options.device_f32 = flags.str("cuda-dtype") == "f32";
+    options.quantization = flags.str("quantization");
     FLEX_ASSIGN_OR_RETURN(options.gpus, int_flag(flags, "gpus", 1));
     if (options.gpus > 1 && options.device != "cuda") {
       return invalid_argument("--gpus spreads ranks over GPUs: it needs --device cuda");
@@ -329,6 +333,10 @@ int cmd_serve(const Args& args) {
              "replacement without a process start")
       .value("device", "cpu", "where workers run the model: cpu, cuda, cuda:N")
       .value("cuda-dtype", "bf16", "weights and activations on the GPU: bf16 or f32")
+      .value("quantization", "",
+             "routed experts of a block-FP8 checkpoint, as in generate: bf16 (dequantized at "
+             "load) or fp8 (kept e4m3: --device cuda, deepseek models); default fp8 for a "
+             "block-FP8 deepseek checkpoint on a GPU that runs it, else bf16")
       .value("gpus", "1", "with --device cuda: rank r runs on cuda:(r mod N) of this host")
       .value("reconfigure", "live", "membership changes: live, or stop-the-world (baseline)")
       .value("heartbeat-timeout-ms", "2000", "a worker silent this long is declared lost")

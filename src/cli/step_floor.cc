@@ -14,19 +14,23 @@
 namespace flexpert::cli {
 
 Result<StepBytes> step_bytes(const std::string& dir, const ModelConfig& config,
-                             const std::string& device, DType device_dtype) {
+                             const std::string& device, DType device_dtype, bool fp8_experts) {
   FLEX_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::open(dir));
   const bool gpu = device != "cpu";
   StepBytes out;
-  out.weights_dtype = gpu ? dtype_name(device_dtype) : "as stored";
+  out.weights_dtype = !gpu          ? std::string("as stored")
+                      : fp8_experts ? std::string(dtype_name(device_dtype)) + ", fp8 experts"
+                                    : std::string(dtype_name(device_dtype));
   double expert_total = 0;
   for (const std::string& name : ckpt->names()) {
     FLEX_ASSIGN_OR_RETURN(Tensor t, ckpt->get(name));
-    if (name.find("embed_tokens") != std::string::npos) continue;       // Only the batch's rows.
-    if (name.find("_scale_inv") != std::string::npos && gpu) continue;  // Dequantized at load.
+    if (name.find("embed_tokens") != std::string::npos) continue;  // Only the batch's rows.
+    const bool expert = name.find(".mlp.experts.") != std::string::npos;
+    const bool as_stored = !gpu || (expert && fp8_experts);
+    if (name.find("_scale_inv") != std::string::npos && !as_stored) continue;  // Dequantized.
     const double bytes = static_cast<double>(t.numel()) *
-                         static_cast<double>(dtype_size(gpu ? device_dtype : t.dtype()));
-    if (name.find(".mlp.experts.") != std::string::npos) {
+                         static_cast<double>(dtype_size(as_stored ? t.dtype() : device_dtype));
+    if (expert) {
       expert_total += bytes;
     } else {
       out.dense += bytes;

@@ -19,9 +19,11 @@ struct StepBytes {
 };
 
 // From the checkpoint's tensors, counted in `device_dtype` on a GPU (weights are
-// converted at load) or in their stored dtype on the CPU.
+// converted at load) or in their stored dtype on the CPU. `fp8_experts`: the routed
+// experts stay as stored, e4m3 with their block scales (`--quantization fp8`).
 Result<StepBytes> step_bytes(const std::string& dir, const ModelConfig& config,
-                             const std::string& device, DType device_dtype);
+                             const std::string& device, DType device_dtype,
+                             bool fp8_experts = false);
 
 // Read plus written bytes per second of a large device-to-device copy (the GPU) or
 // memcpy (the CPU); the best of a few.

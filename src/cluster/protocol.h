@@ -132,12 +132,13 @@ struct WorkerConfig {
   int threads = 0;                // 0: the worker's default.
   std::string device = "cpu";     // ModelOptions::device ("cuda:N" is relative to the rank's GPUs).
   bool device_f32 = false;        // f32 weights/activations on the GPU (verification); else bf16.
+  std::string quantization;       // ModelOptions::quantization: "", "bf16" or "fp8".
   std::string transport = "shm";  // create_transport()'s backend: every pair of ranks uses it.
   // decode(): a placement is present, well formed and has max_ranks * slots_per_rank slots.
   Status check() const;
   MSGPACK_DEFINE_MAP(rank, incarnation, session, model_dir, max_ranks, slots_per_rank, placement,
                      max_sequences, max_tokens_per_step, max_seq_len, timeout_ms, threads, device,
-                     device_f32, transport);
+                     device_f32, quantization, transport);
 };
 
 // A worker has loaded its model and created its transport.

@@ -237,13 +237,6 @@ Status CudaDeepseekV3Model::init_fp8_experts(const ModelOptions& options) {
   if (dtype_ != DType::kBF16) {
     return invalid_argument("--quantization fp8 computes in bf16 (not --cuda-dtype f32)");
   }
-  if (ep_ || options.allocate_slots) {
-    // NOTE: the host slot mirror (ExpertSlots) and the device exchange size slots in the
-    // compute dtype (docs/cuda.md, "FP8 experts").
-    return unimplemented(
-        "--quantization fp8: FP8 experts under expert parallelism are not implemented yet; "
-        "use --quantization bf16");
-  }
   if (!fp8_device_supported(device_)) {
     return failed_precondition(
         "--quantization fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); use "

@@ -13,8 +13,9 @@
 // experts as one dense SwiGLU added to the routed output. FP8 checkpoints are
 // dequantized at load (Checkpoint::get_weight), except the routed experts with
 // ModelOptions::quantization "fp8": those stay e4m3 with their block scales in FP8 slots
-// (fp8_experts.h; one process holding every slot, bf16 compute, a GPU of compute
-// capability 8.9 or newer).
+// (fp8_experts.h; bf16 compute, a GPU of compute capability 8.9 or newer), in one
+// process or expert parallel (the owner's rows through the same FP8 kernels, ep_moe.h;
+// the host mirror and slot moves carry MoeDims::slot_bytes(), scales included).
 //
 // As CudaQwen3MoeModel: weights, cache and step scratch are allocated at load for
 // steps of up to max_step_tokens() tokens (longer steps run as consecutive pieces);

@@ -131,20 +131,27 @@ Status CudaMoeModel::finish_create(const ModelOptions& options) {
 
 // Every layer through load_layer, each MoE layer with its host slot mirror: in the region
 // peers read from (options.allocate_slots), or on the heap when expert parallel without
-// one (the executor still needs the slots' shape).
+// one (the executor still needs the slots' shape). The mirror holds the device's slot
+// images (pack_slot), so its slots are MoeDims::slot_bytes() long: FP8 slots (with their
+// scales) are opaque byte images.
 Status CudaMoeModel::load_layers(const ModelOptions& options) {
   const ModelConfig& c = config_;
   mirrors_.resize(c.num_hidden_layers);
   FLEX_ASSIGN_OR_RETURN(upload_stream_, Stream::create());
   const int hidden = static_cast<int>(c.hidden_size);
   const int inter = static_cast<int>(c.moe_intermediate_size);
+  const size_t slot_bytes = static_cast<size_t>(moe_dims_.slot_bytes());
+  auto mirror = [&](void* mem) {
+    if (moe_dims_.fp8) return ExpertSlots::opaque(num_local_slots_, hidden, inter, slot_bytes, mem);
+    return mem != nullptr ? ExpertSlots(dtype_, num_local_slots_, hidden, inter, mem)
+                          : ExpertSlots(dtype_, num_local_slots_, hidden, inter);
+  };
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     if (c.is_moe_layer(l) && options.allocate_slots) {
-      const size_t bytes = ExpertSlots::bytes_for(dtype_, num_local_slots_, hidden, inter);
-      FLEX_ASSIGN_OR_RETURN(void* mem, options.allocate_slots(l, bytes));
-      mirrors_[l] = ExpertSlots(dtype_, num_local_slots_, hidden, inter, mem);
+      FLEX_ASSIGN_OR_RETURN(void* mem, options.allocate_slots(l, num_local_slots_ * slot_bytes));
+      mirrors_[l] = mirror(mem);
     } else if (c.is_moe_layer(l) && ep_) {
-      mirrors_[l] = ExpertSlots(dtype_, num_local_slots_, hidden, inter);
+      mirrors_[l] = mirror(nullptr);
     }
     FLEX_RETURN_IF_ERROR(load_layer(l).annotate("layer " + std::to_string(l)));
     if (options.progress) options.progress(l + 1, c.num_hidden_layers);

@@ -253,9 +253,15 @@ Status DeviceEpMoe::compute_rows(int layer, const int32_t* local_slot, const flo
                                   cudaMemcpyHostToDevice, stream_));
     FLEX_CUDA_TRY(cudaMemcpyAsync(scratch_.slot.data(), slot, m * sizeof(int32_t),
                                   cudaMemcpyHostToDevice, stream_));
-    FLEX_RETURN_IF_ERROR(run_moe(local_dims_, w, scratch_, rows_.data(), m, nullptr,
-                                 results_.as<float>(), /*accumulate=*/false, blas_, stream_, -1,
-                                 kMoePermute | kMoeGateUp | kMoeDown | kMoeCombine));
+    if (local_dims_.fp8) {
+      // FP8 slots: the same kernels as one process (fp8_experts.h), slots and weights 1 given.
+      FLEX_RETURN_IF_ERROR(run_fp8_experts(local_dims_, w, scratch_, rows_.data(), m, nullptr,
+                                           results_.as<float>(), /*accumulate=*/false, stream_));
+    } else {
+      FLEX_RETURN_IF_ERROR(run_moe(local_dims_, w, scratch_, rows_.data(), m, nullptr,
+                                   results_.as<float>(), /*accumulate=*/false, blas_, stream_, -1,
+                                   kMoePermute | kMoeGateUp | kMoeDown | kMoeCombine));
+    }
     FLEX_CUDA_TRY(cudaMemcpyAsync(results + b * H, results_.data(), m * H * sizeof(float),
                                   cudaMemcpyDeviceToHost, stream_));
     FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));  // Staging is reused by the next chunk.
@@ -715,10 +721,17 @@ Status DeviceEpMoe::enqueue_device_exchange(int seg, int n, int num_real, int bo
   const int members = std::max<int>(1, static_cast<int>(group.ranks.size()));
   const GemmTile tile = choose_tile(d.dtype, std::max(1, bound / members), config_.num_local_slots,
                                     d.hidden, d.intermediate);
-  FLEX_RETURN_IF_ERROR(run_moe(local_dims_, w, scratch_, rows_.data(), bound,
-                               num_rows_.as<int32_t>(), nullptr, /*accumulate=*/false, blas_,
-                               stream_, static_cast<int>(tile),
-                               kMoePermute | kMoeGateUp | kMoeDown));
+  if (local_dims_.fp8) {
+    // Peers read the rows from scratch_.y: the FP8 grouped GEMMs, which leave them there.
+    FLEX_RETURN_IF_ERROR(run_fp8_experts(local_dims_, w, scratch_, rows_.data(), bound,
+                                         num_rows_.as<int32_t>(), nullptr, /*accumulate=*/false,
+                                         stream_, /*force_tile=*/-1, /*combine=*/false));
+  } else {
+    FLEX_RETURN_IF_ERROR(run_moe(local_dims_, w, scratch_, rows_.data(), bound,
+                                 num_rows_.as<int32_t>(), nullptr, /*accumulate=*/false, blas_,
+                                 stream_, static_cast<int>(tile),
+                                 kMoePermute | kMoeGateUp | kMoeDown));
+  }
   FLEX_CUDA_TRY(ep_signal_done(a, stream_));
   FLEX_CUDA_TRY(ep_wait(a, /*which=*/1, stream_));
   FLEX_CUDA_TRY(ep_combine(a, config_.route_weight, pos, num_real, n, out_.as<float>(), stream_));

@@ -29,6 +29,12 @@
 // need CUDA_MODULE_LOADING=EAGER (a lazy kernel load waits for the context's running
 // kernels, the peer's spinning wait among them), streams on separate hardware queues
 // (CUDA_DEVICE_MAX_CONNECTIONS) and nothing that synchronises the device mid-step.
+//
+// FP8 slots (MoeDims::fp8, docs/cuda.md "FP8 experts"): the owner's rows run through
+// fp8_experts.h's kernels, as in one process: the host exchange's row compute takes the
+// decode kernels up to kDecodeMaxTokens rows and the grouped tile above; the device exchange
+// takes the grouped tile, which leaves the rows in the scratch for the peers to read. Slot
+// buffers, their mappings and copy_slot are sized by MoeDims::slot_bytes() (scales included).
 #pragma once
 
 #include <atomic>
@@ -84,7 +90,7 @@ class DeviceEpMoe {
     int num_local_slots = 0;
     int max_tokens = 0;           // Tokens of one step (the model's step capacity).
     std::vector<int> moe_layers;  // Segment s ends at MoE layer moe_layers[s].
-    // Device slot buffer ([num_local_slots][slot_elems]) of a MoE layer.
+    // Device slot buffer ([num_local_slots][dims.slot_bytes()]) of a MoE layer.
     std::function<const void*(int layer)> layer_slots;
     MoeExecutor* executor = nullptr;                      // Not owned.
     const std::vector<ExpertSlots>* mirrors = nullptr;    // [layer] host slots (executor shape).

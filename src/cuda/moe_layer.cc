@@ -304,15 +304,17 @@ Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratc
 
 Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                        const void* h, int num_tokens, const int32_t* num_valid_tokens, float* out,
-                       bool accumulate, cudaStream_t stream, int force_tile) {
+                       bool accumulate, cudaStream_t stream, int force_tile, bool combine_rows) {
   const int H = dims.hidden, I = dims.intermediate, K = dims.top_k;
   const int64_t P = static_cast<int64_t>(num_tokens) * K;
   // The permutation also counts rows per slot (slot_stats), on the decode kernels too.
   FLEX_CUDA_TRY(
       permute(permute_args(dims, w, scratch, num_tokens, kFp8GemmRows, num_valid_tokens), stream));
   const Fp8SlotLayout layout = fp8_slot_layout(H, I);
-  const bool decode = force_tile < 0 ? num_tokens <= kDecodeMaxTokens
-                                     : force_tile == static_cast<int>(GemmTile::kGemv);
+  // The decode kernels combine as they go: no rows to leave in scratch.y.
+  const bool decode =
+      combine_rows && (force_tile < 0 ? num_tokens <= kDecodeMaxTokens
+                                      : force_tile == static_cast<int>(GemmTile::kGemv));
   if (decode) {
     Fp8DecodeArgs d;
     d.h = h;
@@ -353,6 +355,7 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
   g.swiglu = false;
   g.out = scratch.y.data();
   FLEX_CUDA_TRY(fp8_grouped_gemm(g, fp8_down_weights(w.slots, layout), stream));
+  if (!combine_rows) return Status();
   FLEX_CUDA_TRY(combine(dims.dtype, scratch.y.data(), scratch.weight.as<float>(),
                         scratch.row_of_pair.as<int32_t>(), num_tokens, K, H, accumulate, out,
                         stream));

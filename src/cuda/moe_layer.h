@@ -146,10 +146,13 @@ Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratc
 // With dims.fp8, the parts of run_moe after the routing (scratch.expert / weight / slot):
 // permutation by slot (with slot statistics), then the FP8 decode kernels (force_tile -1
 // and up to kDecodeMaxTokens tokens, or force_tile == kGemv) or the FP8 grouped GEMMs and
-// combine (fp8_experts.h).
+// combine (fp8_experts.h). `combine` false (the device exchange of ep_moe.h, whose peers
+// read the rows): the grouped GEMMs whatever the size, their rows left in scratch.y
+// (row_of_pair says where), `out` unused.
 Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                        const void* h, int num_tokens, const int32_t* num_valid_tokens, float* out,
-                       bool accumulate, cudaStream_t stream, int force_tile = -1);
+                       bool accumulate, cudaStream_t stream, int force_tile = -1,
+                       bool combine = true);
 
 // Whether run_moe (force_tile -1, router given) takes the decode path for this step:
 // bf16 steps where choose_tile picks kGemv (under a quarter row per expert) and

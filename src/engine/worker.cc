@@ -312,6 +312,7 @@ Status Worker::load() {
   mopts.moe_executor = executor_.get();
   mopts.device = config_.device;
   mopts.device_dtype = config_.device_f32 ? DType::kF32 : DType::kBF16;
+  mopts.quantization = config_.quantization;
   FLEX_ASSIGN_OR_RETURN(model_, Model::load(config_.model_dir, mopts));
   // Before Ready: a joiner captures its graphs while the group serves without it.
   const auto t0 = std::chrono::steady_clock::now();

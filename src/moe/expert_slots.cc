@@ -25,7 +25,22 @@ size_t ExpertSlots::bytes_for(DType dtype, int num_slots, int hidden, int interm
   return 3 * static_cast<size_t>(num_slots) * hidden * intermediate * dtype_size(dtype);
 }
 
+ExpertSlots ExpertSlots::opaque(int num_slots, int hidden, int intermediate, size_t slot_bytes,
+                                void* external) {
+  FLEX_CHECK(slot_bytes > 0);
+  ExpertSlots s;
+  s.num_slots_ = num_slots;
+  s.hidden_ = hidden;
+  s.intermediate_ = intermediate;
+  s.opaque_slot_bytes_ = slot_bytes;
+  const Shape shape = {num_slots, static_cast<int64_t>(slot_bytes)};
+  s.storage_ = external != nullptr ? Tensor::borrow(external, DType::kF8E4M3, shape)
+                                   : Tensor::zeros(DType::kF8E4M3, shape);
+  return s;
+}
+
 size_t ExpertSlots::slot_bytes() const {
+  if (opaque_slot_bytes_ > 0) return opaque_slot_bytes_;
   return 3 * static_cast<size_t>(hidden_) * intermediate_ * dtype_size(dtype());
 }
 
@@ -35,6 +50,7 @@ void* ExpertSlots::slot_data(int slot) const {
 }
 
 Tensor ExpertSlots::part(int slot, int index, Shape shape) const {
+  FLEX_CHECK(!is_opaque()) << "the projections of an opaque slot";
   const size_t part_bytes = slot_bytes() / 3;
   return Tensor::borrow(static_cast<char*>(slot_data(slot)) + index * part_bytes, dtype(),
                         std::move(shape));
@@ -48,6 +64,7 @@ Status ExpertSlots::load(int slot, const Tensor& gate_w, const Tensor& up_w, con
   if (slot < 0 || slot >= num_slots_) {
     return invalid_argument("slot " + std::to_string(slot) + " out of range");
   }
+  if (is_opaque()) return failed_precondition("opaque slots take no expert weights");
   const Tensor* src[3] = {&gate_w, &up_w, &down_w};
   for (int i = 0; i < 3; ++i) {
     Tensor dst = i == 0 ? gate(slot) : i == 1 ? up(slot) : down(slot);

@@ -262,9 +262,9 @@ Result<MemoryPlan> plan_memory(const ModelConfig& c, const MemoryPlanOptions& o)
   p.model_type = c.model_type;
   const bool cpu = o.device == "cpu";
   p.device = cpu ? "cpu" : "cuda";
-  p.quantization = !o.quantization.empty()             ? o.quantization
-                   : (!cpu && c.quant_method == "fp8") ? "fp8"
-                                                       : "bf16";
+  p.quantization = !o.quantization.empty() ? o.quantization
+                   : cpu                   ? "bf16"
+                                           : c.default_gpu_quantization();
   p.ranks = o.ranks;
   p.max_ranks = o.max_ranks > 0 ? o.max_ranks : o.ranks;
   p.min_ranks = o.min_ranks > 0 ? std::min(o.min_ranks, o.ranks) : o.ranks;

@@ -26,6 +26,7 @@
 #include "engine/placement_wire.h"
 #include "flexpert/generate.h"
 #include "flexpert/logging.h"
+#include "flexpert/model.h"
 #include "flexpert/model_config.h"
 #include "flexpert/placement.h"
 
@@ -68,6 +69,7 @@ void ClusterEngine::Impl::fail_launches() {
 Status ClusterEngine::Impl::start() {
   create_metrics();
   FLEX_ASSIGN_OR_RETURN(model_config_, ModelConfig::load(options_.model_dir));
+  FLEX_RETURN_IF_ERROR(check_quantization(options_.device, options_.quantization));
   if (options_.ranks < 1) return invalid_argument("--ranks must be >= 1");
   if (options_.max_ranks == 0) options_.max_ranks = options_.ranks;
   if (options_.max_ranks < options_.ranks)
@@ -306,6 +308,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     cfg.timeout_ms = options_.transport_timeout_ms;
     cfg.device = rank_device(options_, r);
     cfg.device_f32 = options_.device_f32;
+    cfg.quantization = options_.quantization;
     cfg.transport = options_.transport;
     post(r, cfg);
     return;

@@ -77,7 +77,10 @@ struct ClusterOptions {
 
   std::string device = "cpu";  // Workers' ModelOptions::device: cpu, cuda, cuda:N.
   bool device_f32 = false;     // f32 on the GPU (verification) instead of bf16.
-  int gpus = 1;                // device "cuda": rank r runs on cuda:(r mod gpus).
+  // Workers' ModelOptions::quantization ("", "bf16", "fp8"), sent in their WorkerConfig;
+  // checked at start (check_quantization).
+  std::string quantization;
+  int gpus = 1;  // device "cuda": rank r runs on cuda:(r mod gpus).
   // The workers' data plane (create_transport): "shm" (one host), "ucx" (any hosts) or "hier"
   // (any hosts: shm within one, ucx across).
   std::string transport = "shm";

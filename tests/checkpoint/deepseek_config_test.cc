@@ -122,6 +122,29 @@ TEST(DeepseekConfig, PublishedV3WithYarnAndFp8) {
   for (int l = 0; l < 61; ++l) EXPECT_EQ(c->is_moe_layer(l), l >= 3) << l;
 }
 
+// Unasked, a GPU keeps the routed experts of a block-FP8 DeepSeek checkpoint in FP8 (the only
+// FP8 experts it has: 128 x 128 blocks); every other checkpoint is dequantized to bf16.
+TEST(DeepseekConfig, DefaultGpuQuantizationIsFp8ForBlockFp8Deepseek) {
+  json j = deepseek_v3_json();
+  auto c = parse(j);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->default_gpu_quantization(), "fp8");
+  j["quantization_config"]["weight_block_size"] = {64, 128};
+  c = parse(j);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->default_gpu_quantization(), "bf16");
+  j = deepseek_v3_json();
+  j.erase("quantization_config");
+  c = parse(j);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->default_gpu_quantization(), "bf16");
+  c = ModelConfig::load(kTestdata + "/configs/qwen3-30b-a3b");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  c->quant_method = "fp8";  // Qwen3-FP8: no FP8 experts on the GPU yet.
+  c->weight_block_size = {128, 128};
+  EXPECT_EQ(c->default_gpu_quantization(), "bf16");
+}
+
 TEST(DeepseekConfig, PublishedV2Lite) {
   auto c = parse(deepseek_v2_lite_json());
   ASSERT_TRUE(c.ok()) << c.status().to_string();

@@ -136,12 +136,15 @@ TEST(ProtocolTest, PlacementMessagesRoundTrip) {
   cfg.slots_per_rank = 3;
   cfg.placement = p;
   cfg.device = "cuda:1";
+  cfg.quantization = "fp8";
   auto cfg_back = proto::decode<proto::WorkerConfig>(proto::encode(cfg));
   ASSERT_TRUE(cfg_back.ok()) << cfg_back.status().to_string();
   EXPECT_EQ(cfg_back->placement.num_experts, 4);
   EXPECT_EQ(cfg_back->placement.slot_to_expert, p.slot_to_expert);
   EXPECT_EQ(cfg_back->slots_per_rank, 3);
   EXPECT_EQ(cfg_back->device, "cuda:1");
+  EXPECT_EQ(cfg_back->quantization, "fp8");
+  EXPECT_EQ(cfg_back->transport, "shm");
 
   proto::EpochCommand epoch;
   epoch.epoch = 5;

@@ -246,6 +246,44 @@ TEST(CudaDeepseekTest, Fp8ExpertsAgreeWithCpu) {
   std::filesystem::remove_all(dir);
 }
 
+// No --quantization on a GPU that runs FP8: a block-FP8 DeepSeek checkpoint keeps its routed
+// experts in FP8 (the same logits as asking for fp8, not those of bf16); in f32 it dequantizes.
+TEST(CudaDeepseekTest, Fp8ExpertsAreTheDefaultForABlockFp8Checkpoint) {
+  FLEX_SKIP_WITHOUT_GPU();
+  int device = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  if (!cuda::fp8_device_supported(device)) GTEST_SKIP() << "GPU below compute capability 8.9";
+  const std::string dir = write_variant(
+      "fp8-default", [](ModelConfig*) {}, /*fp8=*/true);
+  auto logits = [&](const std::string& quantization, DType dtype) {
+    ModelOptions options;
+    options.device = "cuda";
+    options.device_dtype = dtype;
+    options.quantization = quantization;
+    auto model = Model::load(dir, options);
+    EXPECT_TRUE(model.ok()) << model.status().to_string();
+    if (!model.ok()) return std::vector<float>{};
+    std::vector<SequenceChunk> batch = {{0, 0, {3, 14, 15, 92, 65, 35, 89, 79, 32}}};
+    std::vector<float> out = step_logits(*model.value(), batch);
+    batch[0].start_pos = 9;
+    batch[0].tokens = {38};
+    const std::vector<float> decode = step_logits(*model.value(), batch);
+    out.insert(out.end(), decode.begin(), decode.end());
+    return out;
+  };
+  const std::vector<float> unset = logits("", DType::kBF16);
+  ASSERT_FALSE(unset.empty());
+  // The same kernels on the same weights; dequantized weights round e4m3 * scale to bf16
+  // (relative 2^-9 a weight), which moves the logits by far more than 1e-5.
+  const double vs_fp8 = cuda_test::rel_l2(unset, logits("fp8", DType::kBF16));
+  const double vs_bf16 = cuda_test::rel_l2(unset, logits("bf16", DType::kBF16));
+  std::printf("  default vs fp8 %.3g, vs bf16 %.3g\n", vs_fp8, vs_bf16);
+  EXPECT_LT(vs_fp8, 1e-6);
+  EXPECT_GT(vs_bf16, 1e-5);
+  EXPECT_FALSE(logits("", DType::kF32).empty());  // Dequantized: no FP8 experts in f32.
+  std::filesystem::remove_all(dir);
+}
+
 TEST(CudaDeepseekTest, LongPrefillAgreesWithCpu) {
   // 600 tokens: 2400 (token, expert) rows over 32 experts use the large GEMM tiles.
   FLEX_SKIP_WITHOUT_GPU();

@@ -58,6 +58,7 @@ TEST(CliTest, BadInputExitsWithTwoAndAMessage) {
       {"synth --preset nope --out /tmp/x", "preset"},
       {"bench generate --batches 0", "batches"},
       {"bench generate --temperature -1", "--temperature"},
+      {"bench generate --quantization bf16,int4", "--quantization"},
       {"bench elastic --device tpu", "--device"},
       {"bench elastic --gpus 2", "--gpus"},
       {"demo --cuda-dtype f16", "--cuda-dtype"},
@@ -70,6 +71,10 @@ TEST(CliTest, BadInputExitsWithTwoAndAMessage) {
       {"worker --rank 0", "--join"},
       {"worker --join 127.0.0.1:1 --rank first", "--rank"},
       {"serve --model " + kModel + " --transport tcp --port 0", "--transport"},
+      {"serve --model " + kModel + " --quantization fp8 --port 0", "dequantizes"},
+      {"serve --model " + kModel + " --local --device cuda --quantization fp8 --port 0",
+       "dequantizes"},
+      {"serve --model " + kModel + " --device cuda --quantization int4 --port 0", "--quantization"},
       {"bench serve --concurrency x", "integer"},
       {"plan-memory --ranks 8", "--model"},
       {"plan-memory --model /no/such/dir", "/no/such/dir"},
@@ -161,6 +166,21 @@ TEST(CliTest, BenchGenerateWritesJson) {
     EXPECT_EQ(tj["temperature"].get<double>(), 0.7);
     EXPECT_EQ(tj["sample_on_host"].get<bool>(), where[0] != '\0');
   }
+  // --quantization: a list loads and measures the model once per item (here a block-FP8
+  // synthesis, dequantized each time: the CPU has no fp8 experts and says so).
+  const std::string fp8 = "bench generate --preset deepseek-tiny --layers 2 --fp8 --cache " + dir +
+                          " --batches 1,2 --prompt-len 4 --gen-tokens 2";
+  CliRun q = run(fp8 + " --quantization bf16,bf16 --json " + json);
+  ASSERT_EQ(q.exit_code, 0) << q.out;
+  std::ifstream qin(json);
+  auto qj = nlohmann::json::parse(qin);
+  EXPECT_EQ(qj["quantization"], "bf16,bf16");
+  ASSERT_EQ(qj["runs"].size(), 4u);
+  EXPECT_EQ(qj["runs"][3]["batch"], 2);
+  EXPECT_EQ(qj["runs"][3]["quantization"], "bf16");
+  CliRun cpu_fp8 = run(fp8 + " --quantization bf16,fp8");
+  EXPECT_EQ(cpu_fp8.exit_code, 2) << cpu_fp8.out;
+  EXPECT_NE(cpu_fp8.out.find("dequantizes"), std::string::npos) << cpu_fp8.out;
   std::filesystem::remove_all(dir);
 }
 
