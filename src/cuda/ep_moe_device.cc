@@ -1,0 +1,166 @@
+// SPDX-License-Identifier: Apache-2.0
+// DeviceEpMoe: the device exchange of one step (ep_exchange.h's kernels on the model's
+// stream) and its end, watched from the host (ep_moe.h).
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "cuda/ep_moe.h"
+#include "cuda/ep_moe_peers.h"
+
+namespace flexpert::cuda {
+namespace {
+
+// Exchanges of one epoch (the value's low 40 bits): years at thousands a second.
+constexpr uint64_t kExchangesPerEpoch = uint64_t{1} << 40;
+
+}  // namespace
+
+using ep_moe_detail::now_ns;
+
+EpArgs DeviceEpMoe::exchange_args(const Group& group) const {
+  EpArgs a;
+  a.peers = peer_table_.as<EpPeer>();
+  a.me = ep_->transport().rank();
+  for (int r : group.ranks) a.members |= uint64_t{1} << r;
+  a.slots_per_rank = ep_->slots_per_rank();
+  a.top_k = config_.dims.top_k;
+  a.hidden = config_.dims.hidden;
+  a.dtype = config_.dims.dtype;
+  a.status = status_.as<EpStatus>();
+  a.abort = abort_.as<int32_t>();
+  a.progress = progress_.as<uint64_t>();
+  // The host aborts waits on a dead peer or at the transport's timeout; this is a backstop.
+  a.timeout_ns = int64_t{2} * ep_->transport().timeout_ms() * 1'000'000;
+  return a;
+}
+
+Status DeviceEpMoe::enqueue_device_exchange(int seg, int n, int num_real, int bound,
+                                            const Group& group) {
+  const int layer = config_.moe_layers[seg];
+  const MoeDims& d = config_.dims;
+  EpArgs a = exchange_args(group);
+  // Values stay below 2^63: bit 63 marks a given-up exchange (ep_exchange.h).
+  if (exchange_index_ + 1 >= kExchangesPerEpoch || group.epoch >= (uint64_t{1} << 23)) {
+    return resource_exhausted("expert-parallel exchange values of epoch " +
+                              std::to_string(group.epoch) + " are used up (a new epoch resets)");
+  }
+  a.value = (group.epoch << 40) | ++exchange_index_;
+  int32_t* pos = reinterpret_cast<int32_t*>(window_.as<EpWindow>() + 1);
+  FLEX_CUDA_TRY(ep_publish(a, num_real * d.top_k, pos, stream_));
+  FLEX_CUDA_TRY(ep_wait(a, /*which=*/0, stream_));
+  FLEX_CUDA_TRY(ep_gather(a, bound, rows_.data(), scratch_.slot.as<int32_t>(),
+                          num_rows_.as<int32_t>(), stream_));
+  MoeLayerWeights w;
+  w.slots = config_.layer_slots(layer);
+  if (w.slots == nullptr) {
+    return invalid_argument("rows for layer " + std::to_string(layer) + " without experts");
+  }
+  w.slot_stats = stats_.as<int64_t>() + static_cast<size_t>(seg) * config_.num_local_slots;
+  // Tiles sized for the rows an owner expects (a share of the bound), not the bound.
+  const int members = std::max<int>(1, static_cast<int>(group.ranks.size()));
+  const GemmTile tile = choose_tile(d.dtype, std::max(1, bound / members), config_.num_local_slots,
+                                    d.hidden, d.intermediate);
+  if (local_dims_.fp8) {
+    // Peers read the rows from scratch_.y: the FP8 grouped GEMMs, which leave them there.
+    FLEX_RETURN_IF_ERROR(run_fp8_experts(local_dims_, w, scratch_, rows_.data(), bound,
+                                         num_rows_.as<int32_t>(), nullptr, /*accumulate=*/false,
+                                         stream_, /*force_tile=*/-1, /*combine=*/false));
+  } else {
+    FLEX_RETURN_IF_ERROR(run_moe(local_dims_, w, scratch_, rows_.data(), bound,
+                                 num_rows_.as<int32_t>(), nullptr, /*accumulate=*/false, blas_,
+                                 stream_, static_cast<int>(tile),
+                                 kMoePermute | kMoeGateUp | kMoeDown));
+  }
+  FLEX_CUDA_TRY(ep_signal_done(a, stream_));
+  FLEX_CUDA_TRY(ep_wait(a, /*which=*/1, stream_));
+  FLEX_CUDA_TRY(ep_combine(a, config_.route_weight, pos, num_real, n, out_.as<float>(), stream_));
+  return Status();
+}
+
+Status DeviceEpMoe::finish_device_step(const Group& group) {
+  Transport& transport = ep_->transport();
+  FLEX_CUDA_TRY(cudaMemcpyAsync(status_host_.data(), status_.data(), sizeof(EpStatus),
+                                cudaMemcpyDeviceToHost, stream_));
+  FLEX_RETURN_IF_ERROR(step_done_.record(stream_));
+  volatile int32_t* abort = abort_.as<int32_t>();
+  const volatile uint64_t* progress = progress_.as<uint64_t>();
+  const int64_t start = now_ns();
+  const int64_t timeout_ns = int64_t{transport.timeout_ms()} * 1'000'000;
+  int64_t deadline = start + timeout_ns;  // Moved on by every wait that passes.
+  uint64_t seen = *progress;
+  int64_t next_check = start + 1'000'000;
+  Status gone;  // A member the transport saw end.
+  for (;;) {
+    const cudaError_t q = cudaEventQuery(step_done_.get());
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) return cuda_status(q, "expert-parallel step");
+    const int64_t now = now_ns();
+    if (*abort == 0 && now >= next_check) {
+      for (int r : group.ranks) {
+        if (r == transport.rank()) continue;
+        if (Status s = transport.peer_status(r); !s.ok()) {
+          gone = std::move(s);
+          *abort = 1;  // The waits give up; the rest of the step does no peer work.
+          break;
+        }
+      }
+      next_check = now + 1'000'000;
+    }
+    if (const uint64_t p = *progress; p != seen) {
+      seen = p;
+      deadline = now + timeout_ns;
+    }
+    if (*abort == 0 && now >= deadline) *abort = 1;
+    if (now - start < 1'000'000) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  EpStatus st;
+  std::memcpy(&st, status_host_.data(), sizeof(st));
+  *abort = 0;
+  if (st.failed == 0) return Status();
+  FLEX_CUDA_TRY(cudaMemsetAsync(status_.data(), 0, sizeof(EpStatus), stream_));
+  FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));
+  if (!gone.ok()) return gone;
+  if (st.overflow < 0) {
+    return failed_precondition("a routed slot lives on a rank outside epoch " +
+                               std::to_string(group.epoch));
+  }
+  if (st.overflow > 0) {
+    return internal_error("expert-parallel step: " + std::to_string(st.overflow) +
+                          " rows for this rank, over the step's bound");
+  }
+  const std::string where = "expert-parallel exchange (epoch " + std::to_string(group.epoch) +
+                            ", exchange " + std::to_string(exchange_index_) +
+                            " of the epoch so far)";
+  auto rank_list = [](uint64_t mask) {
+    std::string text;
+    for (int r = 0; r < kEpMaxRanks; ++r) {
+      if (((mask >> r) & 1) != 0) text += (text.empty() ? "" : ", ") + std::to_string(r);
+    }
+    return text;
+  };
+  if (st.aborted != 0) {
+    // A member that gave up may have seen a peer die before this rank's own check did:
+    // name the dead peer (the front end recovers from that report) rather than only
+    // the member that gave up.
+    for (int r : group.ranks) {
+      if (r == transport.rank()) continue;
+      if (Status s = transport.peer_status(r); !s.ok()) return s;
+    }
+    return aborted(where + ": rank(s) " + rank_list(st.aborted) +
+                   " gave the step up (an error of their own, or a peer they lost)");
+  }
+  for (int r = 0; r < kEpMaxRanks; ++r) {
+    if (((st.missing >> r) & 1) == 0) continue;
+    if (Status s = transport.peer_status(r); !s.ok()) return s;
+  }
+  return deadline_exceeded(where + ": no word from rank(s) " + rank_list(st.missing) + " within " +
+                           std::to_string(transport.timeout_ms()) + " ms");
+}
+
+}  // namespace flexpert::cuda
