@@ -283,8 +283,9 @@ class ClusterEngine::Impl {
   void heal_loop() EXCLUDES(mutex_);
   // Commits an epoch of the survivors (plus replacement ranks where their slots cannot
   // hold every expert) with the lost experts reloaded. Healer thread; the waits release
-  // the lock.
-  Status recover(nlohmann::json* report) REQUIRES(mutex_);
+  // the lock, and the commit does not: the caller writes the report and then runs `calls`
+  // (the held requests' events) without the lock.
+  Status recover(nlohmann::json* report, Calls* calls) REQUIRES(mutex_);
   // Starts `joiners` (launcher_; an external one may only say how) and waits until each is
   // Ready; `changed` ends the wait early. Rolls back nothing.
   Status start_joiners(const std::vector<int>& joiners, const std::function<bool()>& changed)

@@ -236,7 +236,7 @@ void ClusterEngine::Impl::announce_lost(int rank, uint64_t lost_incarnation,
   wake();
 }
 
-Status ClusterEngine::Impl::recover(nlohmann::json* report) {
+Status ClusterEngine::Impl::recover(nlohmann::json* report, Calls* calls) {
   // The membership decides (docs/ARCHITECTURE.md, "The membership state machine"): the
   // survivors, the replacements and their incarnations, where the lost experts go, when
   // to commit, how many failed attempts make the group degraded. Here its proposal is
@@ -371,11 +371,10 @@ Status ClusterEngine::Impl::recover(nlohmann::json* report) {
     (*report)["evicted_replicas"] = decided.evicted;
     (*report)["reload_s"] = seconds_since(t_load);
     recoveries(joiners.empty() ? "in_place" : "replacement").inc();
-    Calls calls;
-    run_requests(acks, &calls);  // The held requests, placed by the commit.
-    mutex_.unlock();
-    for (auto& [cb, ev] : calls) cb(ev);
-    mutex_.lock();
+    // The held requests, placed by the commit. Their callbacks run once heal_loop has
+    // written this report: until then the lock is held, so that a scale waiting for the
+    // recovery (retry_recovery) never sees it committed without its report.
+    run_requests(acks, calls);
     return Status();
   }
   return last;
@@ -451,27 +450,29 @@ void ClusterEngine::Impl::heal_loop() {
     if (halting()) break;
     if (recovering()) {
       nlohmann::json report = {{"kind", "recovery"}};
-      Status s = recover(&report);
-      if (halting()) break;
-      // From the loss (or the scale that left degraded) to the commit or the failure.
-      const double took_s =
-          static_cast<double>(now_ms() - membership_.recovery_started_ms()) / 1000.0;
-      report["recover_s"] = took_s;
-      report["status"] = s.ok() ? "ok" : s.to_string();
-      recovery_seconds().observe(took_s);
-      last_reconfig_ = report;
-      last_recovery_ = report;
-      reconfig_step_.clear();
-      if (!s.ok()) {
-        Calls calls;
-        enter_degraded(s.message(), &calls);
-        lock.unlock();
-        for (auto& [cb, ev] : calls) cb(ev);
-        lock.lock();
-      } else {
-        FLEX_LOG(INFO) << "recovery: " << report.dump();
+      Calls calls;
+      Status s = recover(&report, &calls);
+      if (!halting()) {
+        // From the loss (or the scale that left degraded) to the commit or the failure.
+        const double took_s =
+            static_cast<double>(now_ms() - membership_.recovery_started_ms()) / 1000.0;
+        report["recover_s"] = took_s;
+        report["status"] = s.ok() ? "ok" : s.to_string();
+        recovery_seconds().observe(took_s);
+        last_reconfig_ = report;
+        last_recovery_ = report;
+        reconfig_step_.clear();
+        if (!s.ok()) {
+          enter_degraded(s.message(), &calls);
+        } else {
+          FLEX_LOG(INFO) << "recovery: " << report.dump();
+        }
+        cv_.notify_all();
       }
-      cv_.notify_all();
+      lock.unlock();
+      for (auto& [cb, ev] : calls) cb(ev);
+      lock.lock();
+      if (halting()) break;
       continue;
     }
     if (serve_leaves()) continue;

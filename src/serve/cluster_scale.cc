@@ -732,7 +732,8 @@ Result<nlohmann::json> ClusterEngine::Impl::retry_recovery(const ScaleTarget& ta
     const std::string& why = membership_.degraded_reason();
     return unavailable("recovery failed: " + (why.empty() ? std::string("timed out") : why));
   }
-  return last_reconfig_;
+  // The healer wrote the report under the lock hold that ended the recovery (heal_loop).
+  return last_recovery_;
 }
 
 nlohmann::json ClusterEngine::Impl::reconfig_status() const {

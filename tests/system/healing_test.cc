@@ -284,6 +284,15 @@ TEST(HealingTest, NoCapacityAnswers503UntilAScaleRepairsIt) {
   t.join();
   EXPECT_EQ(scale.status, 200) << scale.body.dump();
   ASSERT_TRUE(wait_status(server, [](const nlohmann::json& s) { return serving_with(s, 2); }));
+  // The answer is the report of the recovery the scale waited for, not the failed one
+  // before it: the epoch it committed, with rank 1 back as its replacement.
+  const auto repaired = server.get_json("/v1/status");
+  EXPECT_EQ(scale.body.value("kind", ""), "recovery") << scale.body.dump();
+  EXPECT_EQ(scale.body.value("status", ""), "ok") << scale.body.dump();
+  EXPECT_EQ(scale.body["replacements"], nlohmann::json({1})) << scale.body.dump();
+  EXPECT_EQ(scale.body["members"], nlohmann::json({0, 1})) << scale.body.dump();
+  EXPECT_EQ(scale.body["epoch"], repaired["epoch"]) << scale.body.dump() << repaired.dump();
+  EXPECT_EQ(scale.body, repaired["reconfiguration"]["last_recovery"]) << repaired.dump();
   check_reference(server, ref, 1);
   EXPECT_EQ(recoveries(server, "failed"), 1u);
   EXPECT_EQ(recoveries(server, "replacement"), 1u);
