@@ -30,6 +30,21 @@ Status all_gather_checked(RankContext& ctx, const Group& g, uint64_t seed_base, 
   return Status();
 }
 
+// Called by every rank after a collective: the victim SIGKILLs itself once the others have
+// returned from it too (shared value `idx` counts them). Returning from a
+// collective does not mean this rank's messages reached the others: over ucx a completed send
+// may still be on its way (docs/ARCHITECTURE.md, the ucx transport's shutdown), and a peer
+// still waiting for it sees the death inside that collective instead.
+Status die_after_others_returned(RankContext& ctx, int victim, int idx) {
+  if (ctx.rank != victim) {
+    ctx.shared->values[idx].fetch_add(1);
+    return Status();
+  }
+  CT_REQUIRE_OK(ctx.await_value(idx, ctx.num_ranks - 1));
+  ::raise(SIGKILL);
+  return Status();
+}
+
 // No hang; the victim ended by SIGKILL, every other rank exited cleanly.
 void expect_only_victim_killed(const RunResult& result, int num_ranks, int victim) {
   EXPECT_FALSE(result.timed_out) << "hang";
@@ -103,7 +118,7 @@ TEST_P(FaultConformanceTest, PeerStatusSeesADeathOutsideCollectives) {
     CT_REQUIRE(ctx.t().timeout_ms() == ctx.options.timeout_ms, ctx.t().timeout_ms());
     for (int r = 0; r < ctx.num_ranks; ++r) CT_REQUIRE_OK(ctx.t().peer_status(r));
     CT_REQUIRE_OK(ctx.t().barrier(ctx.group(1)));  // Everyone looked before the death.
-    if (ctx.rank == victim) ::raise(SIGKILL);
+    CT_REQUIRE_OK(die_after_others_returned(ctx, victim, 0));
     const int64_t start = mono_now_ns();
     for (;;) {
       const Status st = ctx.t().peer_status(victim);
@@ -276,8 +291,7 @@ TEST_P(FaultConformanceTest, MappedBuffersOfAnEndedIncarnationAreRefused) {
   const RunResult result = run_cluster(backend(), spec(3000), [victim](RankContext& ctx) -> Status {
     if (!ctx.t().capabilities().mapped_peer_buffers) {
       CT_REQUIRE_OK(ctx.t().barrier(ctx.group(1)));
-      if (ctx.rank == victim) ::raise(SIGKILL);
-      return Status();
+      return die_after_others_returned(ctx, victim, 0);
     }
     CT_REQUIRE(ctx.device_memory != nullptr, "no device memory for registered buffers");
     constexpr int kId = 3;
@@ -340,7 +354,7 @@ TEST_P(FaultConformanceTest, MappedBuffersOfAnEndedIncarnationAreRefused) {
     CT_REQUIRE_OK(ctx.t().barrier(ctx.group(2)));
 
     // The last rank dies; its buffers are refused from then on.
-    if (ctx.rank == victim) ::raise(SIGKILL);
+    CT_REQUIRE_OK(die_after_others_returned(ctx, victim, 2));
     const int64_t start = mono_now_ns();
     for (;;) {
       const auto mapped = ctx.t().map_peer_buffer(victim, kId, MapMode::kLookup);
