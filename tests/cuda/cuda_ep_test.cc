@@ -19,6 +19,7 @@
 
 #include "cuda/device.h"
 #include "cuda/ep_exchange.h"
+#include "cuda_ep_ranks.h"
 #include "cuda_model_util.h"
 #include "flexpert/generate.h"
 #include "flexpert/model.h"
@@ -29,14 +30,6 @@
 
 namespace flexpert {
 namespace {
-
-// Ranks of one process wait for each other in kernels on their own streams, so (set before
-// anything initialises CUDA): kernels load at start-up, not lazily at first launch (loading
-// one waits for the kernels running in the context, among them the other rank's spinning
-// wait: a deadlock until the timeout, seen on the H200), and the streams get hardware queues
-// of their own.
-const bool kQueues = setenv("CUDA_MODULE_LOADING", "EAGER", 0) == 0 &&
-                     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0;
 
 // One rank holding local slots [first_slot, ...): every pair is computed here.
 class LoopbackExecutor final : public MoeExecutor {
@@ -160,68 +153,22 @@ TEST(CudaEpTest, DeepseekRowComputeMatchesReferenceAndMapsDoNotRecapture) {
 }
 
 // Two ranks of one process, each holding half the slots of qwen3moe-tiny (f32).
-struct TwoRanks {
-  static constexpr int kRanks = 2, kExperts = 16, kSlotsPerRank = kExperts / kRanks;
+struct TwoRanks : cuda_test::TwoEpRanks {
+  static constexpr int kExperts = 16, kSlotsPerRank = kExperts / kRanks;
 
   explicit TwoRanks(const std::string& tag, int timeout_ms = 20000,
-                    const std::string& backend = "cuda_ipc") {
-    const std::string dir = std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny";
-    for (int r = 0; r < kRanks; ++r) {
-      TransportOptions o;
-      o.session = "cuda-ep-" + tag + "-" + std::to_string(getpid());
-      o.rank = r;
-      o.max_ranks = kRanks;
-      o.max_exchange_bytes = EpMoeExecutor::max_exchange_bytes(2048, 8, 64);
-      o.timeout_ms = timeout_ms;
-      // As a GPU worker's: collectives in host memory, peers' buffers mapped through the
-      // transport (mapped peer buffers; ranks of one process get each other's pointers).
-      o.host_collectives = true;
-      auto created = create_transport(backend, o);
-      EXPECT_TRUE(created.ok()) << created.status().to_string();
-      if (!created.ok()) return;
-      transports[r] = std::make_unique<FaultInjectingTransport>(std::move(created).value());
-    }
-    for (int r = 0; r < kRanks; ++r) {
-      for (int p = 0; p < kRanks; ++p) {
-        if (p != r) {
-          EXPECT_TRUE(transports[r]->connect(p, transports[p]->address()).ok());
-        }
-      }
-    }
-    for (int r = 0; r < kRanks; ++r) {
-      executors[r] = std::make_unique<EpMoeExecutor>(*transports[r], kSlotsPerRank, pool);
-      executors[r]->set_group(Group{1, {0, 1}});
-      ModelOptions options;
-      options.device = "cuda";
-      options.device_dtype = DType::kF32;
-      options.max_sequences = 8;
-      options.first_slot = r * kSlotsPerRank;
-      options.num_local_slots = kSlotsPerRank;
-      options.moe_executor = executors[r].get();
-      auto loaded = Model::load(dir, options);
-      EXPECT_TRUE(loaded.ok()) << loaded.status().to_string();
-      if (!loaded.ok()) return;
-      models[r] = std::move(loaded).value();
-      // As a worker does before serving: every graph captured up front, none later.
-      const Status warm = models[r]->warm_up();
-      EXPECT_TRUE(warm.ok()) << warm.to_string();
-      if (!warm.ok()) return;
-    }
-    ready = kQueues;
-  }
-  ~TwoRanks() {
-    models[0].reset();
-    models[1].reset();
-    for (auto& t : transports) {
-      if (t != nullptr) (void)t->shutdown();
-    }
-  }
+                    const std::string& backend = "cuda_ipc")
+      : TwoEpRanks(std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny", model_options(),
+                   {"cuda-ep-" + tag, kSlotsPerRank, EpMoeExecutor::max_exchange_bytes(2048, 8, 64),
+                    timeout_ms, backend}) {}
 
-  ThreadPool pool{1};
-  std::unique_ptr<FaultInjectingTransport> transports[kRanks];
-  std::unique_ptr<EpMoeExecutor> executors[kRanks];
-  std::unique_ptr<Model> models[kRanks];
-  bool ready = false;
+  static ModelOptions model_options() {
+    ModelOptions options;
+    options.device = "cuda";
+    options.device_dtype = DType::kF32;
+    options.max_sequences = 8;
+    return options;
+  }
 };
 
 // Both ranks generate the reference continuations (same prompts, so the same steps);

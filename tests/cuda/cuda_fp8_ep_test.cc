@@ -19,22 +19,16 @@
 #include "checkpoint/synth.h"
 #include "cuda/device.h"
 #include "cuda/fp8_experts.h"
+#include "cuda_ep_ranks.h"
 #include "cuda_model_util.h"
 #include "flexpert/model.h"
-#include "flexpert/thread_pool.h"
 #include "moe/ep_executor.h"
 #include "moe/expert_slots.h"
-#include "transport/transport.h"
 
 namespace flexpert {
 namespace {
 
-// As cuda_ep_test.cc: ranks of one process wait for each other in kernels (set before
-// anything initialises CUDA).
-const bool kQueues = setenv("CUDA_MODULE_LOADING", "EAGER", 0) == 0 &&
-                     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0;
-
-constexpr int kRanks = 2;
+constexpr int kRanks = cuda_test::TwoEpRanks::kRanks;
 constexpr int kExperts = 32;                     // deepseek-tiny
 constexpr int kSlotsPerRank = kExperts / 2 + 1;  // Half the experts and one spare slot.
 
@@ -81,51 +75,11 @@ ModelOptions fp8_options(const std::string& spec) {
   return options;
 }
 
-struct TwoFp8Ranks {
-  TwoFp8Ranks(const std::string& dir, const std::string& spec, const std::string& tag) {
-    for (int r = 0; r < kRanks; ++r) {
-      TransportOptions o;
-      o.session = "cuda-fp8-ep-" + tag + "-" + std::to_string(getpid());
-      o.rank = r;
-      o.max_ranks = kRanks;
-      o.max_exchange_bytes = EpMoeExecutor::max_exchange_bytes(2048, 4, 128);
-      o.timeout_ms = 20000;
-      o.host_collectives = true;  // As a GPU worker's transport.
-      auto created = create_transport("cuda_ipc", o);
-      EXPECT_TRUE(created.ok()) << created.status().to_string();
-      if (!created.ok()) return;
-      transports[r] = std::move(created).value();
-    }
-    for (int r = 0; r < kRanks; ++r) {
-      for (int p = 0; p < kRanks; ++p) {
-        if (p != r) {
-          EXPECT_TRUE(transports[r]->connect(p, transports[p]->address()).ok());
-        }
-      }
-    }
-    for (int r = 0; r < kRanks; ++r) {
-      executors[r] = std::make_unique<EpMoeExecutor>(*transports[r], kSlotsPerRank, pool);
-      executors[r]->set_group(Group{1, {0, 1}});
-      ModelOptions options = fp8_options(spec);
-      options.first_slot = r * kSlotsPerRank;
-      options.num_local_slots = kSlotsPerRank;
-      options.moe_executor = executors[r].get();
-      auto loaded = Model::load(dir, options);
-      EXPECT_TRUE(loaded.ok()) << loaded.status().to_string();
-      if (!loaded.ok()) return;
-      models[r] = std::move(loaded).value();
-      const Status warm = models[r]->warm_up();
-      EXPECT_TRUE(warm.ok()) << warm.to_string();
-      if (!warm.ok()) return;
-    }
-    ready = kQueues;
-  }
-  ~TwoFp8Ranks() {
-    for (auto& m : models) m.reset();
-    for (auto& t : transports) {
-      if (t != nullptr) (void)t->shutdown();
-    }
-  }
+struct TwoFp8Ranks : cuda_test::TwoEpRanks {
+  TwoFp8Ranks(const std::string& dir, const std::string& spec, const std::string& tag)
+      : TwoEpRanks(dir, fp8_options(spec),
+                   {"cuda-fp8-ep-" + tag, kSlotsPerRank,
+                    EpMoeExecutor::max_exchange_bytes(2048, 4, 128)}) {}
   // Both ranks run the same batch (they step together); rank 0's logits.
   std::vector<float> step(const std::vector<SequenceChunk>& batch) {
     std::vector<float> peer;
@@ -135,12 +89,6 @@ struct TwoFp8Ranks {
     EXPECT_LT(cuda_test::rel_l2(peer, mine), 1e-6) << "the ranks differ on one batch";
     return mine;
   }
-
-  ThreadPool pool{1};
-  std::unique_ptr<Transport> transports[kRanks];
-  std::unique_ptr<EpMoeExecutor> executors[kRanks];
-  std::unique_ptr<Model> models[kRanks];
-  bool ready = false;
 };
 
 // A prefill of 33 + 5 tokens (the grouped FP8 tiles), then decode steps.
