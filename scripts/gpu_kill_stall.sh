@@ -7,7 +7,9 @@
 #    victim dying inside a kernel.
 # 2. bench elastic --device cuda without MPS (f32 synthetic Qwen3-30B-A3B, 2 layers,
 #    --min-replicas 2, kill rank 1), lazy then eager module loading, each with
-#    bench/kill_probe.py sampling the survivors' threads (which ioctl holds them, and where).
+#    bench/kill_probe.py sampling the survivors' threads (which ioctl holds them, and where);
+#    then CPU ranks on the same model (the same kill with host memory only: if it stalls as
+#    long, the wait is not the GPU driver's).
 # 3. Last, as it leaves the MPS server refusing clients (driver 580): cuda_kill_stall under
 #    MPS, nothing special, then a victim dying inside a kernel.
 # Prints a summary last.
@@ -45,6 +47,14 @@ for loading in LAZY EAGER; do
   echo "bench elastic ($loading) rc $?"
   wait $probe
 done
+stamp "bench elastic, kill, CPU ranks"
+python3 bench/kill_probe.py --out "$OUT/probe_cpu.txt" --seconds 120 &
+probe=$!
+timeout 150 "$BIN/flexpert" bench elastic --device cpu --model $DIR --plot "" --modes live \
+  --json "$OUT/elastic_cpu.json" --ranks 4 --max-ranks 4 --min-ranks 2 --min-replicas 2 \
+  --events 3:kill:1 --duration 6 >"$OUT/elastic_cpu.log" 2>&1
+echo "bench elastic (cpu) rc $?"
+wait $probe
 
 stamp "cuda_kill_stall under MPS"
 nvidia-cuda-mps-control -d
@@ -56,8 +66,8 @@ echo quit | nvidia-cuda-mps-control
 
 stamp "summary"
 cat "$OUT/kill_stall.md"
-for loading in LAZY EAGER; do
-  echo "-- bench elastic, $loading"
-  grep -E "^kill rank|^steady" "$OUT/elastic_$loading.log"
-  head -30 "$OUT/probe_$loading.txt"
+for run in LAZY EAGER cpu; do
+  echo "-- bench elastic, $run"
+  grep -E "^kill rank|^steady" "$OUT/elastic_$run.log"
+  head -30 "$OUT/probe_$run.txt"
 done
