@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include "flexpert/logging.h"
 #include "transport/collective_checks.h"
@@ -116,16 +117,35 @@ Status allocate_registered(ucp_context_h context, size_t num_bytes, void** data,
   return Status();
 }
 
-// Registers memory the caller allocated (and keeps until the transport is destroyed).
-Status register_memory(ucp_context_h context, void* data, size_t num_bytes, ucp_mem_h* memh) {
+// Registers memory the caller allocated (and keeps until the transport is destroyed): host
+// memory, or CUDA device memory (said, not left to UCX's detection).
+Status register_memory(ucp_context_h context, void* data, size_t num_bytes, bool device,
+                       ucp_mem_h* memh) {
   ucp_mem_map_params_t params{};
   params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
   params.address = data;
   params.length = num_bytes;
+  if (device) {
+    params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    params.memory_type = UCS_MEMORY_TYPE_CUDA;
+  }
   const ucs_status_t st = ucp_mem_map(context, &params, memh);
-  if (st != UCS_OK)
-    return ucs_error(st, "ucp_mem_map (register) of " + std::to_string(num_bytes) + " bytes");
+  if (st != UCS_OK) {
+    return ucs_error(st, std::string("ucp_mem_map (register ") + (device ? "CUDA" : "host") +
+                             " memory) of " + std::to_string(num_bytes) + " bytes");
+  }
   return Status();
+}
+
+// The memory types of a UCX context's mask, by name ("host, cuda, ...").
+std::string memory_type_names(uint64_t mask) {
+  std::string out;
+  for (int t = 0; t < UCS_MEMORY_TYPE_LAST; ++t) {
+    if ((mask & (uint64_t{1} << t)) == 0) continue;
+    if (!out.empty()) out += ", ";
+    out += ucs_memory_type_names[t];
+  }
+  return out.empty() ? "none" : out;
 }
 
 size_t round_up(size_t n, size_t align) { return (n + align - 1) / align * align; }
@@ -174,6 +194,7 @@ Status UcxTransport::init() {
   const ucs_status_t st = ucp_init(&params, config, &context_);
   ucp_config_release(config);
   FLEX_UCS_TRY(st, "ucp_init");
+  FLEX_RETURN_IF_ERROR(init_memory_types());
 
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_CLIENT_ID;
@@ -304,10 +325,41 @@ UcxTransport::~UcxTransport() {
   if (context_ != nullptr) ucp_cleanup(context_);
 }
 
+Status UcxTransport::init_memory_types() {
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  FLEX_UCS_TRY(ucp_context_query(context_, &attr), "ucp_context_query (memory types)");
+  const bool supported = (attr.memory_types & (uint64_t{1} << UCS_MEMORY_TYPE_CUDA)) != 0;
+  const char* env = std::getenv("FLEXPERT_UCX_CUDA");
+  const std::string knob = env == nullptr || *env == '\0' ? "auto" : env;
+  if (knob != "auto" && knob != "off" && knob != "on") {
+    return invalid_argument("FLEXPERT_UCX_CUDA='" + knob + "': expected auto, off or on");
+  }
+  const std::string ucx = std::string("UCX ") + ucp_get_version_string();
+  if (knob == "on" && !supported) {
+    return failed_precondition(
+        "FLEXPERT_UCX_CUDA=on, but the UCX loaded, " + ucx + ", supports no CUDA memory " +
+        "(memory types: " + memory_type_names(attr.memory_types) +
+        "): use a UCX built with CUDA (LD_LIBRARY_PATH), or FLEXPERT_UCX_CUDA=auto to stage " +
+        "device buffers through host memory");
+  }
+  cuda_memory_ = supported && knob != "off";
+  static std::once_flag logged;  // Once a process: every rank of it loads the same UCX.
+  std::call_once(logged, [&] {
+    FLEX_LOG(INFO) << "ucx: " << ucx << ", memory types: " << memory_type_names(attr.memory_types)
+                   << "; device buffers "
+                   << (cuda_memory_ ? "registered with UCX (read directly)"
+                                    : "staged through host memory")
+                   << " (FLEXPERT_UCX_CUDA=" << knob << ")";
+  });
+  return Status();
+}
+
 TransportCapabilities UcxTransport::capabilities() const {
   TransportCapabilities c;
   c.one_sided_read = true;
   c.device_memory = false;
+  c.device_buffer_reads = cuda_memory_;
   c.cross_host = true;
   c.max_gather_bytes = options_.max_gather_bytes;
   c.max_exchange_bytes = options_.max_exchange_bytes;
@@ -548,15 +600,25 @@ Status UcxTransport::peer_status(int peer) const {
 }
 
 Result<Region> UcxTransport::allocate_region(int region_id, size_t num_bytes) {
-  return add_region(region_id, nullptr, num_bytes);
+  return add_region(region_id, nullptr, num_bytes, /*device=*/false);
 }
 
 Status UcxTransport::register_region(int region_id, void* data, size_t num_bytes) {
   if (data == nullptr) return invalid_argument("register_region: null data");
-  return add_region(region_id, data, num_bytes).status();
+  return add_region(region_id, data, num_bytes, /*device=*/false).status();
 }
 
-Result<Region> UcxTransport::add_region(int region_id, void* data, size_t num_bytes) {
+Status UcxTransport::register_buffer(int buffer_id, void* data, size_t num_bytes) {
+  if (!cuda_memory_) {
+    return unimplemented(
+        "register_buffer: this UCX does not register CUDA memory (FLEXPERT_UCX_CUDA, "
+        "ucp_context_query): device buffers go through host memory");
+  }
+  if (data == nullptr) return invalid_argument("register_buffer: null data");
+  return add_region(buffer_id, data, num_bytes, /*device=*/true).status();
+}
+
+Result<Region> UcxTransport::add_region(int region_id, void* data, size_t num_bytes, bool device) {
   if (region_id < 0) return invalid_argument("region id must be >= 0");
   if (num_bytes == 0) return invalid_argument("region " + std::to_string(region_id) + ": 0 bytes");
   std::lock_guard<std::mutex> lock(mu_);
@@ -569,8 +631,9 @@ Result<Region> UcxTransport::add_region(int region_id, void* data, size_t num_by
   if (data == nullptr) {
     FLEX_RETURN_IF_ERROR(allocate_registered(context_, num_bytes, &r.data, &r.memh));
   } else {
-    FLEX_RETURN_IF_ERROR(register_memory(context_, data, num_bytes, &r.memh));
+    FLEX_RETURN_IF_ERROR(register_memory(context_, data, num_bytes, device, &r.memh));
     r.data = data;
+    r.device = device;
   }
   void* packed = nullptr;
   size_t packed_bytes = 0;
@@ -600,6 +663,7 @@ Status UcxTransport::read(int peer, int region_id, size_t offset, void* dst, siz
     auto it = own_regions_.find(region_id);
     if (it == own_regions_.end()) return not_found(what + ": not allocated");
     FLEX_RETURN_IF_ERROR(bounds(it->second.num_bytes));
+    if (it->second.device) return unimplemented(what + ": device memory of this rank");
     const std::byte* src = static_cast<const std::byte*>(it->second.data) + offset;
     lock.unlock();  // Own regions stay mapped until shutdown, which is not concurrent with us.
     if (num_bytes > 0) std::memcpy(dst, src, num_bytes);
