@@ -179,7 +179,7 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::create(const TransportOption
   return t;
 }
 
-Status UcxTransport::init() {
+Status UcxTransport::create_context(bool proto_v2) {
   ucp_config_t* config = nullptr;
   FLEX_UCS_TRY(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read");
   // Deaths over shared memory (no socket to reset) are found by UCX's keepalive: check often
@@ -187,6 +187,7 @@ Status UcxTransport::init() {
   if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
     (void)ucp_config_modify(config, "KEEPALIVE_INTERVAL", "250ms");
   }
+  if (proto_v2) (void)ucp_config_modify(config, "PROTO_ENABLE", "y");
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA;
@@ -194,7 +195,22 @@ Status UcxTransport::init() {
   const ucs_status_t st = ucp_init(&params, config, &context_);
   ucp_config_release(config);
   FLEX_UCS_TRY(st, "ucp_init");
+  return Status();
+}
+
+Status UcxTransport::init() {
+  FLEX_RETURN_IF_ERROR(create_context(/*proto_v2=*/false));
   FLEX_RETURN_IF_ERROR(init_memory_types());
+  if (cuda_memory_ && std::getenv("UCX_PROTO_ENABLE") == nullptr) {
+    // NOTE: UCX 1.13's default protocols emulate a get over TCP by a CPU copy of the owner's
+    // memory (ucp/rma/rma_sw.c: host memory only), so a peer's get of a device buffer killed
+    // the owner (SIGSEGV, H200); its newer protocols (UCX_PROTO_ENABLE=y, later releases'
+    // default) copy device memory through cuda_copy. Only where device buffers are used: the
+    // staged path keeps the protocols it was tested with.
+    ucp_cleanup(context_);
+    context_ = nullptr;
+    FLEX_RETURN_IF_ERROR(create_context(/*proto_v2=*/true));
+  }
 
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_CLIENT_ID;
@@ -329,7 +345,12 @@ Status UcxTransport::init_memory_types() {
   ucp_context_attr_t attr{};
   attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
   FLEX_UCS_TRY(ucp_context_query(context_, &attr), "ucp_context_query (memory types)");
-  const bool supported = (attr.memory_types & (uint64_t{1} << UCS_MEMORY_TYPE_CUDA)) != 0;
+  const bool cuda = (attr.memory_types & (uint64_t{1} << UCS_MEMORY_TYPE_CUDA)) != 0;
+  // UCX_PROTO_ENABLE=n: the protocols that cannot serve gets of device memory (init()).
+  const char* proto = std::getenv("UCX_PROTO_ENABLE");
+  const std::string p = proto == nullptr ? "" : proto;
+  const bool old_protocols = p == "n" || p == "no" || p == "N" || p == "0" || p == "off";
+  const bool supported = cuda && !old_protocols;
   const char* env = std::getenv("FLEXPERT_UCX_CUDA");
   const std::string knob = env == nullptr || *env == '\0' ? "auto" : env;
   if (knob != "auto" && knob != "off" && knob != "on") {
@@ -338,10 +359,12 @@ Status UcxTransport::init_memory_types() {
   const std::string ucx = std::string("UCX ") + ucp_get_version_string();
   if (knob == "on" && !supported) {
     return failed_precondition(
-        "FLEXPERT_UCX_CUDA=on, but the UCX loaded, " + ucx + ", supports no CUDA memory " +
-        "(memory types: " + memory_type_names(attr.memory_types) +
-        "): use a UCX built with CUDA (LD_LIBRARY_PATH), or FLEXPERT_UCX_CUDA=auto to stage " +
-        "device buffers through host memory");
+        "FLEXPERT_UCX_CUDA=on, but the UCX loaded, " + ucx +
+        (cuda ? ", supports no gets of CUDA memory under UCX_PROTO_ENABLE=" + p
+              : ", supports no CUDA memory (memory types: " + memory_type_names(attr.memory_types) +
+                    ")") +
+        ": use a UCX built with CUDA (LD_LIBRARY_PATH) and a CUDA transport in UCX_TLS, or "
+        "FLEXPERT_UCX_CUDA=auto to stage device buffers through host memory");
   }
   cuda_memory_ = supported && knob != "off";
   static std::once_flag logged;  // Once a process: every rank of it loads the same UCX.

@@ -30,7 +30,9 @@
 // Device memory (docs/ARCHITECTURE.md "GPU ranks on different hosts"): at creation the rank
 // asks UCX which memory types it supports (ucp_context_query). FLEXPERT_UCX_CUDA=auto (the
 // default) uses CUDA memory where UCX supports it, off never does, on fails at creation when it
-// does not (Debian's and Ubuntu's UCX builds have no CUDA transports). When used,
+// does not (Debian's and Ubuntu's UCX builds have no CUDA transports; UCX_PROTO_ENABLE=n is
+// taken as none: UCX 1.13's old protocols serve gets of host memory only, so with device
+// buffers the context runs UCX's new ones unless UCX_PROTO_ENABLE says otherwise). When used,
 // capabilities().device_buffer_reads is set and register_buffer() registers the caller's
 // device memory (ucp_mem_map, UCS_MEMORY_TYPE_CUDA) as a region that peers read() straight into
 // their device memory; otherwise register_buffer() answers Unimplemented, as without it.
@@ -211,6 +213,8 @@ class UcxTransport final : public Transport {
   Status init();
   // allocate_region (data null: UCX allocates), register_region and register_buffer (device).
   Result<Region> add_region(int region_id, void* data, size_t num_bytes, bool device);
+  // ucp_init into context_ (proto_v2: UCX_PROTO_ENABLE=y, see init()).
+  Status create_context(bool proto_v2);
   // Reads FLEXPERT_UCX_CUDA and UCX's memory types into cuda_memory_ (at init).
   Status init_memory_types();
 
