@@ -157,7 +157,14 @@ Result<std::unique_ptr<DeviceEpMoe>> DeviceEpMoe::create(Config config, Blas& bl
   FLEX_CUDA_TRY(cudaMemcpy(m->scratch_.weight.data(), ones.data(), C * sizeof(float),
                            cudaMemcpyHostToDevice));
   m->routing_.top_k = d.top_k;
-  if (device_exchange) FLEX_RETURN_IF_ERROR(m->init_device_exchange(*ep));
+  if (device_exchange) {
+    FLEX_RETURN_IF_ERROR(m->init_device_exchange(*ep));
+  } else if (ep != nullptr && ep->transport().capabilities().device_buffer_reads) {
+    // No peer to map (ucx across hosts), but a CUDA-aware UCX reads peers' slot buffers
+    // straight into ours (docs/ARCHITECTURE.md "GPU ranks on different hosts").
+    m->ep_ = ep;
+    FLEX_RETURN_IF_ERROR(m->register_slot_buffers());
+  }
   DeviceEpMoe* self = m.get();
   if (!m->config_.executor->set_row_compute([self](int layer, const int32_t* local_slot,
                                                    const float* const* rows, int64_t count,
@@ -468,6 +475,16 @@ Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
                              .annotate("EP exchange buffer " + std::to_string(b)));
   }
   // And the slot buffers of every MoE layer, for peers' weight movers.
+  ep_ = &executor;
+  FLEX_RETURN_IF_ERROR(register_slot_buffers());
+  mapped_.resize(static_cast<size_t>(n));
+  device_exchange_ = true;
+  executor.set_device_probe([this](const Group& group) { return ready_for(group); });
+  return Status();
+}
+
+Status DeviceEpMoe::register_slot_buffers() {
+  Transport& transport = ep_->transport();
   for (int layer : config_.moe_layers) {
     FLEX_RETURN_IF_ERROR(transport
                              .register_buffer(kSlotsBuffer + layer,
@@ -475,11 +492,8 @@ Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
                                               slot_buffer_bytes())
                              .annotate("slot buffer of layer " + std::to_string(layer)));
   }
-  slot_maps_.resize(static_cast<size_t>(n));
-  mapped_.resize(static_cast<size_t>(n));
-  ep_ = &executor;
-  device_exchange_ = true;
-  executor.set_device_probe([this](const Group& group) { return ready_for(group); });
+  slot_maps_.resize(static_cast<size_t>(transport.max_ranks()));
+  direct_reads_ = transport.capabilities().device_buffer_reads;
   return Status();
 }
 
@@ -824,7 +838,9 @@ Status DeviceEpMoe::finish_device_step(const Group& group) {
 
 Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst, size_t bytes,
                               cudaStream_t stream) {
-  if (!device_exchange_) return unimplemented("no device exchange");
+  if (!device_exchange_ && !direct_reads_) {
+    return unimplemented("no device exchange, and the transport reads no device buffers");
+  }
   const size_t buffer_bytes = slot_buffer_bytes();
   if (offset + bytes > buffer_bytes || offset + bytes < offset) {
     return invalid_argument("slot copy of " + std::to_string(bytes) + " bytes at " +
@@ -849,6 +865,16 @@ Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst,
     const MapMode mode = stepped_.load() ? MapMode::kMapSameDevice : MapMode::kMap;
     Result<PeerBuffer> mapped = transport.map_peer_buffer(src_rank, kSlotsBuffer + layer, mode);
     if (!mapped.ok()) {
+      if (mapped.status().code() == StatusCode::kUnimplemented && direct_reads_ &&
+          !transport.map_peer_buffer(src_rank, kSlotsBuffer + layer, MapMode::kLookup).ok()) {
+        // Never mappable here (kLookup refused too: another host, not a same-host GPU that
+        // kMapSameDevice declined): a CUDA-aware UCX gets it into `dst`, returning once it
+        // landed, where the caller would read the host mirror and upload it. `dst` is a free
+        // slot, so nothing on `stream` is ordered against it.
+        return transport.read(src_rank, kSlotsBuffer + layer, offset, dst, bytes)
+            .annotate("slots of layer " + std::to_string(layer) + " of rank " +
+                      std::to_string(src_rank) + " (device to device over ucx)");
+      }
       if (mapped.status().code() == StatusCode::kUnimplemented) {
         return unimplemented("rank " + std::to_string(src_rank) + "'s slots of layer " +
                              std::to_string(layer) + " are not mapped (" +
