@@ -610,11 +610,12 @@ Status CudaMoeModel::slots_written(int layer, int local_slot) {
   return upload_stream_.synchronize();
 }
 
-// Device to device (the peer's slots mapped through CUDA IPC), then the mirror, on the
-// mover thread's stream.
+// Device to device (the peer's slots mapped through CUDA IPC, or read by a CUDA-aware UCX),
+// then the mirror, on the mover thread's stream.
 Status CudaMoeModel::copy_slot(int layer, int local_slot, int src_rank, int src_slot) {
-  if (!ep_ || !ep_moe_->device_exchange()) {
-    return unimplemented("slots move between device memories with the device exchange only");
+  if (!ep_ || !ep_moe_->copies_slots()) {
+    return unimplemented(
+        "slots move between device memories with the device exchange or device reads only");
   }
   ExpertSlots* mirror = local_slots(layer);
   if (mirror == nullptr || local_slot < 0 || local_slot >= mirror->num_slots() || src_slot < 0 ||

@@ -115,7 +115,14 @@ Result<std::unique_ptr<DeviceEpMoe>> DeviceEpMoe::create(Config config, Blas& bl
   FLEX_CUDA_TRY(cudaMemcpy(m->scratch_.weight.data(), ones.data(), C * sizeof(float),
                            cudaMemcpyHostToDevice));
   m->routing_.top_k = d.top_k;
-  if (device_exchange) FLEX_RETURN_IF_ERROR(m->init_device_exchange(*ep));
+  if (device_exchange) {
+    FLEX_RETURN_IF_ERROR(m->init_device_exchange(*ep));
+  } else if (ep != nullptr && ep->transport().capabilities().device_buffer_reads) {
+    // No peer to map (ucx across hosts), but a CUDA-aware UCX reads peers' slot buffers
+    // straight into ours (docs/ARCHITECTURE.md "GPU ranks on different hosts").
+    m->ep_ = ep;
+    FLEX_RETURN_IF_ERROR(m->register_slot_buffers());
+  }
   DeviceEpMoe* self = m.get();
   if (!m->config_.executor->set_row_compute([self](int layer, const int32_t* local_slot,
                                                    const float* const* rows, int64_t count,
@@ -363,5 +370,4 @@ Status DeviceEpMoe::reset_counts() {
   FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));
   return Status();
 }
-
 }  // namespace flexpert::cuda

@@ -130,6 +130,8 @@ class DeviceEpMoe {
   int64_t num_graph_captures() const { return captures_; }
   bool graphs_failed() const { return graphs_failed_; }
   bool device_exchange() const { return device_exchange_; }
+  // copy_slot() may serve: the device exchange's mappings, or device reads over the transport.
+  bool copies_slots() const { return device_exchange_ || direct_reads_; }
 
   // Copies `bytes` at `offset` of rank src_rank's slots of `layer` (this rank's own too)
   // into `dst`, device to device on `stream`, and returns once it landed. The weight
@@ -137,7 +139,9 @@ class DeviceEpMoe {
   // holding them apart from the step's mappings; a departed rank's
   // are released at the next epoch's map_peers. Unimplemented (the caller copies through
   // the host mirrors) for a layer of a rank on another GPU not mapped yet once this rank
-  // serves: mapping it would hold the serving thread (see stepped_).
+  // serves: mapping it would hold the serving thread (see stepped_). A rank on another host
+  // (never mapped): read() through the transport straight into `dst` where it has
+  // capabilities().device_buffer_reads (a CUDA-aware UCX), else Unimplemented.
   Status copy_slot(int layer, int src_rank, size_t offset, void* dst, size_t bytes,
                    cudaStream_t stream);
 
@@ -162,6 +166,8 @@ class DeviceEpMoe {
   Status map_peer(int r);
   // The incarnation of rank r whose buffers the transport would map now (maps nothing).
   Result<uint64_t> window_incarnation(int r);
+  // Registers every MoE layer's slot buffer with ep_'s transport (peers' copy_slot).
+  Status register_slot_buffers();
   // Bytes of one layer's slot buffer, on every rank (one configuration).
   size_t slot_buffer_bytes() const;
   // Opens m's buffers (m.rank and m.info set) after those opened before, until all are or
@@ -203,13 +209,15 @@ class DeviceEpMoe {
 
   // Device exchange (device_exchange_ false: the executor's host exchange).
   bool device_exchange_ = false;
-  EpMoeExecutor* ep_ = nullptr;
-  int device_cap_ = 0;       // Rows an owner may receive in one device step.
-  DeviceBuffer window_;      // EpWindow, then pos [max_tokens * top_k].
-  DeviceBuffer peer_table_;  // EpPeer [kEpMaxRanks]
-  DeviceBuffer status_;      // EpStatus
-  DeviceBuffer num_rows_;    // i32: rows received this layer
-  DeviceBuffer stats_;       // i64 [MoE layer][local slot]: rows computed
+  // The transport reads peers' device buffers (slots) into ours (device_buffer_reads).
+  bool direct_reads_ = false;
+  EpMoeExecutor* ep_ = nullptr;  // Set with the device exchange or direct_reads_.
+  int device_cap_ = 0;           // Rows an owner may receive in one device step.
+  DeviceBuffer window_;          // EpWindow, then pos [max_tokens * top_k].
+  DeviceBuffer peer_table_;      // EpPeer [kEpMaxRanks]
+  DeviceBuffer status_;          // EpStatus
+  DeviceBuffer num_rows_;        // i32: rows received this layer
+  DeviceBuffer stats_;           // i64 [MoE layer][local slot]: rows computed
   PinnedBuffer status_host_, abort_, progress_;
   Event step_done_;
   EpPeer self_;

@@ -162,5 +162,4 @@ Status DeviceEpMoe::finish_device_step(const Group& group) {
   return deadline_exceeded(where + ": no word from rank(s) " + rank_list(st.missing) + " within " +
                            std::to_string(transport.timeout_ms()) + " ms");
 }
-
 }  // namespace flexpert::cuda

@@ -107,16 +107,9 @@ Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
                              .annotate("EP exchange buffer " + std::to_string(b)));
   }
   // And the slot buffers of every MoE layer, for peers' weight movers.
-  for (int layer : config_.moe_layers) {
-    FLEX_RETURN_IF_ERROR(transport
-                             .register_buffer(kSlotsBuffer + layer,
-                                              const_cast<void*>(config_.layer_slots(layer)),
-                                              slot_buffer_bytes())
-                             .annotate("slot buffer of layer " + std::to_string(layer)));
-  }
-  slot_maps_.resize(static_cast<size_t>(n));
-  mapped_.resize(static_cast<size_t>(n));
   ep_ = &executor;
+  FLEX_RETURN_IF_ERROR(register_slot_buffers());
+  mapped_.resize(static_cast<size_t>(n));
   device_exchange_ = true;
   executor.set_device_probe([this](const Group& group) { return ready_for(group); });
   return Status();
@@ -316,5 +309,4 @@ Status DeviceEpMoe::map_peers(const Group& group) {
   }
   return Status();
 }
-
 }  // namespace flexpert::cuda

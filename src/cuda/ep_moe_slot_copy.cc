@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// DeviceEpMoe::copy_slot: the weight mover's device-to-device slot copies (ep_moe.h).
+// DeviceEpMoe's slot copies: this rank's slot buffers registered for peers' weight movers,
+// and copy_slot, device to device through a mapping or the transport's reads (ep_moe.h).
 #include <string>
 
 #include "cuda/ep_moe.h"
@@ -9,9 +10,25 @@ namespace flexpert::cuda {
 
 using ep_moe_detail::kSlotsBuffer;
 
+Status DeviceEpMoe::register_slot_buffers() {
+  Transport& transport = ep_->transport();
+  for (int layer : config_.moe_layers) {
+    FLEX_RETURN_IF_ERROR(transport
+                             .register_buffer(kSlotsBuffer + layer,
+                                              const_cast<void*>(config_.layer_slots(layer)),
+                                              slot_buffer_bytes())
+                             .annotate("slot buffer of layer " + std::to_string(layer)));
+  }
+  slot_maps_.resize(static_cast<size_t>(transport.max_ranks()));
+  direct_reads_ = transport.capabilities().device_buffer_reads;
+  return Status();
+}
+
 Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst, size_t bytes,
                               cudaStream_t stream) {
-  if (!device_exchange_) return unimplemented("no device exchange");
+  if (!device_exchange_ && !direct_reads_) {
+    return unimplemented("no device exchange, and the transport reads no device buffers");
+  }
   const size_t buffer_bytes = slot_buffer_bytes();
   if (offset + bytes > buffer_bytes || offset + bytes < offset) {
     return invalid_argument("slot copy of " + std::to_string(bytes) + " bytes at " +
@@ -36,6 +53,16 @@ Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst,
     const MapMode mode = stepped_.load() ? MapMode::kMapSameDevice : MapMode::kMap;
     Result<PeerBuffer> mapped = transport.map_peer_buffer(src_rank, kSlotsBuffer + layer, mode);
     if (!mapped.ok()) {
+      if (mapped.status().code() == StatusCode::kUnimplemented && direct_reads_ &&
+          !transport.map_peer_buffer(src_rank, kSlotsBuffer + layer, MapMode::kLookup).ok()) {
+        // Never mappable here (kLookup refused too: another host, not a same-host GPU that
+        // kMapSameDevice declined): a CUDA-aware UCX gets it into `dst`, returning once it
+        // landed, where the caller would read the host mirror and upload it. `dst` is a free
+        // slot, so nothing on `stream` is ordered against it.
+        return transport.read(src_rank, kSlotsBuffer + layer, offset, dst, bytes)
+            .annotate("slots of layer " + std::to_string(layer) + " of rank " +
+                      std::to_string(src_rank) + " (device to device over ucx)");
+      }
       if (mapped.status().code() == StatusCode::kUnimplemented) {
         return unimplemented("rank " + std::to_string(src_rank) + "'s slots of layer " +
                              std::to_string(layer) + " are not mapped (" +
@@ -62,5 +89,4 @@ Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst,
   FLEX_CUDA_TRY(cudaStreamSynchronize(stream));
   return Status();
 }
-
 }  // namespace flexpert::cuda

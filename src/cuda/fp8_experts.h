@@ -7,8 +7,11 @@
 //   - decode: per (token, k) pair, a warp per gate/up row pair (SwiGLU into act), then a
 //     warp per (token, output column) summing the top-k down rows, weighted, into out;
 //   - grouped: the mma.sync bf16 tile over rows permuted by slot (kernels.h permute()),
-//     with each e4m3 weight tile dequantized to bf16 in shared memory. This is not the
-//     FP8 tensor-core path (Hopper's e4m3 wgmma): see docs/cuda.md.
+//     each e4m3 weight tile dequantized to bf16 in shared memory;
+//   - grouped on Hopper's FP8 tensor cores (run_moe's force_tile kWgmmaWs64 only, until it
+//     has passed on the H200): the activations quantized to e4m3 (one scale per row and
+//     128 columns), then e4m3 wgmma with the block scales applied per 128 K
+//     (fp8_wgmma_gemm). See docs/cuda.md, "FP8 experts".
 // Enqueue only, no host synchronisation; capturable in CUDA graphs.
 #pragma once
 
@@ -87,6 +90,30 @@ cudaError_t fp8_decode_down_combine(const Fp8DecodeArgs& args, cudaStream_t stre
 // with block_m = kFp8GemmRows and g.max_tiles = max_tiles(.., kFp8GemmRows). Needs n and k
 // multiples of 8 (k need not be one of 128: the last scale block is partial); A bf16.
 cudaError_t fp8_grouped_gemm(const GroupedGemmArgs& g, const Fp8Weights& w, cudaStream_t stream);
+
+// The FP8 activations of the FP8 wgmma GEMM: rows quantized to e4m3 with one f32 scale
+// per row and 128 columns (scale = absmax / 448, so a = code * scale), as DeepSeek-V3's
+// FP8 inference (and DeepGEMM) take them.
+struct Fp8Acts {
+  void* codes = nullptr;    // e4m3 [rows_cap, k]
+  float* scales = nullptr;  // f32 [blocks(k), round_up(rows_cap, 4)]
+  int rows_cap = 0;
+};
+// Quantizes rows r < *num_rows (device) of bf16 x into `out`: row r is x[gather[r] /
+// gather_div] (gather set) or x[r]; max_rows >= *num_rows bounds the grid. k % 8 == 0.
+cudaError_t fp8_quantize_rows(const void* x, const int32_t* gather, int gather_div,
+                              const int32_t* num_rows, int max_rows, int k, const Fp8Acts& out,
+                              cudaStream_t stream);
+
+// grouped_gemm over FP8 slots on Hopper's FP8 tensor cores (wgmma_gemm.cu, sm_90a): A the
+// rows fp8_quantize_rows made (g.a and g.gather ignored), B the e4m3 weights `w` says
+// where, f32 accumulation with both block scales applied per 128 K (docs/cuda.md, "FP8
+// experts"). Same tile table as fp8_grouped_gemm (block_m = kFp8GemmRows); g.sched as
+// grouped_gemm.h says. Needs fp8_wgmma_fits(n, k) and wgmma_available(), else
+// cudaErrorInvalidValue.
+bool fp8_wgmma_fits(int n, int k);
+cudaError_t fp8_wgmma_gemm(const GroupedGemmArgs& g, const Fp8Weights& w, const Fp8Acts& a,
+                           cudaStream_t stream);
 
 // Whether `device` keeps FP8 weights: compute capability 8.9 or newer (Ada, Hopper), the
 // GPUs with e4m3 arithmetic.

@@ -92,6 +92,10 @@ struct MoeScratch {
   DeviceBuffer y;                                // dtype [T * K, H]
   DeviceBuffer ticket;                           // i32 [1], zero between launches (decode)
   DeviceBuffer gemm_sched;                       // i32 [2], GroupedGemmArgs::sched
+  // dims.fp8 (fp8_experts.h's Fp8Acts): e4m3 [T * K, max(H, I)] and their f32 scales
+  // [blocks(max(H, I)), round_up(T * K, 4)], the FP8 wgmma GEMMs' A; allocated by the
+  // first run that takes FP8 wgmma (force_tile kWgmmaWs64), which must not be captured.
+  DeviceBuffer act_codes, act_scales;
 };
 
 // The kernels of run_moe, as a mask (profiling runs one stage on the previous run's data).
@@ -110,8 +114,9 @@ enum MoeStage : unsigned {
 // slot_stats (padding rows of a captured batch do not). force_tile >= 0 picks a
 // GemmTile (tests, benchmarks); -1 chooses by size. `stages` selects kernels (profiling).
 // With dims.fp8: the router GEMM and top-k with permutation, then the FP8 decode kernels
-// (up to kDecodeMaxTokens tokens, or force_tile == kGemv) or the FP8 grouped GEMMs (any
-// other force_tile) and combine (fp8_experts.h); `stages` is ignored.
+// (up to kDecodeMaxTokens tokens, or force_tile == kGemv) or the FP8 grouped GEMMs and
+// combine (fp8_experts.h): the dequantizing tile, or FP8 wgmma with force_tile
+// kWgmmaWs64 (not by default yet: docs/cuda.md, "FP8 experts"); `stages` is ignored.
 Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch, const void* h,
                int num_tokens, const int32_t* num_valid_tokens, float* out, bool accumulate,
                Blas& blas, cudaStream_t stream, int force_tile = -1,

@@ -49,6 +49,10 @@ struct TransportCapabilities {
   size_t max_gather_bytes = 0;       // Largest all_gather contribution.
   size_t max_exchange_bytes = 0;     // Largest exchange payload to one peer.
   bool mapped_peer_buffers = false;  // register_buffer() / map_peer_buffer() are supported.
+  // register_buffer() takes device memory that peers read() (into device memory too) without
+  // staging it through host memory: ucx where the UCX loaded supports CUDA memory, and hier
+  // for its peers on other hosts. Peers on another host read it; none maps it.
+  bool device_buffer_reads = false;
 };
 
 struct TransportOptions {
@@ -160,7 +164,9 @@ class Transport {
     return unimplemented("mark_peer_lost: not supported by this transport backend");
   }
   // Mapped peer buffers; backends without them (capabilities().mapped_peer_buffers false) answer
-  // Unimplemented.
+  // Unimplemented, except that capabilities().device_buffer_reads lets register_buffer() make
+  // the buffer a region that peers read() (ucx with CUDA: no mapping, map_peer_buffer() still
+  // answers Unimplemented).
   // Publishes `num_bytes` of device memory at `data` under `buffer_id` for peers to map. `data`
   // is the start of an allocation of this rank's device (cudaMalloc) that the caller keeps
   // until shutdown(). Use ids no region uses: a backend may keep both in one table (cuda_ipc

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The FP8 expert layer (run_moe with MoeDims::fp8, fp8_experts.h) against the CPU MoE block
 // in f32 on the dequantized weights: decode and grouped kernels, sizes that are not
-// multiples of 128 (partial scale blocks), and a slot moved by copying its bytes.
+// multiples of 128 (partial scale blocks), and a slot moved by copying its bytes; FP8
+// wgmma (e4m3 activations) also against a host reference that quantizes them alike.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -57,6 +58,76 @@ Fp8Matrix quantize(const std::vector<float>& w, int rows, int cols) {
   return m;
 }
 
+// One row as the FP8 wgmma path quantizes its activations (fp8_quantize_rows): e4m3 per
+// 128 columns with scale absmax / 448, returned dequantized.
+std::vector<float> quantize_row(const float* x, int n) {
+  std::vector<float> q(static_cast<size_t>(n));
+  for (int b = 0; b < n; b += 128) {
+    const int e = std::min(n, b + 128);
+    float amax = 0.f;
+    for (int c = b; c < e; ++c) amax = std::max(amax, std::fabs(x[c]));
+    const float inv = amax > 0.f ? 448.f / amax : 0.f, scale = amax / 448.f;
+    for (int c = b; c < e; ++c) q[c] = f8e4m3_to_f32(f32_to_f8e4m3(x[c] * inv)) * scale;
+  }
+  return q;
+}
+
+float bf16_round(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+// The layer as FP8 wgmma computes it, on the dequantized weights: each routed (token, k)
+// pair through expert experts[t K + k] (the GPU's top-k, read back) with its softmax weight
+// renormalised over the token's K, the token row and the bf16 SwiGLU row quantized as
+// quantize_row, gate/up/down rows stored in bf16; sums in double.
+std::vector<float> fp8_activation_reference(const std::vector<float>& x,
+                                            const std::vector<float>& router, int T, int H, int I,
+                                            int E, int K, const std::vector<int32_t>& experts,
+                                            const std::vector<Fp8Matrix>& gate,
+                                            const std::vector<Fp8Matrix>& up,
+                                            const std::vector<Fp8Matrix>& down) {
+  std::vector<float> out(static_cast<size_t>(T) * H, 0.f);
+  std::vector<float> act(static_cast<size_t>(I));
+  for (int t = 0; t < T; ++t) {
+    const float* xt = x.data() + static_cast<size_t>(t) * H;
+    std::vector<double> logits(E);
+    double top = -1e300;
+    for (int e = 0; e < E; ++e) {
+      double l = 0;
+      for (int c = 0; c < H; ++c)
+        l += static_cast<double>(xt[c]) * router[static_cast<size_t>(e) * H + c];
+      logits[e] = l;
+      top = std::max(top, l);
+    }
+    double chosen = 0;
+    for (int k = 0; k < K; ++k) chosen += std::exp(logits[experts[t * K + k]] - top);
+    const std::vector<float> xq = quantize_row(xt, H);
+    for (int k = 0; k < K; ++k) {
+      const int e = experts[t * K + k];
+      const double weight = std::exp(logits[e] - top) / chosen;
+      for (int i = 0; i < I; ++i) {
+        double g = 0, u = 0;
+        const float* gr = gate[e].dequantized.data() + static_cast<size_t>(i) * H;
+        const float* ur = up[e].dequantized.data() + static_cast<size_t>(i) * H;
+        for (int c = 0; c < H; ++c) {
+          g += static_cast<double>(xq[c]) * gr[c];
+          u += static_cast<double>(xq[c]) * ur[c];
+        }
+        act[i] = bf16_round(static_cast<float>(g / (1.0 + std::exp(-g)) * u));
+      }
+      const std::vector<float> aq = quantize_row(act.data(), I);
+      for (int c = 0; c < H; ++c) {
+        double y = 0;
+        const float* dr = down[e].dequantized.data() + static_cast<size_t>(c) * I;
+        for (int i = 0; i < I; ++i) y += static_cast<double>(aq[i]) * dr[i];
+        out[static_cast<size_t>(t) * H + c] +=
+            static_cast<float>(weight * bf16_round(static_cast<float>(y)));
+      }
+    }
+  }
+  return out;
+}
+
+constexpr int kWgmma = static_cast<int>(cuda::GemmTile::kWgmmaWs64);
+
 struct Fp8Case {
   int hidden, inter, tokens;
   int force_tile;  // -1: by size; kGemv: decode kernels; other: grouped GEMM.
@@ -68,6 +139,14 @@ std::string case_name(const Fp8Case& c) {
   std::snprintf(name, sizeof(name), "H%d I%d T%d tile %d%s", c.hidden, c.inter, c.tokens,
                 c.force_tile, c.move_slot ? " moved" : "");
   return name;
+}
+
+std::string fp8_case_name(const ::testing::TestParamInfo<Fp8Case>& info) {
+  std::string n = case_name(info.param);
+  for (char& ch : n) {
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  }
+  return n;
 }
 
 class CudaFp8MoeTest : public ::testing::TestWithParam<Fp8Case> {};
@@ -180,7 +259,36 @@ TEST_P(CudaFp8MoeTest, MatchesF32ReferenceOnDequantizedWeights) {
   const double err = rel_l2(got, want);
   std::printf("  fp8 %s: relative L2 vs f32 on dequantized weights = %.3g\n", case_name(c).c_str(),
               err);
-  EXPECT_LT(err, 3e-2) << case_name(c);
+  // FP8 wgmma quantizes the activations too (e4m3: 3 mantissa bits, ~2.5 % per element),
+  // which costs ~4 % relative L2 against unquantized activations at any size (a host
+  // simulation of this layer: 4.3 % at H = I = 256 and 2048); against the reference that
+  // quantizes them as the kernels do it must agree to rounding.
+  const bool wgmma = c.force_tile == kWgmma;
+  EXPECT_LT(err, wgmma ? 6e-2 : 3e-2) << case_name(c);
+  if (wgmma) {
+    std::vector<int32_t> experts;
+    ASSERT_TRUE(
+        cuda::read_routing(scratch.value(), T * K, stream.value().get(), &experts, nullptr).ok());
+    const std::vector<float> want_q =
+        fp8_activation_reference(x, router, T, H, I, E, K, experts, gate, up, down);
+    const double err_q = rel_l2(got, want_q);
+    std::printf("  fp8 %s: relative L2 vs quantized activations = %.3g\n", case_name(c).c_str(),
+                err_q);
+    EXPECT_LT(err_q, 1e-2) << case_name(c);
+    // The check would catch a wrong block scale: one weight block of every down matrix
+    // 1.25 x off moves the reference by more than the tolerance.
+    std::vector<Fp8Matrix> wrong = down;
+    for (Fp8Matrix& m : wrong) {
+      for (int r = 0; r < std::min(H, 128); ++r) {
+        for (int i = 0; i < std::min(I, 128); ++i) {
+          m.dequantized[static_cast<size_t>(r) * I + i] *= 1.25f;
+        }
+      }
+    }
+    EXPECT_GT(rel_l2(fp8_activation_reference(x, router, T, H, I, E, K, experts, gate, up, wrong),
+                     want_q),
+              1e-2);
+  }
 
   std::vector<int64_t> gpu_counts(S);
   ASSERT_EQ(cudaMemcpy(gpu_counts.data(), stats.value().data(), S * sizeof(int64_t),
@@ -209,13 +317,18 @@ INSTANTIATE_TEST_SUITE_P(
         Fp8Case{392, 136, 5, kDecode, false}, Fp8Case{392, 136, 130, kGrouped, false},
         // A slot moved by a copy of its bytes carries its scales.
         Fp8Case{256, 256, 2, -1, true}, Fp8Case{256, 256, 64, -1, true}),
-    [](const ::testing::TestParamInfo<Fp8Case>& info) {
-      std::string n = case_name(info.param);
-      for (char& ch : n) {
-        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-      }
-      return n;
-    });
+    fp8_case_name);
+
+// FP8 wgmma (run_moe's force_tile kWgmmaWs64, sm_90a): one row per slot up to several
+// tiles, 2 I = 384 (a 256-column unit with one consumer idle), I = 192 (a partial last K
+// block of down), a moved slot. Disabled until they have passed on the H200 (docs/cuda.md,
+// "FP8 experts"): --gtest_also_run_disabled_tests --gtest_filter='DISABLED_Fp8Wgmma*'.
+INSTANTIATE_TEST_SUITE_P(
+    DISABLED_Fp8Wgmma, CudaFp8MoeTest,
+    ::testing::Values(Fp8Case{256, 256, 9, kWgmma, false}, Fp8Case{256, 256, 37, kWgmma, false},
+                      Fp8Case{256, 256, 200, kWgmma, false}, Fp8Case{384, 192, 130, kWgmma, false},
+                      Fp8Case{512, 128, 300, kWgmma, false}, Fp8Case{256, 256, 64, kWgmma, true}),
+    fp8_case_name);
 
 TEST(CudaFp8Test, SlotLayoutKeepsScalesInsideTheSlot) {
   // DeepSeek-V3's routed expert: H 7168, I 2048; 3 H I e4m3 bytes plus f32 scales.

@@ -246,12 +246,25 @@ TEST(CudaServeTest, FourRanksOnOneGpuKeepReferenceTokensWithoutRecapture) {
   EXPECT_EQ(server.stop(), 0);
 }
 
+// FLEXPERT_UCX_CUDA=on in the test's environment (a run with a CUDA-aware UCX on
+// LD_LIBRARY_PATH): the workers must register device memory with UCX (else they fail to start)
+// and UCX must have a transport for it; docs/ARCHITECTURE.md "GPU ranks on different hosts".
+bool ucx_cuda_on() {
+  const char* knob = std::getenv("FLEXPERT_UCX_CUDA");
+  return knob != nullptr && std::string(knob) == "on";
+}
+// What the UCX of the GPU tests' workers runs on: loopback TCP standing for a network, and
+// cuda_copy for device memory where FLEXPERT_UCX_CUDA=on.
+std::string ucx_tls() { return ucx_cuda_on() ? "tcp,cuda_copy" : "tcp"; }
+
 // GPU ranks that share no memory (as on different hosts): `--transport ucx` over TCP. The
-// ucx backend maps no peer buffers, so the rows of each MoE layer and the weights a scale
-// moves go through pinned host memory (the host exchange; slot loads from the peers' host
-// regions), Debian's UCX having no CUDA support (docs/ARCHITECTURE.md, "Transports").
-// Reference tokens before and after a scale 2 -> 3 that moves experts to the joiner, a
-// rebalance, and a scale back to 2.
+// ucx backend maps no peer buffers, so the rows of each MoE layer go through pinned host
+// memory (the host exchange), and so do the weights a scale moves (slot loads from the peers'
+// host regions), Debian's UCX having no CUDA support (docs/ARCHITECTURE.md, "GPU ranks on
+// different hosts"). Reference tokens before and after a scale 2 -> 3 that moves experts to
+// the joiner, a rebalance, and a scale back to 2. With FLEXPERT_UCX_CUDA=on in the test's
+// environment and a CUDA-aware UCX on LD_LIBRARY_PATH, the weights move device to device
+// instead (UCX gets of the peers' registered slot buffers): the scale report counts them.
 TEST(CudaServeTest, GpuRanksOverUcxStageThroughHostMemory) {
 #ifndef FLEXPERT_TEST_WITH_UCX
   GTEST_SKIP() << "this build has no ucx backend";
@@ -259,7 +272,9 @@ TEST(CudaServeTest, GpuRanksOverUcxStageThroughHostMemory) {
   if (!flexpert::cuda::device_available()) {
     GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs on a GPU host)";
   }
-  setenv("UCX_TLS", "tcp", 1);  // Inherited by the workers: loopback TCP stands for a network.
+  const bool direct = ucx_cuda_on();
+  // Inherited by the workers: loopback TCP stands for a network.
+  setenv("UCX_TLS", ucx_tls().c_str(), 1);
   setenv("UCX_NET_DEVICES", "lo", 1);
   Server server({"--device", "cuda", "--cuda-dtype", "f32", "--transport", "ucx", "--ranks", "2",
                  "--max-ranks", "3", "--max-sequences", "4", "--eplb-spare-slots", "2",
@@ -276,6 +291,16 @@ TEST(CudaServeTest, GpuRanksOverUcxStageThroughHostMemory) {
     ASSERT_EQ(a.status, 200) << a.body.dump();
     std::printf("scale to %d over ucx: %s\n", target, a.body.dump().c_str());
     EXPECT_EQ(a.body["members"].size(), static_cast<size_t>(target)) << a.body.dump();
+    if (target == 3) {
+      const int64_t copies = a.body.value("expert_copies", int64_t{0});
+      const int64_t device = a.body.value("device_copies", int64_t{-1});
+      EXPECT_GT(copies, 0) << a.body.dump();
+      if (direct) {
+        EXPECT_EQ(device, copies) << "device to device over a CUDA-aware UCX " << a.body.dump();
+      } else {
+        EXPECT_EQ(device, 0) << "staged through the host regions " << a.body.dump();
+      }
+    }
     pause_ms(300);
     load.stop();
     EXPECT_GT(load.ok(), 0);
@@ -295,8 +320,8 @@ TEST(CudaServeTest, GpuRanksOverUcxStageThroughHostMemory) {
 // loopback TCP for UCX. The child only dup2s and execs: client threads may run meanwhile.
 pid_t start_on_host(const std::string& host, const std::string& join, const std::string& rank,
                     const std::string& log_path) {
-  std::vector<std::string> env = {"FLEXPERT_LOG=info", "FLEXPERT_HOST_ID=" + host, "UCX_TLS=tcp",
-                                  "UCX_NET_DEVICES=lo"};
+  std::vector<std::string> env = {"FLEXPERT_LOG=info", "FLEXPERT_HOST_ID=" + host,
+                                  "UCX_TLS=" + ucx_tls(), "UCX_NET_DEVICES=lo"};
   if (std::getenv("FLEXPERT_CLUSTER_KEY") == nullptr) {
     env.push_back(std::string("FLEXPERT_CLUSTER_KEY=") + kTestClusterKey);  // The server's.
   }
@@ -383,6 +408,8 @@ TEST(CudaServeTest, GpuRanksOverHierUseCudaIpcWithinAHostAndUcxAcross) {
     EXPECT_GT(copies, 0) << a.body.dump();
     if (host == host_a) {
       EXPECT_GT(device, 0) << "same host: slots mapped through cuda_ipc " << a.body.dump();
+    } else if (ucx_cuda_on()) {
+      EXPECT_EQ(device, copies) << "across hosts: device reads over ucx " << a.body.dump();
     } else {
       EXPECT_EQ(device, 0) << "across hosts: host regions over ucx " << a.body.dump();
     }

@@ -124,6 +124,7 @@ TransportCapabilities HierTransport::capabilities() const {
   const TransportCapabilities u = ucx_->capabilities();
   TransportCapabilities c;
   c.mapped_peer_buffers = s.mapped_peer_buffers;  // Of peers on this host (cuda_ipc).
+  c.device_buffer_reads = u.device_buffer_reads;  // Of peers on other hosts (ucx with CUDA).
   c.one_sided_read = s.one_sided_read && u.one_sided_read;
   c.cross_host = true;
   c.max_gather_bytes = std::min(s.max_gather_bytes, u.max_gather_bytes);
@@ -214,7 +215,12 @@ Result<Region> HierTransport::allocate_region(int region_id, size_t num_bytes) {
 }
 
 Status HierTransport::register_buffer(int buffer_id, void* data, size_t num_bytes) {
-  return local_->register_buffer(buffer_id, data, num_bytes);  // shm: Unimplemented.
+  // Peers on this host map it (cuda_ipc; shm: Unimplemented); peers on other hosts read it
+  // through ucx where UCX registers device memory (capabilities().device_buffer_reads).
+  Status local = local_->register_buffer(buffer_id, data, num_bytes);
+  if (local.code() != StatusCode::kOk && local.code() != StatusCode::kUnimplemented) return local;
+  if (!ucx_->capabilities().device_buffer_reads) return local;
+  return ucx_->register_buffer(buffer_id, data, num_bytes);
 }
 
 Result<PeerBuffer> HierTransport::map_peer_buffer(int peer, int buffer_id, MapMode mode) {

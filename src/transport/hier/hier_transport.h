@@ -33,7 +33,9 @@
 // Mapped peer buffers (only over cuda_ipc): register_buffer() goes to cuda_ipc, and
 // map_peer_buffer() maps a peer of this host through it; a peer on another host answers
 // Unimplemented (its memory cannot be mapped here: the device EP exchange and slot copies
-// take their host paths, docs/ARCHITECTURE.md "Mapped peer buffers").
+// take their host paths, docs/ARCHITECTURE.md "Mapped peer buffers"). Where ucx registers
+// device memory (capabilities().device_buffer_reads), register_buffer() goes to ucx too, and a
+// peer on another host read()s such a buffer straight into device memory.
 //
 // Thread safety: as transport.h: one driving thread; read(), peer_status(), mark_peer_lost()
 // and stats() may run on other threads.

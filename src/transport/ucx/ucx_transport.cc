@@ -116,15 +116,23 @@ Status allocate_registered(ucp_context_h context, size_t num_bytes, void** data,
   return Status();
 }
 
-// Registers memory the caller allocated (and keeps until the transport is destroyed).
-Status register_memory(ucp_context_h context, void* data, size_t num_bytes, ucp_mem_h* memh) {
+// Registers memory the caller allocated (and keeps until the transport is destroyed): host
+// memory, or CUDA device memory (said, not left to UCX's detection).
+Status register_memory(ucp_context_h context, void* data, size_t num_bytes, bool device,
+                       ucp_mem_h* memh) {
   ucp_mem_map_params_t params{};
   params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
   params.address = data;
   params.length = num_bytes;
+  if (device) {
+    params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    params.memory_type = UCS_MEMORY_TYPE_CUDA;
+  }
   const ucs_status_t st = ucp_mem_map(context, &params, memh);
-  if (st != UCS_OK)
-    return ucs_error(st, "ucp_mem_map (register) of " + std::to_string(num_bytes) + " bytes");
+  if (st != UCS_OK) {
+    return ucs_error(st, std::string("ucp_mem_map (register ") + (device ? "CUDA" : "host") +
+                             " memory) of " + std::to_string(num_bytes) + " bytes");
+  }
   return Status();
 }
 
@@ -159,7 +167,7 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::create(const TransportOption
   return t;
 }
 
-Status UcxTransport::init() {
+Status UcxTransport::create_context(bool proto_v2) {
   ucp_config_t* config = nullptr;
   FLEX_UCS_TRY(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read");
   // Deaths over shared memory (no socket to reset) are found by UCX's keepalive: check often
@@ -167,6 +175,7 @@ Status UcxTransport::init() {
   if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
     (void)ucp_config_modify(config, "KEEPALIVE_INTERVAL", "250ms");
   }
+  if (proto_v2) (void)ucp_config_modify(config, "PROTO_ENABLE", "y");
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA;
@@ -174,6 +183,22 @@ Status UcxTransport::init() {
   const ucs_status_t st = ucp_init(&params, config, &context_);
   ucp_config_release(config);
   FLEX_UCS_TRY(st, "ucp_init");
+  return Status();
+}
+
+Status UcxTransport::init() {
+  FLEX_RETURN_IF_ERROR(create_context(/*proto_v2=*/false));
+  FLEX_RETURN_IF_ERROR(init_memory_types());
+  if (cuda_memory_ && std::getenv("UCX_PROTO_ENABLE") == nullptr) {
+    // NOTE: UCX 1.13's default protocols emulate a get over TCP by a CPU copy of the owner's
+    // memory (ucp/rma/rma_sw.c: host memory only), so a peer's get of a device buffer killed
+    // the owner (SIGSEGV, H200); its newer protocols (UCX_PROTO_ENABLE=y, later releases'
+    // default) copy device memory through cuda_copy. Only where device buffers are used: the
+    // staged path keeps the protocols it was tested with.
+    ucp_cleanup(context_);
+    context_ = nullptr;
+    FLEX_RETURN_IF_ERROR(create_context(/*proto_v2=*/true));
+  }
 
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_CLIENT_ID;
@@ -308,6 +333,7 @@ TransportCapabilities UcxTransport::capabilities() const {
   TransportCapabilities c;
   c.one_sided_read = true;
   c.device_memory = false;
+  c.device_buffer_reads = cuda_memory_;
   c.cross_host = true;
   c.max_gather_bytes = options_.max_gather_bytes;
   c.max_exchange_bytes = options_.max_exchange_bytes;
@@ -548,15 +574,15 @@ Status UcxTransport::peer_status(int peer) const {
 }
 
 Result<Region> UcxTransport::allocate_region(int region_id, size_t num_bytes) {
-  return add_region(region_id, nullptr, num_bytes);
+  return add_region(region_id, nullptr, num_bytes, /*device=*/false);
 }
 
 Status UcxTransport::register_region(int region_id, void* data, size_t num_bytes) {
   if (data == nullptr) return invalid_argument("register_region: null data");
-  return add_region(region_id, data, num_bytes).status();
+  return add_region(region_id, data, num_bytes, /*device=*/false).status();
 }
 
-Result<Region> UcxTransport::add_region(int region_id, void* data, size_t num_bytes) {
+Result<Region> UcxTransport::add_region(int region_id, void* data, size_t num_bytes, bool device) {
   if (region_id < 0) return invalid_argument("region id must be >= 0");
   if (num_bytes == 0) return invalid_argument("region " + std::to_string(region_id) + ": 0 bytes");
   std::lock_guard<std::mutex> lock(mu_);
@@ -569,8 +595,9 @@ Result<Region> UcxTransport::add_region(int region_id, void* data, size_t num_by
   if (data == nullptr) {
     FLEX_RETURN_IF_ERROR(allocate_registered(context_, num_bytes, &r.data, &r.memh));
   } else {
-    FLEX_RETURN_IF_ERROR(register_memory(context_, data, num_bytes, &r.memh));
+    FLEX_RETURN_IF_ERROR(register_memory(context_, data, num_bytes, device, &r.memh));
     r.data = data;
+    r.device = device;
   }
   void* packed = nullptr;
   size_t packed_bytes = 0;
@@ -600,6 +627,7 @@ Status UcxTransport::read(int peer, int region_id, size_t offset, void* dst, siz
     auto it = own_regions_.find(region_id);
     if (it == own_regions_.end()) return not_found(what + ": not allocated");
     FLEX_RETURN_IF_ERROR(bounds(it->second.num_bytes));
+    if (it->second.device) return unimplemented(what + ": device memory of this rank");
     const std::byte* src = static_cast<const std::byte*>(it->second.data) + offset;
     lock.unlock();  // Own regions stay mapped until shutdown, which is not concurrent with us.
     if (num_bytes > 0) std::memcpy(dst, src, num_bytes);

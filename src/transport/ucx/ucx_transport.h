@@ -27,6 +27,16 @@
 // gets (ucp_get_nbx) in chunks of FLEXPERT_UCX_READ_CHUNK_KB (1024), up to 8 in flight: one-sided
 // over shared memory and RDMA; over TCP UCX emulates them, so the owner must be progressing.
 //
+// Device memory (docs/ARCHITECTURE.md "GPU ranks on different hosts"): at creation the rank
+// asks UCX which memory types it supports (ucp_context_query). FLEXPERT_UCX_CUDA=auto (the
+// default) uses CUDA memory where UCX supports it, off never does, on fails at creation when it
+// does not (Debian's and Ubuntu's UCX builds have no CUDA transports; UCX_PROTO_ENABLE=n is
+// taken as none: UCX 1.13's old protocols serve gets of host memory only, so with device
+// buffers the context runs UCX's new ones unless UCX_PROTO_ENABLE says otherwise). When used,
+// capabilities().device_buffer_reads is set and register_buffer() registers the caller's
+// device memory (ucp_mem_map, UCS_MEMORY_TYPE_CUDA) as a region that peers read() straight into
+// their device memory; otherwise register_buffer() answers Unimplemented, as without it.
+//
 // Collectives are active messages (ucp_am_send_nbx) of ucx_wire.h's WireHeader plus payload.
 // A payload is first copied into this rank's staging slot [kind][destination][op parity] (so
 // that no UCX request references the caller's buffer once the call returns, even after an
@@ -105,6 +115,9 @@ class UcxTransport final : public Transport {
   // backend, whose regions are shm segments that same-host peers map and others get through UCX.
   // Gets of such memory over UCX's own shared-memory transports wait for this rank's progress.
   Status register_region(int region_id, void* data, size_t num_bytes);
+  // Device memory (cudaMalloc) as region `buffer_id`, when capabilities().device_buffer_reads;
+  // Unimplemented otherwise. This rank's own read() of it is Unimplemented (the caller copies).
+  Status register_buffer(int buffer_id, void* data, size_t num_bytes) override;
   Status read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) override;
 
   Result<std::vector<ByteSpan>> all_gather(const Group& group, ByteSpan in) override;
@@ -186,6 +199,7 @@ class UcxTransport final : public Transport {
     void* data = nullptr;
     size_t num_bytes = 0;
     ucp_mem_h memh = nullptr;
+    bool device = false;  // register_buffer(): CUDA memory, never touched by this process's CPU.
     std::vector<std::byte> packed_rkey;
   };
   // One send in flight: its header must outlive the request.
@@ -197,8 +211,12 @@ class UcxTransport final : public Transport {
 
   explicit UcxTransport(TransportOptions options);
   Status init();
-  // allocate_region (data null: UCX allocates) and register_region.
-  Result<Region> add_region(int region_id, void* data, size_t num_bytes);
+  // allocate_region (data null: UCX allocates), register_region and register_buffer (device).
+  Result<Region> add_region(int region_id, void* data, size_t num_bytes, bool device);
+  // ucp_init into context_ (proto_v2: UCX_PROTO_ENABLE=y, see init()).
+  Status create_context(bool proto_v2);
+  // Reads FLEXPERT_UCX_CUDA and UCX's memory types into cuda_memory_ (at init).
+  Status init_memory_types();
 
   // UCX callbacks (run inside ucp_worker_progress, i.e. under mu_).
   static ucs_status_t on_am(void* arg, const void* header, size_t header_length, void* data,
@@ -244,6 +262,7 @@ class UcxTransport final : public Transport {
   ucp_worker_h worker_ = nullptr;
   ucp_listener_h listener_ = nullptr;
   int64_t next_watch_ns_ = 0;
+  bool cuda_memory_ = false;     // Device buffers are registered with UCX (init_memory_types).
   bool no_peer_errors_ = false;  // UCX could not give an endpoint peer-failure handling.  // When
                                  // progress_locked() next looks at watched processes.
 
