@@ -244,6 +244,17 @@ class ClusterEngine::Impl {
   bool serve_leaves() REQUIRES(mutex_);
   // The last recovery's report (status: "recovery").
   nlohmann::json last_recovery_ GUARDED_BY(mutex_) = nlohmann::json::object();
+  // Degraded with a launcher that starts workers: the healer asks for another recovery at
+  // degraded_retry_at_, backing off from one failed retry to the next (heal_loop).
+  Clock::time_point degraded_retry_at_ GUARDED_BY(mutex_){};
+  std::chrono::milliseconds degraded_backoff_ GUARDED_BY(mutex_){0};
+  uint64_t degraded_retries_ GUARDED_BY(mutex_) = 0;  // Since the group was last serving.
+  // Whether the healer retries out of degraded on its own (fork, or a launch command).
+  bool retries_degraded() const REQUIRES(mutex_) {
+    return launcher_->starts_workers() && options_.reconfigure == "live";
+  }
+  // Degraded: asks for another recovery once the backoff has passed (healer thread).
+  void retry_degraded() REQUIRES(mutex_);
   // /metrics (thread-safe on its own). Recovery outcomes: in_place (the survivors'
   // slots), replacement (new ranks), failed (degraded).
   mutable metrics::Registry registry_;  // Thread-safe; created on first use.

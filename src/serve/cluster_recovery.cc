@@ -26,6 +26,13 @@ namespace {
 
 constexpr auto kSettleTimeout = std::chrono::seconds(10);
 constexpr int kRecoveryAttempts = 3;
+// Between a recovery's failed attempts (doubling): a start that fails at once (a launch
+// command refused, a worker that exits) is retried after a transient cause may be gone,
+// and the held requests wait about 1.5 s in all before degraded answers them 503.
+constexpr auto kAttemptBackoff = std::chrono::milliseconds(500);
+// Degraded, the healer asks for another recovery after this, doubling up to the maximum.
+constexpr auto kDegradedBackoff = std::chrono::seconds(1);
+constexpr auto kDegradedBackoffMax = std::chrono::seconds(30);
 
 }  // namespace
 
@@ -242,9 +249,23 @@ Status ClusterEngine::Impl::recover(nlohmann::json* report, Calls* calls) {
   // to commit, how many failed attempts make the group degraded. Here its proposal is
   // executed: replacements started, attached and loaded, each participant acknowledged.
   Status last = unavailable("no attempt made");
+  auto backoff = kAttemptBackoff;
+  bool failed_attempt = false;
   for (int restarts = 0; restarts < 4 * options_.max_ranks;) {
     if (halting()) return unavailable("shutting down");
     if (phase() == Phase::kDegraded) return last;  // The membership gave up.
+    if (failed_attempt) {
+      // The next attempt after a backoff (a loss meanwhile plans again at once); the
+      // requests stay held.
+      failed_attempt = false;
+      reconfig_step_ = "waiting to retry";
+      const uint64_t losses_before = losses_;
+      cv_.wait_for(mutex_, backoff, [&]() REQUIRES(mutex_) {
+        return halting() || !recovering() || losses_ != losses_before;
+      });
+      backoff *= 2;
+      continue;
+    }
     // A scale or rebalance the loss interrupted gives up at its next check.
     cv_.wait_for(mutex_, kSettleTimeout, [&]() REQUIRES(mutex_) {
       return halting() || (!reconfiguring_ && !rebalancing_);
@@ -278,6 +299,7 @@ Status ClusterEngine::Impl::recover(nlohmann::json* report, Calls* calls) {
     if (!opened.status.ok()) {
       last = opened.status;  // One failed attempt, or degraded (checked above).
       if (phase() != Phase::kRecovering) return last;  // Not the membership's recovery.
+      failed_attempt = true;
       continue;
     }
     // Nothing to load and no replacement (the lost rank held only surplus replicas):
@@ -290,6 +312,7 @@ Status ClusterEngine::Impl::recover(nlohmann::json* report, Calls* calls) {
         ++restarts;  // The loss abandoned the proposal: plan again with the new survivors.
       } else {
         last = std::move(s);
+        failed_attempt = true;
         // One failed attempt (unless a replacement's loss counted it already). Before the
         // rollback: the rollback frees the ids of replacements that never started.
         if (membership_.proposal() && membership_.proposal()->id == decided.id) {
@@ -440,6 +463,28 @@ bool ClusterEngine::Impl::serve_leaves() {
   return true;
 }
 
+void ClusterEngine::Impl::retry_degraded() {
+  // Workers could not start (every one lost and their replacements failing: a launch
+  // command refused, a device that takes no new process). Nobody but the healer would
+  // try again where the launcher starts workers, so it does, as POST /v1/scale would:
+  // the operator's size, fresh attempts (the membership's repair path).
+  if (phase() != Phase::kDegraded || !retries_degraded() || reconfiguring_ ||
+      Clock::now() < degraded_retry_at_) {
+    return;
+  }
+  ++degraded_retries_;
+  FLEX_LOG(WARN) << "degraded (" << membership_.degraded_reason() << "): retry "
+                 << degraded_retries_ << " of the recovery to " << target_ranks_ << " ranks";
+  auto opened = membership_.scale(target_ranks_, {}, now_ms());
+  if (!opened.ok()) {
+    // Never expected (the target was accepted before); tried again after the longest wait.
+    FLEX_LOG(ERROR) << "retrying the recovery: " << opened.status().to_string();
+    degraded_retry_at_ = Clock::now() + kDegradedBackoffMax;
+    return;
+  }
+  cv_.notify_all();
+}
+
 void ClusterEngine::Impl::heal_loop() {
   MutexLock lock(mutex_);
   auto backoff = std::chrono::milliseconds(500);
@@ -464,7 +509,14 @@ void ClusterEngine::Impl::heal_loop() {
         reconfig_step_.clear();
         if (!s.ok()) {
           enter_degraded(s.message(), &calls);
+          // The healer tries again after a backoff (retry_degraded), longer each time.
+          degraded_backoff_ = std::min<std::chrono::milliseconds>(
+              std::max<std::chrono::milliseconds>(kDegradedBackoff, degraded_backoff_ * 2),
+              kDegradedBackoffMax);
+          degraded_retry_at_ = Clock::now() + degraded_backoff_;
         } else {
+          degraded_backoff_ = std::chrono::milliseconds(0);
+          degraded_retries_ = 0;
           FLEX_LOG(INFO) << "recovery: " << report.dump();
         }
         cv_.notify_all();
@@ -475,6 +527,8 @@ void ClusterEngine::Impl::heal_loop() {
       if (halting()) break;
       continue;
     }
+    retry_degraded();
+    if (recovering()) continue;
     if (serve_leaves()) continue;
     keep_spares();
     // Back to the size the operator asked for, with a live scale-up.

@@ -625,6 +625,16 @@ Result<nlohmann::json> ClusterEngine::Impl::scale(const ScaleTarget& target,
     if (reconfiguring_) return failed_precondition("a reconfiguration is already in progress");
     if (rebalancing_) return failed_precondition("an expert rebalance is in progress");
     if (halting()) return unavailable("the server is shutting down");
+    if (recovering() && !stop_the_world) {
+      // A recovery runs (after a loss, or the healer's retry out of degraded): its outcome
+      // decides what this scale does (a scale from serving, or a repair from degraded).
+      const auto limit =
+          std::chrono::milliseconds(options_.start_timeout_ms) + std::chrono::minutes(3);
+      cv_.wait_for(lock, limit, [&]() REQUIRES(mutex_) { return halting() || !recovering(); });
+      if (halting()) return unavailable("the server is shutting down");
+      if (reconfiguring_) return failed_precondition("a reconfiguration is already in progress");
+      if (rebalancing_) return failed_precondition("an expert rebalance is in progress");
+    }
     if (phase() == Phase::kDegraded && !stop_the_world) return retry_recovery(target);
     if (phase() != Phase::kServing) {
       return failed_precondition("the group is not serving (phase " +
@@ -742,15 +752,22 @@ nlohmann::json ClusterEngine::Impl::reconfig_status() const {
   for (const char* outcome : {"in_place", "replacement", "failed"}) {
     recovered[outcome] = static_cast<uint64_t>(recoveries(outcome).value());
   }
-  return {{"in_progress", reconfiguring_ || recovering()},
-          {"step", reconfig_step_},
-          {"target_ranks", target_ranks_},
-          {"recoveries", recovered},
-          {"last_recovery", last_recovery_},
-          {"mode", options_.reconfigure},
-          {"reconfigurations", static_cast<uint64_t>(reconfigurations().value())},
-          {"reruns", static_cast<uint64_t>(reruns().value())},
-          {"last", last_reconfig_}};
+  nlohmann::json out = {{"in_progress", reconfiguring_ || recovering()},
+                        {"step", reconfig_step_},
+                        {"target_ranks", target_ranks_},
+                        {"recoveries", recovered},
+                        {"last_recovery", last_recovery_},
+                        {"mode", options_.reconfigure},
+                        {"reconfigurations", static_cast<uint64_t>(reconfigurations().value())},
+                        {"reruns", static_cast<uint64_t>(reruns().value())},
+                        {"last", last_reconfig_}};
+  if (phase() == Phase::kDegraded && retries_degraded()) {
+    // The healer's next try (retry_degraded) and how many it made since serving.
+    out["retry_in_s"] =
+        std::max(0.0, std::chrono::duration<double>(degraded_retry_at_ - Clock::now()).count());
+  }
+  if (degraded_retries_ > 0) out["degraded_retries"] = degraded_retries_;
+  return out;
 }
 
 Result<nlohmann::json> ClusterEngine::scale(const ScaleTarget& target) {

@@ -2,9 +2,9 @@
 // A group that heals itself (docs/ARCHITECTURE.md, "Membership, epochs, failure"):
 // with default flags any one worker may die under load, and the group comes back to
 // its size with no failed request and every answer equal to the reference; also two
-// deaths at once, a stopped (silent) worker, deaths that overlap a scale-up, a
-// replacement's own preparation and a rebalance, and a group left without capacity,
-// which answers 503 until a scale repairs it.
+// deaths at once, every worker at once, a stopped (silent) worker, deaths that overlap a scale-up,
+// a replacement's own preparation and a rebalance, and a group left without capacity, which answers
+// 503 until a scale repairs it.
 #include <random>
 
 #include "elastic_util.h"
@@ -93,6 +93,42 @@ TEST(HealingTest, TwoOfFourKilledAtOnce) {
   EXPECT_GT(load.ok(), 10);
   EXPECT_EQ(load.failed(), 0);
   EXPECT_EQ(load.wrong(), 0);
+  EXPECT_EQ(server.stop(), 0);
+  EXPECT_TRUE(shm_segments(server.pid()).empty());
+}
+
+TEST(HealingTest, EveryWorkerKilledAtOnce) {
+  // No survivor holds anything: every expert is reloaded from the checkpoint into
+  // replacements at the freed ids, and the held requests re-run there.
+  Server server({"--ranks", "3", "--threads-per-worker", "1"});
+  ASSERT_TRUE(server.up());
+  const Snapshot before = snapshot(server);
+  Load load(server, 6);
+  pause_ms(400);
+  std::vector<int> pids;
+  for (int r = 0; r < 3; ++r) pids.push_back(rank_pid(server, r));
+  for (int pid : pids) {
+    ASSERT_GT(pid, 0);
+    kill(pid, SIGKILL);
+  }
+  ASSERT_TRUE(wait_status(server, [](const nlohmann::json& s) {
+    return serving_with(s, 3) && recovered_ok(s) &&
+           s["reconfiguration"]["last_recovery"].value("members", nlohmann::json::array()).size() ==
+               3;
+  })) << server.get_json("/v1/status").dump();
+  pause_ms(300);  // Traffic on the new group.
+  load.stop();
+  EXPECT_GT(load.ok(), 10);
+  EXPECT_EQ(load.failed(), 0);
+  EXPECT_EQ(load.wrong(), 0);
+  const auto status = server.get_json("/v1/status");
+  EXPECT_EQ(status["reconfiguration"]["recoveries"]["failed"], 0) << status.dump();
+  for (int r = 0; r < 3; ++r)
+    EXPECT_EQ(std::count(pids.begin(), pids.end(), rank_pid(server, r)), 0);
+  check_reference(server, load_reference(), 1);
+  const Snapshot after = snapshot(server);
+  EXPECT_EQ(after.children, before.children);
+  EXPECT_EQ(after.segments, before.segments);
   EXPECT_EQ(server.stop(), 0);
   EXPECT_TRUE(shm_segments(server.pid()).empty());
 }

@@ -4,11 +4,14 @@
 // scale-up's joiner and a lost rank's replacement through the command, which starts
 // `flexpert worker --join $FLEXPERT_JOIN --rank $FLEXPERT_RANK` in the background; a
 // command that exits non-zero is a failed start (503), and the next scale goes through.
+// Every worker killed while the command refuses: held requests, then 503 with Retry-After
+// while degraded; the healer retries until the command works again.
 #include <signal.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 
 #include "../common/run_flexpert.h"
 #include "elastic_util.h"
@@ -68,6 +71,8 @@ class LaunchDir {
     }
     return true;
   }
+  // The pids of every worker the script started.
+  std::vector<int> pids() const { return read_ints("pids"); }
   void set_failing(bool failing) const {
     if (failing) {
       std::ofstream(path("fail")) << "1\n";
@@ -159,6 +164,139 @@ TEST(LauncherTest, FailingLaunchCommandIsAFailedStart) {
   check_reference(server, ref, 1);
   EXPECT_EQ(server.stop(), 0);
   EXPECT_TRUE(launch.workers_exit());
+}
+
+// One client's answers while the group loses every worker: each is 200 with the reference
+// tokens, or 503 with Retry-After and a JSON error; none is another status or no answer.
+class Prober {
+ public:
+  Prober(Server& server, int clients) : ref_(load_reference()) {
+    for (int c = 0; c < clients; ++c) {
+      threads_.emplace_back([this, &server, c] {
+        for (int i = 0; !done_.load(); ++i) {
+          const size_t p = (c + i) % ref_.prompts.size();
+          const nlohmann::json body = {
+              {"prompt", ref_.prompts[p]}, {"max_tokens", 16}, {"temperature", 0}};
+          httplib::Client client("127.0.0.1", server.port());
+          client.set_read_timeout(120, 0);  // A bound far above the hold: no answer is a hang.
+          auto res = client.Post("/v1/completions", body.dump(), "application/json");
+          if (res && res->status == 503) pause_ms(20);  // No spin on refusals.
+          std::lock_guard<std::mutex> lock(mutex_);
+          if (!res) {
+            ++unanswered_;
+            continue;
+          }
+          const auto j = nlohmann::json::parse(res->body, nullptr, false);
+          if (res->status == 200) {
+            ok_ += j["choices"][0]["token_ids"].get<std::vector<int>>() == ref_.greedy[p];
+            wrong_ += j["choices"][0]["token_ids"].get<std::vector<int>>() != ref_.greedy[p];
+          } else if (res->status == 503 && res->get_header_value("Retry-After") == "1" &&
+                     j.is_object() && j["error"]["message"].is_string()) {
+            ++unavailable_;
+          } else {
+            bad_.push_back(std::to_string(res->status) + " " + res->body);
+          }
+        }
+      });
+    }
+  }
+  ~Prober() { stop(); }
+  void stop() {
+    done_.store(true);
+    for (auto& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+  }
+  int ok() const { return ok_; }
+  int wrong() const { return wrong_; }
+  int unavailable() const { return unavailable_; }
+  int unanswered() const { return unanswered_; }
+  const std::vector<std::string>& bad() const { return bad_; }
+
+ private:
+  Reference ref_;
+  std::atomic<bool> done_{false};
+  std::mutex mutex_;
+  int ok_ = 0, wrong_ = 0, unavailable_ = 0, unanswered_ = 0;
+  std::vector<std::string> bad_;
+  std::vector<std::thread> threads_;
+};
+
+TEST(LauncherTest, EveryWorkerKilledWhileTheCommandRefuses) {
+  LaunchDir launch;
+  Server server({"--ranks", "2", "--no-spawn", "--threads-per-worker", "1",
+                 "--heartbeat-timeout-ms", "1000", "--launch-command", launch.command()});
+  ASSERT_TRUE(server.up());
+  const Reference ref = load_reference();
+  check_reference(server, ref, 1);
+  Prober load(server, 4);
+  pause_ms(300);
+  launch.set_failing(true);
+  for (int pid : launch.pids()) kill(pid, SIGKILL);
+  // Every replacement refused: held, then degraded, with why and when the healer retries.
+  ASSERT_TRUE(wait_status(
+      server, [](const nlohmann::json& s) { return s["phase"] == "degraded"; }, 30000))
+      << server.get_json("/v1/status").dump();
+  auto status = server.get_json("/v1/status");
+  EXPECT_NE(status.value("degraded_reason", "").find("launch command exited with code 1"),
+            std::string::npos)
+      << status.dump();
+  EXPECT_TRUE(status["reconfiguration"]["retry_in_s"].is_number()) << status.dump();
+  // The operator's scale is accepted: it tries once more and says why it failed.
+  const Answer refused = post(server, "/v1/scale", {{"ranks", 2}});
+  EXPECT_EQ(refused.status, 503) << refused.body.dump();
+  EXPECT_NE(refused.body.dump().find("launch command exited with code 1"), std::string::npos)
+      << refused.body.dump();
+  // The healer tries again on its own, and again after a longer wait.
+  ASSERT_TRUE(wait_status(
+      server,
+      [](const nlohmann::json& s) {
+        return s["phase"] == "degraded" && s["reconfiguration"].value("degraded_retries", 0) >= 2;
+      },
+      60000))
+      << server.get_json("/v1/status").dump();
+  load.stop();
+  EXPECT_GT(load.unavailable(), 0);
+  // The orchestrator recovers: the healer's next retry brings the group back.
+  launch.set_failing(false);
+  Prober after(server, 4);
+  ASSERT_TRUE(wait_status(
+      server,
+      [](const nlohmann::json& s) {
+        return serving_with(s, 2) &&
+               s["reconfiguration"]["last_recovery"].value("status", "") == "ok";
+      },
+      60000))
+      << server.get_json("/v1/status").dump();
+  pause_ms(300);  // Traffic on the new group.
+  after.stop();
+  for (const Prober* p : {&load, &after}) {
+    EXPECT_EQ(p->wrong(), 0);
+    EXPECT_EQ(p->unanswered(), 0);
+    EXPECT_TRUE(p->bad().empty()) << p->bad().front();
+  }
+  EXPECT_GT(load.ok(), 0);
+  EXPECT_GT(after.ok(), 0);
+  status = server.get_json("/v1/status");
+  EXPECT_FALSE(status.contains("degraded_reason")) << status.dump();
+  check_reference(server, ref, 2);
+  EXPECT_EQ(server.stop(), 0);
+  EXPECT_TRUE(launch.workers_exit());
+  EXPECT_TRUE(shm_segments(server.pid()).empty());
+}
+
+TEST(LauncherTest, StopsCleanlyWhileDegraded) {
+  LaunchDir launch;
+  Server server({"--ranks", "2", "--no-spawn", "--threads-per-worker", "1",
+                 "--heartbeat-timeout-ms", "1000", "--launch-command", launch.command()});
+  ASSERT_TRUE(server.up());
+  launch.set_failing(true);
+  for (int pid : launch.pids()) kill(pid, SIGKILL);
+  ASSERT_TRUE(wait_status(
+      server, [](const nlohmann::json& s) { return s["phase"] == "degraded"; }, 30000))
+      << server.get_json("/v1/status").dump();
+  EXPECT_EQ(server.stop(), 0);
+  EXPECT_TRUE(shm_segments(server.pid()).empty());
 }
 
 TEST(LauncherTest, LaunchCommandNeedsTheExternalLauncher) {
