@@ -128,6 +128,13 @@ Result<MoeScratch> MoeScratch::create(const MoeDims& dims, int max_tokens) {
   s.max_tokens = max_tokens;
   const size_t T = static_cast<size_t>(max_tokens);
   const size_t P = T * static_cast<size_t>(dims.top_k);
+  if (fp8_wgmma_runs(dims)) {  // The FP8 wgmma GEMMs' A: e4m3 rows and their scales.
+    const int64_t rows = std::max<int64_t>(static_cast<int64_t>(P), 1);
+    const int64_t k = std::max(dims.hidden, dims.intermediate);
+    FLEX_ASSIGN_OR_RETURN(s.act_codes, DeviceBuffer::create(rows * k));
+    FLEX_ASSIGN_OR_RETURN(s.act_scales,
+                          DeviceBuffer::create(fp8_blocks(k) * fp8_round_up(rows, 4) * 4));
+  }
   const size_t esize = dtype_size(dims.dtype);
   const size_t tiles =
       static_cast<size_t>(max_tiles(static_cast<int64_t>(P), dims.num_slots, kMinTileRows));
@@ -303,6 +310,17 @@ Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratc
   return Status();
 }
 
+bool fp8_wgmma_runs(const MoeDims& dims) {
+  return dims.fp8 && wgmma_available() && fp8_wgmma_fits(2 * dims.intermediate, dims.hidden) &&
+         fp8_wgmma_fits(dims.hidden, dims.intermediate);
+}
+
+bool fp8_takes_wgmma(const MoeDims& dims, int num_tokens, int force_tile) {
+  if (!fp8_wgmma_runs(dims)) return false;
+  if (force_tile >= 0) return force_tile == static_cast<int>(GemmTile::kWgmmaWs64);
+  return num_tokens > kDecodeMaxTokens;
+}
+
 Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                        const void* h, int num_tokens, const int32_t* num_valid_tokens, float* out,
                        bool accumulate, cudaStream_t stream, int force_tile, bool combine_rows) {
@@ -316,9 +334,15 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
   const bool decode =
       combine_rows && (force_tile < 0 ? num_tokens <= kDecodeMaxTokens
                                       : force_tile == static_cast<int>(GemmTile::kGemv));
+  // Every FP8 path computes on e4m3 activations (a scale per row and 128 columns): FP8
+  // wgmma on their codes, the decode kernels and the dequantizing tile on their values in
+  // bf16 (fp8_round_rows, into scratch.y, which they leave unused until down), so that one
+  // process and the ranks of expert parallelism, whose row counts pick different paths,
+  // agree up to rounding (docs/cuda.md, "FP8 experts").
   if (decode) {
+    FLEX_CUDA_TRY(fp8_round_rows(h, scratch.y.data(), num_tokens, H, stream));
     Fp8DecodeArgs d;
-    d.h = h;
+    d.h = scratch.y.data();
     d.num_tokens = num_tokens;
     d.hidden = H;
     d.inter = I;
@@ -331,6 +355,8 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
     d.out = out;
     d.accumulate = accumulate;
     FLEX_CUDA_TRY(fp8_decode_gate_up(d, stream));
+    FLEX_CUDA_TRY(
+        fp8_round_rows(scratch.act.data(), scratch.act.data(), static_cast<int>(P), I, stream));
     FLEX_CUDA_TRY(fp8_decode_down_combine(d, stream));
     return Status();
   }
@@ -340,20 +366,13 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
   g.tile_row0 = scratch.tile_row0.as<int32_t>();
   g.num_tiles = scratch.num_tiles.as<int32_t>();
   g.max_tiles = max_tiles(P, dims.num_slots, kFp8GemmRows);
-  // FP8 wgmma (fp8_wgmma_gemm) only when asked for: it has not passed cuda_test on the
-  // H200 yet (docs/cuda.md, "FP8 experts").
-  if (force_tile == static_cast<int>(GemmTile::kWgmmaWs64)) {
-    if (!wgmma_available() || !fp8_wgmma_fits(2 * I, H) || !fp8_wgmma_fits(H, I)) {
-      return invalid_argument("FP8 wgmma needs sm_90a, H a multiple of 128 and I of 64");
-    }
-    if (scratch.act_codes.data() == nullptr) {
-      // First FP8 wgmma call on this scratch (eager, before any graph capture): its A.
-      const int64_t rows = std::max<int64_t>(static_cast<int64_t>(scratch.max_tokens) * K, 1);
-      const int64_t k = std::max(H, I);
-      FLEX_ASSIGN_OR_RETURN(scratch.act_codes, DeviceBuffer::create(rows * k));
-      FLEX_ASSIGN_OR_RETURN(scratch.act_scales,
-                            DeviceBuffer::create(fp8_blocks(k) * fp8_round_up(rows, 4) * 4));
-    }
+  // FP8 wgmma (fp8_wgmma_gemm) where it runs; the dequantizing tile otherwise or when a
+  // test or benchmark forces another tile (docs/cuda.md, "FP8 experts").
+  if (force_tile == static_cast<int>(GemmTile::kWgmmaWs64) &&
+      !fp8_takes_wgmma(dims, num_tokens, force_tile)) {
+    return invalid_argument("FP8 wgmma needs sm_90a, H a multiple of 128 and I of 64");
+  }
+  if (fp8_takes_wgmma(dims, num_tokens, force_tile)) {
     // Rows quantized to e4m3 (a scale per row and 128 columns), then e4m3 wgmma: gate/up
     // over the rows of h gathered by pair, down over the SwiGLU rows.
     const Fp8Acts acts{scratch.act_codes.data(), scratch.act_scales.as<float>(),
@@ -375,7 +394,8 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
                                     I, acts, stream));
     FLEX_CUDA_TRY(fp8_wgmma_gemm(g, fp8_down_weights(w.slots, layout), acts, stream));
   } else {
-    g.a = h;
+    FLEX_CUDA_TRY(fp8_round_rows(h, scratch.y.data(), num_tokens, H, stream));
+    g.a = scratch.y.data();
     g.gather = scratch.pair_of_row.as<int32_t>();
     g.gather_div = K;
     g.n = 2 * I;
@@ -383,6 +403,8 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
     g.swiglu = true;
     g.out = scratch.act.data();
     FLEX_CUDA_TRY(fp8_grouped_gemm(g, fp8_gate_up_weights(w.slots, layout), stream));
+    FLEX_CUDA_TRY(
+        fp8_round_rows(scratch.act.data(), scratch.act.data(), static_cast<int>(P), I, stream));
     g.a = scratch.act.data();
     g.gather = nullptr;
     g.gather_div = 1;
