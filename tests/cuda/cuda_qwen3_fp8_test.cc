@@ -3,13 +3,15 @@
 // its routed experts kept in FP8 (docs/cuda.md "FP8 experts"; attention and dense MLP
 // dequantized to bf16 at load), against the GPU bf16 path on the checkpoint's dequantized
 // twin (the values e4m3 * s, computed by synth, not by a loader): the same weights, read
-// through different kernels (FP8 slots vs bf16 slots), so the logits agree to the rounding
-// of e4m3 * s to bf16 and the greedy tokens mostly coincide. Without --quantization the
-// FP8 checkpoint gets FP8 experts, as DeepSeek's does. Skips without a GPU of compute
+// through different kernels (FP8 slots vs bf16 slots). The FP8 kernels also round their
+// activations to e4m3 (moe_layer.h), so the logits agree to that rounding, and greedy tokens
+// part only at near-ties. Without --quantization the FP8 checkpoint gets FP8 experts, as
+// DeepSeek's does. Skips without a GPU of compute
 // capability 8.9 or newer.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <random>
@@ -91,11 +93,12 @@ TEST_F(CudaQwen3Fp8Test, Fp8ExpertsMatchBf16OnTheDequantizedTwin) {
   for (int i = 0; i < 33; ++i) batch[0].tokens.push_back(static_cast<int32_t>(rng() % vocab));
   for (int i = 0; i < 5; ++i) batch[1].tokens.push_back(static_cast<int32_t>(rng() % vocab));
   for (int step = 0; step < 6; ++step) {
-    // bf16 slots hold e4m3 * s rounded to bf16 (2^-9 relative a weight); the FP8 kernels
-    // scale in f32. The DeepSeek FP8 experts agree with the CPU within 3e-2.
+    // The FP8 kernels round the experts' inputs to e4m3 (up to 2^-4 relative an element);
+    // every MLP here is routed experts (DeepSeek's FP8 experts, beside bf16 shared experts,
+    // agree with the CPU within 3e-2). Weights of another seed are about 1.4 apart.
     const double err = cuda_test::rel_l2(step_logits(*fp8, batch), step_logits(*twin, batch));
     std::printf("  step %d: GPU fp8 experts vs GPU bf16 on the twin %.3g\n", step, err);
-    EXPECT_LT(err, 3e-2) << "step " << step;
+    EXPECT_LT(err, 0.1) << "step " << step;
     for (auto& b : batch) {
       b.start_pos += static_cast<int>(b.tokens.size());
       b.tokens = {static_cast<int32_t>(rng() % vocab)};
@@ -110,14 +113,27 @@ TEST_F(CudaQwen3Fp8Test, Fp8ExpertsMatchBf16OnTheDequantizedTwin) {
   const auto want = cuda_test::greedy_tokens(*twin, prompts);
   const auto got = cuda_test::greedy_tokens(*fp8, prompts);
   ASSERT_EQ(got.size(), want.size());
+  // Where the continuations part, the twin's token is a near-tie of the FP8 model's: their
+  // logits (FP8 model, one prefill of the prompt and the common tokens) within kNearTie nats.
+  constexpr double kNearTie = 0.3;
   int equal = 0, total = 0;
   for (size_t p = 0; p < want.size(); ++p) {
     ASSERT_EQ(got[p].size(), want[p].size());
-    for (size_t i = 0; i < want[p].size(); ++i) equal += got[p][i] == want[p][i];
+    size_t at = 0;
+    while (at < want[p].size() && got[p][at] == want[p][at]) ++at;
+    equal += static_cast<int>(at);
     total += static_cast<int>(want[p].size());
+    if (at == want[p].size()) continue;
+    std::vector<int32_t> ids = prompts[p].input_ids;
+    ids.insert(ids.end(), got[p].begin(), got[p].begin() + static_cast<std::ptrdiff_t>(at));
+    const std::vector<float> last = model_test::prompt_logits(*fp8, ids);
+    ASSERT_EQ(static_cast<int>(last.size()), vocab);
+    const double gap = std::fabs(last[got[p][at]] - last[want[p][at]]);
+    std::printf("  prompt %zu: parted at %zu, a near-tie of %.3g nats\n", p, at, gap);
+    EXPECT_LT(gap, kNearTie) << "prompt " << p << ", position " << at;
   }
-  std::printf("  greedy tokens equal to the bf16 twin's: %d of %d\n", equal, total);
-  EXPECT_GE(equal, total / 2);
+  std::printf("  greedy tokens equal to the bf16 twin's before they part: %d of %d\n", equal,
+              total);
 }
 
 // No --quantization: a block-FP8 Qwen3 checkpoint keeps its routed experts in FP8 (the same
