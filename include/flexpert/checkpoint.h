@@ -85,6 +85,9 @@ class Checkpoint {
   // An F8_E4M3 tensor without (or with misshapen) scales is InvalidArgument.
   Result<Tensor> get_weight(const std::string& name, const Shape& expected, int block_rows = 128,
                             int block_cols = 128) const;
+  // As above with a config's ModelConfig::weight_block_size ([rows, cols]; empty: 128 x 128).
+  Result<Tensor> get_weight(const std::string& name, const Shape& expected,
+                            const std::vector<int>& weight_block_size) const;
 
  private:
   std::string dir_;

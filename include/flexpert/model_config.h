@@ -96,8 +96,9 @@ struct ModelConfig {
   bool is_moe_layer(int layer) const;
   bool is_deepseek() const { return model_type == "deepseek_v3" || model_type == "deepseek_v2"; }
   // The routed experts' quantization on a GPU when none is asked for (ModelOptions::
-  // quantization ""): "fp8" for a block-FP8 DeepSeek checkpoint with 128 x 128 blocks, the
-  // ones the GPU keeps in FP8 (docs/cuda.md "FP8 experts"), else "bf16" (dequantized).
+  // quantization ""): "fp8" for a block-FP8 checkpoint (DeepSeek, Qwen3) with 128 x 128
+  // blocks, the ones the GPU keeps in FP8 (docs/cuda.md "FP8 experts"), else "bf16"
+  // (dequantized).
   std::string default_gpu_quantization() const;
   // Expert groups for EPLB's hierarchical policy: n_group, 1 when the family has none.
   int num_expert_groups() const { return n_group > 0 ? n_group : 1; }

@@ -121,6 +121,16 @@ Result<Tensor> Checkpoint::get(const std::string& name, const Shape& expected) c
 }
 
 Result<Tensor> Checkpoint::get_weight(const std::string& name, const Shape& expected,
+                                      const std::vector<int>& weight_block_size) const {
+  if (weight_block_size.empty()) return get_weight(name, expected);
+  if (weight_block_size.size() != 2) {
+    return invalid_argument("weight_block_size must be [rows, cols], got " +
+                            std::to_string(weight_block_size.size()) + " values");
+  }
+  return get_weight(name, expected, weight_block_size[0], weight_block_size[1]);
+}
+
+Result<Tensor> Checkpoint::get_weight(const std::string& name, const Shape& expected,
                                       int block_rows, int block_cols) const {
   FLEX_ASSIGN_OR_RETURN(Tensor w, get(name, expected));
   if (w.dtype() != DType::kF8E4M3) return w;

@@ -539,7 +539,7 @@ Status validate(const ModelConfig& c) {
 std::string ModelConfig::default_gpu_quantization() const {
   const bool blocks_128 =
       weight_block_size.empty() || weight_block_size == std::vector<int>{128, 128};
-  return is_deepseek() && quant_method == "fp8" && blocks_128 ? "fp8" : "bf16";
+  return quant_method == "fp8" && blocks_128 ? "fp8" : "bf16";
 }
 
 bool ModelConfig::is_moe_layer(int layer) const {

@@ -31,20 +31,24 @@ struct TensorSpec {
 };
 
 // Hugging Face Qwen3MoeForCausalLM's state dict, in layer order so that a shard
-// holds whole consecutive layers.
+// holds whole consecutive layers. Projections as Qwen3's FP8 checkpoints quantize them
+// (attention, experts, dense MLP; not the router, norms, embedding or LM head).
 std::vector<TensorSpec> qwen3_moe_tensors(const ModelConfig& c) {
   const int64_t h = c.hidden_size;
   const int64_t q_dim = int64_t{c.num_attention_heads} * c.head_dim;
   const int64_t kv_dim = int64_t{c.num_key_value_heads} * c.head_dim;
   std::vector<TensorSpec> specs;
+  auto proj = [&](std::string name, Shape shape) {
+    specs.push_back({std::move(name), std::move(shape), Init::kLinear, true});
+  };
   specs.push_back({"model.embed_tokens.weight", {c.vocab_size, h}, Init::kEmbedding});
   for (int layer = 0; layer < c.num_hidden_layers; ++layer) {
     const std::string p = "model.layers." + std::to_string(layer) + ".";
     specs.push_back({p + "input_layernorm.weight", {h}, Init::kNorm});
-    specs.push_back({p + "self_attn.q_proj.weight", {q_dim, h}, Init::kLinear});
-    specs.push_back({p + "self_attn.k_proj.weight", {kv_dim, h}, Init::kLinear});
-    specs.push_back({p + "self_attn.v_proj.weight", {kv_dim, h}, Init::kLinear});
-    specs.push_back({p + "self_attn.o_proj.weight", {h, q_dim}, Init::kLinear});
+    proj(p + "self_attn.q_proj.weight", {q_dim, h});
+    proj(p + "self_attn.k_proj.weight", {kv_dim, h});
+    proj(p + "self_attn.v_proj.weight", {kv_dim, h});
+    proj(p + "self_attn.o_proj.weight", {h, q_dim});
     specs.push_back({p + "self_attn.q_norm.weight", {c.head_dim}, Init::kNorm});
     specs.push_back({p + "self_attn.k_norm.weight", {c.head_dim}, Init::kNorm});
     specs.push_back({p + "post_attention_layernorm.weight", {h}, Init::kNorm});
@@ -53,15 +57,15 @@ std::vector<TensorSpec> qwen3_moe_tensors(const ModelConfig& c) {
       specs.push_back({p + "mlp.gate.weight", {c.num_experts, h}, Init::kRouter});
       for (int e = 0; e < c.num_experts; ++e) {
         const std::string pe = p + "mlp.experts." + std::to_string(e) + ".";
-        specs.push_back({pe + "gate_proj.weight", {inter, h}, Init::kLinear});
-        specs.push_back({pe + "up_proj.weight", {inter, h}, Init::kLinear});
-        specs.push_back({pe + "down_proj.weight", {h, inter}, Init::kLinear});
+        proj(pe + "gate_proj.weight", {inter, h});
+        proj(pe + "up_proj.weight", {inter, h});
+        proj(pe + "down_proj.weight", {h, inter});
       }
     } else {
       const int64_t inter = c.intermediate_size;
-      specs.push_back({p + "mlp.gate_proj.weight", {inter, h}, Init::kLinear});
-      specs.push_back({p + "mlp.up_proj.weight", {inter, h}, Init::kLinear});
-      specs.push_back({p + "mlp.down_proj.weight", {h, inter}, Init::kLinear});
+      proj(p + "mlp.gate_proj.weight", {inter, h});
+      proj(p + "mlp.up_proj.weight", {inter, h});
+      proj(p + "mlp.down_proj.weight", {h, inter});
     }
   }
   specs.push_back({"model.norm.weight", {h}, Init::kNorm});
@@ -253,6 +257,30 @@ SafetensorsWriter::Fill make_fp8_fill(std::shared_ptr<BlockScales> scales) {
   };
 }
 
+// The values make_fp8_fill's codes stand for, e4m3 * s, rounded once to `dtype`: the
+// dequantized twin of an FP8 checkpoint, computed here from the writer's own codes and
+// scales (tests compare it with what a loader dequantizes).
+SafetensorsWriter::Fill make_dequantized_fill(std::shared_ptr<BlockScales> scales, DType dtype) {
+  return [scales, dtype](uint64_t offset, void* dst, uint64_t num_bytes) {
+    const std::vector<float>& s = scales->get();
+    const int64_t cols = scales->cols;
+    const size_t elem_bytes = dtype_size(dtype);
+    const int64_t first = static_cast<int64_t>(offset / elem_bytes);
+    const int64_t count = static_cast<int64_t>(num_bytes / elem_bytes);
+    auto* out = static_cast<uint8_t*>(dst);
+    ThreadPool::global().parallel_for(count, int64_t{1} << 15, [&](int64_t begin, int64_t end) {
+      for (int64_t k = begin; k < end; ++k) {
+        const int64_t i = first + k;
+        const float block_scale =
+            s[(i / cols / kFp8Block) * scales->block_cols + (i % cols) / kFp8Block];
+        const float v = f8e4m3_to_f32(f32_to_f8e4m3(value_at(scales->d, i) / block_scale));
+        const float w = v * block_scale;
+        convert_from_f32(dtype, &w, out + k * elem_bytes, 1);
+      }
+    });
+  };
+}
+
 SafetensorsWriter::Fill make_scale_fill(std::shared_ptr<BlockScales> scales) {
   return [scales](uint64_t offset, void* dst, uint64_t num_bytes) {
     const std::vector<float>& s = scales->get();
@@ -283,6 +311,11 @@ std::vector<FileTensor> file_tensors(const std::vector<TensorSpec>& specs,
       scales->cols = spec.shape[1];
       scales->block_cols = (scales->cols + kFp8Block - 1) / kFp8Block;
       const int64_t block_rows = (scales->rows + kFp8Block - 1) / kFp8Block;
+      if (options.fp8_dequantized) {
+        out.push_back(
+            {spec.name, options.dtype, spec.shape, make_dequantized_fill(scales, options.dtype)});
+        continue;
+      }
       out.push_back({spec.name, DType::kF8E4M3, spec.shape, make_fp8_fill(scales)});
       out.push_back({spec.name + "_scale_inv",
                      DType::kF32,
@@ -464,7 +497,10 @@ Status synthesize_checkpoint(const SynthOptions& options) {
     return invalid_argument("synth: F8_E4M3 is not a dtype for every tensor; use fp8");
   }
   config.torch_dtype = torch_dtype_name(options.dtype);
-  if (options.fp8) {
+  if (options.fp8_dequantized && !options.fp8) {
+    return invalid_argument("synth: fp8_dequantized needs fp8");
+  }
+  if (options.fp8 && !options.fp8_dequantized) {
     config.quant_method = "fp8";
     config.weight_block_size = {static_cast<int>(kFp8Block), static_cast<int>(kFp8Block)};
   }
@@ -481,9 +517,6 @@ Status synthesize_checkpoint(const SynthOptions& options) {
 
   const std::vector<TensorSpec> specs =
       config.is_deepseek() ? deepseek_tensors(config) : qwen3_moe_tensors(config);
-  if (options.fp8 && !config.is_deepseek()) {
-    return invalid_argument("synth: fp8 is implemented for the deepseek presets only");
-  }
   const std::vector<FileTensor> tensors = file_tensors(specs, options);
   std::vector<uint64_t> bytes;
   uint64_t total = 0;

@@ -157,9 +157,9 @@ int cmd_generate(const Args& args) {
       .value("device", "cpu", "cpu, cuda or cuda:N")
       .value("cuda-dtype", "bf16", "weights and activations on the GPU: bf16 or f32")
       .value("quantization", "",
-             "routed experts of a block-FP8 checkpoint: bf16 (dequantized at load) or fp8 (kept "
-             "e4m3: --device cuda, deepseek models); default fp8 for a block-FP8 deepseek "
-             "checkpoint on a GPU that runs it, else bf16")
+             "routed experts of a block-FP8 checkpoint (deepseek, qwen3): bf16 (dequantized at "
+             "load) or fp8 (kept e4m3: --device cuda); default fp8 for a block-FP8 checkpoint "
+             "on a GPU that runs it, else bf16")
       .boolean("ignore-eos", "do not stop at the model's EOS ids")
       .boolean("json", "print one JSON object")
       .boolean("help", "show this help");

@@ -334,9 +334,9 @@ int cmd_serve(const Args& args) {
       .value("device", "cpu", "where workers run the model: cpu, cuda, cuda:N")
       .value("cuda-dtype", "bf16", "weights and activations on the GPU: bf16 or f32")
       .value("quantization", "",
-             "routed experts of a block-FP8 checkpoint, as in generate: bf16 (dequantized at "
-             "load) or fp8 (kept e4m3: --device cuda, deepseek models); default fp8 for a "
-             "block-FP8 deepseek checkpoint on a GPU that runs it, else bf16")
+             "routed experts of a block-FP8 checkpoint (deepseek, qwen3), as in generate: bf16 "
+             "(dequantized at load) or fp8 (kept e4m3: --device cuda); default fp8 for a "
+             "block-FP8 checkpoint on a GPU that runs it, else bf16")
       .value("gpus", "1", "with --device cuda: rank r runs on cuda:(r mod N) of this host")
       .value("reconfigure", "live", "membership changes: live, or stop-the-world (baseline)")
       .value("heartbeat-timeout-ms", "2000", "a worker silent this long is declared lost")

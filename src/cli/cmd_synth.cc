@@ -25,7 +25,9 @@ int cmd_synth(const Args& args) {
       .value("layers", "-1", "number of decoder layers (default: the preset's)")
       .value("dtype", "bf16", "weight dtype: bf16, f16, f32")
       .value("seed", "0", "random seed")
-      .boolean("fp8", "FP8 E4M3 projections with 128x128 block scales, as DeepSeek-V3 ships them")
+      .boolean("fp8",
+               "FP8 E4M3 projections with 128x128 block scales, as DeepSeek-V3 and Qwen3-FP8 "
+               "ship them")
       .value("vocab-size", "", "vocabulary size (default: the tokenizer's, else the preset's)")
       .value("tokenizer", "",
              "copy DIR's tokenizer.json and tokenizer_config.json into --out (the vocabulary "

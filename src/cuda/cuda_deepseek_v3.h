@@ -75,15 +75,11 @@ class CudaDeepseekV3Model final : public CudaMoeModel {
                       const ModelOptions& options, int device)
       : CudaMoeModel(std::move(checkpoint), std::move(config), options, device) {}
   Status check_config();
-  // ModelOptions::quantization "fp8": checks and sets moe_dims_.fp8 (after init_placement).
-  Status init_fp8_experts(const ModelOptions& options);
   Status load_weights(const ModelOptions& options, const RopeTables& rope);
-  Result<Tensor> weight(const std::string& name, const Shape& shape) const;
   Status allocate_scratch();
   // CudaMoeModel's hooks.
   Status load_layer(int index) override;
   MoeLayer& moe_layer(int layer) override { return layers_[layer]; }
-  Status pack_slot(int layer, int expert, uint8_t* image) const override;
   Status enqueue_step(int num_tokens, int num_rows) override;
   Status enqueue_segment(int seg, int n, int num_rows) override;  // cuda_deepseek_v3_ep.cc
   // x += attention(rms_norm(x)) of one layer.

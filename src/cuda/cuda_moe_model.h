@@ -4,8 +4,10 @@
 // validation, forward() dispatch, decode steps replayed from a graph per batch bucket
 // (warm_up captures them all), prefill in pieces of max_step_tokens(), the expert-
 // parallel step, slot statistics, routing tables rewritten in place, the host slot
-// mirror, expert loads and slot uploads. A model supplies its layers through the hooks
-// (load_layer, moe_layer, pack_slot, enqueue_step, enqueue_segment).
+// mirror, expert loads and slot uploads, weights read with block FP8 dequantized and the
+// routed experts' slot images, bf16 or kept in FP8 (cuda_moe_model_weights.cc). A model
+// supplies its layers through the hooks (load_layer, moe_layer, enqueue_step,
+// enqueue_segment).
 //
 // Memory is allocated at load and never after: routing tables are device buffers that
 // set_placement() rewrites in place, so captured graphs stay valid (docs/ARCHITECTURE.md,
@@ -73,21 +75,22 @@ class CudaMoeModel : public Model {
 
   // Hooks. load_layer loads layer `layer` (its mirror is set up; layer_moe_state then
   // allocates its routing state); moe_layer returns that layer's routing state;
-  // pack_slot writes expert `expert` of `layer` as a slot image (pack_expert's layout);
   // enqueue_step enqueues the whole network for n tokens and num_rows logits rows;
   // enqueue_segment the device part between two MoE layers (expert parallel).
   virtual Status load_layer(int layer) = 0;
   virtual MoeLayer& moe_layer(int layer) = 0;
-  virtual Status pack_slot(int layer, int expert, uint8_t* image) const = 0;
   virtual Status enqueue_step(int n, int num_rows) = 0;
   virtual Status enqueue_segment(int seg, int n, int num_rows) = 0;
 
   // Steps of a model's create(), in this order. init_placement: sequences, context,
   // the placement and this process's slots, moe_dims_ (its dtype, sizes and slot
-  // count). create_streams: the device, stream_, blas_. load_layers: every layer's
+  // count). init_fp8_experts: with ModelOptions::quantization "fp8", checks the
+  // checkpoint (block FP8, 128 x 128), dtype (bf16) and GPU, and sets moe_dims_.fp8.
+  // create_streams: the device, stream_, blas_. load_layers: every layer's
   // mirror and load_layer. allocate_io: the step inputs and outputs. finish_create: the
   // expert-parallel executor and the statistics.
   Status init_placement(const ModelOptions& options);
+  Status init_fp8_experts(const ModelOptions& options);
   Status create_streams();
   Status load_layers(const ModelOptions& options);
   Status allocate_io(int step_tokens = kDefaultStepTokens);
@@ -95,6 +98,12 @@ class CudaMoeModel : public Model {
   // A MoE layer's slots (packed from the checkpoint) and routing tables; load_layer
   // calls it after uploading the router.
   Status load_moe_state(int layer, MoeLayer* state);
+  // A 2-D weight ready for upload: as stored, block FP8 dequantized to bf16
+  // (Checkpoint::get_weight with the config's block size).
+  Result<Tensor> weight(const std::string& name, const Shape& shape) const;
+  // Expert `expert` of `layer` as a slot image: with moe_dims_.fp8 the checkpoint's e4m3
+  // codes and scales (pack_expert_fp8), else pack_expert's layout in dtype_.
+  Status pack_slot(int layer, int expert, uint8_t* image) const;
   // RMSNorm of the last rows of x_ and the LM head into logits_.
   Status enqueue_head(int num_rows);
   // Synchronizes and drops the graphs and the executor (before the layers they read).

@@ -20,6 +20,7 @@ Result<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create(
       new CudaQwen3MoeModel(std::move(checkpoint), std::move(config), options, device));
   FLEX_RETURN_IF_ERROR(m->check_config());
   FLEX_RETURN_IF_ERROR(m->init_placement(options));
+  FLEX_RETURN_IF_ERROR(m->init_fp8_experts(options));
   FLEX_RETURN_IF_ERROR(m->create_streams());
   FLEX_RETURN_IF_ERROR(m->load_weights(options));
   FLEX_RETURN_IF_ERROR(m->allocate_scratch());
@@ -95,10 +96,10 @@ Status CudaQwen3MoeModel::load_layer(int index) {
   FLEX_RETURN_IF_ERROR(f32(p + "post_attention_layernorm.weight", H, &layer->post_norm));
   FLEX_RETURN_IF_ERROR(f32(p + "self_attn.q_norm.weight", D, &layer->q_norm));
   FLEX_RETURN_IF_ERROR(f32(p + "self_attn.k_norm.weight", D, &layer->k_norm));
-  FLEX_ASSIGN_OR_RETURN(Tensor q, ck.get(p + "self_attn.q_proj.weight", {q_dim, H}));
-  FLEX_ASSIGN_OR_RETURN(Tensor k, ck.get(p + "self_attn.k_proj.weight", {kv_dim, H}));
-  FLEX_ASSIGN_OR_RETURN(Tensor v, ck.get(p + "self_attn.v_proj.weight", {kv_dim, H}));
-  FLEX_ASSIGN_OR_RETURN(Tensor o, ck.get(p + "self_attn.o_proj.weight", {H, q_dim}));
+  FLEX_ASSIGN_OR_RETURN(Tensor q, weight(p + "self_attn.q_proj.weight", {q_dim, H}));
+  FLEX_ASSIGN_OR_RETURN(Tensor k, weight(p + "self_attn.k_proj.weight", {kv_dim, H}));
+  FLEX_ASSIGN_OR_RETURN(Tensor v, weight(p + "self_attn.v_proj.weight", {kv_dim, H}));
+  FLEX_ASSIGN_OR_RETURN(Tensor o, weight(p + "self_attn.o_proj.weight", {H, q_dim}));
   FLEX_ASSIGN_OR_RETURN(layer->w_qkv, upload_rows({&q, &k, &v}, dtype_));
   FLEX_ASSIGN_OR_RETURN(layer->w_o, upload_tensor(o, dtype_));
   layer->is_moe = c.is_moe_layer(index);
@@ -109,9 +110,9 @@ Status CudaQwen3MoeModel::load_layer(int index) {
     FLEX_RETURN_IF_ERROR(load_moe_state(index, layer));
   } else {
     const int64_t I = c.intermediate_size;
-    FLEX_ASSIGN_OR_RETURN(Tensor gate, ck.get(p + "mlp.gate_proj.weight", {I, H}));
-    FLEX_ASSIGN_OR_RETURN(Tensor up, ck.get(p + "mlp.up_proj.weight", {I, H}));
-    FLEX_ASSIGN_OR_RETURN(Tensor down, ck.get(p + "mlp.down_proj.weight", {H, I}));
+    FLEX_ASSIGN_OR_RETURN(Tensor gate, weight(p + "mlp.gate_proj.weight", {I, H}));
+    FLEX_ASSIGN_OR_RETURN(Tensor up, weight(p + "mlp.up_proj.weight", {I, H}));
+    FLEX_ASSIGN_OR_RETURN(Tensor down, weight(p + "mlp.down_proj.weight", {H, I}));
     FLEX_ASSIGN_OR_RETURN(layer->w_gu, upload_rows({&gate, &up}, dtype_));
     FLEX_ASSIGN_OR_RETURN(layer->w_down, upload_tensor(down, dtype_));
   }
@@ -119,19 +120,6 @@ Status CudaQwen3MoeModel::load_layer(int index) {
       static_cast<size_t>(max_sequences_ + 1) * max_seq_len_ * kv_dim * dtype_size(dtype_);
   FLEX_ASSIGN_OR_RETURN(layer->k_cache, DeviceBuffer::create_zeroed(cache_bytes));
   FLEX_ASSIGN_OR_RETURN(layer->v_cache, DeviceBuffer::create_zeroed(cache_bytes));
-  return Status();
-}
-
-Status CudaQwen3MoeModel::pack_slot(int layer, int expert, uint8_t* image) const {
-  const int64_t H = config_.hidden_size, I = config_.moe_intermediate_size;
-  const std::string ep =
-      "model.layers." + std::to_string(layer) + ".mlp.experts." + std::to_string(expert) + ".";
-  FLEX_ASSIGN_OR_RETURN(Tensor gate, checkpoint_->get(ep + "gate_proj.weight", {I, H}));
-  FLEX_ASSIGN_OR_RETURN(Tensor up, checkpoint_->get(ep + "up_proj.weight", {I, H}));
-  FLEX_ASSIGN_OR_RETURN(Tensor down, checkpoint_->get(ep + "down_proj.weight", {H, I}));
-  const Tensor g32 = gate.to(DType::kF32), u32 = up.to(DType::kF32), d32 = down.to(DType::kF32);
-  pack_expert(g32.data<float>(), u32.data<float>(), d32.data<float>(), static_cast<int>(H),
-              static_cast<int>(I), dtype_, image);
   return Status();
 }
 

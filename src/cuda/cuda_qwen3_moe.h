@@ -11,6 +11,9 @@
 // bucket (1, 2, 4, ...), captured after the first eager step of that bucket.
 // forward() blocks until the logits are on the host. One driver thread (as every
 // Model), plus the weight mover calling load_expert / slots_written (own stream).
+// A block-FP8 checkpoint (Qwen3-*-FP8) has attention and dense MLP weights dequantized to
+// bf16 at load; its routed experts too, or with ModelOptions::quantization "fp8" kept e4m3
+// with their block scales in FP8 slots (CudaMoeModel, docs/cuda.md "FP8 experts").
 //
 // Expert parallelism (this process holding only part of the slots; options.moe_executor
 // set; cuda_qwen3_moe_ep.cc with DeviceEpMoe, ep_moe.h): attention, router and top-k
@@ -57,7 +60,6 @@ class CudaQwen3MoeModel final : public CudaMoeModel {
   // CudaMoeModel's hooks.
   Status load_layer(int index) override;
   MoeLayer& moe_layer(int layer) override { return layers_[layer]; }
-  Status pack_slot(int layer, int expert, uint8_t* image) const override;
   Status enqueue_step(int num_tokens, int num_rows) override;
   Status enqueue_segment(int seg, int n, int num_rows) override;  // cuda_qwen3_moe_ep.cc
   // Parts of enqueue_step: x += attention(x); x += the local MoE or dense MLP of

@@ -33,7 +33,11 @@ Status CudaQwen3MoeModel::enqueue_segment(int seg, int n, int num_rows) {
   FLEX_CUDA_TRY(rms_norm(dtype_, x, nullptr, L.post_norm.as<float>(), n, config_.hidden_size,
                          static_cast<float>(config_.rms_norm_eps), h_.data(), stream_.get()));
   // Router and top-k with replica choice only; the experts run wherever the slots are.
-  FLEX_RETURN_IF_ERROR(run_moe(moe_dims_, L.weights(), moe_, h_.data(), n, nullptr, x,
+  // run_moe with FP8 slots runs the whole block whatever the stages (moe_layer.h), so the
+  // routing goes through the bf16 path, which reads no slot in these stages.
+  MoeDims route_dims = moe_dims_;
+  route_dims.fp8 = false;
+  FLEX_RETURN_IF_ERROR(run_moe(route_dims, L.weights(), moe_, h_.data(), n, nullptr, x,
                                /*accumulate=*/true, blas_, stream_.get(), -1,
                                kMoeRouter | kMoeTopk));
   return ep_moe_->enqueue_route_out(n);

@@ -31,7 +31,7 @@ Status check_quantization(const std::string& device, const std::string& quantiza
 #ifdef FLEXPERT_WITH_CUDA
 namespace {
 
-// No --quantization: the checkpoint's default on a GPU (FP8 experts for a block-FP8 DeepSeek),
+// No --quantization: the checkpoint's default on a GPU (FP8 experts for a block-FP8 checkpoint),
 // where it can run; else bf16, saying why (asking for fp8 there fails the load instead).
 std::string default_gpu_quantization(const ModelConfig& config, const ModelOptions& options) {
   if (config.default_gpu_quantization() != "fp8") return "bf16";
@@ -57,19 +57,14 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   FLEX_RETURN_IF_ERROR(check_quantization(options.device, q));
   if (options.device == "cpu") return load_cpu_model(dir, options);
 #ifdef FLEXPERT_WITH_CUDA
-  auto config = ModelConfig::load(dir);
-  if (config.ok() && config->is_deepseek()) {
-    ModelOptions resolved = options;
-    if (q.empty()) resolved.quantization = default_gpu_quantization(*config, options);
+  FLEX_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::load(dir));
+  ModelOptions resolved = options;
+  if (q.empty()) resolved.quantization = default_gpu_quantization(config, options);
+  if (config.is_deepseek()) {
     return cuda::load_cuda_deepseek_model(dir, resolved,
-                                          rope_tables(*config, config->qk_rope_head_dim));
+                                          rope_tables(config, config.qk_rope_head_dim));
   }
-  if (q == "fp8") {
-    return unimplemented(
-        "--quantization fp8: FP8 experts on the GPU are implemented for deepseek models only; "
-        "use --quantization bf16");
-  }
-  return cuda::load_cuda_model(dir, options);
+  return cuda::load_cuda_model(dir, resolved);
 #else
   return unimplemented("device '" + options.device + "': this build has no CUDA support");
 #endif

@@ -97,9 +97,7 @@ Result<std::unique_ptr<DeepseekV3Model>> DeepseekV3Model::create(
 }
 
 Result<Tensor> DeepseekV3Model::weight(const std::string& name, const Shape& shape) const {
-  const std::vector<int>& block = config_.weight_block_size;
-  return checkpoint_->get_weight(name, shape, block.empty() ? 128 : block[0],
-                                 block.empty() ? 128 : block[1]);
+  return checkpoint_->get_weight(name, shape, config_.weight_block_size);
 }
 
 Status DeepseekV3Model::load_layer(int index, Layer* layer, const ModelOptions& options) {

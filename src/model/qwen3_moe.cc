@@ -50,6 +50,10 @@ Result<std::unique_ptr<Qwen3MoeModel>> Qwen3MoeModel::create(std::unique_ptr<Che
   return m;
 }
 
+Result<Tensor> Qwen3MoeModel::weight(const std::string& name, const Shape& shape) const {
+  return checkpoint_->get_weight(name, shape, config_.weight_block_size);
+}
+
 Status Qwen3MoeModel::load_layer(int index, Layer* layer, const ModelOptions& options) {
   const ModelConfig& c = config_;
   const Checkpoint& ck = *checkpoint_;
@@ -60,10 +64,10 @@ Status Qwen3MoeModel::load_layer(int index, Layer* layer, const ModelOptions& op
   FLEX_ASSIGN_OR_RETURN(layer->post_norm, load_f32(ck, p + "post_attention_layernorm.weight", {H}));
   FLEX_ASSIGN_OR_RETURN(layer->q_norm, load_f32(ck, p + "self_attn.q_norm.weight", {D}));
   FLEX_ASSIGN_OR_RETURN(layer->k_norm, load_f32(ck, p + "self_attn.k_norm.weight", {D}));
-  FLEX_ASSIGN_OR_RETURN(layer->q_proj, ck.get(p + "self_attn.q_proj.weight", {q_dim, H}));
-  FLEX_ASSIGN_OR_RETURN(layer->k_proj, ck.get(p + "self_attn.k_proj.weight", {kv_dim, H}));
-  FLEX_ASSIGN_OR_RETURN(layer->v_proj, ck.get(p + "self_attn.v_proj.weight", {kv_dim, H}));
-  FLEX_ASSIGN_OR_RETURN(layer->o_proj, ck.get(p + "self_attn.o_proj.weight", {H, q_dim}));
+  FLEX_ASSIGN_OR_RETURN(layer->q_proj, weight(p + "self_attn.q_proj.weight", {q_dim, H}));
+  FLEX_ASSIGN_OR_RETURN(layer->k_proj, weight(p + "self_attn.k_proj.weight", {kv_dim, H}));
+  FLEX_ASSIGN_OR_RETURN(layer->v_proj, weight(p + "self_attn.v_proj.weight", {kv_dim, H}));
+  FLEX_ASSIGN_OR_RETURN(layer->o_proj, weight(p + "self_attn.o_proj.weight", {H, q_dim}));
   if (c.attention_bias) return unimplemented("attention_bias=true is not supported");
   layer->is_moe = c.is_moe_layer(index);
   if (layer->is_moe) {
@@ -73,9 +77,9 @@ Status Qwen3MoeModel::load_layer(int index, Layer* layer, const ModelOptions& op
         experts_.load_layer(ck, c, index, p + "mlp.experts.", H, I, options, &layer->experts));
   } else {
     const int64_t I = c.intermediate_size;
-    FLEX_ASSIGN_OR_RETURN(layer->gate_proj, ck.get(p + "mlp.gate_proj.weight", {I, H}));
-    FLEX_ASSIGN_OR_RETURN(layer->up_proj, ck.get(p + "mlp.up_proj.weight", {I, H}));
-    FLEX_ASSIGN_OR_RETURN(layer->down_proj, ck.get(p + "mlp.down_proj.weight", {H, I}));
+    FLEX_ASSIGN_OR_RETURN(layer->gate_proj, weight(p + "mlp.gate_proj.weight", {I, H}));
+    FLEX_ASSIGN_OR_RETURN(layer->up_proj, weight(p + "mlp.up_proj.weight", {I, H}));
+    FLEX_ASSIGN_OR_RETURN(layer->down_proj, weight(p + "mlp.down_proj.weight", {H, I}));
   }
   const Shape cache_shape = {max_sequences_, max_seq_len_, c.num_key_value_heads, D};
   layer->k_cache = Tensor::zeros(DType::kF32, cache_shape);

@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// Qwen3MoeModel: the Hugging Face Qwen3MoeForCausalLM forward pass on CPU.
+// Qwen3MoeModel: the Hugging Face Qwen3MoeForCausalLM forward pass on CPU. A block-FP8
+// checkpoint (Qwen3-*-FP8) has its projections dequantized to BF16 at load
+// (Checkpoint::get_weight), as DeepseekV3Model does.
 // See flexpert/model.h for the contract.
 #pragma once
 
@@ -37,11 +39,12 @@ class Qwen3MoeModel final : public Model {
 
  private:
   struct Layer {
-    Tensor input_norm;                      // f32 [H]
-    Tensor post_norm;                       // f32 [H]
-    Tensor q_norm;                          // f32 [D]
-    Tensor k_norm;                          // f32 [D]
-    Tensor q_proj, k_proj, v_proj, o_proj;  // Borrowed from the checkpoint.
+    Tensor input_norm;  // f32 [H]
+    Tensor post_norm;   // f32 [H]
+    Tensor q_norm;      // f32 [D]
+    Tensor k_norm;      // f32 [D]
+    // Projections as the checkpoint stores them (block-FP8 ones dequantized to BF16).
+    Tensor q_proj, k_proj, v_proj, o_proj;
     bool is_moe = false;
     Tensor router;  // f32 [E, H]
     ExpertSlots experts;
@@ -52,6 +55,7 @@ class Qwen3MoeModel final : public Model {
 
   Qwen3MoeModel() = default;
   Status load_layer(int index, Layer* layer, const ModelOptions& options);
+  Result<Tensor> weight(const std::string& name, const Shape& shape) const;
   Status validate(const std::vector<SequenceChunk>& batch) const;
   void attention_block(Layer& layer, const std::vector<SequenceChunk>& batch, int64_t num_tokens);
   Status mlp_block(int index, Layer& layer, int64_t num_tokens);

@@ -127,11 +127,10 @@ Result<ExpertTensors> find_expert(const Checkpoint& ck, const std::string& prefi
 Status copy_expert(const Checkpoint& ck, const ModelConfig& config, const ExpertTensors& t,
                    int slot, ExpertSlots* slots) {
   if (t.w[0].dtype() != DType::kF8E4M3) return slots->load(slot, t.w[0], t.w[1], t.w[2]);
-  const int br = config.weight_block_size.empty() ? 128 : config.weight_block_size[0];
-  const int bc = config.weight_block_size.empty() ? 128 : config.weight_block_size[1];
   Tensor dq[3];
   for (int p = 0; p < 3; ++p) {
-    FLEX_ASSIGN_OR_RETURN(dq[p], ck.get_weight(t.names[p], t.w[p].shape(), br, bc));
+    FLEX_ASSIGN_OR_RETURN(dq[p],
+                          ck.get_weight(t.names[p], t.w[p].shape(), config.weight_block_size));
   }
   return slots->load(slot, dq[0], dq[1], dq[2]);
 }

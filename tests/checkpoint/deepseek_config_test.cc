@@ -122,9 +122,9 @@ TEST(DeepseekConfig, PublishedV3WithYarnAndFp8) {
   for (int l = 0; l < 61; ++l) EXPECT_EQ(c->is_moe_layer(l), l >= 3) << l;
 }
 
-// Unasked, a GPU keeps the routed experts of a block-FP8 DeepSeek checkpoint in FP8 (the only
-// FP8 experts it has: 128 x 128 blocks); every other checkpoint is dequantized to bf16.
-TEST(DeepseekConfig, DefaultGpuQuantizationIsFp8ForBlockFp8Deepseek) {
+// Unasked, a GPU keeps the routed experts of a block-FP8 checkpoint (DeepSeek or Qwen3) in FP8
+// (the only FP8 experts it has: 128 x 128 blocks); every other checkpoint is dequantized to bf16.
+TEST(DeepseekConfig, DefaultGpuQuantizationIsFp8ForBlockFp8Checkpoints) {
   json j = deepseek_v3_json();
   auto c = parse(j);
   ASSERT_TRUE(c.ok()) << c.status().to_string();
@@ -140,9 +140,10 @@ TEST(DeepseekConfig, DefaultGpuQuantizationIsFp8ForBlockFp8Deepseek) {
   EXPECT_EQ(c->default_gpu_quantization(), "bf16");
   c = ModelConfig::load(kTestdata + "/configs/qwen3-30b-a3b");
   ASSERT_TRUE(c.ok()) << c.status().to_string();
-  c->quant_method = "fp8";  // Qwen3-FP8: no FP8 experts on the GPU yet.
-  c->weight_block_size = {128, 128};
   EXPECT_EQ(c->default_gpu_quantization(), "bf16");
+  c->quant_method = "fp8";  // As Qwen3-30B-A3B-FP8.
+  c->weight_block_size = {128, 128};
+  EXPECT_EQ(c->default_gpu_quantization(), "fp8");
 }
 
 TEST(DeepseekConfig, PublishedV2Lite) {

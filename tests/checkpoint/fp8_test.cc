@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-// Block-scaled FP8 weights: Checkpoint::get_weight's dequantization, and the DeepSeek
-// synth presets with and without --fp8 (layout of the real checkpoints, error bound
+// Block-scaled FP8 weights: Checkpoint::get_weight's dequantization, and the DeepSeek and
+// Qwen3 synth presets with and without --fp8 (layout of the real checkpoints, error bound
 // of the quantized values against the unquantized ones of the same seed).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "checkpoint/synth.h"
@@ -118,15 +119,20 @@ TEST(DeepseekSynth, RealPresetConfigs) {
   }
 }
 
-TEST(DeepseekSynth, Fp8ProjectionsApproximateTheUnquantizedValues) {
+// DeepSeek-V3's and Qwen3's FP8 checkpoints quantize the same kind of tensors: every
+// projection ("..._proj.weight"), nothing else.
+class Fp8Synth : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(Fp8Synth, ProjectionsApproximateTheUnquantizedValues) {
+  const std::string preset = GetParam();
   TempDir f32_dir, fp8_dir;
-  ASSERT_TRUE(synthesize_checkpoint({.preset = "deepseek-tiny",
+  ASSERT_TRUE(synthesize_checkpoint({.preset = preset,
                                      .out_dir = f32_dir.path(),
                                      .num_layers = 2,
                                      .dtype = DType::kF32,
                                      .seed = 9})
                   .ok());
-  Status st = synthesize_checkpoint({.preset = "deepseek-tiny",
+  Status st = synthesize_checkpoint({.preset = preset,
                                      .out_dir = fp8_dir.path(),
                                      .num_layers = 2,
                                      .dtype = DType::kBF16,
@@ -175,10 +181,51 @@ TEST(DeepseekSynth, Fp8ProjectionsApproximateTheUnquantizedValues) {
   EXPECT_GT(quantized, 10);
 }
 
-TEST(DeepseekSynth, Fp8IsForDeepseekPresets) {
+INSTANTIATE_TEST_SUITE_P(Presets, Fp8Synth, ::testing::Values("deepseek-tiny", "tiny"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           return std::string(info.param) == "tiny" ? "Qwen3" : "Deepseek";
+                         });
+
+// fp8_dequantized writes what the FP8 checkpoint stands for, computed by the writer from its
+// own codes and scales: Checkpoint::get_weight on the FP8 files must give the same bits, and
+// every other tensor is the same in both.
+TEST_P(Fp8Synth, DequantizedTwinMatchesTheLoadersDequantization) {
+  const std::string preset = GetParam();
+  TempDir fp8_dir, twin_dir;
+  SynthOptions o{.preset = preset, .out_dir = fp8_dir.path(), .num_layers = 2, .seed = 5};
+  o.fp8 = true;
+  ASSERT_TRUE(synthesize_checkpoint(o).ok());
+  o.out_dir = twin_dir.path();
+  o.fp8_dequantized = true;
+  Status st = synthesize_checkpoint(o);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  auto twin_config = ModelConfig::load(twin_dir.path());
+  ASSERT_TRUE(twin_config.ok()) << twin_config.status().to_string();
+  EXPECT_EQ(twin_config->quant_method, "");
+  auto fp8 = Checkpoint::open(fp8_dir.path());
+  auto twin = Checkpoint::open(twin_dir.path());
+  ASSERT_TRUE(fp8.ok() && twin.ok());
+  size_t compared = 0, quantized = 0;
+  for (const std::string& name : (*twin)->names()) {
+    auto want = (*twin)->get(name);
+    ASSERT_TRUE(want.ok()) << name;
+    EXPECT_FALSE((*twin)->contains(name + "_scale_inv")) << name;
+    if ((*fp8)->contains(name + "_scale_inv")) ++quantized;
+    auto got = (*fp8)->get_weight(name, want->shape());
+    ASSERT_TRUE(got.ok()) << got.status().to_string();
+    ASSERT_EQ(got->dtype(), want->dtype()) << name;
+    ASSERT_EQ(std::memcmp(got->raw(), want->raw(), got->num_bytes()), 0) << name;
+    ++compared;
+  }
+  EXPECT_EQ((*fp8)->names().size(), compared + quantized);  // Weights plus their scales.
+  EXPECT_GT(quantized, 10u);
+}
+
+TEST(Fp8SynthOptions, DequantizedTwinNeedsFp8) {
   TempDir tmp;
-  EXPECT_EQ(synthesize_checkpoint({.preset = "tiny", .out_dir = tmp.path(), .fp8 = true}).code(),
-            StatusCode::kInvalidArgument);
+  SynthOptions o{.preset = "tiny", .out_dir = tmp.path()};
+  o.fp8_dequantized = true;
+  EXPECT_EQ(synthesize_checkpoint(o).code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

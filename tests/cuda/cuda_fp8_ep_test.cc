@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // FP8 routed experts under expert parallelism (docs/cuda.md "FP8 experts"): the deepseek-tiny
-// shapes synthesised as block-FP8, served by two ranks of one process (a thread each, cuda_ipc
-// transports with host collectives, as GPU workers run) holding half the FP8 slots each. Their
-// logits must match one process holding every FP8 slot (an independent path: no exchange,
-// the decode kernels combining in f32), through the device exchange and the host exchange;
-// the host slot mirror has the FP8 slot's bytes (scales included); a slot moved by
-// Model::copy_slot into a spare slot of the other rank, then mapped there, serves the
-// same logits (its scales came with it). Skips without a GPU of compute capability 8.9+.
+// shapes (and a Qwen3-MoE of the same expert shapes, for the logits) synthesised as block-FP8,
+// served by two ranks of one process (a thread each, cuda_ipc transports with host collectives, as
+// GPU workers run) holding half the FP8 slots each. Their logits must match one process holding
+// every FP8 slot (an independent path: no exchange, the decode kernels combining in f32), through
+// the device exchange and the host exchange; the host slot mirror has the FP8 slot's bytes (scales
+// included); a slot moved by Model::copy_slot into a spare slot of the other rank, then mapped
+// there, serves the same logits (its scales came with it). Skips without a GPU of compute
+// capability 8.9+.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -29,7 +30,7 @@ namespace flexpert {
 namespace {
 
 constexpr int kRanks = cuda_test::TwoEpRanks::kRanks;
-constexpr int kExperts = 32;                     // deepseek-tiny
+constexpr int kExperts = 32;                     // deepseek-tiny, qwen3_tiny_32()
 constexpr int kSlotsPerRank = kExperts / 2 + 1;  // Half the experts and one spare slot.
 
 bool fp8_gpu() {
@@ -38,15 +39,26 @@ bool fp8_gpu() {
          cuda::fp8_device_supported(device);
 }
 
-// deepseek-tiny with block-FP8 projections (as cuda_deepseek_test.cc's fp8 variants).
-std::string write_fp8_checkpoint() {
-  const std::string dir = ::testing::TempDir() + "/cuda-fp8-ep-" + std::to_string(getpid());
+// The tiny Qwen3-MoE preset with deepseek-tiny's expert count and shapes (hidden 128,
+// expert intermediate 64): Qwen3's softmax routing over the same FP8 slots.
+ModelConfig qwen3_tiny_32() {
+  ModelConfig c = synth_preset_config("tiny").value();
+  c.num_experts = kExperts;
+  return c;
+}
+
+// deepseek-tiny (or `config`) with block-FP8 projections (as cuda_deepseek_test.cc's fp8
+// variants).
+std::string write_fp8_checkpoint(
+    const ModelConfig& config = synth_preset_config("deepseek-tiny").value()) {
+  const std::string dir =
+      ::testing::TempDir() + "/cuda-fp8-ep-" + config.model_type + "-" + std::to_string(getpid());
   SynthOptions options;
   options.out_dir = dir;
   options.dtype = DType::kBF16;
   options.fp8 = true;
   options.seed = 5;
-  options.config = synth_preset_config("deepseek-tiny").value();
+  options.config = config;
   Status s = synthesize_checkpoint(options);
   EXPECT_TRUE(s.ok()) << s.to_string();
   return dir;
@@ -108,10 +120,16 @@ std::vector<std::vector<SequenceChunk>> steps(int vocab) {
   return out;
 }
 
-TEST(CudaFp8EpTest, TwoRanksMatchOneProcessThroughBothExchanges) {
+// DeepSeek (grouped routing, shared experts) and Qwen3 (softmax top-k through run_moe's
+// router stages) over the same FP8 slot shapes.
+class CudaFp8EpModelTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(CudaFp8EpModelTest, TwoRanksMatchOneProcessThroughBothExchanges) {
   if (!fp8_gpu()) GTEST_SKIP() << "no GPU of compute capability 8.9 or newer";
-  const std::string dir = write_fp8_checkpoint();
-  const int num_layers = synth_preset_config("deepseek-tiny").value().num_hidden_layers;
+  const bool qwen3 = std::string(GetParam()) == "qwen3";
+  const ModelConfig config = qwen3 ? qwen3_tiny_32() : synth_preset_config("deepseek-tiny").value();
+  const std::string dir = write_fp8_checkpoint(config);
+  const int num_layers = config.num_hidden_layers;
   const std::string spec = placement(num_layers);
   auto one = Model::load(dir, fp8_options(spec));
   ASSERT_TRUE(one.ok()) << one.status().to_string();
@@ -128,7 +146,7 @@ TEST(CudaFp8EpTest, TwoRanksMatchOneProcessThroughBothExchanges) {
     } else {
       unsetenv("FLEXPERT_EP_EXCHANGE");
     }
-    TwoFp8Ranks g(dir, spec, exchange);
+    TwoFp8Ranks g(dir, spec, std::string(GetParam()) + "-" + exchange);
     ASSERT_TRUE(g.ready);
     // The host mirror holds the FP8 slot images: e4m3 weights and scales, not bf16 sizes.
     ExpertSlots* mirror = g.models[0]->local_slots(1);
@@ -149,6 +167,11 @@ TEST(CudaFp8EpTest, TwoRanksMatchOneProcessThroughBothExchanges) {
   unsetenv("FLEXPERT_EP_EXCHANGE");
   std::filesystem::remove_all(dir);
 }
+
+INSTANTIATE_TEST_SUITE_P(Models, CudaFp8EpModelTest, ::testing::Values("deepseek", "qwen3"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           return std::string(info.param);
+                         });
 
 // Expert 19 (rank 1's local slot 3) copied device to device into rank 0's spare slot on both
 // MoE layers, then mapped there (rank 1's copy freed): the same logits as before the move,

@@ -478,19 +478,21 @@ TEST(CudaServeTest, DeepseekFourRanksKeepReferenceTokensAcrossARebalance) {
   EXPECT_EQ(server.stop(), 0);
 }
 
-// DeepSeek with its routed experts kept in FP8 (`--quantization fp8`: e4m3 slots with their
-// block scales) over four ranks: greedy tokens equal one process's (`flexpert generate
-// --device cuda --quantization fp8`, one prompt a run: no exchange) up to near-ties, before
-// and after a rebalance and a scale to three ranks, which move whole FP8 slots between ranks.
-TEST(CudaServeTest, DeepseekFp8ExpertsOverFourRanksMatchOneProcess) {
+// A synth preset (H 128, I 64) with its routed experts kept in FP8 (`--quantization fp8`:
+// e4m3 slots with their block scales) over four ranks: greedy tokens equal one process's
+// (`flexpert generate --device cuda --quantization fp8`, one prompt a run: no exchange) up to
+// near-ties, before and after a rebalance and a scale to three ranks, which move whole FP8
+// slots between ranks. The prompts are deepseekv3-tiny's (both presets have 512 tokens).
+void fp8_experts_over_four_ranks_match_one_process(const std::string& preset) {
   int device = 0;
   if (!flexpert::cuda::device_available() || cudaGetDevice(&device) != cudaSuccess ||
       !flexpert::cuda::fp8_device_supported(device)) {
     GTEST_SKIP() << "no GPU of compute capability 8.9 or newer: GPU test skipped";
   }
-  const std::string dir = ::testing::TempDir() + "/cuda-serve-fp8-" + std::to_string(getpid());
+  const std::string dir =
+      ::testing::TempDir() + "/cuda-serve-fp8-" + preset + "-" + std::to_string(getpid());
   std::filesystem::remove_all(dir);
-  const CliRun synth = run_flexpert("synth --preset deepseek-tiny --fp8 --seed 5 --out " + dir);
+  const CliRun synth = run_flexpert("synth --preset " + preset + " --fp8 --seed 5 --out " + dir);
   ASSERT_EQ(synth.exit_code, 0) << synth.out;
   const Reference ref = load_reference(std::string(FLEXPERT_TESTDATA_DIR) + "/deepseekv3-tiny");
   constexpr int kTokens = 12;
@@ -549,7 +551,7 @@ TEST(CudaServeTest, DeepseekFp8ExpertsOverFourRanksMatchOneProcess) {
   const Answer a = post(server, "/v1/eplb/rebalance", nlohmann::json::object());
   EXPECT_EQ(a.status, 200) << a.body.dump();
   std::printf("fp8 rebalance: %s\n", a.body.dump().c_str());
-  // Moves pull whole FP8 slots (deepseek-tiny: H 128, I 64), scales included.
+  // Moves pull whole FP8 slots (H 128, I 64), scales included.
   const int64_t slot_bytes = flexpert::cuda::fp8_slot_layout(128, 64).slot_bytes();
   EXPECT_EQ(a.body.value("moved_bytes", int64_t{-1}) % slot_bytes, 0) << a.body.dump();
   check(server, "after the rebalance");
@@ -563,6 +565,15 @@ TEST(CudaServeTest, DeepseekFp8ExpertsOverFourRanksMatchOneProcess) {
   check(server, "on three ranks");
   EXPECT_EQ(server.stop(), 0);
   std::filesystem::remove_all(dir);
+}
+
+TEST(CudaServeTest, DeepseekFp8ExpertsOverFourRanksMatchOneProcess) {
+  fp8_experts_over_four_ranks_match_one_process("deepseek-tiny");
+}
+
+// Qwen3's softmax routing (run_moe's router stages) over the same FP8 slots.
+TEST(CudaServeTest, Qwen3Fp8ExpertsOverFourRanksMatchOneProcess) {
+  fp8_experts_over_four_ranks_match_one_process("tiny");
 }
 
 }  // namespace
