@@ -227,26 +227,6 @@ __global__ void __launch_bounds__(kThreads)
 // columns a lane.
 constexpr int kQuantThreads = 256, kQuantBlocks = kQuantThreads / 16;
 
-// One lane's 8 columns of a 128-column block (16 lanes a block, lanes 16-aligned in their
-// warp) quantized to e4m3 with the block's scale (absmax / 448): both kernels below.
-__device__ __forceinline__ float quantize8(const float f[8], uint32_t words[2]) {
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
-#pragma unroll
-  for (int off = 8; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  const float inv = amax > 0.f ? 448.f / amax : 0.f;
-#pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(f[4 * w] * inv, f[4 * w + 1] * inv),
-                                                 __NV_SATFINITE, __NV_E4M3);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(
-        make_float2(f[4 * w + 2] * inv, f[4 * w + 3] * inv), __NV_SATFINITE, __NV_E4M3);
-    words[w] = lo | (hi << 16);
-  }
-  return amax / 448.f;
-}
-
 __global__ void __launch_bounds__(kQuantThreads)
     fp8_quantize_rows_kernel(const bf16* x, const int32_t* gather, int gather_div,
                              const int32_t* num_rows, int k, Fp8Acts out, int rows_pad) {
@@ -258,35 +238,28 @@ __global__ void __launch_bounds__(kQuantThreads)
   const int64_t src = gather != nullptr ? gather[r] / gather_div : r;
   float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   if (col < k) bf16x8(*reinterpret_cast<const uint4*>(x + src * k + col), f);
-  uint32_t words[2];
-  const float scale = quantize8(f, words);
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+  for (int off = 8; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const float inv = amax > 0.f ? 448.f / amax : 0.f;
   if (col < k) {
+    uint32_t words[2];
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(f[4 * w] * inv, f[4 * w + 1] * inv),
+                                                   __NV_SATFINITE, __NV_E4M3);
+      const uint32_t hi = __nv_cvt_float2_to_fp8x2(
+          make_float2(f[4 * w + 2] * inv, f[4 * w + 3] * inv), __NV_SATFINITE, __NV_E4M3);
+      words[w] = lo | (hi << 16);
+    }
     *reinterpret_cast<uint2*>(static_cast<uint8_t*>(out.codes) + static_cast<int64_t>(r) * k +
                               col) = make_uint2(words[0], words[1]);
   }
   if (lane16 == 0 && kb * kFp8BlockSize < k) {
-    out.scales[static_cast<int64_t>(kb) * rows_pad + r] = scale;
+    out.scales[static_cast<int64_t>(kb) * rows_pad + r] = amax / 448.f;
   }
-}
-
-// y = the bf16 values of x's e4m3 codes times their scales (y may be x).
-__global__ void __launch_bounds__(kQuantThreads)
-    fp8_round_rows_kernel(const bf16* x, bf16* y, int k) {
-  const int64_t r = blockIdx.x;
-  const int lane16 = threadIdx.x % 16;
-  const int kb = blockIdx.y * kQuantBlocks + threadIdx.x / 16;
-  const int col = kb * kFp8BlockSize + lane16 * 8;
-  float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (col < k) bf16x8(*reinterpret_cast<const uint4*>(x + r * k + col), f);
-  uint32_t words[2];
-  const float scale = quantize8(f, words);
-  if (col >= k) return;
-  float g[8];
-  e4m3x8(make_uint2(words[0], words[1]), g);
-  __align__(16) bf16 out[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) out[i] = __float2bfloat16_rn(g[i] * scale);
-  *reinterpret_cast<uint4*>(y + r * k + col) = *reinterpret_cast<const uint4*>(out);
 }
 
 }  // namespace
@@ -301,16 +274,6 @@ cudaError_t fp8_quantize_rows(const void* x, const int32_t* gather, int gather_d
   fp8_quantize_rows_kernel<<<grid, kQuantThreads, 0, stream>>>(
       static_cast<const bf16*>(x), gather, gather_div, num_rows, k, out,
       static_cast<int>(fp8_round_up(out.rows_cap, 4)));
-  return cudaGetLastError();
-}
-
-cudaError_t fp8_round_rows(const void* x, void* y, int rows, int k, cudaStream_t stream) {
-  if (rows == 0) return cudaSuccess;
-  if (k % 8 != 0) return cudaErrorInvalidValue;
-  const int blocks = static_cast<int>(fp8_blocks(k));
-  const dim3 grid(rows, (blocks + kQuantBlocks - 1) / kQuantBlocks);
-  fp8_round_rows_kernel<<<grid, kQuantThreads, 0, stream>>>(static_cast<const bf16*>(x),
-                                                            static_cast<bf16*>(y), k);
   return cudaGetLastError();
 }
 

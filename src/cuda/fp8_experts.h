@@ -105,12 +105,6 @@ cudaError_t fp8_quantize_rows(const void* x, const int32_t* gather, int gather_d
                               const int32_t* num_rows, int max_rows, int k, const Fp8Acts& out,
                               cudaStream_t stream);
 
-// y[r] = x[r] through e4m3 and back for r < rows (bf16 [rows, k], y may be x): the values
-// fp8_quantize_rows's codes times their scales stand for, so that the kernels that read
-// bf16 activations (decode, the dequantizing tile) compute what FP8 wgmma does up to
-// rounding. k % 8 == 0.
-cudaError_t fp8_round_rows(const void* x, void* y, int rows, int k, cudaStream_t stream);
-
 // grouped_gemm over FP8 slots on Hopper's FP8 tensor cores (wgmma_gemm.cu, sm_90a): A the
 // rows fp8_quantize_rows made (g.a and g.gather ignored), B the e4m3 weights `w` says
 // where, f32 accumulation with both block scales applied per 128 K (docs/cuda.md, "FP8

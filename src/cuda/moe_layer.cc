@@ -334,15 +334,9 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
   const bool decode =
       combine_rows && (force_tile < 0 ? num_tokens <= kDecodeMaxTokens
                                       : force_tile == static_cast<int>(GemmTile::kGemv));
-  // Every FP8 path computes on e4m3 activations (a scale per row and 128 columns): FP8
-  // wgmma on their codes, the decode kernels and the dequantizing tile on their values in
-  // bf16 (fp8_round_rows, into scratch.y, which they leave unused until down), so that one
-  // process and the ranks of expert parallelism, whose row counts pick different paths,
-  // agree up to rounding (docs/cuda.md, "FP8 experts").
   if (decode) {
-    FLEX_CUDA_TRY(fp8_round_rows(h, scratch.y.data(), num_tokens, H, stream));
     Fp8DecodeArgs d;
-    d.h = scratch.y.data();
+    d.h = h;
     d.num_tokens = num_tokens;
     d.hidden = H;
     d.inter = I;
@@ -355,8 +349,6 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
     d.out = out;
     d.accumulate = accumulate;
     FLEX_CUDA_TRY(fp8_decode_gate_up(d, stream));
-    FLEX_CUDA_TRY(
-        fp8_round_rows(scratch.act.data(), scratch.act.data(), static_cast<int>(P), I, stream));
     FLEX_CUDA_TRY(fp8_decode_down_combine(d, stream));
     return Status();
   }
@@ -394,8 +386,7 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
                                     I, acts, stream));
     FLEX_CUDA_TRY(fp8_wgmma_gemm(g, fp8_down_weights(w.slots, layout), acts, stream));
   } else {
-    FLEX_CUDA_TRY(fp8_round_rows(h, scratch.y.data(), num_tokens, H, stream));
-    g.a = scratch.y.data();
+    g.a = h;
     g.gather = scratch.pair_of_row.as<int32_t>();
     g.gather_div = K;
     g.n = 2 * I;
@@ -403,8 +394,6 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
     g.swiglu = true;
     g.out = scratch.act.data();
     FLEX_CUDA_TRY(fp8_grouped_gemm(g, fp8_gate_up_weights(w.slots, layout), stream));
-    FLEX_CUDA_TRY(
-        fp8_round_rows(scratch.act.data(), scratch.act.data(), static_cast<int>(P), I, stream));
     g.a = scratch.act.data();
     g.gather = nullptr;
     g.gather_div = 1;

@@ -259,12 +259,13 @@ TEST_P(CudaFp8MoeTest, MatchesF32ReferenceOnDequantizedWeights) {
   const double err = rel_l2(got, want);
   std::printf("  fp8 %s: relative L2 vs f32 on dequantized weights = %.3g\n", case_name(c).c_str(),
               err);
-  // Every FP8 path computes on e4m3 activations (3 mantissa bits, ~2.5 % per element),
+  // FP8 wgmma quantizes the activations too (e4m3: 3 mantissa bits, ~2.5 % per element),
   // which costs ~4 % relative L2 against unquantized activations at any size (a host
   // simulation of this layer: 4.3 % at H = I = 256 and 2048); against the reference that
-  // quantizes them as the kernels do each path must agree to rounding.
-  EXPECT_LT(err, 6e-2) << case_name(c);
-  {
+  // quantizes them as the kernels do it must agree to rounding.
+  const bool wgmma = cuda::fp8_takes_wgmma(dims, T, c.force_tile);
+  EXPECT_LT(err, wgmma ? 6e-2 : 3e-2) << case_name(c);
+  if (wgmma) {
     std::vector<int32_t> experts;
     ASSERT_TRUE(
         cuda::read_routing(scratch.value(), T * K, stream.value().get(), &experts, nullptr).ok());
