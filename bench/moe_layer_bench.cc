@@ -7,7 +7,7 @@
 //
 //   moe_layer_bench [--shapes qwen3-30b-a3b,deepseek-v3] [--tokens 1,4,16,...]
 //                   [--json out.json] [--torch torch.json] [--sweep] [--profile]
-//                   [--tiles wgmma64,ws128,...] [--dense] [--fp8-dequant]
+//                   [--tiles wgmma64,ws128,...] [--dense] [--fp8-wgmma]
 //
 // Each configuration is timed as a CUDA graph of 4 layer calls on 4 different
 // inputs (so decode-sized calls touch different experts and do not run from L2),
@@ -21,10 +21,9 @@
 // the GEMMs are compute-bound: what the GPU's own library reaches on that work, under
 // the same sustained timing. Beside each bf16 figure, the same layer over FP8 experts
 // (e4m3 with 128 x 128 block scales, fp8_experts.h: decode kernels up to 8 tokens, else
-// the FP8 wgmma GEMMs on e4m3 activations, their floor at twice the bf16 rate, Hopper's
-// e4m3 peak; where wgmma does not run, the grouped GEMM dequantizing tiles to bf16), on
-// GPUs of compute capability 8.9 or newer; with --fp8-dequant also that dequantizing
-// tile above 8 tokens where wgmma runs (the path FP8 wgmma replaced).
+// the grouped GEMM dequantizing tiles to bf16), on GPUs of compute capability 8.9 or newer;
+// with --fp8-wgmma also the FP8 wgmma GEMMs (e4m3 activations, fp8_wgmma_gemm) above 8
+// tokens, their floor at twice the bf16 rate (Hopper's e4m3 peak).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -99,8 +98,8 @@ struct Row {
   std::map<std::string, double> stages;  // Kernel -> us (one call of that kernel alone).
   double unfused_us = 0;                 // Decode path: the unfused kGemv path, same run.
   double fp8_us = 0, fp8_floor_us = 0;   // The layer over FP8 experts (0: not run).
-  std::string fp8_path;                  // "decode", "wgmma" or "grouped".
-  double fp8_dequant_us = 0;             // --fp8-dequant (0: not run).
+  std::string fp8_path;                  // "decode" or "grouped".
+  double fp8_wgmma_us = 0, fp8_wgmma_floor_us = 0;  // --fp8-wgmma (0: not run).
   // --dense: "cublas:gate_up", "ws128:down", "ws128_gathered:gate_up", "even:gate_up", ...
   // -> us (cuBLAS or ws128 on the same FLOPs as dense GEMMs; ws128 on the layer's weights
   // with even rows per expert).
@@ -108,7 +107,7 @@ struct Row {
 };
 
 std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_counts, double bw,
-                             double rate, bool sweep, bool profile, bool dense, bool fp8_dequant,
+                             double rate, bool sweep, bool profile, bool dense, bool fp8_wgmma,
                              const std::set<std::string>& sweep_tiles, cudaStream_t stream,
                              Blas& blas) {
   MoeDims dims;
@@ -247,24 +246,26 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
                                 false, blas, stream));
           },
           150.0);
-      const bool wgmma = fp8_takes_wgmma(dims8, T, -1);
-      row.fp8_path = T <= kDecodeMaxTokens ? "decode" : wgmma ? "wgmma" : "grouped";
-      // The same floor with 1-byte weights and their scales (and e4m3's rate for wgmma).
+      row.fp8_path = T <= kDecodeMaxTokens ? "decode" : "grouped";
+      // The same floor with 1-byte weights and their scales.
       const double fp8_bytes =
           row.bytes - row.experts_touched * (expert_bytes - dims8.slot_bytes());
-      row.fp8_floor_us = 1e6 * std::max(fp8_bytes / bw, row.flops / (wgmma ? 2 * rate : rate));
-      std::printf("    fp8 experts (%s): %.1f us (floor %.1f us, %.1f%%), %.2fx bf16\n",
-                  row.fp8_path.c_str(), row.fp8_us, row.fp8_floor_us,
-                  100.0 * row.fp8_floor_us / row.fp8_us, row.us / row.fp8_us);
-      if (fp8_dequant && wgmma) {
-        row.fp8_dequant_us = time_calls(
+      row.fp8_floor_us = 1e6 * std::max(fp8_bytes / bw, row.flops / rate);
+      std::printf("    fp8 experts (%s): %.1f us (floor %.1f us, %.1f%%)\n", row.fp8_path.c_str(),
+                  row.fp8_us, row.fp8_floor_us, 100.0 * row.fp8_floor_us / row.fp8_us);
+      if (fp8_wgmma && T > kDecodeMaxTokens && wgmma_available() &&
+          fp8_wgmma_fits(2 * sh.inter, H) && fp8_wgmma_fits(H, sh.inter)) {
+        row.fp8_wgmma_us = time_calls(
             [&](int i) {
               BENCH_CHECK(run_moe(dims8, w8, scratch8, inputs[i].data(), T, nullptr,
                                   out.as<float>(), false, blas, stream,
-                                  static_cast<int>(GemmTile::kMma64)));
+                                  static_cast<int>(GemmTile::kWgmmaWs64)));
             },
             150.0);
-        std::printf("    fp8 experts (dequantizing tile): %.1f us\n", row.fp8_dequant_us);
+        row.fp8_wgmma_floor_us = 1e6 * std::max(fp8_bytes / bw, row.flops / (2 * rate));
+        std::printf("    fp8 experts (wgmma): %.1f us (floor %.1f us, %.1f%%), %.2fx bf16\n",
+                    row.fp8_wgmma_us, row.fp8_wgmma_floor_us,
+                    100.0 * row.fp8_wgmma_floor_us / row.fp8_wgmma_us, row.us / row.fp8_wgmma_us);
       }
     }
     if (decode) {
@@ -417,7 +418,7 @@ int run(int argc, char** argv) {
   std::string shapes = "qwen3-30b-a3b,deepseek-v3";
   std::string tokens = "1,4,16,64,256,1024,4096,16384";
   std::string json_path, torch_path, tiles;
-  bool sweep = false, profile = false, dense = false, fp8_dequant = false;
+  bool sweep = false, profile = false, dense = false, fp8_wgmma = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -443,12 +444,12 @@ int run(int argc, char** argv) {
       profile = true;
     } else if (a == "--dense") {
       dense = true;
-    } else if (a == "--fp8-dequant") {
-      fp8_dequant = true;
+    } else if (a == "--fp8-wgmma") {
+      fp8_wgmma = true;
     } else {
       std::fprintf(stderr,
                    "usage: moe_layer_bench [--shapes a,b] [--tokens 1,4,...] [--json F] "
-                   "[--torch F] [--sweep] [--profile] [--tiles a,b] [--dense] [--fp8-dequant]\n");
+                   "[--torch F] [--sweep] [--profile] [--tiles a,b] [--dense] [--fp8-wgmma]\n");
       return 2;
     }
   }
@@ -484,8 +485,8 @@ int run(int argc, char** argv) {
     }
     const std::vector<std::string> tile_list = split(tiles);
     const std::set<std::string> sweep_tiles(tile_list.begin(), tile_list.end());
-    auto r = bench_shape(*sh, token_counts, bw, rate, sweep, profile, dense, fp8_dequant,
-                         sweep_tiles, stream.get(), blas);
+    auto r = bench_shape(*sh, token_counts, bw, rate, sweep, profile, dense, fp8_wgmma, sweep_tiles,
+                         stream.get(), blas);
     rows.insert(rows.end(), r.begin(), r.end());
   }
   nlohmann::json torch = nlohmann::json::object();
@@ -535,7 +536,8 @@ int run(int argc, char** argv) {
                     {"fp8_us", r.fp8_us},
                     {"fp8_path", r.fp8_path},
                     {"fp8_floor_us", r.fp8_floor_us},
-                    {"fp8_dequant_us", r.fp8_dequant_us},
+                    {"fp8_wgmma_us", r.fp8_wgmma_us},
+                    {"fp8_wgmma_floor_us", r.fp8_wgmma_floor_us},
                     {"dense_us", r.dense},
                     {"stage_us", r.stages}});
   }

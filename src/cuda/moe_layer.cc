@@ -128,13 +128,6 @@ Result<MoeScratch> MoeScratch::create(const MoeDims& dims, int max_tokens) {
   s.max_tokens = max_tokens;
   const size_t T = static_cast<size_t>(max_tokens);
   const size_t P = T * static_cast<size_t>(dims.top_k);
-  if (fp8_wgmma_runs(dims)) {  // The FP8 wgmma GEMMs' A: e4m3 rows and their scales.
-    const int64_t rows = std::max<int64_t>(static_cast<int64_t>(P), 1);
-    const int64_t k = std::max(dims.hidden, dims.intermediate);
-    FLEX_ASSIGN_OR_RETURN(s.act_codes, DeviceBuffer::create(rows * k));
-    FLEX_ASSIGN_OR_RETURN(s.act_scales,
-                          DeviceBuffer::create(fp8_blocks(k) * fp8_round_up(rows, 4) * 4));
-  }
   const size_t esize = dtype_size(dims.dtype);
   const size_t tiles =
       static_cast<size_t>(max_tiles(static_cast<int64_t>(P), dims.num_slots, kMinTileRows));
@@ -310,17 +303,6 @@ Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratc
   return Status();
 }
 
-bool fp8_wgmma_runs(const MoeDims& dims) {
-  return dims.fp8 && wgmma_available() && fp8_wgmma_fits(2 * dims.intermediate, dims.hidden) &&
-         fp8_wgmma_fits(dims.hidden, dims.intermediate);
-}
-
-bool fp8_takes_wgmma(const MoeDims& dims, int num_tokens, int force_tile) {
-  if (!fp8_wgmma_runs(dims)) return false;
-  if (force_tile >= 0) return force_tile == static_cast<int>(GemmTile::kWgmmaWs64);
-  return num_tokens > kDecodeMaxTokens;
-}
-
 Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                        const void* h, int num_tokens, const int32_t* num_valid_tokens, float* out,
                        bool accumulate, cudaStream_t stream, int force_tile, bool combine_rows) {
@@ -358,13 +340,20 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
   g.tile_row0 = scratch.tile_row0.as<int32_t>();
   g.num_tiles = scratch.num_tiles.as<int32_t>();
   g.max_tiles = max_tiles(P, dims.num_slots, kFp8GemmRows);
-  // FP8 wgmma (fp8_wgmma_gemm) where it runs; the dequantizing tile otherwise or when a
-  // test or benchmark forces another tile (docs/cuda.md, "FP8 experts").
-  if (force_tile == static_cast<int>(GemmTile::kWgmmaWs64) &&
-      !fp8_takes_wgmma(dims, num_tokens, force_tile)) {
-    return invalid_argument("FP8 wgmma needs sm_90a, H a multiple of 128 and I of 64");
-  }
-  if (fp8_takes_wgmma(dims, num_tokens, force_tile)) {
+  // FP8 wgmma (fp8_wgmma_gemm) only when asked for: it has not passed cuda_test on the
+  // H200 yet (docs/cuda.md, "FP8 experts").
+  if (force_tile == static_cast<int>(GemmTile::kWgmmaWs64)) {
+    if (!wgmma_available() || !fp8_wgmma_fits(2 * I, H) || !fp8_wgmma_fits(H, I)) {
+      return invalid_argument("FP8 wgmma needs sm_90a, H a multiple of 128 and I of 64");
+    }
+    if (scratch.act_codes.data() == nullptr) {
+      // First FP8 wgmma call on this scratch (eager, before any graph capture): its A.
+      const int64_t rows = std::max<int64_t>(static_cast<int64_t>(scratch.max_tokens) * K, 1);
+      const int64_t k = std::max(H, I);
+      FLEX_ASSIGN_OR_RETURN(scratch.act_codes, DeviceBuffer::create(rows * k));
+      FLEX_ASSIGN_OR_RETURN(scratch.act_scales,
+                            DeviceBuffer::create(fp8_blocks(k) * fp8_round_up(rows, 4) * 4));
+    }
     // Rows quantized to e4m3 (a scale per row and 128 columns), then e4m3 wgmma: gate/up
     // over the rows of h gathered by pair, down over the SwiGLU rows.
     const Fp8Acts acts{scratch.act_codes.data(), scratch.act_scales.as<float>(),

@@ -263,7 +263,7 @@ TEST_P(CudaFp8MoeTest, MatchesF32ReferenceOnDequantizedWeights) {
   // which costs ~4 % relative L2 against unquantized activations at any size (a host
   // simulation of this layer: 4.3 % at H = I = 256 and 2048); against the reference that
   // quantizes them as the kernels do it must agree to rounding.
-  const bool wgmma = cuda::fp8_takes_wgmma(dims, T, c.force_tile);
+  const bool wgmma = c.force_tile == kWgmma;
   EXPECT_LT(err, wgmma ? 6e-2 : 3e-2) << case_name(c);
   if (wgmma) {
     std::vector<int32_t> experts;
@@ -321,10 +321,10 @@ INSTANTIATE_TEST_SUITE_P(
 
 // FP8 wgmma (run_moe's force_tile kWgmmaWs64, sm_90a): one row per slot up to several
 // tiles, 2 I = 384 (a 256-column unit with one consumer idle), I = 192 (a partial last K
-// block of down), a moved slot. Fp8Shapes' cases of more than kDecodeMaxTokens tokens with
-// H a multiple of 128 take it by default.
+// block of down), a moved slot. Disabled until they have passed on the H200 (docs/cuda.md,
+// "FP8 experts"): --gtest_also_run_disabled_tests --gtest_filter='DISABLED_Fp8Wgmma*'.
 INSTANTIATE_TEST_SUITE_P(
-    Fp8Wgmma, CudaFp8MoeTest,
+    DISABLED_Fp8Wgmma, CudaFp8MoeTest,
     ::testing::Values(Fp8Case{256, 256, 9, kWgmma, false}, Fp8Case{256, 256, 37, kWgmma, false},
                       Fp8Case{256, 256, 200, kWgmma, false}, Fp8Case{384, 192, 130, kWgmma, false},
                       Fp8Case{512, 128, 300, kWgmma, false}, Fp8Case{256, 256, 64, kWgmma, true}),
