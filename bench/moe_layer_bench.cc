@@ -41,6 +41,7 @@
 #include "cuda/device.h"
 #include "cuda/fp8_experts.h"
 #include "cuda/kernels.h"
+#include "cuda/knobs.h"
 #include "cuda/moe_layer.h"
 #include "cuda_bench.h"
 
@@ -246,7 +247,9 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
                                 false, blas, stream));
           },
           150.0);
-      row.fp8_path = T <= kDecodeMaxTokens ? "decode" : "grouped";
+      row.fp8_path = T <= kDecodeMaxTokens                        ? "decode"
+                     : knobs().fp8_wgmma && fp8_wgmma_runs(dims8) ? "wgmma (FLEXPERT_FP8_WGMMA)"
+                                                                  : "grouped";
       // The same floor with 1-byte weights and their scales.
       const double fp8_bytes =
           row.bytes - row.experts_touched * (expert_bytes - dims8.slot_bytes());

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine, with binaries packed by scripts/gpu_pack.sh: the FP8 wgmma GEMM
-# (fp8_experts.h, docs/cuda.md "FP8 experts") against its references, its disabled
+# (fp8_experts.h, docs/cuda.md "FP8 experts") against its references, its
 # cuda_test cases first alone (an illegal instruction would poison the process), also
 # with the persistent grid capped at 3 CTAs (several units per CTA, the ring wrapping),
 # then every FP8 test, then moe_layer_bench with --fp8-wgmma at both shapes. Prints a
@@ -15,7 +15,7 @@ TOKENS=${FP8_TOKENS:-1,4,16,64,256,1024,4096,16384}
 mkdir -p "$OUT"
 export CUDA_MODULE_LOADING=EAGER
 stamp() { echo "== $(date +%T) $*"; }
-wgmma=(--gtest_also_run_disabled_tests --gtest_filter='DISABLED_Fp8Wgmma*')
+wgmma=(--gtest_filter='Fp8Wgmma*')
 
 if [ "${FP8_SANITIZE:-0}" != 0 ]; then
   stamp "compute-sanitizer memcheck: FP8 wgmma cases"

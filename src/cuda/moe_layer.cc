@@ -25,6 +25,16 @@ void store_as(DType dtype, float v, void* dst, int64_t index) {
   }
 }
 
+// The FP8 wgmma GEMMs' A: e4m3 rows and their scales, at the scratch's capacity.
+Status allocate_fp8_acts(const MoeDims& dims, MoeScratch& s) {
+  const int64_t rows = std::max<int64_t>(static_cast<int64_t>(s.max_tokens) * dims.top_k, 1);
+  const int64_t k = std::max(dims.hidden, dims.intermediate);
+  FLEX_ASSIGN_OR_RETURN(s.act_codes, DeviceBuffer::create(rows * k));
+  FLEX_ASSIGN_OR_RETURN(s.act_scales,
+                        DeviceBuffer::create(fp8_blocks(k) * fp8_round_up(rows, 4) * 4));
+  return Status();
+}
+
 }  // namespace
 
 Status MoeDims::validate() const {
@@ -126,6 +136,7 @@ Result<MoeScratch> MoeScratch::create(const MoeDims& dims, int max_tokens) {
   (void)wgmma_available();  // Probe now: never inside a graph capture.
   MoeScratch s;
   s.max_tokens = max_tokens;
+  if (knobs().fp8_wgmma && fp8_wgmma_runs(dims)) FLEX_RETURN_IF_ERROR(allocate_fp8_acts(dims, s));
   const size_t T = static_cast<size_t>(max_tokens);
   const size_t P = T * static_cast<size_t>(dims.top_k);
   const size_t esize = dtype_size(dims.dtype);
@@ -303,6 +314,11 @@ Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratc
   return Status();
 }
 
+bool fp8_wgmma_runs(const MoeDims& dims) {
+  return dims.fp8 && wgmma_available() && fp8_wgmma_fits(2 * dims.intermediate, dims.hidden) &&
+         fp8_wgmma_fits(dims.hidden, dims.intermediate);
+}
+
 Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                        const void* h, int num_tokens, const int32_t* num_valid_tokens, float* out,
                        bool accumulate, cudaStream_t stream, int force_tile, bool combine_rows) {
@@ -340,19 +356,20 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
   g.tile_row0 = scratch.tile_row0.as<int32_t>();
   g.num_tiles = scratch.num_tiles.as<int32_t>();
   g.max_tiles = max_tiles(P, dims.num_slots, kFp8GemmRows);
-  // FP8 wgmma (fp8_wgmma_gemm) only when asked for: it has not passed cuda_test on the
-  // H200 yet (docs/cuda.md, "FP8 experts").
-  if (force_tile == static_cast<int>(GemmTile::kWgmmaWs64)) {
-    if (!wgmma_available() || !fp8_wgmma_fits(2 * I, H) || !fp8_wgmma_fits(H, I)) {
+  // FP8 wgmma (fp8_wgmma_gemm) when asked for: force_tile kWgmmaWs64, or by default above
+  // kDecodeMaxTokens tokens with FLEXPERT_FP8_WGMMA (opt-in: it quantizes the activations,
+  // which the other paths do not, so one process and expert-parallel ranks, whose row
+  // counts pick different paths, part; docs/cuda.md, "FP8 experts").
+  const bool by_knob =
+      force_tile < 0 && knobs().fp8_wgmma && num_tokens > kDecodeMaxTokens && fp8_wgmma_runs(dims);
+  if (by_knob || force_tile == static_cast<int>(GemmTile::kWgmmaWs64)) {
+    if (!fp8_wgmma_runs(dims)) {
       return invalid_argument("FP8 wgmma needs sm_90a, H a multiple of 128 and I of 64");
     }
     if (scratch.act_codes.data() == nullptr) {
-      // First FP8 wgmma call on this scratch (eager, before any graph capture): its A.
-      const int64_t rows = std::max<int64_t>(static_cast<int64_t>(scratch.max_tokens) * K, 1);
-      const int64_t k = std::max(H, I);
-      FLEX_ASSIGN_OR_RETURN(scratch.act_codes, DeviceBuffer::create(rows * k));
-      FLEX_ASSIGN_OR_RETURN(scratch.act_scales,
-                            DeviceBuffer::create(fp8_blocks(k) * fp8_round_up(rows, 4) * 4));
+      // Its A, allocated by MoeScratch::create with the knob, else at the first forced call
+      // (eager, before any graph capture).
+      FLEX_RETURN_IF_ERROR(allocate_fp8_acts(dims, scratch));
     }
     // Rows quantized to e4m3 (a scale per row and 128 columns), then e4m3 wgmma: gate/up
     // over the rows of h gathered by pair, down over the SwiGLU rows.

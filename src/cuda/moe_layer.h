@@ -93,8 +93,9 @@ struct MoeScratch {
   DeviceBuffer ticket;                           // i32 [1], zero between launches (decode)
   DeviceBuffer gemm_sched;                       // i32 [2], GroupedGemmArgs::sched
   // dims.fp8 (fp8_experts.h's Fp8Acts): e4m3 [T * K, max(H, I)] and their f32 scales
-  // [blocks(max(H, I)), round_up(T * K, 4)], the FP8 wgmma GEMMs' A; allocated by the
-  // first run that takes FP8 wgmma (force_tile kWgmmaWs64), which must not be captured.
+  // [blocks(max(H, I)), round_up(T * K, 4)], the FP8 wgmma GEMMs' A; allocated at create
+  // with FLEXPERT_FP8_WGMMA, else by the first run that forces FP8 wgmma (force_tile
+  // kWgmmaWs64), which must not be captured.
   DeviceBuffer act_codes, act_scales;
 };
 
@@ -116,7 +117,7 @@ enum MoeStage : unsigned {
 // With dims.fp8: the router GEMM and top-k with permutation, then the FP8 decode kernels
 // (up to kDecodeMaxTokens tokens, or force_tile == kGemv) or the FP8 grouped GEMMs and
 // combine (fp8_experts.h): the dequantizing tile, or FP8 wgmma with force_tile
-// kWgmmaWs64 (not by default yet: docs/cuda.md, "FP8 experts"); `stages` is ignored.
+// kWgmmaWs64 or FLEXPERT_FP8_WGMMA (docs/cuda.md, "FP8 experts"); `stages` is ignored.
 Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch, const void* h,
                int num_tokens, const int32_t* num_valid_tokens, float* out, bool accumulate,
                Blas& blas, cudaStream_t stream, int force_tile = -1,
@@ -147,6 +148,10 @@ PermuteArgs permute_args(const MoeDims& dims, const MoeLayerWeights& w, MoeScrat
 Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                         const void* h, int num_tokens, GemmTile tile, float* out, bool accumulate,
                         cudaStream_t stream, unsigned stages = kMoeAllStages);
+
+// Whether the FP8 wgmma GEMMs run for these dims on this device (sm_90a, H a multiple of
+// 128 and I of 64).
+bool fp8_wgmma_runs(const MoeDims& dims);
 
 // With dims.fp8, the parts of run_moe after the routing (scratch.expert / weight / slot):
 // permutation by slot (with slot statistics), then the FP8 decode kernels (force_tile -1

@@ -321,10 +321,9 @@ INSTANTIATE_TEST_SUITE_P(
 
 // FP8 wgmma (run_moe's force_tile kWgmmaWs64, sm_90a): one row per slot up to several
 // tiles, 2 I = 384 (a 256-column unit with one consumer idle), I = 192 (a partial last K
-// block of down), a moved slot. Disabled until they have passed on the H200 (docs/cuda.md,
-// "FP8 experts"): --gtest_also_run_disabled_tests --gtest_filter='DISABLED_Fp8Wgmma*'.
+// block of down), a moved slot.
 INSTANTIATE_TEST_SUITE_P(
-    DISABLED_Fp8Wgmma, CudaFp8MoeTest,
+    Fp8Wgmma, CudaFp8MoeTest,
     ::testing::Values(Fp8Case{256, 256, 9, kWgmma, false}, Fp8Case{256, 256, 37, kWgmma, false},
                       Fp8Case{256, 256, 200, kWgmma, false}, Fp8Case{384, 192, 130, kWgmma, false},
                       Fp8Case{512, 128, 300, kWgmma, false}, Fp8Case{256, 256, 64, kWgmma, true}),

@@ -3,11 +3,10 @@
 // its routed experts kept in FP8 (docs/cuda.md "FP8 experts"; attention and dense MLP
 // dequantized to bf16 at load), against the GPU bf16 path on the checkpoint's dequantized
 // twin (the values e4m3 * s, computed by synth, not by a loader): the same weights, read
-// through different kernels (FP8 slots vs bf16 slots). The FP8 kernels also round their
-// activations to e4m3 (moe_layer.h), so the logits agree to that rounding, and greedy tokens
-// part only at near-ties. Without --quantization the FP8 checkpoint gets FP8 experts, as
-// DeepSeek's does. Skips without a GPU of compute
-// capability 8.9 or newer.
+// through different kernels (FP8 slots vs bf16 slots; with FLEXPERT_FP8_WGMMA the FP8
+// path also rounds its activations to e4m3, moe_layer.h), so the logits agree to that
+// rounding, and greedy tokens part only at near-ties. Without --quantization the FP8 checkpoint
+// gets FP8 experts, as DeepSeek's does. Skips without a GPU of compute capability 8.9 or newer.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -93,7 +92,8 @@ TEST_F(CudaQwen3Fp8Test, Fp8ExpertsMatchBf16OnTheDequantizedTwin) {
   for (int i = 0; i < 33; ++i) batch[0].tokens.push_back(static_cast<int32_t>(rng() % vocab));
   for (int i = 0; i < 5; ++i) batch[1].tokens.push_back(static_cast<int32_t>(rng() % vocab));
   for (int step = 0; step < 6; ++step) {
-    // The FP8 kernels round the experts' inputs to e4m3 (up to 2^-4 relative an element);
+    // Bounds that hold with FP8 wgmma too (FLEXPERT_FP8_WGMMA), which rounds the experts'
+    // inputs to e4m3 (up to 2^-4 relative an element);
     // every MLP here is routed experts (DeepSeek's FP8 experts, beside bf16 shared experts,
     // agree with the CPU within 3e-2). Weights of another seed are about 1.4 apart.
     const double err = cuda_test::rel_l2(step_logits(*fp8, batch), step_logits(*twin, batch));
