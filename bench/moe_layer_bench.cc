@@ -256,8 +256,7 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
       row.fp8_floor_us = 1e6 * std::max(fp8_bytes / bw, row.flops / rate);
       std::printf("    fp8 experts (%s): %.1f us (floor %.1f us, %.1f%%)\n", row.fp8_path.c_str(),
                   row.fp8_us, row.fp8_floor_us, 100.0 * row.fp8_floor_us / row.fp8_us);
-      if (fp8_wgmma && T > kDecodeMaxTokens && wgmma_available() &&
-          fp8_wgmma_fits(2 * sh.inter, H) && fp8_wgmma_fits(H, sh.inter)) {
+      if (fp8_wgmma && T > kDecodeMaxTokens && fp8_wgmma_runs(dims8)) {
         row.fp8_wgmma_us = time_calls(
             [&](int i) {
               BENCH_CHECK(run_moe(dims8, w8, scratch8, inputs[i].data(), T, nullptr,

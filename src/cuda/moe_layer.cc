@@ -360,12 +360,12 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
   // kDecodeMaxTokens tokens with FLEXPERT_FP8_WGMMA (opt-in: it quantizes the activations,
   // which the other paths do not, so one process and expert-parallel ranks, whose row
   // counts pick different paths, part; docs/cuda.md, "FP8 experts").
-  const bool by_knob =
-      force_tile < 0 && knobs().fp8_wgmma && num_tokens > kDecodeMaxTokens && fp8_wgmma_runs(dims);
-  if (by_knob || force_tile == static_cast<int>(GemmTile::kWgmmaWs64)) {
-    if (!fp8_wgmma_runs(dims)) {
-      return invalid_argument("FP8 wgmma needs sm_90a, H a multiple of 128 and I of 64");
-    }
+  const bool forced = force_tile == static_cast<int>(GemmTile::kWgmmaWs64);
+  if (forced && !fp8_wgmma_runs(dims)) {
+    return invalid_argument("FP8 wgmma needs sm_90a, H a multiple of 128 and I of 64");
+  }
+  if (forced || (force_tile < 0 && knobs().fp8_wgmma && num_tokens > kDecodeMaxTokens &&
+                 fp8_wgmma_runs(dims))) {
     if (scratch.act_codes.data() == nullptr) {
       // Its A, allocated by MoeScratch::create with the knob, else at the first forced call
       // (eager, before any graph capture).

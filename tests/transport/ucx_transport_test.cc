@@ -91,7 +91,8 @@ TEST(UcxTransportTest, ListenerModeAddress) {
 // under UCX_PROTO_ENABLE=n, whose gets of device memory UCX 1.13 cannot serve).
 bool ucx_supports_cuda() {
   if (const char* proto = std::getenv("UCX_PROTO_ENABLE")) {
-    if (std::string(proto) == "n") return false;
+    const std::string p = proto;  // The spellings ucx_device_memory.cc takes for "no".
+    if (p == "n" || p == "no" || p == "N" || p == "0" || p == "off") return false;
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
