@@ -7,7 +7,7 @@
 //
 //   moe_layer_bench [--shapes qwen3-30b-a3b,deepseek-v3] [--tokens 1,4,16,...]
 //                   [--json out.json] [--torch torch.json] [--sweep] [--profile]
-//                   [--tiles wgmma64,ws128,...] [--dense] [--fp8-wgmma]
+//                   [--tiles wgmma64,ws128,...] [--dense] [--fp8-paths decode,tile,wgmma]
 //
 // Each configuration is timed as a CUDA graph of 4 layer calls on 4 different
 // inputs (so decode-sized calls touch different experts and do not run from L2),
@@ -21,9 +21,9 @@
 // the GEMMs are compute-bound: what the GPU's own library reaches on that work, under
 // the same sustained timing. Beside each bf16 figure, the same layer over FP8 experts
 // (e4m3 with 128 x 128 block scales, fp8_experts.h: decode kernels up to 8 tokens, else
-// the grouped GEMM dequantizing tiles to bf16), on GPUs of compute capability 8.9 or newer;
-// with --fp8-wgmma also the FP8 wgmma GEMMs (e4m3 activations, fp8_wgmma_gemm) above 8
-// tokens, their floor at twice the bf16 rate (Hopper's e4m3 peak).
+// the FP8 wgmma GEMMs, their floor at twice the bf16 rate (Hopper's e4m3 peak), or where
+// wgmma does not run the mma.sync tile on the same e4m3 values), on GPUs of compute
+// capability 8.9 or newer; --fp8-paths also times the named paths, forced, at every size.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -52,6 +52,10 @@ struct Shape {
   std::string name;
   int hidden, inter, experts, top_k;
 };
+
+const char* fp8_path_name(Fp8Path p) {
+  return p == Fp8Path::kDecode ? "decode" : p == Fp8Path::kTile ? "tile" : "wgmma";
+}
 
 const Shape kShapes[] = {{"qwen3-30b-a3b", 2048, 768, 128, 8}, {"deepseek-v3", 7168, 2048, 256, 8}};
 constexpr int kInputs = 4;
@@ -95,12 +99,12 @@ struct Row {
   int tokens = 0;
   double us = 0, floor_us = 0, bytes = 0, flops = 0, experts_touched = 0;
   std::string tile;
-  std::map<std::string, double> sweep;   // Tile -> us.
-  std::map<std::string, double> stages;  // Kernel -> us (one call of that kernel alone).
-  double unfused_us = 0;                 // Decode path: the unfused kGemv path, same run.
-  double fp8_us = 0, fp8_floor_us = 0;   // The layer over FP8 experts (0: not run).
-  std::string fp8_path;                  // "decode" or "grouped".
-  double fp8_wgmma_us = 0, fp8_wgmma_floor_us = 0;  // --fp8-wgmma (0: not run).
+  std::map<std::string, double> sweep;       // Tile -> us.
+  std::map<std::string, double> stages;      // Kernel -> us (one call of that kernel alone).
+  double unfused_us = 0;                     // Decode path: the unfused kGemv path, same run.
+  double fp8_us = 0, fp8_floor_us = 0;       // The layer over FP8 experts (0: not run).
+  std::string fp8_path;                      // "decode", "tile" or "wgmma".
+  std::map<std::string, double> fp8_forced;  // --fp8-paths: path -> us.
   // --dense: "cublas:gate_up", "ws128:down", "ws128_gathered:gate_up", "even:gate_up", ...
   // -> us (cuBLAS or ws128 on the same FLOPs as dense GEMMs; ws128 on the layer's weights
   // with even rows per expert).
@@ -108,7 +112,8 @@ struct Row {
 };
 
 std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_counts, double bw,
-                             double rate, bool sweep, bool profile, bool dense, bool fp8_wgmma,
+                             double rate, bool sweep, bool profile, bool dense,
+                             const std::vector<std::string>& fp8_paths,
                              const std::set<std::string>& sweep_tiles, cudaStream_t stream,
                              Blas& blas) {
   MoeDims dims;
@@ -247,27 +252,33 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
                                 false, blas, stream));
           },
           150.0);
-      row.fp8_path = T <= kDecodeMaxTokens                        ? "decode"
-                     : knobs().fp8_wgmma && fp8_wgmma_runs(dims8) ? "wgmma (FLEXPERT_FP8_WGMMA)"
-                                                                  : "grouped";
-      // The same floor with 1-byte weights and their scales.
+      const Fp8Path path = cuda::fp8_path(dims8, T, true);
+      const bool wgmma = path == Fp8Path::kWgmma;
+      row.fp8_path = fp8_path_name(path);
+      // The same floor with 1-byte weights and their scales; FP8 wgmma at twice the rate.
       const double fp8_bytes =
           row.bytes - row.experts_touched * (expert_bytes - dims8.slot_bytes());
-      row.fp8_floor_us = 1e6 * std::max(fp8_bytes / bw, row.flops / rate);
-      std::printf("    fp8 experts (%s): %.1f us (floor %.1f us, %.1f%%)\n", row.fp8_path.c_str(),
-                  row.fp8_us, row.fp8_floor_us, 100.0 * row.fp8_floor_us / row.fp8_us);
-      if (fp8_wgmma && T > kDecodeMaxTokens && fp8_wgmma_runs(dims8)) {
-        row.fp8_wgmma_us = time_calls(
+      row.fp8_floor_us = 1e6 * std::max(fp8_bytes / bw, row.flops / (wgmma ? 2 * rate : rate));
+      std::printf("    fp8 experts (%s): %.1f us (floor %.1f us, %.1f%%), %.2fx bf16\n",
+                  row.fp8_path.c_str(), row.fp8_us, row.fp8_floor_us,
+                  100.0 * row.fp8_floor_us / row.fp8_us, row.us / row.fp8_us);
+      for (const std::string& name : fp8_paths) {
+        const Fp8Path p = name == "decode" ? Fp8Path::kDecode
+                          : name == "tile" ? Fp8Path::kTile
+                                           : Fp8Path::kWgmma;
+        if (p == Fp8Path::kWgmma && !fp8_wgmma_runs(dims8)) continue;
+        const int force = p == Fp8Path::kDecode ? static_cast<int>(GemmTile::kGemv)
+                          : p == Fp8Path::kTile ? static_cast<int>(GemmTile::kMma64)
+                                                : static_cast<int>(GemmTile::kWgmmaWs64);
+        const double us = time_calls(
             [&](int i) {
               BENCH_CHECK(run_moe(dims8, w8, scratch8, inputs[i].data(), T, nullptr,
-                                  out.as<float>(), false, blas, stream,
-                                  static_cast<int>(GemmTile::kWgmmaWs64)));
+                                  out.as<float>(), false, blas, stream, force));
             },
             150.0);
-        row.fp8_wgmma_floor_us = 1e6 * std::max(fp8_bytes / bw, row.flops / (2 * rate));
-        std::printf("    fp8 experts (wgmma): %.1f us (floor %.1f us, %.1f%%), %.2fx bf16\n",
-                    row.fp8_wgmma_us, row.fp8_wgmma_floor_us,
-                    100.0 * row.fp8_wgmma_floor_us / row.fp8_wgmma_us, row.us / row.fp8_wgmma_us);
+        row.fp8_forced[name] = us;
+        std::printf("    fp8 experts, %s forced: %.1f us, %.2fx bf16\n", name.c_str(), us,
+                    row.us / us);
       }
     }
     if (decode) {
@@ -420,7 +431,8 @@ int run(int argc, char** argv) {
   std::string shapes = "qwen3-30b-a3b,deepseek-v3";
   std::string tokens = "1,4,16,64,256,1024,4096,16384";
   std::string json_path, torch_path, tiles;
-  bool sweep = false, profile = false, dense = false, fp8_wgmma = false;
+  bool sweep = false, profile = false, dense = false;
+  std::vector<std::string> fp8_paths;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -446,12 +458,19 @@ int run(int argc, char** argv) {
       profile = true;
     } else if (a == "--dense") {
       dense = true;
-    } else if (a == "--fp8-wgmma") {
-      fp8_wgmma = true;
+    } else if (a == "--fp8-paths") {
+      fp8_paths = split(next());
+      for (const std::string& p : fp8_paths) {
+        if (p != "decode" && p != "tile" && p != "wgmma") {
+          std::fprintf(stderr, "--fp8-paths takes decode, tile, wgmma (got %s)\n", p.c_str());
+          return 2;
+        }
+      }
     } else {
       std::fprintf(stderr,
                    "usage: moe_layer_bench [--shapes a,b] [--tokens 1,4,...] [--json F] "
-                   "[--torch F] [--sweep] [--profile] [--tiles a,b] [--dense] [--fp8-wgmma]\n");
+                   "[--torch F] [--sweep] [--profile] [--tiles a,b] [--dense] [--fp8-paths "
+                   "decode,tile,wgmma]\n");
       return 2;
     }
   }
@@ -487,7 +506,7 @@ int run(int argc, char** argv) {
     }
     const std::vector<std::string> tile_list = split(tiles);
     const std::set<std::string> sweep_tiles(tile_list.begin(), tile_list.end());
-    auto r = bench_shape(*sh, token_counts, bw, rate, sweep, profile, dense, fp8_wgmma, sweep_tiles,
+    auto r = bench_shape(*sh, token_counts, bw, rate, sweep, profile, dense, fp8_paths, sweep_tiles,
                          stream.get(), blas);
     rows.insert(rows.end(), r.begin(), r.end());
   }
@@ -538,8 +557,7 @@ int run(int argc, char** argv) {
                     {"fp8_us", r.fp8_us},
                     {"fp8_path", r.fp8_path},
                     {"fp8_floor_us", r.fp8_floor_us},
-                    {"fp8_wgmma_us", r.fp8_wgmma_us},
-                    {"fp8_wgmma_floor_us", r.fp8_wgmma_floor_us},
+                    {"fp8_forced_us", r.fp8_forced},
                     {"dense_us", r.dense},
                     {"stage_us", r.stages}});
   }

@@ -40,16 +40,54 @@ __device__ __forceinline__ int scale_row(const Fp8Weights& w, int row) {
   return (r < 8 ? 0 : w.up_scale_row0) + orig / kFp8BlockSize;
 }
 
-// sum over columns of row w_row (e4m3, scales per 128 columns of scale_row) times x (bf16),
-// this lane's share (columns 8 lane + 256 j); reduce over the warp afterwards.
+// One lane's 8 columns of a 128-column block (16 lanes a block, lanes 16-aligned in their
+// warp) quantized to e4m3 with the block's scale (absmax / 448): both kernels below.
+__device__ __forceinline__ float quantize8(const float f[8], uint32_t words[2]) {
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+  for (int off = 8; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const float inv = amax > 0.f ? 448.f / amax : 0.f;
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(f[4 * w] * inv, f[4 * w + 1] * inv),
+                                                 __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(
+        make_float2(f[4 * w + 2] * inv, f[4 * w + 3] * inv), __NV_SATFINITE, __NV_E4M3);
+    words[w] = lo | (hi << 16);
+  }
+  return amax / 448.f;
+}
+
+// This lane's 8 columns at c of bf16 x (zeros past k), quantized as fp8_quantize_rows does
+// (the 16 lanes of a half-warp hold one 128-column block), as their exact values code *
+// scale in f32: the decode kernels compute on the activations FP8 wgmma sees.
+__device__ __forceinline__ void quantized8(const bf16* x, int c, int k, float (&xf)[8]) {
+  float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (c < k) bf16x8(*reinterpret_cast<const uint4*>(x + c), f);
+  uint32_t words[2];
+  const float scale = quantize8(f, words);
+  e4m3x8(make_uint2(words[0], words[1]), xf);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) xf[i] *= scale;
+}
+
+// sum over columns of row w_row (e4m3, scales per 128 columns of scale_row) times x (bf16,
+// quantized by quantized8), this lane's share (columns 8 lane + 256 j); reduce over the warp
+// afterwards. Every lane runs every iteration (quantized8's shuffles).
 __device__ __forceinline__ float lane_dot(const uint8_t* w_row, const float* scales, const bf16* x,
                                           int k, int lane) {
   float acc = 0.f;
-  for (int c = lane * 8; c < k; c += 256) {
-    float wf[8], xf[8];
-    e4m3x8(*reinterpret_cast<const uint2*>(w_row + c), wf);
-    bf16x8(*reinterpret_cast<const uint4*>(x + c), xf);
-    acc += scales[c / kFp8BlockSize] * dot8(wf, xf);
+  for (int c0 = 0; c0 < k; c0 += 256) {
+    const int c = c0 + lane * 8;
+    float xf[8];
+    quantized8(x, c, k, xf);
+    if (c < k) {
+      float wf[8];
+      e4m3x8(*reinterpret_cast<const uint2*>(w_row + c), wf);
+      acc += scales[c / kFp8BlockSize] * dot8(wf, xf);
+    }
   }
   return acc;
 }
@@ -66,11 +104,24 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) fp8_gate_up_kernel(const Fp
   const uint8_t* base = slot_base(w, a.slot[p]);
   const int gate_row = 16 * (i / 8) + i % 8, up_row = gate_row + 8;
   const float* scales = reinterpret_cast<const float*>(base + w.scale_at);
+  const float* gate_scales = scales + scale_row(w, gate_row) * w.scale_cols;
+  const float* up_scales = scales + scale_row(w, up_row) * w.scale_cols;
+  const uint8_t* gate_w = base + w.weight_at + static_cast<int64_t>(gate_row) * H;
+  const uint8_t* up_w = base + w.weight_at + static_cast<int64_t>(up_row) * H;
   const bf16* x = static_cast<const bf16*>(a.h) + static_cast<int64_t>(t) * H;
-  float g = lane_dot(base + w.weight_at + static_cast<int64_t>(gate_row) * H,
-                     scales + scale_row(w, gate_row) * w.scale_cols, x, H, lane);
-  float u = lane_dot(base + w.weight_at + static_cast<int64_t>(up_row) * H,
-                     scales + scale_row(w, up_row) * w.scale_cols, x, H, lane);
+  float g = 0.f, u = 0.f;
+  for (int c0 = 0; c0 < H; c0 += 256) {  // lane_dot for both rows, x quantized once.
+    const int c = c0 + lane * 8;
+    float xf[8];
+    quantized8(x, c, H, xf);
+    if (c < H) {
+      float wf[8];
+      e4m3x8(*reinterpret_cast<const uint2*>(gate_w + c), wf);
+      g += gate_scales[c / kFp8BlockSize] * dot8(wf, xf);
+      e4m3x8(*reinterpret_cast<const uint2*>(up_w + c), wf);
+      u += up_scales[c / kFp8BlockSize] * dot8(wf, xf);
+    }
+  }
   g = warp_sum(g);
   u = warp_sum(u);
   if (lane == 0) {
@@ -105,14 +156,27 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 }
 
 // The grouped tile: BM x BN over BK columns a step, 2 x 2 warps (as grouped_gemm.cu's
-// Mma64), one stage: A by cp.async, B read as e4m3, scaled and stored as bf16.
+// Mma64), one stage. A (the rows' e4m3 codes, fp8_quantize_rows) and B (e4m3 weights)
+// enter the bf16 MMA as their codes, which bf16 holds exactly; each 128-column block's
+// sums are promoted as FP8 wgmma's are, acc += block * (a_scale * b_scale), so the tile
+// computes what FP8 wgmma computes (docs/cuda.md, "FP8 experts").
 constexpr int kBM = kFp8GemmRows, kBN = 128, kBK = 32, kWarpsM = 2, kWarpsN = 2;
 constexpr int kThreads = kWarpsM * kWarpsN * 32;
 constexpr int kLds = kBK + 8;  // Padded smem row (elements): 80 bytes, 16-aligned rows.
 constexpr int kChunks = kBK / 8;
+static_assert(kFp8BlockSize % kBK == 0, "a step never straddles a scale block");
+
+// 8 e4m3 codes as 8 bf16 (exact).
+__device__ __forceinline__ uint4 e4m3x8_to_bf16(const uint2& codes) {
+  float f[8];
+  e4m3x8(codes, f);
+  return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                    pack_bf16x2(f[6], f[7]));
+}
 
 __global__ void __launch_bounds__(kThreads)
-    fp8_grouped_gemm_kernel(const GroupedGemmArgs g, const Fp8Weights w) {
+    fp8_grouped_gemm_kernel(const GroupedGemmArgs g, const Fp8Weights w, const Fp8Acts acts,
+                            int rows_pad) {
   constexpr int WM = kBM / kWarpsM, WN = kBN / kWarpsN;
   constexpr int MI = WM / 16, NI = WN / 8;
   constexpr int kAPer = kBM * kChunks / kThreads, kBPer = kBN * kChunks / kThreads;
@@ -128,68 +192,80 @@ __global__ void __launch_bounds__(kThreads)
   const int n0 = blockIdx.y * kBN;
   const int K = g.k, N = g.n;
   const int tid = threadIdx.x;
-  const bf16* A = static_cast<const bf16*>(g.a);
+  const uint8_t* A = static_cast<const uint8_t*>(acts.codes);
   const uint8_t* base = slot_base(w, slot);
   const uint8_t* B = base + w.weight_at;
   const float* scales = reinterpret_cast<const float*>(base + w.scale_at);
 
   // Rows past the slot's end re-read its last row (their results are never stored).
-  const bf16* a_src[kAPer];
+  const uint8_t* a_src[kAPer];
   int a_dst[kAPer], a_col[kAPer];
 #pragma unroll
   for (int i = 0; i < kAPer; ++i) {
     const int c = tid + i * kThreads;
     const int row = c / kChunks;
     a_col[i] = (c % kChunks) * 8;
-    const int r = min(row0 + row, row_end - 1);
-    const int src = g.gather != nullptr ? g.gather[r] / g.gather_div : r;
-    a_src[i] = A + static_cast<int64_t>(src) * K;
+    a_src[i] = A + static_cast<int64_t>(min(row0 + row, row_end - 1)) * K;
     a_dst[i] = row * kLds + a_col[i];
   }
 
-  float acc[MI][NI][4];
+  float acc[MI][NI][4], blk[MI][NI][4];
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
     for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
+      for (int e = 0; e < 4; ++e) acc[mi][ni][e] = blk[mi][ni][e] = 0.f;
 
   const int warp = tid / 32, lane = tid % 32;
   const int wm = warp / kWarpsN, wn = warp % kWarpsN;
+  const int g8 = lane / 4, q = lane % 4;
   for (int k0 = 0; k0 < K; k0 += kBK) {
 #pragma unroll
     for (int i = 0; i < kAPer; ++i) {
-      const int col = k0 + a_col[i];
-      const bool in = col < K;  // K is a multiple of 8: a chunk is whole or out.
-      cp_async16_zfill(sa + a_dst[i], in ? a_src[i] + col : a_src[i], in ? 16 : 0);
+      const int col = k0 + a_col[i];  // K is a multiple of 8: a chunk is whole or out.
+      *reinterpret_cast<uint4*>(sa + a_dst[i]) =
+          col < K ? e4m3x8_to_bf16(*reinterpret_cast<const uint2*>(a_src[i] + col))
+                  : make_uint4(0, 0, 0, 0);
     }
-    cp_async_commit();
 #pragma unroll
     for (int i = 0; i < kBPer; ++i) {
       const int c = tid + i * kThreads;
       const int row = c / kChunks, col = (c % kChunks) * 8;
       const int n = n0 + row, k = k0 + col;
-      uint4 packed = make_uint4(0, 0, 0, 0);
-      if (n < N && k < K) {
-        float f[8];
-        e4m3x8(*reinterpret_cast<const uint2*>(B + static_cast<int64_t>(n) * K + k), f);
-        const float s = scales[scale_row(w, n) * w.scale_cols + k / kFp8BlockSize];
-        packed.x = pack_bf16x2(f[0] * s, f[1] * s);
-        packed.y = pack_bf16x2(f[2] * s, f[3] * s);
-        packed.z = pack_bf16x2(f[4] * s, f[5] * s);
-        packed.w = pack_bf16x2(f[6] * s, f[7] * s);
-      }
-      *reinterpret_cast<uint4*>(sb + row * kLds + col) = packed;
+      *reinterpret_cast<uint4*>(sb + row * kLds + col) =
+          n < N && k < K
+              ? e4m3x8_to_bf16(*reinterpret_cast<const uint2*>(B + static_cast<int64_t>(n) * K + k))
+              : make_uint4(0, 0, 0, 0);
     }
-    cp_async_wait<0>();
     __syncthreads();
-    warp_tile_mma<MI, NI, kBK>(acc, sa, sb, kLds, wm * WM, wn * WN, lane);
+    warp_tile_mma<MI, NI, kBK>(blk, sa, sb, kLds, wm * WM, wn * WN, lane);
     __syncthreads();  // The tiles are refilled next step.
+    if ((k0 + kBK) % kFp8BlockSize != 0 && k0 + kBK < K) continue;
+    // The end of a scale block: promote its sums.
+    const int kb = k0 / kFp8BlockSize;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = min(row0 + wm * WM + mi * 16 + g8 + half * 8, row_end - 1);
+        const float a_scale = acts.scales[static_cast<int64_t>(kb) * rows_pad + r];
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int n = min(n0 + wn * WN + ni * 8 + 2 * q + j, N - 1);
+            const float b_scale = scales[scale_row(w, n) * w.scale_cols + kb];
+            float& b = blk[mi][ni][half * 2 + j];
+            acc[mi][ni][half * 2 + j] += b * (a_scale * b_scale);
+            b = 0.f;
+          }
+        }
+      }
+    }
   }
 
   // Accumulator layout of m16n8: c0, c1 at (row g, cols 2q, 2q + 1); c2, c3 at row g + 8.
-  const int g8 = lane / 4, q = lane % 4;
   bf16* out = static_cast<bf16*>(g.out);
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi) {
@@ -238,27 +314,14 @@ __global__ void __launch_bounds__(kQuantThreads)
   const int64_t src = gather != nullptr ? gather[r] / gather_div : r;
   float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   if (col < k) bf16x8(*reinterpret_cast<const uint4*>(x + src * k + col), f);
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
-#pragma unroll
-  for (int off = 8; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  const float inv = amax > 0.f ? 448.f / amax : 0.f;
+  uint32_t words[2];
+  const float scale = quantize8(f, words);
   if (col < k) {
-    uint32_t words[2];
-#pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(f[4 * w] * inv, f[4 * w + 1] * inv),
-                                                   __NV_SATFINITE, __NV_E4M3);
-      const uint32_t hi = __nv_cvt_float2_to_fp8x2(
-          make_float2(f[4 * w + 2] * inv, f[4 * w + 3] * inv), __NV_SATFINITE, __NV_E4M3);
-      words[w] = lo | (hi << 16);
-    }
     *reinterpret_cast<uint2*>(static_cast<uint8_t*>(out.codes) + static_cast<int64_t>(r) * k +
                               col) = make_uint2(words[0], words[1]);
   }
   if (lane16 == 0 && kb * kFp8BlockSize < k) {
-    out.scales[static_cast<int64_t>(kb) * rows_pad + r] = amax / 448.f;
+    out.scales[static_cast<int64_t>(kb) * rows_pad + r] = scale;
   }
 }
 
@@ -314,11 +377,13 @@ cudaError_t fp8_decode_down_combine(const Fp8DecodeArgs& a, cudaStream_t stream)
   return cudaGetLastError();
 }
 
-cudaError_t fp8_grouped_gemm(const GroupedGemmArgs& g, const Fp8Weights& w, cudaStream_t stream) {
+cudaError_t fp8_grouped_gemm(const GroupedGemmArgs& g, const Fp8Weights& w, const Fp8Acts& a,
+                             cudaStream_t stream) {
   if (g.max_tiles == 0) return cudaSuccess;
   if (g.n % 8 != 0 || g.k % 8 != 0 || (g.swiglu && g.n % 16 != 0)) return cudaErrorInvalidValue;
   const dim3 grid(g.max_tiles, (g.n + kBN - 1) / kBN);
-  fp8_grouped_gemm_kernel<<<grid, kThreads, 0, stream>>>(g, w);
+  fp8_grouped_gemm_kernel<<<grid, kThreads, 0, stream>>>(
+      g, w, a, static_cast<int>(fp8_round_up(a.rows_cap, 4)));
   return cudaGetLastError();
 }
 

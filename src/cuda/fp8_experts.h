@@ -3,15 +3,16 @@
 // block, as block-FP8 checkpoints store them (DeepSeek-V3: `weight_block_size` [128, 128],
 // scales in `*.weight_scale_inv`; w = e4m3 * scale). One slot is one byte range (layout
 // below) holding the weights and their scales, so a copy of a slot's bytes moves both.
-// Kernels (bf16 activations, f32 accumulation, the block scale applied per 128 columns):
+// Every kernel computes on e4m3 activations, one scale per row and 128 columns (scale =
+// absmax / 448), as FP8 wgmma takes them, so that a token's result does not depend on the
+// path its batch takes (docs/cuda.md, "FP8 experts"); f32 accumulation:
 //   - decode: per (token, k) pair, a warp per gate/up row pair (SwiGLU into act), then a
-//     warp per (token, output column) summing the top-k down rows, weighted, into out;
-//   - grouped: the mma.sync bf16 tile over rows permuted by slot (kernels.h permute()),
-//     each e4m3 weight tile dequantized to bf16 in shared memory;
-//   - grouped on Hopper's FP8 tensor cores (run_moe's force_tile kWgmmaWs64 only, until it
-//     has passed on the H200): the activations quantized to e4m3 (one scale per row and
-//     128 columns), then e4m3 wgmma with the block scales applied per 128 K
-//     (fp8_wgmma_gemm). See docs/cuda.md, "FP8 experts".
+//     warp per (token, output column) summing the top-k down rows, weighted, into out; each
+//     quantizes its activations in registers;
+//   - grouped on Hopper's FP8 tensor cores (fp8_wgmma_gemm): the rows quantized by
+//     fp8_quantize_rows, e4m3 wgmma with the block scales applied per 128 K;
+//   - grouped elsewhere (fp8_grouped_gemm): the same quantized rows and the weights' codes
+//     through the mma.sync bf16 tile, the block scales applied per 128 K alike.
 // Enqueue only, no host synchronisation; capturable in CUDA graphs.
 #pragma once
 
@@ -85,13 +86,7 @@ cudaError_t fp8_decode_gate_up(const Fp8DecodeArgs& args, cudaStream_t stream);
 // out[t, c] (+)= sum_k weight[t K + k] * (down_c . act[t K + k]), summed in f32.
 cudaError_t fp8_decode_down_combine(const Fp8DecodeArgs& args, cudaStream_t stream);
 
-// grouped_gemm (grouped_gemm.h) over FP8 slots: g's weights, slot_stride and
-// weight_offset are ignored (w says where B is); the tile table must come from permute()
-// with block_m = kFp8GemmRows and g.max_tiles = max_tiles(.., kFp8GemmRows). Needs n and k
-// multiples of 8 (k need not be one of 128: the last scale block is partial); A bf16.
-cudaError_t fp8_grouped_gemm(const GroupedGemmArgs& g, const Fp8Weights& w, cudaStream_t stream);
-
-// The FP8 activations of the FP8 wgmma GEMM: rows quantized to e4m3 with one f32 scale
+// The FP8 activations of the grouped GEMMs: rows quantized to e4m3 with one f32 scale
 // per row and 128 columns (scale = absmax / 448, so a = code * scale), as DeepSeek-V3's
 // FP8 inference (and DeepGEMM) take them.
 struct Fp8Acts {
@@ -104,6 +99,15 @@ struct Fp8Acts {
 cudaError_t fp8_quantize_rows(const void* x, const int32_t* gather, int gather_div,
                               const int32_t* num_rows, int max_rows, int k, const Fp8Acts& out,
                               cudaStream_t stream);
+
+// grouped_gemm (grouped_gemm.h) over FP8 slots, A the rows fp8_quantize_rows made (g.a
+// and g.gather ignored), B the e4m3 weights `w` says where (g's slot_stride and
+// weight_offset ignored), through the mma.sync bf16 tile: the same sums as
+// fp8_wgmma_gemm's, on any GPU. The tile table must come from permute() with block_m =
+// kFp8GemmRows and g.max_tiles = max_tiles(.., kFp8GemmRows). Needs n and k multiples of 8
+// (k need not be one of 128: the last scale block is partial).
+cudaError_t fp8_grouped_gemm(const GroupedGemmArgs& g, const Fp8Weights& w, const Fp8Acts& a,
+                             cudaStream_t stream);
 
 // grouped_gemm over FP8 slots on Hopper's FP8 tensor cores (wgmma_gemm.cu, sm_90a): A the
 // rows fp8_quantize_rows made (g.a and g.gather ignored), B the e4m3 weights `w` says

@@ -33,7 +33,7 @@ const Knobs& knobs() {
     r.no_mla_mma = on("FLEXPERT_NO_MLA_MMA");
     r.no_gqa_attention = on("FLEXPERT_NO_GQA_ATTENTION");
     r.no_attention_tiles = on("FLEXPERT_NO_ATTENTION_TILES");
-    r.fp8_wgmma = on("FLEXPERT_FP8_WGMMA");
+    r.no_fp8_wgmma = on("FLEXPERT_NO_FP8_WGMMA");
     r.gemm_max_ctas = integer("FLEXPERT_GEMM_MAX_CTAS");
     return r;
   }();

@@ -26,9 +26,9 @@ struct Knobs {
   bool no_mla_mma = false;        // FLEXPERT_NO_MLA_MMA: MLA attention on the CUDA cores.
   bool no_gqa_attention = false;  // FLEXPERT_NO_GQA_ATTENTION: the per-head attention kernel.
   bool no_attention_tiles = false;  // FLEXPERT_NO_ATTENTION_TILES: a warp per row.
-  // Opt-in: FLEXPERT_FP8_WGMMA: FP8 experts' grouped GEMMs on FP8 wgmma (e4m3 activations)
-  // above kDecodeMaxTokens tokens where it runs (docs/cuda.md, "FP8 experts").
-  bool fp8_wgmma = false;
+  // FLEXPERT_NO_FP8_WGMMA: FP8 experts' grouped GEMMs on the mma.sync tile instead of
+  // FP8 wgmma (docs/cuda.md, "FP8 experts").
+  bool no_fp8_wgmma = false;
   // Tests: FLEXPERT_GEMM_MAX_CTAS=N caps the persistent GEMM grid at N CTAs (several
   // units per CTA on a small problem); 0: the SM count.
   int gemm_max_ctas = 0;

@@ -25,7 +25,7 @@ void store_as(DType dtype, float v, void* dst, int64_t index) {
   }
 }
 
-// The FP8 wgmma GEMMs' A: e4m3 rows and their scales, at the scratch's capacity.
+// The FP8 grouped GEMMs' A: e4m3 rows and their scales, at the scratch's capacity.
 Status allocate_fp8_acts(const MoeDims& dims, MoeScratch& s) {
   const int64_t rows = std::max<int64_t>(static_cast<int64_t>(s.max_tokens) * dims.top_k, 1);
   const int64_t k = std::max(dims.hidden, dims.intermediate);
@@ -136,7 +136,7 @@ Result<MoeScratch> MoeScratch::create(const MoeDims& dims, int max_tokens) {
   (void)wgmma_available();  // Probe now: never inside a graph capture.
   MoeScratch s;
   s.max_tokens = max_tokens;
-  if (knobs().fp8_wgmma && fp8_wgmma_runs(dims)) FLEX_RETURN_IF_ERROR(allocate_fp8_acts(dims, s));
+  if (dims.fp8) FLEX_RETURN_IF_ERROR(allocate_fp8_acts(dims, s));
   const size_t T = static_cast<size_t>(max_tokens);
   const size_t P = T * static_cast<size_t>(dims.top_k);
   const size_t esize = dtype_size(dims.dtype);
@@ -319,6 +319,11 @@ bool fp8_wgmma_runs(const MoeDims& dims) {
          fp8_wgmma_fits(dims.hidden, dims.intermediate);
 }
 
+Fp8Path fp8_path(const MoeDims& dims, int num_tokens, bool combine_rows) {
+  if (!knobs().no_fp8_wgmma && fp8_wgmma_runs(dims)) return Fp8Path::kWgmma;
+  return combine_rows && num_tokens <= kDecodeMaxTokens ? Fp8Path::kDecode : Fp8Path::kTile;
+}
+
 Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                        const void* h, int num_tokens, const int32_t* num_valid_tokens, float* out,
                        bool accumulate, cudaStream_t stream, int force_tile, bool combine_rows) {
@@ -328,11 +333,18 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
   FLEX_CUDA_TRY(
       permute(permute_args(dims, w, scratch, num_tokens, kFp8GemmRows, num_valid_tokens), stream));
   const Fp8SlotLayout layout = fp8_slot_layout(H, I);
-  // The decode kernels combine as they go: no rows to leave in scratch.y.
-  const bool decode =
-      combine_rows && (force_tile < 0 ? num_tokens <= kDecodeMaxTokens
-                                      : force_tile == static_cast<int>(GemmTile::kGemv));
-  if (decode) {
+  const Fp8Path path = force_tile < 0 ? fp8_path(dims, num_tokens, combine_rows)
+                       : force_tile == static_cast<int>(GemmTile::kGemv) && combine_rows
+                           ? Fp8Path::kDecode
+                       : force_tile == static_cast<int>(GemmTile::kWgmmaWs64) ? Fp8Path::kWgmma
+                                                                              : Fp8Path::kTile;
+  if (path == Fp8Path::kWgmma && !fp8_wgmma_runs(dims)) {
+    return invalid_argument("FP8 wgmma needs sm_90a, H a multiple of 128 and I of 64");
+  }
+  // Every FP8 path computes on e4m3 activations (a scale per row and 128 columns, exact
+  // values), so one process and the ranks of expert parallelism, whose row counts pick
+  // different paths, agree up to the order of f32 sums (docs/cuda.md, "FP8 experts").
+  if (path == Fp8Path::kDecode) {  // They quantize in registers and combine as they go.
     Fp8DecodeArgs d;
     d.h = h;
     d.num_tokens = num_tokens;
@@ -356,59 +368,30 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
   g.tile_row0 = scratch.tile_row0.as<int32_t>();
   g.num_tiles = scratch.num_tiles.as<int32_t>();
   g.max_tiles = max_tiles(P, dims.num_slots, kFp8GemmRows);
-  // FP8 wgmma (fp8_wgmma_gemm) when asked for: force_tile kWgmmaWs64, or by default above
-  // kDecodeMaxTokens tokens with FLEXPERT_FP8_WGMMA (opt-in: it quantizes the activations,
-  // which the other paths do not, so one process and expert-parallel ranks, whose row
-  // counts pick different paths, part; docs/cuda.md, "FP8 experts").
-  const bool forced = force_tile == static_cast<int>(GemmTile::kWgmmaWs64);
-  if (forced && !fp8_wgmma_runs(dims)) {
-    return invalid_argument("FP8 wgmma needs sm_90a, H a multiple of 128 and I of 64");
-  }
-  if (forced || (force_tile < 0 && knobs().fp8_wgmma && num_tokens > kDecodeMaxTokens &&
-                 fp8_wgmma_runs(dims))) {
-    if (scratch.act_codes.data() == nullptr) {
-      // Its A, allocated by MoeScratch::create with the knob, else at the first forced call
-      // (eager, before any graph capture).
-      FLEX_RETURN_IF_ERROR(allocate_fp8_acts(dims, scratch));
-    }
-    // Rows quantized to e4m3 (a scale per row and 128 columns), then e4m3 wgmma: gate/up
-    // over the rows of h gathered by pair, down over the SwiGLU rows.
-    const Fp8Acts acts{scratch.act_codes.data(), scratch.act_scales.as<float>(),
-                       scratch.max_tokens * K};
-    const int32_t* num_rows = g.offsets + dims.num_slots;
-    g.sched = scratch.gemm_sched.as<int32_t>();
-    g.n = 2 * I;
-    g.k = H;
-    g.swiglu = true;
-    g.out = scratch.act.data();
-    FLEX_CUDA_TRY(fp8_quantize_rows(h, scratch.pair_of_row.as<int32_t>(), K, num_rows,
-                                    static_cast<int>(P), H, acts, stream));
-    FLEX_CUDA_TRY(fp8_wgmma_gemm(g, fp8_gate_up_weights(w.slots, layout), acts, stream));
-    g.n = H;
-    g.k = I;
-    g.swiglu = false;
-    g.out = scratch.y.data();
-    FLEX_CUDA_TRY(fp8_quantize_rows(scratch.act.data(), nullptr, 1, num_rows, static_cast<int>(P),
-                                    I, acts, stream));
-    FLEX_CUDA_TRY(fp8_wgmma_gemm(g, fp8_down_weights(w.slots, layout), acts, stream));
-  } else {
-    g.a = h;
-    g.gather = scratch.pair_of_row.as<int32_t>();
-    g.gather_div = K;
-    g.n = 2 * I;
-    g.k = H;
-    g.swiglu = true;
-    g.out = scratch.act.data();
-    FLEX_CUDA_TRY(fp8_grouped_gemm(g, fp8_gate_up_weights(w.slots, layout), stream));
-    g.a = scratch.act.data();
-    g.gather = nullptr;
-    g.gather_div = 1;
-    g.n = H;
-    g.k = I;
-    g.swiglu = false;
-    g.out = scratch.y.data();
-    FLEX_CUDA_TRY(fp8_grouped_gemm(g, fp8_down_weights(w.slots, layout), stream));
-  }
+  g.sched = scratch.gemm_sched.as<int32_t>();
+  const auto gemm = [&](const Fp8Weights& fw, const Fp8Acts& a) {
+    return path == Fp8Path::kWgmma ? fp8_wgmma_gemm(g, fw, a, stream)
+                                   : fp8_grouped_gemm(g, fw, a, stream);
+  };
+  // Rows quantized to e4m3, then the GEMM: gate/up over the rows of h gathered by pair,
+  // down over the SwiGLU rows. The quantized rows are allocated by MoeScratch::create.
+  const Fp8Acts acts{scratch.act_codes.data(), scratch.act_scales.as<float>(),
+                     scratch.max_tokens * K};
+  const int32_t* num_rows = g.offsets + dims.num_slots;
+  g.n = 2 * I;
+  g.k = H;
+  g.swiglu = true;
+  g.out = scratch.act.data();
+  FLEX_CUDA_TRY(fp8_quantize_rows(h, scratch.pair_of_row.as<int32_t>(), K, num_rows,
+                                  static_cast<int>(P), H, acts, stream));
+  FLEX_CUDA_TRY(gemm(fp8_gate_up_weights(w.slots, layout), acts));
+  g.n = H;
+  g.k = I;
+  g.swiglu = false;
+  g.out = scratch.y.data();
+  FLEX_CUDA_TRY(fp8_quantize_rows(scratch.act.data(), nullptr, 1, num_rows, static_cast<int>(P), I,
+                                  acts, stream));
+  FLEX_CUDA_TRY(gemm(fp8_down_weights(w.slots, layout), acts));
   if (!combine_rows) return Status();
   FLEX_CUDA_TRY(combine(dims.dtype, scratch.y.data(), scratch.weight.as<float>(),
                         scratch.row_of_pair.as<int32_t>(), num_tokens, K, H, accumulate, out,

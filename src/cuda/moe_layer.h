@@ -93,9 +93,7 @@ struct MoeScratch {
   DeviceBuffer ticket;                           // i32 [1], zero between launches (decode)
   DeviceBuffer gemm_sched;                       // i32 [2], GroupedGemmArgs::sched
   // dims.fp8 (fp8_experts.h's Fp8Acts): e4m3 [T * K, max(H, I)] and their f32 scales
-  // [blocks(max(H, I)), round_up(T * K, 4)], the FP8 wgmma GEMMs' A; allocated at create
-  // with FLEXPERT_FP8_WGMMA, else by the first run that forces FP8 wgmma (force_tile
-  // kWgmmaWs64), which must not be captured.
+  // [blocks(max(H, I)), round_up(T * K, 4)], the FP8 grouped GEMMs' A.
   DeviceBuffer act_codes, act_scales;
 };
 
@@ -116,8 +114,8 @@ enum MoeStage : unsigned {
 // GemmTile (tests, benchmarks); -1 chooses by size. `stages` selects kernels (profiling).
 // With dims.fp8: the router GEMM and top-k with permutation, then the FP8 decode kernels
 // (up to kDecodeMaxTokens tokens, or force_tile == kGemv) or the FP8 grouped GEMMs and
-// combine (fp8_experts.h): the dequantizing tile, or FP8 wgmma with force_tile
-// kWgmmaWs64 or FLEXPERT_FP8_WGMMA (docs/cuda.md, "FP8 experts"); `stages` is ignored.
+// combine (fp8_experts.h): FP8 wgmma where it runs (or force_tile kWgmmaWs64), else the
+// mma.sync tile (docs/cuda.md, "FP8 experts"); `stages` is ignored.
 Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch, const void* h,
                int num_tokens, const int32_t* num_valid_tokens, float* out, bool accumulate,
                Blas& blas, cudaStream_t stream, int force_tile = -1,
@@ -153,12 +151,19 @@ Status run_expert_gemms(const MoeDims& dims, const MoeLayerWeights& w, MoeScratc
 // 128 and I of 64).
 bool fp8_wgmma_runs(const MoeDims& dims);
 
+// The FP8 experts' kernels (fp8_experts.h), all on e4m3 activations: FP8 wgmma for every
+// row count where it runs (the same sums for a row whatever its batch, so one process and
+// expert-parallel ranks agree), unless FLEXPERT_NO_FP8_WGMMA; else the decode kernels up
+// to kDecodeMaxTokens tokens (only when combining) and the mma.sync tile above
+// (docs/cuda.md, "FP8 experts").
+enum class Fp8Path { kDecode, kTile, kWgmma };
+Fp8Path fp8_path(const MoeDims& dims, int num_tokens, bool combine_rows);
+
 // With dims.fp8, the parts of run_moe after the routing (scratch.expert / weight / slot):
-// permutation by slot (with slot statistics), then the FP8 decode kernels (force_tile -1
-// and up to kDecodeMaxTokens tokens, or force_tile == kGemv) or the FP8 grouped GEMMs and
-// combine (fp8_experts.h). `combine` false (the device exchange of ep_moe.h, whose peers
-// read the rows): the grouped GEMMs whatever the size, their rows left in scratch.y
-// (row_of_pair says where), `out` unused.
+// permutation by slot (with slot statistics), then fp8_path's kernels (force_tile -1;
+// kGemv: the decode kernels, kMma64: the tile, kWgmmaWs64: FP8 wgmma), then combine.
+// `combine` false (the device exchange of ep_moe.h, whose peers read the rows): never the
+// decode kernels, the rows left in scratch.y (row_of_pair says where), `out` unused.
 Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                        const void* h, int num_tokens, const int32_t* num_valid_tokens, float* out,
                        bool accumulate, cudaStream_t stream, int force_tile = -1,
