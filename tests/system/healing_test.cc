@@ -311,6 +311,8 @@ TEST(HealingTest, NoCapacityAnswers503UntilAScaleRepairsIt) {
   auto res = server.client().Post("/v1/completions", body.dump(), "application/json");
   ASSERT_TRUE(res);
   EXPECT_EQ(res->status, 503) << res->body;
+  // Hand-started workers: no healer retry to wait for (only an operator's scale), so 1 s.
+  EXPECT_FALSE(status["reconfiguration"].contains("retry_in_s")) << status.dump();
   EXPECT_EQ(res->get_header_value("Retry-After"), "1");
   // The operator starts a worker and asks for two ranks: the group recovers.
   Answer scale;
