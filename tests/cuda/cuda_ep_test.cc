@@ -8,17 +8,23 @@
 // Qwen3-MoE and DeepSeek-V3 (shared experts beside the exchanged routed ones).
 // Then two ranks of one process (a thread each) over real shm transports and EpMoeExecutors:
 // the device exchange (rows read from the peer's buffers by kernels) against the reference
-// and against the host exchange, and a silent or departed peer ending a step with an error.
+// and against the host exchange, a silent or departed peer ending a step with an error, and a
+// slot read over the transport (another host's slots) that an epoch change does not wait for.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <thread>
 
 #include "cuda/device.h"
 #include "cuda/ep_exchange.h"
+#include "cuda/ep_moe_peers.h"
 #include "cuda_ep_ranks.h"
 #include "cuda_model_util.h"
 #include "flexpert/generate.h"
@@ -156,11 +162,12 @@ TEST(CudaEpTest, DeepseekRowComputeMatchesReferenceAndMapsDoNotRecapture) {
 struct TwoRanks : cuda_test::TwoEpRanks {
   static constexpr int kExperts = 16, kSlotsPerRank = kExperts / kRanks;
 
+  using Wrap = std::function<std::unique_ptr<Transport>(std::unique_ptr<Transport>)>;
   explicit TwoRanks(const std::string& tag, int timeout_ms = 20000,
-                    const std::string& backend = "cuda_ipc")
+                    const std::string& backend = "cuda_ipc", Wrap wrap = nullptr)
       : TwoEpRanks(std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny", model_options(),
                    {"cuda-ep-" + tag, kSlotsPerRank, EpMoeExecutor::max_exchange_bytes(2048, 8, 64),
-                    timeout_ms, backend}) {}
+                    timeout_ms, backend, std::move(wrap)}) {}
 
   static ModelOptions model_options() {
     ModelOptions options;
@@ -305,6 +312,149 @@ TEST(CudaEpTest, CopySlotMovesWeightsBetweenDevices) {
   EXPECT_EQ(std::memcmp(mine->slot_data(6), mine->slot_data(2), bytes), 0);
   EXPECT_EQ(m.copy_slot(layer, 8, 1, 3).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(m.copy_slot(layer, 5, 7, 3).code(), StatusCode::kInvalidArgument);
+}
+
+// Slots as a rank on another host has them (docs/ARCHITECTURE.md, "GPU ranks on different
+// hosts"): never mapped (map_peer_buffer of a slot buffer answers Unimplemented, as hier does),
+// read by the transport into device memory (device_buffer_reads, as a CUDA-aware UCX). A slot
+// read waits at a gate the test opens; the gate opens itself after a minute, so that a read
+// holding up the test fails it instead of hanging it.
+class RemoteSlotsTransport final : public Transport {
+ public:
+  struct Gate {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool open = false, opened_by_timeout = false;
+    int readers = 0;  // Reads that reached the gate.
+    bool wait_for_reader() {
+      std::unique_lock<std::mutex> lock(mu);
+      return cv.wait_for(lock, std::chrono::minutes(1), [&] { return readers > 0; });
+    }
+    void release() {
+      std::lock_guard<std::mutex> lock(mu);
+      open = true;
+      cv.notify_all();
+    }
+  };
+  RemoteSlotsTransport(std::unique_ptr<Transport> inner, std::shared_ptr<Gate> gate)
+      : inner_(std::move(inner)), gate_(std::move(gate)) {}
+
+  TransportCapabilities capabilities() const override {
+    TransportCapabilities c = inner_->capabilities();
+    c.device_buffer_reads = true;
+    return c;
+  }
+  Result<PeerBuffer> map_peer_buffer(int peer, int buffer_id, MapMode mode) override {
+    if (peer != rank() && buffer_id >= cuda::ep_moe_detail::kSlotsBuffer) {
+      return unimplemented("slots of rank " + std::to_string(peer) + ": another host's");
+    }
+    return inner_->map_peer_buffer(peer, buffer_id, mode);
+  }
+  Status read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) override {
+    if (region_id < cuda::ep_moe_detail::kSlotsBuffer) {
+      return inner_->read(peer, region_id, offset, dst, num_bytes);
+    }
+    {
+      std::unique_lock<std::mutex> lock(gate_->mu);
+      ++gate_->readers;
+      gate_->cv.notify_all();
+      if (!gate_->cv.wait_for(lock, std::chrono::minutes(1), [&] { return gate_->open; })) {
+        gate_->opened_by_timeout = true;
+      }
+    }
+    FLEX_ASSIGN_OR_RETURN(PeerBuffer slots,
+                          inner_->map_peer_buffer(peer, region_id, MapMode::kMap));
+    if (offset + num_bytes > slots.num_bytes) return invalid_argument("read past the slots");
+    const cudaError_t err = cudaMemcpy(dst, static_cast<const uint8_t*>(slots.data) + offset,
+                                       num_bytes, cudaMemcpyDefault);
+    if (err != cudaSuccess) return internal_error(cudaGetErrorString(err));
+    return Status();
+  }
+
+  int rank() const override { return inner_->rank(); }
+  int max_ranks() const override { return inner_->max_ranks(); }
+  std::string address() const override { return inner_->address(); }
+  Status connect(int peer, const std::string& address) override {
+    return inner_->connect(peer, address);
+  }
+  Status disconnect(int peer) override { return inner_->disconnect(peer); }
+  Result<Region> allocate_region(int region_id, size_t num_bytes) override {
+    return inner_->allocate_region(region_id, num_bytes);
+  }
+  Result<std::vector<ByteSpan>> all_gather(const Group& group, ByteSpan in) override {
+    return inner_->all_gather(group, in);
+  }
+  Status barrier(const Group& group) override { return inner_->barrier(group); }
+  Result<std::vector<ByteSpan>> exchange(const Group& group,
+                                         const std::vector<ByteSpan>& send) override {
+    return inner_->exchange(group, send);
+  }
+  Status shutdown() override { return inner_->shutdown(); }
+  void progress() override { inner_->progress(); }
+  Status peer_status(int peer) const override { return inner_->peer_status(peer); }
+  Status mark_peer_lost(int peer, const std::string& why) override {
+    return inner_->mark_peer_lost(peer, why);
+  }
+  Status register_buffer(int buffer_id, void* data, size_t num_bytes) override {
+    return inner_->register_buffer(buffer_id, data, num_bytes);
+  }
+  int timeout_ms() const override { return inner_->timeout_ms(); }
+
+ private:
+  std::unique_ptr<Transport> inner_;
+  std::shared_ptr<Gate> gate_;  // Shared with the test, which opens it.
+};
+
+// A slot read over the transport (the weight mover's thread) holds no lock that an epoch
+// change needs: both ranks step in a new epoch (the device exchange, so map_peers runs) while
+// the read waits, and the copy that the epoch change overtook fails Aborted. Read again in
+// the same epoch it lands, and the host mirror equals the source.
+TEST(CudaEpTest, ASlotReadOverTheTransportHoldsNoEpochChangeBack) {
+  FLEX_SKIP_WITHOUT_GPU();
+  unsetenv("FLEXPERT_EP_EXCHANGE");
+  auto gate = std::make_shared<RemoteSlotsTransport::Gate>();
+  TwoRanks g("remote", 20000, "cuda_ipc",
+             [gate](std::unique_ptr<Transport> t) -> std::unique_ptr<Transport> {
+               return std::make_unique<RemoteSlotsTransport>(std::move(t), gate);
+             });
+  ASSERT_TRUE(g.ready);
+  const int layer = 1;
+  ExpertSlots* mine = g.models[0]->local_slots(layer);
+  ExpertSlots* theirs = g.models[1]->local_slots(layer);
+  ASSERT_TRUE(mine != nullptr && theirs != nullptr);
+  const size_t bytes = mine->slot_bytes();
+  ASSERT_NE(std::memcmp(mine->slot_data(5), theirs->slot_data(3), bytes), 0);
+
+  Status copied;
+  std::thread mover([&] { copied = g.models[0]->copy_slot(layer, 5, /*src_rank=*/1, 3); });
+  if (!gate->wait_for_reader()) {
+    mover.join();
+    FAIL() << "the copy read no slot over the transport: " << copied.to_string();
+  }
+  for (auto& e : g.executors) e->set_group(Group{2, {0, 1}});
+  const std::vector<SequenceChunk> batch = {{0, 0, {1, 2, 3, 4}}};
+  const std::vector<RowOutput> rows(1);
+  std::vector<int32_t> tokens[TwoRanks::kRanks];
+  Status stepped[TwoRanks::kRanks];
+  std::thread peer([&] {
+    Tensor logits;
+    stepped[1] = g.models[1]->forward_step(batch, rows, &logits, &tokens[1]);
+  });
+  Tensor logits;
+  stepped[0] = g.models[0]->forward_step(batch, rows, &logits, &tokens[0]);
+  peer.join();
+  const int64_t collectives = g.transports[0]->num_collectives();
+  gate->release();
+  mover.join();
+  EXPECT_FALSE(gate->opened_by_timeout) << "the epoch's steps waited for the slot read";
+  EXPECT_TRUE(stepped[0].ok()) << stepped[0].to_string();
+  EXPECT_TRUE(stepped[1].ok()) << stepped[1].to_string();
+  EXPECT_EQ(collectives, 0) << "the steps took the host exchange: no map_peers ran";
+  EXPECT_EQ(copied.code(), StatusCode::kAborted) << copied.to_string();
+
+  const Status again = g.models[0]->copy_slot(layer, 5, /*src_rank=*/1, 3);
+  ASSERT_TRUE(again.ok()) << again.to_string();
+  EXPECT_EQ(std::memcmp(mine->slot_data(5), theirs->slot_data(3), bytes), 0);
 }
 
 // One rank steps while its peer stays silent, then while its peer has shut down: the step
