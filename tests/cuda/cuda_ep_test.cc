@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -33,6 +34,7 @@
 #include "moe/expert_slots.h"
 #include "moe/moe_executor.h"
 #include "transport/fault_injecting_transport.h"
+#include "transport/forwarding_transport.h"
 
 namespace flexpert {
 namespace {
@@ -200,6 +202,22 @@ TwoRankRun run_two_ranks(const std::string& tag, const std::string& backend = "c
   return run;
 }
 
+// Both ranks run `batch` (one row each, greedy) as one step, rank 1 on a thread of its own;
+// each rank's status, its tokens in out[rank].
+std::array<Status, TwoRanks::kRanks> step_both(TwoRanks& g, const std::vector<SequenceChunk>& batch,
+                                               std::vector<int32_t> out[TwoRanks::kRanks]) {
+  const std::vector<RowOutput> rows(batch.size());
+  std::array<Status, TwoRanks::kRanks> st;
+  std::thread peer([&] {
+    Tensor logits;
+    st[1] = g.models[1]->forward_step(batch, rows, &logits, &out[1]);
+  });
+  Tensor logits;
+  st[0] = g.models[0]->forward_step(batch, rows, &logits, &out[0]);
+  peer.join();
+  return st;
+}
+
 TEST(CudaEpTest, DeviceExchangeBetweenTwoRanksMatchesReferenceAndHostExchange) {
   FLEX_SKIP_WITHOUT_GPU();
   unsetenv("FLEXPERT_EP_EXCHANGE");
@@ -253,17 +271,8 @@ TEST(CudaEpTest, ANewEpochServesWithTheHostExchangeUntilItsPeersAreMapped) {
   unsetenv("FLEXPERT_EP_EXCHANGE");
   TwoRanks g("probe");
   ASSERT_TRUE(g.ready);
-  auto step_both = [&](int kv_slot, std::vector<int32_t> out[TwoRanks::kRanks]) {
-    const std::vector<SequenceChunk> batch = {{kv_slot, 0, {3, 1, 4, 1, 5}}};
-    const std::vector<RowOutput> rows(1);
-    Status st[TwoRanks::kRanks];
-    std::thread peer([&] {
-      Tensor logits;
-      st[1] = g.models[1]->forward_step(batch, rows, &logits, &out[1]);
-    });
-    Tensor logits;
-    st[0] = g.models[0]->forward_step(batch, rows, &logits, &out[0]);
-    peer.join();
+  auto step = [&](int kv_slot, std::vector<int32_t> out[TwoRanks::kRanks]) {
+    const auto st = step_both(g, {{kv_slot, 0, {3, 1, 4, 1, 5}}}, out);
     EXPECT_TRUE(st[0].ok()) << st[0].to_string();
     EXPECT_TRUE(st[1].ok()) << st[1].to_string();
   };
@@ -273,13 +282,13 @@ TEST(CudaEpTest, ANewEpochServesWithTheHostExchangeUntilItsPeersAreMapped) {
   for (auto& e : g.executors) e->set_group_device_ready(false);
   std::vector<int32_t> host[TwoRanks::kRanks], device[TwoRanks::kRanks];
   const int64_t c0 = collectives();
-  step_both(0, host);
+  step(0, host);
   EXPECT_GT(collectives(), c0) << "a group not ready ran the device exchange";
 
   for (auto& e : g.executors) ASSERT_TRUE(e->device_ready()) << "one peer, mapped in one call";
   for (auto& e : g.executors) e->set_group_device_ready(true);
   const int64_t c1 = collectives();
-  step_both(1, device);
+  step(1, device);
   EXPECT_EQ(collectives(), c1) << "the device exchange used the host transport";
   for (int r = 0; r < TwoRanks::kRanks; ++r) {
     ASSERT_EQ(device[r].size(), 1u);
@@ -319,7 +328,7 @@ TEST(CudaEpTest, CopySlotMovesWeightsBetweenDevices) {
 // read by the transport into device memory (device_buffer_reads, as a CUDA-aware UCX). A slot
 // read waits at a gate the test opens; the gate opens itself after a minute, so that a read
 // holding up the test fails it instead of hanging it.
-class RemoteSlotsTransport final : public Transport {
+class RemoteSlotsTransport final : public ForwardingTransport {
  public:
   struct Gate {
     std::mutex mu;
@@ -337,10 +346,10 @@ class RemoteSlotsTransport final : public Transport {
     }
   };
   RemoteSlotsTransport(std::unique_ptr<Transport> inner, std::shared_ptr<Gate> gate)
-      : inner_(std::move(inner)), gate_(std::move(gate)) {}
+      : ForwardingTransport(std::move(inner)), gate_(std::move(gate)) {}
 
   TransportCapabilities capabilities() const override {
-    TransportCapabilities c = inner_->capabilities();
+    TransportCapabilities c = inner().capabilities();
     c.device_buffer_reads = true;
     return c;
   }
@@ -348,11 +357,11 @@ class RemoteSlotsTransport final : public Transport {
     if (peer != rank() && buffer_id >= cuda::ep_moe_detail::kSlotsBuffer) {
       return unimplemented("slots of rank " + std::to_string(peer) + ": another host's");
     }
-    return inner_->map_peer_buffer(peer, buffer_id, mode);
+    return inner().map_peer_buffer(peer, buffer_id, mode);
   }
   Status read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) override {
     if (region_id < cuda::ep_moe_detail::kSlotsBuffer) {
-      return inner_->read(peer, region_id, offset, dst, num_bytes);
+      return inner().read(peer, region_id, offset, dst, num_bytes);
     }
     {
       std::unique_lock<std::mutex> lock(gate_->mu);
@@ -363,7 +372,7 @@ class RemoteSlotsTransport final : public Transport {
       }
     }
     FLEX_ASSIGN_OR_RETURN(PeerBuffer slots,
-                          inner_->map_peer_buffer(peer, region_id, MapMode::kMap));
+                          inner().map_peer_buffer(peer, region_id, MapMode::kMap));
     if (offset + num_bytes > slots.num_bytes) return invalid_argument("read past the slots");
     const cudaError_t err = cudaMemcpy(dst, static_cast<const uint8_t*>(slots.data) + offset,
                                        num_bytes, cudaMemcpyDefault);
@@ -371,37 +380,7 @@ class RemoteSlotsTransport final : public Transport {
     return Status();
   }
 
-  int rank() const override { return inner_->rank(); }
-  int max_ranks() const override { return inner_->max_ranks(); }
-  std::string address() const override { return inner_->address(); }
-  Status connect(int peer, const std::string& address) override {
-    return inner_->connect(peer, address);
-  }
-  Status disconnect(int peer) override { return inner_->disconnect(peer); }
-  Result<Region> allocate_region(int region_id, size_t num_bytes) override {
-    return inner_->allocate_region(region_id, num_bytes);
-  }
-  Result<std::vector<ByteSpan>> all_gather(const Group& group, ByteSpan in) override {
-    return inner_->all_gather(group, in);
-  }
-  Status barrier(const Group& group) override { return inner_->barrier(group); }
-  Result<std::vector<ByteSpan>> exchange(const Group& group,
-                                         const std::vector<ByteSpan>& send) override {
-    return inner_->exchange(group, send);
-  }
-  Status shutdown() override { return inner_->shutdown(); }
-  void progress() override { inner_->progress(); }
-  Status peer_status(int peer) const override { return inner_->peer_status(peer); }
-  Status mark_peer_lost(int peer, const std::string& why) override {
-    return inner_->mark_peer_lost(peer, why);
-  }
-  Status register_buffer(int buffer_id, void* data, size_t num_bytes) override {
-    return inner_->register_buffer(buffer_id, data, num_bytes);
-  }
-  int timeout_ms() const override { return inner_->timeout_ms(); }
-
  private:
-  std::unique_ptr<Transport> inner_;
   std::shared_ptr<Gate> gate_;  // Shared with the test, which opens it.
 };
 
@@ -432,17 +411,8 @@ TEST(CudaEpTest, ASlotReadOverTheTransportHoldsNoEpochChangeBack) {
     FAIL() << "the copy read no slot over the transport: " << copied.to_string();
   }
   for (auto& e : g.executors) e->set_group(Group{2, {0, 1}});
-  const std::vector<SequenceChunk> batch = {{0, 0, {1, 2, 3, 4}}};
-  const std::vector<RowOutput> rows(1);
   std::vector<int32_t> tokens[TwoRanks::kRanks];
-  Status stepped[TwoRanks::kRanks];
-  std::thread peer([&] {
-    Tensor logits;
-    stepped[1] = g.models[1]->forward_step(batch, rows, &logits, &tokens[1]);
-  });
-  Tensor logits;
-  stepped[0] = g.models[0]->forward_step(batch, rows, &logits, &tokens[0]);
-  peer.join();
+  const auto stepped = step_both(g, {{0, 0, {1, 2, 3, 4}}}, tokens);
   const int64_t collectives = g.transports[0]->num_collectives();
   gate->release();
   mover.join();
@@ -480,17 +450,11 @@ TEST(CudaEpTest, DeviceExchangeWithASilentOrDepartedPeerFailsTheStep) {
 
   // Both ranks step together in a new epoch: the failure left nothing behind.
   for (auto& e : g.executors) e->set_group(Group{2, {0, 1}});
-  std::vector<int32_t> peer_tokens;
-  Status peer_status;
-  std::thread peer([&] {
-    Tensor peer_logits;
-    peer_status = g.models[1]->forward_step(batch, rows, &peer_logits, &peer_tokens);
-  });
-  s = g.models[0]->forward_step(batch, rows, &logits, &tokens);
-  peer.join();
-  EXPECT_TRUE(s.ok()) << s.to_string();
-  EXPECT_TRUE(peer_status.ok()) << peer_status.to_string();
-  EXPECT_EQ(tokens, peer_tokens);
+  std::vector<int32_t> both[TwoRanks::kRanks];
+  const auto stepped = step_both(g, batch, both);
+  EXPECT_TRUE(stepped[0].ok()) << stepped[0].to_string();
+  EXPECT_TRUE(stepped[1].ok()) << stepped[1].to_string();
+  EXPECT_EQ(both[0], both[1]);
 
   // The peer shuts down: seen by peer_status within a millisecond or so, not the timeout.
   ASSERT_TRUE(g.transports[1]->shutdown().ok());
