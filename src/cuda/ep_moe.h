@@ -141,7 +141,9 @@ class DeviceEpMoe {
   // the host mirrors) for a layer of a rank on another GPU not mapped yet once this rank
   // serves: mapping it would hold the serving thread (see stepped_). A rank on another host
   // (never mapped): read() through the transport straight into `dst` where it has
-  // capabilities().device_buffer_reads (a CUDA-aware UCX), else Unimplemented.
+  // capabilities().device_buffer_reads (a CUDA-aware UCX), else Unimplemented; such a read
+  // holds no lock that map_peers takes, and fails Aborted when an epoch change's map_peers
+  // ran meanwhile.
   Status copy_slot(int layer, int src_rank, size_t offset, void* dst, size_t bytes,
                    cudaStream_t stream);
 
@@ -168,6 +170,10 @@ class DeviceEpMoe {
   Result<uint64_t> window_incarnation(int r);
   // Registers every MoE layer's slot buffer with ep_'s transport (peers' copy_slot).
   Status register_slot_buffers();
+  // copy_slot through a mapping (or this rank's own slots), under slots_mu_ until the copy
+  // landed: true once it has; false where the slots are another host's, read by the transport.
+  Result<bool> copy_mapped_slot(int layer, int src_rank, size_t offset, void* dst, size_t bytes,
+                                cudaStream_t stream);
   // Bytes of one layer's slot buffer, on every rank (one configuration).
   size_t slot_buffer_bytes() const;
   // Opens m's buffers (m.rank and m.info set) after those opened before, until all are or
@@ -238,6 +244,10 @@ class DeviceEpMoe {
   // The weight mover's mappings of peers' slot buffers ([rank], guarded by slots_mu_).
   struct SlotMapping;
   std::mutex slots_mu_;
+  // Under slots_mu_: the group changes map_peers installed (each releases departed ranks'
+  // slot mappings); a slot read over the transport (without the lock) that one overtook
+  // fails (copy_slot).
+  uint64_t slots_generation_ = 0;
   // Set by the stepping thread once this rank serves: from then on copy_slot maps no slot
   // buffer of another GPU (the host mirrors carry those copies).
   std::atomic<bool> stepped_{false};

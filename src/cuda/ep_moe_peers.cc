@@ -283,11 +283,13 @@ Status DeviceEpMoe::map_peers(const Group& group) {
     table[r] = mapped_[r]->peer;
   }
   // Departed ranks: nothing runs that reads them (the last step finished; a slot copy
-  // holds slots_mu_ until it landed).
+  // through a mapping holds slots_mu_ until it landed, and one over the transport, which
+  // holds no lock while it reads, fails on the generation: copy_slot).
   const int64_t t1 = now_ns();
   int released = 0;
   {
     std::lock_guard<std::mutex> lock(slots_mu_);
+    ++slots_generation_;
     for (size_t r = 0; r < mapped_.size(); ++r) {
       if (member[r]) continue;
       released += mapped_[r] != nullptr || slot_maps_[r] != nullptr;

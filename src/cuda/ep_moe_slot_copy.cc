@@ -34,10 +34,38 @@ Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst,
     return invalid_argument("slot copy of " + std::to_string(bytes) + " bytes at " +
                             std::to_string(offset) + " past the slot buffer");
   }
+  uint64_t generation = 0;
+  {
+    std::lock_guard<std::mutex> lock(slots_mu_);
+    Result<bool> copied = copy_mapped_slot(layer, src_rank, offset, dst, bytes, stream);
+    if (!copied.ok() || copied.value()) return copied.status();
+    generation = slots_generation_;
+  }
+  // Never mappable here (another host): a CUDA-aware UCX gets it into `dst`, returning once it
+  // landed, where the caller would read the host mirror and upload it (docs/ARCHITECTURE.md,
+  // "GPU ranks on different hosts"). `dst` is a free slot, so nothing on `stream` is ordered
+  // against it. NOTE: without slots_mu_: the read may wait up to the transport's timeout on a
+  // silent peer, and map_peers, on the stepping thread, takes slots_mu_ at an epoch change.
+  // The read uses no mapping; what the lock gave it, that no map_peers released the source's
+  // slots while it ran, the generation check gives: such a copy fails Aborted (the epoch
+  // changed) and its bytes in `dst` are not vouched for.
+  Transport& transport = ep_->transport();
+  const Status read = transport.read(src_rank, kSlotsBuffer + layer, offset, dst, bytes)
+                          .annotate("slots of layer " + std::to_string(layer) + " of rank " +
+                                    std::to_string(src_rank) + " (device to device over ucx)");
+  std::lock_guard<std::mutex> lock(slots_mu_);
+  if (slots_generation_ != generation) {
+    return aborted("slots of layer " + std::to_string(layer) + " of rank " +
+                   std::to_string(src_rank) + ": the group changed during the read" +
+                   (read.ok() ? "" : " (" + read.message() + ")"));
+  }
+  return read;
+}
+
+Result<bool> DeviceEpMoe::copy_mapped_slot(int layer, int src_rank, size_t offset, void* dst,
+                                           size_t bytes, cudaStream_t stream) {
   Transport& transport = ep_->transport();
   const uint8_t* src = nullptr;
-  // Held until the copy landed: map_peers releases a departed rank's mappings under it.
-  std::lock_guard<std::mutex> lock(slots_mu_);
   if (src_rank == transport.rank()) {
     src = static_cast<const uint8_t*>(config_.layer_slots(layer));
   } else {
@@ -55,13 +83,8 @@ Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst,
     if (!mapped.ok()) {
       if (mapped.status().code() == StatusCode::kUnimplemented && direct_reads_ &&
           !transport.map_peer_buffer(src_rank, kSlotsBuffer + layer, MapMode::kLookup).ok()) {
-        // Never mappable here (kLookup refused too: another host, not a same-host GPU that
-        // kMapSameDevice declined): a CUDA-aware UCX gets it into `dst`, returning once it
-        // landed, where the caller would read the host mirror and upload it. `dst` is a free
-        // slot, so nothing on `stream` is ordered against it.
-        return transport.read(src_rank, kSlotsBuffer + layer, offset, dst, bytes)
-            .annotate("slots of layer " + std::to_string(layer) + " of rank " +
-                      std::to_string(src_rank) + " (device to device over ucx)");
+        // kLookup refused too: another host, not a same-host GPU that kMapSameDevice declined.
+        return false;
       }
       if (mapped.status().code() == StatusCode::kUnimplemented) {
         return unimplemented("rank " + std::to_string(src_rank) + "'s slots of layer " +
@@ -70,6 +93,7 @@ Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst,
       }
       return mapped.status().annotate("slot buffers of rank " + std::to_string(src_rank));
     }
+    const size_t buffer_bytes = slot_buffer_bytes();
     if (mapped->num_bytes != buffer_bytes) {
       return data_loss("rank " + std::to_string(src_rank) + "'s slot buffer of layer " +
                        std::to_string(layer) + " has " + std::to_string(mapped->num_bytes) +
@@ -84,9 +108,9 @@ Status DeviceEpMoe::copy_slot(int layer, int src_rank, size_t offset, void* dst,
     m->layers[layer] = std::move(mapped).value();  // Held until the mapping is released.
   }
   if (src == nullptr) return invalid_argument("layer " + std::to_string(layer) + " has no slots");
-  if (src + offset == dst) return Status();  // A slot onto itself.
+  if (src + offset == dst) return true;  // A slot onto itself.
   FLEX_CUDA_TRY(cudaMemcpyAsync(dst, src + offset, bytes, cudaMemcpyDeviceToDevice, stream));
   FLEX_CUDA_TRY(cudaStreamSynchronize(stream));
-  return Status();
+  return true;
 }
 }  // namespace flexpert::cuda

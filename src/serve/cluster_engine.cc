@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -696,6 +697,16 @@ bool ClusterEngine::Impl::admitting() const {
 bool ClusterEngine::healthy() const {
   MutexLock lock(impl_->mutex_);
   return impl_->accepting_ && impl_->admitting();
+}
+
+int ClusterEngine::retry_after_s() const {
+  MutexLock lock(impl_->mutex_);
+  const std::optional<double> in_s = impl_->degraded_retry_in_s();
+  if (!in_s) return 1;
+  // Whole seconds (RFC 9110 delay-seconds), rounded up so that a client comes back no earlier
+  // than the attempt; never 0, which would invite a spin.
+  return std::clamp(static_cast<int>(std::ceil(*in_s)), 1,
+                    static_cast<int>(kDegradedBackoffMax.count()));
 }
 
 nlohmann::json ClusterEngine::status() const {

@@ -115,6 +115,9 @@ class ClusterEngine : public ServingEngine {
   Result<uint64_t> submit(CompletionRequest request, CompletionCallback on_event) override;
   void cancel(uint64_t request_id) override;
   bool healthy() const override;
+  // Degraded with the healer retrying: the seconds until its next attempt (rounded up, 1 to
+  // 30, its longest backoff); otherwise 1.
+  int retry_after_s() const override;
   nlohmann::json status() const override;
   std::string metrics_text() const override;
   Status shutdown() override;

@@ -9,6 +9,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -39,6 +40,10 @@ using cluster::phase_name;
 
 // How long a scale-up's copies or a recovery's reloads may take.
 constexpr auto kPullTimeout = std::chrono::seconds(120);
+// Degraded, the healer asks for another recovery after kDegradedBackoff, doubling up to
+// kDegradedBackoffMax (heal_loop); Retry-After stays within them (ClusterEngine::retry_after_s).
+constexpr auto kDegradedBackoff = std::chrono::seconds(1);
+constexpr auto kDegradedBackoffMax = std::chrono::seconds(30);
 
 inline double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -255,6 +260,12 @@ class ClusterEngine::Impl {
   }
   // Degraded: asks for another recovery once the backoff has passed (healer thread).
   void retry_degraded() REQUIRES(mutex_);
+  // Degraded with the healer retrying: the seconds until its next attempt (0 when due);
+  // nullopt otherwise (serving, recovering, or degraded until an operator's scale).
+  std::optional<double> degraded_retry_in_s() const REQUIRES(mutex_) {
+    if (phase() != Phase::kDegraded || !retries_degraded()) return std::nullopt;
+    return std::max(0.0, std::chrono::duration<double>(degraded_retry_at_ - Clock::now()).count());
+  }
   // /metrics (thread-safe on its own). Recovery outcomes: in_place (the survivors'
   // slots), replacement (new ranks), failed (degraded).
   mutable metrics::Registry registry_;  // Thread-safe; created on first use.

@@ -30,9 +30,6 @@ constexpr int kRecoveryAttempts = 3;
 // command refused, a worker that exits) is retried after a transient cause may be gone,
 // and the held requests wait about 1.5 s in all before degraded answers them 503.
 constexpr auto kAttemptBackoff = std::chrono::milliseconds(500);
-// Degraded, the healer asks for another recovery after this, doubling up to the maximum.
-constexpr auto kDegradedBackoff = std::chrono::seconds(1);
-constexpr auto kDegradedBackoffMax = std::chrono::seconds(30);
 
 }  // namespace
 

@@ -761,11 +761,8 @@ nlohmann::json ClusterEngine::Impl::reconfig_status() const {
                         {"reconfigurations", static_cast<uint64_t>(reconfigurations().value())},
                         {"reruns", static_cast<uint64_t>(reruns().value())},
                         {"last", last_reconfig_}};
-  if (phase() == Phase::kDegraded && retries_degraded()) {
-    // The healer's next try (retry_degraded) and how many it made since serving.
-    out["retry_in_s"] =
-        std::max(0.0, std::chrono::duration<double>(degraded_retry_at_ - Clock::now()).count());
-  }
+  // The healer's next try (retry_degraded) and how many it made since serving.
+  if (const std::optional<double> in_s = degraded_retry_in_s()) out["retry_in_s"] = *in_s;
   if (degraded_retries_ > 0) out["degraded_retries"] = degraded_retries_;
   return out;
 }

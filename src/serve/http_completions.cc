@@ -31,13 +31,6 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-void send_json(httplib::Response& res, int status, const nlohmann::json& body) {
-  res.status = status;
-  // 503: the group is recovering, shutting down or degraded; clients retry.
-  if (status == 503) res.set_header("Retry-After", "1");
-  res.set_content(dump_json(body), "application/json");
-}
-
 const nlohmann::json& shutting_down_json() {
   static const nlohmann::json body =
       error_json("the server is shutting down", "server_error", "", "UNAVAILABLE");

@@ -109,13 +109,6 @@ class GatedStream : public httplib::Stream {
   size_t pos_ = 0;
 };
 
-void send_json(httplib::Response& res, int status, const json& body) {
-  res.status = status;
-  // 503: the group is recovering, shutting down or degraded; clients retry.
-  if (status == 503) res.set_header("Retry-After", "1");
-  res.set_content(dump_json(body), "application/json");
-}
-
 // Exact-match regex for a literal route path (httplib routes by std::regex).
 std::string literal_pattern(const std::string& path) {
   std::string out;
@@ -172,6 +165,16 @@ HttpServer::HttpServer(ServingEngine& engine, HttpOptions options)
 
 HttpServer::~HttpServer() { stop(); }
 
+void HttpServer::send_json(httplib::Response& res, int status, const json& body) const {
+  res.status = status;
+  // 503: the group is recovering, shutting down or degraded; clients retry after the
+  // engine's estimate (a degraded group: the healer's next attempt, docs/ARCHITECTURE.md).
+  if (status == 503) {
+    res.set_header("Retry-After", std::to_string(std::max(1, engine_.retry_after_s())));
+  }
+  res.set_content(dump_json(body), "application/json");
+}
+
 metrics::Counter& HttpServer::requests_counter(const std::string& outcome) {
   return metrics_.counter("flexpert_requests_total",
                           "Completion requests by outcome: ok, abort (engine shut down), "
@@ -194,15 +197,16 @@ void HttpServer::add_post_route(const std::string& path, AdminHandler handler) {
 
 void HttpServer::add_get_route(const std::string& path,
                                std::function<Result<nlohmann::json>()> handler) {
-  add_route(
-      "GET", path, [handler = std::move(handler)](const httplib::Request&, httplib::Response& res) {
-        Result<json> result = handler();
-        if (!result.ok()) {
-          send_json(res, http_status_for(result.status()), status_error_json(result.status()));
-        } else {
-          send_json(res, 200, result.value());
-        }
-      });
+  add_route("GET", path,
+            [this, handler = std::move(handler)](const httplib::Request&, httplib::Response& res) {
+              Result<json> result = handler();
+              if (!result.ok()) {
+                send_json(res, http_status_for(result.status()),
+                          status_error_json(result.status()));
+              } else {
+                send_json(res, 200, result.value());
+              }
+            });
 }
 
 Status HttpServer::start() {
@@ -246,7 +250,7 @@ Status HttpServer::start() {
                                          : httplib::Server::HandlerResponse::Unhandled;
       }));
   server->set_exception_handler(
-      [](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
+      [this](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
         send_json(res, 500, error_json("internal error", "server_error", "", "INTERNAL"));
       });
 

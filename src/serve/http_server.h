@@ -101,6 +101,8 @@ class HttpServer {
   struct Exchange;  // One completion request's state (http_completions.cc).
 
   void add_route(const std::string& method, const std::string& path, Handler handler);
+  // Sets status and the JSON body; a 503 carries Retry-After (the engine's retry_after_s).
+  void send_json(httplib::Response& res, int status, const nlohmann::json& body) const;
   bool is_light_route(const std::string& method, const std::string& path) const;
   // The JSON error body for a response httplib made itself; false when it has a body.
   bool fill_error_body(const httplib::Request& req, httplib::Response& res);

@@ -52,6 +52,9 @@ class ServingEngine {
   virtual void cancel(uint64_t request_id) = 0;
 
   virtual bool healthy() const = 0;
+  // Seconds a client should wait before retrying a request answered 503 (Retry-After):
+  // at least 1. An engine that knows when it may take requests again says so.
+  virtual int retry_after_s() const { return 1; }
   // GET /v1/status body: ranks, epoch, per-rank queue and step time, phase.
   virtual nlohmann::json status() const = 0;
   // Engine-specific Prometheus lines (e.g. per-rank step time), appended to /metrics.

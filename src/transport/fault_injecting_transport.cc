@@ -9,9 +9,7 @@
 namespace flexpert {
 
 FaultInjectingTransport::FaultInjectingTransport(std::unique_ptr<Transport> inner)
-    : inner_(std::move(inner)) {
-  FLEX_CHECK(inner_ != nullptr);
-}
+    : ForwardingTransport(std::move(inner)) {}
 
 void FaultInjectingTransport::fail_collective(int64_t collective_idx, Status status,
                                               bool run_inner) {
@@ -62,47 +60,35 @@ FaultInjectingTransport::Decision FaultInjectingTransport::before_collective(con
   return d;
 }
 
-Status FaultInjectingTransport::connect(int peer, const std::string& address) {
-  return inner_->connect(peer, address);
-}
-
-Status FaultInjectingTransport::disconnect(int peer) { return inner_->disconnect(peer); }
-
-Result<Region> FaultInjectingTransport::allocate_region(int region_id, size_t num_bytes) {
-  return inner_->allocate_region(region_id, num_bytes);
-}
-
 Status FaultInjectingTransport::read(int peer, int region_id, size_t offset, void* dst,
                                      size_t num_bytes) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!read_fault_.ok()) return read_fault_;
   }
-  return inner_->read(peer, region_id, offset, dst, num_bytes);
+  return inner().read(peer, region_id, offset, dst, num_bytes);
 }
 
 Result<std::vector<ByteSpan>> FaultInjectingTransport::all_gather(const Group& group, ByteSpan in) {
   Decision d = before_collective("all_gather");
-  if (!d.inject) return inner_->all_gather(group, in);
-  if (d.fault.run_inner) (void)inner_->all_gather(group, in);
+  if (!d.inject) return inner().all_gather(group, in);
+  if (d.fault.run_inner) (void)inner().all_gather(group, in);
   return d.fault.status;
 }
 
 Status FaultInjectingTransport::barrier(const Group& group) {
   Decision d = before_collective("barrier");
-  if (!d.inject) return inner_->barrier(group);
-  if (d.fault.run_inner) (void)inner_->barrier(group);
+  if (!d.inject) return inner().barrier(group);
+  if (d.fault.run_inner) (void)inner().barrier(group);
   return d.fault.status;
 }
 
 Result<std::vector<ByteSpan>> FaultInjectingTransport::exchange(const Group& group,
                                                                 const std::vector<ByteSpan>& send) {
   Decision d = before_collective("exchange");
-  if (!d.inject) return inner_->exchange(group, send);
-  if (d.fault.run_inner) (void)inner_->exchange(group, send);
+  if (!d.inject) return inner().exchange(group, send);
+  if (d.fault.run_inner) (void)inner().exchange(group, send);
   return d.fault.status;
 }
-
-Status FaultInjectingTransport::shutdown() { return inner_->shutdown(); }
 
 }  // namespace flexpert

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -36,6 +37,8 @@ struct EpRanksOptions {
   size_t max_exchange_bytes = 0;
   int timeout_ms = 20000;
   std::string backend = "cuda_ipc";
+  // Set: wraps each rank's transport (inside the FaultInjectingTransport).
+  std::function<std::unique_ptr<Transport>(std::unique_ptr<Transport>)> wrap = nullptr;
 };
 
 struct TwoEpRanks {
@@ -54,7 +57,9 @@ struct TwoEpRanks {
       auto created = create_transport(o.backend, t);
       EXPECT_TRUE(created.ok()) << created.status().to_string();
       if (!created.ok()) return;
-      transports[r] = std::make_unique<FaultInjectingTransport>(std::move(created).value());
+      std::unique_ptr<Transport> inner = std::move(created).value();
+      if (o.wrap) inner = o.wrap(std::move(inner));
+      transports[r] = std::make_unique<FaultInjectingTransport>(std::move(inner));
     }
     for (int r = 0; r < kRanks; ++r) {
       for (int p = 0; p < kRanks; ++p) {

@@ -8,17 +8,24 @@
 // Qwen3-MoE and DeepSeek-V3 (shared experts beside the exchanged routed ones).
 // Then two ranks of one process (a thread each) over real shm transports and EpMoeExecutors:
 // the device exchange (rows read from the peer's buffers by kernels) against the reference
-// and against the host exchange, and a silent or departed peer ending a step with an error.
+// and against the host exchange, a silent or departed peer ending a step with an error, and a
+// slot read over the transport (another host's slots) that an epoch change does not wait for.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <thread>
 
 #include "cuda/device.h"
 #include "cuda/ep_exchange.h"
+#include "cuda/ep_moe_peers.h"
 #include "cuda_ep_ranks.h"
 #include "cuda_model_util.h"
 #include "flexpert/generate.h"
@@ -27,6 +34,7 @@
 #include "moe/expert_slots.h"
 #include "moe/moe_executor.h"
 #include "transport/fault_injecting_transport.h"
+#include "transport/forwarding_transport.h"
 
 namespace flexpert {
 namespace {
@@ -156,11 +164,12 @@ TEST(CudaEpTest, DeepseekRowComputeMatchesReferenceAndMapsDoNotRecapture) {
 struct TwoRanks : cuda_test::TwoEpRanks {
   static constexpr int kExperts = 16, kSlotsPerRank = kExperts / kRanks;
 
+  using Wrap = std::function<std::unique_ptr<Transport>(std::unique_ptr<Transport>)>;
   explicit TwoRanks(const std::string& tag, int timeout_ms = 20000,
-                    const std::string& backend = "cuda_ipc")
+                    const std::string& backend = "cuda_ipc", Wrap wrap = nullptr)
       : TwoEpRanks(std::string(FLEXPERT_TESTDATA_DIR) + "/qwen3moe-tiny", model_options(),
                    {"cuda-ep-" + tag, kSlotsPerRank, EpMoeExecutor::max_exchange_bytes(2048, 8, 64),
-                    timeout_ms, backend}) {}
+                    timeout_ms, backend, std::move(wrap)}) {}
 
   static ModelOptions model_options() {
     ModelOptions options;
@@ -191,6 +200,22 @@ TwoRankRun run_two_ranks(const std::string& tag, const std::string& backend = "c
     run.collectives += g.transports[r]->num_collectives();
   }
   return run;
+}
+
+// Both ranks run `batch` (one row each, greedy) as one step, rank 1 on a thread of its own;
+// each rank's status, its tokens in out[rank].
+std::array<Status, TwoRanks::kRanks> step_both(TwoRanks& g, const std::vector<SequenceChunk>& batch,
+                                               std::vector<int32_t> out[TwoRanks::kRanks]) {
+  const std::vector<RowOutput> rows(batch.size());
+  std::array<Status, TwoRanks::kRanks> st;
+  std::thread peer([&] {
+    Tensor logits;
+    st[1] = g.models[1]->forward_step(batch, rows, &logits, &out[1]);
+  });
+  Tensor logits;
+  st[0] = g.models[0]->forward_step(batch, rows, &logits, &out[0]);
+  peer.join();
+  return st;
 }
 
 TEST(CudaEpTest, DeviceExchangeBetweenTwoRanksMatchesReferenceAndHostExchange) {
@@ -246,17 +271,8 @@ TEST(CudaEpTest, ANewEpochServesWithTheHostExchangeUntilItsPeersAreMapped) {
   unsetenv("FLEXPERT_EP_EXCHANGE");
   TwoRanks g("probe");
   ASSERT_TRUE(g.ready);
-  auto step_both = [&](int kv_slot, std::vector<int32_t> out[TwoRanks::kRanks]) {
-    const std::vector<SequenceChunk> batch = {{kv_slot, 0, {3, 1, 4, 1, 5}}};
-    const std::vector<RowOutput> rows(1);
-    Status st[TwoRanks::kRanks];
-    std::thread peer([&] {
-      Tensor logits;
-      st[1] = g.models[1]->forward_step(batch, rows, &logits, &out[1]);
-    });
-    Tensor logits;
-    st[0] = g.models[0]->forward_step(batch, rows, &logits, &out[0]);
-    peer.join();
+  auto step = [&](int kv_slot, std::vector<int32_t> out[TwoRanks::kRanks]) {
+    const auto st = step_both(g, {{kv_slot, 0, {3, 1, 4, 1, 5}}}, out);
     EXPECT_TRUE(st[0].ok()) << st[0].to_string();
     EXPECT_TRUE(st[1].ok()) << st[1].to_string();
   };
@@ -266,13 +282,13 @@ TEST(CudaEpTest, ANewEpochServesWithTheHostExchangeUntilItsPeersAreMapped) {
   for (auto& e : g.executors) e->set_group_device_ready(false);
   std::vector<int32_t> host[TwoRanks::kRanks], device[TwoRanks::kRanks];
   const int64_t c0 = collectives();
-  step_both(0, host);
+  step(0, host);
   EXPECT_GT(collectives(), c0) << "a group not ready ran the device exchange";
 
   for (auto& e : g.executors) ASSERT_TRUE(e->device_ready()) << "one peer, mapped in one call";
   for (auto& e : g.executors) e->set_group_device_ready(true);
   const int64_t c1 = collectives();
-  step_both(1, device);
+  step(1, device);
   EXPECT_EQ(collectives(), c1) << "the device exchange used the host transport";
   for (int r = 0; r < TwoRanks::kRanks; ++r) {
     ASSERT_EQ(device[r].size(), 1u);
@@ -307,6 +323,110 @@ TEST(CudaEpTest, CopySlotMovesWeightsBetweenDevices) {
   EXPECT_EQ(m.copy_slot(layer, 5, 7, 3).code(), StatusCode::kInvalidArgument);
 }
 
+// Slots as a rank on another host has them (docs/ARCHITECTURE.md, "GPU ranks on different
+// hosts"): never mapped (map_peer_buffer of a slot buffer answers Unimplemented, as hier does),
+// read by the transport into device memory (device_buffer_reads, as a CUDA-aware UCX). A slot
+// read waits at a gate the test opens; the gate opens itself after a minute, so that a read
+// holding up the test fails it instead of hanging it.
+class RemoteSlotsTransport final : public ForwardingTransport {
+ public:
+  struct Gate {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool open = false, opened_by_timeout = false;
+    int readers = 0;  // Reads that reached the gate.
+    bool wait_for_reader() {
+      std::unique_lock<std::mutex> lock(mu);
+      return cv.wait_for(lock, std::chrono::minutes(1), [&] { return readers > 0; });
+    }
+    void release() {
+      std::lock_guard<std::mutex> lock(mu);
+      open = true;
+      cv.notify_all();
+    }
+  };
+  RemoteSlotsTransport(std::unique_ptr<Transport> inner, std::shared_ptr<Gate> gate)
+      : ForwardingTransport(std::move(inner)), gate_(std::move(gate)) {}
+
+  TransportCapabilities capabilities() const override {
+    TransportCapabilities c = inner().capabilities();
+    c.device_buffer_reads = true;
+    return c;
+  }
+  Result<PeerBuffer> map_peer_buffer(int peer, int buffer_id, MapMode mode) override {
+    if (peer != rank() && buffer_id >= cuda::ep_moe_detail::kSlotsBuffer) {
+      return unimplemented("slots of rank " + std::to_string(peer) + ": another host's");
+    }
+    return inner().map_peer_buffer(peer, buffer_id, mode);
+  }
+  Status read(int peer, int region_id, size_t offset, void* dst, size_t num_bytes) override {
+    if (region_id < cuda::ep_moe_detail::kSlotsBuffer) {
+      return inner().read(peer, region_id, offset, dst, num_bytes);
+    }
+    {
+      std::unique_lock<std::mutex> lock(gate_->mu);
+      ++gate_->readers;
+      gate_->cv.notify_all();
+      if (!gate_->cv.wait_for(lock, std::chrono::minutes(1), [&] { return gate_->open; })) {
+        gate_->opened_by_timeout = true;
+      }
+    }
+    FLEX_ASSIGN_OR_RETURN(PeerBuffer slots,
+                          inner().map_peer_buffer(peer, region_id, MapMode::kMap));
+    if (offset + num_bytes > slots.num_bytes) return invalid_argument("read past the slots");
+    const cudaError_t err = cudaMemcpy(dst, static_cast<const uint8_t*>(slots.data) + offset,
+                                       num_bytes, cudaMemcpyDefault);
+    if (err != cudaSuccess) return internal_error(cudaGetErrorString(err));
+    return Status();
+  }
+
+ private:
+  std::shared_ptr<Gate> gate_;  // Shared with the test, which opens it.
+};
+
+// A slot read over the transport (the weight mover's thread) holds no lock that an epoch
+// change needs: both ranks step in a new epoch (the device exchange, so map_peers runs) while
+// the read waits, and the copy that the epoch change overtook fails Aborted. Read again in
+// the same epoch it lands, and the host mirror equals the source.
+TEST(CudaEpTest, ASlotReadOverTheTransportHoldsNoEpochChangeBack) {
+  FLEX_SKIP_WITHOUT_GPU();
+  unsetenv("FLEXPERT_EP_EXCHANGE");
+  auto gate = std::make_shared<RemoteSlotsTransport::Gate>();
+  TwoRanks g("remote", 20000, "cuda_ipc",
+             [gate](std::unique_ptr<Transport> t) -> std::unique_ptr<Transport> {
+               return std::make_unique<RemoteSlotsTransport>(std::move(t), gate);
+             });
+  ASSERT_TRUE(g.ready);
+  const int layer = 1;
+  ExpertSlots* mine = g.models[0]->local_slots(layer);
+  ExpertSlots* theirs = g.models[1]->local_slots(layer);
+  ASSERT_TRUE(mine != nullptr && theirs != nullptr);
+  const size_t bytes = mine->slot_bytes();
+  ASSERT_NE(std::memcmp(mine->slot_data(5), theirs->slot_data(3), bytes), 0);
+
+  Status copied;
+  std::thread mover([&] { copied = g.models[0]->copy_slot(layer, 5, /*src_rank=*/1, 3); });
+  if (!gate->wait_for_reader()) {
+    mover.join();
+    FAIL() << "the copy read no slot over the transport: " << copied.to_string();
+  }
+  for (auto& e : g.executors) e->set_group(Group{2, {0, 1}});
+  std::vector<int32_t> tokens[TwoRanks::kRanks];
+  const auto stepped = step_both(g, {{0, 0, {1, 2, 3, 4}}}, tokens);
+  const int64_t collectives = g.transports[0]->num_collectives();
+  gate->release();
+  mover.join();
+  EXPECT_FALSE(gate->opened_by_timeout) << "the epoch's steps waited for the slot read";
+  EXPECT_TRUE(stepped[0].ok()) << stepped[0].to_string();
+  EXPECT_TRUE(stepped[1].ok()) << stepped[1].to_string();
+  EXPECT_EQ(collectives, 0) << "the steps took the host exchange: no map_peers ran";
+  EXPECT_EQ(copied.code(), StatusCode::kAborted) << copied.to_string();
+
+  const Status again = g.models[0]->copy_slot(layer, 5, /*src_rank=*/1, 3);
+  ASSERT_TRUE(again.ok()) << again.to_string();
+  EXPECT_EQ(std::memcmp(mine->slot_data(5), theirs->slot_data(3), bytes), 0);
+}
+
 // One rank steps while its peer stays silent, then while its peer has shut down: the step
 // fails (DeadlineExceeded after the transport's timeout; Unavailable at once), never hangs,
 // and the model steps again once the peer is back.
@@ -330,17 +450,11 @@ TEST(CudaEpTest, DeviceExchangeWithASilentOrDepartedPeerFailsTheStep) {
 
   // Both ranks step together in a new epoch: the failure left nothing behind.
   for (auto& e : g.executors) e->set_group(Group{2, {0, 1}});
-  std::vector<int32_t> peer_tokens;
-  Status peer_status;
-  std::thread peer([&] {
-    Tensor peer_logits;
-    peer_status = g.models[1]->forward_step(batch, rows, &peer_logits, &peer_tokens);
-  });
-  s = g.models[0]->forward_step(batch, rows, &logits, &tokens);
-  peer.join();
-  EXPECT_TRUE(s.ok()) << s.to_string();
-  EXPECT_TRUE(peer_status.ok()) << peer_status.to_string();
-  EXPECT_EQ(tokens, peer_tokens);
+  std::vector<int32_t> both[TwoRanks::kRanks];
+  const auto stepped = step_both(g, batch, both);
+  EXPECT_TRUE(stepped[0].ok()) << stepped[0].to_string();
+  EXPECT_TRUE(stepped[1].ok()) << stepped[1].to_string();
+  EXPECT_EQ(both[0], both[1]);
 
   // The peer shuts down: seen by peer_status within a millisecond or so, not the timeout.
   ASSERT_TRUE(g.transports[1]->shutdown().ok());

@@ -74,6 +74,41 @@ TEST_F(HttpErrorsTest, EngineRefusalsMapToHttpCodes) {
   EXPECT_EQ(r.body["choices"][0]["token_ids"], json({1, 2, 3}));
 }
 
+TEST_F(HttpErrorsTest, Every503SaysWhenToRetryAsTheEngineDoes) {
+  start();
+  auto retry_after = [&](const httplib::Result& res) {
+    return res ? res->get_header_value("Retry-After") : std::string("no answer");
+  };
+  // Refused at submit, failed after acceptance, and /health of a degraded engine.
+  engine_.submit_status = unavailable("degraded");
+  auto refused = client_->Post("/v1/completions", kRequest.dump(), "application/json");
+  EXPECT_EQ(retry_after(refused), "1");
+  engine_.retry_after = 17;  // A degraded group whose healer retries in 17 s.
+  refused = client_->Post("/v1/completions", kRequest.dump(), "application/json");
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 503);
+  EXPECT_EQ(retry_after(refused), "17");
+  engine_.submit_status = Status();
+  engine_.mode = FakeEngine::Mode::kFailMidway;
+  auto failed = client_->Post("/v1/completions", kRequest.dump(), "application/json");
+  ASSERT_TRUE(failed);
+  EXPECT_EQ(failed->status, 503);
+  EXPECT_EQ(retry_after(failed), "17");
+  engine_.is_healthy = false;
+  auto health = client_->Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 503);
+  EXPECT_EQ(retry_after(health), "17");
+  // An engine's 0 would invite a spin: the header says at least 1. Other answers carry none.
+  engine_.retry_after = 0;
+  EXPECT_EQ(retry_after(client_->Get("/health")), "1");
+  engine_.is_healthy = true;
+  auto ok = client_->Get("/health");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200);
+  EXPECT_FALSE(ok->has_header("Retry-After"));
+}
+
 TEST_F(HttpErrorsTest, ApiKeyGuardsTheInferenceRoutesOnly) {
   HttpOptions options;
   options.api_key = "sesame";

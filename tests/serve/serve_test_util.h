@@ -144,6 +144,7 @@ class FakeEngine : public ServingEngine {
   Mode mode = Mode::kEcho;
   Status submit_status;  // Non-OK: submit() returns it.
   std::atomic<bool> is_healthy{true};
+  std::atomic<int> retry_after{1};  // retry_after_s(): what a 503's Retry-After should say.
   bool throw_in_status = false;
   std::atomic<int> num_cancelled{0};
   int vocab = 100;
@@ -194,6 +195,7 @@ class FakeEngine : public ServingEngine {
     cv_.notify_all();
   }
   bool healthy() const override { return is_healthy; }
+  int retry_after_s() const override { return retry_after; }
   json status() const override {
     if (throw_in_status) throw std::runtime_error("status exploded");
     return {{"mode", "fake"}};

@@ -29,10 +29,7 @@ TEST(ElasticTest, ScaleUpAndDownUnderLoadKeepsEveryAnswer) {
     EXPECT_EQ(members(server).size(), static_cast<size_t>(target));
     pause_ms(400);  // Traffic on the new topology.
   }
-  load.stop();
-  EXPECT_GT(load.ok(), 30);
-  EXPECT_EQ(load.failed(), 0);
-  EXPECT_EQ(load.wrong(), 0);
+  EXPECT_TRUE(load.stop_and_check(30));
   const auto status = server.get_json("/v1/status");
   EXPECT_EQ(status["phase"], "serving");
   EXPECT_EQ(status["epoch"], 5);  // Start + four commits.
@@ -115,12 +112,9 @@ TEST(ElasticTest, DeepSeekGroupScalesAndRebalancesUnderLoad) {
   ASSERT_TRUE(wait_status(server, [](const nlohmann::json& s) {
     return serving_with(s, 2) && last_kind(s) == "heal";
   })) << server.get_json("/v1/status").dump();
-  load.stop();
+  EXPECT_TRUE(load.stop_and_check(10));
   const auto status = server.get_json("/v1/status");
   EXPECT_EQ(status["reconfiguration"]["recoveries"]["in_place"], 1) << status.dump();
-  EXPECT_GT(load.ok(), 10);
-  EXPECT_EQ(load.failed(), 0);
-  EXPECT_EQ(load.wrong(), 0);
   EXPECT_EQ(server.stop(), 0);
 }
 
@@ -159,10 +153,7 @@ TEST(ElasticTest, KilledWorkerUnderLoadLosesNoRequest) {
     return serving_with(s, 3) && last_kind(s) == "heal";
   })) << server.get_json("/v1/status").dump();
   pause_ms(300);
-  load.stop();
-  EXPECT_GT(load.ok(), 20);
-  EXPECT_EQ(load.failed(), 0);
-  EXPECT_EQ(load.wrong(), 0);
+  EXPECT_TRUE(load.stop_and_check(20));
   const auto after = server.get_json("/v1/status");
   EXPECT_EQ(after["reconfiguration"]["recoveries"]["in_place"], 1) << after.dump();
   EXPECT_EQ(after["reconfiguration"]["recoveries"]["replacement"], 0) << after.dump();
@@ -248,14 +239,12 @@ TEST(ElasticTest, KilledWorkerWithReplicasNeedsNoReload) {
   ASSERT_TRUE(wait_status(server, [](const nlohmann::json& s) {
     return serving_with(s, 3) && last_kind(s) == "heal";
   })) << server.get_json("/v1/status").dump();
-  load.stop();
+  EXPECT_TRUE(load.stop_and_check());
   const auto last = server.get_json("/v1/status")["reconfiguration"]["last_recovery"];
   EXPECT_EQ(last["kind"], "recovery");
   EXPECT_EQ(last["status"], "ok");
   EXPECT_EQ(last["reloaded_experts"], 0) << last.dump();
   EXPECT_FALSE(last.contains("replacements")) << last.dump();
-  EXPECT_EQ(load.failed(), 0);
-  EXPECT_EQ(load.wrong(), 0);
 }
 
 TEST(ElasticTest, JoinerCrashingDuringPreparationRollsBack) {
@@ -268,10 +257,7 @@ TEST(ElasticTest, JoinerCrashingDuringPreparationRollsBack) {
   const Answer a = post(server, "/v1/scale", {{"ranks", 3}});
   EXPECT_EQ(a.status, 503) << a.body.dump();
   pause_ms(300);
-  load.stop();
-  EXPECT_EQ(load.failed(), 0);
-  EXPECT_EQ(load.wrong(), 0);
-  EXPECT_GT(load.ok(), 10);
+  EXPECT_TRUE(load.stop_and_check(10));
   const auto status = server.get_json("/v1/status");
   EXPECT_EQ(status["members"], nlohmann::json({0, 1}));
   EXPECT_EQ(status["phase"], "serving");

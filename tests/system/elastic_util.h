@@ -64,6 +64,18 @@ class Load {
   int failed() const { return failed_.load(); }
   int wrong() const { return wrong_.load(); }
   int64_t max_ms() const { return max_ms_.load(); }  // The longest request (a figure, no assert).
+  // Stops the clients and checks what they saw: none failed (no answer, or an error), none
+  // got other tokens than the reference's, and more than `more_than_ok` got them (default: any
+  // number). EXPECT_TRUE(load.stop_and_check(10)) reports every count at the caller's line.
+  [[nodiscard]] ::testing::AssertionResult stop_and_check(int more_than_ok = -1) {
+    stop();
+    const bool good = failed() == 0 && wrong() == 0 && ok() > more_than_ok;
+    auto result = good ? ::testing::AssertionSuccess() : ::testing::AssertionFailure();
+    result << "load of " << threads_.size() << " clients: " << ok() << " answered the reference";
+    if (more_than_ok >= 0) result << " (more than " << more_than_ok << " expected)";
+    return result << ", " << failed() << " failed, " << wrong() << " answered other tokens"
+                  << "; longest request " << max_ms() << " ms";
+  }
 
  private:
   Reference ref_;

@@ -174,10 +174,7 @@ void lose_a_host(Hosts& hosts, const std::string& transport, const std::string& 
       server, [](const nlohmann::json& s) { return serving_with(s, 2); }, 30000))
       << server.get_json("/v1/status").dump();
   pause_ms(500);  // Traffic on the survivors.
-  load.stop();
-  EXPECT_GT(load.ok(), 10);
-  EXPECT_EQ(load.failed(), 0);
-  EXPECT_EQ(load.wrong(), 0);
+  EXPECT_TRUE(load.stop_and_check(10));
   const auto s = server.get_json("/v1/status");
   EXPECT_EQ(s["members"], nlohmann::json({0, 1})) << s.dump();
   check_reference(server, load_reference(), 1);
@@ -362,11 +359,8 @@ TEST(HostsTest, UcxScalesAcrossHostsAndHealsACutHost) {
     ASSERT_EQ(up.status, 200) << up.body.dump();
     EXPECT_EQ(up.body["members"], nlohmann::json({0, 1, 2, 3, 4, 5})) << up.body.dump();
     pause_ms(300);
-    load.stop();
+    EXPECT_TRUE(load.stop_and_check(0));
     streams.stop();
-    EXPECT_GT(load.ok(), 0);
-    EXPECT_EQ(load.failed(), 0);
-    EXPECT_EQ(load.wrong(), 0);
     const double steady = streams.max_gap_ms(t0, t_scale);
     const double during = streams.max_gap_ms(t_scale, t_done);
     std::printf(
@@ -417,10 +411,7 @@ TEST(HostsTest, UcxScalesAcrossHostsAndHealsACutHost) {
       }
     }
     pause_ms(500);  // Traffic on the survivors.
-    load.stop();
-    EXPECT_GT(load.ok(), 0);
-    EXPECT_EQ(load.failed(), 0);
-    EXPECT_EQ(load.wrong(), 0);
+    EXPECT_TRUE(load.stop_and_check(0));
     std::printf(
         "[hosts] cut host b (--heartbeat-timeout-ms %d): lost after %lld ms, serving on "
         "3 ranks after %lld ms, longest request %lld ms\n",
@@ -452,9 +443,7 @@ TEST(HostsTest, UcxScalesAcrossHostsAndHealsACutHost) {
     ASSERT_EQ(up.status, 200) << up.body.dump();
     EXPECT_EQ(up.body["members"], nlohmann::json({0, 1, 2, 3, 4, 5})) << up.body.dump();
     pause_ms(300);
-    load.stop();
-    EXPECT_EQ(load.failed(), 0);
-    EXPECT_EQ(load.wrong(), 0);
+    EXPECT_TRUE(load.stop_and_check());
   }
   check_reference(server, ref, 1);
   EXPECT_EQ(server.stop(), 0);
@@ -487,10 +476,7 @@ TEST(HostsTest, UcxWorkerLeavesOnSigterm) {
     return serving_with(s, 2) && last_kind(s) == "leave";
   })) << server.get_json("/v1/status").dump();
   pause_ms(300);
-  load.stop();
-  EXPECT_GT(load.ok(), 10);
-  EXPECT_EQ(load.failed(), 0);
-  EXPECT_EQ(load.wrong(), 0);
+  EXPECT_TRUE(load.stop_and_check(10));
   EXPECT_EQ(server.stop(), 0);
 }
 

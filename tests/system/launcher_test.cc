@@ -9,6 +9,8 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -166,6 +168,15 @@ TEST(LauncherTest, FailingLaunchCommandIsAFailedStart) {
   EXPECT_TRUE(launch.workers_exit());
 }
 
+// Retry-After as a 503 carries it: whole seconds, 1 to 30 (the healer's longest backoff); 0
+// when absent or not a number.
+int retry_after_s(const httplib::Response& res) {
+  const std::string v = res.get_header_value("Retry-After");
+  if (v.empty() || v.size() > 2 || !std::all_of(v.begin(), v.end(), ::isdigit)) return 0;
+  const int s = std::stoi(v);
+  return s >= 1 && s <= 30 ? s : 0;
+}
+
 // One client's answers while the group loses every worker: each is 200 with the reference
 // tokens, or 503 with Retry-After and a JSON error; none is another status or no answer.
 class Prober {
@@ -190,8 +201,8 @@ class Prober {
           if (res->status == 200) {
             ok_ += j["choices"][0]["token_ids"].get<std::vector<int>>() == ref_.greedy[p];
             wrong_ += j["choices"][0]["token_ids"].get<std::vector<int>>() != ref_.greedy[p];
-          } else if (res->status == 503 && res->get_header_value("Retry-After") == "1" &&
-                     j.is_object() && j["error"]["message"].is_string()) {
+          } else if (res->status == 503 && retry_after_s(*res) > 0 && j.is_object() &&
+                     j["error"]["message"].is_string()) {
             ++unavailable_;
           } else {
             bad_.push_back(std::to_string(res->status) + " " + res->body);
@@ -221,6 +232,37 @@ class Prober {
   std::vector<std::string> bad_;
   std::vector<std::thread> threads_;
 };
+
+// Degraded, a 503 says when the healer tries next: Retry-After is /v1/status's retry_in_s
+// rounded up, read before and after the answer. Samples until one lands with no retry in
+// between (the same degraded_retries on both sides) and the healer more than 1 s away, where
+// a fixed "1" would be wrong.
+void expect_retry_after_is_the_healers(Server& server, const nlohmann::json& request) {
+  for (int sample = 0; sample < 100; ++sample) {
+    const auto before = server.get_json("/v1/status");
+    auto res = server.client().Post("/v1/completions", request.dump(), "application/json");
+    const auto after = server.get_json("/v1/status");
+    const auto& b = before["reconfiguration"];
+    const auto& a = after["reconfiguration"];
+    if (before["phase"] != "degraded" || after["phase"] != "degraded" ||
+        !b.contains("retry_in_s") || !a.contains("retry_in_s") ||
+        b.value("degraded_retries", 0) != a.value("degraded_retries", 0) ||
+        a["retry_in_s"].get<double>() <= 1.0) {
+      pause_ms(100);
+      continue;
+    }
+    ASSERT_TRUE(res);
+    ASSERT_EQ(res->status, 503) << res->body;
+    const int retry_after = retry_after_s(*res);
+    EXPECT_GE(retry_after, static_cast<int>(std::ceil(a["retry_in_s"].get<double>())))
+        << res->get_header_value("Retry-After") << " " << after.dump();
+    EXPECT_LE(retry_after, static_cast<int>(std::ceil(b["retry_in_s"].get<double>())))
+        << res->get_header_value("Retry-After") << " " << before.dump();
+    return;
+  }
+  ADD_FAILURE() << "no 503 while the healer's next retry was over 1 s away: "
+                << server.get_json("/v1/status").dump();
+}
 
 TEST(LauncherTest, EveryWorkerKilledWhileTheCommandRefuses) {
   LaunchDir launch;
@@ -255,6 +297,9 @@ TEST(LauncherTest, EveryWorkerKilledWhileTheCommandRefuses) {
       },
       60000))
       << server.get_json("/v1/status").dump();
+  // The healer now waits at least 4 s between retries (1, 2, 4 s, ...): a 503 says how long.
+  expect_retry_after_is_the_healers(
+      server, {{"prompt", ref.prompts[0]}, {"max_tokens", 4}, {"temperature", 0}});
   load.stop();
   EXPECT_GT(load.unavailable(), 0);
   // The orchestrator recovers: the healer's next retry brings the group back.

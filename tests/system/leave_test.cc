@@ -37,10 +37,7 @@ TEST(LeaveTest, SigtermLeavesWithoutFailingARequest) {
   EXPECT_TRUE(wait_status(server, [](const nlohmann::json& s) { return serving_with(s, 2); }))
       << server.get_json("/v1/status").dump();
   pause_ms(300);  // Traffic on the smaller group.
-  load.stop();
-  EXPECT_GT(load.ok(), 10);
-  EXPECT_EQ(load.failed(), 0);
-  EXPECT_EQ(load.wrong(), 0);
+  EXPECT_TRUE(load.stop_and_check(10));
   const auto s = server.get_json("/v1/status");
   EXPECT_EQ(s["members"], nlohmann::json({0, 2})) << s.dump();
   EXPECT_EQ(last_kind(s), "leave") << s.dump();
@@ -75,10 +72,7 @@ TEST(LeaveTest, SpawnedWorkerLeavesOnSigterm) {
   for (int i = 0; i < 100 && process_alive(pid); ++i) pause_ms(50);  // Reaped by the front end.
   EXPECT_FALSE(process_alive(pid));
   pause_ms(300);
-  load.stop();
-  EXPECT_GT(load.ok(), 5);
-  EXPECT_EQ(load.failed(), 0);
-  EXPECT_EQ(load.wrong(), 0);
+  EXPECT_TRUE(load.stop_and_check(5));
   const auto s = server.get_json("/v1/status");
   EXPECT_EQ(s["members"], nlohmann::json({0, 1})) << s.dump();
   EXPECT_EQ(s["reconfiguration"]["recoveries"]["replacement"], 0) << s.dump();
