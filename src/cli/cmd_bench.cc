@@ -146,6 +146,9 @@ Status run_generate_bench(const Flags& flags) {
     FLEX_ASSIGN_OR_RETURN(auto model, Model::load(dir, options));
     progress.finish();
     const ModelConfig& c = model->config();
+    if (reference_vocab != 0 && reference_vocab != c.vocab_size) {
+      return invalid_argument("--reference has another vocabulary than --model");
+    }
     // --floor: what a decode step must read, against the copy bandwidth measured now.
     StepBytes floor_bytes;
     double copy_rate = 0;
@@ -278,9 +281,6 @@ Status run_generate_bench(const Flags& flags) {
            {"quantization", flags.has("quantization") ? flags.str("quantization") : "default"}};
     if (num_agreement > 0) {
       const std::string name = quantization.empty() ? "default" : quantization;
-      if (reference_vocab != 0 && reference_vocab != c.vocab_size) {
-        return invalid_argument("--reference has another vocabulary than --model");
-      }
       if (prompts.empty()) {
         prompts = agreement_prompts(static_cast<int>(num_agreement), static_cast<int>(prompt_len),
                                     c.vocab_size, /*seed=*/2);

@@ -229,6 +229,11 @@ TEST(CliTest, BenchAgreementComparesGreedyTokens) {
   EXPECT_EQ(run("bench generate --model " + dir + "/fp8 --reference " + dir + "/twin").exit_code,
             2);
   EXPECT_EQ(run("synth --preset tiny --fp8-dequantized --out " + dir + "/x").exit_code, 2);
+  ASSERT_EQ(run(synth + " --vocab-size 1000 --out " + dir + "/vocab1000").exit_code, 0);
+  CliRun vocab = run("bench generate --model " + dir + "/fp8 --batches 1 --agreement 4 " +
+                     "--reference " + dir + "/vocab1000");
+  EXPECT_EQ(vocab.exit_code, 2) << vocab.out;
+  EXPECT_NE(vocab.out.find("another vocabulary"), std::string::npos) << vocab.out;
   std::filesystem::remove_all(dir);
 }
 
