@@ -94,9 +94,9 @@ done
 rm -rf "$DIR"
 
 stamp "summary"
-python3 - "$OUT" "$PRESET" "$LAYERS" "$qlist" <<'EOF'
+python3 - "$OUT" "$PRESET" "$LAYERS" "$qlist" "$DEVICE" <<'EOF'
 import json, os, sys
-out, preset, layers, qlist = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
+out, preset, layers, qlist, device = sys.argv[1:4] + [sys.argv[4].split(","), sys.argv[5]]
 def load(name):
     try:
         with open(os.path.join(out, name)) as f:
@@ -130,8 +130,8 @@ for q, a in summary.get("agreement", {}).items():
     print("    %-12s %d / %d (%.1f %%), %.2f leading tokens equal on average"
           % (q, a["equal_prompts"], a["prompts"], 100 * a["equal_share"],
              a["mean_common_prefix"]))
-print("(c) expert moves, GPU ranks under MPS: bytes per copy; scale-up 2 -> 3 (no load yet);"
-      " one rebalance after load")
+print("(c) expert moves, %s: bytes per copy; scale-up 2 -> 3 (no load yet);"
+      " one rebalance after load" % ("CPU ranks" if device == "cpu" else "GPU ranks under MPS"))
 print("    %-6s %12s %16s %16s %16s %14s" % ("slots", "bytes/copy", "scale-up copies",
                                              "scale-up MB", "rebalance slots", "rebalance MB"))
 moves = {}
