@@ -4,6 +4,8 @@
 // Without --model it synthesises the preset once into --cache (reused on later
 // runs). Prefill: one step holding every sequence's whole prompt. Decode:
 // --gen-tokens steps of one token per sequence. Prints a table, writes JSON.
+// --agreement N: also the greedy tokens of N prompts per item, compared with the first
+// item's or with those of --reference (cli/agreement.h).
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -17,6 +19,7 @@
 #include <thread>
 
 #include "checkpoint/synth.h"
+#include "cli/agreement.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
 #include "cli/step_floor.h"
@@ -92,10 +95,40 @@ Status run_generate_bench(const Flags& flags) {
     if (b < 1) return invalid_argument("--batches items must be >= 1");
   }
   FLEX_ASSIGN_OR_RETURN(std::vector<std::string> quantizations, quantization_list(flags));
+  FLEX_ASSIGN_OR_RETURN(int64_t num_agreement, flags.integer("agreement"));
+  if (num_agreement < 0 || num_agreement > 4096) {
+    return invalid_argument("--agreement must be in [0, 4096]");
+  }
+  if (flags.has("reference") && num_agreement == 0) {
+    return invalid_argument("--reference needs --agreement N");
+  }
   FLEX_ASSIGN_OR_RETURN(std::string dir, ensure_model(flags));
-  const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
+  const int64_t max_batch =
+      std::max(*std::max_element(batches.begin(), batches.end()), num_agreement);
   nlohmann::json runs = nlohmann::json::array();
   nlohmann::json out;
+  // --agreement: the reference's greedy tokens (--reference's, else the first item's).
+  TokenRows prompts, reference_tokens;
+  std::string reference_name;
+  int64_t reference_vocab = 0;
+  nlohmann::json agreements = nlohmann::json::array();
+  if (num_agreement > 0 && flags.has("reference")) {
+    ModelOptions options;
+    options.max_sequences = static_cast<int>(num_agreement);
+    options.max_seq_len = static_cast<int>(prompt_len + gen_tokens + 1);
+    options.device = flags.str("device");
+    FLEX_ASSIGN_OR_RETURN(options.device_dtype, parse_weight_dtype(flags.str("cuda-dtype")));
+    reference_name = flags.str("reference");
+    Progress progress("loading the reference " + reference_name);
+    options.progress = [&](int done, int total) { progress.update(done, total, " layers"); };
+    FLEX_ASSIGN_OR_RETURN(auto reference, Model::load(reference_name, options));
+    progress.finish();
+    prompts = agreement_prompts(static_cast<int>(num_agreement), static_cast<int>(prompt_len),
+                                reference->config().vocab_size, /*seed=*/2);
+    reference_vocab = reference->config().vocab_size;
+    FLEX_ASSIGN_OR_RETURN(reference_tokens,
+                          greedy_tokens(*reference, prompts, static_cast<int>(gen_tokens)));
+  }
   for (const std::string& quantization : quantizations) {
     ModelOptions options;
     options.max_sequences = static_cast<int>(max_batch);
@@ -113,6 +146,9 @@ Status run_generate_bench(const Flags& flags) {
     FLEX_ASSIGN_OR_RETURN(auto model, Model::load(dir, options));
     progress.finish();
     const ModelConfig& c = model->config();
+    if (reference_vocab != 0 && reference_vocab != c.vocab_size) {
+      return invalid_argument("--reference has another vocabulary than --model");
+    }
     // --floor: what a decode step must read, against the copy bandwidth measured now.
     StepBytes floor_bytes;
     double copy_rate = 0;
@@ -243,6 +279,32 @@ Status run_generate_bench(const Flags& flags) {
            {"threads", ThreadPool::global().num_threads()},
            {"hardware_threads", std::thread::hardware_concurrency()},
            {"quantization", flags.has("quantization") ? flags.str("quantization") : "default"}};
+    if (num_agreement > 0) {
+      const std::string name = quantization.empty() ? "default" : quantization;
+      if (prompts.empty()) {
+        prompts = agreement_prompts(static_cast<int>(num_agreement), static_cast<int>(prompt_len),
+                                    c.vocab_size, /*seed=*/2);
+      }
+      FLEX_ASSIGN_OR_RETURN(TokenRows tokens,
+                            greedy_tokens(*model, prompts, static_cast<int>(gen_tokens)));
+      if (reference_tokens.empty()) {
+        reference_tokens = std::move(tokens);
+        reference_name = "quantization " + name;
+      } else {
+        const Agreement a = compare_tokens(tokens, reference_tokens);
+        std::printf(
+            "agreement (%s against %s): %d of %d prompts, all %lld greedy tokens equal; "
+            "%.2f leading tokens equal on average\n",
+            name.c_str(), reference_name.c_str(), a.num_equal, a.num_prompts,
+            static_cast<long long>(gen_tokens), a.mean_common_prefix);
+        agreements.push_back({{"quantization", name},
+                              {"reference", reference_name},
+                              {"prompts", a.num_prompts},
+                              {"equal_prompts", a.num_equal},
+                              {"equal_share", static_cast<double>(a.num_equal) / a.num_prompts},
+                              {"mean_common_prefix", a.mean_common_prefix}});
+      }
+    }
     if (floor) {
       out["floor"] = {{"dense_bytes", floor_bytes.dense},
                       {"expert_bytes", floor_bytes.expert},
@@ -251,6 +313,12 @@ Status run_generate_bench(const Flags& flags) {
     }
   }
   out["runs"] = runs;
+  if (num_agreement > 0) {
+    out["agreement"] = {{"prompts", num_agreement},
+                        {"prompt_len", prompt_len},
+                        {"gen_tokens", gen_tokens},
+                        {"items", agreements}};
+  }
   if (flags.has("json")) {
     std::ofstream f(flags.str("json"));
     f << out.dump(2) << "\n";
@@ -408,6 +476,12 @@ int cmd_bench(const Args& args) {
              "routed experts of a block-FP8 checkpoint, as in generate: bf16 or fp8; a list "
              "(bf16,fp8) loads and measures each in turn; default: generate's")
       .boolean("fp8", "synthesise the preset with block-FP8 projections (synth --fp8)")
+      .value("agreement", "0",
+             "N > 0: also --gen-tokens greedy tokens of N random prompts of --prompt-len per "
+             "item, compared with the first item's (or --reference's): prompts all equal")
+      .value("reference", "",
+             "with --agreement: compare every item with this checkpoint's tokens (loaded "
+             "first, default quantization), e.g. synth --fp8-dequantized's twin")
       .value("json", "", "write results to this file")
       .boolean("floor", "also the step's byte floor and the % of it reached (decode)")
       .boolean("help", "show this help");

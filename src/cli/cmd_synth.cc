@@ -28,6 +28,9 @@ int cmd_synth(const Args& args) {
       .boolean("fp8",
                "FP8 E4M3 projections with 128x128 block scales, as DeepSeek-V3 and Qwen3-FP8 "
                "ship them")
+      .boolean("fp8-dequantized",
+               "with --fp8: write its dequantized twin instead (the e4m3 * scale values in "
+               "--dtype, no quantization_config), to compare a model's FP8 path against")
       .value("vocab-size", "", "vocabulary size (default: the tokenizer's, else the preset's)")
       .value("tokenizer", "",
              "copy DIR's tokenizer.json and tokenizer_config.json into --out (the vocabulary "
@@ -54,6 +57,7 @@ int cmd_synth(const Args& args) {
     FLEX_ASSIGN_OR_RETURN(int64_t seed, flags.integer("seed"));
     options.seed = static_cast<uint64_t>(seed);
     options.fp8 = flags.flag("fp8");
+    options.fp8_dequantized = flags.flag("fp8-dequantized");
     std::unique_ptr<Tokenizer> tokenizer;
     if (flags.has("tokenizer")) {
       FLEX_ASSIGN_OR_RETURN(tokenizer, Tokenizer::load(flags.str("tokenizer")));

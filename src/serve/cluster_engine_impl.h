@@ -215,6 +215,7 @@ class ClusterEngine::Impl {
     uint64_t device_copies = 0;
     double seconds = 0;  // Summed over the commands (mover time).
     int commands = 0;
+    int slots = 0;  // Slot copies (a command fills one or more slots).
   };
   // Posts the commands (ids assigned) and waits, lock held, until every one answered,
   // `stop` holds or `timeout` passes. Answers are consumed; the first failed pull's
@@ -222,8 +223,8 @@ class ClusterEngine::Impl {
   Status run_pulls(Pulls pulls, Clock::duration timeout, const std::function<bool()>& stop,
                    PullTotals* totals) REQUIRES(mutex_);
   Result<nlohmann::json> rebalance(const std::string& trigger) EXCLUDES(mutex_);
-  Status move_layer(int layer, const std::vector<int>& target, uint64_t* bytes, int* pulls_made)
-      EXCLUDES(mutex_);
+  // Moves `layer` to `target` in transition steps; their pulls are added to `moved`.
+  Status move_layer(int layer, const std::vector<int>& target, PullTotals* moved) EXCLUDES(mutex_);
   Status commit_map(ExpertPlacement next) EXCLUDES(mutex_);
   void eplb_loop() EXCLUDES(mutex_);
   nlohmann::json eplb_status() const EXCLUDES(mutex_);

@@ -141,9 +141,11 @@ void ClusterEngine::Impl::add_pull(Pulls* pulls, int layer, int dst_slot, int sr
 Status ClusterEngine::Impl::run_pulls(Pulls pulls, Clock::duration timeout,
                                       const std::function<bool()>& stop, PullTotals* totals) {
   std::vector<uint64_t> ids;
+  std::map<uint64_t, int> num_slots;
   for (auto& [key, cmd] : pulls) {
     cmd.id = next_pull_id_++;
     ids.push_back(cmd.id);
+    num_slots[cmd.id] = static_cast<int>(cmd.dst_slots.size());
     post(key.first, cmd);
   }
   wake();
@@ -164,13 +166,14 @@ Status ClusterEngine::Impl::run_pulls(Pulls pulls, Clock::duration timeout,
     totals->device_copies += d.device_copies;
     totals->seconds += d.seconds;
     totals->commands += 1;
+    totals->slots += num_slots[id];
     pulls_done_.erase(it);
   }
   return s;
 }
 
-Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target, uint64_t* bytes,
-                                       int* pulls_made) {
+Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target,
+                                       PullTotals* moved) {
   const int S = slots_per_rank_;
   for (int round = 0; round < 512; ++round) {
     std::vector<int> current;
@@ -210,8 +213,11 @@ Status ClusterEngine::Impl::move_layer(int layer, const std::vector<int>& target
         return deadline_exceeded("expert pulls of layer " + std::to_string(layer) + " timed out");
       }
       FLEX_RETURN_IF_ERROR(s);
-      *bytes += done.num_bytes;
-      *pulls_made += done.commands;
+      moved->num_bytes += done.num_bytes;
+      moved->device_copies += done.device_copies;
+      moved->seconds += done.seconds;
+      moved->commands += done.commands;
+      moved->slots += done.slots;
       pull_seconds_ += done.seconds;
     }
     maps[layer] = step->map;
@@ -298,8 +304,7 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
   auto plan = eplb::plan(input);
   if (!plan.ok()) return finish(plan.status(), {});
   const double plan_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  uint64_t bytes = 0;
-  int pulls = 0;
+  PullTotals moved;
   double pull_s0 = 0;
   {
     MutexLock lock(mutex_);
@@ -308,7 +313,7 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
   Status s;
   for (int l = 0; s.ok() && !plan->skipped && l < static_cast<int>(input.current.size()); ++l) {
     if (!model_config_.is_moe_layer(l)) continue;
-    s = move_layer(l, plan->placement[l], &bytes, &pulls);
+    s = move_layer(l, plan->placement[l], &moved);
   }
   double pull_s = 0;
   {
@@ -318,8 +323,9 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
   // pull_s: the movers' copy time, summed over the pulls (ranks copy in parallel).
   nlohmann::json report = {{"planned_moved_slots", plan->moved_slots},
                            {"pull_s", pull_s},
-                           {"moved_bytes", bytes},
-                           {"pull_commands", pulls},
+                           {"moved_bytes", moved.num_bytes},
+                           {"moved_slots", moved.slots},
+                           {"pull_commands", moved.commands},
                            {"plan_s", plan_s},
                            {"duration_s", std::chrono::duration<double>(Clock::now() - t0).count()},
                            {"balancedness_planned", plan->balancedness},
@@ -327,10 +333,10 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
                            {"skipped", plan->skipped}};
   {
     MutexLock lock(mutex_);
-    moved_bytes().inc(static_cast<double>(bytes));
+    moved_bytes().inc(static_cast<double>(moved.num_bytes));
   }
-  FLEX_LOG(INFO) << "rebalance (" << trigger << "): " << plan->moved_slots << " slots, " << bytes
-                 << " bytes in " << report["duration_s"].get<double>() << " s"
+  FLEX_LOG(INFO) << "rebalance (" << trigger << "): " << moved.slots << " slots, "
+                 << moved.num_bytes << " bytes in " << report["duration_s"].get<double>() << " s"
                  << (s.ok() ? "" : ": " + s.to_string());
   return finish(s, report);
 }

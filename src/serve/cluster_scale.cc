@@ -427,15 +427,15 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
   cancel_rebalance_ = false;
   const int num_layers = placement_.num_layers();
   lock.unlock();
-  uint64_t moved = 0;
-  int pulls = 0;
+  PullTotals moved;
   Status s;
   for (int l = 0; s.ok() && l < num_layers; ++l) {
-    if (model_config_.is_moe_layer(l)) s = move_layer(l, plan->placement[l], &moved, &pulls);
+    if (model_config_.is_moe_layer(l)) s = move_layer(l, plan->placement[l], &moved);
   }
   lock.lock();
-  moved_bytes().inc(static_cast<double>(moved));
-  (*report)["converge_moved_bytes"] = moved;
+  moved_bytes().inc(static_cast<double>(moved.num_bytes));
+  (*report)["converge_moved_bytes"] = moved.num_bytes;
+  (*report)["converge_moved_slots"] = moved.slots;
   if (!s.ok()) (*report)["converge_status"] = s.to_string();  // Committed all the same.
   return Status();
 }
@@ -475,15 +475,15 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
   cancel_rebalance_ = false;
   const int num_layers = placement_.num_layers();
   lock.unlock();
-  uint64_t moved = 0;
-  int pulls = 0;
+  PullTotals moved;
   Status s;
   for (int l = 0; s.ok() && l < num_layers; ++l) {
-    if (model_config_.is_moe_layer(l)) s = move_layer(l, plan->placement[l], &moved, &pulls);
+    if (model_config_.is_moe_layer(l)) s = move_layer(l, plan->placement[l], &moved);
   }
   lock.lock();
-  moved_bytes().inc(static_cast<double>(moved));
-  (*report)["moved_bytes"] = moved;
+  moved_bytes().inc(static_cast<double>(moved.num_bytes));
+  (*report)["moved_bytes"] = moved.num_bytes;
+  (*report)["moved_slots"] = moved.slots;
   (*report)["prepare_s"] = seconds_since(t0);
   if (!s.ok()) {
     unmark();

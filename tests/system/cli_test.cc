@@ -184,6 +184,59 @@ TEST(CliTest, BenchGenerateWritesJson) {
   std::filesystem::remove_all(dir);
 }
 
+// bench generate --agreement: the greedy tokens of 64 prompts per item against a reference.
+// The CPU dequantizes a block-FP8 checkpoint at load, so it must agree with its dequantized
+// twin (synth --fp8-dequantized) on every prompt; the unquantized model of the same seed
+// (weights off by FP8's rounding) and a model of another seed must not.
+TEST(CliTest, BenchAgreementComparesGreedyTokens) {
+  const std::string dir = ::testing::TempDir() + "/flexpert-agreement";
+  std::filesystem::remove_all(dir);
+  const std::string synth = "synth --preset tiny --layers 2 --seed 3";
+  ASSERT_EQ(run(synth + " --fp8 --out " + dir + "/fp8").exit_code, 0);
+  ASSERT_EQ(run(synth + " --fp8 --fp8-dequantized --out " + dir + "/twin").exit_code, 0);
+  ASSERT_EQ(run(synth + " --out " + dir + "/unquantized").exit_code, 0);
+  ASSERT_EQ(run("synth --preset tiny --layers 2 --seed 4 --out " + dir + "/other").exit_code, 0);
+  const std::string json = dir + "/agreement.json";
+  auto agreement = [&](const std::string& reference) {
+    CliRun r = run("bench generate --model " + dir + "/fp8 --batches 1 --prompt-len 16 " +
+                   "--gen-tokens 32 --agreement 64 --reference " + dir + "/" + reference +
+                   " --quantization bf16,bf16 --json " + json);
+    EXPECT_EQ(r.exit_code, 0) << r.out;
+    std::ifstream in(json);
+    return nlohmann::json::parse(in)["agreement"];
+  };
+  const auto twin = agreement("twin");
+  EXPECT_EQ(twin["prompts"], 64);
+  EXPECT_EQ(twin["gen_tokens"], 32);
+  ASSERT_EQ(twin["items"].size(), 2u);  // Each item against the reference.
+  for (const auto& item : twin["items"]) {
+    EXPECT_EQ(item["equal_prompts"], 64);
+    EXPECT_EQ(item["equal_share"], 1.0);
+    EXPECT_EQ(item["mean_common_prefix"], 32.0);
+  }
+  const auto unquantized = agreement("unquantized")["items"][0];
+  EXPECT_LT(unquantized["equal_prompts"].get<int>(), 64);
+  EXPECT_LT(unquantized["mean_common_prefix"].get<double>(), 32.0);
+  const auto other = agreement("other")["items"][0];
+  EXPECT_LT(other["equal_prompts"].get<int>(), 64);
+  // Without --reference the first item is the reference; the second agrees with it.
+  CliRun same = run("bench generate --model " + dir + "/fp8 --batches 1 --gen-tokens 8 " +
+                    "--agreement 16 --quantization bf16,bf16");
+  ASSERT_EQ(same.exit_code, 0) << same.out;
+  EXPECT_NE(same.out.find("agreement (bf16 against quantization bf16): 16 of 16 prompts"),
+            std::string::npos)
+      << same.out;
+  EXPECT_EQ(run("bench generate --model " + dir + "/fp8 --reference " + dir + "/twin").exit_code,
+            2);
+  EXPECT_EQ(run("synth --preset tiny --fp8-dequantized --out " + dir + "/x").exit_code, 2);
+  ASSERT_EQ(run(synth + " --vocab-size 1000 --out " + dir + "/vocab1000").exit_code, 0);
+  CliRun vocab = run("bench generate --model " + dir + "/fp8 --batches 1 --agreement 4 " +
+                     "--reference " + dir + "/vocab1000");
+  EXPECT_EQ(vocab.exit_code, 2) << vocab.out;
+  EXPECT_NE(vocab.out.find("another vocabulary"), std::string::npos) << vocab.out;
+  std::filesystem::remove_all(dir);
+}
+
 // plan-memory reads config.json only: a directory holding nothing else plans DeepSeek-V3 on
 // eight H200s, which fits in FP8 (the checkpoint's quantization) and not in bf16.
 TEST(CliTest, PlanMemoryFromConfigAlone) {

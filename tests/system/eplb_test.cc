@@ -24,6 +24,10 @@ nlohmann::json post_json(Server& server, const std::string& path, const std::str
   return j;
 }
 
+// One expert slot of testdata/qwen3moe-tiny on a CPU rank (hidden 128, moe_intermediate 64,
+// f32): what one expert copy moves.
+constexpr uint64_t kSlotBytes = 3 * 128 * 64 * sizeof(float);
+
 TEST(EplbServeTest, RebalancesUnderLoadKeepReferenceTokens) {
   Server server({"--ranks", "3", "--threads-per-worker", "1", "--eplb-spare-slots", "2",
                  "--eplb-window-s", "2", "--admin-key", "sesame"});
@@ -62,6 +66,10 @@ TEST(EplbServeTest, RebalancesUnderLoadKeepReferenceTokens) {
       EXPECT_GT(report["pull_s"].get<double>(), 0.0);
     }
     moved += report["moved_bytes"].get<uint64_t>();
+    // Every slot copy moves one expert's slot: gate, up and down of 128 x 64 in f32.
+    EXPECT_EQ(report["moved_bytes"].get<uint64_t>(),
+              report["moved_slots"].get<uint64_t>() * kSlotBytes)
+        << report.dump();
     std::this_thread::sleep_for(std::chrono::milliseconds(400));
   }
   done.store(true);
@@ -221,6 +229,9 @@ TEST(EplbServeTest, MembershipChangesPlanOnTheSmoothedLoad) {
   nlohmann::json up, down;
   check_scale({{"ranks", 3}}, 3, &up);
   EXPECT_GT(up.value("copied_bytes", int64_t{0}), 0) << up.dump();
+  EXPECT_EQ(up["copied_bytes"].get<uint64_t>(), up["expert_copies"].get<uint64_t>() * kSlotBytes);
+  EXPECT_EQ(up["converge_moved_bytes"].get<uint64_t>(),
+            up["converge_moved_slots"].get<uint64_t>() * kSlotBytes);
   check_scale({{"remove", {2}}}, 2, &down);
   for (size_t p = 0; p < ref.prompts.size(); ++p) {
     EXPECT_EQ(server.complete(ref.prompts[p], 16), ref.greedy[p]);
