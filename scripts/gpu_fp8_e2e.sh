@@ -12,7 +12,7 @@
 # Chatty output goes to files under $OUT, with the JSON (fp8_e2e.json: the summary); a
 # short table is printed last.
 #   PACK=.gpuh OUT=$OUT bash scripts/gpu_fp8_e2e.sh
-#   FP8_E2E_LAYERS=27  FP8_E2E_WGMMA=1: also FP8 with FLEXPERT_FP8_WGMMA=1 (two more loads)
+#   FP8_E2E_LAYERS=27  FP8_E2E_NO_WGMMA=1: also FP8 with FLEXPERT_NO_FP8_WGMMA=1 (two more loads)
 #   FP8_E2E_DEVICE=cpu: a dry run of the plumbing on the CPU (bf16 alone, no PACK)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -52,13 +52,13 @@ timeout 240 "$FLEXPERT" bench generate --model "$DIR" --device "$DEVICE" --quant
   --json "$OUT/generate.json" >"$OUT/generate.log" 2>&1
 echo "exit $?"
 grep -E "^agreement" "$OUT/generate.log"
-if [ "${FP8_E2E_WGMMA:-0}" != 0 ] && [ "$DEVICE" != cpu ]; then
-  stamp "the same with FLEXPERT_FP8_WGMMA=1"
-  FLEXPERT_FP8_WGMMA=1 timeout 240 "$FLEXPERT" bench generate --model "$DIR" --device "$DEVICE" \
+if [ "${FP8_E2E_NO_WGMMA:-0}" != 0 ] && [ "$DEVICE" != cpu ]; then
+  stamp "the same with FLEXPERT_NO_FP8_WGMMA=1"
+  FLEXPERT_NO_FP8_WGMMA=1 timeout 240 "$FLEXPERT" bench generate --model "$DIR" --device "$DEVICE" \
     --quantization "$qlist" --batches 1,16,128,1,16,128 --prompt-len 64 --gen-tokens 32 \
-    --agreement 64 --json "$OUT/generate_wgmma.json" >"$OUT/generate_wgmma.log" 2>&1
+    --agreement 64 --json "$OUT/generate_no_wgmma.json" >"$OUT/generate_no_wgmma.log" 2>&1
   echo "exit $?"
-  grep -E "^agreement" "$OUT/generate_wgmma.log"
+  grep -E "^agreement" "$OUT/generate_no_wgmma.log"
 fi
 
 # (c): a serving group per quantization; its reports are the server's own counts.
@@ -107,7 +107,7 @@ summary = {"preset": preset, "layers": int(layers), "prompt_len": 64, "gen_token
 print(f"FP8 experts end to end: synthetic {preset}, {layers} layers, block-FP8 checkpoint")
 print("(a) decode tok/s (ms/step), second pass, prompt 64, 32 steps")
 runs = {}
-for name, label in (("generate.json", ""), ("generate_wgmma.json", " wgmma")):
+for name, label in (("generate.json", ""), ("generate_no_wgmma.json", " no-wgmma")):
     g = load(name)
     if not g:
         continue
