@@ -6,6 +6,10 @@
 # all-gather before it and the MoE exchanges inside it (docs/benchmarks.md, "Serving with
 # GPU ranks"). Binaries packed by
 #   BUILD=build-cuda PACK=.gpuh bash scripts/gpu_pack.sh     (carry .gpuh)
+# First (TESTS=1, the default) the GPU test of step timing (system_cuda_serve_test
+# CudaServeTest.StepTiming*: two ranks keep the reference tokens, exchange > 0 and within
+# the step); it runs the flexpert binary and reads testdata at the build's paths:
+# BUILT_AT=/path/of/the/checkout BUILD=build-cuda as in gpu_ep_check.sh.
 # Starts and stops MPS. Logs and JSON (bench serve's per run, summary.json) under $OUT; a
 # table last. RANKS="1 2 4", BATCHES="1 16", LAYERS=4, MAX_TOKENS=64, PROMPT=16 by default;
 # FLEXPERT_EP_EXCHANGE=host in the environment times the host exchange instead.
@@ -35,6 +39,19 @@ fi
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 nvidia-cuda-mps-control -d && stamp "MPS started"
+
+rc_test=skipped
+if [ "${TESTS:-1}" = 1 ]; then
+  if [ -n "${BUILT_AT:-}" ]; then
+    [ -e "$BUILT_AT/testdata" ] || { mkdir -p "$(dirname "$BUILT_AT")" && ln -sfn "$PWD" "$BUILT_AT"; }
+    mkdir -p "$BUILT_AT/${BUILD:-build-cuda}" && cp "$BIN/flexpert" "$BUILT_AT/${BUILD:-build-cuda}/flexpert"
+  fi
+  stamp "system test: serve --device cuda --ranks 2 --step-timing"
+  timeout 120 "$BIN/system_cuda_serve_test" --gtest_filter='CudaServeTest.StepTiming*' \
+    >"$OUT/system.log" 2>&1
+  rc_test=$?
+  grep -E "OK \]|FAILED|Failure|Expected|Which is|^rank|^[0-9]+ |^all" "$OUT/system.log" | head -20
+fi
 
 stamp "synth qwen3-30b-a3b --layers $LAYERS"
 DIR=/dev/shm/q30b-step-L$LAYERS
@@ -71,6 +88,7 @@ rm -rf "$DIR"
 echo quit | nvidia-cuda-mps-control
 
 stamp "summary (per rank's busy step, mean over the ranks' steps; ms)"
+echo "system test StepTiming (rc): $rc_test"
 python3 - "$OUT" "$LAYERS" "$RANKS" "$BATCHES" "${FLEXPERT_EP_EXCHANGE:-device}" <<'PY'
 import json, sys
 out, layers, ranks, batches, mode = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4].split(), sys.argv[5]
