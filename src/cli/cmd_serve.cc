@@ -158,6 +158,7 @@ Status run_serve(const Flags& flags) {
           "--cluster-key-file), which the hand-started workers give too");
     }
     options.eplb = flags.flag("eplb");
+    options.step_timing = flags.flag("step-timing");
     FLEX_ASSIGN_OR_RETURN(options.eplb_window_s, flags.number("eplb-window-s"));
     FLEX_ASSIGN_OR_RETURN(options.eplb_interval_s, flags.number("eplb-interval-s"));
     FLEX_ASSIGN_OR_RETURN(options.eplb_spare_slots, int_flag(flags, "eplb-spare-slots", 0));
@@ -342,6 +343,9 @@ int cmd_serve(const Args& args) {
       .value("heartbeat-timeout-ms", "2000", "a worker silent this long is declared lost")
       .value("start-timeout-ms", "120000", "for a starting or joining worker to be ready")
       .boolean("eplb", "rebalance experts automatically every --eplb-interval-s")
+      .boolean("step-timing",
+               "workers time their MoE exchanges (per rank in /v1/status and /metrics; bench "
+               "serve prints the breakdown)")
       .value("launcher", "fork",
              "how workers start: fork (here), external (by hand or --launch-command)")
       .value("launch-command", "",

@@ -134,11 +134,12 @@ struct WorkerConfig {
   bool device_f32 = false;        // f32 weights/activations on the GPU (verification); else bf16.
   std::string quantization;       // ModelOptions::quantization: "", "bf16" or "fp8".
   std::string transport = "shm";  // create_transport()'s backend: every pair of ranks uses it.
+  bool step_timing = false;       // Time the MoE exchanges (EpMoeExecutor::set_timing; StepReport).
   // decode(): a placement is present, well formed and has max_ranks * slots_per_rank slots.
   Status check() const;
   MSGPACK_DEFINE_MAP(rank, incarnation, session, model_dir, max_ranks, slots_per_rank, placement,
                      max_sequences, max_tokens_per_step, max_seq_len, timeout_ms, threads, device,
-                     device_f32, quantization, transport);
+                     device_f32, quantization, transport, step_timing);
 };
 
 // A worker has loaded its model and created its transport.
@@ -244,8 +245,15 @@ struct StepReport {
   // Rows computed per [layer][local slot] since the last report (EPLB load).
   std::vector<int64_t> slot_counts;
   int64_t graph_captures = 0;  // CUDA graphs captured since start (flat across epochs).
+  // Sums over the `steps` busy steps since start (the breakdown bench serve prints): the
+  // steps' time as step_ms counts it (forward and token output), the step header
+  // all-gathers before them, and, with WorkerConfig::step_timing, the MoE exchanges inside
+  // them (EpMoeExecutor::exchange_ms; -1 without step timing).
+  double total_step_ms = 0;
+  double total_header_ms = 0;
+  double total_exchange_ms = -1;
   MSGPACK_DEFINE_MAP(epoch, steps, step_ms, max_step_ms, running, waiting, map_version, slot_counts,
-                     graph_captures);
+                     graph_captures, total_step_ms, total_header_ms, total_exchange_ms);
 };
 
 // Copy experts into free local slots: dst_slots[i] <- (src_ranks[i], src_slots[i]),

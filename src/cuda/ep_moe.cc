@@ -318,14 +318,17 @@ Status DeviceEpMoe::run_step(int n, int num_real, int bucket, bool graphs,
     if (on_device) FLEX_RETURN_IF_ERROR(map_peers(ep_->group()));
   }
   if (on_device) {
-    Status s;
+    Status s = start_exchange_timing(ep_->group());
     for (int seg = 0; s.ok() && seg < num_segments; ++seg) {
       if (n > 0) s = run_segment(seg, bucket, capture, enqueue_segment);
       if (s.ok() && seg + 1 < num_segments) {
         s = enqueue_device_exchange(seg, n, num_real, bound, ep_->group());
       }
     }
-    if (s.ok()) return finish_device_step(ep_->group());
+    if (s.ok()) {
+      FLEX_RETURN_IF_ERROR(finish_device_step(ep_->group()));
+      return add_exchange_time();
+    }
     // Exchanges already enqueued must not outlive the step: abort their waits, drain.
     *abort_.as<int32_t>() = 1;
     (void)cudaStreamSynchronize(stream_);

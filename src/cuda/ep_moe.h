@@ -195,6 +195,14 @@ class DeviceEpMoe {
   Status enqueue_device_exchange(int seg, int num_tokens, int num_real, int bound,
                                  const Group& group);
   Status finish_device_step(const Group& group);
+  // Step timing (EpMoeExecutor::timing, a group of more than one member): events on the
+  // stream around each device exchange's dispatch (publish, wait, gather) and combine (done,
+  // wait, combine), 4 per MoE layer: [dispatch start, end, combine start, end]. The segments'
+  // graphs hold none (the exchange runs between them, eagerly). Created at the first timed
+  // step; read once the step has finished (add_exchange_time).
+  Status start_exchange_timing(const Group& group);
+  Status record_exchange_event(int seg, int which);
+  Status add_exchange_time();
 
   Config config_;
   Blas& blas_;
@@ -240,7 +248,9 @@ class DeviceEpMoe {
   bool peers_mapped_ = false;
   Group mapped_group_;
   uint64_t exchange_index_ = 0;  // Exchanges of this epoch so far.
-  int64_t peer_mappings_ = 0;    // PeerMappings built (map_peer).
+  bool timed_step_ = false;      // This step records exchange_events_.
+  std::vector<Event> exchange_events_;
+  int64_t peer_mappings_ = 0;  // PeerMappings built (map_peer).
   // The weight mover's mappings of peers' slot buffers ([rank], guarded by slots_mu_).
   struct SlotMapping;
   std::mutex slots_mu_;

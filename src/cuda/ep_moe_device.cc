@@ -48,10 +48,12 @@ Status DeviceEpMoe::enqueue_device_exchange(int seg, int n, int num_real, int bo
   }
   a.value = (group.epoch << 40) | ++exchange_index_;
   int32_t* pos = reinterpret_cast<int32_t*>(window_.as<EpWindow>() + 1);
+  FLEX_RETURN_IF_ERROR(record_exchange_event(seg, 0));
   FLEX_CUDA_TRY(ep_publish(a, num_real * d.top_k, pos, stream_));
   FLEX_CUDA_TRY(ep_wait(a, /*which=*/0, stream_));
   FLEX_CUDA_TRY(ep_gather(a, bound, rows_.data(), scratch_.slot.as<int32_t>(),
                           num_rows_.as<int32_t>(), stream_));
+  FLEX_RETURN_IF_ERROR(record_exchange_event(seg, 1));
   MoeLayerWeights w;
   w.slots = config_.layer_slots(layer);
   if (w.slots == nullptr) {
@@ -73,9 +75,40 @@ Status DeviceEpMoe::enqueue_device_exchange(int seg, int n, int num_real, int bo
                                  stream_, static_cast<int>(tile),
                                  kMoePermute | kMoeGateUp | kMoeDown));
   }
+  FLEX_RETURN_IF_ERROR(record_exchange_event(seg, 2));
   FLEX_CUDA_TRY(ep_signal_done(a, stream_));
   FLEX_CUDA_TRY(ep_wait(a, /*which=*/1, stream_));
   FLEX_CUDA_TRY(ep_combine(a, config_.route_weight, pos, num_real, n, out_.as<float>(), stream_));
+  return record_exchange_event(seg, 3);
+}
+
+Status DeviceEpMoe::start_exchange_timing(const Group& group) {
+  timed_step_ = ep_->timing() && group.ranks.size() > 1;
+  const size_t needed = 4 * config_.moe_layers.size();
+  if (!timed_step_ || exchange_events_.size() == needed) return Status();
+  exchange_events_.clear();
+  for (size_t i = 0; i < needed; ++i) {
+    FLEX_ASSIGN_OR_RETURN(Event e, Event::create());
+    exchange_events_.push_back(std::move(e));
+  }
+  return Status();
+}
+
+Status DeviceEpMoe::record_exchange_event(int seg, int which) {
+  if (!timed_step_) return Status();
+  return exchange_events_[4 * static_cast<size_t>(seg) + which].record(stream_);
+}
+
+Status DeviceEpMoe::add_exchange_time() {
+  if (!timed_step_) return Status();
+  // finish_device_step saw the step's last event complete: every event here has too.
+  double ms = 0;
+  for (size_t i = 0; i + 1 < exchange_events_.size(); i += 2) {
+    FLEX_ASSIGN_OR_RETURN(float part,
+                          Event::elapsed_ms(exchange_events_[i], exchange_events_[i + 1]));
+    ms += part;
+  }
+  ep_->add_exchange_ms(ms);
   return Status();
 }
 

@@ -154,6 +154,9 @@ class Worker {
   double busy_ms_ = 0;
   double max_step_ms_ = 0;
   uint64_t busy_steps_ = 0;
+  // Sums over the busy steps since start (StepReport's totals).
+  double total_step_ms_ = 0;
+  double total_header_ms_ = 0;
   std::chrono::steady_clock::time_point last_report_{};
   // Expert map switching (same agreement rule as epochs).
   uint64_t map_version_ = 0;
@@ -296,6 +299,7 @@ Status Worker::load() {
   }
   ThreadPool& pool = ThreadPool::global();
   executor_ = std::make_unique<EpMoeExecutor>(*transport_, config_.slots_per_rank, pool);
+  executor_->set_timing(config_.step_timing);
 
   ModelOptions mopts;
   FLEX_ASSIGN_OR_RETURN(mopts.expert_placement,
@@ -507,6 +511,9 @@ void Worker::report(bool force) {
   r.waiting = static_cast<int>(scheduler_->num_waiting());
   r.map_version = map_version_;
   r.graph_captures = model_->num_graph_captures();
+  r.total_step_ms = total_step_ms_;
+  r.total_header_ms = total_header_ms_;
+  r.total_exchange_ms = executor_->timing() ? executor_->exchange_ms() : -1;
   const auto& counts = model_->slot_counts();
   const int first = options_.rank * config_.slots_per_rank;
   for (const auto& layer : counts) {
@@ -527,8 +534,13 @@ Status Worker::step() {
   header.acked_epoch = has_pending_ ? pending_.epoch : group_.epoch;
   header.acked_map = has_pending_map_ ? pending_map_.version : map_version_;
   header.device_ready = executor_->device_ready() ? 1 : 0;
+  // Two clock reads a step (tens of nanoseconds against steps of milliseconds).
+  const auto header_start = std::chrono::steady_clock::now();
   FLEX_ASSIGN_OR_RETURN(std::vector<ByteSpan> headers,
                         transport_->all_gather(group_, {&header, sizeof(header)}));
+  const double header_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - header_start)
+          .count();
   uint64_t total_tokens = 0;
   bool any_stopping = false;
   bool all_acked = has_pending_;
@@ -560,6 +572,8 @@ Status Worker::step() {
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     busy_ms_ += ms;
+    total_step_ms_ += ms;
+    total_header_ms_ += header_ms;
     max_step_ms_ = std::max(max_step_ms_, ms);
     ++busy_steps_;
     ++steps_;

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "moe/ep_executor.h"
 
+#include <chrono>
 #include <cstring>
 
 #include "flexpert/logging.h"
@@ -12,6 +13,18 @@ namespace {
 // Combine payload: count x H floats, in the order the rows arrived.
 size_t dispatch_bytes(size_t count, int64_t hidden) {
   return sizeof(uint32_t) + count * sizeof(int32_t) + count * hidden * sizeof(float);
+}
+
+using Clock = std::chrono::steady_clock;
+
+// Timing off (sum_ms null): no clock read.
+Clock::time_point start_timer(const double* sum_ms) {
+  return sum_ms != nullptr ? Clock::now() : Clock::time_point{};
+}
+void stop_timer(double* sum_ms, Clock::time_point start) {
+  if (sum_ms != nullptr) {
+    *sum_ms += std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  }
 }
 
 }  // namespace
@@ -38,6 +51,8 @@ Status EpMoeExecutor::execute(int layer, const float* x, const Routing& routing,
   const int K = routing.top_k;
   const int64_t pairs = routing.num_tokens * K;
   FLEX_CHECK(first_slot == me * slots_per_rank_);
+  double* timed = timing_ && group_.ranks.size() > 1 ? &exchange_ms_ : nullptr;
+  const Clock::time_point dispatch_start = start_timer(timed);
 
   // Dispatch: bucket pairs by the rank holding their slot.
   for (auto& v : pairs_to_) v.clear();
@@ -69,6 +84,7 @@ Status EpMoeExecutor::execute(int layer, const float* x, const Routing& routing,
     send[r] = {buf.data(), buf.size()};
   }
   FLEX_ASSIGN_OR_RETURN(std::vector<ByteSpan> recv, transport_.exchange(group_, send));
+  stop_timer(timed, dispatch_start);
 
   // Everything this rank computes: its own pairs, then each peer's rows. A malformed
   // dispatch still joins the combine (empty) so that peers fail at the same layer
@@ -149,6 +165,7 @@ Status EpMoeExecutor::execute(int layer, const float* x, const Routing& routing,
   }
 
   // Combine: results back to their senders, in the order the rows arrived.
+  const Clock::time_point combine_start = start_timer(timed);
   const float* results = results_.data<float>();
   for (int r : group_.ranks) {
     send[r] = {};
@@ -163,6 +180,7 @@ Status EpMoeExecutor::execute(int layer, const float* x, const Routing& routing,
     send[r] = {buf.data(), buf.size()};
   }
   FLEX_ASSIGN_OR_RETURN(std::vector<ByteSpan> back, transport_.exchange(group_, send));
+  stop_timer(timed, combine_start);
 
   // Sum per token in k order, whichever rank computed each pair.
   std::vector<const float*> pair_result(static_cast<size_t>(pairs), nullptr);

@@ -8,7 +8,8 @@
 // weights. Rows for this rank's own slots never touch the transport. Every
 // member runs both exchanges on every MoE layer, with or without tokens. The rows
 // a rank computes run on the CPU, or through a RowCompute its model installed (GPU).
-// Driven by the model's thread; set_group() between steps.
+// Driven by the model's thread; set_group() between steps. With set_timing(true) it sums
+// the time spent exchanging with peers (exchange_ms()); a device exchange adds its own.
 #pragma once
 
 #include <functional>
@@ -50,6 +51,17 @@ class EpMoeExecutor final : public MoeExecutor {
   // rank and step: the capacity a transport must be created with.
   static size_t max_exchange_bytes(int64_t max_tokens, int top_k, int64_t hidden);
 
+  // Step timing (`serve --step-timing`, docs/benchmarks.md "Serving with GPU ranks"): when on,
+  // every exchange of a group with more than one member adds its wall time to exchange_ms():
+  // here from the dispatch's bucketing to the dispatch exchange's return, plus from the
+  // combine's packing to its return (the waits for peers included; the rows' compute and
+  // the per-token sum excluded). A device exchange adds what its events measured
+  // (add_exchange_ms). Alone, a rank exchanges nothing and adds nothing. Off: no clock read.
+  void set_timing(bool on) { timing_ = on; }
+  bool timing() const { return timing_; }
+  void add_exchange_ms(double ms) { exchange_ms_ += ms; }
+  double exchange_ms() const { return exchange_ms_; }  // Summed since creation.
+
   Status execute(int layer, const float* x, const Routing& routing, const ExpertSlots& local_slots,
                  int first_slot, float* out, int64_t* slot_counts) override;
   bool set_row_compute(RowCompute compute) override {
@@ -66,6 +78,8 @@ class EpMoeExecutor final : public MoeExecutor {
   std::function<bool(const Group&)> probe_;
   bool group_device_ready_ = true;
   RowCompute compute_;  // Empty: compute_slots() on the CPU.
+  bool timing_ = false;
+  double exchange_ms_ = 0;
 
   // Scratch, reused across calls.
   std::vector<std::vector<int32_t>> pairs_to_;  // [rank] pair indices sent there, in order.

@@ -182,7 +182,92 @@ Result<int> probe_vocab(const BenchServeOptions& options) {
   return kDefaultVocab;
 }
 
+// GET /v1/status, or null when it cannot be had (a server that is not flexpert's).
+json fetch_status(const BenchServeOptions& options) {
+  httplib::Client client(options.url);
+  if (!client.is_valid()) return nullptr;
+  configure(client, options);
+  httplib::Result res = client.Get("/v1/status");
+  if (!res || res->status != 200) return nullptr;
+  json status = json::parse(res->body, nullptr, /*allow_exceptions=*/false);
+  return status.is_discarded() ? json(nullptr) : status;
+}
+
+// The rank's entry in a /v1/status answer with the step totals, or null.
+const json* rank_entry(const json& status, int64_t rank) {
+  if (!status.is_object() || !status.contains("ranks") || !status["ranks"].is_array()) {
+    return nullptr;
+  }
+  for (const json& r : status["ranks"]) {
+    if (r.is_object() && r.value("rank", int64_t{-1}) == rank && r.contains("steps") &&
+        r.contains("total_step_ms") && r.contains("total_header_ms")) {
+      return &r;
+    }
+  }
+  return nullptr;
+}
+
+bool has_step_totals(const json& status) {
+  if (!status.is_object() || !status.contains("ranks") || !status["ranks"].is_array()) {
+    return false;
+  }
+  for (const json& r : status["ranks"]) {
+    if (r.is_object() && r.contains("total_step_ms")) return true;
+  }
+  return false;
+}
+
+// Waits out a StepReport interval (the workers report every 200 ms) so that the status
+// counts the run's last steps.
+constexpr int kReportWaitMs = 500;
+
 }  // namespace
+
+json step_breakdown(const json& before, const json& after) {
+  if (!after.is_object() || !after.contains("ranks") || !after["ranks"].is_array()) return nullptr;
+  json ranks = json::array();
+  double steps_all = 0, step_all = 0, header_all = 0, exchange_all = 0;
+  bool timed_all = true;
+  for (const json& a : after["ranks"]) {
+    if (!a.is_object() || !a.contains("rank")) continue;
+    const int64_t id = a.value("rank", int64_t{-1});
+    const json* pa = rank_entry(after, id);
+    const json* pb = rank_entry(before, id);
+    if (pa == nullptr || pb == nullptr) continue;
+    if (pa->value("incarnation", uint64_t{0}) != pb->value("incarnation", uint64_t{0})) continue;
+    const double steps =
+        static_cast<double>(pa->value("steps", uint64_t{0})) - pb->value("steps", uint64_t{0});
+    if (!(steps > 0)) continue;
+    const double step_ms = pa->value("total_step_ms", 0.0) - pb->value("total_step_ms", 0.0);
+    const double header_ms = pa->value("total_header_ms", 0.0) - pb->value("total_header_ms", 0.0);
+    json r = {{"rank", id},
+              {"steps", static_cast<int64_t>(steps)},
+              {"step_ms", step_ms / steps},
+              {"header_ms", header_ms / steps}};
+    const bool timed = pa->contains("total_exchange_ms") && pb->contains("total_exchange_ms");
+    if (timed) {
+      const double exchange_ms =
+          pa->value("total_exchange_ms", 0.0) - pb->value("total_exchange_ms", 0.0);
+      r["exchange_ms"] = exchange_ms / steps;
+      r["exchange_share"] = step_ms > 0 ? exchange_ms / step_ms : 0.0;
+      exchange_all += exchange_ms;
+    }
+    timed_all = timed_all && timed;
+    steps_all += steps;
+    step_all += step_ms;
+    header_all += header_ms;
+    ranks.push_back(std::move(r));
+  }
+  if (ranks.empty()) return nullptr;
+  json all = {{"steps", static_cast<int64_t>(steps_all)},
+              {"step_ms", step_all / steps_all},
+              {"header_ms", header_all / steps_all}};
+  if (timed_all) {
+    all["exchange_ms"] = exchange_all / steps_all;
+    all["exchange_share"] = step_all > 0 ? exchange_all / step_all : 0.0;
+  }
+  return json{{"ranks", std::move(ranks)}, {"all", std::move(all)}};
+}
 
 Result<nlohmann::json> bench_serve(const BenchServeOptions& options,
                                    std::function<void(int done, int total)> progress) {
@@ -202,6 +287,7 @@ Result<nlohmann::json> bench_serve(const BenchServeOptions& options,
   std::condition_variable cv;
   int done = 0;  // GUARDED_BY(mu)
 
+  const json status_before = fetch_status(options);
   const Clock::time_point t0 = Clock::now();
   std::vector<std::thread> workers;
   const int num_workers = std::min(options.concurrency, total);
@@ -247,6 +333,11 @@ Result<nlohmann::json> bench_serve(const BenchServeOptions& options,
   }
   for (auto& t : workers) t.join();
   const double duration_s = seconds_between(t0, Clock::now());
+  json steps = nullptr;
+  if (has_step_totals(status_before)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(kReportWaitMs));
+    steps = step_breakdown(status_before, fetch_status(options));
+  }
 
   std::vector<double> ttft, itl, latency;
   json errors = json::array();
@@ -266,24 +357,26 @@ Result<nlohmann::json> bench_serve(const BenchServeOptions& options,
     latency.push_back(rec.latency_s);
     itl.insert(itl.end(), rec.itl_s.begin(), rec.itl_s.end());
   }
-  return json{{"url", options.url},
-              {"concurrency", options.concurrency},
-              {"num_requests", total},
-              {"prompt_len", options.prompt_len},
-              {"max_tokens", options.max_tokens},
-              {"stream", options.stream},
-              {"vocab_size", vocab_size},
-              {"completed", completed},
-              {"failed", total - completed},
-              {"errors", errors},
-              {"duration_s", duration_s},
-              {"requests_per_s", completed / duration_s},
-              {"prompt_tokens", static_cast<int64_t>(completed) * options.prompt_len},
-              {"output_tokens", output_tokens},
-              {"output_tokens_per_s", static_cast<double>(output_tokens) / duration_s},
-              {"ttft_s", summarize(ttft)},
-              {"itl_s", summarize(itl)},
-              {"latency_s", summarize(latency)}};
+  json result = {{"url", options.url},
+                 {"concurrency", options.concurrency},
+                 {"num_requests", total},
+                 {"prompt_len", options.prompt_len},
+                 {"max_tokens", options.max_tokens},
+                 {"stream", options.stream},
+                 {"vocab_size", vocab_size},
+                 {"completed", completed},
+                 {"failed", total - completed},
+                 {"errors", errors},
+                 {"duration_s", duration_s},
+                 {"requests_per_s", completed / duration_s},
+                 {"prompt_tokens", static_cast<int64_t>(completed) * options.prompt_len},
+                 {"output_tokens", output_tokens},
+                 {"output_tokens_per_s", static_cast<double>(output_tokens) / duration_s},
+                 {"ttft_s", summarize(ttft)},
+                 {"itl_s", summarize(itl)},
+                 {"latency_s", summarize(latency)}};
+  if (!steps.is_null()) result["steps"] = std::move(steps);
+  return result;
 }
 
 std::string format_bench_table(const nlohmann::json& r) {
@@ -312,6 +405,29 @@ std::string format_bench_table(const nlohmann::json& r) {
                   s.value("mean", 0.0) * 1e3, s.value("p50", 0.0) * 1e3, s.value("p90", 0.0) * 1e3,
                   s.value("p99", 0.0) * 1e3, s.value("max", 0.0) * 1e3);
     out += line;
+  }
+  if (r.contains("steps") && r["steps"].is_object()) {
+    // Per rank's busy steps (step_breakdown); exchange columns with serve --step-timing.
+    std::snprintf(line, sizeof(line), "%-10s %9s %9s %9s %9s %9s\n", "rank", "steps", "step ms",
+                  "header ms", "exch. ms", "exch. %");
+    out += line;
+    auto row = [&](const std::string& name, const json& s) {
+      if (s.contains("exchange_ms")) {
+        std::snprintf(line, sizeof(line), "%-10s %9lld %9.3f %9.3f %9.3f %8.1f%%\n", name.c_str(),
+                      static_cast<long long>(s.value("steps", int64_t{0})), s.value("step_ms", 0.0),
+                      s.value("header_ms", 0.0), s.value("exchange_ms", 0.0),
+                      100.0 * s.value("exchange_share", 0.0));
+      } else {
+        std::snprintf(line, sizeof(line), "%-10s %9lld %9.3f %9.3f %9s %9s\n", name.c_str(),
+                      static_cast<long long>(s.value("steps", int64_t{0})), s.value("step_ms", 0.0),
+                      s.value("header_ms", 0.0), "-", "-");
+      }
+      out += line;
+    };
+    for (const json& s : r["steps"]["ranks"]) {
+      row(std::to_string(s.value("rank", int64_t{0})), s);
+    }
+    row("all", r["steps"]["all"]);
   }
   if (r.contains("errors")) {
     for (const auto& e : r["errors"]) out += "error: " + e.get<std::string>() + "\n";

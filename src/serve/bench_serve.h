@@ -35,11 +35,21 @@ struct BenchServeOptions {
 // Result JSON (times in seconds): url, concurrency, num_requests, prompt_len,
 // max_tokens, stream, vocab_size, completed, failed, errors (first few messages),
 // duration_s, requests_per_s, prompt_tokens, output_tokens, output_tokens_per_s,
-// and ttft_s / itl_s / latency_s, each {count, mean, p50, p90, p99, max}.
+// and ttft_s / itl_s / latency_s, each {count, mean, p50, p90, p99, max}; against a
+// flexpert cluster also `steps` (step_breakdown of GET /v1/status before and after the run;
+// absent where the status hides per-rank detail: a server with an admin key).
 // InvalidArgument for bad options; Unavailable when the server cannot be reached.
 // Failed requests are counted, not errors.
 Result<nlohmann::json> bench_serve(const BenchServeOptions& options,
                                    std::function<void(int done, int total)> progress = nullptr);
+
+// Each rank's busy steps between two GET /v1/status answers of a cluster, from the totals its
+// StepReports carry: {"ranks": [{rank, steps, step_ms, header_ms[, exchange_ms,
+// exchange_share]}], and the same over all ranks' steps as "all"}; times per step in ms,
+// exchange_share = exchange_ms / step_ms. A rank absent from either answer, restarted
+// between them (another incarnation) or without steps is left out; exchange_* only where
+// both answers have total_exchange_ms (serve --step-timing). Null without such a rank.
+nlohmann::json step_breakdown(const nlohmann::json& before, const nlohmann::json& after);
 
 // A human-readable table of bench_serve's result (latencies in ms).
 std::string format_bench_table(const nlohmann::json& result);

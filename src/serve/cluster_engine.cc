@@ -311,6 +311,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     cfg.device_f32 = options_.device_f32;
     cfg.quantization = options_.quantization;
     cfg.transport = options_.transport;
+    cfg.step_timing = options_.step_timing;
     post(r, cfg);
     return;
   }
@@ -389,6 +390,9 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
     if (rep->step_ms > 0) info.step_ms = rep->step_ms;
     info.max_step_ms = rep->max_step_ms;
     info.graph_captures = rep->graph_captures;
+    info.total_step_ms = rep->total_step_ms;
+    info.total_header_ms = rep->total_header_ms;
+    info.total_exchange_ms = rep->total_exchange_ms;
     if (rebalancing_) {
       rebalance_max_step_ms_ = std::max(rebalance_max_step_ms_, rep->max_step_ms);
       cv_.notify_all();  // The end of a rebalance waits for a report from every member.
@@ -724,7 +728,10 @@ nlohmann::json ClusterEngine::status() const {
                         {"running", info.running},
                         {"waiting", info.waiting},
                         {"step_ms", info.step_ms},
-                        {"steps", info.steps}};
+                        {"steps", info.steps},
+                        {"total_step_ms", info.total_step_ms},
+                        {"total_header_ms", info.total_header_ms}};
+    if (info.total_exchange_ms >= 0) j["total_exchange_ms"] = info.total_exchange_ms;
     if (!info.last_error.empty()) j["last_error"] = info.last_error;
     if (info.joining) j["joining"] = true;
     if (info.leaving) j["leaving"] = true;
@@ -768,6 +775,16 @@ void ClusterEngine::Impl::update_gauges() const {
         .set(state(id) == RankState::kServing && !halted(id) ? 1 : 0);
     registry_.gauge("flexpert_rank_step_seconds", "Mean busy step time per rank.", rank)
         .set(info.step_ms / 1e3);
+    if (info.total_exchange_ms >= 0) {
+      registry_
+          .gauge("flexpert_rank_exchange_seconds",
+                 "Time a rank spent in MoE exchanges since it started (serve --step-timing).", rank)
+          .set(info.total_exchange_ms / 1e3);
+      registry_
+          .gauge("flexpert_rank_busy_step_seconds",
+                 "Time a rank spent in busy steps since it started (the exchanges included).", rank)
+          .set(info.total_step_ms / 1e3);
+    }
     registry_
         .gauge("flexpert_rank_graph_captures",
                "CUDA graphs a rank captured since it started (flat across expert-map switches "

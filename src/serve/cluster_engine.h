@@ -69,6 +69,9 @@ struct ClusterOptions {
   // Workers kept started and Ready beside the members (at free ids of max_ranks): a
   // recovery or a scale-up takes them instead of starting a process (its stall).
   int spare_ranks = 0;
+  // Workers time their MoE exchanges (WorkerConfig::step_timing): /v1/status and /metrics
+  // show each rank's exchange time beside its step time.
+  bool step_timing = false;
 
   // Elastic membership. "live": scale and recover while serving (prepare aside,
   // commit at a step boundary). "stop-the-world": the naive baseline (stop

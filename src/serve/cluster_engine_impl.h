@@ -74,9 +74,13 @@ struct RankInfo {
   std::string last_error;
   uint64_t applied_epoch = 0;  // Last EpochApplied.
   int64_t graph_captures = 0;  // Reported by the worker (CUDA).
-  bool joining = false;        // Being prepared by a scale-up; not a member yet.
-  bool leaving = false;        // Chosen by a scale-down: no new requests.
-  bool spare = false;          // Started ahead (--spare-ranks): Ready, not a member.
+  // StepReport's sums since the worker started (its incarnation's; -1: not timed).
+  double total_step_ms = 0;
+  double total_header_ms = 0;
+  double total_exchange_ms = -1;
+  bool joining = false;  // Being prepared by a scale-up; not a member yet.
+  bool leaving = false;  // Chosen by a scale-down: no new requests.
+  bool spare = false;    // Started ahead (--spare-ranks): Ready, not a member.
 };
 
 // What the front end keeps of a request so that another rank can re-run it

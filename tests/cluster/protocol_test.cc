@@ -137,6 +137,7 @@ TEST(ProtocolTest, PlacementMessagesRoundTrip) {
   cfg.placement = p;
   cfg.device = "cuda:1";
   cfg.quantization = "fp8";
+  cfg.step_timing = true;
   auto cfg_back = proto::decode<proto::WorkerConfig>(proto::encode(cfg));
   ASSERT_TRUE(cfg_back.ok()) << cfg_back.status().to_string();
   EXPECT_EQ(cfg_back->placement.num_experts, 4);
@@ -145,6 +146,21 @@ TEST(ProtocolTest, PlacementMessagesRoundTrip) {
   EXPECT_EQ(cfg_back->device, "cuda:1");
   EXPECT_EQ(cfg_back->quantization, "fp8");
   EXPECT_EQ(cfg_back->transport, "shm");
+  EXPECT_TRUE(cfg_back->step_timing);
+  // Without step timing the report says so (-1), not a zero exchange time.
+  EXPECT_FALSE(proto::WorkerConfig{}.step_timing);
+  EXPECT_EQ(proto::StepReport{}.total_exchange_ms, -1);
+  proto::StepReport report;
+  report.steps = 7;
+  report.total_step_ms = 12.5;
+  report.total_header_ms = 0.25;
+  report.total_exchange_ms = 3.5;
+  auto report_back = proto::decode<proto::StepReport>(proto::encode(report));
+  ASSERT_TRUE(report_back.ok()) << report_back.status().to_string();
+  EXPECT_EQ(report_back->steps, 7u);
+  EXPECT_EQ(report_back->total_step_ms, 12.5);
+  EXPECT_EQ(report_back->total_header_ms, 0.25);
+  EXPECT_EQ(report_back->total_exchange_ms, 3.5);
 
   proto::EpochCommand epoch;
   epoch.epoch = 5;

@@ -65,6 +65,60 @@ TEST(BenchServeTest, RunsAgainstALocalServer) {
   }
 }
 
+// step_breakdown over two /v1/status answers, against figures worked out by hand.
+TEST(BenchServeTest, StepBreakdownPerRankAndOverAll) {
+  auto rank = [](int id, uint64_t incarnation, uint64_t steps, double step, double header,
+                 double exchange) {
+    json r = {{"rank", id},
+              {"incarnation", incarnation},
+              {"steps", steps},
+              {"total_step_ms", step},
+              {"total_header_ms", header}};
+    if (exchange >= 0) r["total_exchange_ms"] = exchange;
+    return r;
+  };
+  const json before = {{"ranks",
+                        {rank(0, 1, 10, 100, 5, 20), rank(1, 1, 10, 120, 6, 30),
+                         rank(2, 1, 4, 40, 1, 5), rank(3, 1, 7, 70, 2, 9)}}};
+  const json after = {{"ranks",
+                       {rank(0, 1, 30, 300, 9, 60), rank(1, 1, 30, 340, 10, 80),
+                        rank(2, 2, 9, 90, 2, 10),    // Restarted: left out.
+                        rank(3, 1, 7, 70, 2, 9),     // No steps: left out.
+                        rank(4, 1, 5, 50, 1, 2)}}};  // Not in `before`: left out.
+  const json b = step_breakdown(before, after);
+  ASSERT_TRUE(b.is_object()) << b.dump();
+  ASSERT_EQ(b["ranks"].size(), 2u) << b.dump(2);
+  const json& r0 = b["ranks"][0];
+  EXPECT_EQ(r0["rank"], 0);
+  EXPECT_EQ(r0["steps"], 20);
+  EXPECT_DOUBLE_EQ(r0["step_ms"].get<double>(), 10.0);        // 200 / 20
+  EXPECT_DOUBLE_EQ(r0["header_ms"].get<double>(), 0.2);       // 4 / 20
+  EXPECT_DOUBLE_EQ(r0["exchange_ms"].get<double>(), 2.0);     // 40 / 20
+  EXPECT_DOUBLE_EQ(r0["exchange_share"].get<double>(), 0.2);  // 40 / 200
+  const json& r1 = b["ranks"][1];
+  EXPECT_DOUBLE_EQ(r1["step_ms"].get<double>(), 11.0);  // 220 / 20
+  EXPECT_DOUBLE_EQ(r1["exchange_share"].get<double>(), 50.0 / 220.0);
+  const json& all = b["all"];
+  EXPECT_EQ(all["steps"], 40);
+  EXPECT_DOUBLE_EQ(all["step_ms"].get<double>(), 420.0 / 40);
+  EXPECT_DOUBLE_EQ(all["header_ms"].get<double>(), 8.0 / 40);
+  EXPECT_DOUBLE_EQ(all["exchange_ms"].get<double>(), 90.0 / 40);
+  EXPECT_DOUBLE_EQ(all["exchange_share"].get<double>(), 90.0 / 420);
+
+  // Untimed (no total_exchange_ms): steps only; the table shows dashes.
+  const json untimed = step_breakdown({{"ranks", {rank(0, 1, 1, 10, 1, -1)}}},
+                                      {{"ranks", {rank(0, 1, 5, 50, 2, -1)}}});
+  ASSERT_TRUE(untimed.is_object());
+  EXPECT_FALSE(untimed["ranks"][0].contains("exchange_ms"));
+  EXPECT_FALSE(untimed["all"].contains("exchange_ms"));
+  EXPECT_DOUBLE_EQ(untimed["all"]["step_ms"].get<double>(), 10.0);
+  const std::string table = format_bench_table({{"steps", untimed}});
+  EXPECT_NE(table.find("step ms"), std::string::npos) << table;
+  // Nothing to compare: null (a local engine's status has no totals).
+  EXPECT_TRUE(step_breakdown(before, json{{"mode", "local"}}).is_null());
+  EXPECT_TRUE(step_breakdown(nullptr, after).is_null());
+}
+
 TEST(BenchServeTest, ReportsAnUnreachableServerAndBadOptions) {
   BenchServeOptions options;
   options.url = "http://127.0.0.1:1";  // Nothing listens on port 1.

@@ -9,7 +9,9 @@
 // load is recovered from and replaced; GPU ranks over ucx (no shared memory between
 // them) keep the reference tokens across scales, and so do GPU ranks over hier on two
 // "hosts" (cuda_ipc within one, ucx between them); DeepSeek with FP8 experts over four ranks
-// answers as one process does around a rebalance and a scale-down. Skips without a GPU.
+// answers as one process does around a rebalance and a scale-down; with --step-timing two
+// GPU ranks keep the reference tokens and report exchange time within their steps. Skips
+// without a GPU.
 #include <fcntl.h>
 #include <signal.h>
 
@@ -22,6 +24,7 @@
 #include "../common/run_flexpert.h"
 #include "cuda/device.h"
 #include "cuda/fp8_experts.h"
+#include "serve/bench_serve.h"
 #include "server_fixture.h"
 
 namespace flexpert_test {
@@ -457,6 +460,37 @@ TEST(CudaServeTest, GpuRanksOverHierUseCudaIpcWithinAHostAndUcxAcross) {
         << log3;
   }
   if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir);
+}
+
+// `serve --step-timing` on two GPU ranks (the device exchange once both have mapped each
+// other; docs/cuda.md "Step timing"): the events change no token, and each rank's exchange
+// time is positive and within its steps' time.
+TEST(CudaServeTest, StepTimingTimesTheDeviceExchangeWithinTheStep) {
+  if (!flexpert::cuda::device_available()) {
+    GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs on a GPU host)";
+  }
+  Server server({"--device", "cuda", "--cuda-dtype", "f32", "--ranks", "2", "--step-timing",
+                 "--transport-timeout-ms", "30000", "--start-timeout-ms", "300000"});
+  ASSERT_TRUE(server.up());
+  check_reference(server, load_reference(), 2);
+  flexpert::BenchServeOptions options;
+  options.url = "http://127.0.0.1:" + std::to_string(server.port());
+  options.concurrency = 8;
+  options.num_requests = 16;
+  options.prompt_len = 8;
+  options.max_tokens = 16;
+  auto result = flexpert::bench_serve(options);
+  ASSERT_TRUE(result.ok()) << result.status().to_string();
+  const nlohmann::json& r = result.value();
+  EXPECT_EQ(r["failed"], 0) << r.dump(2);
+  ASSERT_TRUE(r.contains("steps")) << r.dump(2);
+  std::printf("step timing, 2 GPU ranks:\n%s", flexpert::format_bench_table(r).c_str());
+  ASSERT_EQ(r["steps"]["ranks"].size(), 2u) << r["steps"].dump(2);
+  for (const auto& rank : r["steps"]["ranks"]) {
+    EXPECT_GT(rank["exchange_ms"].get<double>(), 0) << rank.dump();
+    EXPECT_LE(rank["exchange_ms"].get<double>(), rank["step_ms"].get<double>()) << rank.dump();
+  }
+  EXPECT_EQ(server.stop(), 0);
 }
 
 TEST(CudaServeTest, DeepseekFourRanksKeepReferenceTokensAcrossARebalance) {

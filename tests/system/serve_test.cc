@@ -17,6 +17,7 @@
 #include <string>
 #include <thread>
 
+#include "serve/bench_serve.h"
 #include "server_fixture.h"
 
 namespace {
@@ -36,10 +37,63 @@ TEST_P(ServeRanksTest, ReferenceTokensThroughHttp) {
   ASSERT_TRUE(status.is_object());
   EXPECT_EQ(status["members"].size(), static_cast<size_t>(ranks));
   EXPECT_EQ(status["epoch"], 1);
+  for (const auto& rank : status["ranks"]) {
+    EXPECT_FALSE(rank.contains("total_exchange_ms")) << "timed without --step-timing";
+  }
   EXPECT_EQ(server.stop(), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, ServeRanksTest, ::testing::Values(1, 2, 3, 4));
+
+// `serve --step-timing`: every rank reports its MoE exchange time beside its step time, and
+// `bench serve` (bench_serve()) turns the totals into a per-step breakdown. With peers the
+// exchange takes time and never more than the step holding it; alone no row crosses a rank
+// and it reports none (docs/benchmarks.md "Serving with GPU ranks").
+TEST(ServeTest, StepTimingReportsTheExchangePerRank) {
+  for (int ranks : {1, 2}) {
+    SCOPED_TRACE("ranks " + std::to_string(ranks));
+    Server server({"--ranks", std::to_string(ranks), "--threads-per-worker", "1", "--step-timing"});
+    ASSERT_TRUE(server.up());
+    flexpert::BenchServeOptions options;
+    options.url = "http://127.0.0.1:" + std::to_string(server.port());
+    options.concurrency = 4 * ranks;
+    options.num_requests = 8 * ranks;
+    options.prompt_len = 6;
+    options.max_tokens = 8;
+    auto result = flexpert::bench_serve(options);
+    ASSERT_TRUE(result.ok()) << result.status().to_string();
+    const nlohmann::json& r = result.value();
+    EXPECT_EQ(r["failed"], 0) << r.dump(2);
+    ASSERT_TRUE(r.contains("steps")) << r.dump(2);
+    const nlohmann::json& steps = r["steps"];
+    ASSERT_EQ(steps["ranks"].size(), static_cast<size_t>(ranks)) << steps.dump(2);
+    for (const auto& rank : steps["ranks"]) {
+      // Each request's 8 tokens take at least 7 decode steps after its prefill.
+      EXPECT_GE(rank["steps"].get<int64_t>(), 8) << rank.dump();
+      const double step_ms = rank["step_ms"].get<double>();
+      const double exchange_ms = rank["exchange_ms"].get<double>();
+      EXPECT_GT(step_ms, 0) << rank.dump();
+      EXPECT_GE(rank["header_ms"].get<double>(), 0) << rank.dump();
+      if (ranks == 1) {
+        EXPECT_EQ(exchange_ms, 0) << rank.dump();
+      } else {
+        EXPECT_GT(exchange_ms, 0) << rank.dump();
+      }
+      EXPECT_LE(exchange_ms, step_ms) << rank.dump();
+      EXPECT_DOUBLE_EQ(rank["exchange_share"].get<double>(), exchange_ms / step_ms);
+    }
+    EXPECT_TRUE(steps["all"].contains("exchange_ms")) << steps.dump(2);
+    // The totals behind it, as /v1/status and /metrics show them.
+    const nlohmann::json status = server.get_json("/v1/status");
+    for (const auto& rank : status["ranks"]) {
+      ASSERT_TRUE(rank.contains("total_exchange_ms")) << rank.dump();
+      EXPECT_LE(rank["total_exchange_ms"].get<double>(), rank["total_step_ms"].get<double>());
+    }
+    const std::string table = flexpert::format_bench_table(r);
+    EXPECT_NE(table.find("exch. ms"), std::string::npos) << table;
+    EXPECT_EQ(server.stop(), 0);
+  }
+}
 
 TEST(ServeTest, ReplicatedExpertsAcrossRanks) {
   // 16 experts + 16 replicas over 4 ranks: hot and cold replicas on different ranks.
