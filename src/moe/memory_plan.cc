@@ -138,12 +138,18 @@ std::vector<MemoryTerm> dense_terms(const ModelConfig& c, const MatrixFormat& pr
 
 // MoeScratch::create (src/cuda/moe_layer.cc) for `tokens` tokens.
 uint64_t moe_scratch_bytes(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t num_slots,
-                           int64_t hidden, int64_t inter, uint64_t esize) {
+                           int64_t hidden, int64_t inter, uint64_t esize, bool fp8) {
   const int64_t P = tokens * top_k;
   const int64_t tiles = ceil_div(P, kMinTileRows) + std::min(P, num_slots);
-  return u(tokens * num_experts) * 4 + u(5 * P) * 4 + u(num_slots + 1) * 4 +
-         u(kPermuteCountInts * num_slots) * 4 + u(2 * tiles) * 4 + 4 + u(P * inter) * esize +
-         u(P * hidden) * esize + 4 + 8;
+  uint64_t bytes = u(tokens * num_experts) * 4 + u(5 * P) * 4 + u(num_slots + 1) * 4 +
+                   u(kPermuteCountInts * num_slots) * 4 + u(2 * tiles) * 4 + 4 +
+                   u(P * inter) * esize + u(P * hidden) * esize + 4 + 8;
+  if (fp8) {  // The rows quantized to e4m3 for the FP8 GEMMs, and their scales.
+    const int64_t k = std::max(hidden, inter);
+    bytes += u(std::max<int64_t>(P, 1) * k) +
+             u(ceil_div(k, 128)) * round_up(u(std::max<int64_t>(P, 1)), 4) * 4;
+  }
+  return bytes;
 }
 
 // The CUDA model's scratch (allocate_io, allocate_scratch), tables, and DeviceEpMoe's buffers
@@ -152,6 +158,7 @@ uint64_t moe_scratch_bytes(int64_t tokens, int64_t top_k, int64_t num_experts, i
 void cuda_workspaces(const ModelConfig& c, const MemoryPlan& p, uint64_t reserve,
                      std::vector<MemoryTerm>* dev, std::vector<MemoryTerm>* host) {
   const uint64_t e = 2;  // bf16 activations.
+  const bool fp8 = p.quantization == "fp8";
   const int64_t R = next_pow2(p.max_sequences);
   const int64_t T = std::max(kStepTokens, R);
   const int64_t H = c.hidden_size, V = c.vocab_size, K = c.num_experts_per_tok;
@@ -188,7 +195,7 @@ void cuda_workspaces(const ModelConfig& c, const MemoryPlan& p, uint64_t reserve
   }
   MemoryTerm moe{"MoE scratch", 0, 0, false, rows + " x top-" + std::to_string(K)};
   if (p.num_moe_layers > 0) {
-    moe.bytes = moe_scratch_bytes(T, K, E, num_slots, H, c.moe_intermediate_size, e);
+    moe.bytes = moe_scratch_bytes(T, K, E, num_slots, H, c.moe_intermediate_size, e, fp8);
   }
   MemoryTerm tables{"RoPE and routing tables", 0, 0, false, ""};
   tables.bytes = u(2 * p.max_seq_len * half) * 4 +
@@ -205,7 +212,7 @@ void cuda_workspaces(const ModelConfig& c, const MemoryPlan& p, uint64_t reserve
     const int64_t cap = device_exchange ? std::min(T * K * p.max_ranks, kMaxDeviceRows) : 0;
     const int64_t rows_cap = std::max(kChunkRows, cap);
     ep.bytes = moe_scratch_bytes(rows_cap, 1, std::min<int64_t>(S, 512), S, H,
-                                 c.moe_intermediate_size, e) +
+                                 c.moe_intermediate_size, e, fp8) +
                u(rows_cap * H) * e + u(kChunkRows * H) * 4 + u(T * H) * 4 +
                u(std::max(T, kChunkRows)) * 4 + u(T) * 4;
     if (device_exchange) {
