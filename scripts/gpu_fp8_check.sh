@@ -3,7 +3,7 @@
 # (fp8_experts.h, docs/cuda.md "FP8 experts") against its references, its
 # cuda_test cases first alone (an illegal instruction would poison the process), also
 # with the persistent grid capped at 3 CTAs (several units per CTA, the ring wrapping),
-# then every FP8 test, then moe_layer_bench with --fp8-wgmma at both shapes. Prints a
+# then every FP8 test, then moe_layer_bench with --fp8-paths at both shapes. Prints a
 # short table last.
 #   PACK=.gpu BIN=.gpu/bin OUT=$OUT bash scripts/gpu_fp8_check.sh
 #   FP8_TOKENS=1,4,16,64,256,1024,4096,16384 (default)  FP8_SANITIZE=1: memcheck first
@@ -36,8 +36,8 @@ timeout 240 "$BIN/cuda_test" --gtest_filter='*Fp8*' >"$OUT/fp8_tests.log" 2>&1
 echo "exit $?"
 grep -E "FAILED|PASSED" "$OUT/fp8_tests.log" | head -10
 
-stamp "moe_layer_bench --fp8-wgmma --tokens $TOKENS"
-timeout 420 "$BIN/moe_layer_bench" --fp8-wgmma --shapes deepseek-v3,qwen3-30b-a3b \
+stamp "moe_layer_bench --fp8-paths decode,wgmma --tokens $TOKENS"
+timeout 420 "$BIN/moe_layer_bench" --fp8-paths decode,wgmma --shapes deepseek-v3,qwen3-30b-a3b \
   --tokens "$TOKENS" --json "$OUT/fp8_bench.json" >"$OUT/fp8_bench.log" 2>&1
 echo "exit $?"
 grep -E "tokens:|fp8 experts" "$OUT/fp8_bench.log"
