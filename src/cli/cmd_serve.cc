@@ -10,6 +10,7 @@
 
 #include "cli/commands.h"
 #include "cli/flags.h"
+#include "core/fd_table.h"
 #include "flexpert/chat_template.h"
 #include "flexpert/logging.h"
 #include "flexpert/tokenizer.h"
@@ -44,6 +45,10 @@ void raise_open_file_limit() {
     (void)::setrlimit(RLIMIT_NOFILE, &limit);
   }
 }
+
+// Descriptors a worker reserves at start: CUDA devices and IPC handles, peers' sockets and
+// shared memory, /proc entries of watched peers; the front end raises its own limit.
+constexpr int kWorkerFdTable = 4096;
 
 ClusterEngine* cluster_ = nullptr;  // Set when serving a group (not --local).
 
@@ -392,6 +397,8 @@ int cmd_worker(const Args& args) {
   auto key = secret_from(flags, "cluster-key", "FLEXPERT_CLUSTER_KEY");
   if (!key.ok()) return report_error("worker", key.status());
   options.cluster_key = key.value();
+  // Before any thread exists: growing the table later stalls steps (core/fd_table.h).
+  (void)reserve_fd_table(kWorkerFdTable);
   return run_worker(options);
 }
 
