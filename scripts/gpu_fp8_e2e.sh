@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FP8 experts end to end on one GPU, with binaries packed by scripts/gpu_pack.sh, on a
-# synthetic block-FP8 DeepSeek-V2-Lite (all 27 layers, synthesised once into /dev/shm):
+# synthetic block-FP8 DeepSeek-V2-Lite (all 27 layers, synthesised into /dev/shm, removed at the end):
 #  (a) decode tok/s at batch 1, 16, 128 with FP8 experts beside the bf16 path (the same
 #      checkpoint dequantized at load, --quantization bf16) in one run (second pass);
 #  (b) the share of 64 prompts whose 32 greedy tokens with FP8 experts equal the bf16

@@ -31,9 +31,10 @@
 // (CUDA_DEVICE_MAX_CONNECTIONS) and nothing that synchronises the device mid-step.
 //
 // FP8 slots (MoeDims::fp8, docs/cuda.md "FP8 experts"): the owner's rows run through
-// fp8_experts.h's kernels, as in one process: the host exchange's row compute takes the
-// decode kernels up to kDecodeMaxTokens rows and the grouped tile above; the device exchange
-// takes the grouped tile, which leaves the rows in the scratch for the peers to read. Slot
+// fp8_experts.h's kernels, as in one process (moe_layer.h's fp8_path): FP8 wgmma where it
+// runs; else the host exchange's row compute takes the decode kernels up to
+// kDecodeMaxTokens rows and the tile above, and the device exchange the tile, which leaves
+// the rows in the scratch for the peers to read. Slot
 // buffers, their mappings and copy_slot are sized by MoeDims::slot_bytes() (scales included).
 #pragma once
 

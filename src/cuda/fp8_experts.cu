@@ -61,7 +61,7 @@ __device__ __forceinline__ float quantize8(const float f[8], uint32_t words[2]) 
 }
 
 // This lane's 8 columns at c of bf16 x (zeros past k), quantized as fp8_quantize_rows does
-// (the 16 lanes of a half-warp hold one 128-column block), as their exact values code *
+// (the 16 lanes of a half-warp hold one 128-column block), as their values code *
 // scale in f32: the decode kernels compute on the activations FP8 wgmma sees.
 __device__ __forceinline__ void quantized8(const bf16* x, int c, int k, float (&xf)[8]) {
   float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};

@@ -4,8 +4,9 @@
 // scales in `*.weight_scale_inv`; w = e4m3 * scale). One slot is one byte range (layout
 // below) holding the weights and their scales, so a copy of a slot's bytes moves both.
 // Every kernel computes on e4m3 activations, one scale per row and 128 columns (scale =
-// absmax / 448), as FP8 wgmma takes them, so that a token's result does not depend on the
-// path its batch takes (docs/cuda.md, "FP8 experts"); f32 accumulation:
+// absmax / 448), as FP8 wgmma takes them, so that a token's result depends on the path its
+// batch takes only through the order of f32 sums (docs/cuda.md, "FP8 experts"); f32
+// accumulation:
 //   - decode: per (token, k) pair, a warp per gate/up row pair (SwiGLU into act), then a
 //     warp per (token, output column) summing the top-k down rows, weighted, into out; each
 //     quantizes its activations in registers;

@@ -112,10 +112,10 @@ enum MoeStage : unsigned {
 // num_valid_tokens (device, may be null): only pairs of tokens below it count in
 // slot_stats (padding rows of a captured batch do not). force_tile >= 0 picks a
 // GemmTile (tests, benchmarks); -1 chooses by size. `stages` selects kernels (profiling).
-// With dims.fp8: the router GEMM and top-k with permutation, then the FP8 decode kernels
-// (up to kDecodeMaxTokens tokens, or force_tile == kGemv) or the FP8 grouped GEMMs and
-// combine (fp8_experts.h): FP8 wgmma where it runs (or force_tile kWgmmaWs64), else the
-// mma.sync tile (docs/cuda.md, "FP8 experts"); `stages` is ignored.
+// With dims.fp8: the router GEMM and top-k with permutation, then run_fp8_experts
+// (fp8_path below: FP8 wgmma at every size where it runs, else the FP8 decode kernels up
+// to kDecodeMaxTokens tokens and the mma.sync tile above; docs/cuda.md, "FP8 experts");
+// `stages` is ignored.
 Status run_moe(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch, const void* h,
                int num_tokens, const int32_t* num_valid_tokens, float* out, bool accumulate,
                Blas& blas, cudaStream_t stream, int force_tile = -1,

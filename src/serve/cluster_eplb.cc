@@ -166,7 +166,7 @@ Status ClusterEngine::Impl::run_pulls(Pulls pulls, Clock::duration timeout,
     totals->device_copies += d.device_copies;
     totals->seconds += d.seconds;
     totals->commands += 1;
-    totals->slots += num_slots[id];
+    if (d.code == 0) totals->slots += num_slots[id];  // A failed pull placed none.
     pulls_done_.erase(it);
   }
   return s;

@@ -258,7 +258,8 @@ TEST(CudaDeepseekTest, Fp8ExpertsAgreeWithCpu) {
     }
   }
   std::sort(errs.begin(), errs.end());
-  EXPECT_LT((errs[2] + errs[3]) / 2, 6e-2) << "the median step";
+  const size_t n = errs.size();
+  EXPECT_LT((errs[(n - 1) / 2] + errs[n / 2]) / 2, 6e-2) << "the median step";
   std::filesystem::remove_all(dir);
 }
 

@@ -314,7 +314,8 @@ constexpr int kGrouped = static_cast<int>(cuda::GemmTile::kMma64);
 INSTANTIATE_TEST_SUITE_P(
     Fp8Shapes, CudaFp8MoeTest,
     ::testing::Values(
-        // Decode (by size: up to kDecodeMaxTokens tokens) and grouped, whole blocks.
+        // By size (FP8 wgmma where it runs, else decode up to kDecodeMaxTokens tokens and
+        // the tile above) and forced, whole blocks.
         Fp8Case{256, 256, 1, -1, false}, Fp8Case{256, 256, 4, -1, false},
         Fp8Case{256, 256, 8, kDecode, false}, Fp8Case{256, 256, 37, -1, false},
         Fp8Case{256, 256, 200, kGrouped, false}, Fp8Case{256, 256, 3, kGrouped, false},
@@ -470,7 +471,8 @@ TEST(CudaFp8Test, EveryPathGivesATokenTheSameOutput) {
       EXPECT_LT(d, 1e-2) << "tile " << tiles[j] << " against tile " << tiles[i];
     }
   }
-  // Tokens alone (the decode kernels by size) against the same rows in the batch.
+  // Tokens alone (by size: FP8 wgmma where it runs, else the decode kernels) against the
+  // same rows in the batch.
   for (int t : {0, 17, 36}) {
     std::vector<float> alone;
     run(t, 1, -1, &alone);

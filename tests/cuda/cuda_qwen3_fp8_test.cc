@@ -93,11 +93,11 @@ TEST_F(CudaQwen3Fp8Test, Fp8ExpertsMatchBf16OnTheDequantizedTwin) {
   for (int i = 0; i < 5; ++i) batch[1].tokens.push_back(static_cast<int32_t>(rng() % vocab));
   for (int step = 0; step < 6; ++step) {
     // bf16 slots hold e4m3 * s rounded to bf16 (2^-9 relative a weight); the FP8 path
-    // rounds the experts' inputs to e4m3 (up to 2^-4 relative an element): within 0.1.
-    // Weights of another seed are about 1.4 apart.
+    // rounds the experts' inputs to e4m3 (up to 2^-4 relative an element): the H200
+    // 0.022-0.029, so within 5e-2. Weights of another seed are about 1.4 apart.
     const double err = cuda_test::rel_l2(step_logits(*fp8, batch), step_logits(*twin, batch));
     std::printf("  step %d: GPU fp8 experts vs GPU bf16 on the twin %.3g\n", step, err);
-    EXPECT_LT(err, 0.1) << "step " << step;
+    EXPECT_LT(err, 5e-2) << "step " << step;
     for (auto& b : batch) {
       b.start_pos += static_cast<int>(b.tokens.size());
       b.tokens = {static_cast<int32_t>(rng() % vocab)};
