@@ -11,7 +11,7 @@
 # GPUS=N spreads the ranks over N GPUs (`serve --gpus N`, rank r on GPU r mod N). Logs
 # under $OUT; summary last.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-out/gpu-ep}
 PACK=${PACK:-.gpu-gep}
 BIN=${BIN:-$PACK/bin}
@@ -22,15 +22,8 @@ mkdir -p "$OUT"
 export FLEXPERT_LOG=warn
 t0=$(date +%s)
 stamp() { echo "== [$(($(date +%s) - t0))s] $*"; }
-for d in /usr/local/cuda/lib64 $(python3 -c \
-    'import nvidia, os; [print(os.path.join(p, q, "lib")) for p in nvidia.__path__ for q in os.listdir(p)]' \
-    2>/dev/null); do
-  [ -e "$d/libcublas.so.13" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}" && break
-done
-if [ -e "$PACK/libs.tar.xz" ]; then
-  mkdir -p /tmp/flexpert-gpu && tar -C /tmp/flexpert-gpu -xJf "$PACK/libs.tar.xz"
-  export LD_LIBRARY_PATH="/tmp/flexpert-gpu/lib:${LD_LIBRARY_PATH:-}"
-fi
+# shellcheck source=scripts/gpu_libs.sh
+source scripts/gpu_libs.sh
 if [ -n "${BUILT_AT:-}" ]; then
   [ -e "$BUILT_AT/testdata" ] || { mkdir -p "$(dirname "$BUILT_AT")" && ln -sfn "$PWD" "$BUILT_AT"; }
   mkdir -p "$BUILT_AT/build-gep" && cp "$BIN/flexpert" "$BUILT_AT/build-gep/flexpert"

@@ -14,7 +14,7 @@
 # table last. RANKS="1 2 4", BATCHES="1 16", LAYERS=4, MAX_TOKENS=64, PROMPT=16 by default;
 # FLEXPERT_EP_EXCHANGE=host in the environment times the host exchange instead.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-out/gpu-ep-step}
 PACK=${PACK:-.gpuh}
 BIN=${BIN:-$PACK/bin}
@@ -27,15 +27,8 @@ mkdir -p "$OUT"
 export FLEXPERT_LOG=warn
 t0=$(date +%s)
 stamp() { echo "== [$(($(date +%s) - t0))s] $*"; }
-for d in /usr/local/cuda/lib64 $(python3 -c \
-    'import nvidia, os; [print(os.path.join(p, q, "lib")) for p in nvidia.__path__ for q in os.listdir(p)]' \
-    2>/dev/null); do
-  [ -e "$d/libcublas.so.13" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}" && break
-done
-if [ -e "$PACK/libs.tar.xz" ]; then
-  mkdir -p /tmp/flexpert-gpu && tar -C /tmp/flexpert-gpu -xJf "$PACK/libs.tar.xz"
-  export LD_LIBRARY_PATH="/tmp/flexpert-gpu/lib:${LD_LIBRARY_PATH:-}"
-fi
+# shellcheck source=scripts/gpu_libs.sh
+source scripts/gpu_libs.sh
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 nvidia-cuda-mps-control -d && stamp "MPS started"

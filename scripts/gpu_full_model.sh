@@ -5,19 +5,15 @@
 # put in .gpu/ (carry it). Logs and JSON under $OUT.
 #   bash scripts/gpu_full_model.sh          (GPU_FULL_NO_ELASTIC=1: decode only)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 export FLEXPERT_LOG=warn
 t0=$(date +%s)
 stamp() { echo "== [$(($(date +%s) - t0))s] $*"; }
-for d in /usr/local/cuda/lib64 $(python3 -c \
-    'import nvidia, os; [print(os.path.join(p, q, "lib")) for p in nvidia.__path__ for q in os.listdir(p)]' \
-    2>/dev/null); do
-  [ -e "$d/libcublas.so.13" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}" && break
-done
-mkdir -p /tmp/flexpert-gpu && tar -C /tmp/flexpert-gpu -xJf .gpu/libs.tar.xz
-export LD_LIBRARY_PATH="/tmp/flexpert-gpu/lib:${LD_LIBRARY_PATH:-}"
+PACK=${PACK:-.gpu}
+# shellcheck source=scripts/gpu_libs.sh
+source scripts/gpu_libs.sh
 BIN=.gpu/bin
 df -h /dev/shm /tmp | tee "$OUT/df.txt"
 # 48 layers of bf16 weights are ~61 GB: in RAM when /dev/shm can hold them.

@@ -74,6 +74,48 @@ std::vector<float> quantize_row(const float* x, int n) {
 
 float bf16_round(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
+// E experts' gate, up and down projections, random (scaled by 1/sqrt(fan-in)) and
+// block-quantized, drawn from rng expert by expert.
+struct Fp8Experts {
+  std::vector<Fp8Matrix> gate, up, down;
+};
+Fp8Experts random_fp8_experts(int E, int H, int I, std::mt19937& rng) {
+  Fp8Experts x;
+  for (int e = 0; e < E; ++e) {
+    x.gate.push_back(quantize(uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng), I, H));
+    x.up.push_back(quantize(uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng), I, H));
+    x.down.push_back(quantize(uniform(static_cast<size_t>(H) * I, 1.f / std::sqrt(I), rng), H, I));
+  }
+  return x;
+}
+
+cuda::MoeDims fp8_dims(int H, int I, int E, int K, int S) {
+  cuda::MoeDims dims;
+  dims.dtype = DType::kBF16;
+  dims.fp8 = true;
+  dims.hidden = H;
+  dims.intermediate = I;
+  dims.num_experts = E;
+  dims.top_k = K;
+  dims.num_slots = S;
+  return dims;
+}
+
+// The slots' bytes: slot s holds expert pack_map[s] (-1: zeros).
+std::vector<uint8_t> pack_slots(const Fp8Experts& x, const std::vector<int>& pack_map,
+                                const cuda::MoeDims& dims) {
+  const size_t slot_bytes = static_cast<size_t>(dims.slot_bytes());
+  std::vector<uint8_t> image(pack_map.size() * slot_bytes, 0);
+  for (size_t s = 0; s < pack_map.size(); ++s) {
+    const int e = pack_map[s];
+    if (e < 0) continue;
+    cuda::Fp8Expert fe{x.gate[e].codes.data(),  x.up[e].codes.data(),  x.down[e].codes.data(),
+                       x.gate[e].scales.data(), x.up[e].scales.data(), x.down[e].scales.data()};
+    cuda::pack_expert_fp8(fe, dims.hidden, dims.intermediate, image.data() + s * slot_bytes);
+  }
+  return image;
+}
+
 // The layer as FP8 wgmma computes it, on the dequantized weights: each routed (token, k)
 // pair through expert experts[t K + k] (the GPU's top-k, read back) with its softmax weight
 // renormalised over the token's K, the token row and the bf16 SwiGLU row quantized as
@@ -186,12 +228,10 @@ TEST_P(CudaFp8MoeTest, MatchesF32ReferenceOnDequantizedWeights) {
   std::mt19937 rng(77 + T + H);
   const std::vector<float> x = round_bf16(uniform(static_cast<size_t>(T) * H, 1.f, rng));
   const std::vector<float> router = round_bf16(uniform(static_cast<size_t>(E) * H, 0.2f, rng));
-  std::vector<Fp8Matrix> gate, up, down;
-  for (int e = 0; e < E; ++e) {
-    gate.push_back(quantize(uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng), I, H));
-    up.push_back(quantize(uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng), I, H));
-    down.push_back(quantize(uniform(static_cast<size_t>(H) * I, 1.f / std::sqrt(I), rng), H, I));
-  }
+  const Fp8Experts weights = random_fp8_experts(E, H, I, rng);
+  const std::vector<Fp8Matrix>& gate = weights.gate;
+  const std::vector<Fp8Matrix>& up = weights.up;
+  const std::vector<Fp8Matrix>& down = weights.down;
 
   // Reference: the CPU block in f32 on the dequantized weights.
   ExpertSlots cpu_slots(DType::kF32, S, H, I);
@@ -211,25 +251,10 @@ TEST_P(CudaFp8MoeTest, MatchesF32ReferenceOnDequantizedWeights) {
   moe_forward_local(x.data(), T, router_t, RouterParams{E, K, true}, replicas, cpu_slots,
                     want.data(), &ws, cpu_counts.data(), ThreadPool::global());
 
-  cuda::MoeDims dims;
-  dims.dtype = DType::kBF16;
-  dims.fp8 = true;
-  dims.hidden = H;
-  dims.intermediate = I;
-  dims.num_experts = E;
-  dims.top_k = K;
-  dims.num_slots = S;
+  const cuda::MoeDims dims = fp8_dims(H, I, E, K, S);
   const size_t slot_bytes = static_cast<size_t>(dims.slot_bytes());
   ASSERT_EQ(slot_bytes % 256, 0u);
-  std::vector<uint8_t> image(S * slot_bytes, 0);
-  for (int s = 0; s < S; ++s) {
-    const int e = pack_map[s];
-    if (e < 0) continue;
-    cuda::Fp8Expert fe{gate[e].codes.data(),  up[e].codes.data(),  down[e].codes.data(),
-                       gate[e].scales.data(), up[e].scales.data(), down[e].scales.data()};
-    cuda::pack_expert_fp8(fe, H, I, image.data() + s * slot_bytes);
-  }
-  auto slots = to_device_raw(image);
+  auto slots = to_device_raw(pack_slots(weights, pack_map, dims));
   if (c.move_slot) {  // One slot's bytes, device to device: weights and scales.
     ASSERT_EQ(cudaMemcpy(static_cast<uint8_t*>(slots.data()) + (S - 1) * slot_bytes,
                          static_cast<uint8_t*>(slots.data()) + 2 * slot_bytes, slot_bytes,
@@ -402,30 +427,11 @@ TEST(CudaFp8Test, EveryPathGivesATokenTheSameOutput) {
   std::mt19937 rng(91);
   const std::vector<float> x = round_bf16(uniform(static_cast<size_t>(T) * H, 1.f, rng));
   const std::vector<float> router = round_bf16(uniform(static_cast<size_t>(E) * H, 0.2f, rng));
-  std::vector<Fp8Matrix> gate, up, down;
-  for (int e = 0; e < E; ++e) {
-    gate.push_back(quantize(uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng), I, H));
-    up.push_back(quantize(uniform(static_cast<size_t>(I) * H, 1.f / std::sqrt(H), rng), I, H));
-    down.push_back(quantize(uniform(static_cast<size_t>(H) * I, 1.f / std::sqrt(I), rng), H, I));
-  }
-  cuda::MoeDims dims;
-  dims.dtype = DType::kBF16;
-  dims.fp8 = true;
-  dims.hidden = H;
-  dims.intermediate = I;
-  dims.num_experts = E;
-  dims.top_k = K;
-  dims.num_slots = E;
-  const size_t slot_bytes = static_cast<size_t>(dims.slot_bytes());
-  std::vector<uint8_t> image(E * slot_bytes, 0);
-  for (int e = 0; e < E; ++e) {
-    cuda::Fp8Expert fe{gate[e].codes.data(),  up[e].codes.data(),  down[e].codes.data(),
-                       gate[e].scales.data(), up[e].scales.data(), down[e].scales.data()};
-    cuda::pack_expert_fp8(fe, H, I, image.data() + e * slot_bytes);
-  }
-  auto slots = to_device_raw(image);
+  const Fp8Experts weights = random_fp8_experts(E, H, I, rng);
+  const cuda::MoeDims dims = fp8_dims(H, I, E, K, E);
   std::vector<int> map;
   for (int e = 0; e < E; ++e) map.push_back(e);
+  auto slots = to_device_raw(pack_slots(weights, map, dims));
   const cuda::RoutingTables tables = cuda::build_routing_tables(map, E);
   auto rep_start = to_device_raw(tables.rep_start);
   auto rep_count = to_device_raw(tables.rep_count);
