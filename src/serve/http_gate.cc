@@ -129,7 +129,9 @@ std::string error_response(int status, const std::string& message) {
   const std::string type = status == 503 ? "server_error" : "invalid_request_error";
   const std::string body =
       dump_json(error_json(message, type, "", status == 503 ? "UNAVAILABLE" : ""));
+  // A refusal over a connection cap lasts until a connection closes: retry in a second.
   return "HTTP/1.1 " + std::to_string(status) + " " + reason +
+         (status == 503 ? "\r\nRetry-After: 1" : "") +
          "\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: " +
          std::to_string(body.size()) + "\r\n\r\n" + body;
 }

@@ -178,6 +178,7 @@ TEST(HostileHttp, SlowClientsDoNotStarveHealth) {
     auto res = c.Post("/v1/completions", R"({"prompt": [1], "max_tokens": 1})", "application/json");
     ASSERT_TRUE(res);
     EXPECT_EQ(res->status, 503) << res->body;
+    EXPECT_EQ(res->get_header_value("Retry-After"), "1");
     const json body = json::parse(res->body, nullptr, false);
     EXPECT_NE(body["error"]["message"].get<std::string>().find("per client"), std::string::npos)
         << res->body;
