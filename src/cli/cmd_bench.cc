@@ -343,6 +343,8 @@ Status run_serve_bench(const Flags& flags) {
   options.max_tokens = static_cast<int>(max_tokens);
   options.seed = static_cast<uint64_t>(seed);
   options.stream = !flags.flag("no-stream");
+  FLEX_ASSIGN_OR_RETURN(options.api_key, secret_from(flags, "api-key", "FLEXPERT_API_KEY"));
+  FLEX_ASSIGN_OR_RETURN(options.admin_key, admin_key_from(flags));
   Progress progress("requests");
   FLEX_ASSIGN_OR_RETURN(nlohmann::json result, bench_serve(options, [&](int done, int total) {
                           progress.update(static_cast<uint64_t>(done),
@@ -367,6 +369,12 @@ int cmd_bench_serve(const Args& args) {
       .value("max-tokens", "32", "tokens generated per request (greedy, EOS ignored)")
       .value("seed", "0", "prompt seed")
       .value("json", "", "write results to this file")
+      .value("api-key", "", "the server's API key (prefer FLEXPERT_API_KEY or --api-key-file)")
+      .value("api-key-file", "", "a file whose first line is the API key")
+      .value("admin-key", "",
+             "the server's admin key, for the per-rank step detail of /v1/status (prefer "
+             "FLEXPERT_ADMIN_KEY or --admin-key-file)")
+      .value("admin-key-file", "", "a file whose first line is the admin key")
       .boolean("no-stream", "measure whole requests instead of streamed tokens")
       .boolean("help", "show this help");
   if (Status s = flags.parse(args); !s.ok()) return report_error("bench serve", s);

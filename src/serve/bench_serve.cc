@@ -163,12 +163,18 @@ json summarize(std::vector<double> v) {
           {"p99", pct(0.99)},  {"max", v.empty() ? 0.0 : v.back()}};
 }
 
+// GET /v1/status with the admin key, if any (the per-rank detail needs it).
+httplib::Result get_status(httplib::Client& client, const BenchServeOptions& options) {
+  if (!options.admin_key.empty()) client.set_bearer_token_auth(options.admin_key);
+  return client.Get("/v1/status");
+}
+
 // vocab_size from GET /v1/status. Unavailable when the server cannot be reached.
 Result<int> probe_vocab(const BenchServeOptions& options) {
   httplib::Client client(options.url);
   if (!client.is_valid()) return invalid_argument("cannot use URL " + options.url);
   configure(client, options);
-  httplib::Result res = client.Get("/v1/status");
+  httplib::Result res = get_status(client, options);
   if (!res) {
     return unavailable("cannot reach " + options.url + ": " + httplib::to_string(res.error()));
   }
@@ -187,7 +193,7 @@ json fetch_status(const BenchServeOptions& options) {
   httplib::Client client(options.url);
   if (!client.is_valid()) return nullptr;
   configure(client, options);
-  httplib::Result res = client.Get("/v1/status");
+  httplib::Result res = get_status(client, options);
   if (!res || res->status != 200) return nullptr;
   json status = json::parse(res->body, nullptr, /*allow_exceptions=*/false);
   return status.is_discarded() ? json(nullptr) : status;
@@ -295,6 +301,7 @@ Result<nlohmann::json> bench_serve(const BenchServeOptions& options,
     workers.emplace_back([&] {
       httplib::Client client(options.url);
       configure(client, options);
+      if (!options.api_key.empty()) client.set_bearer_token_auth(options.api_key);
       for (int i; (i = next.fetch_add(1)) < total;) {
         RequestRecord& rec = records[static_cast<size_t>(i)];
         const std::string body = request_body(options, vocab_size, i);

@@ -30,6 +30,8 @@ struct BenchServeOptions {
   uint64_t seed = 0;   // Prompts are a function of (seed, request index).
   bool stream = true;  // false: TTFT is the whole request, no ITL.
   int request_timeout_s = 600;
+  std::string api_key;    // Sent as a bearer token with the completions (serve --api-key).
+  std::string admin_key;  // Sent with GET /v1/status (serve --admin-key): its per-rank detail.
 };
 
 // Result JSON (times in seconds): url, concurrency, num_requests, prompt_len,
@@ -37,7 +39,8 @@ struct BenchServeOptions {
 // duration_s, requests_per_s, prompt_tokens, output_tokens, output_tokens_per_s,
 // and ttft_s / itl_s / latency_s, each {count, mean, p50, p90, p99, max}; against a
 // flexpert cluster also `steps` (step_breakdown of GET /v1/status before and after the run;
-// absent where the status hides per-rank detail: a server with an admin key).
+// absent where the status hides per-rank detail: a server with an admin key that
+// options.admin_key does not give).
 // InvalidArgument for bad options; Unavailable when the server cannot be reached.
 // Failed requests are counted, not errors.
 Result<nlohmann::json> bench_serve(const BenchServeOptions& options,

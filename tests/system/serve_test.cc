@@ -95,6 +95,36 @@ TEST(ServeTest, StepTimingReportsTheExchangePerRank) {
   }
 }
 
+// `bench serve` against a server with keys: the API key for its completions, the admin key
+// for the per-rank detail of /v1/status that its step breakdown reads.
+TEST(ServeTest, BenchServeSendsTheServersKeys) {
+  Server server({"--ranks", "2", "--threads-per-worker", "1", "--api-key", "open-sesame",
+                 "--admin-key", "sesame"});
+  ASSERT_TRUE(server.up());
+  flexpert::BenchServeOptions options;
+  options.url = "http://127.0.0.1:" + std::to_string(server.port());
+  options.concurrency = 2;
+  options.num_requests = 4;
+  options.prompt_len = 4;
+  options.max_tokens = 4;
+  options.vocab_size = 100;
+  auto refused = flexpert::bench_serve(options);
+  ASSERT_TRUE(refused.ok()) << refused.status().to_string();
+  EXPECT_EQ(refused.value()["failed"], 4) << "served without the API key";
+  options.api_key = "open-sesame";
+  auto served = flexpert::bench_serve(options);
+  ASSERT_TRUE(served.ok()) << served.status().to_string();
+  EXPECT_EQ(served.value()["failed"], 0) << served.value().dump(2);
+  EXPECT_FALSE(served.value().contains("steps")) << "per-rank detail without the admin key";
+  options.admin_key = "sesame";
+  auto detailed = flexpert::bench_serve(options);
+  ASSERT_TRUE(detailed.ok()) << detailed.status().to_string();
+  EXPECT_EQ(detailed.value()["failed"], 0) << detailed.value().dump(2);
+  ASSERT_TRUE(detailed.value().contains("steps")) << detailed.value().dump(2);
+  EXPECT_EQ(detailed.value()["steps"]["ranks"].size(), 2u) << detailed.value().dump(2);
+  EXPECT_EQ(server.stop(), 0);
+}
+
 TEST(ServeTest, ReplicatedExpertsAcrossRanks) {
   // 16 experts + 16 replicas over 4 ranks: hot and cold replicas on different ranks.
   Server server({"--ranks", "4", "--placement", "replicate:16:5", "--threads-per-worker", "1"});
