@@ -19,11 +19,14 @@
 // tile "decode"). --dense times cuBLAS on the layer's expert FLOPs as two dense GEMMs
 // (all tokens x top_k rows against one weight matrix per projection, no routing) where
 // the GEMMs are compute-bound: what the GPU's own library reaches on that work, under
-// the same sustained timing. Beside each bf16 figure, the same layer over FP8 experts
-// (e4m3 with 128 x 128 block scales, fp8_experts.h: decode kernels up to 8 tokens, else
-// the FP8 wgmma GEMMs, their floor at twice the bf16 rate (Hopper's e4m3 peak), or where
-// wgmma does not run the mma.sync tile on the same e4m3 values), on GPUs of compute
+// the same sustained timing, and on FP8 GPUs cuBLASLt's e4m3 GEMMs alike (per-tensor
+// scales), the FP8 layer's yardstick. Beside each bf16 figure, the same layer over FP8
+// experts (e4m3 with 128 x 128 block scales, fp8_experts.h: FP8 wgmma at every size, its
+// floor at twice the bf16 rate (Hopper's e4m3 peak), or where it does not run the decode
+// kernels up to 8 tokens and the mma.sync tile above), on GPUs of compute
 // capability 8.9 or newer; --fp8-paths also times the named paths, forced, at every size.
+#include <cublasLt.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -52,6 +55,63 @@ struct Shape {
   std::string name;
   int hidden, inter, experts, top_k;
 };
+
+// D[P, n] (bf16) = X[P, k] W[n, k]^T in e4m3 with per-tensor scales 1 through cuBLASLt
+// (its FP8 layout: A = W transposed, B = X, column-major), timed by `time`; -1 with the
+// reason printed when cuBLASLt refuses it (the benchmark goes on).
+double cublaslt_fp8_us(cublasLtHandle_t lt, const void* x, const void* w, void* y, int64_t P,
+                       int64_t n, int64_t k, void* workspace, size_t workspace_bytes,
+                       cudaStream_t stream,
+                       const std::function<double(const std::function<void(int)>&)>& time) {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  cublasLtMatmulHeuristicResult_t heuristic{};
+  int found = 0;
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  const float alpha = 1.f, beta = 0.f;
+  const char* step = "";
+  auto run = [&] {
+    return cublasLtMatmul(lt, desc, &alpha, w, a, x, b, &beta, y, d, y, d, &heuristic.algo,
+                          workspace, workspace_bytes, stream);
+  };
+  cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+  auto ok = [&](cublasStatus_t r, const char* what) {
+    st = r;
+    step = what;
+    return r == CUBLAS_STATUS_SUCCESS;
+  };
+  double us = -1;
+  if (ok(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "descriptor") &&
+      ok(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)),
+         "transa") &&
+      ok(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)),
+         "transb") &&
+      ok(cublasLtMatrixLayoutCreate(&a, CUDA_R_8F_E4M3, k, n, k), "layout A") &&
+      ok(cublasLtMatrixLayoutCreate(&b, CUDA_R_8F_E4M3, k, P, k), "layout B") &&
+      ok(cublasLtMatrixLayoutCreate(&d, CUDA_R_16BF, n, P, n), "layout D") &&
+      ok(cublasLtMatmulPreferenceCreate(&pref), "preference") &&
+      ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                              &workspace_bytes, sizeof(workspace_bytes)),
+         "workspace") &&
+      ok(cublasLtMatmulAlgoGetHeuristic(lt, desc, a, b, d, d, pref, 1, &heuristic, &found),
+         "heuristic") &&
+      found > 0 && ok(run(), "matmul")) {
+    us = time([&](int) {
+      if (run() != CUBLAS_STATUS_SUCCESS) std::exit(1);
+    });
+  } else {
+    std::printf(
+        "    cuBLASLt FP8 %s: %s\n", step,
+        found == 0 && st == CUBLAS_STATUS_SUCCESS ? "no algorithm" : cublasLtGetStatusString(st));
+  }
+  if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
+  if (d != nullptr) cublasLtMatrixLayoutDestroy(d);
+  if (b != nullptr) cublasLtMatrixLayoutDestroy(b);
+  if (a != nullptr) cublasLtMatrixLayoutDestroy(a);
+  if (desc != nullptr) cublasLtMatmulDescDestroy(desc);
+  return us;
+}
 
 const char* fp8_path_name(Fp8Path p) {
   return p == Fp8Path::kDecode ? "decode" : p == Fp8Path::kTile ? "tile" : "wgmma";
@@ -315,6 +375,38 @@ std::vector<Row> bench_shape(const Shape& sh, const std::vector<int>& token_coun
                   row.dense["cublas:gate_up"], row.dense["cublas:down"],
                   2.0 * P * 3.0 * H * I /
                       ((row.dense["cublas:gate_up"] + row.dense["cublas:down"]) * 1e-6) / 1e12);
+      if (fp8) {
+        // The yardstick of the FP8 layer: cuBLASLt's e4m3 GEMMs on the same FLOPs as dense
+        // GEMMs (per-tensor scales; every code 1.0, timing does not depend on the values).
+        DeviceBuffer x8 = take(DeviceBuffer::create(P * H), "fp8 x");
+        DeviceBuffer w18 = take(DeviceBuffer::create(2 * I * H), "fp8 w1");
+        DeviceBuffer w28 = take(DeviceBuffer::create(H * I), "fp8 w2");
+        for (DeviceBuffer* buf : {&x8, &w18, &w28}) {
+          BENCH_CHECK(cuda_status(cudaMemsetAsync(buf->data(), 0x38, buf->num_bytes(), stream),
+                                  "fill e4m3"));
+        }
+        const size_t workspace_bytes = size_t{32} << 20;
+        DeviceBuffer workspace = take(DeviceBuffer::create(workspace_bytes), "cublasLt workspace");
+        cublasLtHandle_t lt = nullptr;
+        if (cublasLtCreate(&lt) == CUBLAS_STATUS_SUCCESS) {
+          const auto time = [&](const std::function<void(int)>& fn) {
+            return time_calls(fn, 150.0);
+          };
+          const double gu = cublaslt_fp8_us(lt, x8.data(), w18.data(), y1.data(), P, 2 * I, H,
+                                            workspace.data(), workspace_bytes, stream, time);
+          const double dn = cublaslt_fp8_us(lt, x8.data(), w28.data(), y2.data(), P, H, I,
+                                            workspace.data(), workspace_bytes, stream, time);
+          cublasLtDestroy(lt);
+          if (gu > 0 && dn > 0) {
+            row.dense["cublaslt_fp8:gate_up"] = gu;
+            row.dense["cublaslt_fp8:down"] = dn;
+            std::printf(
+                "    dense cuBLASLt FP8, same expert FLOPs: gate_up %.1f down %.1f us (%.0f "
+                "TFLOP/s); the FP8 layer %.2fx that\n",
+                gu, dn, 2.0 * P * 3.0 * H * I / ((gu + dn) * 1e-6) / 1e12, row.fp8_us / (gu + dn));
+          }
+        }
+      }
       if (wgmma_available() && P % 128 == 0) {
         // The layer's ws128 kernel on the same dense work: one slot of P rows, A read
         // contiguously (by tensor copies) or through an identity gather (by cp.async, as
