@@ -13,7 +13,9 @@
 // stops reading the victim's memory at the kill (as flexpert's survivors do once they see the
 // death) unless --read-after-kill. Variants: --mutual (the victim also maps a buffer of the
 // survivor's), --victim-spin (the victim dies inside a kernel that never ends, as a rank in a
-// spinning wait), --survivor-rm (the survivor also calls cuMemAlloc/cuMemFree each iteration:
+// spinning wait; with --release-ms N the parent ends that spin N ms after the kill through
+// host memory the kernel polls, as a group-wide fence word would), --victim-wait (the victim
+// dies with its stream held by cuStreamWaitValue32, no kernel running), --survivor-rm (the survivor also calls cuMemAlloc/cuMemFree each iteration:
 // calls into the kernel driver), --victim-pinned-gib (pinned host memory in the victim).
 // MPS is the caller's choice (start the control daemon first).
 //
@@ -63,6 +65,7 @@ struct Shared {
   uint64_t survivor_bytes;
   int survivor_fd;
   unsigned char survivor_handle[CU_IPC_HANDLE_SIZE];
+  std::atomic<int> release;  // --release-ms: the parent lets the victim's spin end.
   double map_ms;
   double unmap_ms;
   char error[256];  // First failure in a child.
@@ -191,9 +194,19 @@ __global__ void spin(const volatile int* flag) {
   }
 }
 
+// Spins until *release (host memory the parent writes) is set, as a rank's wait that a
+// group-wide fence word ends.
+__global__ void spin_until(const volatile int* flag, const volatile int* release) {
+  while (*flag == 0 && *release == 0) {
+    __nanosleep(100);
+  }
+}
+
 struct Options {
   int pre_ms = 800, post_ms = 3000, chunks = 1;
+  int release_ms = -1;  // --victim-spin: the spin ends this long after the kill (-1: never).
   bool read_after_kill = false, mutual = false, victim_spin = false, survivor_rm = false;
+  bool victim_wait = false;
   double victim_pinned_gib = 0;
 };
 
@@ -231,8 +244,23 @@ void victim(const std::string& mode, size_t num_bytes, const Options& o) {
   g->victim_ready.store(1);
   cudaStream_t s;
   RT(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  if (o.victim_spin && o.release_ms >= 0) {  // Dies inside a kernel that a fence ends.
+    const uintptr_t page = reinterpret_cast<uintptr_t>(g) & ~uintptr_t(4095);
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(&g->release + 1) + 4095) & ~uintptr_t(4095);
+    RT(cudaHostRegister(reinterpret_cast<void*>(page), end - page, cudaHostRegisterMapped));
+    int* release = nullptr;
+    RT(cudaHostGetDevicePointer(reinterpret_cast<void**>(&release), &g->release, 0));
+    spin_until<<<1, 32, 0, s>>>(counter, release);
+    pause();
+  }
   if (o.victim_spin) {  // Dies inside a kernel that never ends (a rank's spinning wait).
     spin<<<1, 32, 0, s>>>(counter);
+    pause();
+  }
+  if (o.victim_wait) {  // Dies with its stream held by a wait on memory (no kernel running).
+    DRV(cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(counter),
+                            1, CU_STREAM_WAIT_VALUE_GEQ));
+    tick<<<1, 32, 0, s>>>(counter);
     pause();
   }
   for (;;) {  // Busy until killed, as a serving rank is.
@@ -356,11 +384,15 @@ int main(int argc, char** argv) {
       o.victim_spin = true;
     else if (a == "--survivor-rm")
       o.survivor_rm = true;
+    else if (a == "--victim-wait")
+      o.victim_wait = true;
+    else if (a == "--release-ms")
+      o.release_ms = std::atoi(next().c_str());
     else {
       fprintf(stderr,
               "usage: %s [--modes none,legacy,vmm] [--gib 0.5,4,16] [--pre-ms N] [--post-ms N]\n"
               "  [--chunks N] [--victim-pinned-gib G] [--read-after-kill] [--mutual]\n"
-              "  [--victim-spin] [--survivor-rm]\n",
+              "  [--victim-spin [--release-ms N]] [--victim-wait] [--survivor-rm]\n",
               argv[0]);
       return 2;
     }
@@ -377,6 +409,9 @@ int main(int argc, char** argv) {
   std::string flags;
   if (o.mutual) flags += "mutual ";
   if (o.victim_spin) flags += "victim-spin ";
+  if (o.victim_spin && o.release_ms >= 0)
+    flags += "released " + std::to_string(o.release_ms) + " ms after ";
+  if (o.victim_wait) flags += "victim-wait ";
   if (o.survivor_rm) flags += "survivor-rm ";
   if (o.read_after_kill) flags += "read-after-kill ";
   if (o.victim_pinned_gib > 0) flags += "pinned " + std::to_string(o.victim_pinned_gib) + " ";
@@ -398,6 +433,10 @@ int main(int argc, char** argv) {
         kill_ns = now_ns();
         g->kill_ns.store(kill_ns);
         kill(v, SIGKILL);
+        if (o.release_ms >= 0) {
+          usleep(o.release_ms * 1000);
+          g->release.store(1);
+        }
         waitpid(v, nullptr, 0);
         reaped_ns = now_ns();
       } else {

@@ -11,7 +11,8 @@
 #    then CPU ranks on the same model (the same kill with host memory only: if it stalls as
 #    long, the wait is not the GPU driver's).
 # 3. Last, as it leaves the MPS server refusing clients (driver 580): cuda_kill_stall under
-#    MPS, nothing special, then a victim dying inside a kernel.
+#    MPS, nothing special, a victim held by a stream wait, a victim whose spinning kernel
+#    ends 0-20 ms after the kill, then one dying inside a kernel that never ends.
 # Prints a summary last.
 set -uo pipefail
 OUT=${OUT:-out/killstall}
@@ -60,6 +61,8 @@ stamp "cuda_kill_stall under MPS"
 nvidia-cuda-mps-control -d
 {
   timeout 30 $K --modes none,legacy,vmm --gib 4 | tail -3
+  timeout 20 $K --modes none --gib 4 --victim-wait | tail -1
+  for ms in 0 1 5 20; do timeout 20 $K --modes none --gib 4 --victim-spin --release-ms $ms | tail -1; done
   timeout 30 $K --modes none,legacy --gib 4 --victim-spin | tail -2
 } >>"$OUT/kill_stall.md" 2>&1
 echo quit | nvidia-cuda-mps-control

@@ -2,7 +2,9 @@
 #include <algorithm>
 
 #include "cuda/device_util.cuh"
+#include "cuda/driver_api.h"
 #include "cuda/ep_exchange.h"
+#include "cuda/knobs.h"
 
 namespace flexpert::cuda {
 namespace {
@@ -32,9 +34,9 @@ __device__ __forceinline__ bool step_failed(const EpStatus* s) {
 }
 __device__ __forceinline__ void fail(EpStatus* s) { atomicExch(&s->failed, 1); }
 
-// Sets flag `which` (0 ready, 1 done) of this rank to a.value (with kEpAbortFlag when
-// this rank gives the exchange up) in every member's window, after this block's earlier
-// writes (threads < kEpMaxRanks call it after a barrier).
+// Sets flag `which` (0 ready, 1 done) of this rank to a.value in every member's window,
+// after this block's earlier writes (threads < kEpMaxRanks call it after a barrier); when
+// this rank gives the exchange up, gave_up[which][me] := a.value first.
 __device__ __forceinline__ void signal_members(const EpArgs& a, int which, bool abort = false) {
   const int r = threadIdx.x;
   if (!is_member(a.members, r)) return;
@@ -42,8 +44,8 @@ __device__ __forceinline__ void signal_members(const EpArgs& a, int which, bool 
   if (abort && ((a.status->missing >> r) & 1) != 0) return;
   __threadfence_system();
   EpWindow* w = a.peers[r].window;
-  const uint64_t v = a.value | (abort ? kEpAbortFlag : 0);
-  store_release_sys(which == 0 ? &w->ready[a.me] : &w->done[a.me], v);
+  if (abort) w->gave_up[which][a.me] = a.value;  // Ordered before the flag by its release.
+  store_release_sys(which == 0 ? &w->ready[a.me] : &w->done[a.me], a.value);
 }
 
 __global__ void __launch_bounds__(1024) ep_publish_kernel(EpArgs a, int num_pairs, int32_t* pos) {
@@ -90,14 +92,21 @@ __global__ void ep_wait_kernel(EpArgs a, int which) {
   if (is_member(a.members, r) && !step_failed(a.status)) {
     const EpWindow* w = a.peers[a.me].window;
     const uint64_t* flag = which == 0 ? &w->ready[r] : &w->done[r];
+    // Held by ep_wait's memory operations until f >= v (cyclic) where the device has them:
+    // this loop then passes at once, or fails on a released flag.
     const int64_t start = global_ns();
     for (;;) {
       const uint64_t f = load_acquire_sys(flag);
-      if ((f & ~kEpAbortFlag) >= a.value) {
+      if ((f & kEpReleased) != 0) {  // The host gave r up (ep_release).
+        atomicOr(reinterpret_cast<unsigned long long*>(&a.status->missing), 1ull << r);
+        fail(a.status);
+        break;
+      }
+      if (f >= a.value) {
         // r gave this exchange up, or a later one of the step: a rank whose exchange
         // failed skips its waits and runs ahead through the step's later exchanges,
-        // giving each up (a lower given-up value is an earlier step's: keep waiting).
-        if ((f & kEpAbortFlag) != 0) {
+        // giving each up (a lower given-up value is an earlier step's).
+        if (load_acquire_sys(&w->gave_up[which][r]) >= a.value) {
           atomicOr(reinterpret_cast<unsigned long long*>(&a.status->aborted), 1ull << r);
           fail(a.status);
         }
@@ -196,6 +205,42 @@ __global__ void __launch_bounds__(kGatherThreads)
 // Done, or (the exchange failed here) given up: the sources wait for it either way.
 __global__ void ep_signal_done_kernel(EpArgs a) { signal_members(a, 1, step_failed(a.status)); }
 
+__global__ void ep_unrelease_kernel(EpWindow* w, uint64_t last) {
+  const int r = threadIdx.x;
+  using ull = unsigned long long;
+  // A flag a peer wrote since (a smaller value of the step, or a later step's) stays.
+  atomicCAS(reinterpret_cast<ull*>(&w->ready[r]), ull(last | kEpReleased), ull(last));
+  atomicCAS(reinterpret_cast<ull*>(&w->done[r]), ull(last | kEpReleased), ull(last));
+}
+
+using BatchMemOpFn = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
+using DeviceAttributeFn = CUresult (*)(int*, CUdevice_attribute, CUdevice);
+
+// cuStreamBatchMemOp where the device takes 64-bit memory operations, else nullptr.
+BatchMemOpFn batch_mem_op() {
+  static const BatchMemOpFn fn = []() -> BatchMemOpFn {
+    if (knobs().ep_kernel_waits) return nullptr;
+    const auto attribute = driver_fn<DeviceAttributeFn>("cuDeviceGetAttribute");
+    const auto batch = driver_fn<BatchMemOpFn>("cuStreamBatchMemOp");
+    int device = 0, ok = 0;
+    if (attribute == nullptr || batch == nullptr || cudaGetDevice(&device) != cudaSuccess ||
+        attribute(&ok, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device) != CUDA_SUCCESS ||
+        ok == 0) {
+      return nullptr;
+    }
+    return batch;
+  }();
+  return fn;
+}
+
+CUdeviceptr flag_address(EpWindow* w, int which, int r) {
+  return reinterpret_cast<CUdeviceptr>(which == 0 ? &w->ready[r] : &w->done[r]);
+}
+
+cudaError_t driver_error(CUresult r) {
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorUnknown;
+}
+
 __device__ __forceinline__ void load8_peer(const float* p, float (&v)[8]) {
   const float4 x = __ldcg(reinterpret_cast<const float4*>(p));
   const float4 y = __ldcg(reinterpret_cast<const float4*>(p + 4));
@@ -250,8 +295,49 @@ cudaError_t ep_publish(const EpArgs& a, int num_pairs, int32_t* pos, cudaStream_
   return cudaGetLastError();
 }
 
+bool ep_stream_waits() { return batch_mem_op() != nullptr; }
+
 cudaError_t ep_wait(const EpArgs& a, int which, cudaStream_t stream) {
+  if (const BatchMemOpFn batch = batch_mem_op(); batch != nullptr && a.window != nullptr) {
+    CUstreamBatchMemOpParams ops[kEpMaxRanks] = {};
+    unsigned n = 0;
+    for (int r = 0; r < kEpMaxRanks; ++r) {
+      if (((a.members >> r) & 1) == 0) continue;
+      CUstreamBatchMemOpParams& op = ops[n++];
+      op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+      op.waitValue.address = flag_address(a.window, which, r);
+      op.waitValue.value64 = a.value;
+      op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+    }
+    if (n > 0) {
+      if (cudaError_t e = driver_error(batch(stream, n, ops, 0)); e != cudaSuccess) return e;
+    }
+  }
   ep_wait_kernel<<<1, kEpMaxRanks, 0, stream>>>(a, which);
+  return cudaGetLastError();
+}
+
+cudaError_t ep_release(const EpArgs& a, uint64_t ranks, uint64_t last, cudaStream_t side) {
+  const BatchMemOpFn batch = batch_mem_op();
+  if (batch == nullptr || a.window == nullptr) return cudaSuccess;  // The kernels see *abort.
+  CUstreamBatchMemOpParams ops[2 * kEpMaxRanks] = {};
+  unsigned n = 0;
+  for (int r = 0; r < kEpMaxRanks; ++r) {
+    if (((ranks >> r) & 1) == 0) continue;
+    for (int which : {0, 1}) {
+      CUstreamBatchMemOpParams& op = ops[n++];
+      op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+      op.writeValue.address = flag_address(a.window, which, r);
+      op.writeValue.value64 = last | kEpReleased;
+      op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    }
+  }
+  return n == 0 ? cudaSuccess : driver_error(batch(side, n, ops, 0));
+}
+
+cudaError_t ep_unrelease(const EpArgs& a, uint64_t last, cudaStream_t stream) {
+  if (a.window == nullptr) return cudaSuccess;
+  ep_unrelease_kernel<<<1, kEpMaxRanks, 0, stream>>>(a.window, last);
   return cudaGetLastError();
 }
 

@@ -20,16 +20,28 @@
 // A rank reuses nothing a peer may still read before the flags say the peer is past it:
 // an owner's y is rewritten only after every source signalled ready for the next layer,
 // which each does after its combine; a source's h, slots and pos only after every owner
-// signalled done. Waits give up when *abort (host memory the host sets, e.g. on a dead
-// peer) is non-zero or after timeout_ns, and then set *failed: every later kernel of the
-// exchange sees it and does no work that depends on peers (combine writes zeros).
+// signalled done.
+//
+// No kernel waits: a rank killed inside a kernel that never ends takes every other client
+// of its GPU down under MPS (the server faults the kernel once it tears the process down,
+// 5-20 ms after the kill), while one killed with its stream held by a stream memory
+// operation leaves them running (docs/benchmarks.md, "Losing a rank"). So ep_wait first
+// holds the stream with one wait operation per member (its flag in this rank's window >= v,
+// the comparison cyclic), and its kernel only checks what they let through. The host ends
+// waits that cannot pass (a dead peer, the transport's timeout) with ep_release: from
+// another stream it writes the flags it gives up on as v_last | kEpReleased (v_last the
+// step's last value), which passes every wait of the step; the kernel counts such a member
+// missing and fails the exchange; every later kernel of the exchange sees the failure and
+// does no work that depends on peers (combine writes zeros). After the step, ep_unrelease
+// turns the flags still released back into v_last, which no later wait passes on.
+// ep_wait's kernel also gives up when *abort (host memory the host sets) is non-zero or
+// after timeout_ns (a backstop where stream memory operations are missing).
 // A rank whose exchange fails (its own error, e.g. a pair routed to a non-member, or a
-// wait that gave up) says so instead of going silent: it writes the flags its peers wait
-// for, ready (publish, also of every later exchange of the step) and done, as
-// v | kEpAbortFlag, and a wait for v that finds a given-up value >= v fails at once
-// (status->aborted names the member) rather than at the timeout: the failed rank skips
-// its waits and may already be giving up later exchanges of the step. A given-up value
-// below v is an earlier step's; the next normal signal (a larger value) overwrites it.
+// wait that gave up) says so instead of going silent: it writes gave_up[which][me] := v,
+// then the flag its peers wait for := v, for ready (publish, also of every later exchange
+// of the step) and done; a wait for v that finds gave_up >= v fails at once (status->aborted
+// names the member) rather than at the timeout: the failed rank skips its waits and may
+// already be giving up later exchanges of the step. A gave_up below v is an earlier step's.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -41,7 +53,7 @@
 namespace flexpert::cuda {
 
 inline constexpr int kEpMaxRanks = 64;                       // Members are a 64-bit mask.
-inline constexpr uint64_t kEpAbortFlag = uint64_t{1} << 63;  // Values stay below 2^63.
+inline constexpr uint64_t kEpReleased = uint64_t{1} << 62;  // Values stay below 2^62.
 
 struct EpWindow {
   uint64_t ready[kEpMaxRanks];     // [src] the value of src's latest published rows.
@@ -50,6 +62,7 @@ struct EpWindow {
   int32_t cnt[kEpMaxRanks];        // Pairs this rank sends to each owner.
   int32_t res_first[kEpMaxRanks];  // As owner: first row of each source's rows.
   int32_t pad[63];
+  uint64_t gave_up[2][kEpMaxRanks];  // [which][r]: the latest value r gave up (ready, done).
   // Followed by pos[max pairs] (int32).
 };
 static_assert(sizeof(EpWindow) % 256 == 0);
@@ -74,6 +87,7 @@ struct EpStatus {
 
 struct EpArgs {
   const EpPeer* peers = nullptr;  // [kEpMaxRanks], device memory.
+  EpWindow* window = nullptr;     // This rank's (peers[me].window), for the host's waits.
   int me = 0;
   uint64_t members = 0;
   int slots_per_rank = 0;
@@ -89,8 +103,17 @@ struct EpArgs {
 
 // 1. num_pairs of this rank's pairs (slots in peers[me].slot).
 cudaError_t ep_publish(const EpArgs& a, int num_pairs, int32_t* pos, cudaStream_t stream);
-// 2. / 5. which: 0 ready, 1 done.
+// 2. / 5. which: 0 ready, 1 done. Stream memory operations where the device has them
+// (ep_stream_waits), then the checking kernel.
 cudaError_t ep_wait(const EpArgs& a, int which, cudaStream_t stream);
+// Whether ep_wait holds the stream with memory operations (else its kernel spins).
+bool ep_stream_waits();
+// On `side` (a stream other than the waiting one): both flags of every rank in `ranks` in
+// this rank's window := last | kEpReleased, passing every wait for a value <= last.
+cudaError_t ep_release(const EpArgs& a, uint64_t ranks, uint64_t last, cudaStream_t side);
+// On the waiting stream, once the releases have landed: flags still last | kEpReleased
+// := last.
+cudaError_t ep_unrelease(const EpArgs& a, uint64_t last, cudaStream_t stream);
 // 3. Rows into `rows` ([bound, H] dtype) and their local slots into `local_slot` ([bound]);
 // *num_rows := rows received. More than `bound` rows: failed, with status->overflow.
 cudaError_t ep_gather(const EpArgs& a, int bound, void* rows, int32_t* local_slot,

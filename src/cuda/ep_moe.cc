@@ -2,6 +2,7 @@
 #include "cuda/ep_moe.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -329,12 +330,15 @@ Status DeviceEpMoe::run_step(int n, int num_real, int bucket, bool graphs,
       FLEX_RETURN_IF_ERROR(finish_device_step(ep_->group()));
       return add_exchange_time();
     }
-    // Exchanges already enqueued must not outlive the step: abort their waits, drain.
-    *abort_.as<int32_t>() = 1;
-    (void)cudaStreamSynchronize(stream_);
-    *abort_.as<int32_t>() = 0;
-    (void)cudaMemsetAsync(status_.data(), 0, sizeof(EpStatus), stream_);
-    (void)cudaStreamSynchronize(stream_);
+    // Exchanges already enqueued must not outlive the step: end their waits, drain.
+    const Group& group = ep_->group();
+    uint64_t others = 0;
+    for (int r : group.ranks) others |= r == ep_->transport().rank() ? 0 : uint64_t{1} << r;
+    while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
+      release_waits(group, others, ep_moe_detail::now_ns());
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    (void)reset_after_failed_step(group);
     return s;
   }
   for (int seg = 0; seg < num_segments; ++seg) {

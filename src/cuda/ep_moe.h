@@ -196,6 +196,13 @@ class DeviceEpMoe {
   Status enqueue_device_exchange(int seg, int num_tokens, int num_real, int bound,
                                  const Group& group);
   Status finish_device_step(const Group& group);
+  // Ends the waits of the step's exchanges on `ranks` (ep_release from release_stream_),
+  // the host's abort word set too; again at most every kReleaseAgainNs while the step runs.
+  void release_waits(const Group& group, uint64_t ranks, int64_t now_ns);
+  // After a step whose exchanges failed (its stream drained): the released flags back to
+  // values no later wait passes on, the step's status cleared, the abort word down.
+  Status reset_after_failed_step(const Group& group);
+  static constexpr int64_t kReleaseAgainNs = 1'000'000;
   // Step timing (EpMoeExecutor::timing, a group of more than one member): events on the
   // stream around each device exchange's dispatch (publish, wait, gather) and combine (done,
   // wait, combine), 4 per MoE layer: [dispatch start, end, combine start, end]. The segments'
@@ -235,6 +242,9 @@ class DeviceEpMoe {
   DeviceBuffer stats_;           // i64 [MoE layer][local slot]: rows computed
   PinnedBuffer status_host_, abort_, progress_;
   Event step_done_;
+  Stream release_stream_;        // ep_release's writes, while stream_ waits.
+  uint64_t released_ = 0;        // Ranks whose flags release_waits wrote this step.
+  int64_t released_at_ns_ = 0;
   EpPeer self_;
   std::vector<std::unique_ptr<PeerMapping>> mapped_;  // [rank]; null: not mapped
   // ready_for's: the group it checked last, its members still to map and those mapped

@@ -22,6 +22,7 @@ using ep_moe_detail::now_ns;
 EpArgs DeviceEpMoe::exchange_args(const Group& group) const {
   EpArgs a;
   a.peers = peer_table_.as<EpPeer>();
+  a.window = window_.as<EpWindow>();
   a.me = ep_->transport().rank();
   for (int r : group.ranks) a.members |= uint64_t{1} << r;
   a.slots_per_rank = ep_->slots_per_rank();
@@ -41,8 +42,8 @@ Status DeviceEpMoe::enqueue_device_exchange(int seg, int n, int num_real, int bo
   const int layer = config_.moe_layers[seg];
   const MoeDims& d = config_.dims;
   EpArgs a = exchange_args(group);
-  // Values stay below 2^63: bit 63 marks a given-up exchange (ep_exchange.h).
-  if (exchange_index_ + 1 >= kExchangesPerEpoch || group.epoch >= (uint64_t{1} << 23)) {
+  // Values stay below 2^62: bit 62 marks a flag the host released (ep_exchange.h).
+  if (exchange_index_ + 1 >= kExchangesPerEpoch || group.epoch >= (uint64_t{1} << 22)) {
     return resource_exhausted("expert-parallel exchange values of epoch " +
                               std::to_string(group.epoch) + " are used up (a new epoch resets)");
   }
@@ -112,6 +113,33 @@ Status DeviceEpMoe::add_exchange_time() {
   return Status();
 }
 
+void DeviceEpMoe::release_waits(const Group& group, uint64_t ranks, int64_t now_ns) {
+  *abort_.as<int32_t>() = 1;  // Kernels spinning without memory operations give up too.
+  if (ranks == 0) return;
+  if ((ranks & ~released_) == 0 && now_ns - released_at_ns_ < kReleaseAgainNs) return;
+  released_ |= ranks;
+  released_at_ns_ = now_ns;
+  const uint64_t last = (group.epoch << 40) | exchange_index_;
+  // An error here leaves the waits to the kernels' backstop (they see the abort word).
+  (void)ep_release(exchange_args(group), released_, last, release_stream_.get());
+}
+
+Status DeviceEpMoe::reset_after_failed_step(const Group& group) {
+  Status s = release_stream_.synchronize();  // Every release landed before the reset.
+  if (s.ok() && released_ != 0) {
+    const uint64_t last = (group.epoch << 40) | exchange_index_;
+    s = cuda_status(ep_unrelease(exchange_args(group), last, stream_), "ep_unrelease");
+  }
+  if (s.ok()) {
+    s = cuda_status(cudaMemsetAsync(status_.data(), 0, sizeof(EpStatus), stream_),
+                    "clearing the exchange status");
+  }
+  if (s.ok()) s = cuda_status(cudaStreamSynchronize(stream_), "expert-parallel step");
+  released_ = 0;
+  *abort_.as<int32_t>() = 0;
+  return s;
+}
+
 Status DeviceEpMoe::finish_device_step(const Group& group) {
   Transport& transport = ep_->transport();
   FLEX_CUDA_TRY(cudaMemcpyAsync(status_host_.data(), status_.data(), sizeof(EpStatus),
@@ -130,22 +158,29 @@ Status DeviceEpMoe::finish_device_step(const Group& group) {
     if (q == cudaSuccess) break;
     if (q != cudaErrorNotReady) return cuda_status(q, "expert-parallel step");
     const int64_t now = now_ns();
-    if (*abort == 0 && now >= next_check) {
+    if (now >= next_check) {
+      // Dead peers' waits end (the rest of the step does no peer work); every member's,
+      // again, while the step runs on (a live peer may overwrite a released flag).
+      uint64_t dead = 0;
       for (int r : group.ranks) {
         if (r == transport.rank()) continue;
         if (Status s = transport.peer_status(r); !s.ok()) {
-          gone = std::move(s);
-          *abort = 1;  // The waits give up; the rest of the step does no peer work.
-          break;
+          if (gone.ok()) gone = std::move(s);
+          dead |= uint64_t{1} << r;
         }
       }
+      if (dead != 0 || released_ != 0) release_waits(group, dead | released_, now);
       next_check = now + 1'000'000;
     }
     if (const uint64_t p = *progress; p != seen) {
       seen = p;
       deadline = now + timeout_ns;
     }
-    if (*abort == 0 && now >= deadline) *abort = 1;
+    if (now >= deadline) {  // No wait passed for the transport's timeout: end them all.
+      uint64_t others = 0;
+      for (int r : group.ranks) others |= r == transport.rank() ? 0 : uint64_t{1} << r;
+      release_waits(group, others, now);
+    }
     if (now - start < 1'000'000) {
       std::this_thread::yield();
     } else {
@@ -154,10 +189,12 @@ Status DeviceEpMoe::finish_device_step(const Group& group) {
   }
   EpStatus st;
   std::memcpy(&st, status_host_.data(), sizeof(st));
-  *abort = 0;
-  if (st.failed == 0) return Status();
-  FLEX_CUDA_TRY(cudaMemsetAsync(status_.data(), 0, sizeof(EpStatus), stream_));
-  FLEX_CUDA_TRY(cudaStreamSynchronize(stream_));
+  if (st.failed == 0 && released_ == 0) {
+    *abort = 0;
+    return Status();
+  }
+  FLEX_RETURN_IF_ERROR(reset_after_failed_step(group));
+  if (st.failed == 0) return Status();  // Released after every wait had passed.
   if (!gone.ok()) return gone;
   if (st.overflow < 0) {
     return failed_precondition("a routed slot lives on a rank outside epoch " +

@@ -79,6 +79,7 @@ Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
   std::memset(abort_.data(), 0, sizeof(int32_t));
   std::memset(progress_.data(), 0, sizeof(uint64_t));
   FLEX_ASSIGN_OR_RETURN(step_done_, Event::create());
+  FLEX_ASSIGN_OR_RETURN(release_stream_, Stream::create());
   self_.window = window_.as<EpWindow>();
   self_.pos = reinterpret_cast<const int32_t*>(self_.window + 1);
   self_.h = config_.route_h;

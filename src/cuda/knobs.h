@@ -29,6 +29,9 @@ struct Knobs {
   // FLEXPERT_NO_FP8_WGMMA: FP8 experts' grouped GEMMs on the mma.sync tile instead of
   // FP8 wgmma (docs/cuda.md, "FP8 experts").
   bool no_fp8_wgmma = false;
+  // FLEXPERT_EP_KERNEL_WAITS: the device exchange's waits spin in a kernel instead of
+  // holding the stream with memory operations (src/cuda/ep_exchange.h says why not).
+  bool ep_kernel_waits = false;
   // Tests: FLEXPERT_GEMM_MAX_CTAS=N caps the persistent GEMM grid at N CTAs (several
   // units per CTA on a small problem); 0: the SM count.
   int gemm_max_ctas = 0;

@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "cuda/device_util.cuh"
+#include "cuda/driver_api.h"
 #include "cuda/fp8_experts.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/knobs.h"
@@ -1092,18 +1093,6 @@ using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t
                                    const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
                                    CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 using AddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
-
-template <typename Fn>
-Fn driver_fn(const char* name) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult q{};
-  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-      q != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  return reinterpret_cast<Fn>(fn);
-}
 
 // A map over the rows of k bf16 elements from `ptr` to the end of its allocation,
 // boxes of 64 x box_rows, 128-byte swizzle, L2 fetching `promotion` bytes (0, 64, 128 or

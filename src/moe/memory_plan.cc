@@ -24,7 +24,7 @@ constexpr int64_t kMaxDeviceRows = 65536;
 constexpr uint64_t kBlasWorkspace = 32ull << 20;
 constexpr uint64_t kHeadGemmWorkspace = 8ull << 20;
 constexpr int kEpMaxRanks = 64;
-constexpr uint64_t kEpWindowBytes = 1792, kEpPeerBytes = 48, kEpStatusBytes = 24;
+constexpr uint64_t kEpWindowBytes = 2816, kEpPeerBytes = 48, kEpStatusBytes = 24;
 constexpr int64_t kMinTileRows = 4;
 constexpr int64_t kPermuteCountInts = 3;
 constexpr int64_t kSplitTargetWarps = 2048, kGqaMaxWarps = 2048;

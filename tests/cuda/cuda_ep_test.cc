@@ -473,7 +473,9 @@ TEST(CudaEpTest, DeviceExchangeWithASilentOrDepartedPeerFailsTheStep) {
 // the next exchange, giving that up too; rank 0, waiting for the first, fails at once
 // naming rank 1 instead of at the timeout. A wait that finds only that earlier given-up
 // value keeps waiting, and passes when rank 1 publishes normally. Then done: a rank whose
-// exchange failed signals done given up, and its sources fail at once.
+// exchange failed signals done given up, and its sources fail at once. Last, a silent
+// peer: the host's ep_release ends the wait on it, and ep_unrelease makes sure no later
+// wait passes on the released flag.
 TEST(CudaEpTest, AnExchangeGivenUpFailsItsPeersAtOnce) {
   FLEX_SKIP_WITHOUT_GPU();
   constexpr int kRanks = 2, kPairs = 4, kSlotsPerRank = 4, kHidden = 8;
@@ -508,6 +510,7 @@ TEST(CudaEpTest, AnExchangeGivenUpFailsItsPeersAtOnce) {
   auto args = [&](int r, uint64_t value) {
     cuda::EpArgs a;
     a.peers = peers_d.as<cuda::EpPeer>();
+    a.window = ranks[r].window.as<cuda::EpWindow>();
     a.me = r;
     a.members = 0b11;
     a.slots_per_rank = kSlotsPerRank;
@@ -602,6 +605,36 @@ TEST(CudaEpTest, AnExchangeGivenUpFailsItsPeersAtOnce) {
   EXPECT_EQ(st0.failed, 1);
   EXPECT_EQ(st0.aborted, uint64_t{1} << 1);
   EXPECT_LT(since(t0), 1000);
+
+  // A silent peer: rank 1 never publishes v + 4. Where the waits are memory operations,
+  // ep_release from another stream ends rank 0's wait: failed, rank 1 missing. After
+  // ep_unrelease a wait for a later value holds again until rank 1 publishes it.
+  if (!cuda::ep_stream_waits()) GTEST_SKIP() << "no 64-bit stream memory operations";
+  publish(0, v + 4);
+  ASSERT_EQ(cuda::ep_wait(args(0, v + 4), 0, ranks[0].stream.get()), cudaSuccess);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(cudaStreamQuery(ranks[0].stream.get()), cudaErrorNotReady) << "passed a silent peer";
+  auto side = std::move(cuda::Stream::create()).value();
+  t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(cuda::ep_release(args(0, v + 4), 0b10, v + 4, side.get()), cudaSuccess);
+  st0 = status_of(0);
+  EXPECT_EQ(st0.failed, 1);
+  EXPECT_EQ(st0.missing, uint64_t{1} << 1);
+  EXPECT_EQ(st0.aborted, 0u);
+  EXPECT_LT(since(t0), 1000);
+  ASSERT_EQ(side.synchronize().ok(), true);
+  ASSERT_EQ(cuda::ep_unrelease(args(0, v + 4), v + 4, ranks[0].stream.get()), cudaSuccess);
+  (void)status_of(0);
+  publish(0, v + 5);
+  ASSERT_EQ(cuda::ep_wait(args(0, v + 5), 0, ranks[0].stream.get()), cudaSuccess);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(cudaStreamQuery(ranks[0].stream.get()), cudaErrorNotReady)
+      << "a later wait passed on a released flag";
+  set_slots(1, {2, 6, 1, 3});
+  publish(1, v + 5);
+  st0 = status_of(0);
+  EXPECT_EQ(st0.failed, 0);
+  EXPECT_EQ(st0.missing, 0u);
 }
 
 }  // namespace
