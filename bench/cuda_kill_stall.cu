@@ -15,9 +15,10 @@
 // survivor's), --victim-spin (the victim dies inside a kernel that never ends, as a rank in a
 // spinning wait; with --release-ms N the parent ends that spin N ms after the kill through
 // host memory the kernel polls, as a group-wide fence word would), --victim-wait (the victim
-// dies with its stream held by cuStreamWaitValue32, no kernel running), --survivor-rm (the survivor also calls cuMemAlloc/cuMemFree each iteration:
-// calls into the kernel driver), --victim-pinned-gib (pinned host memory in the victim).
-// MPS is the caller's choice (start the control daemon first).
+// dies with its stream held by cuStreamWaitValue32, no kernel running), --survivor-rm (the survivor
+// also calls cuMemAlloc/cuMemFree each iteration: calls into the kernel driver),
+// --victim-pinned-gib (pinned host memory in the victim). MPS is the caller's choice (start the
+// control daemon first).
 //
 //   cuda_kill_stall --modes none,legacy,vmm --gib 0.5,4,16 [--pre-ms 800] [--post-ms 3000]
 #include <cuda.h>

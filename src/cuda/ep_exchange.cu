@@ -237,9 +237,7 @@ CUdeviceptr flag_address(EpWindow* w, int which, int r) {
   return reinterpret_cast<CUdeviceptr>(which == 0 ? &w->ready[r] : &w->done[r]);
 }
 
-cudaError_t driver_error(CUresult r) {
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorUnknown;
-}
+cudaError_t driver_error(CUresult r) { return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorUnknown; }
 
 __device__ __forceinline__ void load8_peer(const float* p, float (&v)[8]) {
   const float4 x = __ldcg(reinterpret_cast<const float4*>(p));

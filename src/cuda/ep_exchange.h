@@ -52,7 +52,7 @@
 
 namespace flexpert::cuda {
 
-inline constexpr int kEpMaxRanks = 64;                       // Members are a 64-bit mask.
+inline constexpr int kEpMaxRanks = 64;                      // Members are a 64-bit mask.
 inline constexpr uint64_t kEpReleased = uint64_t{1} << 62;  // Values stay below 2^62.
 
 struct EpWindow {

@@ -242,8 +242,8 @@ class DeviceEpMoe {
   DeviceBuffer stats_;           // i64 [MoE layer][local slot]: rows computed
   PinnedBuffer status_host_, abort_, progress_;
   Event step_done_;
-  Stream release_stream_;        // ep_release's writes, while stream_ waits.
-  uint64_t released_ = 0;        // Ranks whose flags release_waits wrote this step.
+  Stream release_stream_;  // ep_release's writes, while stream_ waits.
+  uint64_t released_ = 0;  // Ranks whose flags release_waits wrote this step.
   int64_t released_at_ns_ = 0;
   EpPeer self_;
   std::vector<std::unique_ptr<PeerMapping>> mapped_;  // [rank]; null: not mapped
