@@ -97,12 +97,7 @@ __global__ void ep_wait_kernel(EpArgs a, int which) {
     const int64_t start = global_ns();
     for (;;) {
       const uint64_t f = load_acquire_sys(flag);
-      if ((f & kEpReleased) != 0) {  // The host gave r up (ep_release).
-        atomicOr(reinterpret_cast<unsigned long long*>(&a.status->missing), 1ull << r);
-        fail(a.status);
-        break;
-      }
-      if (f >= a.value) {
+      if ((f & ~kEpReleased) >= a.value) {
         // r gave this exchange up, or a later one of the step: a rank whose exchange
         // failed skips its waits and runs ahead through the step's later exchanges,
         // giving each up (a lower given-up value is an earlier step's).
@@ -110,6 +105,11 @@ __global__ void ep_wait_kernel(EpArgs a, int which) {
           atomicOr(reinterpret_cast<unsigned long long*>(&a.status->aborted), 1ull << r);
           fail(a.status);
         }
+        break;
+      }
+      if ((f & kEpReleased) != 0) {  // The host gave r up (ep_release).
+        atomicOr(reinterpret_cast<unsigned long long*>(&a.status->missing), 1ull << r);
+        fail(a.status);
         break;
       }
       if (step_failed(a.status)) break;  // Another member's wait gave up.
@@ -205,12 +205,19 @@ __global__ void __launch_bounds__(kGatherThreads)
 // Done, or (the exchange failed here) given up: the sources wait for it either way.
 __global__ void ep_signal_done_kernel(EpArgs a) { signal_members(a, 1, step_failed(a.status)); }
 
-__global__ void ep_unrelease_kernel(EpWindow* w, uint64_t last) {
+// Sets (release) or clears (unrelease) kEpReleased in both flags of every rank in `ranks`,
+// keeping the value a peer wrote.
+__global__ void ep_release_kernel(EpWindow* w, uint64_t ranks, bool set) {
   const int r = threadIdx.x;
+  if (((ranks >> r) & 1) == 0) return;
   using ull = unsigned long long;
-  // A flag a peer wrote since (a smaller value of the step, or a later step's) stays.
-  atomicCAS(reinterpret_cast<ull*>(&w->ready[r]), ull(last | kEpReleased), ull(last));
-  atomicCAS(reinterpret_cast<ull*>(&w->done[r]), ull(last | kEpReleased), ull(last));
+  for (uint64_t* flag : {&w->ready[r], &w->done[r]}) {
+    if (set) {
+      atomicOr_system(reinterpret_cast<ull*>(flag), ull{kEpReleased});
+    } else {
+      atomicAnd_system(reinterpret_cast<ull*>(flag), ~ull{kEpReleased});
+    }
+  }
 }
 
 using BatchMemOpFn = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
@@ -315,27 +322,14 @@ cudaError_t ep_wait(const EpArgs& a, int which, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t ep_release(const EpArgs& a, uint64_t ranks, uint64_t last, cudaStream_t side) {
-  const BatchMemOpFn batch = batch_mem_op();
-  if (batch == nullptr || a.window == nullptr) return cudaSuccess;  // The kernels see *abort.
-  CUstreamBatchMemOpParams ops[2 * kEpMaxRanks] = {};
-  unsigned n = 0;
-  for (int r = 0; r < kEpMaxRanks; ++r) {
-    if (((ranks >> r) & 1) == 0) continue;
-    for (int which : {0, 1}) {
-      CUstreamBatchMemOpParams& op = ops[n++];
-      op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-      op.writeValue.address = flag_address(a.window, which, r);
-      op.writeValue.value64 = last | kEpReleased;
-      op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-    }
-  }
-  return n == 0 ? cudaSuccess : driver_error(batch(side, n, ops, 0));
+cudaError_t ep_release(EpWindow* window, uint64_t ranks, cudaStream_t side) {
+  if (ranks == 0) return cudaSuccess;
+  ep_release_kernel<<<1, kEpMaxRanks, 0, side>>>(window, ranks, /*set=*/true);
+  return cudaGetLastError();
 }
 
-cudaError_t ep_unrelease(const EpArgs& a, uint64_t last, cudaStream_t stream) {
-  if (a.window == nullptr) return cudaSuccess;
-  ep_unrelease_kernel<<<1, kEpMaxRanks, 0, stream>>>(a.window, last);
+cudaError_t ep_unrelease(EpWindow* window, cudaStream_t stream) {
+  ep_release_kernel<<<1, kEpMaxRanks, 0, stream>>>(window, ~uint64_t{0}, /*set=*/false);
   return cudaGetLastError();
 }
 

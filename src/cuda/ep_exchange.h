@@ -22,26 +22,26 @@
 // which each does after its combine; a source's h, slots and pos only after every owner
 // signalled done.
 //
-// No kernel waits: a rank killed inside a kernel that never ends takes every other client
-// of its GPU down under MPS (the server faults the kernel once it tears the process down,
-// 5-20 ms after the kill), while one killed with its stream held by a stream memory
-// operation leaves them running (docs/benchmarks.md, "Losing a rank"). So ep_wait first
-// holds the stream with one wait operation per member (its flag in this rank's window >= v,
-// the comparison cyclic), and its kernel only checks what they let through. The host ends
-// waits that cannot pass (a dead peer, the transport's timeout) with ep_release: from
-// another stream it writes the flags it gives up on as v_last | kEpReleased (v_last the
-// step's last value), which passes every wait of the step; the kernel counts such a member
-// missing and fails the exchange; every later kernel of the exchange sees the failure and
-// does no work that depends on peers (combine writes zeros). After the step, ep_unrelease
-// turns the flags still released back into v_last, which no later wait passes on.
-// ep_wait's kernel also gives up when *abort (host memory the host sets) is non-zero or
-// after timeout_ns (a backstop where stream memory operations are missing).
-// A rank whose exchange fails (its own error, e.g. a pair routed to a non-member, or a
-// wait that gave up) says so instead of going silent: it writes gave_up[which][me] := v,
-// then the flag its peers wait for := v, for ready (publish, also of every later exchange
-// of the step) and done; a wait for v that finds gave_up >= v fails at once (status->aborted
-// names the member) rather than at the timeout: the failed rank skips its waits and may
-// already be giving up later exchanges of the step. A gave_up below v is an earlier step's.
+// No kernel waits (where the device has 64-bit stream memory operations): a rank killed inside a
+// kernel that never ends takes every other client of its GPU down under MPS (the server faults the
+// kernel once it tears the process down, 5-20 ms after the kill), while one killed with its stream
+// held by a stream memory operation leaves them running (docs/benchmarks.md, "Losing a rank"). So
+// ep_wait first holds the stream with one wait operation per member (its flag in this rank's window
+// >= v, the comparison cyclic), and its kernel only checks what they let through. The host ends the
+// waits on dead members (at the transport's timeout: on every member) with ep_release, a kernel on
+// another stream that sets kEpReleased (bit 62) in their flags: a flag with it passes every wait
+// (cyclic: value | 2^62 - v is positive), and the check counts the member missing when the value
+// under it is below v (the exchange fails; a missing member is sent no given-up flags: it may have
+// died with its memory). After the step ep_unrelease clears the bit, so the values peers wrote are
+// what later waits see. ep_wait's kernel also gives up when *abort (host memory the host sets) is
+// non-zero or after timeout_ns (a backstop where stream memory operations are missing). A rank
+// whose exchange fails (its own error, e.g. a pair routed to a non-member, or a wait that gave up)
+// says so instead of going silent: it writes gave_up[which][me] := v, then the flag its peers wait
+// for := v, for ready (publish, also of every later exchange of the step) and done; a wait for v
+// that finds gave_up >= v fails at once (status->aborted names the member) rather than at the
+// timeout: the failed rank's checks pass at once (its memory operations pass as its peers, failing
+// in turn, give up too), and it may already be giving up later exchanges of the step. A gave_up
+// below v is an earlier step's.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -108,12 +108,12 @@ cudaError_t ep_publish(const EpArgs& a, int num_pairs, int32_t* pos, cudaStream_
 cudaError_t ep_wait(const EpArgs& a, int which, cudaStream_t stream);
 // Whether ep_wait holds the stream with memory operations (else its kernel spins).
 bool ep_stream_waits();
-// On `side` (a stream other than the waiting one): both flags of every rank in `ranks` in
-// this rank's window := last | kEpReleased, passing every wait for a value <= last.
-cudaError_t ep_release(const EpArgs& a, uint64_t ranks, uint64_t last, cudaStream_t side);
-// On the waiting stream, once the releases have landed: flags still last | kEpReleased
-// := last.
-cudaError_t ep_unrelease(const EpArgs& a, uint64_t last, cudaStream_t stream);
+// On `side` (a stream other than the waiting one; a one-block kernel that waits for
+// nothing): kEpReleased set in both flags of every rank in `ranks` in `window` (this
+// rank's), which passes every wait on them while it stays; the value is kept.
+cudaError_t ep_release(EpWindow* window, uint64_t ranks, cudaStream_t side);
+// On the waiting stream, once the releases have landed: kEpReleased cleared in every flag.
+cudaError_t ep_unrelease(EpWindow* window, cudaStream_t stream);
 // 3. Rows into `rows` ([bound, H] dtype) and their local slots into `local_slot` ([bound]);
 // *num_rows := rows received. More than `bound` rows: failed, with status->overflow.
 cudaError_t ep_gather(const EpArgs& a, int bound, void* rows, int32_t* local_slot,

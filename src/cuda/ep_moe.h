@@ -19,16 +19,19 @@
 // wait and combine, reading the peers' buffers through the transport's mapped peer buffers
 // (registered by every rank at load, mapped once per incarnation of a member; needs a
 // transport with capabilities().mapped_peer_buffers, else the host exchange serves); the host
-// enqueues the whole step and only waits at its end, watching the members' liveness
-// (Transport::peer_status) meanwhile: a death sets the kernels' abort word and the step
-// fails with the transport's "rank R (pid P) died". An owner receives at most the group's
+// enqueues the step (at most kExchangesAhead exchanges past the device) and waits at its
+// end, watching the members' liveness (Transport::peer_status) meanwhile: a death ends
+// the waits on the dead rank (ep_release) and the step fails with the transport's
+// "rank R (pid P) died". An owner receives at most the group's
 // step tokens * top_k rows (EpMoeExecutor::step_tokens, from the step headers); a step whose
 // bound exceeds the capacity sized at load takes the host exchange (every member decides
 // the same from the same headers). Ranks are meant to be processes (under MPS when they
 // share a GPU); ranks of one process wait on each other inside one CUDA context, so they
 // need CUDA_MODULE_LOADING=EAGER (a lazy kernel load waits for the context's running
-// kernels, the peer's spinning wait among them), streams on separate hardware queues
-// (CUDA_DEVICE_MAX_CONNECTIONS) and nothing that synchronises the device mid-step.
+// kernels, the peer's waits among them), streams on separate hardware queues
+// (CUDA_DEVICE_MAX_CONNECTIONS) and nothing that synchronises the device mid-step. The
+// release's stream too must not share the step stream's hardware queue (a worker makes
+// five streams, under the default eight queues).
 //
 // FP8 slots (MoeDims::fp8, docs/cuda.md "FP8 experts"): the owner's rows run through
 // fp8_experts.h's kernels, as in one process (moe_layer.h's fp8_path): FP8 wgmma where it
@@ -196,12 +199,25 @@ class DeviceEpMoe {
   Status enqueue_device_exchange(int seg, int num_tokens, int num_real, int bound,
                                  const Group& group);
   Status finish_device_step(const Group& group);
+  // The watch of one step (start_watch at its start): until `done` completes, checks the
+  // members' liveness every millisecond and the transport's timeout since the last wait
+  // that passed, ending the waits of the dead or, at the timeout, of every member
+  // (release_waits). finish_device_step watches the step's end, enqueue_device_exchange
+  // the exchange kExchangesAhead before the one it enqueues.
+  struct StepWatch {
+    int64_t start_ns = 0, deadline_ns = 0, next_check_ns = 0;
+    uint64_t seen = 0;  // progress_ at the last look.
+    Status gone;        // A member the transport saw end.
+  };
+  void start_watch(const Group& group);
+  Status watch_until(cudaEvent_t done, const Group& group);
   // Ends the waits of the step's exchanges on `ranks` (ep_release from release_stream_),
   // the host's abort word set too; again at most every kReleaseAgainNs while the step runs.
-  void release_waits(const Group& group, uint64_t ranks, int64_t now_ns);
-  // After a step whose exchanges failed (its stream drained): the released flags back to
-  // values no later wait passes on, the step's status cleared, the abort word down.
-  Status reset_after_failed_step(const Group& group);
+  // A release that cannot be enqueued ends the process (its stream would never drain).
+  void release_waits(uint64_t ranks, int64_t now_ns);
+  // After a step whose exchanges failed or were released (its stream drained): the
+  // released flags back to their values, the step's status cleared, the abort word down.
+  Status reset_after_failed_step();
   static constexpr int64_t kReleaseAgainNs = 1'000'000;
   // Step timing (EpMoeExecutor::timing, a group of more than one member): events on the
   // stream around each device exchange's dispatch (publish, wait, gather) and combine (done,
@@ -242,7 +258,10 @@ class DeviceEpMoe {
   DeviceBuffer stats_;           // i64 [MoE layer][local slot]: rows computed
   PinnedBuffer status_host_, abort_, progress_;
   Event step_done_;
-  Stream release_stream_;  // ep_release's writes, while stream_ waits.
+  Stream release_stream_;            // ep_release's kernel, while stream_ waits.
+  std::vector<Event> ahead_events_;  // [kExchangesAhead]: an exchange's end, by segment.
+  static constexpr int kExchangesAhead = 8;
+  StepWatch watch_;
   uint64_t released_ = 0;  // Ranks whose flags release_waits wrote this step.
   int64_t released_at_ns_ = 0;
   EpPeer self_;

@@ -2,12 +2,14 @@
 // DeviceEpMoe: the device exchange of one step (ep_exchange.h's kernels on the model's
 // stream) and its end, watched from the host (ep_moe.h).
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
 
 #include "cuda/ep_moe.h"
 #include "cuda/ep_moe_peers.h"
+#include "flexpert/logging.h"
 
 namespace flexpert::cuda {
 namespace {
@@ -32,7 +34,8 @@ EpArgs DeviceEpMoe::exchange_args(const Group& group) const {
   a.status = status_.as<EpStatus>();
   a.abort = abort_.as<int32_t>();
   a.progress = progress_.as<uint64_t>();
-  // The host aborts waits on a dead peer or at the transport's timeout; this is a backstop.
+  // The host ends waits on a dead peer or at the transport's timeout (ep_release); the
+  // kernel's own limit is a backstop where the waits spin (ep_stream_waits() false).
   a.timeout_ns = int64_t{2} * ep_->transport().timeout_ms() * 1'000'000;
   return a;
 }
@@ -48,6 +51,12 @@ Status DeviceEpMoe::enqueue_device_exchange(int seg, int n, int num_real, int bo
                               std::to_string(group.epoch) + " are used up (a new epoch resets)");
   }
   a.value = (group.epoch << 40) | ++exchange_index_;
+  // At most kExchangesAhead exchanges queued past the device: the host ends waits on a
+  // dead peer only while it watches, never while a full launch queue holds it.
+  Event& ahead = ahead_events_[static_cast<size_t>(seg) % ahead_events_.size()];
+  if (seg >= static_cast<int>(ahead_events_.size())) {
+    FLEX_RETURN_IF_ERROR(watch_until(ahead.get(), group));
+  }
   int32_t* pos = reinterpret_cast<int32_t*>(window_.as<EpWindow>() + 1);
   FLEX_RETURN_IF_ERROR(record_exchange_event(seg, 0));
   FLEX_CUDA_TRY(ep_publish(a, num_real * d.top_k, pos, stream_));
@@ -80,6 +89,7 @@ Status DeviceEpMoe::enqueue_device_exchange(int seg, int n, int num_real, int bo
   FLEX_CUDA_TRY(ep_signal_done(a, stream_));
   FLEX_CUDA_TRY(ep_wait(a, /*which=*/1, stream_));
   FLEX_CUDA_TRY(ep_combine(a, config_.route_weight, pos, num_real, n, out_.as<float>(), stream_));
+  FLEX_RETURN_IF_ERROR(ahead.record(stream_));
   return record_exchange_event(seg, 3);
 }
 
@@ -113,22 +123,27 @@ Status DeviceEpMoe::add_exchange_time() {
   return Status();
 }
 
-void DeviceEpMoe::release_waits(const Group& group, uint64_t ranks, int64_t now_ns) {
+void DeviceEpMoe::release_waits(uint64_t ranks, int64_t now_ns) {
   *abort_.as<int32_t>() = 1;  // Kernels spinning without memory operations give up too.
   if (ranks == 0) return;
   if ((ranks & ~released_) == 0 && now_ns - released_at_ns_ < kReleaseAgainNs) return;
   released_ |= ranks;
   released_at_ns_ = now_ns;
-  const uint64_t last = (group.epoch << 40) | exchange_index_;
-  // An error here leaves the waits to the kernels' backstop (they see the abort word).
-  (void)ep_release(exchange_args(group), released_, last, release_stream_.get());
+  if (const cudaError_t e = ep_release(window_.as<EpWindow>(), released_, release_stream_.get());
+      e != cudaSuccess) {
+    // The step's stream would never drain: the process ends, and the group recovers
+    // without it as from any death.
+    FLEX_LOG(ERROR) << "expert-parallel exchange: the waits on dead or silent peers cannot be "
+                       "ended ("
+                    << cudaGetErrorString(e) << "); exiting";
+    std::abort();
+  }
 }
 
-Status DeviceEpMoe::reset_after_failed_step(const Group& group) {
+Status DeviceEpMoe::reset_after_failed_step() {
   Status s = release_stream_.synchronize();  // Every release landed before the reset.
   if (s.ok() && released_ != 0) {
-    const uint64_t last = (group.epoch << 40) | exchange_index_;
-    s = cuda_status(ep_unrelease(exchange_args(group), last, stream_), "ep_unrelease");
+    s = cuda_status(ep_unrelease(window_.as<EpWindow>(), stream_), "ep_unrelease");
   }
   if (s.ok()) {
     s = cuda_status(cudaMemsetAsync(status_.data(), 0, sizeof(EpStatus), stream_),
@@ -140,46 +155,49 @@ Status DeviceEpMoe::reset_after_failed_step(const Group& group) {
   return s;
 }
 
-Status DeviceEpMoe::finish_device_step(const Group& group) {
+void DeviceEpMoe::start_watch(const Group& group) {
+  const int64_t now = now_ns();
+  watch_ = StepWatch{};
+  watch_.start_ns = now;
+  watch_.deadline_ns = now + int64_t{ep_->transport().timeout_ms()} * 1'000'000;
+  watch_.seen = *progress_.as<uint64_t>();
+  watch_.next_check_ns = now + 1'000'000;
+  (void)group;
+}
+
+Status DeviceEpMoe::watch_until(cudaEvent_t done, const Group& group) {
   Transport& transport = ep_->transport();
-  FLEX_CUDA_TRY(cudaMemcpyAsync(status_host_.data(), status_.data(), sizeof(EpStatus),
-                                cudaMemcpyDeviceToHost, stream_));
-  FLEX_RETURN_IF_ERROR(step_done_.record(stream_));
-  volatile int32_t* abort = abort_.as<int32_t>();
   const volatile uint64_t* progress = progress_.as<uint64_t>();
-  const int64_t start = now_ns();
   const int64_t timeout_ns = int64_t{transport.timeout_ms()} * 1'000'000;
-  int64_t deadline = start + timeout_ns;  // Moved on by every wait that passes.
-  uint64_t seen = *progress;
-  int64_t next_check = start + 1'000'000;
-  Status gone;  // A member the transport saw end.
+  const int64_t start = now_ns();
+  StepWatch& w = watch_;
   for (;;) {
-    const cudaError_t q = cudaEventQuery(step_done_.get());
-    if (q == cudaSuccess) break;
+    const cudaError_t q = cudaEventQuery(done);
+    if (q == cudaSuccess) return Status();
     if (q != cudaErrorNotReady) return cuda_status(q, "expert-parallel step");
     const int64_t now = now_ns();
-    if (now >= next_check) {
-      // Dead peers' waits end (the rest of the step does no peer work); every member's,
-      // again, while the step runs on (a live peer may overwrite a released flag).
+    if (now >= w.next_check_ns) {
+      // Dead peers' waits end (the rest of the step does no peer work); every released
+      // member's again while the step runs on (a live peer may overwrite a release).
       uint64_t dead = 0;
       for (int r : group.ranks) {
         if (r == transport.rank()) continue;
         if (Status s = transport.peer_status(r); !s.ok()) {
-          if (gone.ok()) gone = std::move(s);
+          if (w.gone.ok()) w.gone = std::move(s);
           dead |= uint64_t{1} << r;
         }
       }
-      if (dead != 0 || released_ != 0) release_waits(group, dead | released_, now);
-      next_check = now + 1'000'000;
+      if (dead != 0 || released_ != 0) release_waits(dead | released_, now);
+      w.next_check_ns = now + 1'000'000;
     }
-    if (const uint64_t p = *progress; p != seen) {
-      seen = p;
-      deadline = now + timeout_ns;
+    if (const uint64_t p = *progress; p != w.seen) {
+      w.seen = p;
+      w.deadline_ns = now + timeout_ns;  // Moved on by every wait that passes.
     }
-    if (now >= deadline) {  // No wait passed for the transport's timeout: end them all.
+    if (now >= w.deadline_ns) {  // No wait passed for the transport's timeout: end them all.
       uint64_t others = 0;
       for (int r : group.ranks) others |= r == transport.rank() ? 0 : uint64_t{1} << r;
-      release_waits(group, others, now);
+      release_waits(others, now);
     }
     if (now - start < 1'000'000) {
       std::this_thread::yield();
@@ -187,13 +205,23 @@ Status DeviceEpMoe::finish_device_step(const Group& group) {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
+}
+
+Status DeviceEpMoe::finish_device_step(const Group& group) {
+  Transport& transport = ep_->transport();
+  FLEX_CUDA_TRY(cudaMemcpyAsync(status_host_.data(), status_.data(), sizeof(EpStatus),
+                                cudaMemcpyDeviceToHost, stream_));
+  FLEX_RETURN_IF_ERROR(step_done_.record(stream_));
+  FLEX_RETURN_IF_ERROR(watch_until(step_done_.get(), group));
+  volatile int32_t* abort = abort_.as<int32_t>();
+  const Status gone = watch_.gone;
   EpStatus st;
   std::memcpy(&st, status_host_.data(), sizeof(st));
   if (st.failed == 0 && released_ == 0) {
     *abort = 0;
     return Status();
   }
-  FLEX_RETURN_IF_ERROR(reset_after_failed_step(group));
+  FLEX_RETURN_IF_ERROR(reset_after_failed_step());
   if (st.failed == 0) return Status();  // Released after every wait had passed.
   if (!gone.ok()) return gone;
   if (st.overflow < 0) {

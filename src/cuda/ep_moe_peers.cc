@@ -80,6 +80,11 @@ Status DeviceEpMoe::init_device_exchange(EpMoeExecutor& executor) {
   std::memset(progress_.data(), 0, sizeof(uint64_t));
   FLEX_ASSIGN_OR_RETURN(step_done_, Event::create());
   FLEX_ASSIGN_OR_RETURN(release_stream_, Stream::create());
+  ahead_events_.clear();
+  for (int i = 0; i < kExchangesAhead; ++i) {
+    FLEX_ASSIGN_OR_RETURN(Event e, Event::create());
+    ahead_events_.push_back(std::move(e));
+  }
   self_.window = window_.as<EpWindow>();
   self_.pos = reinterpret_cast<const int32_t*>(self_.window + 1);
   self_.h = config_.route_h;
