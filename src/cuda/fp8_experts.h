@@ -110,7 +110,7 @@ cudaError_t fp8_quantize_rows(const void* x, const int32_t* gather, int gather_d
 cudaError_t fp8_grouped_gemm(const GroupedGemmArgs& g, const Fp8Weights& w, const Fp8Acts& a,
                              cudaStream_t stream);
 
-// grouped_gemm over FP8 slots on Hopper's FP8 tensor cores (wgmma_gemm.cu, sm_90a): A the
+// grouped_gemm over FP8 slots on Hopper's FP8 tensor cores (fp8_wgmma_gemm.cu, sm_90a): A the
 // rows fp8_quantize_rows made (g.a and g.gather ignored), B the e4m3 weights `w` says
 // where, f32 accumulation with both block scales applied per 128 K (docs/cuda.md, "FP8
 // experts"). Same tile table as fp8_grouped_gemm (block_m = kFp8GemmRows); g.sched as

@@ -9,6 +9,9 @@
 // chunk c lands at r * 128 + ((c ^ (r % 8)) * 16), 8-row groups 1024 bytes apart.
 // Compiled only for sm_90a (arch-specific wgmma); elsewhere the kernel is empty
 // and wgmma_available() says so, so the mma.sync tiles are used instead.
+// The FP8 kernel is in fp8_wgmma_gemm.cu; what both share, in wgmma_common.cuh.
+// NOTE: over 800 lines: the three bf16 kernels (tiles, warp-specialised, ping-pong) share
+// produce_unit, the epilogues and each other's fallbacks in their launchers.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -22,16 +25,10 @@
 
 #include "cuda/device_util.cuh"
 #include "cuda/driver_api.h"
-#include "cuda/fp8_experts.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/knobs.h"
 #include "cuda/mma_sync.cuh"
-
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define FLEX_HAS_WGMMA 1
-#else
-#define FLEX_HAS_WGMMA 0
-#endif
+#include "cuda/wgmma_common.cuh"
 
 namespace flexpert::cuda {
 namespace {
@@ -45,127 +42,6 @@ __host__ __device__ constexpr int wg_stages() {
 
 __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
-}
-
-// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 B apart.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  uint64_t d = 0;
-  d |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
-  d |= static_cast<uint64_t>(16 >> 4) << 16;
-  d |= static_cast<uint64_t>(1024 >> 4) << 32;
-  d |= uint64_t{1} << 62;
-  return d;
-}
-
-#if FLEX_HAS_WGMMA
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
-                                                 int scale_d = 1) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
-      "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
-      "%56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-        "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                                 int scale_d = 1) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
-      "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
-      "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, "
-      "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, "
-      "%92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, "
-      "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, "
-      "%123, %124, %125, %126, %127}, "
-      "%128, %129, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
-        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
-        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
-        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
-        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
-        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
-        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
-        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
-        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-template <int BN>
-__device__ __forceinline__ void wgmma_tile(float (&d)[BN / 2], uint64_t desc_a, uint64_t desc_b,
-                                           int scale_d = 1) {
-  if constexpr (BN == 256) {
-    wgmma_m64n256k16(d, desc_a, desc_b, scale_d);
-  } else {
-    wgmma_m64n128k16(d, desc_a, desc_b, scale_d);
-  }
-}
-#endif
-
-// Stores a warpgroup's 64 x CN accumulator block at rows m0.. (below row_end) and
-// columns n0..: accumulator i of a thread is row 16 * warp + lane / 4 + 8 * ((i / 2) % 2),
-// column 8 * (i / 4) + 2 * (lane % 4) + i % 2; SwiGLU pairs gate block j with up block
-// j + 1 (grouped_gemm.h's interleave) into one output block of 8 columns.
-template <int CN>
-__device__ __forceinline__ void store_block(const GroupedGemmArgs& g, const float (&d)[CN / 2],
-                                            int m0, int row_end, int n0, int warp, int lane) {
-  const int q = lane % 4;
-  bf16* out = static_cast<bf16*>(g.out);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = m0 + warp * 16 + lane / 4 + half * 8;
-    if (r >= row_end) continue;
-    if (g.swiglu) {
-      bf16* o = out + static_cast<int64_t>(r) * (g.n / 2);
-#pragma unroll
-      for (int j = 0; j < CN / 8; j += 2) {
-        const int gn = n0 + 8 * j;  // Gate block; j + 1 holds the up block.
-        const float* gate = &d[4 * j + 2 * half];
-        const float* up = &d[4 * (j + 1) + 2 * half];
-        *reinterpret_cast<__nv_bfloat162*>(o + (gn / 16) * 8 + 2 * q) =
-            __floats2bfloat162_rn(silu(gate[0]) * up[0], silu(gate[1]) * up[1]);
-      }
-    } else {
-      bf16* o = out + static_cast<int64_t>(r) * g.n;
-#pragma unroll
-      for (int j = 0; j < CN / 8; ++j) {
-        *reinterpret_cast<__nv_bfloat162*>(o + n0 + 8 * j + 2 * q) =
-            __floats2bfloat162_rn(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
-      }
-    }
-  }
 }
 
 template <int WG, int BN>
@@ -277,13 +153,8 @@ __global__ void __launch_bounds__(WG * 128, 1) wgmma_gemm_kernel(const GroupedGe
 // CTAs, so the units in flight stay together), else CTA b walks b, b + grid, ....
 // The producer posts each unit in the CTA's UnitQueue and runs ahead into the next
 // one while the consumers store the last (BM = 128: by TMA, store_block_tma).
-constexpr int kWsBN = 256, kWsThreads = 384;
 // store_block_tma's buffer: two 64 x 64 bf16 boxes.
 constexpr int kEpiBoxBytes = 64 * 128, kEpiBufBytes = 2 * kEpiBoxBytes;
-// wgmma_ws_kernel's flags: the epilogue by TMA (store_block_tma), units handed out by
-// GroupedGemmArgs::sched.
-// A tile of at most 64 rows (a slot's last) split between the consumers by columns.
-constexpr int kWsTmaStore = 1, kWsDynamic = 2, kWsSplitTail = 4;
 template <int BM>
 __host__ __device__ constexpr int ws_stages() {
   return BM == 128 ? 4 : 5;
@@ -295,33 +166,6 @@ template <int BM>
 constexpr size_t ws_smem_bytes() {
   return static_cast<size_t>(ws_stages<BM>()) * (BM + kWsBN) * 128 + 2048 +
          (BM == 128 ? 2 * kEpiBufBytes : 0);
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred P1;\n"
-      "WS_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra WS_DONE;\n"
-      "bra WS_WAIT;\n"
-      "WS_DONE:\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile(
-      "{\n"
-      ".reg .b64 st;\n"
-      "mbarrier.arrive.shared::cta.b64 st, [%0];\n"
-      "}\n" ::"r"(bar)
-      : "memory");
 }
 
 __device__ __forceinline__ void named_bar_sync(int id, int count) {
@@ -350,9 +194,6 @@ __device__ __forceinline__ void bulk_wait_read() {
 }
 __device__ __forceinline__ void bulk_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-}
-__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 
 // The epilogue of a consumer whose 64 rows all lie inside the slot, through shared
@@ -417,99 +258,6 @@ __device__ __forceinline__ void store_block_tma(const GroupedGemmArgs& g, const 
       flush(n0 + 128 * p);
     }
   }
-}
-
-// Work unit u -> (tile, column block): tiles in groups of `group` (the last one may be
-// shorter), column-block-major inside a group, so that the tiles of one slot reading
-// the same B block run side by side and a tile's A rows stay in L2 across its blocks.
-__device__ __forceinline__ void ws_unit(int u, int num_tiles, int nb, int group, int& tile,
-                                        int& nblk) {
-  const int gi = u / (group * nb), r = u - gi * group * nb;
-  const int t0 = gi * group, gsz = min(group, num_tiles - t0);
-  nblk = r / gsz;
-  tile = t0 + (r - nblk * gsz);
-}
-
-// The CTA's unit queue (wgmma_ws_kernel): producer thread 0 posts the CTA's n-th work
-// unit `unit` (taken from GroupedGemmArgs::sched, or the fixed walk) in slot
-// n % kUnitSlots (`full`, one arrival); each reader warp frees the slot (`empty`, lane 0
-// after the warp's reads), or a lone reader thread. 12 bytes per slot after the ring's
-// mbarriers.
-constexpr int kUnitSlots = 2;
-struct UnitQueue {
-  uint32_t full, empty, val;  // kUnitSlots mbarriers, kUnitSlots mbarriers, kUnitSlots ints.
-};
-__device__ __forceinline__ int take_unit(const UnitQueue& q, int n, bool poster, int unit,
-                                         bool lone) {
-  const int i = n % kUnitSlots;
-  const uint32_t parity = (n / kUnitSlots) & 1;
-  if (poster) {
-    mbar_wait(q.empty + 8 * i, parity ^ 1);
-    st_shared_u32(q.val + 4 * i, static_cast<uint32_t>(unit));
-    mbar_arrive(q.full + 8 * i);
-  }
-  mbar_wait(q.full + 8 * i, parity);
-  int u;
-  asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(u) : "r"(q.val + 4 * i) : "memory");
-  if (lone) {
-    mbar_arrive(q.empty + 8 * i);
-  } else {
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) mbar_arrive(q.empty + 8 * i);
-  }
-  return u;
-}
-
-// Shared by the warp-specialised kernels: the S-stage ring in shared memory, and the
-// producer's part of one unit.
-struct Ring {
-  uint32_t smem;       // Stage s at smem + s * stage bytes.
-  uint32_t full_bar;   // S mbarriers: the stage holds data (producer arrivals + tx bytes).
-  uint32_t empty_bar;  // S mbarriers: the consumers are done with the stage.
-};
-// The dynamic shared memory of a warp-specialised kernel: S stages of kStageBytes
-// (1024-aligned: swizzle atoms), then the 2 S mbarriers, initialised by thread 0. Every
-// thread calls it (it ends with __syncthreads).
-template <int S, int kStageBytes>
-__device__ __forceinline__ Ring setup_ring(int full_count, int empty_count,
-                                           const CUtensorMap& tmap_b, int unit_readers = 0) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw = smem_addr(smem_raw);
-  Ring r;
-  r.smem = raw + ((1024 - (raw & 1023)) & 1023);
-  r.full_bar = r.smem + S * kStageBytes;
-  r.empty_bar = r.full_bar + S * 8;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      mbar_init(r.full_bar + 8 * s, full_count);
-      mbar_init(r.empty_bar + 8 * s, empty_count);
-    }
-    // The unit queue (UnitQueue) after the ring's mbarriers.
-    for (int i = 0; i < (unit_readers > 0 ? kUnitSlots : 0); ++i) {
-      mbar_init(r.empty_bar + 8 * S + 8 * i, 1);
-      mbar_init(r.empty_bar + 8 * S + 8 * kUnitSlots + 8 * i, unit_readers);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmap_b))
-                 : "memory");
-  }
-  __syncthreads();
-  return r;
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-// 2D tensor copy of box (x, y) into shared memory, completing on mbarrier `bar`.
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap& map, int x, int y,
-                                            uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
-      "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(&map)), "r"(x), "r"(y), "r"(bar)
-      : "memory");
 }
 
 // The producer warpgroup's loads of one unit (rows of `tile` x columns n0 .. n0 + BN):
@@ -865,208 +613,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #endif
 }
 
-// ---------------------------------------------------------------------------
-// The FP8 kernel (fp8_wgmma_gemm, fp8_experts.h): wgmma_ws_kernel's producer / consumer
-// split, ring, unit queue and 64-row tiles (BM = 64, both consumers on the tile's rows,
-// consumer c on columns 128c.. of a 256-column unit), with e4m3 operands. A 128-byte
-// swizzled row holds 128 e4m3, so a ring stage is one 128-wide K block: one scale block
-// of the weights and of the activations. Per stage the producer's thread 0 loads A (the
-// quantized rows, contiguous) and B (the slot's e4m3 rows, through a 3D map
-// [slots][rows][k]) by tensor copies; a consumer reads its rows' activation scales and the
-// block's weight scales from global memory (L2) ahead of the stage, issues four
-// wgmma m64n128k32 e4m3 into a fresh f32 fragment, waits for them and adds
-// frag * (a_scale[row] * b_scale) into its f32 accumulators (DeepGEMM's promotion: the
-// block scales applied once per 128 K, the sums in f32 registers, never in the tensor
-// core's own accumulation across blocks). The stage is freed once its wgmma are done.
-constexpr int kF8BM = 64, kF8BN = 256, kF8Stages = 5;
-// NOTE: the activation scales once came by a tensor copy too (f32 [blocks, rows], boxes
-// of 64 x 1, no swizzle): that load raised "illegal instruction" on the H200, so they are
-// plain loads now.
-constexpr int kF8ABytes = kF8BM * 128, kF8BBytes = kF8BN * 128;
-constexpr int kF8StageBytes = kF8ABytes + kF8BBytes;  // A multiple of 1024 (swizzle atoms).
-constexpr size_t f8_smem_bytes() { return static_cast<size_t>(kF8Stages) * kF8StageBytes + 2048; }
-
-#if FLEX_HAS_WGMMA
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t desc_a,
-                                                      uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
-      "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
-      "%56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-        "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-#endif
-
-// 3D tensor copy of box (x, y, z) into shared memory, completing on mbarrier `bar`.
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap& map, int x, int y,
-                                            int z, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes "
-      "[%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(&map)), "r"(x), "r"(y), "r"(z), "r"(bar)
-      : "memory");
-}
-
-__global__ void __launch_bounds__(kWsThreads, 1)
-    fp8_wgmma_kernel(const GroupedGemmArgs g, const Fp8Weights w, const float* a_scales,
-                     int rows_pad, const __grid_constant__ CUtensorMap tmap_b,
-                     const __grid_constant__ CUtensorMap tmap_a, int group, int flags) {
-#if FLEX_HAS_WGMMA
-  constexpr int S = kF8Stages, kStageBytes = kF8StageBytes;
-  // full: thread 0's expect_tx; empty: lane 0 of each consumer warp. Unit queue readers:
-  // the 8 consumer warps and the producer's thread 0.
-  const Ring ring = setup_ring<S, kStageBytes>(1, 8, tmap_b, 9);
-  const uint32_t smem = ring.smem, full_bar = ring.full_bar, empty_bar = ring.empty_bar;
-  const UnitQueue queue{empty_bar + 8 * S, empty_bar + 8 * S + 8 * kUnitSlots,
-                        empty_bar + 8 * S + 16 * kUnitSlots};
-  int32_t* const counter = (flags & kWsDynamic) != 0 ? g.sched : nullptr;
-  const int tid = threadIdx.x;
-  const int wg = tid / 128;
-  const int nb = (g.n + kF8BN - 1) / kF8BN;
-  const int num_tiles = *g.num_tiles;
-  const int total = num_tiles * nb;
-  const int num_k_tiles = (g.k + kFp8BlockSize - 1) / kFp8BlockSize;
-
-  static_assert(40 + 2 * 232 <= 3 * 168, "setmaxnreg budget (see wgmma_ws_kernel)");
-  if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    if (tid != 0) return;
-    int stage = 0;
-    uint32_t phase = 0;
-    int next = counter != nullptr ? atomicAdd(counter, 1) : blockIdx.x;
-    for (int n = 0;; ++n) {
-      const int u = take_unit(queue, n, true, next, true);
-      if (u >= total) break;
-      if (counter == nullptr) next = u + gridDim.x;
-      int tile, nblk;
-      ws_unit(u, num_tiles, nb, group, tile, nblk);
-      const int slot = g.tile_slot[tile];
-      const int row0 = g.tile_row0[tile];
-      for (int kt = 0; kt < num_k_tiles; ++kt) {
-        if (counter != nullptr && kt == num_k_tiles - 1) next = atomicAdd(counter, 1);
-        mbar_wait(empty_bar + 8 * stage, phase ^ 1);
-        const uint32_t base = smem + stage * kStageBytes;
-        const uint32_t fb = full_bar + 8 * stage;
-        // Boxes past the tensors' ends (rows, k) count in full and read as zeros.
-        mbar_expect_tx(fb, kF8ABytes + kF8BBytes);
-        tma_load_2d(base, tmap_a, kt * kFp8BlockSize, row0, fb);
-        tma_load_3d(base + kF8ABytes, tmap_b, kt * kFp8BlockSize, nblk * kF8BN, slot, fb);
-        if (++stage == S) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
-    }
-    if (counter != nullptr) {  // As in wgmma_ws_kernel: the last CTA resets the counter.
-      __threadfence();
-      if (atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-        __threadfence();
-        atomicExch(counter, 0);
-        atomicExch(counter + 1, 0);
-      }
-    }
-  } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-    const int c = wg - 1;
-    const int warp = (tid % 128) / 32, lane = tid % 32;
-    const int r0 = warp * 16 + lane / 4;  // The thread's accumulator rows: r0, r0 + 8.
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int n = 0;; ++n) {
-      const int u = take_unit(queue, n, false, 0, false);
-      if (u >= total) break;
-      int tile, nblk;
-      ws_unit(u, num_tiles, nb, group, tile, nblk);
-      const int n0 = nblk * kF8BN + c * 128;
-      const int slot = g.tile_slot[tile];
-      const int row0 = g.tile_row0[tile];
-      const int row_end = g.offsets[slot + 1];
-      if (n0 >= g.n) {  // No columns here (n % 256 == 128): only pass the stages on.
-        for (int kt = 0; kt < num_k_tiles; ++kt) {
-          mbar_wait(full_bar + 8 * stage, phase);
-          if (lane == 0) mbar_arrive(empty_bar + 8 * stage);
-          if (++stage == S) {
-            stage = 0;
-            phase ^= 1;
-          }
-        }
-        continue;
-      }
-      // The weights' scale rows of these 128 columns: gate/up (interleaved by 8) hold 64
-      // gate rows from 64 (n0 / 128) and the up rows alike, column block j (8 columns)
-      // gate for even j, up for odd; plain rows, one scale row for all.
-      const float* scales =
-          reinterpret_cast<const float*>(static_cast<const uint8_t*>(w.slots) +
-                                         static_cast<int64_t>(slot) * w.slot_bytes + w.scale_at);
-      const int m = n0 / kFp8BlockSize;
-      const float* s_even =
-          scales + static_cast<int64_t>(w.up_scale_row0 > 0 ? m / 2 : m) * w.scale_cols;
-      const float* s_odd =
-          w.up_scale_row0 > 0
-              ? scales + static_cast<int64_t>(w.up_scale_row0 + m / 2) * w.scale_cols
-              : s_even;
-      // This thread's rows' activation scales (rows past the buffer read its last row:
-      // they lie past the slot's end and are never stored).
-      const float* sa_lo = a_scales + min(row0 + r0, rows_pad - 1);
-      const float* sa_hi = a_scales + min(row0 + r0 + 8, rows_pad - 1);
-      float acc[64], frag[64];
-#pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] = frag[i] = 0.f;
-      for (int kt = 0; kt < num_k_tiles; ++kt) {
-        const float b_even = __ldg(s_even + kt), b_odd = __ldg(s_odd + kt);
-        const float a_lo = __ldg(sa_lo + static_cast<int64_t>(kt) * rows_pad);
-        const float a_hi = __ldg(sa_hi + static_cast<int64_t>(kt) * rows_pad);
-        mbar_wait(full_bar + 8 * stage, phase);
-        const uint32_t base = smem + stage * kStageBytes;
-        const uint64_t da = smem_desc(base);
-        const uint64_t db = smem_desc(base + kF8ABytes + c * 128 * 128);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          // +32 bytes (32 e4m3) per step inside the swizzled 128-byte rows.
-          wgmma_m64n128k32_e4m3(frag, da + 2 * kk, db + 2 * kk, kk > 0 ? 1 : 0);
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        // Keep the compiler from reading the fragment before the wait.
-#pragma unroll
-        for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(frag[i])::"memory");
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty_bar + 8 * stage);
-        const float s[4] = {a_lo * b_even, a_hi * b_even, a_lo * b_odd, a_hi * b_odd};
-#pragma unroll
-        for (int i = 0; i < 64; ++i) {
-          // Accumulator i: row r0 + 8 ((i / 2) % 2), column block i / 4.
-          acc[i] += frag[i] * s[((i / 2) % 2) + 2 * ((i / 4) % 2)];
-        }
-        if (++stage == S) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
-      store_block<128>(g, acc, row0, row_end, n0, warp, lane);
-    }
-  }
-#endif
-}
-
 __global__ void wgmma_probe_kernel(int* out) { *out = FLEX_HAS_WGMMA; }
 
 template <int WG, int BN>
@@ -1086,14 +632,11 @@ cudaError_t launch(const GroupedGemmArgs& g, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Tensor maps over weight buffers, encoded once per (buffer, k) and kept: weights
-// never move, and launches captured into graphs copy the map into the graph node.
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+// The driver's cuMemGetAddressRange (driver_fn; tensor_map_source below).
 using AddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 
+// Tensor maps over weight buffers, encoded once per (buffer, k) and kept: weights
+// never move, and launches captured into graphs copy the map into the graph node.
 // A map over the rows of k bf16 elements from `ptr` to the end of its allocation,
 // boxes of 64 x box_rows, 128-byte swizzle, L2 fetching `promotion` bytes (0, 64, 128 or
 // 256) for each 128-byte box row; nullptr if it cannot be made. Keyed by the allocation
@@ -1102,13 +645,8 @@ using AddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 const CUtensorMap* rows_tensor_map(const void* ptr, int k, int box_rows, int promotion = 256) {
   static std::mutex mu;
   static std::map<std::tuple<const void*, int, int, uint64_t, size_t, int>, CUtensorMap> cache;
-  static const EncodeTiledFn encode = driver_fn<EncodeTiledFn>("cuTensorMapEncodeTiled");
-  static const AddressRangeFn range = driver_fn<AddressRangeFn>("cuMemGetAddressRange");
-  if (encode == nullptr || range == nullptr) return nullptr;
-  CUdeviceptr base = 0;
-  size_t size = 0;
-  const CUdeviceptr p = reinterpret_cast<CUdeviceptr>(ptr);
-  if (range(&base, &size, p) != CUDA_SUCCESS || p % 16 != 0) return nullptr;
+  const auto [encode, p, base, size] = tensor_map_source(ptr);
+  if (encode == nullptr) return nullptr;
   std::lock_guard<std::mutex> lock(mu);
   const auto key = std::make_tuple(ptr, k, box_rows, static_cast<uint64_t>(base), size, promotion);
   auto it = cache.find(key);
@@ -1136,6 +674,19 @@ const CUtensorMap* rows_tensor_map(const void* ptr, int k, int box_rows, int pro
 // FLEXPERT_GEMM_MAX_CTAS caps the persistent grid (tests: several units per CTA).
 int max_ctas_env() { return knobs().gemm_max_ctas; }
 
+}  // namespace
+
+TensorMapSource tensor_map_source(const void* ptr) {
+  static const EncodeTiledFn encode = driver_fn<EncodeTiledFn>("cuTensorMapEncodeTiled");
+  static const AddressRangeFn range = driver_fn<AddressRangeFn>("cuMemGetAddressRange");
+  TensorMapSource src;
+  if (encode == nullptr || range == nullptr) return src;
+  src.p = reinterpret_cast<CUdeviceptr>(ptr);
+  if (range(&src.base, &src.size, src.p) != CUDA_SUCCESS || src.p % 16 != 0) return src;
+  src.encode = encode;
+  return src;
+}
+
 int sm_count() {
   int device = 0, count = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -1146,6 +697,8 @@ int sm_count() {
   const int cap = max_ctas_env();
   return cap > 0 && cap < count ? cap : count;
 }
+
+namespace {
 
 template <int BM, bool TMA_A>
 cudaError_t launch_ws_kernel(const GroupedGemmArgs& g, const CUtensorMap& map_b,
@@ -1242,75 +795,6 @@ cudaError_t launch_pp(const GroupedGemmArgs& g, cudaStream_t stream) {
   return launch_pp_kernel<false>(g, *map_b, *map_b, stream);
 }
 
-// A tensor map for fp8_wgmma_gemm, encoded once per key and kept (as rows_tensor_map):
-// kind 0, A: e4m3 [rows, k] at ptr, boxes 128 x 64 rows, 128-byte swizzle; kind 1, B: the
-// e4m3 [n, k] matrix of every slot from ptr (slots `stride` bytes apart, as many as the
-// allocation holds), boxes 128 x 256 x 1, 128-byte swizzle. nullptr if it cannot be made.
-const CUtensorMap* fp8_tensor_map(int kind, const void* ptr, int k, int64_t rows, int64_t stride) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, const void*, int, int64_t, int64_t, uint64_t, size_t>,
-                  CUtensorMap>
-      cache;
-  static const EncodeTiledFn encode = driver_fn<EncodeTiledFn>("cuTensorMapEncodeTiled");
-  static const AddressRangeFn range = driver_fn<AddressRangeFn>("cuMemGetAddressRange");
-  if (encode == nullptr || range == nullptr) return nullptr;
-  CUdeviceptr base = 0;
-  size_t size = 0;
-  const CUdeviceptr p = reinterpret_cast<CUdeviceptr>(ptr);
-  if (range(&base, &size, p) != CUDA_SUCCESS || p % 16 != 0) return nullptr;
-  std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_tuple(kind, ptr, k, rows, stride, static_cast<uint64_t>(base), size);
-  auto it = cache.find(key);
-  if (it != cache.end()) return &it->second;
-  const uint64_t end = base + size;
-  CUtensorMap map;
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  CUresult res = CUDA_ERROR_INVALID_VALUE;
-  if (kind == 0) {
-    if (p + static_cast<uint64_t>(rows) * k > end) return nullptr;
-    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
-    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k)};
-    const cuuint32_t box[2] = {kFp8BlockSize, kF8BM};
-    res = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dims, strides, box,
-                 elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                 CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  } else {
-    const uint64_t matrix = static_cast<uint64_t>(rows) * k;
-    if (stride <= 0 || stride % 16 != 0 || p + matrix > end) return nullptr;
-    const uint64_t slots = (end - p - matrix) / static_cast<uint64_t>(stride) + 1;
-    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows), slots};
-    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(stride)};
-    const cuuint32_t box[3] = {kFp8BlockSize, kF8BN, 1};
-    res = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(ptr), dims, strides, box,
-                 elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  }
-  if (res != CUDA_SUCCESS) return nullptr;
-  return &cache.emplace(key, map).first->second;
-}
-
-cudaError_t launch_fp8(const GroupedGemmArgs& g, const Fp8Weights& w, const Fp8Acts& a,
-                       cudaStream_t stream) {
-  const CUtensorMap* map_a = fp8_tensor_map(0, a.codes, g.k, a.rows_cap, 0);
-  const CUtensorMap* map_b =
-      fp8_tensor_map(1, static_cast<const uint8_t*>(w.slots) + w.weight_at, g.k, g.n, w.slot_bytes);
-  if (map_a == nullptr || map_b == nullptr) return cudaErrorInvalidValue;
-  if (const cudaError_t err = ensure_smem_limit<fp8_wgmma_kernel>(f8_smem_bytes());
-      err != cudaSuccess) {
-    return err;
-  }
-  const int nb = (g.n + kF8BN - 1) / kF8BN;
-  const int64_t units = static_cast<int64_t>(g.max_tiles) * nb;
-  // Persistent with the unit counter (as wgmma_ws), else a CTA per unit.
-  const bool dynamic = g.sched != nullptr;
-  const int grid = static_cast<int>(dynamic ? std::min<int64_t>(units, sm_count()) : units);
-  const int group = std::max(1, std::min(grid, sm_count()) / nb);
-  fp8_wgmma_kernel<<<grid, kWsThreads, f8_smem_bytes(), stream>>>(
-      g, w, a.scales, static_cast<int>(fp8_round_up(a.rows_cap, 4)), *map_b, *map_a, group,
-      dynamic ? kWsDynamic : 0);
-  return cudaGetLastError();
-}
-
 int probe() {
   int* flag = nullptr;
   int host = 0;
@@ -1343,15 +827,6 @@ cudaError_t launch_wgmma_gemm(int warpgroups, int bn, const GroupedGemmArgs& arg
                               cudaStream_t stream) {
   if (bn == 256) return launch<2, 256>(args, stream);
   return warpgroups == 2 ? launch<2, 128>(args, stream) : launch<1, 128>(args, stream);
-}
-
-bool fp8_wgmma_fits(int n, int k) { return n % 128 == 0 && k % 16 == 0; }
-
-cudaError_t fp8_wgmma_gemm(const GroupedGemmArgs& g, const Fp8Weights& w, const Fp8Acts& a,
-                           cudaStream_t stream) {
-  if (g.max_tiles == 0) return cudaSuccess;
-  if (!fp8_wgmma_fits(g.n, g.k) || !wgmma_available()) return cudaErrorInvalidValue;
-  return launch_fp8(g, w, a, stream);
 }
 
 }  // namespace flexpert::cuda
