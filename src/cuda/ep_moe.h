@@ -261,6 +261,7 @@ class DeviceEpMoe {
   Stream release_stream_;            // ep_release's kernel, while stream_ waits.
   std::vector<Event> ahead_events_;  // [kExchangesAhead]: an exchange's end, by segment.
   static constexpr int kExchangesAhead = 8;
+  static constexpr int64_t kSlowWaitNs = 100'000'000;  // Logged: a stall's place in the logs.
   StepWatch watch_;
   uint64_t released_ = 0;  // Ranks whose flags release_waits wrote this step.
   int64_t released_at_ns_ = 0;

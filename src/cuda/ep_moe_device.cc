@@ -212,7 +212,12 @@ Status DeviceEpMoe::finish_device_step(const Group& group) {
   FLEX_CUDA_TRY(cudaMemcpyAsync(status_host_.data(), status_.data(), sizeof(EpStatus),
                                 cudaMemcpyDeviceToHost, stream_));
   FLEX_RETURN_IF_ERROR(step_done_.record(stream_));
+  const int64_t t0 = now_ns();
   FLEX_RETURN_IF_ERROR(watch_until(step_done_.get(), group));
+  if (const int64_t waited = now_ns() - t0; waited > kSlowWaitNs) {
+    FLEX_LOG(INFO) << "rank " << transport.rank() << " epoch " << group.epoch << ": waited "
+                   << waited / 1'000'000 << " ms for the device to finish a step";
+  }
   volatile int32_t* abort = abort_.as<int32_t>();
   const Status gone = watch_.gone;
   EpStatus st;

@@ -526,6 +526,9 @@ void Worker::report(bool force) {
   (void)send_msg(control_, r);
 }
 
+// A step (or its header) longer than this is logged: a stall's place in the worker logs.
+constexpr double kSlowStepMs = 100;
+
 Status Worker::step() {
   const std::vector<SequenceChunk>& batch = scheduler_->build_step();
   StepHeader header;
@@ -571,6 +574,11 @@ Status Worker::step() {
     scheduler_->complete_step(logits_, tokens_, &events_);
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (ms > kSlowStepMs || header_ms > kSlowStepMs) {
+      FLEX_LOG(INFO) << "rank " << options_.rank << " epoch " << group_.epoch << ": a step of "
+                     << header.num_tokens << " tokens (group " << total_tokens << ") took " << ms
+                     << " ms, its header " << header_ms << " ms";
+    }
     busy_ms_ += ms;
     total_step_ms_ += ms;
     total_header_ms_ += header_ms;

@@ -13,12 +13,14 @@ namespace flexpert_test {
 
 struct CliRun {
   int exit_code;
-  std::string out;  // stdout and stderr together.
+  std::string out;  // stdout and stderr together (stdout alone: stdout_only).
 };
 
-// `args` go through the shell after the binary's path.
-inline CliRun run_flexpert(const std::string& args) {
-  const std::string cmd = std::string(FLEXPERT_BINARY) + " " + args + " 2>&1";
+// `args` go through the shell after the binary's path. stdout_only: stderr (progress
+// lines, which a slow load draws, and logs) is dropped, for output a test parses.
+inline CliRun run_flexpert(const std::string& args, bool stdout_only = false) {
+  const std::string cmd =
+      std::string(FLEXPERT_BINARY) + " " + args + (stdout_only ? " 2>/dev/null" : " 2>&1");
   FILE* pipe = popen(cmd.c_str(), "r");
   CliRun r{-1, ""};
   if (pipe == nullptr) return r;

@@ -29,15 +29,18 @@ TEST(CliTest, GenerateMatchesReference) {
   for (const auto& p : ref) {
     std::string ids;
     for (int id : p["input_ids"]) ids += (ids.empty() ? "" : ",") + std::to_string(id);
-    CliRun r =
-        run("generate --model " + kModel + " --prompt-ids " + ids + " --max-tokens 16 --json");
+    CliRun r = flexpert_test::run_flexpert(
+        "generate --model " + kModel + " --prompt-ids " + ids + " --max-tokens 16 --json",
+        /*stdout_only=*/true);
     ASSERT_EQ(r.exit_code, 0) << r.out;
     auto j = nlohmann::json::parse(r.out);
     EXPECT_EQ(j["choices"][0]["token_ids"], p["greedy"]);
     EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
   }
   // Plain output: one comma-separated line per prompt.
-  CliRun r = run("generate --model " + kModel + " --prompt-ids 197,435,400,195 --max-tokens 4");
+  CliRun r = flexpert_test::run_flexpert(
+      "generate --model " + kModel + " --prompt-ids 197,435,400,195 --max-tokens 4",
+      /*stdout_only=*/true);
   ASSERT_EQ(r.exit_code, 0) << r.out;
   EXPECT_EQ(r.out, "400,101,215,507\n");
 }
