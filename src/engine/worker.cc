@@ -34,6 +34,11 @@
 namespace flexpert {
 namespace {
 
+// A step (or its header) longer than this is logged, as are the first steps of an epoch:
+// a stall's place in the worker logs.
+constexpr double kSlowStepMs = 100;
+constexpr int kLoggedStepsAfterEpoch = 3;
+
 std::atomic<bool> g_terminate{false};  // SIGINT (and the front end's death): stop now.
 std::atomic<bool> g_leave{false};      // SIGTERM: a graceful leave (docs/deployment.md).
 
@@ -153,6 +158,7 @@ class Worker {
   uint64_t steps_ = 0;
   double busy_ms_ = 0;
   double max_step_ms_ = 0;
+  int log_steps_ = 0;  // Steps still logged after an epoch change (its first few).
   uint64_t busy_steps_ = 0;
   // Sums over the busy steps since start (StepReport's totals).
   double total_step_ms_ = 0;
@@ -385,6 +391,7 @@ Status Worker::apply_epoch(const proto::EpochCommand& cmd) {
   if (has_pending_ && pending_.epoch <= cmd.epoch) has_pending_ = false;
   FLEX_LOG(INFO) << "rank " << options_.rank << " in epoch " << cmd.epoch << " with "
                  << cmd.members.size() << " members";
+  log_steps_ = kLoggedStepsAfterEpoch;
   return send_msg(control_, proto::EpochApplied{cmd.epoch, true});
 }
 
@@ -526,9 +533,6 @@ void Worker::report(bool force) {
   (void)send_msg(control_, r);
 }
 
-// A step (or its header) longer than this is logged: a stall's place in the worker logs.
-constexpr double kSlowStepMs = 100;
-
 Status Worker::step() {
   const std::vector<SequenceChunk>& batch = scheduler_->build_step();
   StepHeader header;
@@ -564,6 +568,12 @@ Status Worker::step() {
     return Status();
   }
   idle_ = total_tokens == 0;
+  const bool log_this = log_steps_ > 0;
+  if (log_this && idle_) {
+    FLEX_LOG(INFO) << "rank " << options_.rank << " epoch " << group_.epoch
+                   << ": an idle step, its header " << header_ms << " ms";
+  }
+  log_steps_ = std::max(0, log_steps_ - 1);
   executor_->set_step_tokens(static_cast<int64_t>(total_tokens));
   executor_->set_group_device_ready(device_ready);
   if (!idle_) {
@@ -574,7 +584,7 @@ Status Worker::step() {
     scheduler_->complete_step(logits_, tokens_, &events_);
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    if (ms > kSlowStepMs || header_ms > kSlowStepMs) {
+    if (ms > kSlowStepMs || header_ms > kSlowStepMs || log_this) {
       FLEX_LOG(INFO) << "rank " << options_.rank << " epoch " << group_.epoch << ": a step of "
                      << header.num_tokens << " tokens (group " << total_tokens << ") took " << ms
                      << " ms, its header " << header_ms << " ms";
