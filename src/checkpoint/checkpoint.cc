@@ -110,6 +110,21 @@ Result<Tensor> Checkpoint::get(const std::string& name) const {
   return it->second->get(name);
 }
 
+Result<SafetensorsFile::Entry> Checkpoint::entry(const std::string& name) const {
+  auto it = index_.find(name);
+  if (it == index_.end()) return not_found("no tensor '" + name + "' in checkpoint " + dir_);
+  auto e = it->second->entries().find(name);
+  if (e == it->second->entries().end()) return it->second->get(name).status();  // Unsupported.
+  return e->second;
+}
+
+Status Checkpoint::read_into(const std::string& name,
+                             const std::vector<SafetensorsFile::ReadPiece>& pieces) const {
+  auto it = index_.find(name);
+  if (it == index_.end()) return not_found("no tensor '" + name + "' in checkpoint " + dir_);
+  return it->second->read_into(name, pieces);
+}
+
 Result<Tensor> Checkpoint::get(const std::string& name, const Shape& expected) const {
   FLEX_ASSIGN_OR_RETURN(Tensor tensor, get(name));
   if (tensor.shape() != expected) {

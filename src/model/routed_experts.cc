@@ -135,6 +135,31 @@ Status copy_expert(const Checkpoint& ck, const ModelConfig& config, const Expert
   return slots->load(slot, dq[0], dq[1], dq[2]);
 }
 
+// Reads one expert straight from the checkpoint into `slot` when the file holds the slots'
+// dtype: a pread per projection into the slot, no copy or conversion on the way (the bytes
+// the converting path writes: its conversion between equal dtypes is a memcpy). False, having
+// read nothing, when a dtype differs (FP8, dequantized by copy_expert).
+Result<bool> read_expert_into_slot(const Checkpoint& ck, const std::string& prefix, int expert,
+                                   int slot, ExpertSlots* slots) {
+  if (slots->is_opaque()) return false;
+  const std::string ep = prefix + std::to_string(expert) + ".";
+  const char* parts[3] = {"gate_proj.weight", "up_proj.weight", "down_proj.weight"};
+  const Tensor dst[3] = {slots->gate(slot), slots->up(slot), slots->down(slot)};
+  for (int p = 0; p < 3; ++p) {
+    FLEX_ASSIGN_OR_RETURN(SafetensorsFile::Entry e, ck.entry(ep + parts[p]));
+    if (e.shape != dst[p].shape()) {
+      return invalid_argument("tensor '" + ep + parts[p] + "' in checkpoint " + ck.dir() +
+                              " has shape " + shape_to_string(e.shape) + ", expected " +
+                              shape_to_string(dst[p].shape()));
+    }
+    if (e.dtype != slots->dtype()) return false;
+  }
+  for (int p = 0; p < 3; ++p) {
+    FLEX_RETURN_IF_ERROR(ck.read_into(ep + parts[p], {{0, dst[p].num_bytes(), dst[p].raw()}}));
+  }
+  return true;
+}
+
 }  // namespace
 
 Status RoutedExperts::load_layer(const Checkpoint& ck, const ModelConfig& config, int layer,
@@ -180,6 +205,8 @@ Status RoutedExperts::load_expert(const Checkpoint& ck, const ModelConfig& confi
     return invalid_argument("expert " + std::to_string(expert) + " or local slot " +
                             std::to_string(local_slot) + " out of range");
   }
+  FLEX_ASSIGN_OR_RETURN(bool read, read_expert_into_slot(ck, prefix, expert, local_slot, slots));
+  if (read) return Status();
   FLEX_ASSIGN_OR_RETURN(ExpertTensors t,
                         find_expert(ck, prefix, expert, slots->hidden(), slots->intermediate()));
   return copy_expert(ck, config, t, local_slot, slots);
