@@ -2,6 +2,7 @@
 #include "model/routed_experts.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "kernels/cpu_ops.h"
 
@@ -189,7 +190,13 @@ Status RoutedExperts::load_layer(const Checkpoint& ck, const ModelConfig& config
   pool_->parallel_for(num_local_slots_, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       const int e = map[first_slot_ + s];
-      if (e == ExpertPlacement::kFreeSlot) continue;
+      if (e == ExpertPlacement::kFreeSlot) {
+        // NOTE: written now (zeros, as the slot reads) so that its pages are touched at load:
+        // a first touch of fresh shared memory (clearing and mapping each page) made a
+        // recovery's reload into the slot several times slower than the copy itself.
+        std::memset(slots->slot_data(static_cast<int>(s)), 0, slots->slot_bytes());
+        continue;
+      }
       errors[s] = copy_expert(ck, config, experts[e], static_cast<int>(s), slots);
     }
   });
