@@ -105,5 +105,64 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, LoadExpertTest,
                                            Case{"fp8", DType::kBF16, true}),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// An expert stored in another dtype than the others (the slots take the first's) is read and
+// converted: its slot holds the values of the bf16 file, whose experts go straight in.
+TEST(LoadExpertMixed, ExpertOfAnotherDtypeIsConvertedAtLoad) {
+  const std::string base =
+      ::testing::TempDir() + "/load-expert-mixed-" + std::to_string(::getpid()) + "-";
+  SynthOptions o{.out_dir = base + "bf16", .dtype = DType::kBF16, .seed = 5};
+  o.config = small_config();
+  ASSERT_TRUE(synthesize_checkpoint(o).ok());
+  const std::string f32_expert = "model.layers.1.mlp.experts.3.";
+  rewrite_checkpoint(base + "bf16", base + "mixed", [&](const std::string& name, const Tensor& t) {
+    return t.to(name.starts_with(f32_expert) ? DType::kF32 : t.dtype());
+  });
+  auto ck = Checkpoint::open(base + "mixed");
+  ASSERT_TRUE(ck.ok());
+  EXPECT_EQ(ck.value()->entry(f32_expert + "up_proj.weight")->dtype, DType::kF32);
+  auto bf16 = load(base + "bf16", "identity");
+  auto mixed = load(base + "mixed", "identity");
+  ASSERT_TRUE(bf16 != nullptr && mixed != nullptr);
+  for (int layer = 0; layer < small_config().num_hidden_layers; ++layer) {
+    const ExpertSlots* want = bf16->local_slots(layer);
+    const ExpertSlots* got = mixed->local_slots(layer);
+    ASSERT_EQ(got->dtype(), DType::kBF16);
+    ASSERT_EQ(got->slot_bytes(), want->slot_bytes());
+    for (int slot = 0; slot < got->num_slots(); ++slot) {
+      EXPECT_EQ(bytes_of(got->slot_data(slot), got->slot_bytes()),
+                bytes_of(want->slot_data(slot), want->slot_bytes()))
+          << "layer " << layer << " slot " << slot;
+    }
+  }
+  // And reloaded: the f32 expert into another slot.
+  ExpertSlots* slots = mixed->local_slots(1);
+  std::memset(slots->slot_data(0), 0, slots->slot_bytes());
+  ASSERT_TRUE(mixed->load_expert(1, 3, 0).ok());
+  EXPECT_EQ(bytes_of(slots->slot_data(0), slots->slot_bytes()),
+            bytes_of(bf16->local_slots(1)->slot_data(3), slots->slot_bytes()));
+  std::filesystem::remove_all(base + "bf16");
+  std::filesystem::remove_all(base + "mixed");
+}
+
+// A misshapen projection of any expert fails the load, naming the tensor.
+TEST(LoadExpertMixed, MisshapenExpertFailsTheLoadNamingIt) {
+  const std::string base =
+      ::testing::TempDir() + "/load-expert-shape-" + std::to_string(::getpid()) + "-";
+  SynthOptions o{.out_dir = base + "ok", .dtype = DType::kBF16, .seed = 5};
+  o.config = small_config();
+  ASSERT_TRUE(synthesize_checkpoint(o).ok());
+  const std::string victim = "model.layers.1.mlp.experts.5.down_proj.weight";
+  rewrite_checkpoint(base + "ok", base + "bad", [&](const std::string& name, const Tensor& t) {
+    return name == victim ? Tensor::zeros(t.dtype(), {t.size(0), t.size(1) / 2}) : t.to(t.dtype());
+  });
+  ModelOptions options;
+  options.placement = "identity";
+  auto model = Model::load(base + "bad", options);
+  EXPECT_EQ(model.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(model.status().message().find(victim), std::string::npos) << model.status().message();
+  std::filesystem::remove_all(base + "ok");
+  std::filesystem::remove_all(base + "bad");
+}
+
 }  // namespace
 }  // namespace flexpert
