@@ -93,6 +93,8 @@ class Checkpoint {
   // The dtype, shape and offsets of a tensor, without reading it (NotFound; Unimplemented for
   // an unsupported dtype).
   Result<SafetensorsFile::Entry> entry(const std::string& name) const;
+  // As entry(), and InvalidArgument when the shape differs from `expected` (as get()).
+  Result<SafetensorsFile::Entry> entry(const std::string& name, const Shape& expected) const;
   // SafetensorsFile::read_into() of the file that holds `name`.
   Status read_into(const std::string& name,
                    const std::vector<SafetensorsFile::ReadPiece>& pieces) const;
@@ -108,6 +110,8 @@ class Checkpoint {
                             const std::vector<int>& weight_block_size) const;
 
  private:
+  Status wrong_shape(const std::string& name, const Shape& shape, const Shape& expected) const;
+
   std::string dir_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, const SafetensorsFile*> index_;  // Tensor name -> its file.

@@ -37,12 +37,7 @@ Result<bool> read_expert_image(const Checkpoint& ck, const std::string& ep, int6
                                 ep + "down_proj.weight"};
   const Shape shapes[3] = {{I, H}, {I, H}, {H, I}};
   for (int p = 0; p < 3; ++p) {
-    FLEX_ASSIGN_OR_RETURN(SafetensorsFile::Entry e, ck.entry(names[p]));
-    if (e.shape != shapes[p]) {
-      return invalid_argument("tensor '" + names[p] + "' in checkpoint " + ck.dir() +
-                              " has shape " + shape_to_string(e.shape) + ", expected " +
-                              shape_to_string(shapes[p]));
-    }
+    FLEX_ASSIGN_OR_RETURN(SafetensorsFile::Entry e, ck.entry(names[p], shapes[p]));
     if (e.dtype != dtype) return false;
   }
   const uint64_t row_bytes = static_cast<uint64_t>(H) * dtype_size(dtype);

@@ -97,6 +97,10 @@ TEST(CheckpointFixture, ReadIntoMatchesFileBytes) {
   EXPECT_EQ(entry->shape, (Shape{header[name]["shape"][0].get<int64_t>(),
                                  header[name]["shape"][1].get<int64_t>()}));
   ASSERT_GE(size, 64u);
+  EXPECT_TRUE((*ckpt)->entry(name, entry->shape).ok());
+  const Status misshapen = (*ckpt)->entry(name, {1, 2}).status();
+  EXPECT_EQ(misshapen.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(misshapen.message().find(name), std::string::npos) << misshapen.message();
 
   std::string whole(size, '\x5a');
   ASSERT_TRUE((*ckpt)->read_into(name, {{0, size, whole.data()}}).ok());
