@@ -9,6 +9,8 @@
 // while a process serves from it cannot raise SIGBUS. Each read first checks that
 // the file still has the size, inode and modification time it had when opened
 // (DataLoss otherwise: "changed on disk"), and a short read is DataLoss too.
+// read_into() reads a tensor's bytes, or pieces of them, straight into the caller's memory
+// (an expert slot) under the same checks, without a copy of its own or a conversion.
 // Read-only after open: thread-safe (pread on a shared descriptor).
 #pragma once
 
@@ -48,6 +50,16 @@ class SafetensorsFile {
   // An owned copy of the named tensor read from the file, or NotFound (Unimplemented
   // for an unsupported dtype; DataLoss when the file changed since open()).
   Result<Tensor> get(const std::string& name) const;
+  // One piece of a read_into(): bytes [offset, offset + num_bytes) of a tensor's data (in its
+  // own dtype, as the file stores it) to `dst`.
+  struct ReadPiece {
+    uint64_t offset = 0;
+    uint64_t num_bytes = 0;
+    void* dst = nullptr;
+  };
+  // Reads `pieces` of the named tensor (pread; one check_unchanged() before them all). A piece
+  // outside the tensor is InvalidArgument; errors otherwise as get().
+  Status read_into(const std::string& name, const std::vector<ReadPiece>& pieces) const;
   // DataLoss when the file's size, inode or modification time differ from open().
   Status check_unchanged() const;
 
@@ -78,6 +90,14 @@ class Checkpoint {
   Result<Tensor> get(const std::string& name) const;
   // As get(), and InvalidArgument when the shape differs from `expected`.
   Result<Tensor> get(const std::string& name, const Shape& expected) const;
+  // The dtype, shape and offsets of a tensor, without reading it (NotFound; Unimplemented for
+  // an unsupported dtype).
+  Result<SafetensorsFile::Entry> entry(const std::string& name) const;
+  // As entry(), and InvalidArgument when the shape differs from `expected` (as get()).
+  Result<SafetensorsFile::Entry> entry(const std::string& name, const Shape& expected) const;
+  // SafetensorsFile::read_into() of the file that holds `name`.
+  Status read_into(const std::string& name,
+                   const std::vector<SafetensorsFile::ReadPiece>& pieces) const;
   // A 2-D weight ready for the kernels: as get(name, expected), except that an F8_E4M3
   // tensor is dequantized with its sibling `<name>_scale_inv` (F32 or BF16 block scales
   // [ceil(rows / block_rows), ceil(cols / block_cols)], as DeepSeek-V3 stores them) into
@@ -90,6 +110,8 @@ class Checkpoint {
                             const std::vector<int>& weight_block_size) const;
 
  private:
+  Status wrong_shape(const std::string& name, const Shape& shape, const Shape& expected) const;
+
   std::string dir_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, const SafetensorsFile*> index_;  // Tensor name -> its file.

@@ -110,13 +110,37 @@ Result<Tensor> Checkpoint::get(const std::string& name) const {
   return it->second->get(name);
 }
 
+Status Checkpoint::wrong_shape(const std::string& name, const Shape& shape,
+                               const Shape& expected) const {
+  return invalid_argument("tensor '" + name + "' in checkpoint " + dir_ + " has shape " +
+                          shape_to_string(shape) + ", expected " + shape_to_string(expected));
+}
+
+Result<SafetensorsFile::Entry> Checkpoint::entry(const std::string& name) const {
+  auto it = index_.find(name);
+  if (it == index_.end()) return not_found("no tensor '" + name + "' in checkpoint " + dir_);
+  auto e = it->second->entries().find(name);
+  if (e == it->second->entries().end()) return it->second->get(name).status();  // Unsupported.
+  return e->second;
+}
+
+Result<SafetensorsFile::Entry> Checkpoint::entry(const std::string& name,
+                                                 const Shape& expected) const {
+  FLEX_ASSIGN_OR_RETURN(SafetensorsFile::Entry e, entry(name));
+  if (e.shape != expected) return wrong_shape(name, e.shape, expected);
+  return e;
+}
+
+Status Checkpoint::read_into(const std::string& name,
+                             const std::vector<SafetensorsFile::ReadPiece>& pieces) const {
+  auto it = index_.find(name);
+  if (it == index_.end()) return not_found("no tensor '" + name + "' in checkpoint " + dir_);
+  return it->second->read_into(name, pieces);
+}
+
 Result<Tensor> Checkpoint::get(const std::string& name, const Shape& expected) const {
   FLEX_ASSIGN_OR_RETURN(Tensor tensor, get(name));
-  if (tensor.shape() != expected) {
-    return invalid_argument("tensor '" + name + "' in checkpoint " + dir_ + " has shape " +
-                            shape_to_string(tensor.shape()) + ", expected " +
-                            shape_to_string(expected));
-  }
+  if (tensor.shape() != expected) return wrong_shape(name, tensor.shape(), expected);
   return tensor;
 }
 

@@ -278,4 +278,26 @@ Result<Tensor> SafetensorsFile::get(const std::string& name) const {
   return out;
 }
 
+Status SafetensorsFile::read_into(const std::string& name,
+                                  const std::vector<ReadPiece>& pieces) const {
+  auto it = entries_.find(name);
+  if (it == entries_.end()) return get(name).status();  // NotFound or Unimplemented.
+  const Entry& entry = it->second;
+  const uint64_t tensor_bytes = entry.end - entry.begin;
+  for (const ReadPiece& piece : pieces) {
+    if (piece.offset > tensor_bytes || piece.num_bytes > tensor_bytes - piece.offset ||
+        (piece.dst == nullptr && piece.num_bytes > 0)) {
+      return invalid_argument(path_ + ": bytes [" + std::to_string(piece.offset) + ", +" +
+                              std::to_string(piece.num_bytes) + ") are outside tensor '" + name +
+                              "' (" + std::to_string(tensor_bytes) + " bytes)");
+    }
+  }
+  FLEX_RETURN_IF_ERROR(check_unchanged());
+  for (const ReadPiece& piece : pieces) {
+    FLEX_RETURN_IF_ERROR(pread_exact(fd_, path_, data_offset_ + entry.begin + piece.offset,
+                                     piece.dst, piece.num_bytes));
+  }
+  return Status();
+}
+
 }  // namespace flexpert

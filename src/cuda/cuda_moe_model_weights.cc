@@ -27,6 +27,33 @@ Status read_fp8(const Checkpoint& ck, const std::string& name, int64_t rows, int
   return Status();
 }
 
+// The slot image of one expert straight from the checkpoint when it stores `dtype`: gate and
+// up read in blocks of 8 rows into their interleaved rows, down whole (pack_expert's layout,
+// one pread per block and no conversion: pack_expert's round trip through f32 keeps every
+// value of an equal dtype). False, having read nothing, when a dtype differs.
+Result<bool> read_expert_image(const Checkpoint& ck, const std::string& ep, int64_t H, int64_t I,
+                               DType dtype, uint8_t* image) {
+  const std::string names[3] = {ep + "gate_proj.weight", ep + "up_proj.weight",
+                                ep + "down_proj.weight"};
+  const Shape shapes[3] = {{I, H}, {I, H}, {H, I}};
+  for (int p = 0; p < 3; ++p) {
+    FLEX_ASSIGN_OR_RETURN(SafetensorsFile::Entry e, ck.entry(names[p], shapes[p]));
+    if (e.dtype != dtype) return false;
+  }
+  const uint64_t row_bytes = static_cast<uint64_t>(H) * dtype_size(dtype);
+  const int64_t num_blocks = I / 8;  // MoeDims::validate(): I % 8 == 0.
+  std::vector<SafetensorsFile::ReadPiece> gate(num_blocks), up(num_blocks);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    gate[b] = {8 * b * row_bytes, 8 * row_bytes, image + 16 * b * row_bytes};
+    up[b] = {8 * b * row_bytes, 8 * row_bytes, image + (16 * b + 8) * row_bytes};
+  }
+  FLEX_RETURN_IF_ERROR(ck.read_into(names[0], gate));
+  FLEX_RETURN_IF_ERROR(ck.read_into(names[1], up));
+  const uint64_t down_bytes = static_cast<uint64_t>(H) * I * dtype_size(dtype);
+  FLEX_RETURN_IF_ERROR(ck.read_into(names[2], {{0, down_bytes, image + 2 * I * row_bytes}}));
+  return true;
+}
+
 }  // namespace
 
 Result<Tensor> CudaMoeModel::weight(const std::string& name, const Shape& shape) const {
@@ -73,6 +100,8 @@ Status CudaMoeModel::pack_slot(int layer, int expert, uint8_t* image) const {
                     static_cast<int>(H), static_cast<int>(I), image);
     return Status();
   }
+  FLEX_ASSIGN_OR_RETURN(bool read, read_expert_image(*checkpoint_, ep, H, I, dtype_, image));
+  if (read) return Status();
   // FP8 experts come back dequantized to BF16; pack_expert converts to the compute dtype.
   FLEX_ASSIGN_OR_RETURN(Tensor gate, weight(ep + "gate_proj.weight", {I, H}));
   FLEX_ASSIGN_OR_RETURN(Tensor up, weight(ep + "up_proj.weight", {I, H}));

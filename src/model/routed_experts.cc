@@ -2,6 +2,7 @@
 #include "model/routed_experts.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "kernels/cpu_ops.h"
 
@@ -107,17 +108,32 @@ namespace {
 
 struct ExpertTensors {
   std::string names[3];  // gate, up, down.
-  Tensor w[3];           // Borrowed from the checkpoint, in its dtype.
+  Tensor w[3];           // Read from the checkpoint, in its dtype.
 };
+
+constexpr const char* kParts[3] = {"gate_proj.weight", "up_proj.weight", "down_proj.weight"};
+
+// The dtype of an expert's projections in the file (its gate's), once each is there with
+// its shape (errors name the tensor); reads nothing.
+Result<DType> check_expert(const Checkpoint& ck, const std::string& prefix, int expert,
+                           int64_t hidden, int64_t inter) {
+  const std::string ep = prefix + std::to_string(expert) + ".";
+  const Shape shapes[3] = {{inter, hidden}, {inter, hidden}, {hidden, inter}};
+  DType dtype = DType::kF32;
+  for (int p = 0; p < 3; ++p) {
+    FLEX_ASSIGN_OR_RETURN(SafetensorsFile::Entry e, ck.entry(ep + kParts[p], shapes[p]));
+    if (p == 0) dtype = e.dtype;
+  }
+  return dtype;
+}
 
 Result<ExpertTensors> find_expert(const Checkpoint& ck, const std::string& prefix, int expert,
                                   int64_t hidden, int64_t inter) {
   ExpertTensors t;
   const std::string ep = prefix + std::to_string(expert) + ".";
   const Shape shapes[3] = {{inter, hidden}, {inter, hidden}, {hidden, inter}};
-  const char* parts[3] = {"gate_proj.weight", "up_proj.weight", "down_proj.weight"};
   for (int p = 0; p < 3; ++p) {
-    t.names[p] = ep + parts[p];
+    t.names[p] = ep + kParts[p];
     FLEX_ASSIGN_OR_RETURN(t.w[p], ck.get(t.names[p], shapes[p]));
   }
   return t;
@@ -135,6 +151,35 @@ Status copy_expert(const Checkpoint& ck, const ModelConfig& config, const Expert
   return slots->load(slot, dq[0], dq[1], dq[2]);
 }
 
+// Reads one expert straight from the checkpoint into `slot` when the file holds the slots'
+// dtype: a pread per projection into the slot, no copy or conversion on the way (the bytes
+// the converting path writes: its conversion between equal dtypes is a memcpy). False, having
+// read nothing, when a dtype differs (FP8, dequantized by copy_expert).
+Result<bool> read_expert_into_slot(const Checkpoint& ck, const std::string& prefix, int expert,
+                                   int slot, ExpertSlots* slots) {
+  if (slots->is_opaque()) return false;
+  const std::string ep = prefix + std::to_string(expert) + ".";
+  const Tensor dst[3] = {slots->gate(slot), slots->up(slot), slots->down(slot)};
+  for (int p = 0; p < 3; ++p) {
+    FLEX_ASSIGN_OR_RETURN(SafetensorsFile::Entry e, ck.entry(ep + kParts[p], dst[p].shape()));
+    if (e.dtype != slots->dtype()) return false;
+  }
+  for (int p = 0; p < 3; ++p) {
+    FLEX_RETURN_IF_ERROR(ck.read_into(ep + kParts[p], {{0, dst[p].num_bytes(), dst[p].raw()}}));
+  }
+  return true;
+}
+
+// One expert from the checkpoint into `slot`: straight from the file, or read and converted.
+Status load_into_slot(const Checkpoint& ck, const ModelConfig& config, const std::string& prefix,
+                      int expert, int slot, ExpertSlots* slots) {
+  FLEX_ASSIGN_OR_RETURN(bool read, read_expert_into_slot(ck, prefix, expert, slot, slots));
+  if (read) return Status();
+  FLEX_ASSIGN_OR_RETURN(ExpertTensors t,
+                        find_expert(ck, prefix, expert, slots->hidden(), slots->intermediate()));
+  return copy_expert(ck, config, t, slot, slots);
+}
+
 }  // namespace
 
 Status RoutedExperts::load_layer(const Checkpoint& ck, const ModelConfig& config, int layer,
@@ -142,16 +187,15 @@ Status RoutedExperts::load_layer(const Checkpoint& ck, const ModelConfig& config
                                  const ModelOptions& options, ExpertSlots* slots) {
   const int E = config.num_experts;
   const int H = static_cast<int>(hidden), I = static_cast<int>(inter);
-  // Resolve every tensor first (errors name the tensor), then copy in parallel.
-  std::vector<ExpertTensors> experts;
-  experts.reserve(static_cast<size_t>(E));
+  // Check every expert's tensors first (errors name the tensor), then read the experts this
+  // rank holds into their slots in parallel.
+  DType file_dtype = DType::kBF16;
   for (int e = 0; e < E; ++e) {
-    FLEX_ASSIGN_OR_RETURN(ExpertTensors t, find_expert(ck, prefix, e, hidden, inter));
-    experts.push_back(std::move(t));
+    FLEX_ASSIGN_OR_RETURN(DType d, check_expert(ck, prefix, e, hidden, inter));
+    if (e == 0) file_dtype = d;
   }
   // FP8 experts are stored dequantized: slots hold what the kernels read.
-  const DType dtype =
-      E == 0 || experts[0].w[0].dtype() == DType::kF8E4M3 ? DType::kBF16 : experts[0].w[0].dtype();
+  const DType dtype = file_dtype == DType::kF8E4M3 ? DType::kBF16 : file_dtype;
   if (options.allocate_slots) {
     const size_t bytes = ExpertSlots::bytes_for(dtype, num_local_slots_, H, I);
     FLEX_ASSIGN_OR_RETURN(void* storage, options.allocate_slots(layer, bytes));
@@ -164,8 +208,14 @@ Status RoutedExperts::load_layer(const Checkpoint& ck, const ModelConfig& config
   pool_->parallel_for(num_local_slots_, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       const int e = map[first_slot_ + s];
-      if (e == ExpertPlacement::kFreeSlot) continue;
-      errors[s] = copy_expert(ck, config, experts[e], static_cast<int>(s), slots);
+      if (e == ExpertPlacement::kFreeSlot) {
+        // NOTE: written now (zeros, as the slot reads) so that its pages are touched at load:
+        // a first touch of fresh shared memory (clearing and mapping each page) made a
+        // recovery's reload into the slot several times slower than the copy itself.
+        std::memset(slots->slot_data(static_cast<int>(s)), 0, slots->slot_bytes());
+        continue;
+      }
+      errors[s] = load_into_slot(ck, config, prefix, e, static_cast<int>(s), slots);
     }
   });
   for (const Status& s : errors) FLEX_RETURN_IF_ERROR(s.annotate(prefix));
@@ -180,9 +230,7 @@ Status RoutedExperts::load_expert(const Checkpoint& ck, const ModelConfig& confi
     return invalid_argument("expert " + std::to_string(expert) + " or local slot " +
                             std::to_string(local_slot) + " out of range");
   }
-  FLEX_ASSIGN_OR_RETURN(ExpertTensors t,
-                        find_expert(ck, prefix, expert, slots->hidden(), slots->intermediate()));
-  return copy_expert(ck, config, t, local_slot, slots);
+  return load_into_slot(ck, config, prefix, expert, local_slot, slots);
 }
 
 void RoutedExperts::rebuild_replicas() {

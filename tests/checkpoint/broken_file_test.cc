@@ -145,6 +145,9 @@ TEST(BrokenFile, UnsupportedDtypeFailsOnlyInGet) {
   ASSERT_TRUE(ckpt.ok()) << ckpt.status().to_string();
   EXPECT_TRUE((*ckpt)->contains("ids"));
   EXPECT_EQ((*ckpt)->get("ids").status().code(), StatusCode::kUnimplemented);
+  EXPECT_EQ((*ckpt)->entry("ids").status().code(), StatusCode::kUnimplemented);
+  char dst[8];
+  EXPECT_EQ((*ckpt)->read_into("ids", {{0, 8, dst}}).code(), StatusCode::kUnimplemented);
 }
 
 TEST(BrokenCheckpoint, MissingTensorAndWrongShape) {

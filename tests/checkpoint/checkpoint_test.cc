@@ -77,6 +77,56 @@ TEST(CheckpointFixture, ViewMatchesFileBytes) {
   EXPECT_FLOAT_EQ(norm->data<float>()[0], 1.0f);  // transformers initialises norms to ones.
 }
 
+// read_into() puts exactly the header's bytes where each piece says, in any order, and
+// nothing outside the pieces; pieces outside the tensor are refused before any read.
+TEST(CheckpointFixture, ReadIntoMatchesFileBytes) {
+  const std::string path = kFixtureDir + "/model.safetensors";
+  const std::string bytes = read_file(path);
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  auto header = nlohmann::json::parse(bytes.substr(8, n));
+  auto ckpt = Checkpoint::open(kFixtureDir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().to_string();
+  const std::string name = "model.layers.3.mlp.experts.9.gate_proj.weight";
+  const uint64_t begin = header[name]["data_offsets"][0].get<uint64_t>();
+  const uint64_t size = header[name]["data_offsets"][1].get<uint64_t>() - begin;
+  const char* file_bytes = bytes.data() + 8 + n + begin;
+  auto entry = (*ckpt)->entry(name);
+  ASSERT_TRUE(entry.ok()) << entry.status().to_string();
+  EXPECT_EQ(entry->dtype, DType::kF32);
+  EXPECT_EQ(entry->shape, (Shape{header[name]["shape"][0].get<int64_t>(),
+                                 header[name]["shape"][1].get<int64_t>()}));
+  ASSERT_GE(size, 64u);
+  EXPECT_TRUE((*ckpt)->entry(name, entry->shape).ok());
+  const Status misshapen = (*ckpt)->entry(name, {1, 2}).status();
+  EXPECT_EQ(misshapen.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(misshapen.message().find(name), std::string::npos) << misshapen.message();
+
+  std::string whole(size, '\x5a');
+  ASSERT_TRUE((*ckpt)->read_into(name, {{0, size, whole.data()}}).ok());
+  EXPECT_EQ(std::memcmp(whole.data(), file_bytes, size), 0);
+
+  // Two pieces swapped into a buffer with a guard band between them.
+  const uint64_t half = size / 2;
+  std::string swapped(size + 16, '\x5a');
+  Status s = (*ckpt)->read_into(
+      name, {{half, size - half, swapped.data()}, {0, half, swapped.data() + size - half + 16}});
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(std::memcmp(swapped.data(), file_bytes + half, size - half), 0);
+  EXPECT_EQ(swapped.substr(size - half, 16), std::string(16, '\x5a'));
+  EXPECT_EQ(std::memcmp(swapped.data() + size - half + 16, file_bytes, half), 0);
+
+  std::string untouched(size, '\x5a');
+  EXPECT_EQ(
+      (*ckpt)->read_into(name, {{0, 8, untouched.data()}, {size - 4, 8, untouched.data()}}).code(),
+      StatusCode::kInvalidArgument);
+  EXPECT_EQ(untouched, std::string(size, '\x5a'));  // Refused before the first read.
+  EXPECT_EQ((*ckpt)->read_into(name, {{size + 1, 0, untouched.data()}}).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ((*ckpt)->read_into("no.such.tensor", {}).code(), StatusCode::kNotFound);
+  EXPECT_EQ((*ckpt)->entry("no.such.tensor").status().code(), StatusCode::kNotFound);
+}
+
 // Element i of a test tensor is a function of (tensor, i), so any chunk can be
 // produced by the Fill callback and checked after reading.
 float test_value(int tensor, int64_t i) { return static_cast<float>(tensor * 1000 + i) * 0.25f; }

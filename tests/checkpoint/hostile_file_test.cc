@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <vector>
 
 #include "core/json_limits.h"
 #include "flexpert/checkpoint.h"
@@ -88,6 +89,11 @@ TEST(HostileSafetensors, TruncatedWhileOpenIsDataLossNotSigbus) {
   EXPECT_EQ(after.status().code(), StatusCode::kDataLoss) << after.status().to_string();
   EXPECT_NE(after.status().message().find("changed on disk"), std::string::npos);
   EXPECT_EQ(before->data<float>()[4095], 4095.0f);  // Still readable: a private copy.
+  std::vector<float> into(4096, -1.0f);
+  const Status s = (*file)->read_into("a", {{0, 16384, into.data()}});
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.to_string();
+  EXPECT_NE(s.message().find("changed on disk"), std::string::npos);
+  EXPECT_EQ(into[0], -1.0f);  // Checked before the read.
 }
 
 TEST(HostileSafetensors, RewrittenInPlaceIsDetected) {
