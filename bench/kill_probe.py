@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """Where the survivors of a killed worker wait: samples every flexpert worker's threads
-(/proc: state, the system call each sits in, its first argument, wchan) while a run such as
+(/proc: state, the system call each sits in, its first argument, wchan), and with
+--front-end the threads of the front end (`flexpert serve` or `bench`) too, while a run such as
 `flexpert bench elastic --events 3:kill:1` goes on, and reports, relative to the first kill
 it sees (a worker whose leader is exiting, a zombie or gone), every stretch of at least
 --min-ms that a surviving thread spent in one ioctl or in uninterruptible sleep, with the
@@ -29,15 +30,19 @@ def read(path):
         return None
 
 
-def workers():
+def processes(kinds):
     out = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         cmd = read(f"/proc/{pid}/cmdline")
-        if cmd and cmd.split("\0")[1:2] == ["worker"]:
+        if cmd and cmd.split("\0")[1:2] and cmd.split("\0")[1] in kinds:
             out.append(int(pid))
     return out
+
+
+def workers():
+    return processes(("worker",))
 
 
 def leader_exiting(pid):
@@ -70,6 +75,9 @@ def main():
     ap.add_argument("--after-ms", type=float, default=1500, help="sample this long after a kill")
     ap.add_argument("--min-ms", type=float, default=5)
     ap.add_argument("--interval-ms", type=float, default=2)
+    ap.add_argument("--front-end", action="store_true",
+                    help="also the front end's threads: any stretch in one system call other "
+                         "than an idle wait (epoll, poll, nanosleep), futex included")
     a = ap.parse_args()
     start = time.monotonic()
     known = set()
@@ -90,7 +98,8 @@ def main():
                     break
         elif t_gone is None and read(f"/proc/{victim}/stat") is None:
             t_gone = now
-        for pid in pids:
+        front = processes(("serve", "bench")) if a.front_end else []
+        for pid in pids + front:
             if pid == victim:
                 continue
             for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
@@ -99,7 +108,10 @@ def main():
                     continue
                 comm, state, where = s
                 what = "D " + where if state == "D" else where
-                interesting = state == "D" or where.startswith("ioctl")
+                idle = where in ("epoll_wait", "epoll_pwait", "poll", "ppoll", "nanosleep",
+                                 "clock_nanosleep", "pselect6")
+                interesting = state == "D" or where.startswith("ioctl") or (
+                    pid in front and t_kill is not None and not idle)
                 key = (pid, tid)
                 run = runs.get(key)
                 if run and run[1] == what:

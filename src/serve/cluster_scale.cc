@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <numeric>
+#include <thread>
 
 #include "eplb/planner.h"
 #include "flexpert/logging.h"
@@ -124,13 +125,19 @@ std::vector<int> ClusterEngine::Impl::joiner_candidates() const {
 void ClusterEngine::Impl::unlink_rank_segments(int rank, uint64_t incarnation) const {
   const std::string prefix =
       "flexpert-" + session_ + "-r" + std::to_string(rank) + "-i" + std::to_string(incarnation);
-  if (DIR* dir = opendir("/dev/shm")) {
-    while (dirent* e = readdir(dir)) {
-      const std::string name = e->d_name;
-      if (name == prefix || name.rfind(prefix + "-g", 0) == 0) shm_unlink(("/" + name).c_str());
+  // On a thread of its own: the last unlink of a dead rank's segments frees their pages
+  // (its slots' host mirrors: gigabytes, hundreds of milliseconds), which on the caller's
+  // thread (the control loop, under mutex_) would hold every token meanwhile. The names go
+  // at once; only the freeing runs on.
+  std::thread([prefix] {
+    if (DIR* dir = opendir("/dev/shm")) {
+      while (dirent* e = readdir(dir)) {
+        const std::string name = e->d_name;
+        if (name == prefix || name.rfind(prefix + "-g", 0) == 0) shm_unlink(("/" + name).c_str());
+      }
+      closedir(dir);
     }
-    closedir(dir);
-  }
+  }).detach();
 }
 
 // --- Scaling ------------------------------------------------------------------
