@@ -20,6 +20,7 @@
 #include "cluster/protocol.h"
 #include "cluster/zmq_socket.h"
 #include "core/mutex.h"
+#include "core/thread_name.h"
 #include "engine/peer_incarnations.h"
 #include "engine/placement_wire.h"
 #include "flexpert/logging.h"
@@ -224,7 +225,10 @@ Status Worker::connect_and_configure() {
     options_.rank = config_.rank;
     FLEX_LOG(INFO) << "joined as rank " << options_.rank;
   }
-  heartbeat_ = std::thread([this, routing_id] { heartbeat_loop(routing_id); });
+  heartbeat_ = std::thread([this, routing_id] {
+    name_this_thread("fx-heartbeat");
+    heartbeat_loop(routing_id);
+  });
   return Status();
 }
 
@@ -724,7 +728,10 @@ int Worker::run() {
     (void)send_msg(control_, err);
     return 1;
   }
-  mover_ = std::thread([this] { mover_loop(); });
+  mover_ = std::thread([this] {
+    name_this_thread("fx-mover");
+    mover_loop();
+  });
   int exit_code = 0;
   while (!g_terminate.load()) {
     if (leave_now()) {

@@ -24,6 +24,7 @@
 #include "cluster/protocol.h"
 #include "cluster/zmq_socket.h"
 #include "core/secret.h"
+#include "core/thread_name.h"
 #include "engine/placement_wire.h"
 #include "flexpert/generate.h"
 #include "flexpert/logging.h"
@@ -511,6 +512,7 @@ void ClusterEngine::Impl::check_workers(Calls* calls) {
 }
 
 void ClusterEngine::Impl::control_loop() {
+  name_this_thread("fx-control");
   Calls calls;
   auto last_check = Clock::now();
   while (!stop_.load()) {

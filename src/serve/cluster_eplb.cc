@@ -13,6 +13,7 @@
 #include <map>
 #include <numeric>
 
+#include "core/thread_name.h"
 #include "engine/placement_wire.h"
 #include "eplb/planner.h"
 #include "eplb/transition.h"
@@ -342,6 +343,7 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
 }
 
 void ClusterEngine::Impl::eplb_loop() {
+  name_this_thread("fx-eplb");
   MutexLock lock(mutex_);
   while (!stop_.load()) {
     eplb_cv_.wait_for(lock, std::chrono::duration<double>(options_.eplb_interval_s),

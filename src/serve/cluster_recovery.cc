@@ -18,6 +18,7 @@
 #include <algorithm>
 
 #include "cluster/recovery_plan.h"
+#include "core/thread_name.h"
 #include "flexpert/logging.h"
 #include "serve/cluster_engine_impl.h"
 
@@ -483,6 +484,7 @@ void ClusterEngine::Impl::retry_degraded() {
 }
 
 void ClusterEngine::Impl::heal_loop() {
+  name_this_thread("fx-heal");
   MutexLock lock(mutex_);
   auto backoff = std::chrono::milliseconds(500);
   auto next_heal = Clock::now();

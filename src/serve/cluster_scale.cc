@@ -27,6 +27,7 @@
 #include <numeric>
 #include <thread>
 
+#include "core/thread_name.h"
 #include "eplb/planner.h"
 #include "flexpert/logging.h"
 #include "serve/cluster_engine_impl.h"
@@ -130,6 +131,7 @@ void ClusterEngine::Impl::unlink_rank_segments(int rank, uint64_t incarnation) c
   // thread (the control loop, under mutex_) would hold every token meanwhile. The names go
   // at once; only the freeing runs on.
   std::thread([prefix] {
+    name_this_thread("fx-unlink");
     if (DIR* dir = opendir("/dev/shm")) {
       while (dirent* e = readdir(dir)) {
         const std::string name = e->d_name;
