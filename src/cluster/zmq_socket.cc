@@ -73,7 +73,12 @@ Status ZmqSocket::send(const std::vector<std::string>& parts) {
 Result<std::vector<std::string>> ZmqSocket::recv(int timeout_ms) {
   FLEX_CHECK(timeout_ms >= 0);
   zmq_pollitem_t item{socket_, 0, ZMQ_POLLIN, 0};
-  FLEX_ZMQ_TRY(zmq_poll(&item, 1, timeout_ms));
+  if (zmq_poll(&item, 1, timeout_ms) < 0) {
+    // A signal (SIGTERM asking a worker to leave): nothing received, the caller looks at
+    // its flags and polls again.
+    if (zmq_errno() == EINTR) return deadline_exceeded("interrupted by a signal");
+    return unavailable(std::string("zmq_poll: ") + zmq_strerror(zmq_errno()));
+  }
   if (!(item.revents & ZMQ_POLLIN)) return deadline_exceeded("no message within timeout");
   std::vector<std::string> parts;
   int more = 1;
@@ -95,8 +100,11 @@ Result<std::vector<std::string>> ZmqSocket::recv(int timeout_ms) {
 Result<std::vector<int>> zmq_poll_readable(const std::vector<ZmqSocket*>& sockets, int timeout_ms) {
   std::vector<zmq_pollitem_t> items;
   for (ZmqSocket* s : sockets) items.push_back({s->handle(), 0, ZMQ_POLLIN, 0});
-  FLEX_ZMQ_TRY(zmq_poll(items.data(), static_cast<int>(items.size()), timeout_ms));
   std::vector<int> ready;
+  if (zmq_poll(items.data(), static_cast<int>(items.size()), timeout_ms) < 0) {
+    if (zmq_errno() == EINTR) return ready;  // A signal: none readable yet.
+    return unavailable(std::string("zmq_poll: ") + zmq_strerror(zmq_errno()));
+  }
   for (size_t i = 0; i < items.size(); ++i) {
     if (items[i].revents & ZMQ_POLLIN) ready.push_back(static_cast<int>(i));
   }

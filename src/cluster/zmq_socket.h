@@ -41,7 +41,8 @@ class ZmqSocket {
   Result<std::string> last_endpoint() const;
 
   Status send(const std::vector<std::string>& parts);
-  // Waits up to timeout_ms (0: poll, -1: forever is not allowed) for a message.
+  // Waits up to timeout_ms (0: poll, -1: forever is not allowed) for a message;
+  // DeadlineExceeded when none came, or a signal interrupted the wait.
   Result<std::vector<std::string>> recv(int timeout_ms);
   void* handle() const { return socket_; }
 
@@ -50,7 +51,7 @@ class ZmqSocket {
 };
 
 // Waits until one of `sockets` is readable or timeout_ms passes; returns the
-// readable ones' indices (empty on timeout).
+// readable ones' indices (empty on timeout, or when a signal interrupted the wait).
 Result<std::vector<int>> zmq_poll_readable(const std::vector<ZmqSocket*>& sockets, int timeout_ms);
 
 }  // namespace flexpert
