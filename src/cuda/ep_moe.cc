@@ -319,7 +319,7 @@ Status DeviceEpMoe::run_step(int n, int num_real, int bucket, bool graphs,
     if (on_device) FLEX_RETURN_IF_ERROR(map_peers(ep_->group()));
   }
   if (on_device) {
-    start_watch(ep_->group());
+    start_watch();
     Status s = start_exchange_timing(ep_->group());
     for (int seg = 0; s.ok() && seg < num_segments; ++seg) {
       if (n > 0) s = run_segment(seg, bucket, capture, enqueue_segment);
@@ -333,10 +333,8 @@ Status DeviceEpMoe::run_step(int n, int num_real, int bucket, bool graphs,
     }
     // Exchanges already enqueued must not outlive the step: end their waits, drain.
     const Group& group = ep_->group();
-    uint64_t others = 0;
-    for (int r : group.ranks) others |= r == ep_->transport().rank() ? 0 : uint64_t{1} << r;
     while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
-      release_waits(others, ep_moe_detail::now_ns());
+      release_waits(other_members(group), ep_moe_detail::now_ns());
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
     (void)reset_after_failed_step();

@@ -205,11 +205,12 @@ class DeviceEpMoe {
   // (release_waits). finish_device_step watches the step's end, enqueue_device_exchange
   // the exchange kExchangesAhead before the one it enqueues.
   struct StepWatch {
-    int64_t start_ns = 0, deadline_ns = 0, next_check_ns = 0;
+    int64_t deadline_ns = 0, next_check_ns = 0;
     uint64_t seen = 0;  // progress_ at the last look.
     Status gone;        // A member the transport saw end.
   };
-  void start_watch(const Group& group);
+  void start_watch();
+  uint64_t other_members(const Group& group) const;  // Bits of the members but this rank.
   Status watch_until(cudaEvent_t done, const Group& group);
   // Ends the waits of the step's exchanges on `ranks` (ep_release from release_stream_),
   // the host's abort word set too; again at most every kReleaseAgainNs while the step runs.

@@ -155,14 +155,18 @@ Status DeviceEpMoe::reset_after_failed_step() {
   return s;
 }
 
-void DeviceEpMoe::start_watch(const Group& group) {
+void DeviceEpMoe::start_watch() {
   const int64_t now = now_ns();
   watch_ = StepWatch{};
-  watch_.start_ns = now;
   watch_.deadline_ns = now + int64_t{ep_->transport().timeout_ms()} * 1'000'000;
   watch_.seen = *progress_.as<uint64_t>();
   watch_.next_check_ns = now + 1'000'000;
-  (void)group;
+}
+
+uint64_t DeviceEpMoe::other_members(const Group& group) const {
+  uint64_t others = 0;
+  for (int r : group.ranks) others |= r == ep_->transport().rank() ? 0 : uint64_t{1} << r;
+  return others;
 }
 
 Status DeviceEpMoe::watch_until(cudaEvent_t done, const Group& group) {
@@ -195,9 +199,7 @@ Status DeviceEpMoe::watch_until(cudaEvent_t done, const Group& group) {
       w.deadline_ns = now + timeout_ns;  // Moved on by every wait that passes.
     }
     if (now >= w.deadline_ns) {  // No wait passed for the transport's timeout: end them all.
-      uint64_t others = 0;
-      for (int r : group.ranks) others |= r == transport.rank() ? 0 : uint64_t{1} << r;
-      release_waits(others, now);
+      release_waits(other_members(group), now);
     }
     if (now - start < 1'000'000) {
       std::this_thread::yield();
