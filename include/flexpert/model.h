@@ -155,6 +155,10 @@ class Model {
   virtual Status copy_slot(int layer, int local_slot, int src_rank, int src_slot) {
     return unimplemented("this model copies slots through host memory");
   }
+  // Not OK once the device can run nothing more in this process: a GPU context failed with
+  // a sticky error (an illegal address, a failed launch, an MPS server that failed), after
+  // which every call fails. A worker then exits and the group replaces it. OK on the CPU.
+  virtual Status device_lost() const { return Status(); }
   // CUDA graphs captured so far (0 on the CPU): stays flat across set_placement().
   virtual int64_t num_graph_captures() const { return 0; }
   // Prepares what steps replay, in isolation from any group: a GPU model captures the

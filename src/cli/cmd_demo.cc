@@ -15,6 +15,9 @@
 #include "flexpert/logging.h"
 #include "flexpert/model.h"
 #include "serve/elastic_bench.h"
+#ifdef FLEXPERT_WITH_CUDA
+#include "cuda/device.h"
+#endif
 
 namespace flexpert::cli {
 namespace {
@@ -57,9 +60,20 @@ Status make_workload(const std::string& model_dir, int num_prompts, int max_toke
     o->prompts.push_back(r.prompt);
     requests.push_back(std::move(r));
   }
-  Generator generator(*model);
-  FLEX_ASSIGN_OR_RETURN(auto results, generator.run(requests));
-  for (auto& r : results) o->expected.push_back(std::move(r.tokens));
+  {
+    Generator generator(*model);
+    FLEX_ASSIGN_OR_RETURN(auto results, generator.run(requests));
+    for (auto& r : results) o->expected.push_back(std::move(r.tokens));
+  }
+#ifdef FLEXPERT_WITH_CUDA
+  if (mopts.device == "cuda") {
+    // This process then holds no CUDA context: under MPS, a server that failed (a rank
+    // killed inside a kernel) restarts only once every client is gone, and the workers'
+    // replacements need it to.
+    model.reset();
+    cuda::release_device();
+  }
+#endif
   return Status();
 }
 

@@ -49,6 +49,7 @@ class CudaMoeModel : public Model {
   Status slots_written(int layer, int local_slot) override;
   Status copy_slot(int layer, int local_slot, int src_rank, int src_slot) override;
   Status warm_up() override;
+  Status device_lost() const override { return context_failure(); }
   int64_t num_graph_captures() const override {
     return graph_captures_ + (ep_moe_ ? ep_moe_->num_graph_captures() : 0);
   }

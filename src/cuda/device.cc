@@ -27,6 +27,34 @@ int device_count() {
   return n;
 }
 
+Status context_failure() {
+  cudaError_t e = cudaPeekAtLastError();
+  if (e == cudaSuccess) e = cudaStreamQuery(nullptr);
+  switch (e) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorHardwareStackError:
+    case cudaErrorAssert:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorMpsServerNotReady:
+    case cudaErrorMpsConnectionFailed:
+    case cudaErrorMpsRpcFailure:
+    case cudaErrorMpsClientTerminated:
+    case cudaErrorContextIsDestroyed:
+    case cudaErrorDevicesUnavailable:
+      return cuda_status(e, "the CUDA context");
+    default:
+      return Status();
+  }
+}
+
+void release_device() { (void)cudaDeviceReset(); }
+
 bool device_available() { return device_count() > 0; }
 
 Result<int> parse_device(const std::string& spec) {

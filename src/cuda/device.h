@@ -24,6 +24,15 @@ namespace flexpert::cuda {
 
 Status cuda_status(cudaError_t err, const char* what);
 
+// Not OK when this process's CUDA context has failed for good: a sticky error (an illegal
+// address or instruction, a failed launch, an uncorrectable ECC error, a failed MPS server),
+// which every later call returns. Does not block.
+Status context_failure();
+
+// Destroys this process's context on the current device (cudaDeviceReset): nothing of it
+// may be used after; a process that only used the GPU for a while gives it up.
+void release_device();
+
 // Whether a usable CUDA device exists (false without a driver or GPU).
 bool device_available();
 int device_count();

@@ -208,6 +208,8 @@ class DeviceEpMoe {
     int64_t deadline_ns = 0, next_check_ns = 0;
     uint64_t seen = 0;  // progress_ at the last look.
     Status gone;        // A member the transport saw end.
+    // The step's first release (0: none) and the next report of a step still running.
+    int64_t released_ns = 0, next_report_ns = 0;
   };
   void start_watch();
   uint64_t other_members(const Group& group) const;  // Bits of the members but this rank.
@@ -220,6 +222,11 @@ class DeviceEpMoe {
   // released flags back to their values, the step's status cleared, the abort word down.
   Status reset_after_failed_step();
   static constexpr int64_t kReleaseAgainNs = 1'000'000;
+  // A step still running this long after its waits were released is reported (each
+  // second), and at kReleasedStepLimitNs the process ends: a stream that does not drain
+  // would hold the rank, and with it the group, for good.
+  static constexpr int64_t kReleasedStepReportNs = 1'000'000'000;
+  static constexpr int64_t kReleasedStepLimitNs = 10'000'000'000;
   // Step timing (EpMoeExecutor::timing, a group of more than one member): events on the
   // stream around each device exchange's dispatch (publish, wait, gather) and combine (done,
   // wait, combine), 4 per MoE layer: [dispatch start, end, combine start, end]. The segments'

@@ -127,6 +127,12 @@ void DeviceEpMoe::release_waits(uint64_t ranks, int64_t now_ns) {
   *abort_.as<int32_t>() = 1;  // Kernels spinning without memory operations give up too.
   if (ranks == 0) return;
   if ((ranks & ~released_) == 0 && now_ns - released_at_ns_ < kReleaseAgainNs) return;
+  if (watch_.released_ns == 0) {
+    watch_.released_ns = now_ns;
+    watch_.next_report_ns = now_ns + kReleasedStepReportNs;
+    FLEX_LOG(INFO) << "rank " << ep_->transport().rank() << ": releasing the exchange's waits on "
+                   << "ranks (mask) " << ranks;
+  }
   released_ |= ranks;
   released_at_ns_ = now_ns;
   if (const cudaError_t e = ep_release(window_.as<EpWindow>(), released_, release_stream_.get());
@@ -200,6 +206,18 @@ Status DeviceEpMoe::watch_until(cudaEvent_t done, const Group& group) {
     }
     if (now >= w.deadline_ns) {  // No wait passed for the transport's timeout: end them all.
       release_waits(other_members(group), now);
+    }
+    if (w.released_ns != 0 && now >= w.next_report_ns) {
+      const int64_t ms = (now - w.released_ns) / 1'000'000;
+      if (now - w.released_ns >= kReleasedStepLimitNs) {
+        FLEX_LOG(ERROR) << "rank " << transport.rank() << ": the device has not finished the step "
+                        << ms << " ms after its exchange's waits were released; exiting";
+        std::abort();
+      }
+      FLEX_LOG(WARN) << "rank " << transport.rank() << ": the device has not finished the step "
+                     << ms << " ms after its exchange's waits were released (progress " << *progress
+                     << ")";
+      w.next_report_ns = now + kReleasedStepReportNs;
     }
     if (now - start < 1'000'000) {
       std::this_thread::yield();

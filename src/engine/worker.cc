@@ -39,12 +39,28 @@ namespace {
 // a stall's place in the worker logs.
 constexpr double kSlowStepMs = 100;
 constexpr int kLoggedStepsAfterEpoch = 3;
+// Between two steps of a busy rank (control messages handled, reports sent), or one
+// control message's handling, longer than this is logged: time no token can come.
+constexpr double kSlowGapMs = 50;
 
 std::atomic<bool> g_terminate{false};  // SIGINT (and the front end's death): stop now.
 std::atomic<bool> g_leave{false};      // SIGTERM: a graceful leave (docs/deployment.md).
 
 // The CUDA ordinal a --device names ("cuda" is 0, "cuda:N" is N); -1 for the CPU (or a spec
 // the model load rejects with its own message).
+// A step running longer is reported by the heartbeat thread, again at this interval.
+constexpr int64_t kLongStepReportNs = 2'000'000'000;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
 int gpu_ordinal(const std::string& device) {
   if (device == "cuda") return 0;
   if (device.rfind("cuda:", 0) != 0 || device.size() == 5 || device.size() > 9) return -1;
@@ -67,6 +83,16 @@ void inject_join_fault() {
   if (std::sscanf(fault, "join-delay:%d", &ms) == 1) {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   }
+}
+
+// FLEXPERT_FAULT=device-lost:RANK:STEPS (tests): the first incarnation of RANK fails its
+// step after STEPS busy steps as a device that failed for good would (Model::device_lost).
+// Returns the steps, or -1 when this rank has no such fault.
+int device_lost_fault(int rank, uint64_t incarnation) {
+  const char* fault = std::getenv("FLEXPERT_FAULT");
+  int r = -1, steps = -1;
+  if (fault == nullptr || std::sscanf(fault, "device-lost:%d:%d", &r, &steps) != 2) return -1;
+  return r == rank && incarnation == 1 ? steps : -1;
 }
 
 void on_terminate(int) { g_terminate.store(true); }
@@ -115,7 +141,11 @@ class Worker {
     FLEX_LOG(WARN) << "rank " << options_.rank << ": " << s.to_string();
     proto::WorkerError err{group_.epoch, static_cast<int>(s.code()), s.message()};
     (void)send_msg(control_, err);
+    exit_if_device_lost();
   }
+  // After a failure: a device that can run nothing more (Model::device_lost) ends the
+  // process, which the group replaces as any lost rank; staying would fail every step.
+  void exit_if_device_lost();
   // Beats on a socket of its own every kHeartbeatIntervalMs, whatever the step does, and
   // takes the front end's PeerLost there (the stepping thread may be waiting on that peer).
   void heartbeat_loop(std::string routing_id);
@@ -165,6 +195,12 @@ class Worker {
   double total_step_ms_ = 0;
   double total_header_ms_ = 0;
   std::chrono::steady_clock::time_point last_report_{};
+  std::chrono::steady_clock::time_point last_step_end_{};  // Of the last busy step.
+  // The step running now (its start, steady_clock ns; 0 between steps) and its part: the
+  // heartbeat thread reports a step that runs on for seconds (where a rank hangs).
+  std::atomic<int64_t> step_started_ns_{0};
+  std::atomic<const char*> step_part_{""};
+  int device_lost_after_ = -1;  // FLEXPERT_FAULT=device-lost: busy steps left, or -1.
   // Expert map switching (same agreement rule as epochs).
   uint64_t map_version_ = 0;
   bool has_pending_map_ = false;
@@ -242,6 +278,7 @@ void Worker::heartbeat_loop(std::string routing_id) {
   const proto::Heartbeat beat{options_.rank, config_.incarnation};
   constexpr int kPollMs = 20;  // How long stop_heartbeat() may wait for this thread.
   auto next_beat = std::chrono::steady_clock::now();
+  int64_t next_step_report = 0;
   for (;;) {
     {
       MutexLock lock(heartbeat_mutex_);
@@ -251,6 +288,12 @@ void Worker::heartbeat_loop(std::string routing_id) {
     if (now >= next_beat) {
       (void)send_msg(socket, beat);
       next_beat = now + std::chrono::milliseconds(proto::Heartbeat::kHeartbeatIntervalMs);
+    }
+    if (const int64_t started = step_started_ns_.load();
+        started != 0 && now_ns() - started > kLongStepReportNs && now_ns() >= next_step_report) {
+      FLEX_LOG(WARN) << "rank " << options_.rank << ": a step running for "
+                     << (now_ns() - started) / 1'000'000 << " ms, in " << step_part_.load();
+      next_step_report = now_ns() + kLongStepReportNs;
     }
     auto parts = socket.recv(kPollMs);
     if (parts.ok()) on_peer_lost(parts.value());
@@ -500,10 +543,15 @@ Status Worker::poll_control(int timeout_ms) {
       if (parts.status().code() == StatusCode::kDeadlineExceeded) return Status();
       return parts.status();
     }
+    const auto t0 = std::chrono::steady_clock::now();
     if (Status s = handle(parts.value()); !s.ok()) {
       // A bad or unusable command is reported, not fatal: the front end decides.
       report_error(s);
       halted_ = !group_.ranks.empty();
+    }
+    if (const double ms = ms_since(t0); ms > kSlowGapMs) {
+      FLEX_LOG(INFO) << "rank " << options_.rank << ": control message '" << parts.value()[0]
+                     << "' took " << ms << " ms";
     }
     timeout_ms = 0;  // Drain what else is queued, then go.
   }
@@ -545,8 +593,15 @@ Status Worker::step() {
   header.acked_epoch = has_pending_ ? pending_.epoch : group_.epoch;
   header.acked_map = has_pending_map_ ? pending_map_.version : map_version_;
   header.device_ready = executor_->device_ready() ? 1 : 0;
-  // Two clock reads a step (tens of nanoseconds against steps of milliseconds).
+  // Three clock reads a step (tens of nanoseconds against steps of milliseconds).
   const auto header_start = std::chrono::steady_clock::now();
+  step_part_.store("its header's all_gather");
+  if (!idle_ && last_step_end_ != std::chrono::steady_clock::time_point{}) {
+    if (const double gap = ms_since(last_step_end_); gap > kSlowGapMs) {
+      FLEX_LOG(INFO) << "rank " << options_.rank << " epoch " << group_.epoch << ": " << gap
+                     << " ms since its last busy step";
+    }
+  }
   FLEX_ASSIGN_OR_RETURN(std::vector<ByteSpan> headers,
                         transport_->all_gather(group_, {&header, sizeof(header)}));
   const double header_ms =
@@ -582,6 +637,10 @@ Status Worker::step() {
   executor_->set_group_device_ready(device_ready);
   if (!idle_) {
     const auto t0 = std::chrono::steady_clock::now();
+    step_part_.store("the forward pass");
+    if (device_lost_after_ > 0 && --device_lost_after_ == 0) {
+      return internal_error("FLEXPERT_FAULT=device-lost: an injected device failure");
+    }
     FLEX_RETURN_IF_ERROR(
         model_->forward_step(batch, scheduler_->row_outputs(), &logits_, &tokens_));
     events_.clear();
@@ -593,6 +652,7 @@ Status Worker::step() {
                      << header.num_tokens << " tokens (group " << total_tokens << ") took " << ms
                      << " ms, its header " << header_ms << " ms";
     }
+    last_step_end_ = std::chrono::steady_clock::now();
     busy_ms_ += ms;
     total_step_ms_ += ms;
     total_header_ms_ += header_ms;
@@ -717,6 +777,19 @@ bool Worker::leave_now() {
   return std::chrono::steady_clock::now() > leave_deadline_;
 }
 
+void Worker::exit_if_device_lost() {
+  if (model_ == nullptr) return;
+  const Status lost = device_lost_after_ == 0
+                          ? internal_error("FLEXPERT_FAULT=device-lost: an injected device failure")
+                          : model_->device_lost();
+  if (lost.ok()) return;
+  FLEX_LOG(ERROR) << "rank " << options_.rank << ": its device failed for good ("
+                  << lost.to_string() << "); exiting so that the group replaces it";
+  // No destructors or joins: they would call into the failed context (a thread may be
+  // waiting in it).
+  _exit(5);
+}
+
 int Worker::run() {
   if (Status s = connect_and_configure(); !s.ok()) {
     FLEX_LOG(ERROR) << "rank " << options_.rank << ": " << s.to_string();
@@ -728,6 +801,7 @@ int Worker::run() {
     (void)send_msg(control_, err);
     return 1;
   }
+  device_lost_after_ = device_lost_fault(options_.rank, config_.incarnation);
   mover_ = std::thread([this] {
     name_this_thread("fx-mover");
     mover_loop();
@@ -774,7 +848,9 @@ int Worker::run() {
       report(false);
       continue;
     }
+    step_started_ns_.store(now_ns());
     Status s = step();
+    step_started_ns_.store(0);
     if (stopping_) break;
     if (!s.ok()) {
       // A dead or silent peer, or an epoch change we were not part of: report and
@@ -785,6 +861,7 @@ int Worker::run() {
       proto::WorkerError err{group_.epoch, static_cast<int>(s.code()), s.message()};
       err.dead_rank = s.dead_rank();  // A peer whose process the transport saw end.
       (void)send_msg(control_, err);
+      exit_if_device_lost();
     }
     report(false);
   }

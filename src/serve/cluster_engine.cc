@@ -35,6 +35,10 @@
 namespace flexpert {
 namespace {
 
+// A control-loop iteration's work, or a silence of the workers' tokens while requests are
+// open, longer than this is logged (where a stall sits in the front end).
+constexpr double kSilenceLogMs = 100;
+
 std::string self_exe() {
   char buf[4096];
   const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
@@ -351,6 +355,12 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
         batch->finish_reasons.size() != batch->ids.size()) {
       return;
     }
+    if (const double ms = seconds_since(last_tokens_at_) * 1e3;
+        ms > kSilenceLogMs && !requests_.empty()) {
+      FLEX_LOG(INFO) << "tokens again after " << ms << " ms without any (" << requests_.size()
+                     << " requests open; these from rank " << rank << ")";
+    }
+    last_tokens_at_ = Clock::now();
     for (size_t i = 0; i < batch->ids.size(); ++i) {
       auto it = requests_.find(batch->ids[i]);
       if (it == requests_.end()) continue;  // Cancelled.
@@ -516,6 +526,9 @@ void ClusterEngine::Impl::control_loop() {
   Calls calls;
   auto last_check = Clock::now();
   while (!stop_.load()) {
+    // Each part's time; an iteration whose work (not its poll) is long is logged: every
+    // token waits for this loop.
+    const auto t_start = Clock::now();
     {
       MutexLock lock(mutex_);
       for (int r : launch_queue_) {
@@ -529,9 +542,12 @@ void ClusterEngine::Impl::control_loop() {
       }
       launch_queue_.clear();
     }
+    const auto t_launched = Clock::now();
     flush_outbox();
+    const auto t_flushed = Clock::now();
     auto ready = zmq_poll_readable({&router_, &wake_rx_}, 20);
     if (!ready.ok()) break;
+    const auto t_polled = Clock::now();
     for (int i : ready.value()) {
       if (i == 1) {
         while (wake_rx_.recv(0).ok()) {
@@ -544,12 +560,24 @@ void ClusterEngine::Impl::control_loop() {
         if (parts->size() == 3) handle((*parts)[0], (*parts)[1], (*parts)[2], &calls);
       }
     }
-    if (Clock::now() - last_check > std::chrono::milliseconds(20)) {
+    const auto t_handled = Clock::now();
+    if (t_handled - last_check > std::chrono::milliseconds(20)) {
       check_workers(&calls);
       last_check = Clock::now();
     }
+    const auto t_checked = Clock::now();
     for (auto& [cb, ev] : calls) cb(ev);  // Outside the lock: callbacks may call back in.
     calls.clear();
+    const auto t_end = Clock::now();
+    auto ms = [](Clock::time_point a, Clock::time_point b) {
+      return std::chrono::duration<double, std::milli>(b - a).count();
+    };
+    if (const double work = ms(t_start, t_end) - ms(t_flushed, t_polled); work > kSilenceLogMs) {
+      FLEX_LOG(INFO) << "control loop: " << work << " ms of work (launches "
+                     << ms(t_start, t_launched) << ", sends " << ms(t_launched, t_flushed)
+                     << ", messages " << ms(t_polled, t_handled) << ", worker checks "
+                     << ms(t_handled, t_checked) << ", callbacks " << ms(t_checked, t_end) << ")";
+    }
   }
   flush_outbox();
 }
@@ -674,6 +702,7 @@ Result<uint64_t> ClusterEngine::submit(CompletionRequest request, CompletionCall
   // The membership places it (the least loaded serving member) or holds it (recovering).
   Result<cluster::Action> placed = m.membership_.submit(id);
   if (!placed.ok()) return placed.status();
+  if (m.requests_.empty()) m.last_tokens_at_ = Clock::now();
   RequestInfo& req = m.requests_[id];
   req.callback = std::move(on_event);
   req.prompt = std::move(request.prompt);

@@ -138,6 +138,9 @@ class ClusterEngine::Impl {
 
   std::vector<RankInfo> ranks_ GUARDED_BY(mutex_);
   std::map<uint64_t, RequestInfo> requests_ GUARDED_BY(mutex_);
+  // When tokens last came in (or a request arrived to an empty engine): a long silence
+  // while requests are open is logged (handle), the front end's side of a stall.
+  Clock::time_point last_tokens_at_ GUARDED_BY(mutex_){};
   struct Outgoing {
     int rank = 0;
     bool to_heartbeat = false;  // To the rank's heartbeat socket (PeerLost), not its control one.

@@ -2,9 +2,9 @@
 // A group that heals itself (docs/ARCHITECTURE.md, "Membership, epochs, failure"):
 // with default flags any one worker may die under load, and the group comes back to
 // its size with no failed request and every answer equal to the reference; also two
-// deaths at once, every worker at once, a stopped (silent) worker, deaths that overlap a scale-up,
-// a replacement's own preparation and a rebalance, and a group left without capacity, which answers
-// 503 until a scale repairs it.
+// deaths at once, every worker at once, a stopped (silent) worker, a worker whose device fails
+// for good (it exits), deaths that overlap a scale-up, a replacement's own preparation and a
+// rebalance, and a group left without capacity, which answers 503 until a scale repairs it.
 #include <random>
 
 #include "elastic_util.h"
@@ -122,6 +122,30 @@ TEST(HealingTest, EveryWorkerKilledAtOnce) {
   EXPECT_EQ(after.segments, before.segments);
   EXPECT_EQ(server.stop(), 0);
   EXPECT_TRUE(shm_segments(server.pid()).empty());
+}
+
+TEST(HealingTest, AWorkerWhoseDeviceFailsExitsAndIsReplaced) {
+  // A device that can run nothing more (a GPU context with a sticky error) fails every
+  // step: the worker exits instead of halting its group again and again, and a
+  // replacement takes its place (here injected on CPU ranks after 30 busy steps).
+  setenv("FLEXPERT_FAULT", "device-lost:1:30", 1);  // Inherited by the server and its workers.
+  Server server({"--ranks", "3", "--threads-per-worker", "1"});
+  unsetenv("FLEXPERT_FAULT");
+  ASSERT_TRUE(server.up());
+  const int pid = rank_pid(server, 1);
+  Load load(server, 6);
+  ASSERT_TRUE(wait_status(server, [&](const nlohmann::json& s) {
+    return serving_with(s, 3) && s["reconfiguration"]["recoveries"]["replacement"] == 1;
+  })) << server.get_json("/v1/status").dump();
+  pause_ms(300);  // Traffic on the healed group.
+  EXPECT_TRUE(load.stop_and_check(10));
+  const auto status = server.get_json("/v1/status");
+  EXPECT_EQ(status["reconfiguration"]["last_recovery"]["replacements"], nlohmann::json({1}))
+      << status.dump();
+  EXPECT_NE(rank_pid(server, 1), pid);
+  EXPECT_EQ(recoveries(server, "failed"), 0u);
+  check_reference(server, load_reference(), 1);
+  EXPECT_EQ(server.stop(), 0);
 }
 
 TEST(HealingTest, StoppedWorkerIsFencedAndReplaced) {
