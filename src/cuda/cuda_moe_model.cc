@@ -2,6 +2,7 @@
 #include "cuda/cuda_moe_model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <string>
 
@@ -11,6 +12,9 @@
 
 namespace flexpert::cuda {
 namespace {
+
+// An expert's reload (load_expert) longer than this is logged with its parts.
+constexpr double kSlowReloadMs = 5;
 
 int next_pow2(int v) {
   int p = 1;
@@ -211,9 +215,21 @@ Status CudaMoeModel::load_expert(int layer, int expert, int local_slot) {
   const size_t slot_bytes = static_cast<size_t>(moe_dims_.slot_bytes());
   ExpertSlots& mirror = mirrors_[layer];
   if (mirror.num_slots() > 0) {
+    // Timed: a recovery's reload is this, once per lost expert (docs/benchmarks.md,
+    // "Losing a rank"); a slow one is logged with its parts.
+    const auto t0 = std::chrono::steady_clock::now();
     FLEX_RETURN_IF_ERROR(
         pack_slot(layer, expert, static_cast<uint8_t*>(mirror.slot_data(local_slot))));
-    return slots_written(layer, local_slot);
+    const auto t1 = std::chrono::steady_clock::now();
+    const Status uploaded = slots_written(layer, local_slot);
+    const auto t2 = std::chrono::steady_clock::now();
+    using Ms = std::chrono::duration<double, std::milli>;
+    if (Ms(t2 - t0).count() > kSlowReloadMs) {
+      FLEX_LOG(INFO) << "layer " << layer << " expert " << expert << " reloaded in "
+                     << Ms(t2 - t0).count() << " ms (read " << Ms(t1 - t0).count() << ", upload "
+                     << Ms(t2 - t1).count() << ", " << slot_bytes << " bytes)";
+    }
+    return uploaded;
   }
   std::vector<uint8_t> image(slot_bytes);
   FLEX_RETURN_IF_ERROR(pack_slot(layer, expert, image.data()));
