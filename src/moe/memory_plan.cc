@@ -329,7 +329,7 @@ Result<MemoryPlan> plan_memory(const ModelConfig& c, const MemoryPlanOptions& o)
   p.kv_slots = p.max_sequences + (cpu ? 0 : 1);
   p.kv_bytes = u(p.kv_slots) * u(p.max_seq_len) * p.kv_bytes_per_token;
 
-  // Transport (src/engine/worker.cc Worker::load): the shm control segment at --max-ranks,
+  // Transport (src/engine/worker_slots.cc Worker::load): the shm control segment at --max-ranks,
   // mailboxes for the step headers and the EP exchange's worst case (host shared memory).
   const int64_t exchange_rows =
       int64_t{std::max(o.max_tokens_per_step, o.max_sequences)} * c.num_experts_per_tok;

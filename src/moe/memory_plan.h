@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // plan_memory: the bytes one rank of a serving group holds, from config.json alone.
 //
-// It mirrors what a worker allocates (src/engine/worker.cc; the CUDA models in src/cuda,
+// It mirrors what a worker allocates (src/engine/worker_slots.cc; the CUDA models in src/cuda,
 // the CPU models in src/model; the shm transport): dense weights (every rank holds them:
 // attention is data parallel), expert slots at capacity (expert_slots_per_rank, placement.h),
 // the KV cache, step workspaces, transport buffers. Each term says whether the code sizes
@@ -20,7 +20,7 @@
 
 namespace flexpert {
 
-// sizeof(StepHeader) in src/engine/worker.cc (static_assert there): the gather mailboxes.
+// sizeof(StepHeader) in src/engine/worker_impl.h (static_assert there): the gather mailboxes.
 inline constexpr uint64_t kStepHeaderBytes = 32;
 
 struct MemoryPlanOptions {
