@@ -79,6 +79,17 @@ Status send_msg(ZmqSocket& socket, const T& msg) {
   return socket.send({T::kType, proto::encode(msg)});
 }
 
+// One rank's worker process: attaches to the front end, loads, then steps with its group.
+//
+// Thread safety: three threads. The thread that calls run() owns every member without an
+// annotation (the control socket, the scheduler, the group, the step state) and is the only
+// one that steps the model or sends on control_. The heartbeat thread (started once config_
+// is set, which it then only reads) uses its own socket, the members under heartbeat_mutex_
+// (through lost_sink_ it calls Transport::mark_peer_lost, which any thread may) and the
+// step_started_ns_/step_part_ atomics. The mover thread (started after load(), so model_ and
+// transport_ are set) takes PullCommands and leaves PullDones under mover_mutex_, and calls
+// only what Model and Transport allow beside a step: load_expert, copy_slot, slots_written,
+// local_slots' slots free in the current map, and read(). ZmqContext is thread-safe.
 class Worker {
  public:
   explicit Worker(const WorkerOptions& options) : options_(options), control_(ctx_, ZMQ_DEALER) {}
