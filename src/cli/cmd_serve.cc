@@ -192,6 +192,7 @@ Status run_serve(const Flags& flags) {
     }
     FLEX_ASSIGN_OR_RETURN(options.heartbeat_timeout_ms, int_flag(flags, "heartbeat-timeout-ms", 1));
     FLEX_ASSIGN_OR_RETURN(options.start_timeout_ms, int_flag(flags, "start-timeout-ms", 1));
+    FLEX_ASSIGN_OR_RETURN(options.leave_drain_ms, int_flag(flags, "leave-drain-ms", 0));
     if (options.eplb_policy != "auto" && options.eplb_policy != "global" &&
         options.eplb_policy != "hierarchical") {
       return invalid_argument("--eplb-policy must be auto, global or hierarchical");
@@ -347,6 +348,9 @@ int cmd_serve(const Args& args) {
       .value("reconfigure", "live", "membership changes: live, or stop-the-world (baseline)")
       .value("heartbeat-timeout-ms", "2000", "a worker silent this long is declared lost")
       .value("start-timeout-ms", "120000", "for a starting or joining worker to be ready")
+      .value("leave-drain-ms", "2000",
+             "a scale-down lets the leaving workers finish their requests this long; the rest "
+             "re-run on the others (0: at once)")
       .boolean("eplb", "rebalance experts automatically every --eplb-interval-s")
       .boolean("step-timing",
                "workers time their MoE exchanges (per rank in /v1/status and /metrics; bench "

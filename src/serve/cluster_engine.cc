@@ -389,7 +389,7 @@ void ClusterEngine::Impl::handle(const std::string& routing_id, const std::strin
       if (ev.finished) {
         (void)membership_.finished(it->first, rank, it->second.attempt);
         requests_.erase(it);
-        if (requests_.empty() && reconfiguring_) cv_.notify_all();  // A drain waits.
+        if (reconfiguring_) cv_.notify_all();  // A drain waits (every request, or a leaver's).
       }
     }
   } else if (type == proto::StepReport::kType) {

@@ -46,6 +46,9 @@ struct ClusterOptions {
   std::string control_host = "127.0.0.1";
   int control_port = 0;           // 0: any free port.
   int start_timeout_ms = 120000;  // For every rank to be ready.
+  // A scale-down (or a leave) lets the leavers finish what they run for up to this long
+  // before it commits; what they still run then re-runs on the survivors (0: at once).
+  int leave_drain_ms = 2000;
   // Called once the control socket is bound, with its endpoint (tcp://HOST:PORT).
   std::function<void(const std::string&)> on_listening;
 

@@ -11,8 +11,9 @@
 // longer need) then runs as ordinary EPLB transition steps.
 //
 // Scale-down moves experts off the leaving ranks first (transition steps, while
-// serving), commits an epoch without them at a step boundary they take part in,
-// re-runs their unfinished requests on survivors, and lets them exit.
+// serving), lets the leavers finish the requests they run (they take no new ones; up to
+// --leave-drain-ms), commits an epoch without them at a step boundary they take part
+// in, re-runs what they had not finished on survivors, and lets them exit.
 //
 // Spare ranks (--spare-ranks) are joiners started ahead: loaded and Ready, not
 // members; a recovery or a scale-up takes them before it starts new workers.
@@ -498,7 +499,19 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
     unmark();
     return s;
   }
-  // 3. Commit: the leavers switch with everyone, then stop stepping; their
+  // 3. Drain: the leavers take no new requests since step 1; what they run finishes there
+  // (up to --leave-drain-ms), since a request moved to a survivor prefills its prompt and
+  // streamed tokens again in one step that every request of the group waits for.
+  reconfig_step_ = "draining the leavers";
+  const auto t_drain = Clock::now();
+  cv_.wait_for(mutex_, std::chrono::milliseconds(options_.leave_drain_ms), [&]() REQUIRES(mutex_) {
+    if (halting() || cancel_rebalance_ || recovering() || epoch() != rebalance_epoch_) return true;
+    return std::none_of(requests_.begin(), requests_.end(), [&](const auto& kv) {
+      return std::find(leavers.begin(), leavers.end(), kv.second.rank) != leavers.end();
+    });
+  });
+  (*report)["drain_s"] = seconds_since(t_drain);
+  // 4. Commit: the leavers switch with everyone, then stop stepping; their
   // unfinished requests re-run on survivors.
   reconfig_step_ = "committing";
   for (int r : members()) {

@@ -25,6 +25,11 @@ TEST(ElasticTest, ScaleUpAndDownUnderLoadKeepsEveryAnswer) {
     const Answer a = post(server, "/v1/scale", {{"ranks", target}}, "sesame");
     ASSERT_EQ(a.status, 200) << a.body.dump();
     EXPECT_EQ(a.body["status"], "ok");
+    if (a.body["kind"] == "scale-down") {
+      // The leavers finished their (short) requests before the commit: nothing re-ran.
+      EXPECT_EQ(a.body["rerun_requests"], 0) << a.body.dump();
+      EXPECT_TRUE(a.body.contains("drain_s")) << a.body.dump();
+    }
     EXPECT_EQ(a.body["members"].size(), static_cast<size_t>(target)) << a.body.dump();
     EXPECT_EQ(members(server).size(), static_cast<size_t>(target));
     pause_ms(400);  // Traffic on the new topology.
@@ -47,6 +52,27 @@ TEST(ElasticTest, ScaleUpAndDownUnderLoadKeepsEveryAnswer) {
     }
     EXPECT_EQ(experts.size(), 16u);
   }
+  EXPECT_EQ(server.stop(), 0);
+}
+
+TEST(ElasticTest, ScaleDownWithoutDrainReRunsTheLeaversRequests) {
+  // --leave-drain-ms 0: the leavers' unfinished requests move to the survivors at the
+  // commit (prompt + streamed tokens prefilled again) and keep their answers.
+  Server server({"--ranks", "3", "--max-ranks", "3", "--min-ranks", "1", "--threads-per-worker",
+                 "1", "--leave-drain-ms", "0"});
+  ASSERT_TRUE(server.up());
+  Load load(server, 6);
+  pause_ms(300);
+  int reruns = 0;
+  for (int target : {1, 3, 1}) {
+    const Answer a = post(server, "/v1/scale", {{"ranks", target}});
+    ASSERT_EQ(a.status, 200) << a.body.dump();
+    EXPECT_EQ(a.body["status"], "ok");
+    if (a.body["kind"] == "scale-down") reruns += a.body["rerun_requests"].get<int>();
+    pause_ms(300);
+  }
+  EXPECT_TRUE(load.stop_and_check(30));
+  EXPECT_GT(reruns, 0) << "six clients on three ranks, and no leaver ran a request twice";
   EXPECT_EQ(server.stop(), 0);
 }
 
