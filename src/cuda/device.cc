@@ -27,9 +27,9 @@ int device_count() {
   return n;
 }
 
-Status context_failure() {
-  cudaError_t e = cudaPeekAtLastError();
-  if (e == cudaSuccess) e = cudaStreamQuery(nullptr);
+namespace {
+
+bool sticky(cudaError_t e) {
   switch (e) {
     case cudaErrorIllegalAddress:
     case cudaErrorLaunchFailure:
@@ -47,10 +47,21 @@ Status context_failure() {
     case cudaErrorMpsClientTerminated:
     case cudaErrorContextIsDestroyed:
     case cudaErrorDevicesUnavailable:
-      return cuda_status(e, "the CUDA context");
+      return true;
     default:
-      return Status();
+      return false;
   }
+}
+
+}  // namespace
+
+Status context_failure() {
+  // The last error may be an ordinary one (a bad argument) while the context has failed
+  // since: the stream query returns a sticky error whatever came before.
+  for (const cudaError_t e : {cudaPeekAtLastError(), cudaStreamQuery(nullptr)}) {
+    if (sticky(e)) return cuda_status(e, "the CUDA context");
+  }
+  return Status();
 }
 
 void release_device() { (void)cudaDeviceReset(); }
