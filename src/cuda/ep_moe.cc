@@ -334,7 +334,9 @@ Status DeviceEpMoe::run_step(int n, int num_real, int bucket, bool graphs,
     // Exchanges already enqueued must not outlive the step: end their waits, drain.
     const Group& group = ep_->group();
     while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
-      release_waits(other_members(group), ep_moe_detail::now_ns());
+      const int64_t now = ep_moe_detail::now_ns();
+      release_waits(other_members(group), now);
+      check_released_step(now);
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
     (void)reset_after_failed_step();

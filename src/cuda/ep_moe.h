@@ -225,6 +225,7 @@ class DeviceEpMoe {
   // A step still running this long after its waits were released is reported (each
   // second), and at kReleasedStepLimitNs the process ends: a stream that does not drain
   // would hold the rank, and with it the group, for good.
+  void check_released_step(int64_t now_ns);
   static constexpr int64_t kReleasedStepReportNs = 1'000'000'000;
   static constexpr int64_t kReleasedStepLimitNs = 10'000'000'000;
   // Step timing (EpMoeExecutor::timing, a group of more than one member): events on the

@@ -161,6 +161,22 @@ Status DeviceEpMoe::reset_after_failed_step() {
   return s;
 }
 
+void DeviceEpMoe::check_released_step(int64_t now) {
+  StepWatch& w = watch_;
+  if (w.released_ns == 0 || now < w.next_report_ns) return;
+  const int rank = ep_->transport().rank();
+  const int64_t ms = (now - w.released_ns) / 1'000'000;
+  if (now - w.released_ns >= kReleasedStepLimitNs) {
+    FLEX_LOG(ERROR) << "rank " << rank << ": the device has not finished the step " << ms
+                    << " ms after its exchange's waits were released; exiting";
+    std::abort();
+  }
+  FLEX_LOG(WARN) << "rank " << rank << ": the device has not finished the step " << ms
+                 << " ms after its exchange's waits were released (progress "
+                 << *progress_.as<uint64_t>() << ")";
+  w.next_report_ns = now + kReleasedStepReportNs;
+}
+
 void DeviceEpMoe::start_watch() {
   const int64_t now = now_ns();
   watch_ = StepWatch{};
@@ -207,18 +223,7 @@ Status DeviceEpMoe::watch_until(cudaEvent_t done, const Group& group) {
     if (now >= w.deadline_ns) {  // No wait passed for the transport's timeout: end them all.
       release_waits(other_members(group), now);
     }
-    if (w.released_ns != 0 && now >= w.next_report_ns) {
-      const int64_t ms = (now - w.released_ns) / 1'000'000;
-      if (now - w.released_ns >= kReleasedStepLimitNs) {
-        FLEX_LOG(ERROR) << "rank " << transport.rank() << ": the device has not finished the step "
-                        << ms << " ms after its exchange's waits were released; exiting";
-        std::abort();
-      }
-      FLEX_LOG(WARN) << "rank " << transport.rank() << ": the device has not finished the step "
-                     << ms << " ms after its exchange's waits were released (progress " << *progress
-                     << ")";
-      w.next_report_ns = now + kReleasedStepReportNs;
-    }
+    check_released_step(now);
     if (now - start < 1'000'000) {
       std::this_thread::yield();
     } else {
