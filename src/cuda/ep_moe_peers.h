@@ -11,6 +11,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/clock.h"
 #include "cuda/ep_moe.h"
 
 namespace flexpert::cuda::ep_moe_detail {
@@ -22,11 +23,7 @@ enum WindowBuffer { kWindow, kRouteH, kRouteSlot, kY, kRowOfPair, kNumWindowBuff
 constexpr int kWindowBuffer = 1 << 20;
 constexpr int kSlotsBuffer = kWindowBuffer + kNumWindowBuffers;
 
-inline int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+using flexpert::now_ns;
 
 }  // namespace flexpert::cuda::ep_moe_detail
 

@@ -18,6 +18,7 @@
 
 #include "cluster/protocol.h"
 #include "cluster/zmq_socket.h"
+#include "core/clock.h"
 #include "core/mutex.h"
 #include "engine/peer_incarnations.h"
 #include "flexpert/logging.h"
@@ -44,16 +45,6 @@ extern std::atomic<bool> g_leave;      // SIGTERM: a graceful leave (docs/deploy
 
 // A step running longer is reported by the heartbeat thread, again at this interval.
 inline constexpr int64_t kLongStepReportNs = 2'000'000'000;
-
-inline int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-inline double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // FLEXPERT_FAULT=device-lost:RANK:STEPS (tests): the first incarnation of RANK fails its
 // step after STEPS busy steps as a device that failed for good would (Model::device_lost).

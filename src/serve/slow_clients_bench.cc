@@ -14,14 +14,12 @@
 #include <cstring>
 #include <thread>
 
+#include "core/clock.h"
+
 namespace flexpert {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
 
 // `source`: the local address to connect from ("" for any).
 int connect_to(const SlowClientsOptions& o, const std::string& source = "") {

@@ -227,12 +227,6 @@ bool ProcessWatch::ended() const {
   return proc_stat_exiting(stat) && all_tasks_exiting(pid_);
 }
 
-int64_t now_ns() {
-  timespec ts{};
-  ::clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-}
-
 Status peer_liveness(int rank, int32_t pid, const SegmentHeader& header,
                      const ProcessWatch& watch) {
   const std::string who = "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";

@@ -14,6 +14,7 @@
 #include <string_view>
 #include <utility>
 
+#include "core/clock.h"
 #include "flexpert/status.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -141,8 +142,8 @@ struct SegmentHeader;
 // P) shut down" once the peer's segment is closed, "... died" once its process ended.
 Status peer_liveness(int rank, int32_t pid, const SegmentHeader& header, const ProcessWatch& watch);
 
-// CLOCK_MONOTONIC in ns: comparable across processes of one host.
-int64_t now_ns();
+// CLOCK_MONOTONIC in ns (core/clock.h): comparable across processes of one host.
+using flexpert::now_ns;
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/clock.h"
 #include "flexpert/logging.h"
 #include "transport/collective_checks.h"
 
@@ -27,12 +28,6 @@ constexpr int64_t kCloseWaitNs = 200'000'000;  // How long shutdown lets gracefu
 // is still on its way, so a rank that returned from its last collective and shut down at once
 // could take its share of that op with it.
 constexpr int64_t kByeWaitNs = 1'000'000'000;
-
-int64_t now_ns() {
-  timespec ts{};
-  ::clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-}
 
 int64_t env_int(const char* name, int64_t fallback) {
   const char* value = std::getenv(name);
