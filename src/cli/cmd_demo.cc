@@ -158,6 +158,16 @@ void print_report(const nlohmann::json& r) {
                 e["stall_ms"].get<double>(), e["service_gap_ms"].get<double>(),
                 e["failed_requests"].get<int>(), e["rejected_requests"].get<int>(),
                 e["status"].get<std::string>().c_str());
+    if (e.contains("longest_gaps") && !e["longest_gaps"].empty()) {
+      std::string line = "  longest gaps:";
+      for (const auto& g : e["longest_gaps"]) {
+        char buf[96];
+        std::snprintf(buf, sizeof(buf), " %.1f ms (%s-%s)", g["ms"].get<double>(),
+                      g["from"].get<std::string>().c_str(), g["to"].get<std::string>().c_str());
+        line += buf;
+      }
+      std::printf("%s\n", line.c_str());
+    }
   }
 }
 

@@ -23,6 +23,21 @@
 namespace flexpert {
 namespace engine_detail {
 
+namespace {
+
+double step_log_ms(double fallback) {
+  static const double env = [] {
+    const char* v = std::getenv("FLEXPERT_STEP_LOG_MS");
+    return v != nullptr && *v != '\0' ? std::atof(v) : -1.0;
+  }();
+  return env >= 0 ? env : fallback;
+}
+
+}  // namespace
+
+double slow_step_ms() { return step_log_ms(100); }
+double slow_gap_ms() { return step_log_ms(50); }
+
 std::atomic<bool> g_terminate{false};  // SIGINT (and the front end's death): stop now.
 std::atomic<bool> g_leave{false};      // SIGTERM: a graceful leave (docs/deployment.md).
 
@@ -66,7 +81,7 @@ Status Worker::step() {
   const auto header_start = std::chrono::steady_clock::now();
   step_part_.store("its header's all_gather");
   if (!idle_ && last_step_end_ != std::chrono::steady_clock::time_point{}) {
-    if (const double gap = ms_since(last_step_end_); gap > kSlowGapMs) {
+    if (const double gap = ms_since(last_step_end_); gap > slow_gap_ms()) {
       FLEX_LOG(INFO) << "rank " << options_.rank << " epoch " << group_.epoch << ": " << gap
                      << " ms since its last busy step";
     }
@@ -116,10 +131,10 @@ Status Worker::step() {
     scheduler_->complete_step(logits_, tokens_, &events_);
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    if (ms > kSlowStepMs || header_ms > kSlowStepMs || log_this) {
+    if (ms > slow_step_ms() || header_ms > slow_step_ms() || log_this) {
       FLEX_LOG(INFO) << "rank " << options_.rank << " epoch " << group_.epoch << ": a step of "
-                     << header.num_tokens << " tokens (group " << total_tokens << ") took " << ms
-                     << " ms, its header " << header_ms << " ms";
+                     << header.num_tokens << " tokens in " << batch.size() << " rows (group "
+                     << total_tokens << ") took " << ms << " ms, its header " << header_ms << " ms";
     }
     last_step_end_ = std::chrono::steady_clock::now();
     busy_ms_ += ms;

@@ -287,7 +287,7 @@ Status Worker::poll_control(int timeout_ms) {
       report_error(s);
       halted_ = !group_.ranks.empty();
     }
-    if (const double ms = ms_since(t0); ms > kSlowGapMs) {
+    if (const double ms = ms_since(t0); ms > slow_gap_ms()) {
       FLEX_LOG(INFO) << "rank " << options_.rank << ": control message '" << parts.value()[0]
                      << "' took " << ms << " ms";
     }

@@ -31,13 +31,14 @@
 
 namespace flexpert::engine_detail {
 
-// A step (or its header) longer than this is logged, as are the first steps of an epoch:
-// a stall's place in the worker logs.
-inline constexpr double kSlowStepMs = 100;
+// A step (or its header) longer than slow_step_ms() is logged, as are the first steps of an
+// epoch: a stall's place in the worker logs. Between two steps of a busy rank (control
+// messages handled, reports sent), or one control message's handling, longer than
+// slow_gap_ms() is logged: time no token can come. 100 and 50 ms; FLEXPERT_STEP_LOG_MS sets
+// both (a stall hunt: docs/deployment.md).
+double slow_step_ms();
+double slow_gap_ms();
 inline constexpr int kLoggedStepsAfterEpoch = 3;
-// Between two steps of a busy rank (control messages handled, reports sent), or one
-// control message's handling, longer than this is logged: time no token can come.
-inline constexpr double kSlowGapMs = 50;
 
 // Set by run_worker's signal handlers (worker.cc), read by the worker's loop.
 extern std::atomic<bool> g_terminate;  // SIGINT (and the front end's death): stop now.

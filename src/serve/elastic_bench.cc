@@ -9,6 +9,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <mutex>
 #include <sstream>
@@ -36,6 +37,21 @@ struct Totals {
   int completed = 0, failed = 0, rejected = 0, mismatched = 0;
   std::vector<std::string> errors;  // The first few, for the report.
 };
+
+// HH:MM:SS.mmm (local time, as the log lines) of `s` seconds after `wall_t0`.
+std::string wall_clock(std::chrono::system_clock::time_point wall_t0, double s) {
+  const auto t = wall_t0 + std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                               std::chrono::duration<double>(s));
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count();
+  const std::time_t secs = static_cast<std::time_t>(ms / 1000);
+  std::tm tm{};
+  localtime_r(&secs, &tm);
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%02d:%02d:%02d.%03d", tm.tm_hour, tm.tm_min, tm.tm_sec,
+                static_cast<int>(ms % 1000));
+  return buf;
+}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -154,6 +170,7 @@ Result<nlohmann::json> run_elastic(const ElasticRunOptions& o) {
   log("starting " + std::to_string(o.cluster.ranks) + " ranks (" + o.cluster.reconfigure + ")");
   FLEX_ASSIGN_OR_RETURN(std::unique_ptr<ClusterEngine> engine, ClusterEngine::start(o.cluster));
   const auto t0 = Clock::now();
+  const auto wall_t0 = std::chrono::system_clock::now();  // To place gaps in the workers' logs.
   const auto end =
       t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.duration_s));
   Totals totals;
@@ -268,8 +285,21 @@ Result<nlohmann::json> run_elastic(const ElasticRunOptions& o) {
   for (auto& e : events) {
     const double from = e["at_s"], to = e["end_s"];
     double worst = 0, service_gap = 0;
+    std::vector<Gap> near;
     for (const Gap& g : totals.gaps) {
-      if (g.to >= from && g.from <= to) worst = std::max(worst, (g.to - g.from) * 1e3);
+      if (g.to >= from && g.from <= to) {
+        worst = std::max(worst, (g.to - g.from) * 1e3);
+        near.push_back(g);
+      }
+    }
+    // The longest few, at the log's clock (a stall's place in the workers' logs).
+    std::sort(near.begin(), near.end(),
+              [](const Gap& a, const Gap& b) { return a.to - a.from > b.to - b.from; });
+    e["longest_gaps"] = nlohmann::json::array();
+    for (size_t i = 0; i < near.size() && i < 3; ++i) {
+      e["longest_gaps"].push_back({{"ms", (near[i].to - near[i].from) * 1e3},
+                                   {"from", wall_clock(wall_t0, near[i].from)},
+                                   {"to", wall_clock(wall_t0, near[i].to)}});
     }
     for (size_t i = 1; i < all_tokens.size(); ++i) {
       if (all_tokens[i] >= from && all_tokens[i - 1] <= to) {
