@@ -163,6 +163,7 @@ Status CudaQwen3MoeModel::enqueue_attention(Layer& L, int n) {
   float* x = x_.as<float>();
   FLEX_RETURN_IF_ERROR(blas_.linear_norm(dtype_, x, L.input_norm.as<float>(), eps, n, H,
                                          L.w_qkv.data(), qkv_dim, qkv_.as<float>(), h_.data()));
+  host_mark("qkv");
   QkvArgs qa{qkv_.as<float>(),
              n,
              nq,
@@ -180,6 +181,7 @@ Status CudaQwen3MoeModel::enqueue_attention(Layer& L, int n) {
              L.k_cache.data(),
              L.v_cache.data()};
   FLEX_CUDA_TRY(qk_norm_rope_store(dtype_, qa, s));
+  host_mark("rope");
   AttentionArgs aa{q_.data(),
                    L.k_cache.data(),
                    L.v_cache.data(),
@@ -196,8 +198,12 @@ Status CudaQwen3MoeModel::enqueue_attention(Layer& L, int n) {
                    static_cast<int64_t>(attn_split_.num_bytes() / sizeof(float))};
   aa.tiles = attention_tiles_;
   FLEX_CUDA_TRY(attention(dtype_, aa, s));
+  host_mark(aa.tiles ? "attention (tiles)" : "attention");
   // x += attn @ o_proj^T.
-  return blas_.linear(dtype_, attn_.data(), n, q_dim, L.w_o.data(), H, x, /*accumulate=*/true);
+  FLEX_RETURN_IF_ERROR(
+      blas_.linear(dtype_, attn_.data(), n, q_dim, L.w_o.data(), H, x, /*accumulate=*/true));
+  host_mark("o_proj");
+  return Status();
 }
 
 Status CudaQwen3MoeModel::enqueue_mlp(Layer& L, int n) {

@@ -62,6 +62,7 @@ class CudaQwen3MoeModel final : public CudaMoeModel {
   MoeLayer& moe_layer(int layer) override { return layers_[layer]; }
   Status enqueue_step(int num_tokens, int num_rows) override;
   Status enqueue_segment(int seg, int n, int num_rows) override;  // cuda_qwen3_moe_ep.cc
+  Status enqueue_segment_parts(int seg, int n, int num_rows);
   // Parts of enqueue_step: x += attention(x); x += the local MoE or dense MLP of
   // post-norm(x) (normalised into h_ unless a fused kernel takes x itself: the expert-
   // parallel path runs its own RMSNorm for the router).
@@ -74,6 +75,10 @@ class CudaQwen3MoeModel final : public CudaMoeModel {
   DeviceBuffer attn_split_;  // Partial softmaxes of split decode attention (kernels.h).
   // The step being enqueued has chunks of many tokens (AttentionArgs::tiles).
   bool attention_tiles_ = false;
+  // With FLEXPERT_STEP_LOG_MS: the host's time in each call of a segment's enqueue, logged
+  // when the segment took longer than that to enqueue (where a slow step's host time goes).
+  void host_mark(const char* what);
+  std::vector<std::pair<const char*, int64_t>> host_marks_;
 };
 
 }  // namespace flexpert::cuda

@@ -324,7 +324,13 @@ Status DeviceEpMoe::run_step(int n, int num_real, int bucket, bool graphs,
     for (int seg = 0; s.ok() && seg < num_segments; ++seg) {
       if (n > 0) s = run_segment(seg, bucket, capture, enqueue_segment);
       if (s.ok() && seg + 1 < num_segments) {
+        const int64_t t0 = ep_moe_detail::now_ns();
         s = enqueue_device_exchange(seg, n, num_real, bound, ep_->group());
+        if (const double ms = (ep_moe_detail::now_ns() - t0) / 1e6;
+            knobs().step_log_ms >= 0 && ms > knobs().step_log_ms) {
+          FLEX_LOG(INFO) << "rank " << ep_->transport().rank() << ": exchange " << seg
+                         << " enqueued in " << ms << " ms on the host";
+        }
       }
     }
     if (s.ok()) {

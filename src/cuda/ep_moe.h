@@ -231,8 +231,10 @@ class DeviceEpMoe {
   // Step timing (EpMoeExecutor::timing, a group of more than one member): events on the
   // stream around each device exchange's dispatch (publish, wait, gather) and combine (done,
   // wait, combine), 4 per MoE layer: [dispatch start, end, combine start, end]. The segments'
-  // graphs hold none (the exchange runs between them, eagerly). Created at the first timed
-  // step; read once the step has finished (add_exchange_time).
+  // graphs hold none (the exchange runs between them, eagerly); then the step's start and
+  // end (record_exchange_event(-1, .)). Created at the first timed step; read once the step
+  // has finished (add_exchange_time), which also logs a step slower than
+  // FLEXPERT_STEP_LOG_MS with its parts.
   Status start_exchange_timing(const Group& group);
   Status record_exchange_event(int seg, int which);
   Status add_exchange_time();
@@ -289,6 +291,8 @@ class DeviceEpMoe {
   Group mapped_group_;
   uint64_t exchange_index_ = 0;  // Exchanges of this epoch so far.
   bool timed_step_ = false;      // This step records exchange_events_.
+  int64_t timed_start_ns_ = 0;   // A timed step's start and end of enqueueing (host clock).
+  int64_t timed_enqueued_ns_ = 0;
   std::vector<Event> exchange_events_;
   int64_t peer_mappings_ = 0;  // PeerMappings built (map_peer).
   // The weight mover's mappings of peers' slot buffers ([rank], guarded by slots_mu_).

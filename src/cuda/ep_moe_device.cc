@@ -2,6 +2,7 @@
 // DeviceEpMoe: the device exchange of one step (ep_exchange.h's kernels on the model's
 // stream) and its end, watched from the host (ep_moe.h).
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -9,6 +10,7 @@
 
 #include "cuda/ep_moe.h"
 #include "cuda/ep_moe_peers.h"
+#include "cuda/knobs.h"
 #include "flexpert/logging.h"
 
 namespace flexpert::cuda {
@@ -94,32 +96,69 @@ Status DeviceEpMoe::enqueue_device_exchange(int seg, int n, int num_real, int bo
 }
 
 Status DeviceEpMoe::start_exchange_timing(const Group& group) {
-  timed_step_ = ep_->timing() && group.ranks.size() > 1;
-  const size_t needed = 4 * config_.moe_layers.size();
-  if (!timed_step_ || exchange_events_.size() == needed) return Status();
-  exchange_events_.clear();
-  for (size_t i = 0; i < needed; ++i) {
-    FLEX_ASSIGN_OR_RETURN(Event e, Event::create());
-    exchange_events_.push_back(std::move(e));
+  const bool log_slow = knobs().step_log_ms >= 0;
+  timed_step_ = (ep_->timing() || log_slow) && group.ranks.size() > 1;
+  if (!timed_step_) return Status();
+  const size_t needed = 4 * config_.moe_layers.size() + 2;  // And the step's start and end.
+  if (exchange_events_.size() != needed) {
+    exchange_events_.clear();
+    for (size_t i = 0; i < needed; ++i) {
+      FLEX_ASSIGN_OR_RETURN(Event e, Event::create());
+      exchange_events_.push_back(std::move(e));
+    }
   }
-  return Status();
+  timed_start_ns_ = now_ns();
+  return exchange_events_[needed - 2].record(stream_);
 }
 
 Status DeviceEpMoe::record_exchange_event(int seg, int which) {
   if (!timed_step_) return Status();
+  if (seg < 0) {  // The step's end: everything enqueued.
+    timed_enqueued_ns_ = now_ns();
+    return exchange_events_.back().record(stream_);
+  }
   return exchange_events_[4 * static_cast<size_t>(seg) + which].record(stream_);
 }
 
 Status DeviceEpMoe::add_exchange_time() {
   if (!timed_step_) return Status();
   // finish_device_step saw the step's last event complete: every event here has too.
+  const size_t L = config_.moe_layers.size();
   double ms = 0;
-  for (size_t i = 0; i + 1 < exchange_events_.size(); i += 2) {
+  for (size_t i = 0; i + 1 < 4 * L; i += 2) {
     FLEX_ASSIGN_OR_RETURN(float part,
                           Event::elapsed_ms(exchange_events_[i], exchange_events_[i + 1]));
     ms += part;
   }
-  ep_->add_exchange_ms(ms);
+  if (ep_->timing()) ep_->add_exchange_ms(ms);
+  const double limit = knobs().step_log_ms;
+  if (limit < 0) return Status();
+  const Event& begin = exchange_events_[4 * L];
+  FLEX_ASSIGN_OR_RETURN(float total, Event::elapsed_ms(begin, exchange_events_.back()));
+  if (total <= limit) return Status();
+  // Where a slow step went, on this rank's stream: each MoE layer's dense part before its
+  // dispatch, the dispatch (publish, wait for the peers' rows, gather), the local experts,
+  // the combine (done, wait for the peers' results, combine); then the last segment.
+  std::string parts;
+  const Event* prev = &begin;
+  for (size_t l = 0; l < L; ++l) {
+    const Event* e = &exchange_events_[4 * l];
+    float dense = 0, dispatch = 0, experts = 0, combine = 0;
+    FLEX_ASSIGN_OR_RETURN(dense, Event::elapsed_ms(*prev, e[0]));
+    FLEX_ASSIGN_OR_RETURN(dispatch, Event::elapsed_ms(e[0], e[1]));
+    FLEX_ASSIGN_OR_RETURN(experts, Event::elapsed_ms(e[1], e[2]));
+    FLEX_ASSIGN_OR_RETURN(combine, Event::elapsed_ms(e[2], e[3]));
+    char buf[160];
+    std::snprintf(buf, sizeof(buf),
+                  " | layer %d: dense %.2f, dispatch %.2f, experts %.2f, combine %.2f",
+                  config_.moe_layers[l], dense, dispatch, experts, combine);
+    parts += buf;
+    prev = &e[3];
+  }
+  FLEX_ASSIGN_OR_RETURN(float tail, Event::elapsed_ms(*prev, exchange_events_.back()));
+  FLEX_LOG(INFO) << "rank " << ep_->transport().rank() << ": a device step of " << total
+                 << " ms (enqueued in " << (timed_enqueued_ns_ - timed_start_ns_) / 1e6
+                 << " ms on the host)" << parts << " | last segment " << tail;
   return Status();
 }
 
@@ -236,6 +275,7 @@ Status DeviceEpMoe::finish_device_step(const Group& group) {
   Transport& transport = ep_->transport();
   FLEX_CUDA_TRY(cudaMemcpyAsync(status_host_.data(), status_.data(), sizeof(EpStatus),
                                 cudaMemcpyDeviceToHost, stream_));
+  FLEX_RETURN_IF_ERROR(record_exchange_event(-1, 0));
   FLEX_RETURN_IF_ERROR(step_done_.record(stream_));
   const int64_t t0 = now_ns();
   FLEX_RETURN_IF_ERROR(watch_until(step_done_.get(), group));

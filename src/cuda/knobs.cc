@@ -36,6 +36,9 @@ const Knobs& knobs() {
     r.no_fp8_wgmma = on("FLEXPERT_NO_FP8_WGMMA");
     r.ep_kernel_waits = on("FLEXPERT_EP_KERNEL_WAITS");
     r.gemm_max_ctas = integer("FLEXPERT_GEMM_MAX_CTAS");
+    if (const char* v = std::getenv("FLEXPERT_STEP_LOG_MS"); v != nullptr && v[0] != '\0') {
+      r.step_log_ms = std::atof(v);
+    }
     return r;
   }();
   return k;

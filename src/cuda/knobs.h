@@ -35,6 +35,10 @@ struct Knobs {
   // Tests: FLEXPERT_GEMM_MAX_CTAS=N caps the persistent GEMM grid at N CTAs (several
   // units per CTA on a small problem); 0: the SM count.
   int gemm_max_ctas = 0;
+  // FLEXPERT_STEP_LOG_MS=N (the worker's slow-step threshold, docs/deployment.md): an
+  // expert-parallel step whose device time exceeds N ms logs where it went (CUDA events
+  // around each exchange); -1 (unset): none.
+  double step_log_ms = -1;
 };
 
 const Knobs& knobs();

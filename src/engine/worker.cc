@@ -73,6 +73,7 @@ Status Worker::step() {
   const std::vector<SequenceChunk>& batch = scheduler_->build_step();
   StepHeader header;
   for (const auto& chunk : batch) header.num_tokens += static_cast<uint32_t>(chunk.tokens.size());
+  const size_t rows = batch.size();  // For the log: complete_step clears the batch.
   header.stopping = stopping_ ? 1 : 0;
   header.acked_epoch = has_pending_ ? pending_.epoch : group_.epoch;
   header.acked_map = has_pending_map_ ? pending_map_.version : map_version_;
@@ -133,7 +134,7 @@ Status Worker::step() {
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (ms > slow_step_ms() || header_ms > slow_step_ms() || log_this) {
       FLEX_LOG(INFO) << "rank " << options_.rank << " epoch " << group_.epoch << ": a step of "
-                     << header.num_tokens << " tokens in " << batch.size() << " rows (group "
+                     << header.num_tokens << " tokens in " << rows << " rows (group "
                      << total_tokens << ") took " << ms << " ms, its header " << header_ms << " ms";
     }
     last_step_end_ = std::chrono::steady_clock::now();

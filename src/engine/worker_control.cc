@@ -186,6 +186,7 @@ Status Worker::connect_peers(const proto::ConnectCommand& cmd) {
     MutexLock lock(heartbeat_mutex_);
     peer_incarnations_.attach(cmd);
   }
+  const auto t0 = std::chrono::steady_clock::now();
   for (size_t i = 0; i < cmd.ranks.size(); ++i) {
     const int r = cmd.ranks[i];
     if (r == options_.rank) continue;
@@ -195,6 +196,7 @@ Status Worker::connect_peers(const proto::ConnectCommand& cmd) {
     }
     FLEX_RETURN_IF_ERROR(transport_->connect(r, cmd.addresses[i]));
   }
+  const double connect_ms = ms_since(t0);
   // Every connect before any probe: a probe may wait until the peer has connected back (over
   // UCX it needs the peer's region announcement), and a member answers its own command only
   // between steps, which wait on the members still probing. Probing as each connect is made
@@ -206,6 +208,10 @@ Status Worker::connect_peers(const proto::ConnectCommand& cmd) {
     char probe[64];
     FLEX_RETURN_IF_ERROR(
         transport_->read(r, cmd.probe_region, 0, probe, sizeof(probe)).annotate("probe"));
+  }
+  if (const double ms = ms_since(t0); ms > slow_gap_ms()) {
+    FLEX_LOG(INFO) << "rank " << options_.rank << ": connect: transport " << connect_ms
+                   << " ms, probes " << ms - connect_ms << " ms";
   }
   return Status();
 }
