@@ -1,8 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "cuda/blas.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "cuda/kernels.h"
@@ -25,6 +29,19 @@ Status cublas_status(cublasStatus_t status, const char* what) {
   return internal_error(std::move(msg));
 }
 
+struct Blas::Lt {
+  // (in dtype, out dtype, n, k, rows rounded up to a power of two, beta != 0, the
+  // pointers' common alignment) -> the algorithm, or none (nullopt: cublasGemmEx).
+  using Key = std::tuple<int, int, int64_t, int64_t, int64_t, bool, int>;
+  cublasLtHandle_t handle = nullptr;
+  std::map<Key, std::optional<cublasLtMatmulAlgo_t>> algos;
+  ~Lt() {
+    if (handle != nullptr) (void)cublasLtDestroy(handle);
+  }
+};
+
+Blas::Blas() = default;
+
 Blas::~Blas() {
   if (handle_ != nullptr) (void)cublasDestroy(handle_);
 }
@@ -32,7 +49,8 @@ Blas::~Blas() {
 Blas::Blas(Blas&& o) noexcept
     : handle_(std::exchange(o.handle_, nullptr)),
       stream_(o.stream_),
-      workspace_(std::move(o.workspace_)) {}
+      workspace_(std::move(o.workspace_)),
+      lt_(std::move(o.lt_)) {}
 
 Blas& Blas::operator=(Blas&& o) noexcept {
   if (this != &o) {
@@ -40,6 +58,7 @@ Blas& Blas::operator=(Blas&& o) noexcept {
     handle_ = std::exchange(o.handle_, nullptr);
     stream_ = o.stream_;
     workspace_ = std::move(o.workspace_);
+    lt_ = std::move(o.lt_);
   }
   return *this;
 }
@@ -52,7 +71,103 @@ Result<Blas> Blas::create(cudaStream_t stream) {
   FLEX_ASSIGN_OR_RETURN(b.workspace_, DeviceBuffer::create(kWorkspaceBytes));
   FLEX_CUBLAS_TRY(cublasSetWorkspace(b.handle_, b.workspace_.data(), b.workspace_.num_bytes()));
   FLEX_CUBLAS_TRY(cublasSetMathMode(b.handle_, CUBLAS_DEFAULT_MATH));
+  b.lt_ = std::make_unique<Lt>();
+  FLEX_CUBLAS_TRY(cublasLtCreate(&b.lt_->handle));
   return b;
+}
+
+namespace {
+
+// The largest power of two (at most 256) dividing the address.
+int alignment(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  int align = 256;
+  while (align > 1 && a % static_cast<uintptr_t>(align) != 0) align /= 2;
+  return align;
+}
+
+// cuBLASLt objects freed at scope exit.
+struct LtObjects {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~LtObjects() {
+    if (pref != nullptr) (void)cublasLtMatmulPreferenceDestroy(pref);
+    if (c != nullptr) (void)cublasLtMatrixLayoutDestroy(c);
+    if (b != nullptr) (void)cublasLtMatrixLayoutDestroy(b);
+    if (a != nullptr) (void)cublasLtMatrixLayoutDestroy(a);
+    if (desc != nullptr) (void)cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+int64_t next_pow2(int64_t m) {
+  int64_t p = 1;
+  while (p < m) p *= 2;
+  return p;
+}
+
+}  // namespace
+
+Result<bool> Blas::gemm_lt(DType in_dtype, const void* x, int64_t m, int64_t k, const void* w,
+                           int64_t n, DType out_dtype, void* y, float alpha, float beta) {
+  if (lt_ == nullptr) return false;
+  const int align = std::min({alignment(x), alignment(w), alignment(y)});
+  const Lt::Key key{static_cast<int>(in_dtype),
+                    static_cast<int>(out_dtype),
+                    n,
+                    k,
+                    next_pow2(m),
+                    beta != 0.f,
+                    align};
+  const cublasComputeType_t compute =
+      in_dtype == DType::kF32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
+  // As gemm_nt: y^T[n, m] = w^T (A: [k, n] column-major, transposed) x^T (B: [k, m]).
+  auto describe = [&](int64_t rows, LtObjects* o) -> Status {
+    FLEX_CUBLAS_TRY(cublasLtMatmulDescCreate(&o->desc, compute, CUDA_R_32F));
+    const cublasOperation_t t = CUBLAS_OP_T, nt = CUBLAS_OP_N;
+    FLEX_CUBLAS_TRY(
+        cublasLtMatmulDescSetAttribute(o->desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
+    FLEX_CUBLAS_TRY(
+        cublasLtMatmulDescSetAttribute(o->desc, CUBLASLT_MATMUL_DESC_TRANSB, &nt, sizeof(nt)));
+    FLEX_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&o->a, to_cuda(in_dtype), k, n, k));
+    FLEX_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&o->b, to_cuda(in_dtype), k, rows, k));
+    FLEX_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&o->c, to_cuda(out_dtype), n, rows, n));
+    return Status();
+  };
+  auto it = lt_->algos.find(key);
+  if (it == lt_->algos.end()) {
+    LtObjects o;
+    FLEX_RETURN_IF_ERROR(describe(std::get<4>(key), &o));
+    FLEX_CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&o.pref));
+    const uint64_t ws = workspace_.num_bytes();
+    FLEX_CUBLAS_TRY(cublasLtMatmulPreferenceSetAttribute(
+        o.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    const uint32_t a32 = static_cast<uint32_t>(align);
+    for (auto attr :
+         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+      FLEX_CUBLAS_TRY(cublasLtMatmulPreferenceSetAttribute(o.pref, attr, &a32, sizeof(a32)));
+    }
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_->handle, o.desc, o.a, o.b, o.c,
+                                                             o.c, o.pref, 1, &result, &found);
+    std::optional<cublasLtMatmulAlgo_t> algo;
+    if (st == CUBLAS_STATUS_SUCCESS && found > 0) algo = result.algo;
+    it = lt_->algos.emplace(key, algo).first;
+  }
+  if (!it->second.has_value()) return false;
+  LtObjects o;
+  FLEX_RETURN_IF_ERROR(describe(m, &o));
+  const cublasStatus_t st =
+      cublasLtMatmul(lt_->handle, o.desc, &alpha, w, o.a, x, o.b, &beta, y, o.c, y, o.c,
+                     &*it->second, workspace_.data(), workspace_.num_bytes(), stream_);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {
+    it->second.reset();  // Not for these rows after all: cublasGemmEx from now on.
+    return false;
+  }
+  FLEX_CUBLAS_TRY(st);
+  return true;
 }
 
 Status Blas::gemm_nt(DType in_dtype, const void* x, int64_t m, int64_t k, const void* w, int64_t n,
@@ -60,6 +175,11 @@ Status Blas::gemm_nt(DType in_dtype, const void* x, int64_t m, int64_t k, const 
   if (m == 0 || n == 0) return Status();
   // Row-major y[m, n] = x[m, k] w[n, k]^T is column-major y^T[n, m] = w^T x^T:
   // A = w viewed column-major [k, n] (op T), B = x viewed column-major [k, m].
+  if ((m & (m - 1)) != 0) {
+    FLEX_ASSIGN_OR_RETURN(const bool done,
+                          gemm_lt(in_dtype, x, m, k, w, n, out_dtype, y, alpha, beta));
+    if (done) return Status();
+  }
   const cublasComputeType_t compute =
       in_dtype == DType::kF32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
   FLEX_CUBLAS_TRY(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),

@@ -1,6 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // Blas: a cuBLAS handle bound to one stream, with the one GEMM shape the model uses.
 //
+// Row counts that are powers of two (the decode buckets, which graphs capture) go through
+// cublasGemmEx; any other (prefill pieces) through cuBLASLt with the algorithm chosen once
+// for the next power of two and kept: cublasGemmEx's choice for a row count it has not seen
+// took 2-4 ms of host time per call on an H200 under MPS, a step's worth, each time a new
+// prefill length came (docs/benchmarks.md, "Losing a rank").
+//
 // gemm_nt computes y[m, n] = alpha * x[m, k] @ w[n, k]^T + beta * y (row-major, as
 // the checkpoint stores linear weights) with f32 accumulation: x and w in F32 or
 // BF16, y in F32 or BF16. F32 inputs run in strict f32 (no TF32). The handle owns
@@ -8,9 +14,11 @@
 // never synchronises. Not thread-safe.
 #pragma once
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 
 #include <cstdint>
+#include <memory>
 
 #include "cuda/device.h"
 #include "flexpert/dtype.h"
@@ -22,7 +30,7 @@ Status cublas_status(cublasStatus_t status, const char* what);
 
 class Blas {
  public:
-  Blas() = default;
+  Blas();
   ~Blas();
   Blas(Blas&& o) noexcept;
   Blas& operator=(Blas&& o) noexcept;
@@ -75,9 +83,15 @@ class Blas {
                        int64_t n, float* y, bool accumulate, void* act);
 
  private:
+  struct Lt;  // cuBLASLt's handle and the algorithms chosen per shape (blas.cc).
+  // The cuBLASLt path (above); false: that shape has no algorithm there (gemm_nt falls back).
+  Result<bool> gemm_lt(DType in_dtype, const void* x, int64_t m, int64_t k, const void* w,
+                       int64_t n, DType out_dtype, void* y, float alpha, float beta);
+
   cublasHandle_t handle_ = nullptr;
   cudaStream_t stream_ = nullptr;
   DeviceBuffer workspace_;
+  std::unique_ptr<Lt> lt_;
 };
 
 }  // namespace flexpert::cuda

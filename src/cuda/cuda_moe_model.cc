@@ -509,6 +509,33 @@ Status CudaMoeModel::warm_up() {
     FLEX_RETURN_IF_ERROR(stream_.synchronize());  // host_in_ is refilled next.
     if (!use_graphs_ || (ep_ && ep_moe_->graphs_failed())) break;
   }
+  return warm_up_prefill();
+}
+
+// A prefill piece of each token count just past a power of two (3, 5, 9, ...), as one
+// sequence in the spare KV slot, eagerly (each segment on its own when expert parallel): the
+// dense projections' cuBLASLt algorithms are chosen here, one per power of two (Blas),
+// rather than in the first step of each new length, which the whole group waits for.
+Status CudaMoeModel::warm_up_prefill() {
+  const int limit = std::min(max_step_tokens_, max_seq_len_);
+  for (int m = 3; m <= limit; m = 2 * m - 1) {
+    SequenceChunk chunk;
+    chunk.kv_slot = max_sequences_;
+    chunk.tokens.assign(static_cast<size_t>(m), 0);
+    FLEX_RETURN_IF_ERROR(fill_step_inputs({chunk}, 0, max_step_tokens_, max_rows_, max_sequences_,
+                                          host_in_.as<int32_t>())
+                             .status());
+    // No real token (as the decode buckets' padding): no slot statistics.
+    host_in_.as<int32_t>()[3 * static_cast<size_t>(max_step_tokens_) + max_rows_] = 0;
+    FLEX_RETURN_IF_ERROR(upload_inputs(m, 1));
+    if (ep_) {
+      const int segments = ep_moe_->num_segments();
+      for (int seg = 0; seg < segments; ++seg) FLEX_RETURN_IF_ERROR(enqueue_segment(seg, m, 1));
+    } else {
+      FLEX_RETURN_IF_ERROR(enqueue_step(m, 1));
+    }
+    FLEX_RETURN_IF_ERROR(stream_.synchronize());
+  }
   return Status();
 }
 

@@ -146,6 +146,7 @@ class CudaMoeModel : public Model {
   struct SampleArgsLayout;
   Status validate(const std::vector<SequenceChunk>& batch) const;
   Status upload_inputs(int num_tokens, int num_rows);
+  Status warm_up_prefill();  // warm_up's second part: prefill lengths.
   Status download(int rows, const int* batch_row, const StepOut& out);
   Status run(const std::vector<SequenceChunk>& batch, Tensor* logits,
              const std::vector<RowOutput>* spec, std::vector<int32_t>* tokens);

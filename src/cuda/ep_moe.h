@@ -127,6 +127,8 @@ class DeviceEpMoe {
   Status run_step(int num_tokens, int num_real, int bucket, bool graphs,
                   const std::function<Status(int seg)>& enqueue_segment);
 
+  // Segments of a step: one per MoE layer and the last (the head).
+  int num_segments() const { return static_cast<int>(config_.moe_layers.size()) + 1; }
   // Captures the segment graphs of one decode bucket now, alone (after one eager pass
   // over the segments): the inputs are the model's (padding rows), no exchange runs.
   Status warm_up(int bucket, const std::function<Status(int seg)>& enqueue_segment);

@@ -72,29 +72,30 @@ Result<bool> DeviceEpMoe::copy_mapped_slot(int layer, int src_rank, size_t offse
     if (src_rank < 0 || src_rank >= static_cast<int>(slot_maps_.size())) {
       return invalid_argument("rank " + std::to_string(src_rank) + " out of range");
     }
-    // Mapping a layer's slot buffer holds this process's CUDA context, and with it the
-    // stepping thread's launches, for as long as it takes: ~19 us per MB across GPUs (H200 x2:
-    // 1.2 GB for a Qwen3-30B-A3B layer, a 21 ms step in a rebalance), ~7 us per MB on the
-    // same GPU under MPS (H200: steps of 9-10 ms while a scale-down's survivors mapped the
-    // leavers' slots). A serving rank therefore maps none: a slot not mapped yet comes from
-    // the host mirrors (Unimplemented below). A joiner, not serving yet, maps them while it
-    // prepares, and keeps those mappings. Slots of a rank on another host are never mapped
-    // (hier answers Unimplemented): the host mirrors, read over the network, or a read of
-    // the device memory (direct_reads_).
-    const MapMode mode = stepped_.load() ? MapMode::kLookup : MapMode::kMap;
+    // Mapping a layer's slots of another GPU takes ~19 us per MB of the buffer (H200 x2:
+    // 1.2 GB for a Qwen3-30B-A3B layer), and the driver holds this process's stepping
+    // thread meanwhile (a 21 ms step in a rebalance): a serving rank takes the host
+    // mirrors instead (the transport answers Unimplemented). A joiner, not serving yet, maps
+    // them while it prepares. Slots of a rank on another host are never mapped (hier answers
+    // Unimplemented): the host mirrors, read over the network. On the same GPU under MPS a
+    // mapping holds the stepping thread too (H200: steps of 9-10 ms while a 4 -> 2
+    // scale-down's survivors mapped the leavers' slots), but the host mirrors measured worse
+    // there (a 74-80 ms stall, unmapping the mirrors' touched pages; docs/benchmarks.md,
+    // "Losing a rank"), so a serving rank still maps its own GPU's.
+    const MapMode mode = stepped_.load() ? MapMode::kMapSameDevice : MapMode::kMap;
     Result<PeerBuffer> mapped = transport.map_peer_buffer(src_rank, kSlotsBuffer + layer, mode);
     if (!mapped.ok()) {
-      if (mapped.status().code() == StatusCode::kUnimplemented && direct_reads_) return false;
+      if (mapped.status().code() == StatusCode::kUnimplemented && direct_reads_ &&
+          !transport.map_peer_buffer(src_rank, kSlotsBuffer + layer, MapMode::kLookup).ok()) {
+        // kLookup refused too: another host, not a same-host GPU that kMapSameDevice declined.
+        return false;
+      }
       if (mapped.status().code() == StatusCode::kUnimplemented) {
         return unimplemented("rank " + std::to_string(src_rank) + "'s slots of layer " +
                              std::to_string(layer) + " are not mapped (" +
                              mapped.status().message() + ")");
       }
       return mapped.status().annotate("slot buffers of rank " + std::to_string(src_rank));
-    }
-    if (mapped->data == nullptr) {  // A rank of this host: its host mirrors.
-      return unimplemented("rank " + std::to_string(src_rank) + "'s slots of layer " +
-                           std::to_string(layer) + " are not mapped, and a serving rank maps none");
     }
     const size_t buffer_bytes = slot_buffer_bytes();
     if (mapped->num_bytes != buffer_bytes) {

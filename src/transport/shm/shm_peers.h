@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/release_later.h"
 #include "flexpert/status.h"
 #include "transport/shm/shm_protocol.h"
 #include "transport/transport.h"
@@ -27,7 +28,8 @@ namespace flexpert::shm {
 // Transport::connect: checks `peer` and `address`, then attaches it with attach() (returning
 // Result<std::shared_ptr<PeerT>>) unless it is this rank at its own address or a peer attached
 // at `address` already (idempotent). A new address (another incarnation of that rank id)
-// replaces the old attachment, which is released outside the lock (or by a read() in flight).
+// replaces the old attachment, which is released on release_later's thread (or by a read() in
+// flight): unmapping a peer's segments whose pages were touched takes milliseconds per 100 MB.
 template <typename PeerT, typename Attach>
 Status connect_peer(const TransportOptions& options, bool shut_down, const std::string& own_address,
                     std::mutex& mu, std::vector<std::shared_ptr<PeerT>>& peers, int peer,
@@ -44,15 +46,18 @@ Status connect_peer(const TransportOptions& options, bool shut_down, const std::
   }
   if (peers[peer] != nullptr && peers[peer]->address == address) return Status();
   FLEX_ASSIGN_OR_RETURN(std::shared_ptr<PeerT> p, attach());
-  std::shared_ptr<PeerT> dropped;  // Declared before the lock: released after it.
-  std::lock_guard<std::mutex> lock(mu);
-  dropped = std::move(peers[peer]);
-  peers[peer] = std::move(p);
+  std::shared_ptr<PeerT> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    dropped = std::move(peers[peer]);
+    peers[peer] = std::move(p);
+  }
+  release_later(std::move(dropped));
   return Status();
 }
 
-// Transport::disconnect: drops `peer`'s attachment (released outside the lock, or by a read()
-// in flight). InvalidArgument for this rank or a rank out of range.
+// Transport::disconnect: drops `peer`'s attachment (released on release_later's thread, or
+// by a read() in flight). InvalidArgument for this rank or a rank out of range.
 template <typename PeerT>
 Status disconnect_peer(const TransportOptions& options, std::mutex& mu,
                        std::vector<std::shared_ptr<PeerT>>& peers, int peer) {
@@ -60,8 +65,11 @@ Status disconnect_peer(const TransportOptions& options, std::mutex& mu,
     return invalid_argument("disconnect: bad peer rank " + std::to_string(peer));
   }
   std::shared_ptr<PeerT> dropped;
-  std::lock_guard<std::mutex> lock(mu);
-  if (!peers.empty()) dropped = std::move(peers[peer]);  // Empty after shutdown.
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!peers.empty()) dropped = std::move(peers[peer]);  // Empty after shutdown.
+  }
+  release_later(std::move(dropped));
   return Status();
 }
 
