@@ -2,6 +2,7 @@
 #include "cuda/blas.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstdlib>
 #include <map>
 #include <optional>
@@ -100,12 +101,6 @@ struct LtObjects {
   }
 };
 
-int64_t next_pow2(int64_t m) {
-  int64_t p = 1;
-  while (p < m) p *= 2;
-  return p;
-}
-
 }  // namespace
 
 Result<bool> Blas::gemm_lt(DType in_dtype, const void* x, int64_t m, int64_t k, const void* w,
@@ -116,7 +111,7 @@ Result<bool> Blas::gemm_lt(DType in_dtype, const void* x, int64_t m, int64_t k, 
                     static_cast<int>(out_dtype),
                     n,
                     k,
-                    next_pow2(m),
+                    static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(m))),
                     beta != 0.f,
                     align};
   const cublasComputeType_t compute =
@@ -175,7 +170,7 @@ Status Blas::gemm_nt(DType in_dtype, const void* x, int64_t m, int64_t k, const 
   if (m == 0 || n == 0) return Status();
   // Row-major y[m, n] = x[m, k] w[n, k]^T is column-major y^T[n, m] = w^T x^T:
   // A = w viewed column-major [k, n] (op T), B = x viewed column-major [k, m].
-  if ((m & (m - 1)) != 0) {
+  if (!std::has_single_bit(static_cast<uint64_t>(m))) {  // m > 0 here.
     FLEX_ASSIGN_OR_RETURN(const bool done,
                           gemm_lt(in_dtype, x, m, k, w, n, out_dtype, y, alpha, beta));
     if (done) return Status();
