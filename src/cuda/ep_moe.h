@@ -144,8 +144,8 @@ class DeviceEpMoe {
   // mover's thread: it maps peers' slot buffers through the transport (registered at load),
   // holding them apart from the step's mappings; a departed rank's
   // are released at the next epoch's map_peers. Unimplemented (the caller copies through
-  // the host mirrors) for a layer of a rank on another GPU not mapped yet once this rank
-  // serves: mapping it would hold the serving thread (see stepped_). A rank on another host
+  // the host mirrors) for a layer of another rank not mapped yet once this rank serves:
+  // mapping it would hold the serving thread (see stepped_). A rank on another host
   // (never mapped): read() through the transport straight into `dst` where it has
   // capabilities().device_buffer_reads (a CUDA-aware UCX), else Unimplemented; such a read
   // holds no lock that map_peers takes, and fails Aborted when an epoch change's map_peers
@@ -305,7 +305,7 @@ class DeviceEpMoe {
   // fails (copy_slot).
   uint64_t slots_generation_ = 0;
   // Set by the stepping thread once this rank serves: from then on copy_slot maps no slot
-  // buffer of another GPU (the host mirrors carry those copies).
+  // buffer of another rank (the host mirrors carry those copies).
   std::atomic<bool> stepped_{false};
   std::vector<std::unique_ptr<SlotMapping>> slot_maps_;
   // Departed ranks' mappings, closed by closer_ (started at the first) once the owner's

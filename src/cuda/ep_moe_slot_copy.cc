@@ -72,30 +72,30 @@ Result<bool> DeviceEpMoe::copy_mapped_slot(int layer, int src_rank, size_t offse
     if (src_rank < 0 || src_rank >= static_cast<int>(slot_maps_.size())) {
       return invalid_argument("rank " + std::to_string(src_rank) + " out of range");
     }
-    // Mapping a layer's slots of another GPU takes ~19 us per MB of the buffer (H200 x2:
-    // 1.2 GB for a Qwen3-30B-A3B layer), and the driver holds this process's stepping
-    // thread meanwhile (a 21 ms step in a rebalance): a serving rank takes the host
-    // mirrors instead (the transport answers Unimplemented). A joiner, not serving yet, maps
-    // them while it prepares. Slots of a rank on another host are never mapped (hier answers
-    // Unimplemented): the host mirrors, read over the network. On the same GPU under MPS a
-    // mapping holds the stepping thread too (H200: steps of 9-10 ms while a 4 -> 2
-    // scale-down's survivors mapped the leavers' slots), but the host mirrors measured worse
-    // there (a 74-80 ms stall, unmapping the mirrors' touched pages; docs/benchmarks.md,
-    // "Losing a rank"), so a serving rank still maps its own GPU's.
-    const MapMode mode = stepped_.load() ? MapMode::kMapSameDevice : MapMode::kMap;
+    // Mapping a layer's slots of another process takes ~19 us per MB of the buffer across
+    // GPUs (H200 x2: 1.2 GB for a Qwen3-30B-A3B layer) and ~8 us on the same GPU under MPS,
+    // and the driver holds this process's stepping thread meanwhile (H200, 4 -> 2: a
+    // survivor mapping the leavers' slots stalled the group 11-23 ms). A serving rank maps
+    // none: it copies from a buffer mapped before (a joiner maps them while it prepares)
+    // or answers Unimplemented, and the caller copies through the host mirrors (that stall
+    // 1.3-2.3 ms; docs/benchmarks.md, "Losing a rank"). Slots of a rank on another host are
+    // never mapped (hier answers Unimplemented): a device read over the transport where it
+    // has them, else the host mirrors, read over the network.
+    const MapMode mode = stepped_.load() ? MapMode::kLookup : MapMode::kMap;
     Result<PeerBuffer> mapped = transport.map_peer_buffer(src_rank, kSlotsBuffer + layer, mode);
     if (!mapped.ok()) {
-      if (mapped.status().code() == StatusCode::kUnimplemented && direct_reads_ &&
-          !transport.map_peer_buffer(src_rank, kSlotsBuffer + layer, MapMode::kLookup).ok()) {
-        // kLookup refused too: another host, not a same-host GPU that kMapSameDevice declined.
-        return false;
+      if (mapped.status().code() != StatusCode::kUnimplemented) {
+        return mapped.status().annotate("slot buffers of rank " + std::to_string(src_rank));
       }
-      if (mapped.status().code() == StatusCode::kUnimplemented) {
-        return unimplemented("rank " + std::to_string(src_rank) + "'s slots of layer " +
-                             std::to_string(layer) + " are not mapped (" +
-                             mapped.status().message() + ")");
-      }
-      return mapped.status().annotate("slot buffers of rank " + std::to_string(src_rank));
+      if (direct_reads_) return false;  // Another host: read() into `dst`.
+      return unimplemented("rank " + std::to_string(src_rank) + "'s slots of layer " +
+                           std::to_string(layer) + " are not mappable (" +
+                           mapped.status().message() + ")");
+    }
+    if (mapped->data == nullptr) {  // kLookup: not mapped yet, and this rank serves.
+      return unimplemented("rank " + std::to_string(src_rank) + "'s slots of layer " +
+                           std::to_string(layer) + " are not mapped, and a serving rank maps " +
+                           "none");
     }
     const size_t buffer_bytes = slot_buffer_bytes();
     if (mapped->num_bytes != buffer_bytes) {

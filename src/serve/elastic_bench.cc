@@ -20,6 +20,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// An event's token gaps are those within this long after it (or until it ended, if later).
+constexpr double kEventWindowS = 3.0;
+
 double seconds(Clock::time_point t0, Clock::time_point t) {
   return std::chrono::duration<double>(t - t0).count();
 }
@@ -282,8 +285,15 @@ Result<nlohmann::json> run_elastic(const ElasticRunOptions& o) {
   // Service gap: the longest time without any token from the whole group.
   std::vector<double> all_tokens = totals.token_times;
   std::sort(all_tokens.begin(), all_tokens.end());
-  for (auto& e : events) {
-    const double from = e["at_s"], to = e["end_s"];
+  for (size_t i = 0; i < events.size(); ++i) {
+    nlohmann::json& e = events[i];
+    // From the event to 3 s after it or its end, whichever is later (what follows a commit,
+    // a leaver's disconnect, counts too), but not into the next event.
+    const double from = e["at_s"];
+    double to = std::max(e["end_s"].get<double>(), from + kEventWindowS);
+    if (i + 1 < events.size()) to = std::min(to, events[i + 1]["at_s"].get<double>());
+    to = std::max(to, e["end_s"].get<double>());
+    e["window_end_s"] = to;
     double worst = 0, service_gap = 0;
     std::vector<Gap> near;
     for (const Gap& g : totals.gaps) {

@@ -101,9 +101,8 @@ struct PeerBuffer {
 
 // What map_peer_buffer() may do to get a buffer not mapped yet.
 enum class MapMode {
-  kMap,            // Map it (across GPUs that takes milliseconds, and holds the CUDA context).
-  kMapSameDevice,  // Map it only when it is this rank's GPU (or this process): Unimplemented else.
-  kLookup,         // Never map: a buffer not mapped yet comes back with data == nullptr.
+  kMap,     // Map it (milliseconds a GB, on one GPU too; it holds the process's CUDA context).
+  kLookup,  // Never map: a buffer not mapped yet comes back with data == nullptr.
 };
 
 // A contiguous byte range; what a collective sends or received.

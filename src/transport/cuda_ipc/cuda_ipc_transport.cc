@@ -316,11 +316,6 @@ Result<std::shared_ptr<const CudaIpcTransport::RegionView>> CudaIpcTransport::pe
     if (entry->published.load(std::memory_order_acquire) == 0) break;
     if (entry->region_id != region_id) continue;
     if (mode == MapMode::kLookup && !same_process) return std::shared_ptr<const RegionView>();
-    if (mode == MapMode::kMapSameDevice && !same_process &&
-        std::strncmp(p.info->pci_bus_id, layout_.info(base_)->pci_bus_id,
-                     sizeof(p.info->pci_bus_id)) != 0) {
-      return unimplemented(what + ": on another GPU (" + p.info->pci_bus_id + ") and not mapped");
-    }
     auto view = std::make_shared<RegionView>();
     view->num_bytes = entry->num_bytes;
     if (same_process) {
