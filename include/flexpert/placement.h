@@ -24,6 +24,12 @@ namespace flexpert {
 int expert_slots_per_rank(int num_experts, int extra_replicas, int ranks, int min_ranks,
                           int spare_slots);
 
+// The replicas every expert keeps in a group of `members` ranks of `slots_per_rank` slots
+// when the operator asked for none (`--min-replicas auto`): two where the members' slots
+// beside `spare_slots` each hold every expert twice (slots sized for fewer ranks than
+// serve: a loss then reloads nothing), else one. Never more than `members`.
+int auto_min_replicas(int num_experts, int members, int slots_per_rank, int spare_slots);
+
 class ExpertPlacement {
  public:
   static constexpr int kFreeSlot = -1;

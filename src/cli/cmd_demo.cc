@@ -107,9 +107,7 @@ Result<ElasticRunOptions> scenario(const Flags& flags) {
     return invalid_argument("need 0 <= --spare-ranks <= --max-ranks - --ranks");
   }
   o.cluster.spare_ranks = static_cast<int>(spare_ranks);
-  FLEX_ASSIGN_OR_RETURN(int64_t min_replicas, flags.integer("min-replicas"));
-  if (min_replicas < 1) return invalid_argument("need --min-replicas >= 1");
-  o.cluster.min_replicas = static_cast<int>(min_replicas);
+  FLEX_ASSIGN_OR_RETURN(o.cluster.min_replicas, min_replicas_flag(flags));
   o.cluster.threads_per_worker = 1;
   o.cluster.transport_timeout_ms = 5000;
   o.concurrency = static_cast<int>(concurrency);
@@ -199,7 +197,7 @@ void common_flags(Flags& flags, const char* events, const char* duration) {
              "smallest group the slots are sized for (= --ranks: a killed rank's experts do "
              "not fit on the survivors, so a replacement rank takes them)")
       .value("spare-ranks", "0", "workers kept loaded beside the members for replacements")
-      .value("min-replicas", "1", "replicas every expert keeps (as serve --min-replicas)")
+      .value("min-replicas", "auto", "replicas every expert keeps (as serve --min-replicas)")
       .value("events", events, "SECONDS:scale:RANKS or SECONDS:kill:RANK, comma-separated")
       .value("duration", duration, "seconds of load")
       .value("concurrency", "6", "client threads")

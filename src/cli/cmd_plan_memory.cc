@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // `flexpert plan-memory`: per-rank bytes of a serving group from config.json alone, and the
 // largest context and batch that fit (moe/memory_plan.h; docs/memory.md).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -178,7 +179,8 @@ Status run(const Flags& flags) {
   FLEX_ASSIGN_OR_RETURN(o.spare_ranks, int_flag(flags, "spare-ranks", 0));
   FLEX_ASSIGN_OR_RETURN(o.slots_per_rank, int_flag(flags, "slots-per-rank", 0));
   FLEX_ASSIGN_OR_RETURN(o.eplb_spare_slots, int_flag(flags, "eplb-spare-slots", 0));
-  FLEX_ASSIGN_OR_RETURN(o.min_replicas, int_flag(flags, "min-replicas", 1));
+  FLEX_ASSIGN_OR_RETURN(o.min_replicas, min_replicas_flag(flags));
+  o.min_replicas = std::max(o.min_replicas, 1);  // auto sizes nothing: its replicas fill slots.
   FLEX_ASSIGN_OR_RETURN(o.max_seq_len, int_flag(flags, "max-context", 0));
   FLEX_ASSIGN_OR_RETURN(o.max_sequences, int_flag(flags, "max-sequences", 1));
   FLEX_ASSIGN_OR_RETURN(o.max_tokens_per_step, int_flag(flags, "max-tokens-per-step", 1));
@@ -208,7 +210,7 @@ int cmd_plan_memory(const Args& args) {
       .value("spare-ranks", "0", "ranks kept loaded beside the members")
       .value("slots-per-rank", "0", "expert slots per rank and layer (default: as serve)")
       .value("eplb-spare-slots", "1", "free expert slots per rank (as serve)")
-      .value("min-replicas", "1", "replicas every expert keeps (as serve)")
+      .value("min-replicas", "auto", "replicas every expert keeps (as serve; auto sizes as 1)")
       .value("quantization", "",
              "bf16 or fp8 weights (default: fp8 for an FP8 checkpoint on cuda, else bf16)")
       .value("max-context", "0", "context length (default: the model's, at most 4096)")

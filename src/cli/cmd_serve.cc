@@ -167,7 +167,7 @@ Status run_serve(const Flags& flags) {
     FLEX_ASSIGN_OR_RETURN(options.eplb_window_s, flags.number("eplb-window-s"));
     FLEX_ASSIGN_OR_RETURN(options.eplb_interval_s, flags.number("eplb-interval-s"));
     FLEX_ASSIGN_OR_RETURN(options.eplb_spare_slots, int_flag(flags, "eplb-spare-slots", 0));
-    FLEX_ASSIGN_OR_RETURN(options.min_replicas, int_flag(flags, "min-replicas", 1));
+    FLEX_ASSIGN_OR_RETURN(options.min_replicas, min_replicas_flag(flags));
     FLEX_ASSIGN_OR_RETURN(options.spare_ranks, int_flag(flags, "spare-ranks", 0));
     options.eplb_policy = flags.str("eplb-policy");
     FLEX_ASSIGN_OR_RETURN(options.eplb_smoothing, flags.number("eplb-smoothing"));
@@ -334,7 +334,9 @@ int cmd_serve(const Args& args) {
              "weight of earlier load windows in a rebalance's plan, in [0, 1) (0: this window)")
       .value("eplb-min-gain", "0",
              "skip a rebalance that raises mean balancedness by less than this (0: never skip)")
-      .value("min-replicas", "1", "replicas every expert keeps (more: a lost rank needs no reload)")
+      .value("min-replicas", "auto",
+             "replicas every expert keeps (2+: a lost rank needs no reload); auto: two while "
+             "the slots (sized by --min-ranks) hold them beside the spare ones, else one")
       .value("spare-ranks", "0",
              "workers kept loaded beside the members (ids of --max-ranks): a lost rank's "
              "replacement without a process start")

@@ -154,4 +154,12 @@ Result<std::string> admin_key_from(const Flags& flags) {
   return secret_from(flags, "admin-key", "FLEXPERT_ADMIN_KEY");
 }
 
+Result<int> min_replicas_flag(const Flags& flags) {
+  const std::string v = flags.str("min-replicas");
+  if (v == "auto") return 0;
+  FLEX_ASSIGN_OR_RETURN(int64_t n, flags.integer("min-replicas"));
+  if (n < 1 || n > (1 << 20)) return invalid_argument("--min-replicas must be auto or >= 1");
+  return static_cast<int>(n);
+}
+
 }  // namespace flexpert::cli

@@ -45,6 +45,10 @@ class Flags {
 
 Result<int64_t> parse_int(const std::string& text, const std::string& what);
 
+// --min-replicas: "auto" (0: as many as the slots hold, up to two; auto_min_replicas in
+// flexpert/placement.h) or a count >= 1.
+Result<int> min_replicas_flag(const Flags& flags);
+
 // A secret from --NAME-file (its first line), else the environment variable `env`,
 // else --NAME (visible to every user in /proc/PID/cmdline: kept for compatibility,
 // with a warning). "" when none is given. Two sources at once, an unreadable or

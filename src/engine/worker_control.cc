@@ -88,6 +88,8 @@ void Worker::heartbeat_loop(std::string routing_id) {
   constexpr int kPollMs = 20;  // How long stop_heartbeat() may wait for this thread.
   auto next_beat = std::chrono::steady_clock::now();
   int64_t next_step_report = 0;
+  const int64_t stuck_step_limit_ns =
+      std::max(kStuckStepLimitNs, int64_t{2'000'000} * std::max(config_.timeout_ms, 0));
   for (;;) {
     {
       MutexLock lock(heartbeat_mutex_);
@@ -100,8 +102,15 @@ void Worker::heartbeat_loop(std::string routing_id) {
     }
     if (const int64_t started = step_started_ns_.load();
         started != 0 && now_ns() - started > kLongStepReportNs && now_ns() >= next_step_report) {
-      FLEX_LOG(WARN) << "rank " << options_.rank << ": a step running for "
-                     << (now_ns() - started) / 1'000'000 << " ms, in " << step_part_.load();
+      const int64_t running = now_ns() - started;
+      if (running > stuck_step_limit_ns) {
+        FLEX_LOG(ERROR) << "rank " << options_.rank << ": a step running for "
+                        << running / 1'000'000 << " ms, in " << step_part_.load()
+                        << ", cannot end; exiting";
+        std::abort();
+      }
+      FLEX_LOG(WARN) << "rank " << options_.rank << ": a step running for " << running / 1'000'000
+                     << " ms, in " << step_part_.load();
       next_step_report = now_ns() + kLongStepReportNs;
     }
     auto parts = socket.recv(kPollMs);

@@ -46,6 +46,12 @@ extern std::atomic<bool> g_leave;      // SIGTERM: a graceful leave (docs/deploy
 
 // A step running longer is reported by the heartbeat thread, again at this interval.
 inline constexpr int64_t kLongStepReportNs = 2'000'000'000;
+// A step running longer than this, or twice the transport's timeout if that is more (a
+// step may wait that long on a silent peer), ends the process (stuck_step_limit_ns): a
+// stepping thread held in a CUDA call never reaches its own watchdog, and a worker whose
+// heartbeat goes on would hold the group for good (H200: survivors of a kill once stuck
+// for minutes). The group recovers without it, as from any death.
+inline constexpr int64_t kStuckStepLimitNs = 60'000'000'000;
 
 // FLEXPERT_FAULT=device-lost:RANK:STEPS (tests): the first incarnation of RANK fails its
 // step after STEPS busy steps as a device that failed for good would (Model::device_lost).

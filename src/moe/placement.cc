@@ -22,6 +22,12 @@ int expert_slots_per_rank(int num_experts, int extra_replicas, int ranks, int mi
          std::max(0, spare_slots);
 }
 
+int auto_min_replicas(int num_experts, int members, int slots_per_rank, int spare_slots) {
+  const int64_t usable =
+      static_cast<int64_t>(members) * std::max(0, slots_per_rank - std::max(0, spare_slots));
+  return members >= 2 && usable >= 2 * static_cast<int64_t>(std::max(num_experts, 1)) ? 2 : 1;
+}
+
 ExpertPlacement ExpertPlacement::identity(int num_layers, int num_experts, int num_slots) {
   std::vector<int> map(static_cast<size_t>(num_slots), kFreeSlot);
   for (int s = 0; s < std::min(num_slots, num_experts); ++s) map[s] = s;

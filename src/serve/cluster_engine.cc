@@ -104,7 +104,8 @@ Status ClusterEngine::Impl::start() {
     seed = s;
   }
   // --min-replicas from the start: a lost rank then needs no reload.
-  if (options_.min_replicas > 1 && (spec.empty() || spec == "identity" || extra > 0)) {
+  const bool spread = spec.empty() || spec == "identity" || extra > 0;
+  if (options_.min_replicas > 1 && spread) {
     extra = std::max(extra, E * (options_.min_replicas - 1));
   }
   // No other thread runs yet: the lock costs nothing and keeps placement_ under its rule.
@@ -115,6 +116,8 @@ Status ClusterEngine::Impl::start() {
                           ? options_.slots_per_rank
                           : expert_slots_per_rank(E, extra, options_.ranks, options_.min_ranks,
                                                   options_.eplb_spare_slots);
+    // --min-replicas auto: the second replicas go into slots sized for a smaller group.
+    if (spread) extra = std::max(extra, E * (min_replicas_for(options_.ranks) - 1));
     FLEX_ASSIGN_OR_RETURN(
         placement_, ExpertPlacement::spread(model_config_.num_hidden_layers, E, options_.max_ranks,
                                             slots_per_rank_, members, extra, seed));

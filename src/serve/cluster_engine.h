@@ -68,7 +68,9 @@ struct ClusterOptions {
   // nothing (eplb::PlanInput::min_gain); 0 = always move. Never applies to a membership change,
   // which must place lost or leaving experts.
   double eplb_min_gain = 0;
-  int min_replicas = 1;
+  // Replicas every expert keeps; 0 (`--min-replicas auto`): auto_min_replicas for the
+  // members at hand (two while the slots hold them beside the spare ones, else one).
+  int min_replicas = 0;
   // Workers kept started and Ready beside the members (at free ids of max_ranks): a
   // recovery or a scale-up takes them instead of starting a process (its stall).
   int spare_ranks = 0;

@@ -211,6 +211,8 @@ class ClusterEngine::Impl {
   // threshold (min_gain 0).
   eplb::PlanInput plan_input(const std::vector<int>& ranks, std::vector<std::vector<double>> load,
                              double prior) const REQUIRES(mutex_);
+  // The replicas every expert keeps in a group of `members` (ClusterOptions::min_replicas).
+  int min_replicas_for(int members) const REQUIRES(mutex_);
   // Expert copies (PullCommands), one command per (destination rank, layer): the
   // scale-up's joiners, the EPLB mover and the recovery's reloads build them alike.
   using Pulls = std::map<std::pair<int, int>, proto::PullCommand>;

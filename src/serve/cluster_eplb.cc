@@ -77,6 +77,12 @@ std::vector<std::vector<double>> ClusterEngine::Impl::smoothed_load() const {
   return load;
 }
 
+int ClusterEngine::Impl::min_replicas_for(int members) const {
+  if (options_.min_replicas > 0) return std::min(options_.min_replicas, members);
+  return auto_min_replicas(model_config_.num_experts, members, slots_per_rank_,
+                           options_.eplb_spare_slots);
+}
+
 eplb::PlanInput ClusterEngine::Impl::plan_input(const std::vector<int>& ranks,
                                                 std::vector<std::vector<double>> load,
                                                 double prior) const {
@@ -90,7 +96,7 @@ eplb::PlanInput ClusterEngine::Impl::plan_input(const std::vector<int>& ranks,
     for (double& x : row) x += prior;
   }
   for (int l = 0; l < placement_.num_layers(); ++l) input.current.push_back(placement_.slot_map(l));
-  input.min_replicas = std::min<int>(options_.min_replicas, static_cast<int>(ranks.size()));
+  input.min_replicas = min_replicas_for(static_cast<int>(ranks.size()));
   input.num_groups = model_config_.num_expert_groups();  // For the hierarchical policy.
   if (auto policy = eplb::parse_policy(options_.eplb_policy); policy.ok()) input.policy = *policy;
   return input;

@@ -200,6 +200,15 @@ TEST(MemoryPlanTest, SlotsFollowTheCapacityRule) {
   EXPECT_EQ(expert_slots_per_rank(128, 0, 4, 3, 0), 43);
   EXPECT_EQ(expert_slots_per_rank(128, 0, 4, 9, 1), 33);    // min_ranks above ranks: ranks.
   EXPECT_EQ(expert_slots_per_rank(128, 128, 4, 0, 1), 65);  // Two replicas of every expert.
+  // --min-replicas auto: a second replica where the slots beside the spare ones hold it.
+  const int sized_for_two = expert_slots_per_rank(128, 0, 4, 2, 1);  // 65
+  EXPECT_EQ(auto_min_replicas(128, 4, sized_for_two, 1), 2);
+  EXPECT_EQ(auto_min_replicas(128, 3, sized_for_two, 1), 1);  // 192 < 256 slots
+  EXPECT_EQ(auto_min_replicas(128, 2, sized_for_two, 1), 1);
+  EXPECT_EQ(auto_min_replicas(128, 4, sized_for_two, 2), 1);  // The spare slots come first.
+  EXPECT_EQ(auto_min_replicas(128, 4, expert_slots_per_rank(128, 0, 4, 0, 1), 1), 1);  // 33
+  EXPECT_EQ(auto_min_replicas(8, 1, 100, 0), 1);  // One rank: no second place.
+  EXPECT_EQ(auto_min_replicas(8, 2, 9, 1), 2);
   auto c = deepseek_v3();
   ASSERT_TRUE(c.ok());
   MemoryPlanOptions o = options(8);

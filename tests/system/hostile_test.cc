@@ -329,7 +329,10 @@ TEST(HostileWorker, JoiningNeedsTheClusterKey) {
 // the survivor that reads it.
 TEST(HostileCheckpoint, ReloadFromATruncatedFileIsAnErrorNotASignal) {
   TempModel model;
-  Server server({"--ranks", "2", "--min-ranks", "1", "--threads-per-worker", "1"}, {}, model.dir());
+  // One replica: slots for one rank would take a second replica of every expert (auto).
+  Server server(
+      {"--ranks", "2", "--min-ranks", "1", "--min-replicas", "1", "--threads-per-worker", "1"}, {},
+      model.dir());
   ASSERT_TRUE(server.up());
   const json status = server.get_json("/v1/status");
   const int survivor = status["ranks"][0]["pid"], victim = status["ranks"][1]["pid"];
