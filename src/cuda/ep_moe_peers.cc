@@ -26,7 +26,10 @@ using ep_moe_detail::now_ns;
 void DeviceEpMoe::retire(std::unique_ptr<PeerMapping> peer, std::unique_ptr<SlotMapping> slots) {
   if (peer == nullptr && slots == nullptr) return;
   std::lock_guard<std::mutex> lock(retire_mu_);
-  retired_.push_back(Retired{std::move(peer), std::move(slots), now_ns()});
+  // An owner that still lives (it left the group) is not being torn down: its mappings close
+  // at once, before it exits (ep_moe.h says why not after).
+  const bool living = peer != nullptr && peer->owner_ending && !peer->owner_ending();
+  retired_.push_back(Retired{std::move(peer), std::move(slots), now_ns(), living});
   if (!closer_.joinable()) {
     closer_ = std::thread([this] {
       std::unique_lock<std::mutex> lk(retire_mu_);
@@ -41,8 +44,9 @@ void DeviceEpMoe::retire(std::unique_ptr<PeerMapping> peer, std::unique_ptr<Slot
         const int64_t now = now_ns();
         for (size_t i = 0; i < retired_.size();) {
           const Retired& r = retired_[i];
-          const bool ready = closer_stop_ || r.peer == nullptr || !r.peer->owner_exited ||
-                             r.peer->owner_exited() || now - r.since_ns > kRetireCapNs;
+          const bool ready = closer_stop_ || r.living || r.peer == nullptr ||
+                             !r.peer->owner_exited || r.peer->owner_exited() ||
+                             now - r.since_ns > kRetireCapNs;
           if (ready) {
             close.push_back(std::move(retired_[i]));
             retired_.erase(retired_.begin() + static_cast<std::ptrdiff_t>(i));
@@ -148,7 +152,10 @@ Result<bool> DeviceEpMoe::open_peer(PeerMapping& m, int64_t deadline_ns) {
       return unavailable("rank " + std::to_string(m.rank) + " is a new incarnation (" +
                          std::to_string(mapped->incarnation) + ") since its mapping began");
     }
-    if (b == 0) m.owner_exited = mapped->owner_exited;
+    if (b == 0) {
+      m.owner_exited = mapped->owner_exited;
+      m.owner_ending = mapped->owner_ending;
+    }
     m.at[b] = mapped->data;
     m.maps.push_back(std::move(mapped).value());
     ++m.opened;

@@ -45,12 +45,14 @@ struct DeviceEpMoe::PeerMapping {
   int64_t open_ns = 0;  // Spent opening them.
   EpPeer peer;
   std::function<bool()> owner_exited;  // PeerBuffer::owner_exited of its buffers (null: none).
+  std::function<bool()> owner_ending;  // PeerBuffer::owner_ending of its buffers (null: none).
 };
 
 struct DeviceEpMoe::Retired {
   std::unique_ptr<PeerMapping> peer;
   std::unique_ptr<SlotMapping> slots;
   int64_t since_ns = 0;
+  bool living = false;  // The owner lived at the retirement: closed at once.
 };
 
 }  // namespace flexpert::cuda

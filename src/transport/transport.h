@@ -97,6 +97,10 @@ struct PeerBuffer {
   // the backend let go of the owner. Null where the owner is not watched (this process, or one
   // this process cannot see): such a mapping may be closed at any time. Any thread; a few us.
   std::function<bool()> owner_exited;
+  // Whether the owner's process is on its way out (in the kernel's exit path) or gone: a
+  // mapping of a living owner (one that left the group) may be closed at once, before its
+  // teardown begins. Null exactly where owner_exited is. Any thread; a few us.
+  std::function<bool()> owner_ending;
 };
 
 // What map_peer_buffer() may do to get a buffer not mapped yet.

@@ -284,7 +284,8 @@ TEST_P(FaultConformanceTest, RankRejoinsAsNewIncarnation) {
 // Mapped peer buffers of an incarnation that ended are refused: rank 1 shuts down and comes
 // back as incarnation 1 with new contents (peers refuse the old one, then map the new one
 // afresh once connect() attached it); the last rank is SIGKILLed (peers refuse its buffers,
-// even those they had mapped, and owner_exited of a mapping held since before turns true).
+// even those they had mapped, and owner_exited and owner_ending of a mapping held since before
+// turn true).
 // Backends without the capability only lose the last rank.
 TEST_P(FaultConformanceTest, MappedBuffersOfAnEndedIncarnationAreRefused) {
   const int victim = num_ranks() - 1;
@@ -321,9 +322,11 @@ TEST_P(FaultConformanceTest, MappedBuffersOfAnEndedIncarnationAreRefused) {
       // Peers' processes are watched (every rank is a process of its own) and all live now.
       if (r == ctx.rank) {
         CT_REQUIRE(!b.owner_exited, "this rank's own buffer has an owner watch");
+        CT_REQUIRE(!b.owner_ending, "this rank's own buffer has an owner watch");
       } else {
-        CT_REQUIRE(b.owner_exited, "rank ", r, "'s buffer has no owner watch");
+        CT_REQUIRE(b.owner_exited && b.owner_ending, "rank ", r, "'s buffer has no owner watch");
         CT_REQUIRE(!b.owner_exited(), "rank ", r, "'s process counted as exited");
+        CT_REQUIRE(!b.owner_ending(), "rank ", r, "'s process counted as on its way out");
       }
       held.push_back(std::move(b));
     }
@@ -375,6 +378,7 @@ TEST_P(FaultConformanceTest, MappedBuffersOfAnEndedIncarnationAreRefused) {
                    ms_since(start), " ms");
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
+      CT_REQUIRE(held[victim].owner_ending(), "the dead rank's process exited but not ending");
     }
     Group survivors{3, {}};
     for (int r = 0; r < ctx.num_ranks; ++r) {

@@ -291,7 +291,10 @@ Result<PeerBuffer> CudaIpcTransport::map_peer_buffer(int peer, int buffer_id, Ma
   PeerBuffer out;
   out.incarnation = options_.incarnation;
   if (const std::shared_ptr<Peer>& p = target.peer; p != nullptr) {
-    if (p->owner != nullptr) out.owner_exited = [owner = p->owner] { return owner->exited(); };
+    if (p->owner != nullptr) {
+      out.owner_exited = [owner = p->owner] { return owner->exited(); };
+      out.owner_ending = [owner = p->owner] { return owner->ended(); };
+    }
     // A dead or departed incarnation's memory is never handed out, even if mapped before.
     FLEX_RETURN_IF_ERROR(shm::peer_liveness(peer, p->pid, *p->header, p->watch).annotate(what));
     out.incarnation = p->header->incarnation;
