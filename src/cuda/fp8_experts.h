@@ -113,12 +113,17 @@ cudaError_t fp8_grouped_gemm(const GroupedGemmArgs& g, const Fp8Weights& w, cons
 // grouped_gemm over FP8 slots on Hopper's FP8 tensor cores (fp8_wgmma_gemm.cu, sm_90a): A the
 // rows fp8_quantize_rows made (g.a and g.gather ignored), B the e4m3 weights `w` says
 // where, f32 accumulation with both block scales applied per 128 K (docs/cuda.md, "FP8
-// experts"). Same tile table as fp8_grouped_gemm (block_m = kFp8GemmRows); g.sched as
-// grouped_gemm.h says. Needs fp8_wgmma_fits(n, k) and wgmma_available(), else
-// cudaErrorInvalidValue.
+// experts"). The tile table from permute() with block_m = `block_m` (64, or 128 with n a
+// multiple of 256) and g.max_tiles = max_tiles(.., block_m); g.sched as grouped_gemm.h
+// says. Needs fp8_wgmma_fits(n, k) and wgmma_available(), else cudaErrorInvalidValue.
 bool fp8_wgmma_fits(int n, int k);
 cudaError_t fp8_wgmma_gemm(const GroupedGemmArgs& g, const Fp8Weights& w, const Fp8Acts& a,
-                           cudaStream_t stream);
+                           int block_m, cudaStream_t stream);
+
+// The tile rows fp8_wgmma_gemm takes for `num_pairs` rows over `num_slots` slots of an
+// [n, k] = [2 I, H] and [H, I] pair of GEMMs: 128 where the slots average at least 64
+// rows and both n are multiples of 256, else 64 (FLEXPERT_FP8_WGMMA_ROWS=64|128 forces).
+int fp8_wgmma_rows(int64_t num_pairs, int num_slots, int hidden, int inter);
 
 // Whether `device` keeps FP8 weights: compute capability 8.9 or newer (Ada, Hopper), the
 // GPUs with e4m3 arithmetic.

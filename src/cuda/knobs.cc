@@ -34,6 +34,7 @@ const Knobs& knobs() {
     r.no_gqa_attention = on("FLEXPERT_NO_GQA_ATTENTION");
     r.no_attention_tiles = on("FLEXPERT_NO_ATTENTION_TILES");
     r.no_fp8_wgmma = on("FLEXPERT_NO_FP8_WGMMA");
+    r.fp8_wgmma_rows = integer("FLEXPERT_FP8_WGMMA_ROWS");
     r.ep_kernel_waits = on("FLEXPERT_EP_KERNEL_WAITS");
     r.gemm_max_ctas = integer("FLEXPERT_GEMM_MAX_CTAS");
     if (const char* v = std::getenv("FLEXPERT_STEP_LOG_MS"); v != nullptr && v[0] != '\0') {

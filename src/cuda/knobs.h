@@ -29,6 +29,9 @@ struct Knobs {
   // FLEXPERT_NO_FP8_WGMMA: FP8 experts' grouped GEMMs on the mma.sync tile instead of
   // FP8 wgmma (docs/cuda.md, "FP8 experts").
   bool no_fp8_wgmma = false;
+  // FLEXPERT_FP8_WGMMA_ROWS=64|128: FP8 wgmma's tile rows at every size (fp8_wgmma_rows);
+  // 0 (unset): by the rows per slot.
+  int fp8_wgmma_rows = 0;
   // FLEXPERT_EP_KERNEL_WAITS: the device exchange's waits spin in a kernel instead of
   // holding the stream with memory operations (src/cuda/ep_exchange.h says why not).
   bool ep_kernel_waits = false;

@@ -329,9 +329,6 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
                        bool accumulate, cudaStream_t stream, int force_tile, bool combine_rows) {
   const int H = dims.hidden, I = dims.intermediate, K = dims.top_k;
   const int64_t P = static_cast<int64_t>(num_tokens) * K;
-  // The permutation also counts rows per slot (slot_stats), on the decode kernels too.
-  FLEX_CUDA_TRY(
-      permute(permute_args(dims, w, scratch, num_tokens, kFp8GemmRows, num_valid_tokens), stream));
   const Fp8SlotLayout layout = fp8_slot_layout(H, I);
   const Fp8Path path = force_tile < 0 ? fp8_path(dims, num_tokens, combine_rows)
                        : force_tile == static_cast<int>(GemmTile::kGemv) && combine_rows
@@ -341,6 +338,13 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
   if (path == Fp8Path::kWgmma && !fp8_wgmma_runs(dims)) {
     return invalid_argument("FP8 wgmma needs sm_90a, H a multiple of 128 and I of 64");
   }
+  // Tile rows: FP8 wgmma's 128 on large batches, else kFp8GemmRows (the tile's, the decode
+  // kernels' slot statistics).
+  const int block_m =
+      path == Fp8Path::kWgmma ? fp8_wgmma_rows(P, dims.num_slots, H, I) : kFp8GemmRows;
+  // The permutation also counts rows per slot (slot_stats), on the decode kernels too.
+  FLEX_CUDA_TRY(
+      permute(permute_args(dims, w, scratch, num_tokens, block_m, num_valid_tokens), stream));
   // Every FP8 path computes on e4m3 activations (a scale per row and 128 columns, exact
   // values), so one process and the ranks of expert parallelism, whose row counts pick
   // different paths, agree up to the order of f32 sums (docs/cuda.md, "FP8 experts").
@@ -367,10 +371,10 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
   g.tile_slot = scratch.tile_slot.as<int32_t>();
   g.tile_row0 = scratch.tile_row0.as<int32_t>();
   g.num_tiles = scratch.num_tiles.as<int32_t>();
-  g.max_tiles = max_tiles(P, dims.num_slots, kFp8GemmRows);
+  g.max_tiles = max_tiles(P, dims.num_slots, block_m);
   g.sched = scratch.gemm_sched.as<int32_t>();
   const auto gemm = [&](const Fp8Weights& fw, const Fp8Acts& a) {
-    return path == Fp8Path::kWgmma ? fp8_wgmma_gemm(g, fw, a, stream)
+    return path == Fp8Path::kWgmma ? fp8_wgmma_gemm(g, fw, a, block_m, stream)
                                    : fp8_grouped_gemm(g, fw, a, stream);
   };
   // Rows quantized to e4m3, then the GEMM: gate/up over the rows of h gathered by pair,

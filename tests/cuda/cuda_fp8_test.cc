@@ -353,12 +353,15 @@ INSTANTIATE_TEST_SUITE_P(
 
 // FP8 wgmma (run_moe's force_tile kWgmmaWs64, sm_90a): one row per slot up to several
 // tiles, 2 I = 384 (a 256-column unit with one consumer idle), I = 192 (a partial last K
-// block of down), a moved slot.
+// block of down), a moved slot; from 64 rows a slot on average (fp8_wgmma_rows) tiles of
+// 128 rows, whose last ones per slot leave the second consumer without rows.
 INSTANTIATE_TEST_SUITE_P(
     Fp8Wgmma, CudaFp8MoeTest,
     ::testing::Values(Fp8Case{256, 256, 9, kWgmma, false}, Fp8Case{256, 256, 37, kWgmma, false},
                       Fp8Case{256, 256, 200, kWgmma, false}, Fp8Case{384, 192, 130, kWgmma, false},
-                      Fp8Case{512, 128, 300, kWgmma, false}, Fp8Case{256, 256, 64, kWgmma, true}),
+                      Fp8Case{512, 128, 300, kWgmma, false}, Fp8Case{256, 256, 64, kWgmma, true},
+                      Fp8Case{256, 256, 512, kWgmma, false}, Fp8Case{512, 128, 700, kWgmma, false},
+                      Fp8Case{256, 256, 640, kWgmma, true}),
     fp8_case_name);
 
 TEST(CudaFp8Test, SlotLayoutKeepsScalesInsideTheSlot) {
@@ -491,6 +494,67 @@ TEST(CudaFp8Test, EveryPathGivesATokenTheSameOutput) {
                   d);
       EXPECT_LT(d, 1e-2) << "token " << t << ", tile " << tiles[i];
     }
+  }
+}
+
+// FP8 wgmma computes a row alike in tiles of 128 rows (a large batch: fp8_wgmma_rows) and
+// of 64 (the same tokens in small batches): bit for bit, so that one process and the ranks
+// of expert parallelism, whose row counts differ, agree exactly.
+TEST(CudaFp8Test, WgmmaRowsDoNotDependOnTheTileRows) {
+  FLEX_SKIP_WITHOUT_GPU();
+  const int H = 256, I = 256, E = 8, K = 3, T = 384, kChunk = 96;
+  const cuda::MoeDims dims = fp8_dims(H, I, E, K, E);
+  if (!cuda::fp8_wgmma_runs(dims)) GTEST_SKIP() << "no FP8 wgmma here (sm_90a)";
+  ASSERT_EQ(cuda::fp8_wgmma_rows(int64_t{T} * K, E, H, I), 128);
+  ASSERT_EQ(cuda::fp8_wgmma_rows(int64_t{kChunk} * K, E, H, I), 64);
+  std::mt19937 rng(92);
+  const std::vector<float> x = round_bf16(uniform(static_cast<size_t>(T) * H, 1.f, rng));
+  const std::vector<float> router = round_bf16(uniform(static_cast<size_t>(E) * H, 0.2f, rng));
+  const Fp8Experts weights = random_fp8_experts(E, H, I, rng);
+  std::vector<int> map;
+  for (int e = 0; e < E; ++e) map.push_back(e);
+  auto slots = to_device_raw(pack_slots(weights, map, dims));
+  const cuda::RoutingTables tables = cuda::build_routing_tables(map, E);
+  auto rep_start = to_device_raw(tables.rep_start);
+  auto rep_count = to_device_raw(tables.rep_count);
+  auto rep_slots = to_device_raw(tables.rep_slots);
+  auto router_d = to_device(router, DType::kBF16);
+  auto stream = cuda::Stream::create();
+  ASSERT_TRUE(stream.ok());
+  auto blas = cuda::Blas::create(stream.value().get());
+  ASSERT_TRUE(blas.ok());
+  cuda::MoeLayerWeights w;
+  w.router = router_d.data();
+  w.slots = slots.data();
+  w.rep_start = rep_start.as<int32_t>();
+  w.rep_count = rep_count.as<int32_t>();
+  w.rep_slots = rep_slots.as<int32_t>();
+  auto run = [&](int t0, int n, std::vector<float>* got) {
+    auto scratch = cuda::MoeScratch::create(dims, n);
+    ASSERT_TRUE(scratch.ok()) << scratch.status().to_string();
+    auto x_d = to_device(std::vector<float>(x.begin() + static_cast<size_t>(t0) * H,
+                                            x.begin() + static_cast<size_t>(t0 + n) * H),
+                         DType::kBF16);
+    auto out = to_device(std::vector<float>(static_cast<size_t>(n) * H, NAN), DType::kF32);
+    const Status st =
+        cuda::run_moe(dims, w, scratch.value(), x_d.data(), n, nullptr, out.as<float>(), false,
+                      blas.value(), stream.value().get(), kWgmma);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_TRUE(stream.value().synchronize().ok());
+    *got = to_host(out.data(), static_cast<size_t>(n) * H, DType::kF32);
+  };
+  std::vector<float> batch;
+  run(0, T, &batch);
+  if (HasFatalFailure()) return;
+  for (int t0 = 0; t0 < T; t0 += kChunk) {
+    std::vector<float> part;
+    run(t0, kChunk, &part);
+    if (HasFatalFailure()) return;
+    size_t differ = 0;
+    for (size_t i = 0; i < part.size(); ++i) {
+      differ += !(part[i] == batch[static_cast<size_t>(t0) * H + i]);
+    }
+    EXPECT_EQ(differ, 0u) << "tokens " << t0 << "..: 64-row tiles against 128-row tiles";
   }
 }
 
