@@ -170,6 +170,60 @@ std::vector<float> fp8_activation_reference(const std::vector<float>& x,
 
 constexpr int kWgmma = static_cast<int>(cuda::GemmTile::kWgmmaWs64);
 
+// A layer of E FP8 experts, one a slot, and T random tokens on the GPU (seed `seed`), run
+// on ranges of its tokens.
+class Fp8Layer {
+ public:
+  Fp8Layer(int H, int I, int E, int K, int T, unsigned seed)
+      : H_(H), dims_(fp8_dims(H, I, E, K, E)), rng_(seed) {
+    x_ = round_bf16(uniform(static_cast<size_t>(T) * H, 1.f, rng_));
+    const std::vector<float> router = round_bf16(uniform(static_cast<size_t>(E) * H, 0.2f, rng_));
+    const Fp8Experts weights = random_fp8_experts(E, H, I, rng_);
+    std::vector<int> map;
+    for (int e = 0; e < E; ++e) map.push_back(e);
+    slots_ = to_device_raw(pack_slots(weights, map, dims_));
+    const cuda::RoutingTables tables = cuda::build_routing_tables(map, E);
+    rep_start_ = to_device_raw(tables.rep_start);
+    rep_count_ = to_device_raw(tables.rep_count);
+    rep_slots_ = to_device_raw(tables.rep_slots);
+    router_ = to_device(router, DType::kBF16);
+    w_.router = router_.data();
+    w_.slots = slots_.data();
+    w_.rep_start = rep_start_.as<int32_t>();
+    w_.rep_count = rep_count_.as<int32_t>();
+    w_.rep_slots = rep_slots_.as<int32_t>();
+  }
+  const cuda::MoeDims& dims() const { return dims_; }
+
+  // Tokens [t0, t0 + n) through `force_tile` (-1: by size) into *got.
+  void run(int t0, int n, int force_tile, std::vector<float>* got) {
+    auto stream = cuda::Stream::create();
+    ASSERT_TRUE(stream.ok());
+    auto blas = cuda::Blas::create(stream.value().get());
+    ASSERT_TRUE(blas.ok());
+    auto scratch = cuda::MoeScratch::create(dims_, n);
+    ASSERT_TRUE(scratch.ok()) << scratch.status().to_string();
+    auto x_d = to_device(std::vector<float>(x_.begin() + static_cast<size_t>(t0) * H_,
+                                            x_.begin() + static_cast<size_t>(t0 + n) * H_),
+                         DType::kBF16);
+    auto out = to_device(std::vector<float>(static_cast<size_t>(n) * H_, NAN), DType::kF32);
+    const Status st =
+        cuda::run_moe(dims_, w_, scratch.value(), x_d.data(), n, nullptr, out.as<float>(), false,
+                      blas.value(), stream.value().get(), force_tile);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_TRUE(stream.value().synchronize().ok());
+    *got = to_host(out.data(), static_cast<size_t>(n) * H_, DType::kF32);
+  }
+
+ private:
+  int H_;
+  cuda::MoeDims dims_;
+  std::mt19937 rng_;
+  std::vector<float> x_;
+  cuda::DeviceBuffer slots_, rep_start_, rep_count_, rep_slots_, router_;
+  cuda::MoeLayerWeights w_;
+};
+
 struct Fp8Case {
   int hidden, inter, tokens;
   int force_tile;  // -1: by size; kGemv: decode kernels; other: grouped GEMM.
@@ -426,50 +480,14 @@ TEST(CudaFp8Test, EveryPathGivesATokenTheSameOutput) {
   int device = 0;
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
   if (!cuda::fp8_device_supported(device)) GTEST_SKIP() << "GPU below compute capability 8.9";
-  const int H = 256, I = 256, E = 8, K = 3, T = 37;
-  std::mt19937 rng(91);
-  const std::vector<float> x = round_bf16(uniform(static_cast<size_t>(T) * H, 1.f, rng));
-  const std::vector<float> router = round_bf16(uniform(static_cast<size_t>(E) * H, 0.2f, rng));
-  const Fp8Experts weights = random_fp8_experts(E, H, I, rng);
-  const cuda::MoeDims dims = fp8_dims(H, I, E, K, E);
-  std::vector<int> map;
-  for (int e = 0; e < E; ++e) map.push_back(e);
-  auto slots = to_device_raw(pack_slots(weights, map, dims));
-  const cuda::RoutingTables tables = cuda::build_routing_tables(map, E);
-  auto rep_start = to_device_raw(tables.rep_start);
-  auto rep_count = to_device_raw(tables.rep_count);
-  auto rep_slots = to_device_raw(tables.rep_slots);
-  auto router_d = to_device(router, DType::kBF16);
-  auto stream = cuda::Stream::create();
-  ASSERT_TRUE(stream.ok());
-  auto blas = cuda::Blas::create(stream.value().get());
-  ASSERT_TRUE(blas.ok());
-  cuda::MoeLayerWeights w;
-  w.router = router_d.data();
-  w.slots = slots.data();
-  w.rep_start = rep_start.as<int32_t>();
-  w.rep_count = rep_count.as<int32_t>();
-  w.rep_slots = rep_slots.as<int32_t>();
-  // Rows [t0, t0 + n) of x through `force_tile`.
-  auto run = [&](int t0, int n, int force_tile, std::vector<float>* got) {
-    auto scratch = cuda::MoeScratch::create(dims, n);
-    ASSERT_TRUE(scratch.ok()) << scratch.status().to_string();
-    auto x_d = to_device(std::vector<float>(x.begin() + static_cast<size_t>(t0) * H,
-                                            x.begin() + static_cast<size_t>(t0 + n) * H),
-                         DType::kBF16);
-    auto out = to_device(std::vector<float>(static_cast<size_t>(n) * H, NAN), DType::kF32);
-    const Status st =
-        cuda::run_moe(dims, w, scratch.value(), x_d.data(), n, nullptr, out.as<float>(), false,
-                      blas.value(), stream.value().get(), force_tile);
-    ASSERT_TRUE(st.ok()) << st.to_string();
-    ASSERT_TRUE(stream.value().synchronize().ok());
-    *got = to_host(out.data(), static_cast<size_t>(n) * H, DType::kF32);
-  };
+  const int H = 256, T = 37;
+  Fp8Layer layer(H, 256, 8, 3, T, 91);
+  const cuda::MoeDims& dims = layer.dims();
   std::vector<int> tiles = {kDecode, kGrouped};
   if (cuda::fp8_wgmma_runs(dims)) tiles.push_back(kWgmma);
   std::vector<std::vector<float>> outs(tiles.size());
   for (size_t i = 0; i < tiles.size(); ++i) {
-    run(0, T, tiles[i], &outs[i]);
+    layer.run(0, T, tiles[i], &outs[i]);
     if (HasFatalFailure()) return;
   }
   for (size_t i = 0; i < tiles.size(); ++i) {
@@ -484,7 +502,7 @@ TEST(CudaFp8Test, EveryPathGivesATokenTheSameOutput) {
   // same rows in the batch.
   for (int t : {0, 17, 36}) {
     std::vector<float> alone;
-    run(t, 1, -1, &alone);
+    layer.run(t, 1, -1, &alone);
     if (HasFatalFailure()) return;
     for (size_t i = 0; i < tiles.size(); ++i) {
       const std::vector<float> row(outs[i].begin() + static_cast<size_t>(t) * H,
@@ -503,52 +521,16 @@ TEST(CudaFp8Test, EveryPathGivesATokenTheSameOutput) {
 TEST(CudaFp8Test, WgmmaRowsDoNotDependOnTheTileRows) {
   FLEX_SKIP_WITHOUT_GPU();
   const int H = 256, I = 256, E = 8, K = 3, T = 384, kChunk = 96;
-  const cuda::MoeDims dims = fp8_dims(H, I, E, K, E);
-  if (!cuda::fp8_wgmma_runs(dims)) GTEST_SKIP() << "no FP8 wgmma here (sm_90a)";
+  Fp8Layer layer(H, I, E, K, T, 92);
+  if (!cuda::fp8_wgmma_runs(layer.dims())) GTEST_SKIP() << "no FP8 wgmma here (sm_90a)";
   ASSERT_EQ(cuda::fp8_wgmma_rows(int64_t{T} * K, E, H, I), 128);
   ASSERT_EQ(cuda::fp8_wgmma_rows(int64_t{kChunk} * K, E, H, I), 64);
-  std::mt19937 rng(92);
-  const std::vector<float> x = round_bf16(uniform(static_cast<size_t>(T) * H, 1.f, rng));
-  const std::vector<float> router = round_bf16(uniform(static_cast<size_t>(E) * H, 0.2f, rng));
-  const Fp8Experts weights = random_fp8_experts(E, H, I, rng);
-  std::vector<int> map;
-  for (int e = 0; e < E; ++e) map.push_back(e);
-  auto slots = to_device_raw(pack_slots(weights, map, dims));
-  const cuda::RoutingTables tables = cuda::build_routing_tables(map, E);
-  auto rep_start = to_device_raw(tables.rep_start);
-  auto rep_count = to_device_raw(tables.rep_count);
-  auto rep_slots = to_device_raw(tables.rep_slots);
-  auto router_d = to_device(router, DType::kBF16);
-  auto stream = cuda::Stream::create();
-  ASSERT_TRUE(stream.ok());
-  auto blas = cuda::Blas::create(stream.value().get());
-  ASSERT_TRUE(blas.ok());
-  cuda::MoeLayerWeights w;
-  w.router = router_d.data();
-  w.slots = slots.data();
-  w.rep_start = rep_start.as<int32_t>();
-  w.rep_count = rep_count.as<int32_t>();
-  w.rep_slots = rep_slots.as<int32_t>();
-  auto run = [&](int t0, int n, std::vector<float>* got) {
-    auto scratch = cuda::MoeScratch::create(dims, n);
-    ASSERT_TRUE(scratch.ok()) << scratch.status().to_string();
-    auto x_d = to_device(std::vector<float>(x.begin() + static_cast<size_t>(t0) * H,
-                                            x.begin() + static_cast<size_t>(t0 + n) * H),
-                         DType::kBF16);
-    auto out = to_device(std::vector<float>(static_cast<size_t>(n) * H, NAN), DType::kF32);
-    const Status st =
-        cuda::run_moe(dims, w, scratch.value(), x_d.data(), n, nullptr, out.as<float>(), false,
-                      blas.value(), stream.value().get(), kWgmma);
-    ASSERT_TRUE(st.ok()) << st.to_string();
-    ASSERT_TRUE(stream.value().synchronize().ok());
-    *got = to_host(out.data(), static_cast<size_t>(n) * H, DType::kF32);
-  };
   std::vector<float> batch;
-  run(0, T, &batch);
+  layer.run(0, T, kWgmma, &batch);
   if (HasFatalFailure()) return;
   for (int t0 = 0; t0 < T; t0 += kChunk) {
     std::vector<float> part;
-    run(t0, kChunk, &part);
+    layer.run(t0, kChunk, kWgmma, &part);
     if (HasFatalFailure()) return;
     size_t differ = 0;
     for (size_t i = 0; i < part.size(); ++i) {
