@@ -155,13 +155,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       const float* scales =
           reinterpret_cast<const float*>(static_cast<const uint8_t*>(w.slots) +
                                          static_cast<int64_t>(slot) * w.slot_bytes + w.scale_at);
-      // BM = 128: half h on columns n0 + 128h (the second past n when n % 256 == 128:
-      // its sums are never stored, its scale rows read as the first's).
+      // BM = 128: half h on columns n0 + 128h (n is a multiple of 256 there).
       const float* s_even[NH];
       const float* s_odd[NH];
 #pragma unroll
       for (int h = 0; h < NH; ++h) {
-        const int m = min(n0 + 128 * h, g.n - 128) / kFp8BlockSize;
+        const int m = (n0 + 128 * h) / kFp8BlockSize;
         s_even[h] = scales + static_cast<int64_t>(w.up_scale_row0 > 0 ? m / 2 : m) * w.scale_cols;
         s_odd[h] = w.up_scale_row0 > 0
                        ? scales + static_cast<int64_t>(w.up_scale_row0 + m / 2) * w.scale_cols
