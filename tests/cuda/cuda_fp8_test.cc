@@ -515,6 +515,17 @@ TEST(CudaFp8Test, EveryPathGivesATokenTheSameOutput) {
   }
 }
 
+// Host only: 128-row tiles from 64 rows a slot on average, where both GEMMs' n are
+// multiples of 256 (2 I and H), else 64.
+TEST(CudaFp8Test, WgmmaTileRowsFollowTheRowsPerSlot) {
+  EXPECT_EQ(cuda::fp8_wgmma_rows(64 * 256, 256, 7168, 2048), 128);  // DeepSeek-V3, 2048 tokens.
+  EXPECT_EQ(cuda::fp8_wgmma_rows(64 * 256 - 1, 256, 7168, 2048), 64);
+  EXPECT_EQ(cuda::fp8_wgmma_rows(8, 0, 256, 256), 64);
+  EXPECT_EQ(cuda::fp8_wgmma_rows(1 << 20, 8, 384, 192), 64);  // 2 I = 384.
+  EXPECT_EQ(cuda::fp8_wgmma_rows(1 << 20, 8, 512, 128), 128);
+  EXPECT_EQ(cuda::fp8_wgmma_rows(1 << 20, 8, 640, 128), 64);  // H = 640.
+}
+
 // FP8 wgmma computes a row alike in tiles of 128 rows (a large batch: fp8_wgmma_rows) and
 // of 64 (the same tokens in small batches): bit for bit, so that one process and the ranks
 // of expert parallelism, whose row counts differ, agree exactly.
