@@ -126,6 +126,10 @@ Status Worker::step() {
     if (device_lost_after_ > 0 && --device_lost_after_ == 0) {
       return internal_error("FLEXPERT_FAULT=device-lost: an injected device failure");
     }
+    if (step_hang_after_ > 0 && --step_hang_after_ == 0) {
+      FLEX_LOG(WARN) << "FLEXPERT_FAULT=step-hang: rank " << options_.rank << " stops stepping";
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
     FLEX_RETURN_IF_ERROR(
         model_->forward_step(batch, scheduler_->row_outputs(), &logits_, &tokens_));
     events_.clear();
@@ -189,6 +193,7 @@ int Worker::run() {
     return 1;
   }
   device_lost_after_ = device_lost_fault(options_.rank, config_.incarnation);
+  step_hang_after_ = step_hang_fault(options_.rank, config_.incarnation);
   mover_ = std::thread([this] {
     name_this_thread("fx-mover");
     mover_loop();

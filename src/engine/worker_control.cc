@@ -39,11 +39,34 @@ void inject_join_fault() {
 
 }  // namespace
 
-int device_lost_fault(int rank, uint64_t incarnation) {
+namespace {
+
+// FLEXPERT_FAULT=NAME:RANK:STEPS: STEPS for the first incarnation of RANK, else -1.
+int rank_fault(const char* name, int rank, uint64_t incarnation) {
   const char* fault = std::getenv("FLEXPERT_FAULT");
   int r = -1, steps = -1;
-  if (fault == nullptr || std::sscanf(fault, "device-lost:%d:%d", &r, &steps) != 2) return -1;
+  if (fault == nullptr || std::strncmp(fault, name, std::strlen(name)) != 0 ||
+      std::sscanf(fault + std::strlen(name), ":%d:%d", &r, &steps) != 2) {
+    return -1;
+  }
   return r == rank && incarnation == 1 ? steps : -1;
+}
+
+}  // namespace
+
+int device_lost_fault(int rank, uint64_t incarnation) {
+  return rank_fault("device-lost", rank, incarnation);
+}
+
+int step_hang_fault(int rank, uint64_t incarnation) {
+  return rank_fault("step-hang", rank, incarnation);
+}
+
+int64_t stuck_step_limit_ns(int timeout_ms) {
+  if (const char* v = std::getenv("FLEXPERT_STUCK_STEP_MS"); v != nullptr && std::atoi(v) > 0) {
+    return int64_t{1'000'000} * std::atoi(v);
+  }
+  return std::max(kStuckStepLimitNs, int64_t{2'000'000} * std::max(timeout_ms, 0));
 }
 
 Status Worker::connect_and_configure() {
@@ -88,8 +111,7 @@ void Worker::heartbeat_loop(std::string routing_id) {
   constexpr int kPollMs = 20;  // How long stop_heartbeat() may wait for this thread.
   auto next_beat = std::chrono::steady_clock::now();
   int64_t next_step_report = 0;
-  const int64_t stuck_step_limit_ns =
-      std::max(kStuckStepLimitNs, int64_t{2'000'000} * std::max(config_.timeout_ms, 0));
+  const int64_t stuck_limit_ns = stuck_step_limit_ns(config_.timeout_ms);
   for (;;) {
     {
       MutexLock lock(heartbeat_mutex_);
@@ -103,7 +125,7 @@ void Worker::heartbeat_loop(std::string routing_id) {
     if (const int64_t started = step_started_ns_.load();
         started != 0 && now_ns() - started > kLongStepReportNs && now_ns() >= next_step_report) {
       const int64_t running = now_ns() - started;
-      if (running > stuck_step_limit_ns) {
+      if (running > stuck_limit_ns) {
         FLEX_LOG(ERROR) << "rank " << options_.rank << ": a step running for "
                         << running / 1'000'000 << " ms, in " << step_part_.load()
                         << ", cannot end; exiting";

@@ -52,11 +52,18 @@ inline constexpr int64_t kLongStepReportNs = 2'000'000'000;
 // heartbeat goes on would hold the group for good (H200: survivors of a kill once stuck
 // for minutes). The group recovers without it, as from any death.
 inline constexpr int64_t kStuckStepLimitNs = 60'000'000'000;
+// The limit for a worker whose transport waits at most `timeout_ms`; FLEXPERT_STUCK_STEP_MS
+// (tests) replaces it. Defined in worker_control.cc.
+int64_t stuck_step_limit_ns(int timeout_ms);
 
 // FLEXPERT_FAULT=device-lost:RANK:STEPS (tests): the first incarnation of RANK fails its
 // step after STEPS busy steps as a device that failed for good would (Model::device_lost).
 // Returns the steps, or -1 when this rank has no such fault. Defined in worker_control.cc.
 int device_lost_fault(int rank, uint64_t incarnation);
+// FLEXPERT_FAULT=step-hang:RANK:STEPS (tests): the first incarnation of RANK never ends its
+// busy step after STEPS of them (a stepping thread held in a driver call), its heartbeat
+// going on. The same return as device_lost_fault.
+int step_hang_fault(int rank, uint64_t incarnation);
 
 static_assert(kAutoRank == proto::Hello::kAnyRank);
 
@@ -172,6 +179,7 @@ class Worker {
   std::atomic<int64_t> step_started_ns_{0};
   std::atomic<const char*> step_part_{""};
   int device_lost_after_ = -1;  // FLEXPERT_FAULT=device-lost: busy steps left, or -1.
+  int step_hang_after_ = -1;    // FLEXPERT_FAULT=step-hang: busy steps left, or -1.
   // Expert map switching (same agreement rule as epochs).
   uint64_t map_version_ = 0;
   bool has_pending_map_ = false;

@@ -3,8 +3,9 @@
 // with default flags any one worker may die under load, and the group comes back to
 // its size with no failed request and every answer equal to the reference; also two
 // deaths at once, every worker at once, a stopped (silent) worker, a worker whose device fails
-// for good (it exits), deaths that overlap a scale-up, a replacement's own preparation and a
-// rebalance, and a group left without capacity, which answers 503 until a scale repairs it.
+// for good (it exits), one stuck in a step while its heartbeat goes on (it ends itself), deaths
+// that overlap a scale-up, a replacement's own preparation and a rebalance, and a group left
+// without capacity, which answers 503 until a scale repairs it.
 #include <random>
 
 #include "elastic_util.h"
@@ -142,6 +143,29 @@ TEST(HealingTest, AWorkerWhoseDeviceFailsExitsAndIsReplaced) {
   const auto status = server.get_json("/v1/status");
   EXPECT_EQ(status["reconfiguration"]["last_recovery"]["replacements"], nlohmann::json({1}))
       << status.dump();
+  EXPECT_NE(rank_pid(server, 1), pid);
+  EXPECT_EQ(recoveries(server, "failed"), 0u);
+  check_reference(server, load_reference(), 1);
+  EXPECT_EQ(server.stop(), 0);
+}
+
+TEST(HealingTest, AWorkerStuckInAStepEndsAndIsReplaced) {
+  // A stepping thread that never returns (on a GPU: held in a driver call) while the
+  // heartbeat goes on: the heartbeat thread ends the worker once the step has run past the
+  // limit (here FLEXPERT_STUCK_STEP_MS, 3 s), and the group recovers as from any death.
+  setenv("FLEXPERT_FAULT", "step-hang:1:30", 1);  // Inherited by the server and its workers.
+  setenv("FLEXPERT_STUCK_STEP_MS", "3000", 1);
+  Server server({"--ranks", "3", "--threads-per-worker", "1"});
+  unsetenv("FLEXPERT_FAULT");
+  unsetenv("FLEXPERT_STUCK_STEP_MS");
+  ASSERT_TRUE(server.up());
+  const int pid = rank_pid(server, 1);
+  Load load(server, 6);
+  ASSERT_TRUE(wait_status(server, [&](const nlohmann::json& s) {
+    return serving_with(s, 3) && s["reconfiguration"]["recoveries"]["replacement"] == 1;
+  })) << server.get_json("/v1/status").dump();
+  pause_ms(300);  // Traffic on the healed group.
+  EXPECT_TRUE(load.stop_and_check(10));
   EXPECT_NE(rank_pid(server, 1), pid);
   EXPECT_EQ(recoveries(server, "failed"), 0u);
   check_reference(server, load_reference(), 1);
