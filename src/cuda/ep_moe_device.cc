@@ -74,13 +74,14 @@ Status DeviceEpMoe::enqueue_device_exchange(int seg, int n, int num_real, int bo
   w.slot_stats = stats_.as<int64_t>() + static_cast<size_t>(seg) * config_.num_local_slots;
   // Tiles sized for the rows an owner expects (a share of the bound), not the bound.
   const int members = std::max<int>(1, static_cast<int>(group.ranks.size()));
-  const GemmTile tile = choose_tile(d.dtype, std::max(1, bound / members), config_.num_local_slots,
-                                    d.hidden, d.intermediate);
+  const int expected = std::max(1, bound / members);
+  const GemmTile tile =
+      choose_tile(d.dtype, expected, config_.num_local_slots, d.hidden, d.intermediate);
   if (local_dims_.fp8) {
     // Peers read the rows from scratch_.y: the FP8 grouped GEMMs, which leave them there.
     FLEX_RETURN_IF_ERROR(run_fp8_experts(local_dims_, w, scratch_, rows_.data(), bound,
                                          num_rows_.as<int32_t>(), nullptr, /*accumulate=*/false,
-                                         stream_, /*force_tile=*/-1, /*combine=*/false));
+                                         stream_, /*force_tile=*/-1, /*combine=*/false, expected));
   } else {
     FLEX_RETURN_IF_ERROR(run_moe(local_dims_, w, scratch_, rows_.data(), bound,
                                  num_rows_.as<int32_t>(), nullptr, /*accumulate=*/false, blas_,

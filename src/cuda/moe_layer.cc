@@ -326,7 +326,8 @@ Fp8Path fp8_path(const MoeDims& dims, int num_tokens, bool combine_rows) {
 
 Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                        const void* h, int num_tokens, const int32_t* num_valid_tokens, float* out,
-                       bool accumulate, cudaStream_t stream, int force_tile, bool combine_rows) {
+                       bool accumulate, cudaStream_t stream, int force_tile, bool combine_rows,
+                       int expected_tokens) {
   const int H = dims.hidden, I = dims.intermediate, K = dims.top_k;
   const int64_t P = static_cast<int64_t>(num_tokens) * K;
   const Fp8SlotLayout layout = fp8_slot_layout(H, I);
@@ -340,8 +341,10 @@ Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch
   }
   // Tile rows: FP8 wgmma's 128 on large batches, else kFp8GemmRows (the tile's, the decode
   // kernels' slot statistics).
+  const int64_t expected_pairs =
+      expected_tokens >= 0 ? std::min<int64_t>(static_cast<int64_t>(expected_tokens) * K, P) : P;
   const int block_m =
-      path == Fp8Path::kWgmma ? fp8_wgmma_rows(P, dims.num_slots, H, I) : kFp8GemmRows;
+      path == Fp8Path::kWgmma ? fp8_wgmma_rows(expected_pairs, dims.num_slots, H, I) : kFp8GemmRows;
   // The permutation also counts rows per slot (slot_stats), on the decode kernels too.
   FLEX_CUDA_TRY(
       permute(permute_args(dims, w, scratch, num_tokens, block_m, num_valid_tokens), stream));

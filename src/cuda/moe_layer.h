@@ -164,10 +164,13 @@ Fp8Path fp8_path(const MoeDims& dims, int num_tokens, bool combine_rows);
 // kGemv: the decode kernels, kMma64: the tile, kWgmmaWs64: FP8 wgmma), then combine.
 // `combine` false (the device exchange of ep_moe.h, whose peers read the rows): never the
 // decode kernels, the rows left in scratch.y (row_of_pair says where), `out` unused.
+// `expected_tokens` (>= 0): the tokens a step is expected to bring where num_tokens is only a
+// bound (the device exchange's owners, as the bf16 tile choice takes bound / members); FP8
+// wgmma's tile rows (fp8_wgmma_rows) follow it, the same sums either way. -1: num_tokens.
 Status run_fp8_experts(const MoeDims& dims, const MoeLayerWeights& w, MoeScratch& scratch,
                        const void* h, int num_tokens, const int32_t* num_valid_tokens, float* out,
                        bool accumulate, cudaStream_t stream, int force_tile = -1,
-                       bool combine = true);
+                       bool combine = true, int expected_tokens = -1);
 
 // Whether run_moe (force_tile -1, router given) takes the decode path for this step:
 // bf16 steps where choose_tile picks kGemv (under a quarter row per expert) and
