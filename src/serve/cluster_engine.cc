@@ -131,6 +131,8 @@ Status ClusterEngine::Impl::start() {
     }
     slots_per_rank_ = placement_.num_slots() / options_.max_ranks;
   }
+  load_ = eplb::LoadWindow(placement_.num_layers(), placement_.num_experts(),
+                           options_.eplb_window_s, options_.eplb_smoothing);
   lock.unlock();
   max_seq_len_ = options_.max_seq_len > 0 ? options_.max_seq_len
                                           : std::min(model_config_.max_position_embeddings, 4096);

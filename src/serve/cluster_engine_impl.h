@@ -19,6 +19,7 @@
 #include "cluster/membership.h"
 #include "cluster/zmq_socket.h"
 #include "core/mutex.h"
+#include "eplb/load_window.h"
 #include "eplb/planner.h"
 #include "flexpert/model_config.h"
 #include "flexpert/placement.h"
@@ -178,14 +179,8 @@ class ClusterEngine::Impl {
   Status start_error_ GUARDED_BY(mutex_);
   bool accepting_ GUARDED_BY(mutex_) = false;
 
-  // EPLB (cluster_eplb.cc).
-  struct LoadBucket {
-    Clock::time_point start;
-    std::vector<std::vector<double>> load;  // [layer][logical expert]
-  };
-  std::deque<LoadBucket> load_window_ GUARDED_BY(mutex_);
-  // [layer][expert], eplb_smoothing.
-  std::vector<std::vector<double>> smoothed_shares_ GUARDED_BY(mutex_);
+  // EPLB (cluster_eplb.cc). The load window, shaped by start().
+  eplb::LoadWindow load_ GUARDED_BY(mutex_){0, 0, 0, 0};
   bool rebalancing_ GUARDED_BY(mutex_) = false;
   uint64_t rebalance_epoch_ GUARDED_BY(mutex_) = 0;  // The epoch a running rebalance started in.
   bool cancel_rebalance_ GUARDED_BY(mutex_) = false;
@@ -200,12 +195,9 @@ class ClusterEngine::Impl {
   std::thread eplb_thread_;  // As control_.
   CondVar eplb_cv_;
 
+  // A rank's rows per slot of a step into load_ (by the slots' logical experts) and the
+  // per-slot metrics.
   void record_load(int rank, const std::vector<int64_t>& slot_counts) REQUIRES(mutex_);
-  std::vector<std::vector<double>> window_load() const REQUIRES(mutex_);
-  // The load the next plan uses: the window smoothed with smoothed_shares_ (eplb_smoothing),
-  // which only a rebalance advances; the window alone when smoothing is off. Membership
-  // changes plan on it, so that one noisy window does not place their experts.
-  std::vector<std::vector<double>> smoothed_load() const REQUIRES(mutex_);
   // The planner's input over `ranks` from `load` (+ `prior` per expert, so that a group
   // without load yet still spreads its experts) and the current placement; no skip
   // threshold (min_gain 0).

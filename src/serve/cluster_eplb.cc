@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// ClusterEngine's expert load balancing: the load window, the rebalance driver
-// (plan -> per layer: the steps of eplb::next_transition_step — pull experts into
-// free slots then switch the map, or switch to a map that frees slots) and its status.
+// ClusterEngine's expert load balancing: the load it records (kept by eplb::LoadWindow),
+// the rebalance driver (plan -> per layer: the steps of eplb::next_transition_step — pull
+// experts into free slots then switch the map, or switch to a map that frees slots) and its
+// status.
 //
 // Safety argument (docs/ARCHITECTURE.md, "Expert load balancing"): a slot is written only while no
 // map of any member points at it (it is free in the committed map), and a slot is freed only after
@@ -23,7 +24,6 @@
 namespace flexpert {
 namespace {
 
-constexpr auto kBucket = std::chrono::seconds(1);
 constexpr auto kAckTimeout = std::chrono::seconds(30);
 
 }  // namespace
@@ -33,16 +33,6 @@ void ClusterEngine::Impl::record_load(int rank, const std::vector<int64_t>& slot
   const size_t S = static_cast<size_t>(slots_per_rank_);
   if (slot_counts.size() != L * S) return;
   const auto now = Clock::now();
-  if (load_window_.empty() || now - load_window_.back().start >= kBucket) {
-    load_window_.push_back(LoadBucket{
-        now,
-        std::vector<std::vector<double>>(L, std::vector<double>(placement_.num_experts(), 0))});
-    const auto horizon = std::chrono::duration<double>(options_.eplb_window_s);
-    while (!load_window_.empty() && now - load_window_.front().start > horizon) {
-      load_window_.pop_front();
-    }
-  }
-  auto& bucket = load_window_.back().load;
   for (int l = 0; l < L; ++l) {
     for (size_t i = 0; i < S; ++i) {
       const int64_t n = slot_counts[l * S + i];
@@ -53,28 +43,9 @@ void ClusterEngine::Impl::record_load(int rank, const std::vector<int64_t>& slot
                    {{"layer", std::to_string(l)}, {"slot", std::to_string(slot)}})
           .inc(static_cast<double>(n));
       const int expert = placement_.slot_expert(l, slot);
-      if (expert >= 0) bucket[l][expert] += static_cast<double>(n);
+      if (expert >= 0) load_.add(now, l, expert, static_cast<double>(n));
     }
   }
-}
-
-std::vector<std::vector<double>> ClusterEngine::Impl::window_load() const {
-  std::vector<std::vector<double>> sum(placement_.num_layers(),
-                                       std::vector<double>(placement_.num_experts(), 0));
-  for (const auto& b : load_window_) {
-    for (size_t l = 0; l < sum.size(); ++l) {
-      for (size_t e = 0; e < sum[l].size(); ++e) sum[l][e] += b.load[l][e];
-    }
-  }
-  return sum;
-}
-
-std::vector<std::vector<double>> ClusterEngine::Impl::smoothed_load() const {
-  std::vector<std::vector<double>> load = window_load();
-  if (options_.eplb_smoothing > 0) {
-    (void)eplb::smooth_load(smoothed_shares_, options_.eplb_smoothing, load);
-  }
-  return load;
 }
 
 int ClusterEngine::Impl::min_replicas_for(int members) const {
@@ -260,11 +231,7 @@ Result<nlohmann::json> ClusterEngine::Impl::rebalance(const std::string& trigger
     pulls_done_.clear();
     rebalance_max_step_ms_ = 0;
     // The rebalance advances the smoothing: its window joins the kept shares.
-    std::vector<std::vector<double>> load = window_load();
-    if (options_.eplb_smoothing > 0) {
-      smoothed_shares_ = eplb::smooth_load(smoothed_shares_, options_.eplb_smoothing, load);
-    }
-    input = plan_input(members(), std::move(load), /*prior=*/0.0);
+    input = plan_input(members(), load_.advance(), /*prior=*/0.0);
     input.min_gain = options_.eplb_min_gain;  // Rebalances only (membership changes must move).
     int n = 0;
     for (int r : members()) {
@@ -356,7 +323,7 @@ void ClusterEngine::Impl::eplb_loop() {
                       [&]() REQUIRES(mutex_) { return stop_.load(); });
     if (stop_.load()) break;
     double total = 0;
-    for (const auto& row : window_load()) total += std::accumulate(row.begin(), row.end(), 0.0);
+    for (const auto& row : load_.sum()) total += std::accumulate(row.begin(), row.end(), 0.0);
     if (total == 0 || phase() != Phase::kServing) continue;
     lock.unlock();
     auto r = rebalance("periodic");
@@ -367,8 +334,8 @@ void ClusterEngine::Impl::eplb_loop() {
 
 nlohmann::json ClusterEngine::Impl::eplb_status() const {
   MutexLock lock(mutex_);
-  const auto load = window_load();
-  const auto planned = smoothed_load();
+  const auto load = load_.sum();
+  const auto planned = load_.smoothed();
   nlohmann::json layers = nlohmann::json::array();
   for (int l = 0; l < placement_.num_layers(); ++l) {
     if (!model_config_.is_moe_layer(l)) continue;
@@ -376,8 +343,8 @@ nlohmann::json ClusterEngine::Impl::eplb_status() const {
         {{"layer", l},
          {"slot_to_expert", placement_.slot_map(l)},
          {"window_load", load[l]},
-         {"smoothed_shares", l < static_cast<int>(smoothed_shares_.size()) ? smoothed_shares_[l]
-                                                                           : std::vector<double>{}},
+         {"smoothed_shares",
+          l < static_cast<int>(load_.shares().size()) ? load_.shares()[l] : std::vector<double>{}},
          {"planned_load", planned[l]},
          {"balancedness",
           eplb::balancedness(load[l], placement_.slot_map(l), members(), slots_per_rank_)}});
@@ -398,7 +365,7 @@ nlohmann::json ClusterEngine::Impl::eplb_status() const {
 }
 
 void ClusterEngine::Impl::update_eplb_gauges() const {
-  const auto load = window_load();
+  const auto load = load_.sum();
   for (int l = 0; l < placement_.num_layers(); ++l) {
     if (!model_config_.is_moe_layer(l)) continue;
     registry_

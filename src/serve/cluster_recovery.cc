@@ -272,7 +272,7 @@ Status ClusterEngine::Impl::recover(nlohmann::json* report, Calls* calls) {
     const uint64_t losses0 = losses_;
     auto changed = [&]() REQUIRES(mutex_) { return losses_ != losses0 || halting(); };
     // Smoothed as the rebalances' (which surplus replica a reload evicts).
-    const std::vector<std::vector<double>> load = smoothed_load();
+    const std::vector<std::vector<double>> load = load_.smoothed();
     // Ids of ranks still exiting (the lost ones) free up once reaped: wait a little for
     // them before the membership chooses among the ids free now.
     auto chosen = membership_.choose_recovery(membership_.maps(), members(),

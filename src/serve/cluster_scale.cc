@@ -351,7 +351,7 @@ Status ClusterEngine::Impl::scale_up(const std::vector<int>& joiners, nlohmann::
 
   // 3. Plan with the joiners; copy their experts from members' slots (not from disk).
   reconfig_step_ = "moving experts";
-  const eplb::PlanInput input = plan_input(next_members, smoothed_load(), /*prior=*/1.0);
+  const eplb::PlanInput input = plan_input(next_members, load_.smoothed(), /*prior=*/1.0);
   lock.unlock();
   auto plan = eplb::plan(input);
   lock.lock();
@@ -458,7 +458,7 @@ Status ClusterEngine::Impl::scale_down(const std::vector<int>& leavers, nlohmann
     if (std::find(leavers.begin(), leavers.end(), r) == leavers.end()) survivors.push_back(r);
   }
   // 1. Plan without the leavers (fails early, e.g. too few slots, before anything moves).
-  auto plan = eplb::plan(plan_input(survivors, smoothed_load(), /*prior=*/1.0));
+  auto plan = eplb::plan(plan_input(survivors, load_.smoothed(), /*prior=*/1.0));
   if (!plan.ok()) {
     return invalid_argument("cannot shrink to " + std::to_string(survivors.size()) +
                             " ranks: " + plan.status().message());
