@@ -16,11 +16,15 @@ LoadWindow::LoadWindow(int layers, int experts, double window_s, double smoothin
       window_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(window_s))),
       smoothing_(smoothing) {}
 
-void LoadWindow::add(Clock::time_point now, int layer, int expert, double rows) {
-  if (layer < 0 || layer >= layers_ || expert < 0 || expert >= experts_) return;
-  if (buckets_.empty() || now - buckets_.back().start >= kBucket) {
-    buckets_.push_back(Bucket{now, Table(layers_, std::vector<double>(experts_, 0))});
-    while (now - buckets_.front().start > window_) buckets_.pop_front();
+void LoadWindow::at(Clock::time_point now) {
+  if (!buckets_.empty() && now - buckets_.back().start < kBucket) return;
+  buckets_.push_back(Bucket{now, Table(layers_, std::vector<double>(experts_, 0))});
+  while (now - buckets_.front().start > window_) buckets_.pop_front();
+}
+
+void LoadWindow::add(int layer, int expert, double rows) {
+  if (buckets_.empty() || layer < 0 || layer >= layers_ || expert < 0 || expert >= experts_) {
+    return;
   }
   buckets_.back().rows[layer][expert] += rows;
 }

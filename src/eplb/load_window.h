@@ -20,9 +20,12 @@ class LoadWindow {
   // none). Tables are layers x experts.
   LoadWindow(int layers, int experts, double window_s, double smoothing);
 
-  // Adds `rows` of `expert` in `layer` at `now` to the current bucket, opening a new one
-  // when the last is a second old (and dropping those that left the window).
-  void add(Clock::time_point now, int layer, int expert, double rows);
+  // Moves the window to `now` (each report of the ranks, rows or none): a new bucket when
+  // the last is a second old or there is none, and the buckets that left the window dropped.
+  void at(Clock::time_point now);
+  // Adds `rows` of `expert` in `layer` to the current bucket (none before the first at();
+  // rows outside the table are not counted).
+  void add(int layer, int expert, double rows);
 
   // Rows per expert over the window (zeros when empty).
   Table sum() const;

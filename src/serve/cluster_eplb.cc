@@ -32,7 +32,7 @@ void ClusterEngine::Impl::record_load(int rank, const std::vector<int64_t>& slot
   const int L = placement_.num_layers();
   const size_t S = static_cast<size_t>(slots_per_rank_);
   if (slot_counts.size() != L * S) return;
-  const auto now = Clock::now();
+  load_.at(Clock::now());  // The window slides with every report, rows or none.
   for (int l = 0; l < L; ++l) {
     for (size_t i = 0; i < S; ++i) {
       const int64_t n = slot_counts[l * S + i];
@@ -43,7 +43,7 @@ void ClusterEngine::Impl::record_load(int rank, const std::vector<int64_t>& slot
                    {{"layer", std::to_string(l)}, {"slot", std::to_string(slot)}})
           .inc(static_cast<double>(n));
       const int expert = placement_.slot_expert(l, slot);
-      if (expert >= 0) load_.add(now, l, expert, static_cast<double>(n));
+      if (expert >= 0) load_.add(l, expert, static_cast<double>(n));
     }
   }
 }
